@@ -1,0 +1,1 @@
+"""megatron_gspo: GSPO / GRPO reinforcement learning for megatron-core MoE policies."""

@@ -1,0 +1,154 @@
+"""Build a megatron-core MoE `GPTModel` from a preset.
+
+Shape legend: B sequences, T tokens per sequence, V vocabulary.
+
+The TransformerEngine layer spec is used when TE imports and CUDA is present; otherwise the
+local (pure megatron-core / torch) spec, which is what runs on CPU. Parameters are initialised
+on the CPU from one seeded generator and then sharded (`use_cpu_initialization=True`), so a
+TP/EP-sharded model holds exactly the slices of the 1-process model built with the same seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moe.compat import apply_cpu_patches, cuda_available
+from moe.presets import MoEPreset
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How the model is sharded; must match `moe.parallel.init_parallel`."""
+
+    tp: int = 1
+    """Tensor parallel size (attention heads, expert FFN columns are not split: ETP=1)."""
+    ep: int = 1
+    """Expert parallel size (experts split across ranks)."""
+    sequence_parallel: bool = False
+    """Split LayerNorm/dropout activations along the sequence over the TP group (needs tp>1)."""
+    dispatcher: str = "alltoall"
+    """MoE token dispatcher: 'alltoall' or 'allgather'."""
+
+    def __post_init__(self) -> None:
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel=True needs tp > 1")
+        if self.dispatcher not in ("alltoall", "allgather"):
+            raise ValueError(f"dispatcher={self.dispatcher!r}: expected 'alltoall' or 'allgather'")
+
+
+def have_transformer_engine() -> bool:
+    """True when TransformerEngine imports and a GPU is present (the `[gpu]` extra)."""
+    if not cuda_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # ImportError, or a broken CUDA install
+        return False
+    return True
+
+
+def transformer_config(preset: MoEPreset, layout: ParallelLayout = ParallelLayout(), *,
+                       dtype: torch.dtype = torch.float32, aux_loss_coeff: float = 0.0,
+                       routing_replay: bool = True):
+    """The megatron `TransformerConfig` for a preset and a parallel layout."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    preset.check_parallel(layout.tp, layout.ep)
+    return TransformerConfig(
+        num_layers=preset.num_layers,
+        hidden_size=preset.hidden_size,
+        num_attention_heads=preset.num_attention_heads,
+        num_query_groups=preset.num_query_groups,
+        kv_channels=preset.kv_channels,
+        ffn_hidden_size=preset.moe_ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=preset.norm_epsilon,
+        qk_layernorm=preset.qk_layernorm,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        num_moe_experts=preset.num_experts,
+        moe_router_topk=preset.topk,
+        moe_ffn_hidden_size=preset.moe_ffn_hidden_size,
+        moe_router_pre_softmax=False,  # softmax over the top-k logits = renormalised top-k probs
+        moe_router_score_function="softmax",
+        moe_router_load_balancing_type="aux_loss" if aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=aux_loss_coeff,
+        moe_router_dtype="fp32",
+        moe_grouped_gemm=False,
+        moe_token_dispatcher_type=layout.dispatcher,
+        moe_enable_routing_replay=routing_replay,
+        tensor_model_parallel_size=layout.tp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=1,
+        sequence_parallel=layout.sequence_parallel,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=True,
+        init_method_std=0.02,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def build_gpt_moe(preset: MoEPreset, layout: ParallelLayout = ParallelLayout(), *, seed: int = 0,
+                  dtype: torch.dtype = torch.float32, aux_loss_coeff: float = 0.0,
+                  routing_replay: bool = True):
+    """Build the (sharded) MoE GPTModel. Call `moe.parallel.init_parallel` first.
+
+    `routing_replay=True` gives every router a megatron `RouterReplay`; idle (no action set) it
+    routes normally, so it costs nothing until `moe.replay` records or replays.
+    """
+    apply_cpu_patches()
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    config = transformer_config(preset, layout, dtype=dtype, aux_loss_coeff=aux_loss_coeff,
+                                routing_replay=routing_replay)
+    if have_transformer_engine():
+        spec = get_gpt_layer_with_transformer_engine_spec(
+            num_experts=preset.num_experts, moe_grouped_gemm=False, qk_layernorm=True)
+    else:
+        spec = get_gpt_layer_local_spec(num_experts=preset.num_experts, moe_grouped_gemm=False,
+                                        qk_layernorm=True, normalization="RMSNorm")
+    # megatron's RouterReplay matches replay data to layers through a class-level list filled in
+    # construction order: a model built earlier in this process (reference model, a test) would
+    # shift every layer. Start each model with an empty list (PITFALLS #9).
+    RouterReplay.clear_global_router_replay_instances()
+    torch.manual_seed(seed)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=preset.vocab_size,
+        max_sequence_length=preset.max_seq_len,
+        pre_process=True,
+        post_process=True,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_base=int(preset.rotary_base),
+        parallel_output=False,
+    )
+    if cuda_available():
+        model = model.cuda()
+    model.router_replays = list(RouterReplay.global_router_replay_instances)
+    # megatron marks expert weights `allreduce=False` (reduce over the expert-data-parallel group)
+    # only when ep > 1. With ep == 1 and tp > 1 (expert TP = 1), each TP rank's experts see only
+    # its sequence shard, so their grads must still be summed over the expert-DP group (which
+    # spans the TP ranks); as dense params DDP would reduce them over DP alone and drop half the
+    # gradient. Mark them always, and tag them for moe.sharding / moe.grads.
+    for name, param in model.named_parameters():
+        param.is_moe_expert = ".mlp.experts." in name
+        if param.is_moe_expert:
+            param.allreduce = False
+    return model

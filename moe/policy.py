@@ -1,0 +1,181 @@
+"""The MoE policy: a megatron-core GPTModel in megatron DDP with megatron's optimizer.
+
+Shape legend: B sequences, T tokens per sequence, V vocabulary.
+
+Sequences are left-padded prompts followed by responses and right padding; `valid_BT` marks the
+real tokens. The attention mask is causal and hides padding keys; position ids count real tokens
+only, so a left-padded prompt sees the same positions as an unpadded one. Under sequence
+parallel T is padded up to a multiple of tp. Logits beyond the tokenizer's vocabulary (the preset
+vocab is padded) are masked to -inf, so they are never sampled and carry no probability.
+
+This is the RL package's only door into megatron: `megatron_gspo` calls these methods and never
+imports megatron.core itself.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moe.compat import apply_cpu_patches
+from moe.grads import global_grad_norm
+from moe.model import ParallelLayout, build_gpt_moe
+from moe.presets import MoEPreset
+
+
+@dataclass(frozen=True)
+class OptimSettings:
+    """Optimizer hyper-parameters handed to megatron's `OptimizerConfig` (Adam)."""
+
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    grad_clip: float = 1.0
+
+
+def attention_inputs(valid_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position ids [B, T] and megatron's boolean attention mask [B, 1, T, T] (True = hidden)."""
+    B, T = valid_BT.shape
+    valid_BT = valid_BT.bool()
+    position_ids_BT = (valid_BT.long().cumsum(dim=1) - 1).clamp(min=0)
+    causal_TT = torch.ones(T, T, dtype=torch.bool, device=valid_BT.device).tril()
+    allowed_BTT = causal_TT[None] & valid_BT[:, None, :]
+    # A padding query with no visible key would softmax over nothing: let it see itself.
+    allowed_BTT |= torch.eye(T, dtype=torch.bool, device=valid_BT.device)[None]
+    return position_ids_BT, ~allowed_BTT[:, None]
+
+
+class MoEPolicy:
+    """Policy model + optimizer. Build with `MoEPolicy.build(...)` after `init_parallel`."""
+
+    def __init__(self, model, optimizer, preset: MoEPreset, layout: ParallelLayout,
+                 real_vocab: int, device: torch.device, grad_clip: float = 0.0):
+        self.model, self.optimizer = model, optimizer
+        self.preset, self.layout = preset, layout
+        self.real_vocab, self.device, self.grad_clip = real_vocab, device, grad_clip
+        self.router_replays = model.module.router_replays if hasattr(model, "module") \
+            else model.router_replays
+
+    @classmethod
+    def build(cls, preset: MoEPreset, layout: ParallelLayout, *, real_vocab: int, seed: int = 0,
+              dtype: torch.dtype = torch.float32, aux_loss_coeff: float = 0.0,
+              optim: OptimSettings | None = OptimSettings()) -> "MoEPolicy":
+        """The GPTModel wrapped in megatron DDP, with megatron's Adam (None: no optimizer)."""
+        apply_cpu_patches()
+        from megatron.core.distributed import DistributedDataParallel, \
+            DistributedDataParallelConfig
+
+        if real_vocab > preset.vocab_size:
+            raise ValueError(f"tokenizer vocab {real_vocab} exceeds preset {preset.name!r} "
+                             f"vocab_size={preset.vocab_size}")
+        gpt = build_gpt_moe(preset, layout, seed=seed, dtype=dtype, aux_loss_coeff=aux_loss_coeff)
+        model = DistributedDataParallel(gpt.config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, bucket_size=None), gpt)
+        optimizer = None
+        if optim is not None:
+            # megatron's MegatronOptimizer hard-codes device='cuda' buffers; torch AdamW over the
+            # DDP main grads, with a parallel-aware grad norm (`moe.grads`), runs everywhere.
+            optimizer = torch.optim.AdamW(gpt.parameters(), lr=optim.lr,
+                                          betas=(optim.beta1, optim.beta2),
+                                          weight_decay=optim.weight_decay)
+        device = next(gpt.parameters()).device
+        return cls(model, optimizer, preset, layout, real_vocab, device,
+                   grad_clip=optim.grad_clip if optim else 0.0)
+
+    # ---------------------------------------------------------------- forward
+    def _pad_for_sp(self, *tensors_BT):
+        tp = self.layout.tp if self.layout.sequence_parallel else 1
+        pad = (-tensors_BT[0].shape[1]) % tp
+        if pad == 0:
+            return tensors_BT, 0
+        return tuple(F.pad(t, (0, pad)) for t in tensors_BT), pad
+
+    def logits(self, tokens_BT: torch.Tensor, valid_BT: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [B, T, V] for next-token prediction at every position."""
+        if tokens_BT.shape != valid_BT.shape or tokens_BT.dim() != 2:
+            raise ValueError(f"tokens {tuple(tokens_BT.shape)} and valid "
+                             f"{tuple(valid_BT.shape)} must be equal [B, T] shapes")
+        T = tokens_BT.shape[1]
+        if T > self.preset.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds preset max_seq_len="
+                             f"{self.preset.max_seq_len}")
+        (tokens_BT, valid_BT), _ = self._pad_for_sp(tokens_BT.to(self.device),
+                                                    valid_BT.to(self.device))
+        position_ids_BT, mask_B1TT = attention_inputs(valid_BT)
+        logits_BTV = self.model(tokens_BT, position_ids_BT, mask_B1TT)[:, :T].float()
+        if self.real_vocab < logits_BTV.shape[-1]:
+            logits_BTV = logits_BTV.masked_fill(
+                torch.arange(logits_BTV.shape[-1], device=logits_BTV.device) >= self.real_vocab,
+                float("-inf"))
+        return logits_BTV
+
+    def token_logprobs(self, tokens_BT: torch.Tensor, valid_BT: torch.Tensor,
+                       temperature: float = 1.0, with_entropy: bool = False):
+        """log pi(tokens[t] | tokens[<t]) at each position t >= 1 ([B, T], column 0 is 0).
+
+        With `with_entropy`, also the entropy of the predictive distribution at each position.
+        """
+        logits_BTV = self.logits(tokens_BT, valid_BT)[:, :-1] / temperature
+        logp_BTV = torch.log_softmax(logits_BTV, dim=-1)
+        target_BT = tokens_BT[:, 1:].to(logp_BTV.device)
+        logp_BT = logp_BTV.gather(-1, target_BT[..., None]).squeeze(-1)
+        logp_BT = F.pad(logp_BT, (1, 0))
+        if not with_entropy:
+            return logp_BT
+        p_BTV = logp_BTV.exp()
+        entropy_BT = -(p_BTV * logp_BTV.masked_fill(p_BTV == 0, 0.0)).sum(-1)
+        return logp_BT, F.pad(entropy_BT, (1, 0))
+
+    # ---------------------------------------------------------------- training
+    def train(self, mode: bool = True) -> None:
+        self.model.train(mode)
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad_buffer()
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
+
+    def reduce_grads(self) -> float:
+        """Reduce grads across DP/TP (megatron's finalize) and return the global grad norm."""
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([self.model])
+        params = [p for p in self.model.module.parameters() if p.requires_grad]
+        for p in params:
+            p.grad = p.main_grad
+        return global_grad_norm(params)
+
+    def step(self) -> tuple[bool, float]:
+        """Reduce grads, clip to `grad_clip`, Adam step. Returns (stepped, grad_norm).
+
+        A non-finite grad norm (identical on every rank) skips the update on every rank.
+        """
+        grad_norm = self.reduce_grads()
+        if not math.isfinite(grad_norm):
+            return False, grad_norm
+        if self.grad_clip > 0 and grad_norm > self.grad_clip:
+            scale = self.grad_clip / (grad_norm + 1e-6)
+            for p in self.model.module.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        self.optimizer.step()
+        return True, grad_norm
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def state_dict(self) -> dict:
+        """This rank's shard of model and optimizer state."""
+        state = {"model": self.model.module.state_dict()}
+        if self.optimizer is not None:
+            state["optimizer"] = self.optimizer.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict, strict: bool = True) -> None:
+        self.model.module.load_state_dict(state["model"], strict=strict)
+        if self.optimizer is not None and "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])

@@ -1,0 +1,134 @@
+"""Named MoE model presets.
+
+A preset is the architecture only (no parallelism, no dtype): one frozen dataclass that
+`moe.model` turns into a megatron-core `TransformerConfig`. Qwen3-MoE conventions throughout:
+RMSNorm, QK-norm, SwiGLU experts, RoPE, softmax top-k routing whose top-k probabilities are
+renormalised (softmax over the selected logits, megatron's `moe_router_pre_softmax=False`),
+no shared expert, untied embeddings, every layer MoE.
+
+`qwen3-30b-a3b` follows the released Qwen3-30B-A3B config (48 layers, hidden 2048, 32 query
+heads / 4 KV heads of dim 128, 128 experts top-8, expert FFN 768, vocab 151936, RoPE theta 1e6).
+`qwen3-moe-tiny` keeps that structure (GQA, QK-norm, many experts, top-k > 2) scaled down so
+RL runs on a 2-core CPU in minutes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MoEPreset:
+    """Architecture of a Qwen3-style MoE decoder."""
+
+    name: str
+    """Registry name of the preset."""
+    num_layers: int
+    """Transformer layers; every one has an MoE MLP."""
+    hidden_size: int
+    """Residual stream width."""
+    num_attention_heads: int
+    """Query heads."""
+    num_query_groups: int
+    """Key/value heads (GQA groups); must divide num_attention_heads."""
+    kv_channels: int
+    """Per-head dimension (Qwen3 decouples it from hidden_size / heads)."""
+    num_experts: int
+    """Routed experts per layer (E)."""
+    topk: int
+    """Experts activated per token (K)."""
+    moe_ffn_hidden_size: int
+    """Hidden size of each expert's SwiGLU MLP."""
+    vocab_size: int
+    """Vocabulary size; tasks with a smaller tokenizer override it (see `with_vocab`)."""
+    max_seq_len: int
+    """Maximum positions the model is built for."""
+    rotary_base: float = 1_000_000.0
+    """RoPE theta."""
+    norm_epsilon: float = 1e-6
+    """RMSNorm epsilon."""
+    qk_layernorm: bool = True
+    """Qwen3's per-head RMSNorm on queries and keys."""
+
+    def __post_init__(self) -> None:
+        positive = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                    "kv_channels", "num_experts", "topk", "moe_ffn_hidden_size", "vocab_size",
+                    "max_seq_len")
+        for field in positive:
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"preset {self.name!r}: {field}={value!r} must be a positive int")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"preset {self.name!r}: num_attention_heads={self.num_attention_heads} is not a "
+                f"multiple of num_query_groups={self.num_query_groups}")
+        if self.topk > self.num_experts:
+            raise ValueError(
+                f"preset {self.name!r}: topk={self.topk} exceeds num_experts={self.num_experts}")
+        if self.rotary_base <= 0 or self.norm_epsilon <= 0:
+            raise ValueError(f"preset {self.name!r}: rotary_base and norm_epsilon must be > 0")
+
+    def with_vocab(self, vocab_size: int, multiple: int = 16) -> "MoEPreset":
+        """Same architecture with the vocabulary resized (rounded up to `multiple`)."""
+        padded = -(-vocab_size // multiple) * multiple
+        return dataclasses.replace(self, vocab_size=padded)
+
+    def check_parallel(self, tp: int, ep: int) -> None:
+        """Raise a ValueError naming the value if this preset cannot be split tp x ep ways."""
+        if self.num_experts % ep:
+            raise ValueError(f"preset {self.name!r}: num_experts={self.num_experts} is not "
+                             f"divisible by ep={ep}")
+        if self.num_query_groups % tp:
+            raise ValueError(f"preset {self.name!r}: num_query_groups={self.num_query_groups} is "
+                             f"not divisible by tp={tp}")
+        if self.vocab_size % tp:
+            raise ValueError(f"preset {self.name!r}: vocab_size={self.vocab_size} is not "
+                             f"divisible by tp={tp}")
+        if self.moe_ffn_hidden_size % tp:
+            raise ValueError(f"preset {self.name!r}: moe_ffn_hidden_size="
+                             f"{self.moe_ffn_hidden_size} is not divisible by tp={tp}")
+
+    def num_params(self) -> dict[str, int]:
+        """Analytic parameter counts: total and activated per token (embeddings included)."""
+        h, q, kv = self.hidden_size, self.num_attention_heads, self.num_query_groups
+        d = self.kv_channels
+        attn = h * d * (q + 2 * kv) + q * d * h + (2 * d if self.qk_layernorm else 0)
+        expert = 3 * h * self.moe_ffn_hidden_size
+        router = h * self.num_experts
+        norms = 2 * h
+        per_layer_total = attn + router + norms + self.num_experts * expert
+        per_layer_active = attn + router + norms + self.topk * expert
+        emb = 2 * self.vocab_size * h + h  # untied input/output embeddings + final norm
+        return {"total": self.num_layers * per_layer_total + emb,
+                "active": self.num_layers * per_layer_active + emb}
+
+
+PRESETS: dict[str, MoEPreset] = {
+    p.name: p
+    for p in (
+        # CPU, seconds per step: for unit tests and parallel-equivalence checks.
+        MoEPreset(name="tiny", num_layers=2, hidden_size=32, num_attention_heads=4,
+                  num_query_groups=2, kv_channels=8, num_experts=8, topk=2,
+                  moe_ffn_hidden_size=32, vocab_size=64, max_seq_len=64, rotary_base=10000.0),
+        # Qwen3-30B-A3B structure scaled down: the CPU RL experiments' policy.
+        MoEPreset(name="qwen3-moe-tiny", num_layers=4, hidden_size=64, num_attention_heads=4,
+                  num_query_groups=2, kv_channels=16, num_experts=16, topk=4,
+                  moe_ffn_hidden_size=64, vocab_size=64, max_seq_len=64),
+        # One GPU.
+        MoEPreset(name="small", num_layers=12, hidden_size=512, num_attention_heads=8,
+                  num_query_groups=4, kv_channels=64, num_experts=64, topk=8,
+                  moe_ffn_hidden_size=256, vocab_size=32000, max_seq_len=2048),
+        MoEPreset(name="qwen3-30b-a3b", num_layers=48, hidden_size=2048, num_attention_heads=32,
+                  num_query_groups=4, kv_channels=128, num_experts=128, topk=8,
+                  moe_ffn_hidden_size=768, vocab_size=151936, max_seq_len=40960),
+    )
+}
+
+
+def get_preset(name: str) -> MoEPreset:
+    """Look a preset up by name; KeyError listing the valid names."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise KeyError(f"unknown model preset {name!r}; valid presets: {sorted(PRESETS)}") from None

@@ -1,0 +1,100 @@
+"""Map between a full (1-process) state dict and this rank's TP/EP shard.
+
+Shape-agnostic: it reads the attributes megatron-core puts on every parameter
+(`tensor_model_parallel`, `partition_dim`) and the `is_moe_expert` tag instead of
+hard-coding layer names, so it follows whatever layer spec built the model.
+
+- TP-partitioned params (QKV and output projection, embeddings, output layer) are split into tp
+  contiguous chunks along `partition_dim` (megatron's QKV layout is grouped by query group, so a
+  contiguous split is the TP split).
+- Expert params (tagged `is_moe_expert` by `moe.model`, `local_experts.<j>`) on EP rank r hold global expert `r * E_local + j`;
+  expert tensor parallel is 1, so they are never split along TP.
+- Everything else is replicated.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.distributed as dist
+
+_LOCAL_EXPERT = re.compile(r"(local_experts\.)(\d+)(\.)")
+
+
+def _model_params(model) -> dict[str, torch.nn.Parameter]:
+    inner = getattr(model, "module", model)
+    return dict(inner.named_parameters())
+
+
+def _local_experts_per_layer(names) -> int:
+    ids = {int(m.group(2)) for n in names if (m := _LOCAL_EXPERT.search(n))}
+    return max(ids) + 1 if ids else 0
+
+
+def _global_name(name: str, ep_rank: int, n_local: int) -> str:
+    return _LOCAL_EXPERT.sub(lambda m: f"{m.group(1)}{ep_rank * n_local + int(m.group(2))}"
+                             f"{m.group(3)}", name)
+
+
+def shard_from_full(model, full: dict[str, torch.Tensor], tp_rank: int, tp: int,
+                    ep_rank: int) -> dict[str, torch.Tensor]:
+    """This rank's slice of every parameter, taken from a full state dict (params only)."""
+    params = _model_params(model)
+    n_local = _local_experts_per_layer(params)
+    out = {}
+    for name, param in params.items():
+        gname = _global_name(name, ep_rank, n_local)
+        if gname not in full:
+            raise KeyError(f"full state dict has no entry {gname!r} (for local param {name!r})")
+        tensor = full[gname]
+        if getattr(param, "tensor_model_parallel", False) and tp > 1 and \
+                not param.is_moe_expert:
+            tensor = torch.chunk(tensor, tp, dim=param.partition_dim)[tp_rank]
+        if tensor.shape != param.shape:
+            raise ValueError(f"{name}: shard shape {tuple(tensor.shape)} != param shape "
+                             f"{tuple(param.shape)}")
+        out[name] = tensor
+    return out
+
+
+@torch.no_grad()
+def load_full_params(model, full: dict[str, torch.Tensor]) -> None:
+    """Copy a full (1-process) parameter dict into this rank's sharded model."""
+    from megatron.core import parallel_state as ps
+
+    shard = shard_from_full(model, full, ps.get_tensor_model_parallel_rank(),
+                            ps.get_tensor_model_parallel_world_size(),
+                            ps.get_expert_model_parallel_rank())
+    params = _model_params(model)
+    for name, tensor in shard.items():
+        params[name].copy_(tensor.to(params[name].dtype))
+
+
+@torch.no_grad()
+def gather_full_params(model, grads: bool = False) -> dict[str, torch.Tensor]:
+    """The full parameter (or, with `grads`, gradient) dict assembled from all TP/EP ranks.
+
+    Collective over the TP and EP groups; every rank gets the whole dict, on CPU.
+    """
+    from megatron.core import parallel_state as ps
+
+    tp, ep = ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size()
+    params = _model_params(model)
+    n_local = _local_experts_per_layer(params)
+    full: dict[str, torch.Tensor] = {}
+    for name, param in params.items():
+        tensor = (param.grad if grads else param).detach()
+        is_expert = param.is_moe_expert
+        if getattr(param, "tensor_model_parallel", False) and tp > 1 and not is_expert:
+            parts = [torch.empty_like(tensor) for _ in range(tp)]
+            dist.all_gather(parts, tensor.contiguous(), group=ps.get_tensor_model_parallel_group())
+            tensor = torch.cat(parts, dim=param.partition_dim)
+        if is_expert and ep > 1:
+            parts = [torch.empty_like(tensor) for _ in range(ep)]
+            dist.all_gather(parts, tensor.contiguous(), group=ps.get_expert_model_parallel_group())
+            for r, part in enumerate(parts):
+                full[_global_name(name, r, n_local)] = part.cpu().clone()
+            continue
+        full[_global_name(name, 0, n_local) if is_expert else name] = tensor.cpu().clone()
+    return full
