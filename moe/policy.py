@@ -130,6 +130,17 @@ class MoEPolicy:
         entropy_BT = -(p_BTV * logp_BTV.masked_fill(p_BTV == 0, 0.0)).sum(-1)
         return logp_BT, F.pad(entropy_BT, (1, 0))
 
+    def routed_valid(self, valid_BT: torch.Tensor) -> torch.Tensor:
+        """The part of `valid_BT` this rank's routers see (its sequence shard under SP)."""
+        (valid_BT,), _ = self._pad_for_sp(valid_BT.bool())
+        if self.layout.sequence_parallel:
+            from megatron.core import parallel_state as ps
+
+            chunk = valid_BT.shape[1] // self.layout.tp
+            start = ps.get_tensor_model_parallel_rank() * chunk
+            valid_BT = valid_BT[:, start:start + chunk]
+        return valid_BT.cpu()
+
     # ---------------------------------------------------------------- training
     def train(self, mode: bool = True) -> None:
         self.model.train(mode)

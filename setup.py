@@ -1,0 +1,30 @@
+"""megatron-gspo: GSPO / GRPO on megatron-core MoE policies, with Routing Replay and expert-flip
+instrumentation.
+
+Install torch first (`pip install torch==2.13.0`: a CPU wheel where no GPU is present), then
+`pip install -e .[dev]`. TransformerEngine needs CUDA and is in the `[gpu]` extra.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-gspo",
+    version="0.1.0",
+    description="GSPO/GRPO RL for megatron-core MoE policies with Routing Replay and "
+                "per-layer expert-flip instrumentation",
+    python_requires=">=3.10,<3.12",  # megatron-core 0.17+ needs 3.12; we pin 0.16.1
+    packages=find_packages(include=["megatron_gspo", "megatron_gspo.*", "moe", "moe.*"]),
+    install_requires=[
+        "torch>=2.4",
+        "megatron-core==0.16.1",
+        "numpy",
+        "pyyaml",
+    ],
+    extras_require={
+        "gpu": ["transformer-engine[pytorch]"],
+        "wandb": ["wandb"],
+        "plot": ["matplotlib"],
+        "dev": ["pytest", "matplotlib"],
+    },
+    entry_points={"console_scripts": ["megatron-gspo=megatron_gspo.cli:main"]},
+)

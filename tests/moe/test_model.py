@@ -1,0 +1,116 @@
+"""Tiny MoE policy on CPU: presets, forward/backward/optimizer step, masking and padding."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from moe.model import ParallelLayout
+from moe.policy import MoEPolicy, OptimSettings, attention_inputs
+from moe.presets import PRESETS, MoEPreset, get_preset
+
+
+def test_qwen3_30b_a3b_preset_matches_the_released_architecture():
+    p = get_preset("qwen3-30b-a3b")
+    assert (p.num_layers, p.hidden_size, p.num_attention_heads, p.num_query_groups,
+            p.kv_channels, p.num_experts, p.topk, p.moe_ffn_hidden_size, p.vocab_size) == \
+        (48, 2048, 32, 4, 128, 128, 8, 768, 151936)
+    assert p.rotary_base == 1e6 and p.qk_layernorm
+    counts = p.num_params()
+    # Qwen3-30B-A3B: ~30.5B total, ~3.3B activated parameters
+    assert 30.0e9 < counts["total"] < 31.0e9, counts
+    assert 3.0e9 < counts["active"] < 3.6e9, counts
+
+
+@pytest.mark.parametrize("field,value", [("topk", 99), ("num_query_groups", 3),
+                                         ("hidden_size", 0), ("num_experts", -1)])
+def test_bad_preset_values_raise_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        dataclasses.replace(get_preset("tiny"), **{field: value})
+
+
+def test_unknown_preset_lists_valid_names():
+    with pytest.raises(KeyError, match="qwen3-moe-tiny"):
+        get_preset("qwen3-tiny")
+
+
+def test_parallel_split_checked():
+    with pytest.raises(ValueError, match="ep=3"):
+        get_preset("tiny").check_parallel(tp=1, ep=3)
+    with pytest.raises(ValueError, match="sequence_parallel"):
+        ParallelLayout(tp=1, sequence_parallel=True)
+
+
+def test_param_count_matches_built_model(single_process):
+    preset = get_preset("qwen3-moe-tiny")
+    policy = MoEPolicy.build(preset, ParallelLayout(), real_vocab=preset.vocab_size, optim=None)
+    built = sum(p.numel() for p in policy.model.module.parameters())
+    assert built == preset.num_params()["total"]
+
+
+def test_attention_inputs_left_padding():
+    valid_BT = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
+    pos_BT, mask_B1TT = attention_inputs(valid_BT)
+    assert pos_BT.tolist() == [[0, 0, 0, 1], [0, 1, 2, 3]]
+    # row 0, query 3 sees keys 2,3 only (True = hidden)
+    assert mask_B1TT[0, 0, 3].tolist() == [True, True, False, False]
+    assert mask_B1TT[1, 0, 1].tolist() == [False, False, True, True]
+
+
+def test_forward_backward_step_learns_and_masks_vocab(single_process):
+    preset = get_preset("tiny")
+    policy = MoEPolicy.build(preset, ParallelLayout(), real_vocab=40, seed=0,
+                             optim=OptimSettings(lr=3e-3))
+    g = torch.Generator().manual_seed(0)
+    tokens_BT = torch.randint(0, 40, (6, 12), generator=g)
+    valid_BT = torch.ones(6, 12, dtype=torch.bool)
+    valid_BT[:2, :3] = False
+    logits = policy.logits(tokens_BT, valid_BT)
+    assert logits.shape == (6, 12, preset.vocab_size)
+    assert torch.isinf(logits[..., 40:]).all() and torch.isfinite(logits[..., :40]).all()
+    losses = []
+    for _ in range(8):
+        policy.zero_grad()
+        logp_BT = policy.token_logprobs(tokens_BT, valid_BT)
+        loss = -(logp_BT[:, 1:] * valid_BT[:, 1:]).sum() / valid_BT[:, 1:].sum()
+        loss.backward()
+        stepped, grad_norm = policy.step()
+        assert stepped and grad_norm > 0
+        losses.append(float(loss))
+    assert losses[-1] < losses[0] - 0.1, losses
+
+
+def test_left_padding_does_not_change_real_token_logprobs(single_process):
+    preset = get_preset("tiny")
+    policy = MoEPolicy.build(preset, ParallelLayout(), real_vocab=preset.vocab_size, optim=None)
+    tokens = torch.randint(0, preset.vocab_size, (1, 7))
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), tokens], dim=1)
+    valid = torch.cat([torch.zeros(1, 3, dtype=torch.bool), torch.ones(1, 7, dtype=torch.bool)],
+                      dim=1)
+    a = policy.token_logprobs(tokens, torch.ones_like(tokens, dtype=torch.bool))
+    b = policy.token_logprobs(padded, valid)[:, 3:]
+    torch.testing.assert_close(a[:, 1:], b[:, 1:], atol=1e-5, rtol=1e-5)
+
+
+def test_nonfinite_grad_skips_the_step(single_process):
+    preset = get_preset("tiny")
+    policy = MoEPolicy.build(preset, ParallelLayout(), real_vocab=preset.vocab_size,
+                             optim=OptimSettings(lr=1e-2))
+    before = {n: p.detach().clone() for n, p in policy.model.module.named_parameters()}
+    tokens = torch.randint(0, preset.vocab_size, (2, 6))
+    policy.zero_grad()
+    (policy.logits(tokens, torch.ones_like(tokens, dtype=torch.bool)).sum() * float("nan")) \
+        .backward()
+    stepped, grad_norm = policy.step()
+    assert not stepped and grad_norm != grad_norm
+    for n, p in policy.model.module.named_parameters():
+        assert torch.equal(p, before[n]), n
+
+
+def test_all_presets_build_configs():
+    from moe.model import transformer_config
+
+    for name, preset in PRESETS.items():
+        cfg = transformer_config(preset)
+        assert cfg.num_moe_experts == preset.num_experts and cfg.moe_router_topk == preset.topk
+        assert cfg.moe_enable_routing_replay and not cfg.moe_router_pre_softmax
