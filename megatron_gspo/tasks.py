@@ -1,0 +1,397 @@
+"""Verifiable toy tasks with exact 0/1 rewards, and the character tokenizer they share.
+
+Each task is small enough for a tiny MoE transformer (vocab < 32, context <= 48 tokens) to learn
+on CPU in minutes, and its reward is exact (no learned judge), as in the GSPO paper's
+(arXiv 2507.18071) math/code settings, scaled down:
+
+- `addition(num_digits)`: "12+345=" -> "357".
+- `sort(length)`: "s:3819=" -> "1389".
+- `countdown(num_numbers, max_number)`: "c:3,5,7>56=" -> "(3+5)*7"; any expression over + - *
+  and parentheses that uses each given number exactly once and hits the target scores 1.0.
+  Departs from TinyZero's Countdown: no division, and by default the numbers are listed in the
+  order the reference expression uses them (`shuffle=True` lists them in random order).
+
+Examples carry a reference answer (the SFT target) and `meta`, the data the reward needs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import re
+from dataclasses import dataclass, fields
+from typing import ClassVar, Protocol, Sequence
+
+_SPECIALS = ("<pad>", "<bos>", "<eos>")
+_CHARS = "0123456789+-*=,:>() acs"
+
+
+class CharTokenizer:
+    """Fixed character vocabulary: <pad>=0, <bos>=1, <eos>=2, then `_CHARS` (26 ids in all)."""
+
+    def __init__(self) -> None:
+        self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
+        self.chars = _CHARS
+        self.vocab_size = len(_SPECIALS) + len(_CHARS)
+        self._id_of = {ch: i + len(_SPECIALS) for i, ch in enumerate(_CHARS)}
+
+    def encode(self, text: str) -> list[int]:
+        ids = []
+        for pos, ch in enumerate(text):
+            if ch not in self._id_of:
+                raise ValueError(f"unknown character {ch!r} at position {pos} in {text!r}; "
+                                 f"the vocabulary is {_CHARS!r}")
+            ids.append(self._id_of[ch])
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Characters up to the first <eos>; <pad> and <bos> are dropped."""
+        out = []
+        for i in ids:
+            i = int(i)
+            if i == self.eos_id:
+                break
+            if i in (self.pad_id, self.bos_id):
+                continue
+            if not 0 <= i < self.vocab_size:
+                raise ValueError(f"token id {i} outside the vocabulary [0, {self.vocab_size})")
+            out.append(_CHARS[i - len(_SPECIALS)])
+        return "".join(out)
+
+
+@dataclass(frozen=True)
+class Example:
+    prompt: str
+    answer: str
+    """Reference completion (the SFT target)."""
+    meta: tuple = ()
+    """Task data the reward needs (countdown: (numbers, target)); hashable."""
+
+
+class Task(Protocol):
+    name: str
+    max_prompt_chars: int
+    max_answer_chars: int
+
+    def sample(self, rng: random.Random) -> Example: ...
+
+    def reward(self, example: Example, completion: str) -> float: ...
+
+    def format_ok(self, completion: str) -> bool: ...
+
+
+def _check_int(task: str, field: str, value, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ValueError(f"{task}: {field}={value!r} must be an int in [{lo}, {hi}]")
+
+
+def _check_completion(completion) -> str:
+    if not isinstance(completion, str):
+        raise TypeError(f"completion must be a str, got {type(completion).__name__}")
+    return completion
+
+
+_DIGITS = re.compile(r"[0-9]+")
+
+
+@dataclass(frozen=True)
+class Addition:
+    """"a+b=" -> str(a+b); a and b have 1..num_digits digits (count uniform, then value)."""
+
+    num_digits: int = 2
+    name: ClassVar[str] = "addition"
+
+    def __post_init__(self) -> None:
+        _check_int(self.name, "num_digits", self.num_digits, 1, 9)
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return 2 * self.num_digits + 2
+
+    @property
+    def max_answer_chars(self) -> int:
+        return self.num_digits + 1
+
+    def num_prompts(self) -> int:
+        return (10 ** self.num_digits) ** 2
+
+    def _operand(self, rng: random.Random) -> int:
+        digits = rng.randint(1, self.num_digits)
+        return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10 ** digits - 1)
+
+    def sample(self, rng: random.Random) -> Example:
+        a, b = self._operand(rng), self._operand(rng)
+        return Example(f"{a}+{b}=", str(a + b))
+
+    def reward(self, example: Example, completion: str) -> float:
+        return float(_check_completion(completion).strip() == example.answer)
+
+    def format_ok(self, completion: str) -> bool:
+        return _DIGITS.fullmatch(_check_completion(completion).strip()) is not None
+
+
+@dataclass(frozen=True)
+class Sort:
+    """"s:3819=" -> "1389": the digits sorted ascending."""
+
+    length: int = 4
+    name: ClassVar[str] = "sort"
+
+    def __post_init__(self) -> None:
+        _check_int(self.name, "length", self.length, 1, 20)
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return self.length + 3
+
+    @property
+    def max_answer_chars(self) -> int:
+        return self.length
+
+    def num_prompts(self) -> int:
+        return 10 ** self.length
+
+    def sample(self, rng: random.Random) -> Example:
+        digits = "".join(rng.choice("0123456789") for _ in range(self.length))
+        return Example(f"s:{digits}=", "".join(sorted(digits)))
+
+    def reward(self, example: Example, completion: str) -> float:
+        return float(_check_completion(completion).strip() == example.answer)
+
+    def format_ok(self, completion: str) -> bool:
+        text = _check_completion(completion).strip()
+        return len(text) == self.length and _DIGITS.fullmatch(text) is not None
+
+
+_TOKEN = re.compile(r"\s*(?:([0-9]+)|([-+*()]))")
+_MAX_EXPR_CHARS, _MAX_DEPTH = 256, 32
+
+
+class _Malformed(Exception):
+    pass
+
+
+class _ExprParser:
+    """expr := term (('+'|'-') term)* ; term := factor ('*' factor)* ;
+    factor := NUMBER | '(' expr ')'. No unary minus, no leading zeros ("07")."""
+
+    def __init__(self, tokens: list[str]) -> None:
+        self.tokens, self.i, self.depth, self.numbers = tokens, 0, 0, []
+
+    def peek(self) -> str | None:
+        return self.tokens[self.i] if self.i < len(self.tokens) else None
+
+    def take(self) -> str:
+        tok = self.peek()
+        if tok is None:
+            raise _Malformed("unexpected end")
+        self.i += 1
+        return tok
+
+    def expr(self) -> int:
+        value = self.term()
+        while self.peek() in ("+", "-"):
+            value = value + self.term() if self.take() == "+" else value - self.term()
+        return value
+
+    def term(self) -> int:
+        value = self.factor()
+        while self.peek() == "*":
+            self.take()
+            value *= self.factor()
+        return value
+
+    def factor(self) -> int:
+        tok = self.take()
+        if tok == "(":
+            self.depth += 1
+            if self.depth > _MAX_DEPTH:
+                raise _Malformed("nested too deep")
+            value = self.expr()
+            if self.take() != ")":
+                raise _Malformed("expected ')'")
+            self.depth -= 1
+            return value
+        if not tok.isdigit() or (len(tok) > 1 and tok[0] == "0"):
+            raise _Malformed(f"unexpected {tok!r}")
+        self.numbers.append(int(tok))
+        return int(tok)
+
+
+def parse_expression(text: str) -> tuple[int, list[int]] | None:
+    """(value, numbers used in order) of an integer expression over + - * ( ); None if malformed.
+
+    Never evaluates Python code: a tokenizer plus recursive descent over a fixed grammar.
+    """
+    text = text.strip()
+    if not text or len(text) > _MAX_EXPR_CHARS:
+        return None
+    tokens, pos = [], 0
+    while pos < len(text):
+        m = _TOKEN.match(text, pos)
+        if m is None:
+            return None
+        tokens.append(m.group(1) or m.group(2))
+        pos = m.end()
+    parser = _ExprParser(tokens)
+    try:
+        value = parser.expr()
+    except _Malformed:
+        return None
+    if parser.i != len(tokens):
+        return None
+    return value, parser.numbers
+
+
+def _build_left_to_right(nums: Sequence[int], ops: Sequence[str]) -> tuple[str, int]:
+    """Apply ops left to right, bracketing the running expression before '*' when needed."""
+    expr, value, additive = str(nums[0]), nums[0], False
+    for op, m in zip(ops, nums[1:]):
+        if op == "*":
+            expr = f"({expr})*{m}" if additive else f"{expr}*{m}"
+            value *= m
+        else:
+            expr = f"{expr}{op}{m}"
+            value = value + m if op == "+" else value - m
+        additive = op != "*"
+    return expr, value
+
+
+def _distinct_permutations(multiset: Sequence[int]) -> int:
+    counts = {}
+    for x in multiset:
+        counts[x] = counts.get(x, 0) + 1
+    return math.factorial(len(multiset)) // math.prod(math.factorial(c) for c in counts.values())
+
+
+@dataclass(frozen=True)
+class Countdown:
+    """"c:3,5,7>56=" -> an expression using 3, 5, 7 once each with value 56 (e.g. "(3+5)*7").
+
+    The reference is built by construction: random numbers in [1, max_number] and random ops
+    from + - *, applied left to right (parentheses where needed), resampled until target >= 0.
+    """
+
+    num_numbers: int = 3
+    max_number: int = 9
+    shuffle: bool = False
+    """List the numbers in random order instead of the reference expression's order."""
+    name: ClassVar[str] = "countdown"
+
+    def __post_init__(self) -> None:
+        _check_int(self.name, "num_numbers", self.num_numbers, 2, 6)
+        _check_int(self.name, "max_number", self.max_number, 1, 99)
+        if not isinstance(self.shuffle, bool):
+            raise ValueError(f"{self.name}: shuffle={self.shuffle!r} must be a bool")
+
+    @property
+    def max_prompt_chars(self) -> int:
+        n, digits = self.num_numbers, len(str(self.max_number))
+        target = self.max_number  # left to right: the largest value takes max(v + M, v * M)
+        for _ in range(n - 1):
+            target = max(target + self.max_number, target * self.max_number)
+        return len("c:>=") + n * digits + (n - 1) + len(str(target))
+
+    @property
+    def max_answer_chars(self) -> int:
+        n, digits = self.num_numbers, len(str(self.max_number))
+        return n * digits + (n - 1) + 2 * (n - 2)
+
+    def sample(self, rng: random.Random) -> Example:
+        while True:
+            nums = [rng.randint(1, self.max_number) for _ in range(self.num_numbers)]
+            ops = [rng.choice("+-*") for _ in range(self.num_numbers - 1)]
+            expr, target = _build_left_to_right(nums, ops)
+            if target >= 0:
+                break
+        shown = rng.sample(nums, len(nums)) if self.shuffle else nums
+        prompt = f"c:{','.join(map(str, shown))}>{target}="
+        return Example(prompt, expr, (tuple(shown), target))
+
+    def reward(self, example: Example, completion: str) -> float:
+        parsed = parse_expression(_check_completion(completion))
+        if parsed is None:
+            return 0.0
+        numbers, target = example.meta
+        value, used = parsed
+        return float(value == target and sorted(used) == sorted(numbers))
+
+    def format_ok(self, completion: str) -> bool:
+        return parse_expression(_check_completion(completion)) is not None
+
+    def num_prompts(self) -> int | None:
+        """Exact count of distinct prompts by enumeration (None when that would be too slow)."""
+        n, M = self.num_numbers, self.max_number
+        if M ** n * 3 ** (n - 1) > 200_000:
+            return None
+        seen = set()
+        for nums in itertools.product(range(1, M + 1), repeat=n):
+            for ops in itertools.product("+-*", repeat=n - 1):
+                value = _build_left_to_right(nums, ops)[1]
+                if value >= 0:
+                    seen.add((tuple(sorted(nums)) if self.shuffle else nums, value))
+        if not self.shuffle:
+            return len(seen)
+        return sum(_distinct_permutations(ms) for ms, _ in seen)
+
+
+TASKS: dict[str, type] = {"addition": Addition, "sort": Sort, "countdown": Countdown}
+
+
+def make_task(name: str, **kwargs) -> Task:
+    if name not in TASKS:
+        raise KeyError(f"unknown task {name!r}; valid tasks: {sorted(TASKS)}")
+    cls = TASKS[name]
+    valid = [f.name for f in fields(cls)]
+    bad = [k for k in kwargs if k not in valid]
+    if bad:
+        raise TypeError(f"task {name!r} got unknown kwarg(s) {bad}; valid: {valid}")
+    return cls(**kwargs)
+
+
+def _draw_distinct(task: Task, rng: random.Random, n: int, seen: set) -> list[Example]:
+    out, max_draws = [], 50 * n + 10_000
+    for _ in range(max_draws):
+        if len(out) == n:
+            return out
+        ex = task.sample(rng)
+        if ex.prompt not in seen:
+            seen.add(ex.prompt)
+            out.append(ex)
+    if len(out) == n:
+        return out
+    raise ValueError(f"{task!r}: found only {len(out)} of {n} new distinct prompts in "
+                     f"{max_draws} draws; the task has too few distinct prompts for this split")
+
+
+def make_splits(task: Task, n_train: int, n_eval: int,
+                seed: int) -> tuple[list[Example], list[Example]]:
+    """Train and eval examples with distinct prompts, disjoint, deterministic for `seed`.
+
+    Eval is drawn first, so the eval set depends only on (task, n_eval, seed).
+    """
+    for label, n in (("n_train", n_train), ("n_eval", n_eval)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"make_splits: {label}={n!r} must be an int >= 0")
+    capacity = task.num_prompts() if hasattr(task, "num_prompts") else None
+    if capacity is not None and n_train + n_eval > capacity:
+        raise ValueError(f"{task!r} has only {capacity} distinct prompts; asked for "
+                         f"n_train + n_eval = {n_train} + {n_eval} = {n_train + n_eval}")
+    rng, seen = random.Random(seed), set()
+    eval_set = _draw_distinct(task, rng, n_eval, seen)
+    train_set = _draw_distinct(task, rng, n_train, seen)
+    return train_set, eval_set
+
+
+def score(task: Task, examples: Sequence[Example], completions: Sequence[str]) -> dict[str, float]:
+    """`eval/accuracy` (reward 1.0), `eval/reward_mean`, `eval/format_ok` (answer parses)."""
+    if len(examples) != len(completions):
+        raise ValueError(f"score: {len(examples)} examples but {len(completions)} completions")
+    if not examples:
+        raise ValueError("score: no examples")
+    rewards = [task.reward(ex, c) for ex, c in zip(examples, completions)]
+    n = len(rewards)
+    return {"eval/accuracy": sum(r >= 1.0 for r in rewards) / n,
+            "eval/reward_mean": sum(rewards) / n,
+            "eval/format_ok": sum(bool(task.format_ok(c)) for c in completions) / n}

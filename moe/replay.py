@@ -1,0 +1,197 @@
+"""Routing Replay (R2 / R3) on megatron-core's `RouterReplay`.
+
+Shape legend: B sequences, T tokens per sequence (this rank's shard under sequence parallel),
+N valid (non-padding) tokens packed sequence by sequence, L MoE layers, K top-k, E experts.
+
+GSPO paper (arXiv 2507.18071, sec. 5.3): to stabilise GRPO on MoE models, cache the experts
+activated in pi_old and "replay" them when computing the importance ratio under pi_theta, so both
+likelihoods use the same sub-network. Here:
+
+- `record_routing(policy)` sets megatron's RECORD action on the policy's routers for one forward;
+  `RoutingReplayCache.from_recorded` packs what they saw into `ids_NLK` (uint8 for <= 256
+  experts, int16 above), keeping only valid tokens (padding is excluded, PITFALLS #7).
+- `replay_routing(policy, cache)` sets REPLAY_FORWARD for one forward: megatron gathers the gate
+  probabilities from the live router logits at the cached ids (then softmax over the K of them),
+  so gradients still reach the router for every replayed expert (PITFALLS #5).
+
+Layout (PITFALLS #6): megatron's router sees tokens sequence-first, [S, B] flattened as s*B + b.
+The cache stores sequences batch-first (so a minibatch is a row slice) and converts back to
+sequence-first when it hands ids to megatron. Padding rows, which megatron still routes, get a
+balanced, duplicate-free filler (row n -> experts (n*K + j) mod E) rather than expert 0.
+
+Everything is rank-local: each rank caches exactly the tokens its routers saw (its DP rows, its
+SP sequence shard), so nothing is ever broadcast (PITFALLS #11). Replay state is set only inside
+the context managers and cleared on exit, also on error, so eval / reference / rollout forwards
+never replay by accident (`assert_routing_idle`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from moe.routing_stats import topk_mask
+
+
+def ids_dtype(num_experts: int) -> torch.dtype:
+    """Smallest integer dtype holding expert ids: uint8 up to 256 experts, else int16."""
+    if num_experts <= 256:
+        return torch.uint8
+    if num_experts <= 32768:
+        return torch.int16
+    raise ValueError(f"num_experts={num_experts} too large for the replay cache")
+
+
+@dataclass
+class RoutingReplayCache:
+    """Packed top-k expert ids of every valid token, per MoE layer."""
+
+    ids_NLK: torch.Tensor
+    """Expert ids, packed valid tokens in (sequence, position) order."""
+    valid_BT: torch.Tensor
+    """Which (sequence, position) of the routed shard are real tokens."""
+    num_experts: int
+
+    def __post_init__(self) -> None:
+        n_valid = int(self.valid_BT.sum())
+        if self.ids_NLK.dim() != 3 or self.ids_NLK.shape[0] != n_valid:
+            raise ValueError(f"ids_NLK {tuple(self.ids_NLK.shape)} must be [N={n_valid}, L, K]")
+
+    @property
+    def num_layers(self) -> int:
+        return self.ids_NLK.shape[1]
+
+    @property
+    def topk(self) -> int:
+        return self.ids_NLK.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the id payload: tokens x layers x K x itemsize."""
+        return self.ids_NLK.numel() * self.ids_NLK.element_size()
+
+    @classmethod
+    def from_recorded(cls, recorded_L: list[torch.Tensor], valid_BT: torch.Tensor,
+                      num_experts: int) -> "RoutingReplayCache":
+        """Pack megatron's recorded ids (per layer [T*B, K], sequence-first) for valid tokens."""
+        B, T = valid_BT.shape
+        if any(r is None for r in recorded_L):
+            raise RuntimeError("a router recorded nothing: was the forward run inside "
+                               "record_routing()?")
+        for layer, ids in enumerate(recorded_L):
+            if ids.shape[0] != T * B:
+                raise ValueError(f"layer {layer}: recorded {ids.shape[0]} tokens, expected "
+                                 f"T*B = {T}*{B} (is valid_BT this rank's routed shard?)")
+        ids_LBTK = torch.stack([ids.reshape(T, B, -1).transpose(0, 1) for ids in recorded_L])
+        ids_NLK = ids_LBTK.permute(1, 2, 0, 3)[valid_BT.to(ids_LBTK.device)]
+        return cls(ids_NLK.to(ids_dtype(num_experts)).cpu(), valid_BT.cpu().bool(), num_experts)
+
+    @classmethod
+    def from_dense(cls, ids_BTLK: torch.Tensor, valid_BT: torch.Tensor,
+                   num_experts: int) -> "RoutingReplayCache":
+        """Build from batch-first ids [B, T, L, K] (e.g. a forced routing in tests/tools)."""
+        ids_NLK = ids_BTLK[valid_BT.bool()]
+        return cls(ids_NLK.to(ids_dtype(num_experts)), valid_BT.bool(), num_experts)
+
+    def select(self, rows: torch.Tensor | slice) -> "RoutingReplayCache":
+        """The cache restricted to some sequences (a minibatch), in the given row order."""
+        rows = torch.arange(self.valid_BT.shape[0])[rows]
+        start_B = torch.cat([torch.zeros(1, dtype=torch.long),
+                             self.valid_BT.sum(1).cumsum(0)])
+        pieces = [self.ids_NLK[start_B[r]:start_B[r + 1]] for r in rows.tolist()]
+        ids_NLK = torch.cat(pieces) if pieces else self.ids_NLK[:0]
+        return RoutingReplayCache(ids_NLK, self.valid_BT[rows], self.num_experts)
+
+    def dense_layers(self, device: torch.device | str = "cpu") -> list[torch.Tensor]:
+        """Per layer int64 [T*B, K] ids, sequence-first as megatron's router wants them."""
+        B, T = self.valid_BT.shape
+        K, E = self.topk, self.num_experts
+        n_TB = torch.arange(T * B).reshape(T, B).T  # flat sequence-first index of (b, t)
+        filler_BTK = (n_TB[..., None] * K + torch.arange(K)) % E
+        out = []
+        for layer in range(self.num_layers):
+            ids_BTK = filler_BTK.clone()
+            ids_BTK[self.valid_BT] = self.ids_NLK[:, layer].long()
+            out.append(ids_BTK.transpose(0, 1).reshape(T * B, K).to(device))
+        return out
+
+    def layer_ids(self, layer: int) -> torch.Tensor:
+        """[N, K] ids of the valid tokens at one layer (for routing statistics)."""
+        return self.ids_NLK[:, layer]
+
+    def validate(self) -> None:
+        """Ids in range and unique per token (PITFALLS #8: duplicates break alltoall splits)."""
+        for layer in range(self.num_layers):
+            topk_mask(self.layer_ids(layer), self.num_experts)
+
+
+def _routers(policy) -> list:
+    routers = policy.router_replays
+    if not routers:
+        raise RuntimeError("the policy was built without moe_enable_routing_replay")
+    return routers
+
+
+def assert_routing_idle(policy) -> None:
+    """Raise if any router of this policy is still set to record or replay."""
+    busy = [i for i, r in enumerate(_routers(policy)) if r.router_replay_action is not None]
+    if busy:
+        raise RuntimeError(f"routing replay state leaked: layers {busy} still have an action")
+
+
+@contextlib.contextmanager
+def record_routing(policy):
+    """Record every layer's top-k during the forwards inside; yields a list filled on exit."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    routers = _routers(policy)
+    assert_routing_idle(policy)
+    recorded: list[torch.Tensor] = []
+    for r in routers:
+        r.clear_indices()
+        r.set_router_replay_action(RouterReplayAction.RECORD)
+    try:
+        yield recorded
+        recorded.extend(r.get_recorded_indices() for r in routers)
+    finally:
+        for r in routers:
+            r.clear_router_replay_action()
+            r.clear_indices()
+
+
+@contextlib.contextmanager
+def replay_routing(policy, cache: RoutingReplayCache | None):
+    """Force the cached routing in the forwards inside (no-op when `cache` is None)."""
+    if cache is None:
+        yield
+        return
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    routers = _routers(policy)
+    assert_routing_idle(policy)
+    if cache.num_layers != len(routers):
+        raise ValueError(f"cache has {cache.num_layers} layers, policy has {len(routers)} routers")
+    cache.validate()
+    for r, ids in zip(routers, cache.dense_layers(policy.device)):
+        r.clear_indices()
+        r.set_target_indices(ids)
+        r.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    try:
+        yield
+    finally:
+        for r in routers:
+            r.clear_router_replay_action()
+            r.clear_indices()
+
+
+@torch.no_grad()
+def current_routing(policy, tokens_BT: torch.Tensor, valid_BT: torch.Tensor,
+                    temperature: float = 1.0):
+    """One no-grad forward that records routing: (token log-probs [B, T], routing cache)."""
+    with record_routing(policy) as recorded:
+        logp_BT = policy.token_logprobs(tokens_BT, valid_BT, temperature=temperature)
+    cache = RoutingReplayCache.from_recorded(recorded, policy.routed_valid(valid_BT),
+                                             policy.preset.num_experts)
+    return logp_BT, cache

@@ -1,0 +1,160 @@
+"""Routing Replay cache: record/replay round trip, forced routing, layout, padding, validation."""
+
+import pytest
+import torch
+
+from moe.model import ParallelLayout
+from moe.presets import get_preset
+from moe.replay import (RoutingReplayCache, assert_routing_idle, ids_dtype, record_routing,
+                        replay_routing)
+
+PRESET = get_preset("tiny")
+
+
+@pytest.fixture()
+def policy(single_process):
+    from moe.policy import MoEPolicy, OptimSettings
+
+    return MoEPolicy.build(PRESET, ParallelLayout(), real_vocab=PRESET.vocab_size, seed=1,
+                           optim=OptimSettings(lr=1e-2))
+
+
+def make_batch(B=3, T=10, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tokens_BT = torch.randint(0, PRESET.vocab_size, (B, T), generator=g)
+    valid_BT = torch.ones(B, T, dtype=torch.bool)
+    valid_BT[0, :3] = False  # left padding
+    valid_BT[2, -2:] = False  # right padding
+    return tokens_BT, valid_BT
+
+
+def routed_maps(policy):
+    """Hook every router: returns a list that fills with each forward's [T*B, E] routing maps."""
+    seen = []
+    for layer in policy.model.module.decoder.layers:
+        layer.mlp.router.register_forward_hook(lambda m, i, out: seen.append(out[1].detach()))
+    return seen
+
+
+def record(policy, tokens_BT, valid_BT):
+    with torch.no_grad(), record_routing(policy) as recorded:
+        logits = policy.logits(tokens_BT, valid_BT)
+    cache = RoutingReplayCache.from_recorded(recorded, policy.routed_valid(valid_BT),
+                                             PRESET.num_experts)
+    return cache, logits
+
+
+def test_replay_reproduces_recorded_routing_and_logits(policy):
+    tokens_BT, valid_BT = make_batch()
+    cache, logits = record(policy, tokens_BT, valid_BT)
+    maps = routed_maps(policy)
+    with torch.no_grad(), replay_routing(policy, cache):
+        replayed = policy.logits(tokens_BT, valid_BT)
+    # padding positions get filler routes; real tokens are unchanged up to matmul blocking noise
+    torch.testing.assert_close(replayed[valid_BT], logits[valid_BT], atol=1e-6, rtol=1e-6)
+    assert (replayed[~valid_BT] - logits[~valid_BT]).abs().max() > 1e-4  # the check can fail
+    # and the routing megatron used is the cached one at every valid token
+    for layer, map_NE in enumerate(maps):
+        B, T = valid_BT.shape
+        map_BTE = map_NE.reshape(T, B, -1).transpose(0, 1)[valid_BT]
+        want = torch.zeros_like(map_BTE).scatter_(1, cache.layer_ids(layer).long(), True)
+        assert torch.equal(map_BTE, want), f"layer {layer}"
+    assert_routing_idle(policy)
+
+
+def test_forced_distinct_routes_follow_token_layout(policy):
+    """B>1, S>1, a different route for every token: megatron must see (b, t) at row t*B+b."""
+    tokens_BT, valid_BT = make_batch(B=3, T=6)
+    B, T, L, K, E = 3, 6, PRESET.num_layers, PRESET.topk, PRESET.num_experts
+    g = torch.Generator().manual_seed(5)
+    ids_BTLK = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(B * T * L)])
+    ids_BTLK = ids_BTLK.reshape(B, T, L, K)
+    cache = RoutingReplayCache.from_dense(ids_BTLK, valid_BT, E)
+    maps = routed_maps(policy)
+    with torch.no_grad(), replay_routing(policy, cache):
+        policy.logits(tokens_BT, valid_BT)
+    for layer, map_NE in enumerate(maps):
+        for b in range(B):
+            for t in range(T):
+                if valid_BT[b, t]:
+                    chosen = set(torch.nonzero(map_NE[t * B + b]).flatten().tolist())
+                    assert chosen == set(ids_BTLK[b, t, layer].tolist()), (layer, b, t)
+
+
+def test_replay_gradients_reach_router_for_unchosen_experts(policy):
+    """Gate probs are gathered from the dense logits, so a replayed expert that live routing
+    would not pick still gets router gradient (PITFALLS #5)."""
+    tokens_BT, valid_BT = make_batch()
+    live, _ = record(policy, tokens_BT, valid_BT)
+    # replay the complement of the live choice: experts live routing did NOT pick
+    E, K = PRESET.num_experts, PRESET.topk
+    forced = []
+    for layer in range(live.num_layers):
+        ids_NK = live.layer_ids(layer).long()
+        mask_NE = torch.ones(ids_NK.shape[0], E, dtype=torch.bool).scatter_(1, ids_NK, False)
+        forced.append(torch.nonzero(mask_NE)[:, 1].reshape(ids_NK.shape[0], -1)[:, :K])
+    cache = RoutingReplayCache(torch.stack(forced, 1).to(torch.uint8), live.valid_BT, E)
+    policy.zero_grad()
+    with replay_routing(policy, cache):
+        logits = policy.logits(tokens_BT, valid_BT)
+    (logits * valid_BT[..., None]).square().mean().backward()
+    for layer in policy.model.module.decoder.layers:
+        grad = layer.mlp.router.weight.main_grad
+        assert grad.abs().sum(dim=1).gt(0).sum() >= K, "router got no gradient for forced experts"
+
+
+def test_select_then_replay_matches_subbatch(policy):
+    tokens_BT, valid_BT = make_batch(B=4)
+    cache, logits = record(policy, tokens_BT, valid_BT)
+    rows = torch.tensor([3, 1])
+    sub = cache.select(rows)
+    assert sub.ids_NLK.shape[0] == int(valid_BT[rows].sum())
+    with torch.no_grad(), replay_routing(policy, sub):
+        sub_logits = policy.logits(tokens_BT[rows], valid_BT[rows])
+    v = valid_BT[rows]
+    torch.testing.assert_close(sub_logits[v], logits[rows][v], atol=1e-6, rtol=1e-6)
+
+
+def test_cache_bytes_dtype_and_padding_excluded(policy):
+    tokens_BT, valid_BT = make_batch()
+    cache, _ = record(policy, tokens_BT, valid_BT)
+    n_valid = int(valid_BT.sum())
+    assert cache.ids_NLK.dtype == torch.uint8
+    assert cache.nbytes == n_valid * PRESET.num_layers * PRESET.topk * 1
+    assert ids_dtype(256) == torch.uint8 and ids_dtype(257) == torch.int16
+    # padding rows get a balanced, duplicate-free filler, never all expert 0
+    dense = cache.dense_layers()[0]
+    B, T = valid_BT.shape
+    pad_rows = dense.reshape(T, B, -1).transpose(0, 1)[~valid_BT]
+    assert pad_rows.unique().numel() > 1
+    assert all(len(set(r.tolist())) == PRESET.topk for r in pad_rows)
+
+
+def test_invalid_replay_ids_raise_and_state_is_cleared(policy):
+    tokens_BT, valid_BT = make_batch()
+    cache, _ = record(policy, tokens_BT, valid_BT)
+    bad = RoutingReplayCache(cache.ids_NLK.clone(), cache.valid_BT, cache.num_experts)
+    bad.ids_NLK[0, 0, 1] = bad.ids_NLK[0, 0, 0]  # duplicate expert in one token (PITFALLS #8)
+    with pytest.raises(ValueError, match="repeats an expert id"):
+        with replay_routing(policy, bad):
+            pass
+    with pytest.raises(RuntimeError, match="boom"):
+        with replay_routing(policy, cache):
+            raise RuntimeError("boom")
+    assert_routing_idle(policy)
+
+
+def test_second_model_does_not_break_first_models_replay(policy):
+    """megatron's RouterReplay list is global (PITFALLS #9): each policy keeps its own routers."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+    from moe.policy import MoEPolicy
+
+    tokens_BT, valid_BT = make_batch()
+    cache, logits = record(policy, tokens_BT, valid_BT)
+    other = MoEPolicy.build(PRESET, ParallelLayout(), real_vocab=PRESET.vocab_size, seed=9,
+                            optim=None)
+    assert len(RouterReplay.global_router_replay_instances) == PRESET.num_layers
+    assert other.router_replays[0] is not policy.router_replays[0]
+    with torch.no_grad(), replay_routing(policy, cache):
+        replayed = policy.logits(tokens_BT, valid_BT)
+    torch.testing.assert_close(replayed[valid_BT], logits[valid_BT], atol=1e-6, rtol=1e-6)
