@@ -39,6 +39,40 @@ def run_model(policy, tokens_BT, valid_BT, readout_BTV):
     return logits_BTV.detach(), grad_norm
 
 
+def local_columns(policy, info, T: int) -> slice:
+    """The sequence positions this rank's routers see (its SP shard)."""
+    if not policy.layout.sequence_parallel:
+        return slice(None)
+    chunk = T // info.tp
+    return slice(info.tp_rank * chunk, (info.tp_rank + 1) * chunk)
+
+
+def dense_ids(cache, B: int, T: int):
+    """Batch-first [B, T, L, K] ids from a cache (zeros at padding)."""
+    out = torch.zeros(B, T, cache.num_layers, cache.topk, dtype=torch.long)
+    out[cache.valid_BT] = cache.ids_NLK.long()
+    return out
+
+
+def check_replay(policy, info, ref, rows, tokens_BT, valid_BT, what) -> None:
+    """Under this layout, forced routing gives the 1-process forced-routing logits, and the
+    routing recorded on this rank is the 1-process routing of the same tokens."""
+    from moe.replay import RoutingReplayCache, current_routing, replay_routing
+
+    E = policy.preset.num_experts
+    cols = local_columns(policy, info, tokens_BT.shape[1])
+    forced = ref["forced_ids_BTLK"][rows][:, cols]
+    local = RoutingReplayCache.from_dense(forced, valid_BT[:, cols], E)
+    with torch.no_grad(), replay_routing(policy, local):
+        logits = policy.logits(tokens_BT, valid_BT)
+    torch.testing.assert_close(logits[valid_BT], ref["forced_logits"][rows][valid_BT], atol=ATOL,
+                               rtol=RTOL, msg=lambda m: f"{what}: replayed logits differ: {m}")
+    _, recorded = current_routing(policy, tokens_BT, valid_BT)
+    want = ref["live_ids_BTLK"][rows][:, cols][valid_BT[:, cols]]
+    got = recorded.ids_NLK.long()
+    assert torch.equal(got.sort(-1).values, want.sort(-1).values), f"{what}: recorded routing"
+
+
 def worker(rank: int, world: int, port: int, ref_path: str, layouts: list) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
@@ -73,5 +107,6 @@ def worker(rank: int, world: int, port: int, ref_path: str, layouts: list) -> No
                                            msg=lambda m: f"{what}: grad {name}: {m}")
             assert abs(grad_norm - ref["grad_norm"]) <= 1e-5 * max(1.0, ref["grad_norm"]), \
                 f"{what}: grad norm {grad_norm} != {ref['grad_norm']}"
+            check_replay(policy, info, ref, rows, tokens_BT[rows], valid_BT[rows], what)
     finally:
         destroy_parallel()

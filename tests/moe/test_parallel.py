@@ -1,5 +1,9 @@
 """TP=2, EP=2, TP2xEP2 (sequence parallel) and DP=2 on 2 gloo processes equal the 1-process model.
 
+Also the Routing Replay cache under each layout: a forced routing sliced to this rank's rows and
+sequence shard reproduces the 1-process forced-routing logits, and the routing a rank records is
+the 1-process routing of its tokens (PITFALLS #6, #11).
+
 The sharded models load their weights sliced from the 1-process model (moe.sharding), so any
 difference in logits, gathered gradients or grad norm is a parallelism bug.
 """
@@ -35,9 +39,27 @@ def reference(single_process, tmp_path_factory):
     ref = {"preset": preset.name, "params": gather_full_params(policy.model.module),
            "grads": gather_full_params(policy.model.module, grads=True), "logits": logits,
            "grad_norm": grad_norm}
+    ref.update(replay_reference(policy, preset, tokens_BT, valid_BT))
     path = tmp_path_factory.mktemp("parallel") / "ref.pt"
     torch.save(ref, path)
     return str(path)
+
+
+def replay_reference(policy, preset, tokens_BT, valid_BT) -> dict:
+    """1-process live routing, and logits under a forced routing distinct for every token."""
+    from moe.replay import RoutingReplayCache, current_routing, replay_routing
+
+    B, T = tokens_BT.shape
+    L, K, E = preset.num_layers, preset.topk, preset.num_experts
+    _, live = current_routing(policy, tokens_BT, valid_BT)
+    g = torch.Generator().manual_seed(11)
+    forced = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(B * T * L)])
+    forced = forced.reshape(B, T, L, K)
+    with torch.no_grad(), replay_routing(policy, RoutingReplayCache.from_dense(forced, valid_BT,
+                                                                               E)):
+        forced_logits = policy.logits(tokens_BT, valid_BT)
+    return {"live_ids_BTLK": pw.dense_ids(live, B, T), "forced_ids_BTLK": forced,
+            "forced_logits": forced_logits}
 
 
 LAYOUTS = [
