@@ -1,0 +1,195 @@
+"""Sharded-by-rank checkpoints with atomic writes.
+
+Layout under a checkpoint root (run_dir/checkpoints):
+
+    root/step_000010/rank_00000.pt   one torch.save'd dict per rank
+    root/step_000010/rank_00001.pt
+    root/latest                      text "10": the newest *complete* step
+
+Nothing already written is ever lost or half-written: every file is written to a temporary
+file in the same directory, fsync'ed, then `os.replace`d into place (atomic on POSIX), and
+`latest` moves only after every rank has saved (`mark_latest`, called by one rank after a
+barrier). A crash mid-save leaves at most a `.tmp` file and a step dir that `latest` does not
+point to, so resume and `load_checkpoint` still see the previous complete step.
+
+Files are our own, so they are loaded with `torch.load(weights_only=False)` (they hold Python
+objects: RNG states, config dicts, counters).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+import tempfile
+
+import numpy as np
+import torch
+
+LATEST_FILE = "latest"
+_STEP_RE = re.compile(r"^step_(\d+)$")
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step_{step:06d}")
+
+
+def rank_file(step_dir_path: str, rank: int) -> str:
+    return os.path.join(step_dir_path, f"rank_{rank:05d}.pt")
+
+
+def _check_index(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"{name}={value!r}: expected an int >= 0")
+    return int(value)
+
+
+def _fsync_dir(path: str) -> None:
+    """Persist a rename (best effort: not every OS / filesystem lets a dir be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: str, write) -> None:
+    """`write(binary_file)` into a tmp file next to `path`, fsync, then os.replace."""
+    d = os.path.dirname(path) or "."
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    _fsync_dir(d)
+
+
+def save_checkpoint(root: str, step: int, state: dict, rank: int = 0) -> str:
+    """Atomically write this rank's `state` to root/step_XXXXXX/rank_XXXXX.pt; returns the
+    step dir. Does not move `latest` (see `mark_latest`)."""
+    step, rank = _check_index("step", step), _check_index("rank", rank)
+    if not isinstance(state, dict):
+        raise ValueError(f"state: expected a dict, got {type(state).__name__}")
+    d = step_dir(root, step)
+    os.makedirs(d, exist_ok=True)
+    _atomic_write(rank_file(d, rank), lambda f: torch.save(state, f))
+    return d
+
+
+def mark_latest(root: str, step: int) -> None:
+    """Atomically point root/latest at `step`; call once every rank has saved it."""
+    step = _check_index("step", step)
+    d = step_dir(root, step)
+    if not os.path.isfile(rank_file(d, 0)):
+        raise FileNotFoundError(f"cannot mark step {step} latest: {rank_file(d, 0)} does not "
+                                f"exist; {root} holds {_listing(root)}")
+    _atomic_write(os.path.join(root, LATEST_FILE), lambda f: f.write(f"{step}\n".encode()))
+
+
+def latest_step(root: str) -> int | None:
+    """The step root/latest points to; None when there is no `latest` (no complete save)."""
+    path = os.path.join(root, LATEST_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        text = f.read().strip()
+    if not text.isdigit():
+        raise ValueError(f"{path}: expected a step number, got {text!r}")
+    step = int(text)
+    if not os.path.isdir(step_dir(root, step)):
+        raise FileNotFoundError(f"{path} points to step {step}, but {step_dir(root, step)} "
+                                f"does not exist; {root} holds {_listing(root)}")
+    return step
+
+
+def _listing(path: str) -> str:
+    if not os.path.isdir(path):
+        return "nothing (no such directory)"
+    names = sorted(n for n in os.listdir(path) if not n.endswith(".tmp"))
+    return "[" + ", ".join(names) + "]" if names else "nothing (empty directory)"
+
+
+def _is_step_dir(path: str) -> bool:
+    return bool(_STEP_RE.match(os.path.basename(os.path.normpath(path))))
+
+
+def load_checkpoint(root_or_step_dir: str, rank: int = 0, step: int | None = None,
+                    map_location="cpu") -> dict:
+    """This rank's state from a step dir, or from a root (its `latest`, or `step` if given)."""
+    rank = _check_index("rank", rank)
+    path = root_or_step_dir
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint path {path} does not exist; its parent holds "
+                                f"{_listing(os.path.dirname(os.path.abspath(path)))}")
+    if _is_step_dir(path):
+        if step is not None:
+            raise ValueError(f"step={step} given with a step dir {path}; pass the root instead")
+        d = path
+    else:
+        if step is None:
+            step = latest_step(path)
+        if step is None:
+            raise FileNotFoundError(f"no complete checkpoint in {path} (no '{LATEST_FILE}' "
+                                    f"marker); it holds {_listing(path)}")
+        d = step_dir(path, _check_index("step", step))
+    f = rank_file(d, rank)
+    if not os.path.isfile(f):
+        where = d if os.path.isdir(d) else os.path.dirname(d)
+        raise FileNotFoundError(f"checkpoint file {f} does not exist; {where} holds "
+                                f"{_listing(where)}")
+    return torch.load(f, map_location=map_location, weights_only=False)
+
+
+def list_steps(root: str) -> list[int]:
+    """Steps with a step dir under root, ascending (complete or not)."""
+    if not os.path.isdir(root):
+        return []
+    steps = [int(m.group(1)) for n in os.listdir(root) if (m := _STEP_RE.match(n))]
+    return sorted(steps)
+
+
+def prune_checkpoints(root: str, keep: int) -> None:
+    """Delete all but the newest `keep` step dirs; the one `latest` points to always stays."""
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"keep={keep!r}: expected an int >= 1")
+    steps = list_steps(root)
+    latest = latest_step(root)
+    survivors = set(steps[-keep:]) | ({latest} if latest is not None else set())
+    for s in steps:
+        if s not in survivors:
+            shutil.rmtree(step_dir(root, s))
+
+
+def rng_state() -> dict:
+    """Python `random`, numpy global, torch CPU and (when available) every CUDA device."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(d: dict) -> None:
+    """Restore what `rng_state` returned. CUDA states are restored for the devices both the
+    saving and this process have (a different GPU count is not an error)."""
+    missing = [k for k in ("python", "numpy", "torch") if k not in d]
+    if missing:
+        raise ValueError(f"rng state lacks {missing}; keys present: {sorted(d)}")
+    random.setstate(d["python"])
+    np.random.set_state(d["numpy"])
+    torch.set_rng_state(d["torch"].cpu())
+    if "cuda" in d and torch.cuda.is_available():
+        for i, s in enumerate(d["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(s.cpu(), i)

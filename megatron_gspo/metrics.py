@@ -1,0 +1,202 @@
+"""Metrics: one JSON line per logged step in run_dir/metrics.jsonl (+ optional wandb mirror).
+
+    logger = MetricsLogger(run_dir, config_to_dict(cfg), wandb_mode="disabled")
+    logger.log(step, {"reward/mean": 0.41, "policy/clip_frac/token": 0.012})
+
+Each line is {"step": int, "time": unix seconds, **metrics}. Keys follow `group/name[/stat]`.
+Tensors and numpy scalars become Python numbers; non-finite floats are written as the strings
+"nan", "inf", "-inf" (JSON has no NaN, and null would hide a blow-up). The file is opened in
+append mode, so a resumed run keeps earlier lines. Only rank 0 logs: construct with
+enabled=False elsewhere and every method is a no-op.
+
+`Timer` collects wall-clock section durations as `time/<section>` metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import numbers
+import os
+import sys
+import time
+from typing import Callable, Iterator, Sequence
+
+METRICS_FILE = "metrics.jsonl"
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+def _to_json_value(key: str, v):
+    """A JSON-safe scalar: numbers stay numbers, non-finite floats become strings."""
+    if hasattr(v, "item") and callable(v.item):  # torch tensor / numpy scalar or 1-elem array
+        numel = getattr(v, "numel", None)
+        size = numel() if callable(numel) else getattr(v, "size", 1)
+        if size != 1:
+            raise ValueError(f"metric {key!r}: expected a scalar, got {size} elements")
+        v = v.item()
+    if isinstance(v, bool):
+        return int(v)
+    if isinstance(v, numbers.Integral):
+        return int(v)
+    if isinstance(v, numbers.Real):
+        v = float(v)
+        if math.isnan(v):
+            return "nan"
+        return v if math.isfinite(v) else ("inf" if v > 0 else "-inf")
+    if isinstance(v, str):
+        return v
+    raise ValueError(f"metric {key!r}: expected a number, got {type(v).__name__} {v!r}")
+
+
+def _import_wandb(mode: str):
+    try:
+        import wandb  # noqa: PLC0415 (optional dependency)
+    except ImportError:
+        raise ImportError(f"wandb.mode={mode} needs the wandb package: pip install -e .[wandb] "
+                          "(or set wandb.mode=disabled)") from None
+    return wandb
+
+
+class MetricsLogger:
+    """Append-only JSONL metrics log for one run, optionally mirrored to wandb."""
+
+    def __init__(self, run_dir: str, config_dict: dict | None = None,
+                 wandb_mode: str = "disabled", project: str = "megatron-gspo",
+                 name: str | None = None, enabled: bool = True):
+        if wandb_mode not in WANDB_MODES:
+            raise ValueError(f"wandb_mode={wandb_mode!r}: expected one of {WANDB_MODES}")
+        self.enabled = enabled
+        self.path = os.path.join(run_dir, METRICS_FILE)
+        self._file = None
+        self._wandb_run = None
+        if not enabled:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        needs_newline = os.path.exists(self.path) and os.path.getsize(self.path) > 0 \
+            and not _ends_with_newline(self.path)
+        self._file = open(self.path, "a", encoding="utf-8")
+        if needs_newline:  # a crash mid-line: keep it, but start ours on a fresh line
+            self._file.write("\n")
+        if wandb_mode != "disabled":
+            wandb = _import_wandb(wandb_mode)
+            self._wandb_run = wandb.init(project=project, name=name, mode=wandb_mode,
+                                         dir=run_dir, config=config_dict or {})
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Append {"step", "time", **metrics} as one flushed line (and to wandb if on)."""
+        if not self.enabled:
+            return
+        if self._file is None:
+            raise RuntimeError(f"MetricsLogger for {self.path} is closed")
+        record = {"step": int(step), "time": time.time()}
+        for key, value in metrics.items():
+            if not isinstance(key, str) or key in record:
+                raise ValueError(f"metric key {key!r}: must be a str other than 'step'/'time'")
+            record[key] = _to_json_value(key, value)
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        self._file.flush()
+        if self._wandb_run is not None:
+            numeric = {k: float(v) if isinstance(v, str) else v
+                       for k, v in record.items() if k not in ("step", "time")
+                       and (not isinstance(v, str) or v in ("nan", "inf", "-inf"))}
+            self._wandb_run.log(numeric, step=int(step))
+
+    def close(self) -> None:
+        """Close the file and finish wandb; safe to call twice."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+            self._wandb_run = None
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _ends_with_newline(path: str) -> bool:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """All records of a JSONL file, values as written ("nan"/"inf" stay strings). Blank lines
+    are skipped, and so is a malformed *last* line (a crash mid-write); any other malformed
+    line raises ValueError naming path:line."""
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    records = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i == len(lines):
+                break
+            raise ValueError(f"malformed JSON at {path}:{i}: {e}") from None
+    return records
+
+
+class Timer:
+    """Wall-clock stopwatch; repeated sections accumulate until `reset()`.
+
+        timer = Timer()
+        with timer("rollout"): ...
+        timer.as_metrics()  # {"time/rollout": seconds}
+
+    If CUDA is already initialised it synchronises at both ends of a section, so GPU work
+    launched inside is counted (`cuda_sync=False` to skip).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter, cuda_sync: bool = True):
+        self._clock = clock
+        self._cuda_sync = cuda_sync
+        self._totals: dict[str, float] = {}
+
+    def _sync(self) -> None:
+        torch = sys.modules.get("torch")  # never import torch just to time
+        if self._cuda_sync and torch is not None and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"timer section name must be a non-empty str, got {name!r}")
+        self._sync()
+        t0 = self._clock()
+        try:
+            yield
+        finally:
+            self._sync()
+            self._totals[name] = self._totals.get(name, 0.0) + (self._clock() - t0)
+
+    def as_metrics(self) -> dict[str, float]:
+        return {f"time/{name}": seconds for name, seconds in self._totals.items()}
+
+    def reset(self) -> None:
+        self._totals.clear()
+
+
+def _fmt(v) -> str:
+    if isinstance(v, bool) or isinstance(v, numbers.Integral):
+        return str(int(v))
+    if hasattr(v, "item") and callable(v.item):
+        v = v.item()
+    if isinstance(v, numbers.Real):
+        return f"{float(v):.4g}"
+    return str(v)
+
+
+def format_progress(step: int, total: int, metrics: dict, keys: Sequence[str]) -> str:
+    """One compact line, e.g. "[  3/20] reward/mean=0.41 policy/clip_frac/token=0.012"; keys
+    missing from `metrics` are left out."""
+    width = max(3, len(str(total)))
+    parts = [f"[{step:>{width}}/{total}]"]
+    parts += [f"{k}={_fmt(metrics[k])}" for k in keys if k in metrics]
+    return " ".join(parts)

@@ -1,0 +1,152 @@
+"""MetricsLogger JSONL output, resume-append, rank gating, Timer, progress line."""
+
+import builtins
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_gspo.metrics import MetricsLogger, Timer, format_progress, read_jsonl
+
+
+def test_log_writes_one_flushed_line_per_call(tmp_path):
+    logger = MetricsLogger(str(tmp_path), {"seed": 0})
+    logger.log(1, {"reward/mean": 0.25, "policy/clip_frac/token": torch.tensor(0.5),
+                   "train/iteration": np.int64(3), "moe/flip_rate/mean": np.float32(0.125)})
+    # flushed: readable before close
+    recs = read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))
+    assert len(recs) == 1
+    r = recs[0]
+    assert r["step"] == 1 and isinstance(r["time"], float)
+    assert r["reward/mean"] == 0.25 and r["policy/clip_frac/token"] == 0.5
+    assert r["train/iteration"] == 3 and r["moe/flip_rate/mean"] == 0.125
+    assert type(r["policy/clip_frac/token"]) is float
+    logger.log(2, {"reward/mean": 0.5})
+    logger.close()
+    assert [r["step"] for r in read_jsonl(logger.path)] == [1, 2]
+
+
+def test_non_finite_values_are_visible_strings(tmp_path):
+    with MetricsLogger(str(tmp_path)) as logger:
+        logger.log(0, {"a": float("nan"), "b": float("inf"), "c": -float("inf"),
+                       "d": torch.tensor(float("nan"))})
+    line = open(os.path.join(tmp_path, "metrics.jsonl")).read()
+    rec = json.loads(line)  # strict JSON: no bare NaN tokens
+    assert (rec["a"], rec["b"], rec["c"], rec["d"]) == ("nan", "inf", "-inf", "nan")
+    assert "NaN" not in line and "null" not in line
+
+
+def test_bad_metric_values_raise(tmp_path):
+    with MetricsLogger(str(tmp_path)) as logger:
+        with pytest.raises(ValueError, match="'x/vec'.*3 elements"):
+            logger.log(0, {"x/vec": torch.ones(3)})
+        with pytest.raises(ValueError, match="'x/list'"):
+            logger.log(0, {"x/list": [1, 2]})
+        with pytest.raises(ValueError, match="'step'"):
+            logger.log(0, {"step": 1})
+
+
+def test_resume_appends_and_keeps_earlier_lines(tmp_path):
+    with MetricsLogger(str(tmp_path)) as logger:
+        logger.log(1, {"r": 1.0})
+        logger.log(2, {"r": 2.0})
+    with MetricsLogger(str(tmp_path)) as logger:
+        logger.log(3, {"r": 3.0})
+    assert [(r["step"], r["r"]) for r in read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))] \
+        == [(1, 1.0), (2, 2.0), (3, 3.0)]
+
+
+def test_partial_last_line_from_a_crash_is_kept_apart(tmp_path):
+    path = os.path.join(tmp_path, "metrics.jsonl")
+    with open(path, "w") as f:
+        f.write('{"step": 1, "r": 1.0}\n{"step": 2, "r"')  # crashed mid-write
+    assert read_jsonl(path) == [{"step": 1, "r": 1.0}]  # malformed last line skipped
+    with MetricsLogger(str(tmp_path)) as logger:
+        logger.log(3, {"r": 3.0})
+    lines = open(path).read().splitlines()
+    assert lines[1] == '{"step": 2, "r"' and json.loads(lines[2])["step"] == 3
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2"):
+        read_jsonl(path)  # now a malformed line in the middle
+
+
+def test_disabled_logger_is_a_no_op(tmp_path):
+    logger = MetricsLogger(str(tmp_path / "rank1"), enabled=False, wandb_mode="online")
+    logger.log(1, {"r": 1.0})
+    logger.close()
+    assert not os.path.exists(tmp_path / "rank1")
+
+
+def test_wandb_missing_gives_install_hint(tmp_path, monkeypatch):
+    real_import = builtins.__import__
+
+    def no_wandb(name, *args, **kwargs):
+        if name == "wandb":
+            raise ImportError("No module named 'wandb'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_wandb)
+    with pytest.raises(ImportError, match=r"pip install -e \.\[wandb\]"):
+        MetricsLogger(str(tmp_path), wandb_mode="offline")
+    with pytest.raises(ValueError, match="'offlin'"):
+        MetricsLogger(str(tmp_path), wandb_mode="offlin")
+
+
+def test_wandb_receives_numeric_metrics(tmp_path, monkeypatch):
+    calls = []
+
+    class FakeRun:
+        def log(self, data, step):
+            calls.append(("log", data, step))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    class FakeWandb:
+        @staticmethod
+        def init(**kwargs):
+            calls.append(("init", kwargs["project"], kwargs["mode"], kwargs["config"]))
+            return FakeRun()
+
+    monkeypatch.setitem(__import__("sys").modules, "wandb", FakeWandb)
+    logger = MetricsLogger(str(tmp_path), {"seed": 5}, wandb_mode="offline", project="p")
+    logger.log(4, {"r": 0.5, "g": float("inf"), "note": "hi"})
+    logger.close()
+    assert calls[0] == ("init", "p", "offline", {"seed": 5})
+    assert calls[1] == ("log", {"r": 0.5, "g": float("inf")}, 4)
+    assert calls[2] == ("finish",)
+
+
+def test_timer_accumulates_with_injected_clock():
+    ticks = iter([10.0, 10.5, 20.0, 21.25, 30.0, 30.5])
+    timer = Timer(clock=lambda: next(ticks))
+    with timer("rollout"):
+        pass
+    with timer("train"):
+        pass
+    with timer("rollout"):
+        pass
+    assert timer.as_metrics() == {"time/rollout": 1.0, "time/train": 1.25}
+    timer.reset()
+    assert timer.as_metrics() == {}
+
+
+def test_timer_records_on_exception():
+    ticks = iter([0.0, 2.0])
+    timer = Timer(clock=lambda: next(ticks))
+    with pytest.raises(RuntimeError):
+        with timer("x"):
+            raise RuntimeError("boom")
+    assert timer.as_metrics() == {"time/x": 2.0}
+
+
+def test_format_progress():
+    line = format_progress(3, 20, {"reward/mean": 0.41, "policy/clip_frac/token": 0.012,
+                                   "train/grad_norm": torch.tensor(1.23456),
+                                   "train/minibatch": 2},
+                           ["reward/mean", "eval/accuracy", "policy/clip_frac/token",
+                            "train/grad_norm", "train/minibatch"])
+    assert line == ("[  3/20] reward/mean=0.41 policy/clip_frac/token=0.012 "
+                    "train/grad_norm=1.235 train/minibatch=2")
+    assert format_progress(12, 1000, {"x": float("nan")}, ["x"]) == "[  12/1000] x=nan"
