@@ -1,0 +1,319 @@
+"""Policy losses: GSPO, GSPO-token and GRPO on one shared clipped surrogate.
+
+Shapes: B sequences (responses), T tokens (padded length). Inputs are per-token log-probs of
+the sampled tokens, `logp_BT` (with grad), `old_logp_BT` (pi_old, a constant) and optionally
+`ref_logp_BT` (reference model, a constant), one advantage per sequence `adv_B`, and
+`mask_BT` (1 on the response tokens that count, 0 on prompt / padding).
+
+    cfg = PolicyLossConfig(name="gspo")            # eps_low / eps_high -> the paper's defaults
+    loss, metrics = policy_loss(logp_BT, old_logp_BT, adv_B, mask_BT, cfg)
+    loss.backward()
+
+The three losses differ only in how the importance ratio is built (GSPO paper, arXiv
+2507.18071, sec. 2 and 4); all of them go through `clipped_surrogate`:
+  grpo       w_it = exp(logp_it - old_it), clipped per token; objective per sequence is the
+             token-mean over its unmasked tokens of min(w A, clip(w) A).
+  gspo       s_i = exp(mean_t (logp_it - old_it)) (length-normalised sequence ratio), clipped
+             once per sequence; objective per sequence is min(s A, clip(s) A). The gradient
+             reaches each token with weight 1/|y_i|.
+  gspo_token s_it = sg[s_i] * exp(logp_it - sg[logp_it]): the value is s_i, the gradient per
+             token is s_i (so with equal token advantages it equals gspo in value, clip
+             decisions and gradient); token-mean per sequence.
+The loss is -(mean over sequences of the per-sequence objective): one term per sequence, NOT a
+token-mean over all tokens of the batch (that over-weights long responses) and NOT a seq-mean
+of token-sums (PITFALLS.md #1). Clip ranges default to the paper's (sec. 5.1): gspo / gspo_token
+eps = (3e-4, 4e-4), grpo (0.2, 0.27).
+
+Departures from the paper:
+  * Numerical guard (not in the paper, PITFALLS.md #2): the log-ratio is clamped to
+    [-max_log_ratio, max_log_ratio] before exp -- per token for grpo, the sequence mean for
+    gspo / gspo_token. Beyond the clamp the gradient is zero (torch.clamp's gradient); gspo_token
+    copies that zero so that it still equals gspo there. The same clamp guards the KL exponent.
+  * gspo_token also accepts token advantages `adv_BT` [B, T] (the paper's A_it); the other
+    losses take one advantage per sequence.
+  * Optional KL to a reference model (off by default, as in the paper): the k3 estimator
+    exp(ref - logp) - (ref - logp) - 1, token-mean per sequence, mean over sequences.
+
+Clipped = the clipped branch is the active one in the min, as verl counts it: A > 0 and
+ratio > 1 + eps_high (`high`), or A < 0 and ratio < 1 - eps_low (`low`). Clip fractions are
+logged both token-weighted (`policy/clip_frac/token*`, the paper's "fraction of clipped tokens";
+a clipped gspo sequence counts all its tokens) and sequence-weighted (`policy/clip_frac/seq*`,
+the mean over sequences of each sequence's clipped-token fraction; for gspo the fraction of
+clipped sequences), see PITFALLS.md #3.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import torch
+
+PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+_PAPER_EPS: dict[str, tuple[float, float]] = {}  # name -> (eps_low, eps_high) defaults
+
+
+class UnknownPolicyLossError(KeyError, ValueError):
+    """An unregistered policy loss name (a KeyError, and a ValueError for config loaders)."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0])
+
+
+def register_policy_loss(name: str, *, eps: tuple[float, float] | None = None):
+    """Decorator adding a loss to POLICY_LOSSES; `eps` = its default (eps_low, eps_high)."""
+    def deco(fn: PolicyLossFn) -> PolicyLossFn:
+        if name in POLICY_LOSSES:
+            raise ValueError(f"policy loss {name!r} is already registered")
+        POLICY_LOSSES[name] = fn
+        if eps is not None:
+            _PAPER_EPS[name] = (float(eps[0]), float(eps[1]))
+        return fn
+    return deco
+
+
+def get_policy_loss(name: str) -> PolicyLossFn:
+    """The registered loss called `name`; KeyError listing the valid names otherwise."""
+    if name not in POLICY_LOSSES:
+        raise UnknownPolicyLossError(
+            f"unknown policy loss {name!r}; valid names: {sorted(POLICY_LOSSES)}")
+    return POLICY_LOSSES[name]
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    """Hyper-parameters of a policy loss; eps None resolves to the paper default for `name`."""
+
+    name: str = "gspo"
+    """Registered loss: "gspo" (sequence ratio), "gspo_token" (sequence ratio, token
+    advantages) or "grpo" (token ratio)."""
+    eps_low: float | None = None
+    """Lower clip range, ratio >= 1 - eps_low, in [0, 1). None = paper default (sec. 5.1):
+    3e-4 for gspo / gspo_token, 0.2 for grpo."""
+    eps_high: float | None = None
+    """Upper clip range, ratio <= 1 + eps_high, >= 0. None = paper default: 4e-4 for gspo /
+    gspo_token, 0.27 for grpo."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL to the reference policy (>= 0; 0 = off, as in the paper)."""
+    max_log_ratio: float = 20.0
+    """Clamp of |log-ratio| before exp (> 0): a numerical guard, not in the paper; the
+    gradient is zero beyond it."""
+
+    def __post_init__(self):
+        get_policy_loss(self.name)  # KeyError listing the valid names
+        default_low, default_high = _PAPER_EPS.get(self.name, (None, None))
+        for field, default in (("eps_low", default_low), ("eps_high", default_high)):
+            if getattr(self, field) is None:
+                if default is None:
+                    raise ValueError(f"PolicyLossConfig.{field}=None: loss {self.name!r} has "
+                                     "no paper default, set it explicitly")
+                object.__setattr__(self, field, default)
+        self._check("eps_low", lambda v: 0 <= v < 1, "must be in [0, 1)")
+        self._check("eps_high", lambda v: v >= 0, "must be >= 0")
+        self._check("kl_coef", lambda v: v >= 0, "must be >= 0")
+        self._check("max_log_ratio", lambda v: v > 0, "must be > 0")
+
+    def _check(self, field: str, ok: Callable[[float], bool], why: str) -> None:
+        v = getattr(self, field)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                or not ok(v):
+            raise ValueError(f"PolicyLossConfig.{field}={v!r}: {why} (a finite number)")
+
+
+# ----------------------------------------------------------------------------- shared pieces
+
+
+def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO clipped surrogate min(r A, clip(r, 1-eps_low, 1+eps_high) A), elementwise.
+
+    `ratio` and `adv` broadcast together (e.g. [B] and [B], or [B, T] and [B, 1]). Returns
+    (term, clipped_low, clipped_high): the bool masks mark where the clipped branch is the
+    active one (A < 0 and r < 1 - eps_low; A > 0 and r > 1 + eps_high). There the term is the
+    constant clip(r) A, so its gradient is zero; elsewhere it is r A.
+    """
+    clipped_low = (adv < 0) & (ratio < 1.0 - eps_low)
+    clipped_high = (adv > 0) & (ratio > 1.0 + eps_high)
+    clipped_ratio = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    term = torch.minimum(ratio * adv, clipped_ratio * adv)
+    return term, clipped_low, clipped_high
+
+
+class _Batch(NamedTuple):
+    logp_BT: torch.Tensor       # masked to 0, compute dtype, with grad
+    log_ratio_BT: torch.Tensor  # logp - old_logp, 0 at masked positions (before clamp)
+    adv: torch.Tensor           # [B] (or [B, T] for gspo_token)
+    mask_BT: torch.Tensor       # bool
+    n_B: torch.Tensor           # unmasked tokens per sequence (compute dtype)
+    ref_BT: torch.Tensor | None  # masked to 0, detached
+
+
+def _nan_row(x_BT: torch.Tensor, mask_BT: torch.Tensor, what: str) -> None:
+    bad_B = (torch.isnan(x_BT) & mask_BT).any(-1)
+    if bool(bad_B.any()):
+        rows = bad_B.nonzero().flatten().tolist()
+        raise ValueError(f"{what} is NaN at unmasked positions of rows {rows[:8]}")
+
+
+def _prepare(logp_BT, old_logp_BT, adv, mask_BT, ref_logp_BT, token_adv: bool) -> _Batch:
+    """Validate shapes / masks / NaN; cast to a float>=32 dtype on logp's device; mask."""
+    if not isinstance(logp_BT, torch.Tensor) or logp_BT.ndim != 2 \
+            or not logp_BT.is_floating_point():
+        raise ValueError(f"logp_BT must be a float tensor [B, T], got "
+                         f"{getattr(logp_BT, 'dtype', type(logp_BT))} "
+                         f"{tuple(getattr(logp_BT, 'shape', ()))}")
+    B, T = logp_BT.shape
+    named = {"old_logp_BT": old_logp_BT, "mask_BT": mask_BT, "ref_logp_BT": ref_logp_BT}
+    for key, t in named.items():
+        if (t is not None or key != "ref_logp_BT") and (
+                not isinstance(t, torch.Tensor) or tuple(t.shape) != (B, T)):
+            raise ValueError(f"{key} must have shape {(B, T)} like logp_BT, got "
+                             f"{tuple(getattr(t, 'shape', ())) or type(t).__name__}")
+    adv_shapes = [(B,), (B, T)] if token_adv else [(B,)]
+    if not isinstance(adv, torch.Tensor) or tuple(adv.shape) not in adv_shapes:
+        raise ValueError(f"advantages must have shape {' or '.join(map(str, adv_shapes))}, "
+                         f"got {tuple(getattr(adv, 'shape', ())) or type(adv).__name__}")
+    dev, dtype = logp_BT.device, torch.promote_types(logp_BT.dtype, torch.float32)
+    mask_BT = mask_BT.to(dev)
+    if mask_BT.dtype != torch.bool:
+        if not bool(((mask_BT == 0) | (mask_BT == 1)).all()):
+            raise ValueError("mask_BT must hold only 0 and 1")
+        mask_BT = mask_BT != 0
+    empty_B = ~mask_BT.any(-1)
+    if bool(empty_B.any()):
+        raise ValueError(f"every sequence needs at least one unmasked token; rows "
+                         f"{empty_B.nonzero().flatten().tolist()[:8]} have none")
+
+    def masked(x_BT, what):
+        x_BT = x_BT.to(dev, dtype)
+        _nan_row(x_BT, mask_BT, what)
+        return torch.where(mask_BT, x_BT, torch.zeros((), device=dev, dtype=dtype))
+
+    logp_m = masked(logp_BT, "logp_BT")
+    old_m = masked(old_logp_BT.detach(), "old_logp_BT")
+    ref_m = None if ref_logp_BT is None else masked(ref_logp_BT.detach(), "ref_logp_BT")
+    adv = adv.detach().to(dev, dtype)
+    if bool(torch.isnan(adv if adv.ndim == 1 else adv[mask_BT]).any()):
+        raise ValueError("advantages contain NaN")
+    if adv.ndim == 2:
+        adv = torch.where(mask_BT, adv, torch.zeros((), device=dev, dtype=dtype))
+    log_ratio_BT = logp_m - old_m
+    _nan_row(log_ratio_BT, mask_BT, "logp_BT - old_logp_BT (inf - inf)")
+    n_B = mask_BT.sum(-1).to(dtype)
+    return _Batch(logp_m, log_ratio_BT, adv, mask_BT, n_B, ref_m)
+
+
+def _token_mean(x_BT: torch.Tensor, b: _Batch) -> torch.Tensor:
+    """Mean of x over each sequence's unmasked tokens -> [B]."""
+    return torch.where(b.mask_BT, x_BT, torch.zeros_like(x_BT)).sum(-1) / b.n_B
+
+
+def _kl_k3(b: _Batch, cfg: PolicyLossConfig) -> torch.Tensor:
+    """k3 estimate of KL(pi || ref): token-mean per sequence, mean over sequences."""
+    d_BT = (b.ref_BT - b.logp_BT).clamp(-cfg.max_log_ratio, cfg.max_log_ratio)
+    return _token_mean(torch.exp(d_BT) - d_BT - 1.0, b).mean()
+
+
+def _finish(obj_B, ratio, low_BT, high_BT, abs_log_ratio, b: _Batch, cfg: PolicyLossConfig,
+            ) -> tuple[torch.Tensor, dict[str, float]]:
+    """loss = -mean_B(obj_B) + kl_coef * kl, and the metrics (one host sync).
+
+    ratio: the clipped ratios to summarise (unmasked token ratios, or sequence ratios);
+    low_BT / high_BT: per-token clipped masks (already restricted to unmasked tokens).
+    """
+    loss = -obj_B.mean()
+    if b.ref_BT is not None and cfg.kl_coef > 0:
+        kl = _kl_k3(b, cfg)
+        loss = loss + cfg.kl_coef * kl
+    elif b.ref_BT is not None:
+        with torch.no_grad():
+            kl = _kl_k3(b, cfg)
+    else:
+        kl = torch.zeros((), dtype=obj_B.dtype, device=obj_B.device)
+    n_tokens = b.n_B.sum()
+    stats = [loss.detach(), ratio.mean(), ratio.min(), ratio.max()]
+    for m_BT in (low_BT | high_BT, low_BT, high_BT):
+        m_BT = m_BT.to(b.n_B.dtype)
+        stats += [m_BT.sum() / n_tokens, (m_BT.sum(-1) / b.n_B).mean()]
+    stats += [abs_log_ratio.max(), kl.detach()]
+    values = torch.stack([s.detach().to(torch.float64) for s in stats]).tolist()
+    keys = ["policy/loss", "policy/ratio/mean", "policy/ratio/min", "policy/ratio/max",
+            "policy/clip_frac/token", "policy/clip_frac/seq",
+            "policy/clip_frac/token_low", "policy/clip_frac/seq_low",
+            "policy/clip_frac/token_high", "policy/clip_frac/seq_high",
+            "policy/log_ratio/abs_max", "policy/kl"]
+    return loss, dict(zip(keys, values))
+
+
+def _check_kl(cfg: PolicyLossConfig, ref_logp_BT) -> None:
+    if cfg.kl_coef > 0 and ref_logp_BT is None:
+        raise ValueError(f"PolicyLossConfig.kl_coef={cfg.kl_coef} > 0 needs ref_logp_BT "
+                         "(the reference model's log-probs), got None")
+
+
+# ----------------------------------------------------------------------------- the losses
+
+
+@register_policy_loss("grpo", eps=(0.2, 0.27))
+def grpo_loss(logp_BT, old_logp_BT, adv_B, mask_BT, cfg: PolicyLossConfig, ref_logp_BT=None):
+    """GRPO (paper sec. 2): token ratio exp(logp - old) clipped per token, token-mean per
+    sequence, mean over sequences. Metrics: ratio over unmasked tokens; log_ratio/abs_max
+    is the largest unmasked |token log-ratio| before the clamp."""
+    _check_kl(cfg, ref_logp_BT)
+    b = _prepare(logp_BT, old_logp_BT, adv_B, mask_BT, ref_logp_BT, token_adv=False)
+    ratio_BT = torch.exp(b.log_ratio_BT.clamp(-cfg.max_log_ratio, cfg.max_log_ratio))
+    term_BT, low_BT, high_BT = clipped_surrogate(ratio_BT, b.adv[:, None], cfg.eps_low,
+                                                 cfg.eps_high)
+    obj_B = _token_mean(term_BT, b)
+    return _finish(obj_B, ratio_BT.detach()[b.mask_BT], low_BT & b.mask_BT,
+                   high_BT & b.mask_BT, b.log_ratio_BT.detach().abs(), b, cfg)
+
+
+def _seq_log_ratio(b: _Batch) -> torch.Tensor:
+    """mean_t (logp - old) over each sequence's unmasked tokens -> [B] (before the clamp)."""
+    return b.log_ratio_BT.sum(-1) / b.n_B
+
+
+@register_policy_loss("gspo", eps=(3e-4, 4e-4))
+def gspo_loss(logp_BT, old_logp_BT, adv_B, mask_BT, cfg: PolicyLossConfig, ref_logp_BT=None):
+    """GSPO (paper sec. 4.1): s_i = exp(mean_t log-ratio), clipped once per sequence;
+    loss = -mean_i min(s_i A_i, clip(s_i) A_i). Metrics: ratio over sequences (s_i);
+    log_ratio/abs_max is the largest |sequence mean log-ratio| before the clamp."""
+    _check_kl(cfg, ref_logp_BT)
+    b = _prepare(logp_BT, old_logp_BT, adv_B, mask_BT, ref_logp_BT, token_adv=False)
+    seq_lr_B = _seq_log_ratio(b)
+    s_B = torch.exp(seq_lr_B.clamp(-cfg.max_log_ratio, cfg.max_log_ratio))
+    term_B, low_B, high_B = clipped_surrogate(s_B, b.adv, cfg.eps_low, cfg.eps_high)
+    return _finish(term_B, s_B.detach(), low_B[:, None] & b.mask_BT,
+                   high_B[:, None] & b.mask_BT, seq_lr_B.detach().abs(), b, cfg)
+
+
+@register_policy_loss("gspo_token", eps=(3e-4, 4e-4))
+def gspo_token_loss(logp_BT, old_logp_BT, adv_B, mask_BT, cfg: PolicyLossConfig,
+                    ref_logp_BT=None):
+    """GSPO-token (paper sec. 4.3): s_it = sg[s_i] * exp(logp_it - sg[logp_it]), clipped on
+    its value s_i; token-mean per sequence, mean over sequences. `adv_B` may be [B] or token
+    advantages [B, T]. Where the sequence clamp is active the token factor's gradient is
+    zeroed, as gspo's is. Metrics as for gspo (ratio = s_i)."""
+    _check_kl(cfg, ref_logp_BT)
+    b = _prepare(logp_BT, old_logp_BT, adv_B, mask_BT, ref_logp_BT, token_adv=True)
+    seq_lr_B = _seq_log_ratio(b).detach()
+    clamped_B = seq_lr_B.clamp(-cfg.max_log_ratio, cfg.max_log_ratio)
+    inside_B = (seq_lr_B.abs() <= cfg.max_log_ratio).to(seq_lr_B.dtype)
+    token_BT = b.logp_BT - b.logp_BT.detach()  # value 0, gradient 1 (NaN if logp = -inf)
+    token_BT = torch.where(torch.isfinite(b.logp_BT), token_BT, torch.zeros_like(token_BT))
+    s_BT = torch.exp(clamped_B[:, None] + inside_B[:, None] * token_BT)
+    adv_BT = b.adv[:, None] if b.adv.ndim == 1 else b.adv
+    term_BT, low_BT, high_BT = clipped_surrogate(s_BT, adv_BT, cfg.eps_low, cfg.eps_high)
+    obj_B = _token_mean(term_BT, b)
+    return _finish(obj_B, torch.exp(clamped_B), low_BT & b.mask_BT, high_BT & b.mask_BT,
+                   seq_lr_B.abs(), b, cfg)
+
+
+def policy_loss(logp_BT, old_logp_BT, adv_B, mask_BT, cfg: PolicyLossConfig, ref_logp_BT=None,
+                ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Dispatch to the loss registered as `cfg.name`."""
+    return get_policy_loss(cfg.name)(logp_BT, old_logp_BT, adv_B, mask_BT, cfg,
+                                     ref_logp_BT=ref_logp_BT)
