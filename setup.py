@@ -24,7 +24,7 @@ setup(
         "gpu": ["transformer-engine[pytorch]"],
         "wandb": ["wandb"],
         "plot": ["matplotlib"],
-        "dev": ["pytest", "matplotlib"],
+        "dev": ["pytest", "matplotlib", "wandb"],
     },
     entry_points={"console_scripts": ["megatron-gspo=megatron_gspo.cli:main"]},
 )

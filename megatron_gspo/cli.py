@@ -1,0 +1,60 @@
+"""Command line: `megatron-gspo {sft,train,eval,config} [--config FILE.yaml] [key=value ...]`.
+
+Examples:
+    megatron-gspo sft   --config experiments/demo/sft.yaml
+    megatron-gspo train --config experiments/demo/gspo.yaml train.steps=5 loss.name=grpo
+    megatron-gspo eval  --config experiments/demo/gspo.yaml init_checkpoint=runs/demo/gspo
+    megatron-gspo config            # every key with its default and meaning
+    torchrun --nproc-per-node 2 -m megatron_gspo.cli train --config ... model.tp=2
+
+Overrides use dotted keys and YAML values; unknown keys are errors. The resolved config is
+saved in run_dir next to metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="megatron-gspo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["sft", "train", "eval", "config"])
+    parser.add_argument("--config", default=None, help="YAML experiment file")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    return parser.parse_intermixed_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from megatron_gspo.config import describe_config, load_config
+
+    if args.command == "config":
+        print(describe_config())
+        return 0
+    cfg = load_config(args.config, args.overrides)
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|cuda_graph_scope).*")
+    if args.command == "sft":
+        from megatron_gspo.sft import run_sft
+
+        result = run_sft(cfg)
+    elif args.command == "train":
+        from megatron_gspo.trainer import Trainer
+
+        result = Trainer(cfg).train()
+    else:
+        from megatron_gspo.runtime import setup_runtime
+        from megatron_gspo.rollout import evaluate
+
+        rt = setup_runtime(cfg, lr=0.0, job="eval")
+        result = evaluate(rt.policy, rt.tokenizer, rt.task, rt.eval_set,
+                          max_new_tokens=cfg.rollout.max_new_tokens)
+    print(json.dumps({k: v for k, v in result.items() if k.startswith(("eval/", "reward/"))}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

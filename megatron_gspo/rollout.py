@@ -1,0 +1,143 @@
+"""Rollouts: sample G responses per prompt from the policy and score them.
+
+Shape legend: B sequences (prompts x G, group-major), P prompt tokens, T total tokens.
+
+Sequences are laid out as [left padding][<bos> prompt][response ... <eos>][right padding]; every
+row's prompt ends in the same column, so each sampling step appends one column to all rows.
+`valid_BT` marks real tokens, `response_BT` the response tokens (including <eos>) that carry
+the policy loss.
+
+Sampling recomputes the full forward at each step (no KV cache): the tasks here are <= 48 tokens,
+where a cache buys little, and megatron-core 0.16's inference contexts are built for its CUDA
+engines. `sampler_logp_BT` is log pi(y_t) under the temperature-scaled distribution the tokens
+were drawn from (before top-p filtering, as vLLM reports it), so it is directly comparable with the
+trainer's recompute and usable as pi_old (`rollout.use_sampler_logprobs`, the GSPO paper's claim
+that inference-engine likelihoods suffice for sequence-level ratios).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+
+@dataclass
+class RolloutBatch:
+    """One rollout batch; `select(rows)` gives a minibatch."""
+
+    tokens_BT: torch.Tensor
+    valid_BT: torch.Tensor
+    response_BT: torch.Tensor
+    sampler_logp_BT: torch.Tensor
+    rewards_B: torch.Tensor
+    group_B: torch.Tensor
+    """Index of the prompt each row answers (rows of a group are contiguous)."""
+    completions: list
+    examples: list
+
+    def __len__(self) -> int:
+        return self.tokens_BT.shape[0]
+
+    def select(self, rows: torch.Tensor) -> "RolloutBatch":
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = value[rows] if torch.is_tensor(value) else [value[i] for i in
+                                                                      rows.tolist()]
+        return RolloutBatch(**out)
+
+    @property
+    def response_lengths_B(self) -> torch.Tensor:
+        return self.response_BT.sum(1)
+
+
+def encode_prompts(tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded `<bos> prompt` token ids [B, P] and their valid mask."""
+    ids = [[tokenizer.bos_id] + tokenizer.encode(p) for p in prompts]
+    P = max(len(x) for x in ids)
+    tokens_BP = torch.full((len(ids), P), tokenizer.pad_id, dtype=torch.long)
+    valid_BP = torch.zeros(len(ids), P, dtype=torch.bool)
+    for b, x in enumerate(ids):
+        tokens_BP[b, P - len(x):] = torch.tensor(x)
+        valid_BP[b, P - len(x):] = True
+    return tokens_BP, valid_BP
+
+
+def top_p_filter(logits_BV: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Mask logits outside the smallest set whose probability reaches top_p (keeps >= 1)."""
+    if top_p >= 1.0:
+        return logits_BV
+    sorted_BV, order_BV = logits_BV.sort(dim=-1, descending=True)
+    cum_BV = sorted_BV.softmax(-1).cumsum(-1)
+    drop_BV = cum_BV - sorted_BV.softmax(-1) >= top_p  # mass before this token already >= p
+    drop_BV[:, 0] = False
+    return logits_BV.masked_fill(drop_BV.scatter(1, order_BV, drop_BV), float("-inf"))
+
+
+@torch.no_grad()
+def sample(policy, tokenizer, prompts: list[str], *, max_new_tokens: int,
+           temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
+           generator: torch.Generator | None = None):
+    """Sample responses. Returns tokens_BT, valid_BT, response_BT, sampler_logp_BT (CPU)."""
+    tokens_BT, valid_BT = encode_prompts(tokenizer, prompts)
+    B = tokens_BT.shape[0]
+    response_BT = torch.zeros_like(valid_BT)
+    logp_BT = torch.zeros(tokens_BT.shape, dtype=torch.float32)
+    done_B = torch.zeros(B, dtype=torch.bool)
+    for _ in range(max_new_tokens):
+        logits_BV = policy.logits(tokens_BT, valid_BT)[:, -1].cpu() / temperature
+        logp_BV = torch.log_softmax(logits_BV, dim=-1)
+        if greedy:
+            next_B = logits_BV.argmax(-1)
+        else:
+            probs_BV = top_p_filter(logits_BV, top_p).softmax(-1)
+            next_B = torch.multinomial(probs_BV, 1, generator=generator).squeeze(1)
+        live_B = ~done_B
+        next_B = torch.where(live_B, next_B, torch.full_like(next_B, tokenizer.pad_id))
+        tokens_BT = torch.cat([tokens_BT, next_B[:, None]], dim=1)
+        valid_BT = torch.cat([valid_BT, live_B[:, None]], dim=1)
+        response_BT = torch.cat([response_BT, live_B[:, None]], dim=1)
+        step_logp_B = logp_BV.gather(1, next_B[:, None]).squeeze(1) * live_B
+        logp_BT = torch.cat([logp_BT, step_logp_B[:, None]], dim=1)
+        done_B |= next_B == tokenizer.eos_id
+        if done_B.all():
+            break
+    return tokens_BT, valid_BT, response_BT, logp_BT
+
+
+def decode_responses(tokenizer, tokens_BT: torch.Tensor, response_BT: torch.Tensor) -> list[str]:
+    return [tokenizer.decode(row[mask].tolist()) for row, mask in zip(tokens_BT, response_BT)]
+
+
+def generate_rollouts(policy, tokenizer, task, examples: list, *, group_size: int,
+                      max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+                      generator: torch.Generator | None = None) -> RolloutBatch:
+    """G samples for each example (group-major), decoded and rewarded by the task."""
+    repeated = [ex for ex in examples for _ in range(group_size)]
+    tokens_BT, valid_BT, response_BT, logp_BT = sample(
+        policy, tokenizer, [ex.prompt for ex in repeated], max_new_tokens=max_new_tokens,
+        temperature=temperature, top_p=top_p, generator=generator)
+    completions = decode_responses(tokenizer, tokens_BT, response_BT)
+    rewards_B = torch.tensor([task.reward(ex, c) for ex, c in zip(repeated, completions)],
+                             dtype=torch.float32)
+    group_B = torch.arange(len(examples)).repeat_interleave(group_size)
+    return RolloutBatch(tokens_BT, valid_BT, response_BT, logp_BT, rewards_B, group_B,
+                        completions, repeated)
+
+
+def evaluate(policy, tokenizer, task, examples: list, *, max_new_tokens: int,
+             batch_size: int = 128) -> dict[str, float]:
+    """Greedy-decode accuracy on held-out examples (`eval/...` metrics from `task` scoring)."""
+    from megatron_gspo.tasks import score
+
+    was_training = policy.model.training
+    policy.train(False)
+    completions = []
+    for start in range(0, len(examples), batch_size):
+        chunk = examples[start:start + batch_size]
+        tokens_BT, _, response_BT, _ = sample(policy, tokenizer, [ex.prompt for ex in chunk],
+                                              max_new_tokens=max_new_tokens, greedy=True)
+        completions += decode_responses(tokenizer, tokens_BT, response_BT)
+    policy.train(was_training)
+    return score(task, examples, completions)

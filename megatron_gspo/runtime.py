@@ -1,0 +1,134 @@
+"""What SFT, RL training and eval share: process groups, task, policy, checkpoints.
+
+Checkpoints are sharded by rank (`megatron_gspo.checkpoint`): each rank saves its exact model and
+optimizer shard for resuming with the same layout, and rank 0 also saves the full (gathered)
+parameters, so a checkpoint initialises a run with any TP/EP layout (`init_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo import checkpoint as ckpt
+from megatron_gspo.config import RunConfig, config_to_dict, save_config
+from megatron_gspo.metrics import MetricsLogger
+from megatron_gspo.tasks import CharTokenizer, make_splits, make_task
+from moe.model import ParallelLayout
+from moe.parallel import ParallelInfo, init_parallel
+from moe.policy import MoEPolicy, OptimSettings
+from moe.presets import get_preset
+from moe.sharding import gather_full_params, load_full_params
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass
+class Runtime:
+    cfg: RunConfig
+    info: ParallelInfo
+    tokenizer: CharTokenizer
+    task: object
+    train_set: list
+    eval_set: list
+    policy: MoEPolicy
+    logger: MetricsLogger
+
+
+def layout_of(cfg: RunConfig) -> ParallelLayout:
+    # megatron-core refuses MoE + TP training without sequence parallel, so tp > 1 implies it.
+    return ParallelLayout(tp=cfg.model.tp, ep=cfg.model.ep,
+                          sequence_parallel=cfg.model.sequence_parallel or cfg.model.tp > 1,
+                          dispatcher=cfg.model.dispatcher)
+
+
+def build_policy(cfg: RunConfig, vocab_size: int, lr: float, with_optimizer: bool = True,
+                 seed: int | None = None) -> MoEPolicy:
+    tp = cfg.model.tp
+    preset = get_preset(cfg.model.preset)
+    preset = preset.with_vocab(vocab_size, multiple=16 * tp)  # the task's tokenizer, padded
+    optim = OptimSettings(lr=lr, weight_decay=cfg.optim.weight_decay, beta1=cfg.optim.beta1,
+                          beta2=cfg.optim.beta2, grad_clip=cfg.optim.grad_clip)
+    return MoEPolicy.build(preset, layout_of(cfg), real_vocab=vocab_size,
+                           seed=cfg.seed if seed is None else seed,
+                           dtype=_DTYPES[cfg.model.dtype], aux_loss_coeff=cfg.model.aux_loss_coeff,
+                           optim=optim if with_optimizer else None)
+
+
+def setup_runtime(cfg: RunConfig, lr: float, job: str) -> Runtime:
+    """Process groups, task splits, policy (+ init weights), metrics logger, saved config."""
+    info = init_parallel(cfg.model.tp, cfg.model.ep, seed=cfg.seed)
+    tokenizer = CharTokenizer()
+    task = make_task(cfg.task.name, **dict(cfg.task.kwargs))
+    train_set, eval_set = make_splits(task, cfg.task.n_train, cfg.task.n_eval, cfg.task.seed)
+    policy = build_policy(cfg, tokenizer.vocab_size, lr)
+    if cfg.init_checkpoint:
+        load_init_weights(policy, cfg.init_checkpoint)
+    if info.is_main:
+        os.makedirs(cfg.run_dir, exist_ok=True)
+        save_config(cfg, os.path.join(cfg.run_dir, f"{job}_config.yaml"))
+    logger = MetricsLogger(cfg.run_dir, config_to_dict(cfg), wandb_mode=cfg.wandb.mode,
+                           project=cfg.wandb.project, name=cfg.wandb.name, enabled=info.is_main)
+    return Runtime(cfg, info, tokenizer, task, train_set, eval_set, policy, logger)
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def save_state(rt: Runtime, step: int, extra: dict) -> None:
+    """Every rank saves its shard; rank 0 adds the full params; `latest` moves last."""
+    root = os.path.join(rt.cfg.run_dir, "checkpoints")
+    state = {"policy": rt.policy.state_dict(), "extra": extra, "rng": ckpt.rng_state(),
+             "layout": (rt.info.tp, rt.info.ep, rt.info.world_size),
+             "config": config_to_dict(rt.cfg)}
+    full = gather_full_params(rt.policy.model.module)  # collective: every rank takes part
+    if rt.info.is_main:
+        state["full_params"] = full
+    ckpt.save_checkpoint(root, step, state, rank=rt.info.rank)
+    barrier()
+    if rt.info.is_main:
+        ckpt.mark_latest(root, step)
+    barrier()
+
+
+def load_init_weights(policy: MoEPolicy, path: str) -> None:
+    """Initialise from a run dir (its latest checkpoint) or a step dir, any parallel layout."""
+    root = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) \
+        else path
+    state = ckpt.load_checkpoint(root, rank=0)
+    if "full_params" not in state:
+        raise ValueError(f"{path}: checkpoint has no full_params (not written by megatron-gspo?)")
+    load_full_params(policy.model.module, state["full_params"])
+
+
+def try_resume(rt: Runtime) -> dict | None:
+    """Restore this rank's exact shard from run_dir's latest checkpoint; returns its `extra`."""
+    root = os.path.join(rt.cfg.run_dir, "checkpoints")
+    if not rt.cfg.resume or ckpt.latest_step(root) is None:
+        return None
+    state = ckpt.load_checkpoint(root, rank=rt.info.rank)
+    layout = (rt.info.tp, rt.info.ep, rt.info.world_size)
+    if tuple(state["layout"]) != layout:
+        raise ValueError(f"{root}: saved with (tp, ep, world)={tuple(state['layout'])}, resuming "
+                         f"with {layout}; use init_checkpoint to change layout")
+    rt.policy.load_state_dict(state["policy"])
+    ckpt.set_rng_state(state["rng"])
+    return state["extra"]
+
+
+def mean_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
+    """Average scalar metrics over all ranks (identical keys everywhere)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1) or not metrics:
+        return metrics
+    keys = sorted(metrics)
+    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+    if torch.cuda.is_available():
+        values = values.cuda()
+    dist.all_reduce(values)
+    values /= dist.get_world_size()
+    return dict(zip(keys, values.cpu().tolist()))

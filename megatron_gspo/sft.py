@@ -1,0 +1,70 @@
+"""Cold-start SFT: teach the policy the task's format and part of its skill before RL.
+
+Shape legend: B sequences, T tokens.
+
+Cross-entropy on the reference answer (and <eos>) given `<bos> prompt`, token-mean over the
+batch. The GSPO paper starts RL from a cold-start fine-tuned model; here SFT is run only until
+the policy is partially right (`eval/accuracy` well inside (0, 1)), so that groups of G samples
+have non-zero reward variance and RL has something to learn.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_gspo.config import RunConfig
+from megatron_gspo.metrics import format_progress
+from megatron_gspo.rollout import encode_prompts, evaluate
+from megatron_gspo.runtime import mean_over_ranks, save_state, setup_runtime
+
+
+def sft_batch(tokenizer, examples) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """tokens/valid [B, T] of `<bos> prompt answer <eos>` (left-padded) and the answer mask."""
+    prompt_BP, prompt_valid_BP = encode_prompts(tokenizer, [ex.prompt for ex in examples])
+    answers = [tokenizer.encode(ex.answer) + [tokenizer.eos_id] for ex in examples]
+    A = max(len(a) for a in answers)
+    answer_BA = torch.full((len(examples), A), tokenizer.pad_id, dtype=torch.long)
+    target_BA = torch.zeros(len(examples), A, dtype=torch.bool)
+    for b, a in enumerate(answers):
+        answer_BA[b, :len(a)] = torch.tensor(a)
+        target_BA[b, :len(a)] = True
+    tokens_BT = torch.cat([prompt_BP, answer_BA], dim=1)
+    valid_BT = torch.cat([prompt_valid_BP, target_BA], dim=1)
+    target_BT = torch.cat([torch.zeros_like(prompt_valid_BP), target_BA], dim=1)
+    return tokens_BT, valid_BT, target_BT
+
+
+def run_sft(cfg: RunConfig) -> dict:
+    """Train `cfg.sft.steps` steps, evaluating every `cfg.sft.eval_every`; save a checkpoint."""
+    rt = setup_runtime(cfg, lr=cfg.sft.lr, job="sft")
+    policy, info = rt.policy, rt.info
+    if cfg.sft.batch_size % info.dp:
+        raise ValueError(f"sft.batch_size={cfg.sft.batch_size} is not divisible by the "
+                         f"data-parallel size {info.dp}")
+    gen = torch.Generator().manual_seed(cfg.seed * 31 + info.dp_rank)
+    evaluate_now = lambda: evaluate(policy, rt.tokenizer, rt.task, rt.eval_set,  # noqa: E731
+                                    max_new_tokens=cfg.rollout.max_new_tokens)
+    metrics = evaluate_now()
+    rt.logger.log(0, metrics)
+    policy.train(True)
+    for step in range(1, cfg.sft.steps + 1):
+        idx = torch.randint(len(rt.train_set), (cfg.sft.batch_size // info.dp,), generator=gen)
+        tokens_BT, valid_BT, target_BT = sft_batch(rt.tokenizer,
+                                                   [rt.train_set[i] for i in idx.tolist()])
+        policy.zero_grad()
+        logp_BT = policy.token_logprobs(tokens_BT, valid_BT)
+        target_BT = target_BT.to(logp_BT.device)
+        loss = -(logp_BT * target_BT).sum() / target_BT.sum()
+        loss.backward()
+        stepped, grad_norm = policy.step()
+        metrics = {"sft/loss": loss.item(), "train/grad_norm": grad_norm,
+                   "train/skipped": float(not stepped)}
+        if cfg.sft.eval_every and (step % cfg.sft.eval_every == 0 or step == cfg.sft.steps):
+            metrics.update(evaluate_now())
+            if info.is_main:
+                print(format_progress(step, cfg.sft.steps, metrics,
+                                      ("sft/loss", "eval/accuracy")), flush=True)
+        rt.logger.log(step, mean_over_ranks(metrics))
+    save_state(rt, cfg.sft.steps, {"job": "sft", "eval": metrics})
+    rt.logger.close()
+    return metrics

@@ -1,0 +1,243 @@
+"""GSPO / GRPO trainer: rollout -> old-policy pass -> N off-policy minibatch steps, repeat.
+
+Shape legend: B sequences, T tokens, L MoE layers.
+
+One iteration (GSPO paper, sec. 5.1 set-up): sample G responses for each of `prompts_per_batch`
+prompts with the current policy (= pi_old), compute pi_old's log-probs (and record its routing)
+in one no-grad forward, compute group advantages, then split the rollout batch into
+`num_minibatches` minibatches and take one optimizer step on each. Step m > 1 sees a policy
+that has moved m-1 times since pi_old, which is what makes the importance ratio (and clipping)
+matter; with one minibatch GSPO reduces to on-policy policy gradient (PITFALLS #4).
+
+Per optimizer step it also measures expert flips: the top-k sets of the same tokens just before
+and just after the step (`moe/flip_rate/layer_XX`), and after the step vs pi_old
+(`moe/drift_vs_old/...`, the mismatch Routing Replay removes).
+"""
+
+from __future__ import annotations
+
+
+import torch
+
+from megatron_gspo.advantages import group_advantages
+from megatron_gspo.config import RunConfig
+from megatron_gspo.losses import PolicyLossConfig, get_policy_loss
+from megatron_gspo.metrics import Timer, format_progress
+from megatron_gspo.rollout import RolloutBatch, evaluate, generate_rollouts
+from megatron_gspo.runtime import (Runtime, build_policy, load_init_weights, mean_over_ranks,
+                                   save_state, setup_runtime, try_resume)
+from moe.replay import RoutingReplayCache, current_routing, record_routing, replay_routing
+from moe.routing_stats import routing_metrics
+
+PROGRESS_KEYS = ("reward/mean", "eval/accuracy", "policy/clip_frac/token",
+                 "moe/flip_rate/mean", "train/grad_norm")
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.rt: Runtime = setup_runtime(cfg, lr=cfg.optim.lr, job="train")
+        self.policy = self.rt.policy
+        self.loss_cfg = PolicyLossConfig(name=cfg.loss.name, eps_low=cfg.loss.eps_low,
+                                         eps_high=cfg.loss.eps_high, kl_coef=cfg.loss.kl_coef,
+                                         max_log_ratio=cfg.loss.max_log_ratio)
+        self.loss_fn = get_policy_loss(cfg.loss.name)
+        self.ref_policy = None
+        if cfg.loss.kl_coef > 0:  # frozen reference = the initial weights
+            self.ref_policy = build_policy(cfg, self.rt.tokenizer.vocab_size, lr=0.0,
+                                           with_optimizer=False)
+            if cfg.init_checkpoint:
+                load_init_weights(self.ref_policy, cfg.init_checkpoint)
+        dp = self.rt.info.dp
+        if cfg.rollout.prompts_per_batch % dp:
+            raise ValueError(f"rollout.prompts_per_batch={cfg.rollout.prompts_per_batch} is not "
+                             f"divisible by the data-parallel size {dp}")
+        self.local_prompts = cfg.rollout.prompts_per_batch // dp
+        self.state = {"iteration": 0, "opt_step": 0, "skipped_in_a_row": 0,
+                      "reward_ema": None, "best_reward_ema": None}
+        self.state.update(try_resume(self.rt) or {})
+        self.timer = Timer()
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> dict:
+        cfg, last = self.cfg, {}
+        if self.state["iteration"] == 0 and cfg.train.eval_every:
+            self._log(self.state["opt_step"], self.evaluate())
+        while self.state["iteration"] < cfg.train.steps:
+            last = self.iteration()
+            if self.rt.info.is_main:
+                print(format_progress(self.state["iteration"], cfg.train.steps, last,
+                                      PROGRESS_KEYS), flush=True)
+        self.rt.logger.close()
+        return last
+
+    def iteration(self) -> dict:
+        cfg, it = self.cfg, self.state["iteration"]
+        self.timer.reset()
+        with self.timer("rollout"):
+            batch = self.rollout(it)
+        with self.timer("old_forward"):
+            old_logp_BT, old_routing = current_routing(self.policy, batch.tokens_BT,
+                                                       batch.valid_BT, cfg.rollout.temperature)
+            ref_logp_BT = None if self.ref_policy is None else self.ref_policy.token_logprobs(
+                batch.tokens_BT, batch.valid_BT, cfg.rollout.temperature).detach()
+        pi_old_BT = batch.sampler_logp_BT if cfg.rollout.use_sampler_logprobs else old_logp_BT
+        adv_B, adv_metrics = group_advantages(batch.rewards_B, cfg.rollout.group_size,
+                                              eps=cfg.loss.adv_eps)
+        shared = {**rollout_metrics(batch, old_logp_BT), **adv_metrics, "train/iteration": it}
+        if cfg.train.routing_replay != "off":
+            shared["replay/cache_bytes"] = old_routing.nbytes
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + it)
+        order = torch.randperm(len(batch), generator=gen)
+        metrics = {}
+        for m, rows in enumerate(order.chunk(cfg.train.num_minibatches)):
+            ref = None if ref_logp_BT is None else ref_logp_BT[rows]
+            with self.timer("train"):
+                metrics = self.train_step(batch.select(rows), pi_old_BT[rows], adv_B[rows],
+                                          old_routing.select(rows), ref)
+            metrics = mean_over_ranks({**metrics, **shared, "train/minibatch": m})
+            if m < cfg.train.num_minibatches - 1:
+                self._log(self.state["opt_step"], metrics)
+        self.state["iteration"] = it + 1
+        metrics.update(self.timer.as_metrics())
+        metrics.update(throughput(batch, self.timer))
+        metrics.update(self.collapse_alerts(metrics))
+        if cfg.train.eval_every and self.state["iteration"] % cfg.train.eval_every == 0:
+            metrics.update(self.evaluate())
+        self._log(self.state["opt_step"], metrics)
+        if cfg.train.save_every and (self.state["iteration"] % cfg.train.save_every == 0
+                                     or self.state["iteration"] == cfg.train.steps):
+            save_state(self.rt, self.state["iteration"], dict(self.state))
+        return metrics
+
+    def rollout(self, it: int) -> RolloutBatch:
+        cfg, info = self.cfg, self.rt.info
+        # Same draw on every TP rank of a DP replica; deterministic per iteration (resumable).
+        gen = torch.Generator().manual_seed(cfg.seed * 7_919 + it * 104_729 + info.dp_rank)
+        idx = torch.randint(len(self.rt.train_set), (self.local_prompts,), generator=gen)
+        self.policy.train(False)
+        batch = generate_rollouts(self.policy, self.rt.tokenizer, self.rt.task,
+                                  [self.rt.train_set[i] for i in idx.tolist()],
+                                  group_size=cfg.rollout.group_size,
+                                  max_new_tokens=cfg.rollout.max_new_tokens,
+                                  temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                  generator=gen)
+        self.policy.train(True)
+        return batch
+
+    # ------------------------------------------------------------------ one optimizer step
+    def train_step(self, mb: RolloutBatch, old_logp_BT, adv_B, old_routing, ref_logp_BT=None):
+        cfg, policy = self.cfg, self.policy
+        replay = old_routing if cfg.train.routing_replay != "off" else None
+        measure = cfg.train.flip_every > 0 and self.state["opt_step"] % cfg.train.flip_every == 0
+        before = None
+        if measure and replay is not None:  # the live routing the step starts from
+            _, before = current_routing(policy, mb.tokens_BT, mb.valid_BT)
+        self.set_lr()
+        policy.zero_grad()
+        with replay_routing(policy, replay), record_if(policy, measure and replay is None) as rec:
+            logp_BT, entropy_BT = policy.token_logprobs(mb.tokens_BT, mb.valid_BT,
+                                                        cfg.rollout.temperature, with_entropy=True)
+            loss, metrics = self.loss_fn(logp_BT, old_logp_BT, adv_B, mb.response_BT.float(),
+                                         self.loss_cfg, ref_logp_BT=ref_logp_BT)
+        if rec is not None:
+            before = RoutingReplayCache.from_recorded(rec, policy.routed_valid(mb.valid_BT),
+                                                      policy.preset.num_experts)
+        resp_BT = mb.response_BT.to(entropy_BT.device)
+        metrics["policy/entropy"] = float((entropy_BT * resp_BT).sum() / resp_BT.sum())
+        stepped, grad_norm = False, float("nan")
+        if torch.isfinite(loss):
+            loss.backward()
+            stepped, grad_norm = policy.step()
+        metrics.update(self.guard(stepped), **{"train/grad_norm": grad_norm,
+                                               "train/lr": self.current_lr()})
+        if measure and stepped:
+            metrics.update(flip_metrics(policy, mb, before, old_routing))
+        self.state["opt_step"] += 1
+        return metrics
+
+    def guard(self, stepped: bool) -> dict:
+        """NaN/inf guard: a bad step is skipped and counted; too many in a row aborts."""
+        self.state["skipped_in_a_row"] = 0 if stepped else self.state["skipped_in_a_row"] + 1
+        if self.state["skipped_in_a_row"] > self.cfg.train.max_skipped_steps:
+            raise FloatingPointError(
+                f"{self.state['skipped_in_a_row']} consecutive optimizer steps had a non-finite "
+                f"loss or grad norm (train.max_skipped_steps={self.cfg.train.max_skipped_steps}); "
+                f"checkpoints in {self.cfg.run_dir} are untouched")
+        return {"train/skipped": float(not stepped)}
+
+    def set_lr(self) -> None:
+        for group in self.policy.optimizer.param_groups:
+            group["lr"] = self.current_lr()
+
+    def current_lr(self) -> float:
+        warm = self.cfg.optim.warmup_steps
+        scale = min(1.0, (self.state["opt_step"] + 1) / warm) if warm else 1.0
+        return self.cfg.optim.lr * scale
+
+    def collapse_alerts(self, metrics: dict) -> dict:
+        """Flag a reward crash (EMA below best by `collapse_reward_drop`) or entropy collapse."""
+        r = metrics["reward/mean"]
+        ema = r if self.state["reward_ema"] is None else 0.7 * self.state["reward_ema"] + 0.3 * r
+        best = max(ema, self.state["best_reward_ema"] or ema)
+        self.state.update(reward_ema=ema, best_reward_ema=best)
+        reward_crash = best > 0.05 and ema < best * (1 - self.cfg.train.collapse_reward_drop)
+        entropy_crash = metrics.get("policy/entropy", 1.0) < self.cfg.train.collapse_entropy_floor
+        if (reward_crash or entropy_crash) and self.rt.info.is_main:
+            print(f"ALERT collapse: reward_ema={ema:.3f} (best {best:.3f}) "
+                  f"entropy={metrics.get('policy/entropy', float('nan')):.3f}", flush=True)
+        return {"alert/reward_collapse": float(reward_crash),
+                "alert/entropy_collapse": float(entropy_crash)}
+
+    def evaluate(self) -> dict:
+        return evaluate(self.policy, self.rt.tokenizer, self.rt.task, self.rt.eval_set,
+                        max_new_tokens=self.cfg.rollout.max_new_tokens)
+
+    def _log(self, step: int, metrics: dict) -> None:
+        self.rt.logger.log(step, metrics)
+
+
+class record_if:
+    """`record_routing(policy)` when `enabled`, else a no-op yielding None."""
+
+    def __init__(self, policy, enabled: bool):
+        self.cm = record_routing(policy) if enabled else None
+
+    def __enter__(self):
+        return self.cm.__enter__() if self.cm else None
+
+    def __exit__(self, *exc):
+        return self.cm.__exit__(*exc) if self.cm else False
+
+
+def flip_metrics(policy, mb: RolloutBatch, before, old_routing) -> dict:
+    """Expert flips caused by this step (before vs after) and drift from pi_old's routing."""
+    _, after = current_routing(policy, mb.tokens_BT, mb.valid_BT)
+    E, L = policy.preset.num_experts, after.num_layers
+    new = [after.layer_ids(l) for l in range(L)]
+    out = routing_metrics([before.layer_ids(l) for l in range(L)], new, E)
+    drift = routing_metrics([old_routing.layer_ids(l) for l in range(L)], new, E)
+    out.update({k.replace("moe/flip_rate/", "moe/drift_vs_old/"): v for k, v in drift.items()
+                if k.startswith("moe/flip_rate/")})
+    return out
+
+
+def rollout_metrics(batch: RolloutBatch, recompute_logp_BT: torch.Tensor) -> dict:
+    resp_BT = batch.response_BT
+    lengths_B = batch.response_lengths_B.float()
+    diff_BT = (batch.sampler_logp_BT - recompute_logp_BT.cpu()).abs() * resp_BT
+    return {"reward/mean": float(batch.rewards_B.mean()),
+            "reward/std": float(batch.rewards_B.std(unbiased=False)),
+            "reward/accuracy": float((batch.rewards_B >= 1.0).float().mean()),
+            "response/length/mean": float(lengths_B.mean()),
+            "response/length/max": float(lengths_B.max()),
+            "rollout/logprob_mismatch/mean": float(diff_BT.sum() / resp_BT.sum()),
+            "rollout/logprob_mismatch/max": float(diff_BT.max())}
+
+
+def throughput(batch: RolloutBatch, timer: Timer) -> dict:
+    t = timer.as_metrics()
+    gen_tokens = float(batch.response_BT.sum())
+    train_tokens = float(batch.valid_BT.sum())
+    return {"perf/rollout_tokens_per_s": gen_tokens / max(t.get("time/rollout", 0.0), 1e-9),
+            "perf/train_tokens_per_s": train_tokens / max(t.get("time/train", 0.0), 1e-9)}

@@ -1,0 +1,146 @@
+"""Trainer: off-policy minibatches, resume, NaN guard, replay isolation, flips, CLI errors."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from megatron_gspo.config import load_config
+from megatron_gspo.metrics import read_jsonl
+
+BASE = ["model.preset=tiny", "task.name=addition", "task.kwargs.num_digits=1", "task.n_train=60",
+        "task.n_eval=8", "rollout.prompts_per_batch=4", "rollout.group_size=4",
+        "rollout.max_new_tokens=3", "train.num_minibatches=4", "train.eval_every=0",
+        "train.save_every=1", "wandb.mode=disabled", "optim.lr=3e-3", "loss.name=grpo"]
+
+
+def digit_first(example, completion: str) -> float:
+    """A reward an untrained policy earns ~40% of the time, so groups have variance."""
+    return float(completion[:1].isdigit())
+
+
+def make_trainer(tmp_path, *overrides, name="run"):
+    from megatron_gspo.trainer import Trainer
+
+    cfg = load_config(None, [*BASE, f"run_dir={tmp_path / name}", *overrides])
+    trainer = Trainer(cfg)
+    object.__setattr__(trainer.rt.task, "reward", digit_first)  # frozen dataclass
+    return trainer
+
+
+def params(trainer):
+    return {n: p.detach().clone() for n, p in trainer.policy.model.module.named_parameters()}
+
+
+def test_first_minibatch_is_on_policy_later_ones_are_not(tmp_path):
+    """Ratio is exactly 1 on the first minibatch (pi == pi_old) and moves after a step
+    (PITFALLS #4: with one minibatch GSPO would be plain on-policy PG)."""
+    trainer = make_trainer(tmp_path, "train.steps=1", "loss.name=gspo")
+    trainer.train()
+    rows = read_jsonl(os.path.join(trainer.cfg.run_dir, "metrics.jsonl"))
+    assert [r["train/minibatch"] for r in rows] == [0, 1, 2, 3]
+    assert abs(rows[0]["policy/ratio/mean"] - 1.0) < 1e-5
+    assert rows[0]["policy/clip_frac/token"] == 0.0
+    assert max(abs(r["policy/ratio/mean"] - 1.0) for r in rows[1:]) > 1e-5
+
+
+def test_resume_gives_the_same_next_step(tmp_path):
+    straight = make_trainer(tmp_path, "train.steps=2", name="straight")
+    straight.train()
+    first = make_trainer(tmp_path, "train.steps=1", name="resumed")
+    first.train()
+    resumed = make_trainer(tmp_path, "train.steps=2", name="resumed")
+    assert resumed.state["iteration"] == 1 and resumed.state["opt_step"] == 4
+    resumed.train()
+    a, b = params(straight), params(resumed)
+    for n in a:
+        torch.testing.assert_close(a[n], b[n], atol=1e-6, rtol=1e-6, msg=n)
+    rows_a = read_jsonl(os.path.join(straight.cfg.run_dir, "metrics.jsonl"))
+    rows_b = read_jsonl(os.path.join(resumed.cfg.run_dir, "metrics.jsonl"))
+    assert rows_a[-1]["reward/mean"] == rows_b[-1]["reward/mean"]
+    assert rows_a[-1]["policy/loss"] == pytest.approx(rows_b[-1]["policy/loss"], abs=1e-6)
+
+
+def test_nan_loss_is_skipped_then_aborts_without_losing_checkpoints(tmp_path):
+    trainer = make_trainer(tmp_path, "train.steps=3", "train.max_skipped_steps=2")
+    trainer.iteration()  # one good iteration, checkpointed
+    before = params(trainer)
+    real = trainer.loss_fn
+
+    def nan_loss(*args, **kwargs):
+        loss, metrics = real(*args, **kwargs)
+        return loss * float("nan"), metrics
+
+    trainer.loss_fn = nan_loss
+    with pytest.raises(FloatingPointError, match="max_skipped_steps=2"):
+        trainer.iteration()  # 4 minibatches: the 3rd consecutive skip aborts
+    after = params(trainer)
+    for n in before:
+        assert torch.equal(before[n], after[n]), n
+    rows = read_jsonl(os.path.join(trainer.cfg.run_dir, "metrics.jsonl"))
+    assert any(r.get("train/skipped") == 1.0 for r in rows)
+    ckpt = os.path.join(trainer.cfg.run_dir, "checkpoints")
+    assert open(os.path.join(ckpt, "latest")).read().strip() == "1"
+
+
+def test_no_update_means_zero_flips_and_update_means_some(tmp_path):
+    frozen = make_trainer(tmp_path, "train.steps=1", "optim.lr=0.0", name="frozen")
+    frozen.train()
+    rows = read_jsonl(os.path.join(frozen.cfg.run_dir, "metrics.jsonl"))
+    assert all(r["moe/flip_rate/mean"] == 0.0 for r in rows)
+    moving = make_trainer(tmp_path, "train.steps=1", "optim.lr=0.05", name="moving")
+    moving.train()
+    rows = read_jsonl(os.path.join(moving.cfg.run_dir, "metrics.jsonl"))
+    assert max(r["moe/flip_rate/mean"] for r in rows) > 0.0
+    assert "moe/flip_rate/layer_01" in rows[0] and "moe/load_imbalance/layer_00" in rows[0]
+
+
+def test_routing_replay_is_confined_to_the_policy_forward(tmp_path, monkeypatch):
+    """With r2 the loss forward replays pi_old's routes, but rollout / eval never do."""
+    from megatron_gspo import rollout
+    from moe.replay import assert_routing_idle
+
+    trainer = make_trainer(tmp_path, "train.steps=1", "train.routing_replay=r2",
+                           "train.eval_every=1")
+    real_sample = rollout.sample
+
+    def checked_sample(policy, *args, **kwargs):
+        assert_routing_idle(policy)
+        return real_sample(policy, *args, **kwargs)
+
+    monkeypatch.setattr(rollout, "sample", checked_sample)
+    trainer.train()
+    assert_routing_idle(trainer.policy)
+    rows = read_jsonl(os.path.join(trainer.cfg.run_dir, "metrics.jsonl"))
+    last = rows[-1]
+    assert last["replay/cache_bytes"] > 0
+    # replaying pi_old's routes: the first minibatch's policy forward sees zero drift
+    assert "moe/drift_vs_old/mean" in last
+
+
+def test_sft_checkpoint_initialises_rl(tmp_path):
+    from megatron_gspo.sft import run_sft
+    from megatron_gspo.trainer import Trainer
+
+    sft_cfg = load_config(None, [*BASE, f"run_dir={tmp_path / 'sft'}", "sft.steps=3",
+                                 "sft.batch_size=8", "sft.eval_every=0"])
+    run_sft(sft_cfg)
+    trainer = make_trainer(tmp_path, "train.steps=1", f"init_checkpoint={tmp_path / 'sft'}")
+    from megatron_gspo.checkpoint import load_checkpoint
+
+    saved = load_checkpoint(str(tmp_path / "sft" / "checkpoints"))["full_params"]
+    for n, p in trainer.policy.model.module.named_parameters():
+        torch.testing.assert_close(p.detach(), saved[n], atol=0, rtol=0, msg=n)
+
+
+def test_missing_init_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope"):
+        make_trainer(tmp_path, f"init_checkpoint={tmp_path / 'nope'}")
+
+
+def test_cli_rejects_a_typo_naming_the_key(capsys):
+    from megatron_gspo.cli import main
+
+    with pytest.raises(ValueError, match="train.stepz"):
+        main(["train", "train.stepz=3"])
