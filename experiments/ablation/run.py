@@ -1,0 +1,75 @@
+"""GSPO vs GRPO vs GRPO + Routing Replay on qwen3-moe-tiny, from one cold-start checkpoint.
+
+Usage:
+    python experiments/ablation/run.py                    # `make ablation`: 3 arms x 3 seeds
+    python experiments/ablation/run.py --seeds 0 --steps 20 --arms gspo grpo
+    python experiments/ablation/run.py --plot-only        # redraw figures from runs/ablation
+
+Every arm starts from the same SFT checkpoint and spends the same rollout compute (same prompts
+per batch, group size, response length and number of rollout batches); each rollout batch is split
+into 4 minibatches (4 optimizer steps). Runs land in runs/ablation/<arm>_s<seed>; figures and the
+summary table in experiments/ablation/figures (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ARMS = ("gspo", "grpo", "grpo_r2")
+
+
+def cli(*args: str) -> None:
+    cmd = [sys.executable, "-m", "megatron_gspo.cli", *args]
+    print("$", " ".join(cmd[1:]), flush=True)
+    subprocess.run(cmd, cwd=ROOT, check=True)
+
+
+def load_plot_tool():
+    spec = importlib.util.spec_from_file_location("plot_run", os.path.join(ROOT, "tools",
+                                                                          "plot_run.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    ap.add_argument("--steps", type=int, default=None, help="rollout batches per run")
+    ap.add_argument("--out", default=os.path.join(HERE, "figures"))
+    ap.add_argument("--plot-only", action="store_true")
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    runs = []
+    if not os.path.exists(os.path.join(ROOT, "runs/ablation/sft/checkpoints/latest")) \
+            and not args.plot_only:
+        cli("sft", "--config", os.path.join(HERE, "sft.yaml"))
+    for arm in args.arms:
+        for seed in args.seeds:
+            run_dir = f"runs/ablation/{arm}_s{seed}"
+            runs.append(os.path.join(ROOT, run_dir))
+            if args.plot_only:
+                continue
+            overrides = [f"run_dir={run_dir}", f"seed={seed}", "resume=false"]
+            if args.steps:
+                overrides.append(f"train.steps={args.steps}")
+            if os.path.exists(os.path.join(ROOT, run_dir, "metrics.jsonl")):
+                os.remove(os.path.join(ROOT, run_dir, "metrics.jsonl"))
+            cli("train", "--config", os.path.join(HERE, f"{arm}.yaml"), *overrides)
+    plot = load_plot_tool()
+    plot.main([*runs, "--out", args.out, "--group-by-prefix"])
+    print(f"ablation done in {time.time() - t0:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
