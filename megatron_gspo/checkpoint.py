@@ -59,7 +59,7 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _atomic_write(path: str, write) -> None:
+def atomic_write(path: str, write) -> None:
     """`write(binary_file)` into a tmp file next to `path`, fsync, then os.replace."""
     d = os.path.dirname(path) or "."
     fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
@@ -84,7 +84,7 @@ def save_checkpoint(root: str, step: int, state: dict, rank: int = 0) -> str:
         raise ValueError(f"state: expected a dict, got {type(state).__name__}")
     d = step_dir(root, step)
     os.makedirs(d, exist_ok=True)
-    _atomic_write(rank_file(d, rank), lambda f: torch.save(state, f))
+    atomic_write(rank_file(d, rank), lambda f: torch.save(state, f))
     return d
 
 
@@ -95,7 +95,7 @@ def mark_latest(root: str, step: int) -> None:
     if not os.path.isfile(rank_file(d, 0)):
         raise FileNotFoundError(f"cannot mark step {step} latest: {rank_file(d, 0)} does not "
                                 f"exist; {root} holds {_listing(root)}")
-    _atomic_write(os.path.join(root, LATEST_FILE), lambda f: f.write(f"{step}\n".encode()))
+    atomic_write(os.path.join(root, LATEST_FILE), lambda f: f.write(f"{step}\n".encode()))
 
 
 def latest_step(root: str) -> int | None:

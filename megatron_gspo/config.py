@@ -22,7 +22,6 @@ import functools
 import inspect
 import os
 import re
-import tempfile
 import textwrap
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Optional, Sequence, Union, get_args, get_origin, get_type_hints
@@ -511,19 +510,10 @@ def save_config(cfg: RunConfig, path: str) -> None:
     """Write the resolved config as YAML atomically (tmp file + os.replace)."""
     text = ("# resolved megatron-gspo config (megatron-gspo ... --config THIS_FILE)\n"
             + yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False))
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp_", suffix=".yaml")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    from megatron_gspo.checkpoint import atomic_write
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    atomic_write(path, lambda f: f.write(text.encode("utf-8")))
 
 
 # ----------------------------------------------------------------------------- docs

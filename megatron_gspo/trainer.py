@@ -17,6 +17,8 @@ and just after the step (`moe/flip_rate/layer_XX`), and after the step vs pi_old
 from __future__ import annotations
 
 
+from contextlib import nullcontext
+
 import torch
 
 from megatron_gspo.advantages import group_advantages
@@ -135,7 +137,8 @@ class Trainer:
             _, before = current_routing(policy, mb.tokens_BT, mb.valid_BT)
         self.set_lr()
         policy.zero_grad()
-        with replay_routing(policy, replay), record_if(policy, measure and replay is None) as rec:
+        record = record_routing(policy) if measure and replay is None else nullcontext()
+        with replay_routing(policy, replay), record as rec:
             logp_BT, entropy_BT = policy.token_logprobs(mb.tokens_BT, mb.valid_BT,
                                                         cfg.rollout.temperature, with_entropy=True)
             loss, metrics = self.loss_fn(logp_BT, old_logp_BT, adv_B, mb.response_BT.float(),
@@ -195,19 +198,6 @@ class Trainer:
 
     def _log(self, step: int, metrics: dict) -> None:
         self.rt.logger.log(step, metrics)
-
-
-class record_if:
-    """`record_routing(policy)` when `enabled`, else a no-op yielding None."""
-
-    def __init__(self, policy, enabled: bool):
-        self.cm = record_routing(policy) if enabled else None
-
-    def __enter__(self):
-        return self.cm.__enter__() if self.cm else None
-
-    def __exit__(self, *exc):
-        return self.cm.__exit__(*exc) if self.cm else False
 
 
 def flip_metrics(policy, mb: RolloutBatch, before, old_routing) -> dict:
