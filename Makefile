@@ -32,6 +32,7 @@ ablation: $(STAMP)
 	$(BIN)/python experiments/ablation/run.py
 
 bench: $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[bench]'
 	$(BIN)/python tools/bench_throughput.py
 
 clean:

@@ -25,6 +25,8 @@ setup(
         "wandb": ["wandb"],
         "plot": ["matplotlib"],
         "dev": ["pytest", "matplotlib", "wandb"],
+        # tools/bench_throughput.py's TRL side; the versions it was measured with
+        "bench": ["trl==1.16.0", "transformers==5.23.0", "accelerate==1.15.0", "datasets==5.2.0"],
     },
     entry_points={"console_scripts": ["megatron-gspo=megatron_gspo.cli:main"]},
 )

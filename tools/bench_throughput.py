@@ -1,0 +1,371 @@
+"""Throughput of one GSPO iteration: ours (megatron-core MoE) vs TRL's GRPOTrainer, side by side.
+
+    python tools/bench_throughput.py                      # 3 warm-up + 20 measured iterations each
+    python tools/bench_throughput.py --iterations 40 --threads 2   # only on an idle machine
+    python tools/bench_throughput.py --skip-trl           # ours only
+    python tools/bench_throughput.py --set train.flip_every=1   # extra overrides for our side
+
+Needs `pip install trl transformers accelerate datasets` for the TRL side (without them the
+script reports ours and says why TRL was skipped). Nothing is downloaded: the HF model is a
+random `Qwen3MoeForCausalLM` built from a config with qwen3-moe-tiny's shape (parameter counts
+are checked equal), the tokenizer is a character-level `PreTrainedTokenizerFast` with exactly
+our `CharTokenizer`'s ids, and TRL's dataset is our Trainer's own train split (addition, 2
+digits).
+
+One iteration = sample G responses for each of P prompts (B = P*G sequences), one no-grad
+pi_old forward, then the batch is split into N minibatches with one optimizer step each.
+  ours: `Trainer.iteration()` and its timers: rollout = sampling + decode + reward,
+        train = the N `train_step` calls (forward, loss, backward, clip, AdamW).
+  TRL:  GRPOConfig(importance_sampling_level="sequence", steps_per_generation=N,
+        per_device_train_batch_size=B/N, gradient_accumulation_steps=1), so one generation
+        batch of B is split into N optimizer steps exactly like ours. Timed by wrapping its
+        methods: rollout = `_generate` (tokenise + `model.generate` + decode); score =
+        `_generate_and_score_completions` (rollout + rewards + pi_old forward + advantages);
+        train = sum over the N steps of on_step_begin -> on_step_end (a TrainerCallback: forward,
+        loss, backward, clip, optimizer, scheduler) minus score.
+rollout tokens/s = generated response tokens (incl. <eos>) / rollout seconds;
+train tokens/s   = prompt + response tokens of the B sequences (no padding) / train seconds.
+Each reported number is the median over the measured iterations of the per-iteration rate.
+Ours and TRL alternate iteration by iteration (ours runs at each TRL generation boundary, outside
+TRL's timed sections), so slow drifts of a noisy machine hit both. No timing is asserted anywhere.
+
+Threads default to 1: with 2 threads on a 2-core machine where anything else is running, OpenMP
+oversubscription makes both frameworks ~100x slower and the ratio meaningless.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach the Hub
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from megatron_gspo.config import load_config  # noqa: E402
+from megatron_gspo.tasks import CharTokenizer  # noqa: E402
+from moe.presets import get_preset  # noqa: E402
+
+PRESET = "qwen3-moe-tiny"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--iterations", type=int, default=20, help="measured iterations per framework")
+    p.add_argument("--warmup", type=int, default=3, help="unmeasured iterations first")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch.set_num_threads for both frameworks (default 1, see above)")
+    p.add_argument("--prompts", type=int, default=8, help="P: prompts per rollout batch")
+    p.add_argument("--group-size", type=int, default=8, help="G: responses per prompt")
+    p.add_argument("--minibatches", type=int, default=4, help="N: optimizer steps per batch")
+    p.add_argument("--max-new-tokens", type=int, default=5)
+    p.add_argument("--hf-experts", default=None,
+                   help="HF experts_implementation (eager | grouped_mm | batched_mm); "
+                        "default: transformers' own choice")
+    p.add_argument("--skip-trl", action="store_true", help="measure ours only")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra config override for our side (repeatable)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    for name in ("iterations", "threads", "prompts", "minibatches", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    if args.warmup < 0 or args.group_size < 2:
+        p.error(f"--warmup={args.warmup} must be >= 0 and --group-size={args.group_size} >= 2")
+    if (args.prompts * args.group_size) % args.minibatches:
+        p.error(f"--minibatches={args.minibatches} must divide prompts * group size "
+                f"= {args.prompts * args.group_size}")
+    return args
+
+
+# ----------------------------------------------------------------------------- ours
+
+
+def build_ours(args, run_dir: str):
+    from megatron_gspo.trainer import Trainer
+
+    overrides = [f"run_dir={run_dir}", f"seed={args.seed}", f"model.preset={PRESET}",
+                 "task.name=addition", "task.kwargs.num_digits=2", "task.n_train=2000",
+                 "task.n_eval=8", f"rollout.prompts_per_batch={args.prompts}",
+                 f"rollout.group_size={args.group_size}",
+                 f"rollout.max_new_tokens={args.max_new_tokens}", "loss.name=gspo",
+                 f"train.num_minibatches={args.minibatches}", "train.steps=1000000",
+                 "train.routing_replay=off",
+                 "train.flip_every=0",  # flip instrumentation = extra forwards TRL doesn't do
+                 "train.eval_every=0", "train.save_every=0", "wandb.mode=disabled",
+                 "optim.lr=1e-4", "optim.grad_clip=1.0", *args.set]
+    return Trainer(load_config(None, overrides)), overrides
+
+
+def ours_iteration(trainer) -> dict:
+    m = trainer.iteration()
+    rollout_s, train_s = m["time/rollout"], m["time/train"]
+    return {"rollout_s": rollout_s, "old_s": m.get("time/old_forward", float("nan")),
+            "train_s": train_s, "rollout_tokens": m["perf/rollout_tokens_per_s"] * rollout_s,
+            "train_tokens": m["perf/train_tokens_per_s"] * train_s}
+
+
+# ----------------------------------------------------------------------------- TRL side
+
+
+def hf_tokenizer(vocab_size: int):
+    """`PreTrainedTokenizerFast` with CharTokenizer's ids (<bos> prepended), padded to
+    `vocab_size` with unused tokens so every id the model can emit decodes."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    ct = CharTokenizer()
+    vocab = {"<pad>": ct.pad_id, "<bos>": ct.bos_id, "<eos>": ct.eos_id}
+    vocab.update({ch: ct.encode(ch)[0] for ch in ct.chars})
+    vocab.update({f"<unused{i}>": i for i in range(ct.vocab_size, vocab_size)})
+    tk = Tokenizer(models.WordLevel(vocab, unk_token=None))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    tk.post_processor = processors.TemplateProcessing(single="<bos> $A",
+                                                      special_tokens=[("<bos>", ct.bos_id)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>", eos_token="<eos>",
+                                  pad_token="<pad>", padding_side="left")
+    for text in ("12+34=", "c:3,5>8="):
+        if tok(text)["input_ids"] != [ct.bos_id] + ct.encode(text):
+            raise RuntimeError(f"HF tokenizer disagrees with CharTokenizer on {text!r}")
+    return tok
+
+
+def hf_model(preset, experts_impl: str | None):
+    """Random-init Qwen3MoeForCausalLM with the preset's exact shape."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    extra = {"experts_implementation": experts_impl} if experts_impl else {}
+    cfg = Qwen3MoeConfig(
+        vocab_size=preset.vocab_size, hidden_size=preset.hidden_size,
+        intermediate_size=preset.moe_ffn_hidden_size, num_hidden_layers=preset.num_layers,
+        num_attention_heads=preset.num_attention_heads,
+        num_key_value_heads=preset.num_query_groups, head_dim=preset.kv_channels,
+        num_experts=preset.num_experts, num_experts_per_tok=preset.topk,
+        moe_intermediate_size=preset.moe_ffn_hidden_size, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
+        rope_theta=preset.rotary_base, max_position_embeddings=preset.max_seq_len,
+        rms_norm_eps=preset.norm_epsilon, router_aux_loss_coef=0.0,
+        output_router_logits=False, **extra)
+    model = Qwen3MoeForCausalLM(cfg)
+    n_hf, n_ours = sum(p.numel() for p in model.parameters()), preset.num_params()["total"]
+    if n_hf != n_ours:
+        raise RuntimeError(f"HF Qwen3-MoE has {n_hf} parameters, {preset.name} has {n_ours}")
+    return model
+
+
+def timed_trainer_class():
+    from trl import GRPOTrainer
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        """GRPOTrainer that records per-generation-batch timings and token counts."""
+
+        bench_records: list
+
+        def _generate(self, prompts):
+            t0 = time.perf_counter()
+            out = super()._generate(prompts)
+            self.bench_records[-1]["rollout_s"] += time.perf_counter() - t0
+            return out
+
+        def _generate_and_score_completions(self, inputs):
+            self.bench_records.append({"rollout_s": 0.0, "score_s": 0.0, "steps_s": 0.0})
+            t0 = time.perf_counter()
+            out = super()._generate_and_score_completions(inputs)
+            rec = self.bench_records[-1]
+            rec["score_s"] = time.perf_counter() - t0
+            rec["rollout_tokens"] = float(out["completion_mask"].sum())
+            rec["train_tokens"] = float(out["prompt_mask"].sum()) + rec["rollout_tokens"]
+            return out
+
+    return TimedGRPOTrainer
+
+
+def step_timer_callback(threads: int, steps_per_gen: int, between_batches):
+    """Times on_step_begin -> on_step_end; at each generation boundary first calls
+    `between_batches()` (our iteration), outside TRL's timed section."""
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        trainer = None
+
+        def on_step_begin(self, args, state, control, **kw):
+            if state.global_step % steps_per_gen == 0:
+                between_batches()
+            torch.set_num_threads(threads)
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.trainer.bench_records[-1]["steps_s"] += time.perf_counter() - self.t0
+
+    return StepTimer()
+
+
+def build_trl(args, preset, train_set, task, total_iters: int, out_dir: str, callback):
+    """TRL GRPOTrainer (GSPO settings) on the same prompts, model shape and batch split."""
+    from datasets import Dataset
+    from trl import GRPOConfig
+
+    B = args.prompts * args.group_size
+
+    def reward(completions, idx, **_):
+        return [task.reward(train_set[i], c) for i, c in zip(idx, completions)]
+
+    data = Dataset.from_list([{"prompt": ex.prompt, "idx": i} for i, ex in enumerate(train_set)])
+    tok = hf_tokenizer(preset.vocab_size)
+    unused = list(range(CharTokenizer().vocab_size, preset.vocab_size))
+    config = GRPOConfig(
+        output_dir=out_dir, importance_sampling_level="sequence", loss_type="grpo", beta=0.0,
+        epsilon=3e-4, epsilon_high=4e-4,  # GSPO paper sec. 5.1, as our loss.name=gspo
+        num_generations=args.group_size, per_device_train_batch_size=B // args.minibatches,
+        gradient_accumulation_steps=1, steps_per_generation=args.minibatches, num_iterations=1,
+        max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
+        generation_kwargs={"suppress_tokens": unused} if unused else None,  # = our vocab mask
+        use_vllm=False, gradient_checkpointing=False, bf16=False, fp16=False,
+        use_cpu=not torch.cuda.is_available(), learning_rate=1e-4, lr_scheduler_type="constant",
+        warmup_steps=0, max_grad_norm=1.0, optim="adamw_torch", weight_decay=0.0,
+        max_steps=total_iters * args.minibatches, logging_steps=1, report_to="none",
+        eval_strategy="no", save_strategy="no", disable_tqdm=True, seed=args.seed,
+        dataloader_num_workers=0, log_completions=False)
+    trainer = timed_trainer_class()(
+        model=hf_model(preset, args.hf_experts), reward_funcs=reward, args=config,
+        train_dataset=data, processing_class=tok, callbacks=[callback])
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)  # logs are still computed every step, not printed
+    trainer.bench_records = []
+    callback.trainer = trainer
+    return trainer
+
+
+def trl_rows(records: list) -> list:
+    rows = []
+    for r in records:
+        rows.append({"rollout_s": r["rollout_s"], "old_s": r["score_s"] - r["rollout_s"],
+                     "train_s": r["steps_s"] - r["score_s"],
+                     "rollout_tokens": r["rollout_tokens"], "train_tokens": r["train_tokens"]})
+    return rows
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def summarize(rows: list) -> dict:
+    med = statistics.median
+    rollout = [r["rollout_tokens"] / r["rollout_s"] for r in rows]
+    train = [r["train_tokens"] / r["train_s"] for r in rows]
+    return {"spread": f"rollout {min(rollout):.0f}-{max(rollout):.0f}, "
+                      f"train {min(train):.0f}-{max(train):.0f} tokens/s",
+            "rollout_tps": med(r["rollout_tokens"] / r["rollout_s"] for r in rows),
+            "train_tps": med(r["train_tokens"] / r["train_s"] for r in rows),
+            "rollout_s": med(r["rollout_s"] for r in rows), "old_s": med(r["old_s"] for r in rows),
+            "train_s": med(r["train_s"] for r in rows),
+            "rollout_tokens": statistics.mean(r["rollout_tokens"] for r in rows),
+            "train_tokens": statistics.mean(r["train_tokens"] for r in rows)}
+
+
+def print_table(ours: dict, trl: dict | None, skip_reason: str | None) -> None:
+    cols = ["metric (median per iteration)", "ours (megatron-core)", "TRL GRPOTrainer",
+            "ours/TRL"]
+    lines = [("rollout tokens/s", "rollout_tps", "{:.1f}"),
+             ("train tokens/s", "train_tps", "{:.1f}"),
+             ("rollout s/iter", "rollout_s", "{:.3f}"),
+             ("pi_old pass s/iter", "old_s", "{:.3f}"),
+             ("train s/iter", "train_s", "{:.3f}"),
+             ("rollout tokens/iter (mean)", "rollout_tokens", "{:.1f}"),
+             ("train tokens/iter (mean)", "train_tokens", "{:.1f}")]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "|".join("---" for _ in cols) + "|")
+    for label, key, fmt in lines:
+        if trl is None:
+            cells = [fmt.format(ours[key]), "skipped", "-"]
+        else:
+            cells = [fmt.format(ours[key]), fmt.format(trl[key]),
+                     f"{ours[key] / trl[key]:.2f}" if trl[key] else "-"]
+        print(f"| {label} | " + " | ".join(cells) + " |")
+    print(f"\nmin-max over iterations: ours {ours['spread']}"
+          + (f"; TRL {trl['spread']}" if trl else ""))
+    if skip_reason:
+        print(f"TRL skipped: {skip_reason}")
+
+
+def versions() -> str:
+    out = [f"torch {torch.__version__}"]
+    for mod in ("megatron.core", "transformers", "trl", "accelerate"):
+        try:
+            out.append(f"{mod} {__import__(mod, fromlist=['_']).__version__}")
+        except Exception:  # noqa: BLE001 - an optional package may be missing or broken
+            out.append(f"{mod} -")
+    return ", ".join(out)
+
+
+def trl_unavailable() -> str | None:
+    try:
+        import datasets  # noqa: F401
+        import transformers  # noqa: F401
+        import trl  # noqa: F401
+        from transformers import Qwen3MoeConfig  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - report any import failure verbatim
+        return (f"{type(e).__name__}: {e} (pip install trl transformers accelerate datasets, "
+                "keeping torch pinned)")
+    return None
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    total = args.warmup + args.iterations
+    skip_reason = "--skip-trl" if args.skip_trl else trl_unavailable()
+    with tempfile.TemporaryDirectory(prefix="bench_throughput_") as tmp:
+        ours_trainer, overrides = build_ours(args, os.path.join(tmp, "ours"))
+        preset = ours_trainer.policy.preset  # vocab already padded like the trainer does
+        ours_rows: list = []
+
+        def run_ours() -> None:
+            if len(ours_rows) < total:
+                torch.set_num_threads(args.threads)
+                ours_rows.append(ours_iteration(ours_trainer))
+
+        trl_trainer, attn_impl = None, None
+        if skip_reason is None:
+            try:
+                task, train_set = ours_trainer.rt.task, ours_trainer.rt.train_set  # same prompts
+                cb = step_timer_callback(args.threads, args.minibatches, run_ours)
+                trl_trainer = build_trl(args, preset, train_set, task, total,
+                                        os.path.join(tmp, "trl"), cb)
+                c = trl_trainer.model.config
+                attn_impl = f"attn={c._attn_implementation}, experts={c._experts_implementation}"
+            except Exception as e:  # noqa: BLE001 - report ours even if TRL cannot be built
+                skip_reason = f"could not build GRPOTrainer: {type(e).__name__}: {e}"
+        t0 = time.perf_counter()
+        if trl_trainer is not None:
+            trl_trainer.train()  # calls run_ours() at every generation boundary
+        while len(ours_rows) < total:
+            run_ours()
+        wall = time.perf_counter() - t0
+    ours = summarize(ours_rows[args.warmup:])
+    trl = summarize(trl_rows(trl_trainer.bench_records)[args.warmup:]) if trl_trainer else None
+    print_table(ours, trl, skip_reason)
+    B = args.prompts * args.group_size
+    print(f"\nbatch: {args.prompts} prompts x G={args.group_size} = {B} sequences, "
+          f"{args.minibatches} optimizer steps of {B // args.minibatches} per batch, "
+          f"max_new_tokens={args.max_new_tokens}, task addition(num_digits=2)")
+    print(f"iterations: {args.warmup} warm-up + {args.iterations} measured per framework"
+          + (", alternating ours/TRL" if trl else "") + f"; wall {wall:.1f}s")
+    print(f"model: {PRESET} (vocab {preset.vocab_size}, {preset.num_params()['total']} params"
+          + (f"; HF Qwen3MoeForCausalLM: same count, {attn_impl})" if attn_impl else ")"))
+    print(f"torch threads: {torch.get_num_threads()} (set {args.threads}), "
+          f"device: {'cuda' if torch.cuda.is_available() else 'cpu'}, {versions()}")
+    print(f"ours overrides: {' '.join(overrides[1:])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
