@@ -4,11 +4,14 @@ Usage:
     python experiments/ablation/run.py                    # `make ablation`: 3 arms x 3 seeds
     python experiments/ablation/run.py --seeds 0 --steps 20 --arms gspo grpo
     python experiments/ablation/run.py --plot-only        # redraw figures from runs/ablation
+    python experiments/ablation/run.py --profile gpu-small   # `small` preset on one GPU
 
 Every arm starts from the same SFT checkpoint and spends the same rollout compute (same prompts
 per batch, group size, response length and number of rollout batches); each rollout batch is split
 into 4 minibatches (4 optimizer steps). Runs land in runs/ablation/<arm>_s<seed>; figures and the
-summary table in experiments/ablation/figures (or --out).
+summary table in experiments/ablation/figures (or --out). `--profile gpu-small` applies the dotted
+overrides of gpu_small.yaml to every command and writes to runs/ablation_gpu_small and
+experiments/ablation/figures_gpu_small.
 """
 
 from __future__ import annotations
@@ -23,6 +26,18 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.dirname(os.path.abspath(__file__))
 ARMS = ("gspo", "grpo", "grpo_r2")
+PROFILES = {"cpu": None, "gpu-small": "gpu_small.yaml"}
+
+
+def profile_overrides(profile: str) -> list[str]:
+    """The profile's `key=value` overrides (a flat YAML mapping of dotted keys); [] for cpu."""
+    import yaml
+
+    if PROFILES[profile] is None:
+        return []
+    with open(os.path.join(HERE, PROFILES[profile])) as f:
+        mapping = yaml.safe_load(f) or {}
+    return [f"{k}={v}" for k, v in mapping.items()]
 
 
 def cli(*args: str) -> None:
@@ -45,28 +60,33 @@ def main(argv=None) -> int:
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=None, help="rollout batches per run")
-    ap.add_argument("--out", default=os.path.join(HERE, "figures"))
+    ap.add_argument("--profile", choices=list(PROFILES), default="cpu")
+    ap.add_argument("--out", default=None, help="figures folder (default: figures[_profile])")
     ap.add_argument("--plot-only", action="store_true")
     args = ap.parse_args(argv)
     t0 = time.time()
+    suffix = "" if args.profile == "cpu" else "_" + args.profile.replace("-", "_")
+    root, out = f"runs/ablation{suffix}", args.out or os.path.join(HERE, "figures" + suffix)
+    base = profile_overrides(args.profile)
     runs = []
-    if not os.path.exists(os.path.join(ROOT, "runs/ablation/sft/checkpoints/latest")) \
+    if not os.path.exists(os.path.join(ROOT, root, "sft/checkpoints/latest")) \
             and not args.plot_only:
-        cli("sft", "--config", os.path.join(HERE, "sft.yaml"))
+        cli("sft", "--config", os.path.join(HERE, "sft.yaml"), *base, f"run_dir={root}/sft")
     for arm in args.arms:
         for seed in args.seeds:
-            run_dir = f"runs/ablation/{arm}_s{seed}"
+            run_dir = f"{root}/{arm}_s{seed}"
             runs.append(os.path.join(ROOT, run_dir))
             if args.plot_only:
                 continue
-            overrides = [f"run_dir={run_dir}", f"seed={seed}", "resume=false"]
+            overrides = [*base, f"init_checkpoint={root}/sft", f"run_dir={run_dir}",
+                         f"seed={seed}", "resume=false"]
             if args.steps:
                 overrides.append(f"train.steps={args.steps}")
             if os.path.exists(os.path.join(ROOT, run_dir, "metrics.jsonl")):
                 os.remove(os.path.join(ROOT, run_dir, "metrics.jsonl"))
             cli("train", "--config", os.path.join(HERE, f"{arm}.yaml"), *overrides)
     plot = load_plot_tool()
-    plot.main([*runs, "--out", args.out, "--group-by-prefix"])
+    plot.main([*runs, "--out", out, "--group-by-prefix"])
     print(f"ablation done in {time.time() - t0:.0f}s")
     return 0
 
