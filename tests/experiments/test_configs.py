@@ -48,3 +48,17 @@ def test_gpu_profile_changes_the_preset():
     assert load_config(os.path.join(ABL, "gspo.yaml"), base).model.preset == "small"
     with pytest.raises(ConfigError, match="nmodel"):
         load_config(os.path.join(ABL, "gspo.yaml"), [*base, "nmodel.preset=small"])
+
+
+def test_demo_is_the_ablation_gspo_arm():
+    """The demo's README/YAML comments say so; keep it true."""
+    demo = load_config(os.path.join(ROOT, "experiments", "demo", "gspo.yaml"))
+    arm = load_config(os.path.join(ABL, "gspo.yaml"))
+    assert (demo.model, demo.task, demo.rollout, demo.loss, demo.optim, demo.seed) == \
+        (arm.model, arm.task, arm.rollout, arm.loss, arm.optim, arm.seed)
+    assert (demo.train.steps, demo.train.num_minibatches) == (arm.train.steps,
+                                                             arm.train.num_minibatches)
+    demo_sft = load_config(os.path.join(ROOT, "experiments", "demo", "sft.yaml"))
+    arm_sft = load_config(os.path.join(ABL, "sft.yaml"))
+    assert (demo_sft.model, demo_sft.task, demo_sft.sft, demo_sft.seed) == \
+        (arm_sft.model, arm_sft.task, arm_sft.sft, arm_sft.seed)
