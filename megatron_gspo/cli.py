@@ -51,7 +51,8 @@ def main(argv=None) -> int:
 
         rt = setup_runtime(cfg, lr=0.0, job="eval")
         result = evaluate(rt.policy, rt.tokenizer, rt.task, rt.eval_set,
-                          max_new_tokens=cfg.rollout.max_new_tokens)
+                          max_new_tokens=cfg.rollout.max_new_tokens,
+                          kv_cache=cfg.rollout.kv_cache)
     print(json.dumps({k: v for k, v in result.items() if k.startswith(("eval/", "reward/"))}))
     return 0
 

@@ -101,6 +101,9 @@ class RolloutConfig:
     use_sampler_logprobs: bool = False
     """Use the sampler's log-probs as pi_old instead of a recompute forward (the GSPO paper's
     claim that inference-engine likelihoods can be used directly, sec. 4.3)."""
+    kv_cache: bool = True
+    """Sample with megatron-core's static KV cache (one new column per step); False recomputes
+    the full forward each step. Sequence parallelism always recomputes."""
 
     def __post_init__(self):
         _validate(self, ge={"prompts_per_batch": 1, "group_size": 2, "max_new_tokens": 1},

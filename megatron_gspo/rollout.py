@@ -7,9 +7,10 @@ row's prompt ends in the same column, so each sampling step appends one column t
 `valid_BT` marks real tokens, `response_BT` the response tokens (including <eos>) that carry
 the policy loss.
 
-Sampling recomputes the full forward at each step (no KV cache): the tasks here are <= 48 tokens,
-where a cache buys little, and megatron-core 0.16's inference contexts are built for its CUDA
-engines. `sampler_logp_BT` is log pi(y_t) under the temperature-scaled distribution the tokens
+Sampling uses megatron-core's static KV cache (`MoEPolicy.kv_decoder`): the prompt columns are
+prefilled once, then each step runs the model on one new column. With `kv_cache=False`, or under
+sequence parallelism, each step recomputes the full forward instead (same logits up to float
+rounding). `sampler_logp_BT` is log pi(y_t) under the temperature-scaled distribution the tokens
 were drawn from (before top-p filtering, as vLLM reports it), so it is directly comparable with the
 trainer's recompute and usable as pi_old (`rollout.use_sampler_logprobs`, the GSPO paper's claim
 that inference-engine likelihoods suffice for sequence-level ratios).
@@ -78,15 +79,18 @@ def top_p_filter(logits_BV: torch.Tensor, top_p: float) -> torch.Tensor:
 @torch.no_grad()
 def sample(policy, tokenizer, prompts: list[str], *, max_new_tokens: int,
            temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
-           generator: torch.Generator | None = None):
+           generator: torch.Generator | None = None, kv_cache: bool = True):
     """Sample responses. Returns tokens_BT, valid_BT, response_BT, sampler_logp_BT (CPU)."""
     tokens_BT, valid_BT = encode_prompts(tokenizer, prompts)
     B = tokens_BT.shape[0]
     response_BT = torch.zeros_like(valid_BT)
     logp_BT = torch.zeros(tokens_BT.shape, dtype=torch.float32)
     done_B = torch.zeros(B, dtype=torch.bool)
+    decoder = policy.kv_decoder(B, tokens_BT.shape[1] + max_new_tokens) if kv_cache else None
     for _ in range(max_new_tokens):
-        logits_BV = policy.logits(tokens_BT, valid_BT)[:, -1].cpu() / temperature
+        logits_BV = decoder.next_logits(tokens_BT, valid_BT) if decoder is not None \
+            else policy.logits(tokens_BT, valid_BT)[:, -1]
+        logits_BV = logits_BV.cpu() / temperature
         logp_BV = torch.log_softmax(logits_BV, dim=-1)
         if greedy:
             next_B = logits_BV.argmax(-1)
@@ -112,12 +116,13 @@ def decode_responses(tokenizer, tokens_BT: torch.Tensor, response_BT: torch.Tens
 
 def generate_rollouts(policy, tokenizer, task, examples: list, *, group_size: int,
                       max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-                      generator: torch.Generator | None = None) -> RolloutBatch:
+                      generator: torch.Generator | None = None,
+                      kv_cache: bool = True) -> RolloutBatch:
     """G samples for each example (group-major), decoded and rewarded by the task."""
     repeated = [ex for ex in examples for _ in range(group_size)]
     tokens_BT, valid_BT, response_BT, logp_BT = sample(
         policy, tokenizer, [ex.prompt for ex in repeated], max_new_tokens=max_new_tokens,
-        temperature=temperature, top_p=top_p, generator=generator)
+        temperature=temperature, top_p=top_p, generator=generator, kv_cache=kv_cache)
     completions = decode_responses(tokenizer, tokens_BT, response_BT)
     rewards_B = torch.tensor([task.reward(ex, c) for ex, c in zip(repeated, completions)],
                              dtype=torch.float32)
@@ -127,7 +132,7 @@ def generate_rollouts(policy, tokenizer, task, examples: list, *, group_size: in
 
 
 def evaluate(policy, tokenizer, task, examples: list, *, max_new_tokens: int,
-             batch_size: int = 128) -> dict[str, float]:
+             batch_size: int = 128, kv_cache: bool = True) -> dict[str, float]:
     """Greedy-decode accuracy on held-out examples (`eval/...` metrics from `task` scoring)."""
     from megatron_gspo.tasks import score
 
@@ -137,7 +142,8 @@ def evaluate(policy, tokenizer, task, examples: list, *, max_new_tokens: int,
     for start in range(0, len(examples), batch_size):
         chunk = examples[start:start + batch_size]
         tokens_BT, _, response_BT, _ = sample(policy, tokenizer, [ex.prompt for ex in chunk],
-                                              max_new_tokens=max_new_tokens, greedy=True)
+                                              max_new_tokens=max_new_tokens, greedy=True,
+                                              kv_cache=kv_cache)
         completions += decode_responses(tokenizer, tokens_BT, response_BT)
     policy.train(was_training)
     return score(task, examples, completions)

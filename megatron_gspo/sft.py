@@ -43,7 +43,8 @@ def run_sft(cfg: RunConfig) -> dict:
                          f"data-parallel size {info.dp}")
     gen = torch.Generator().manual_seed(cfg.seed * 31 + info.dp_rank)
     evaluate_now = lambda: evaluate(policy, rt.tokenizer, rt.task, rt.eval_set,  # noqa: E731
-                                    max_new_tokens=cfg.rollout.max_new_tokens)
+                                    max_new_tokens=cfg.rollout.max_new_tokens,
+                                    kv_cache=cfg.rollout.kv_cache)
     metrics = evaluate_now()
     rt.logger.log(0, metrics)
     policy.train(True)

@@ -123,7 +123,7 @@ class Trainer:
                                   group_size=cfg.rollout.group_size,
                                   max_new_tokens=cfg.rollout.max_new_tokens,
                                   temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                  generator=gen)
+                                  generator=gen, kv_cache=cfg.rollout.kv_cache)
         self.policy.train(True)
         return batch
 
@@ -194,7 +194,8 @@ class Trainer:
 
     def evaluate(self) -> dict:
         return evaluate(self.policy, self.rt.tokenizer, self.rt.task, self.rt.eval_set,
-                        max_new_tokens=self.cfg.rollout.max_new_tokens)
+                        max_new_tokens=self.cfg.rollout.max_new_tokens,
+                        kv_cache=self.cfg.rollout.kv_cache)
 
     def _log(self, step: int, metrics: dict) -> None:
         self.rt.logger.log(step, metrics)

@@ -1,4 +1,4 @@
-"""The MoE policy: a megatron-core GPTModel in megatron DDP with megatron's optimizer.
+"""The MoE policy: a megatron-core GPTModel in megatron DDP with torch AdamW.
 
 Shape legend: B sequences, T tokens per sequence, V vocabulary.
 
@@ -7,6 +7,7 @@ real tokens. The attention mask is causal and hides padding keys; position ids c
 only, so a left-padded prompt sees the same positions as an unpadded one. Under sequence
 parallel T is padded up to a multiple of tp. Logits beyond the tokenizer's vocabulary (the preset
 vocab is padded) are masked to -inf, so they are never sampled and carry no probability.
+`KVCacheDecoder` gives next-token logits from megatron-core's static KV cache for sampling.
 
 This is the RL package's only door into megatron: `megatron_gspo` calls these methods and never
 imports megatron.core itself.
@@ -106,12 +107,22 @@ class MoEPolicy:
         (tokens_BT, valid_BT), _ = self._pad_for_sp(tokens_BT.to(self.device),
                                                     valid_BT.to(self.device))
         position_ids_BT, mask_B1TT = attention_inputs(valid_BT)
-        logits_BTV = self.model(tokens_BT, position_ids_BT, mask_B1TT)[:, :T].float()
-        if self.real_vocab < logits_BTV.shape[-1]:
-            logits_BTV = logits_BTV.masked_fill(
-                torch.arange(logits_BTV.shape[-1], device=logits_BTV.device) >= self.real_vocab,
-                float("-inf"))
-        return logits_BTV
+        return self.mask_vocab(self.model(tokens_BT, position_ids_BT, mask_B1TT)[:, :T].float())
+
+    def mask_vocab(self, logits_BxV: torch.Tensor) -> torch.Tensor:
+        """-inf on the preset's padding entries beyond the tokenizer's vocabulary."""
+        if self.real_vocab >= logits_BxV.shape[-1]:
+            return logits_BxV
+        return logits_BxV.masked_fill(
+            torch.arange(logits_BxV.shape[-1], device=logits_BxV.device) >= self.real_vocab,
+            float("-inf"))
+
+    def kv_decoder(self, batch_size: int, max_len: int) -> "KVCacheDecoder | None":
+        """A KV-cached next-token decoder, or None under sequence parallelism (a single new
+        column cannot be split over the TP ranks; callers fall back to full recompute)."""
+        if self.layout.sequence_parallel:
+            return None
+        return KVCacheDecoder(self, batch_size, max_len)
 
     def token_logprobs(self, tokens_BT: torch.Tensor, valid_BT: torch.Tensor,
                        temperature: float = 1.0, with_entropy: bool = False):
@@ -190,3 +201,50 @@ class MoEPolicy:
         self.model.module.load_state_dict(state["model"], strict=strict)
         if self.optimizer is not None and "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
+
+
+class KVCacheDecoder:
+    """Next-token logits for sampling, feeding each column through the model only once.
+
+    Built on megatron-core's `StaticInferenceContext` (the per-layer K/V buffers its static-batch
+    generation uses): the first call prefills the prompt columns, later calls run only the new
+    columns and attend to the cached keys and values. `next_logits(tokens_BT, valid_BT)` equals
+    `policy.logits(tokens_BT, valid_BT)[:, -1]` up to float rounding (tests/moe/test_model.py),
+    padding included: the mask hides padding keys exactly as the full forward does. The model
+    runs in eval mode (megatron's inference path needs `not training`); MoE routing is computed
+    as usual, so routing recorders see only the new columns.
+    """
+
+    def __init__(self, policy: MoEPolicy, batch_size: int, max_len: int):
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        if max_len > policy.preset.max_seq_len:
+            raise ValueError(f"KV cache length {max_len} exceeds preset max_seq_len="
+                             f"{policy.preset.max_seq_len}")
+        self.policy, self.batch_size, self.max_len = policy, batch_size, max_len
+        self.context = StaticInferenceContext(batch_size, max_len)
+
+    @torch.no_grad()
+    def next_logits(self, tokens_BT: torch.Tensor, valid_BT: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [B, V] for the token after column T-1; T grows between calls."""
+        seen, T = self.context.sequence_len_offset, tokens_BT.shape[1]
+        if tokens_BT.shape != valid_BT.shape or tokens_BT.shape[0] != self.batch_size:
+            raise ValueError(f"tokens {tuple(tokens_BT.shape)} / valid {tuple(valid_BT.shape)}: "
+                             f"expected [{self.batch_size}, T]")
+        if not seen < T <= self.max_len:
+            raise ValueError(f"{T} columns: the cache holds {seen} of at most {self.max_len}")
+        policy = self.policy
+        position_ids_BT, mask_B1TT = attention_inputs(valid_BT.to(policy.device))
+        if seen:
+            self.context.enable_decode_mode()
+        was_training = policy.model.training
+        policy.model.train(False)
+        try:
+            logits_BSV = policy.model(tokens_BT[:, seen:].to(policy.device),
+                                      position_ids_BT[:, seen:], mask_B1TT[:, :, seen:, :],
+                                      inference_context=self.context,
+                                      runtime_gather_output=True)
+        finally:
+            policy.model.train(was_training)
+        self.context.sequence_len_offset = T
+        return policy.mask_vocab(logits_BSV[:, -1].float())

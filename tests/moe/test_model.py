@@ -114,3 +114,30 @@ def test_all_presets_build_configs():
         cfg = transformer_config(preset)
         assert cfg.num_moe_experts == preset.num_experts and cfg.moe_router_topk == preset.topk
         assert cfg.moe_enable_routing_replay and not cfg.moe_router_pre_softmax
+
+
+def test_kv_cache_decoder_matches_full_forward(single_process):
+    """Prefill + one-column decode steps == the full forward's last-position logits, with left
+    padding, a row that stopped early (right padding), and the padded vocab masked."""
+    preset = get_preset("qwen3-moe-tiny")
+    policy = MoEPolicy.build(preset, ParallelLayout(), real_vocab=26, optim=None)
+    policy.train(True)
+    g = torch.Generator().manual_seed(0)
+    B, P, N = 6, 7, 5
+    tokens = torch.randint(0, 26, (B, P + N), generator=g)
+    valid = torch.ones(B, P + N, dtype=torch.bool)
+    valid[0, :3] = valid[1, :1] = False
+    valid[2, P + 2:] = False
+    decoder = policy.kv_decoder(B, P + N)
+    full = policy.logits(tokens, valid)
+    for t in range(P, P + N + 1):
+        step = decoder.next_logits(tokens[:, :t], valid[:, :t])
+        assert step.shape == (B, preset.vocab_size)
+        live = valid[:, t - 1]
+        torch.testing.assert_close(step[live], full[live, t - 1], atol=1e-5, rtol=1e-5)
+        assert torch.isinf(step[:, 26:]).all()
+    assert policy.model.training  # the decoder's eval mode does not leak
+    with pytest.raises(ValueError, match="columns"):
+        decoder.next_logits(tokens, valid)  # all columns already seen
+    with pytest.raises(ValueError, match="max_seq_len"):
+        policy.kv_decoder(B, preset.max_seq_len + 1)

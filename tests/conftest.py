@@ -1,4 +1,4 @@
-"""Shared fixtures for the megatron-backed tests: one 1-process gloo/NCCL group per session."""
+"""Shared fixtures: one 1-process gloo/NCCL megatron group per test session."""
 
 import os
 import warnings

@@ -1,0 +1,76 @@
+"""Rollout sampling on a real (random-init) qwen3-moe-tiny policy: KV cache vs recompute,
+sampler log-probs vs the trainer's recompute, padding/eos bookkeeping, top-p."""
+
+import math
+
+import pytest
+import torch
+
+from megatron_gspo.rollout import encode_prompts, sample, top_p_filter
+from megatron_gspo.tasks import CharTokenizer
+
+PROMPTS = ["12+345=", "7+8=", "99+1=", "3+40="]
+
+
+@pytest.fixture(scope="module")
+def policy(single_process):
+    from moe.model import ParallelLayout
+    from moe.policy import MoEPolicy
+    from moe.presets import get_preset
+
+    return MoEPolicy.build(get_preset("qwen3-moe-tiny"), ParallelLayout(), real_vocab=26,
+                           seed=3, optim=None)
+
+
+def test_encode_prompts_left_pads_to_a_common_end():
+    tok = CharTokenizer()
+    tokens_BP, valid_BP = encode_prompts(tok, ["1+2=", "12+34="])
+    assert tokens_BP.shape == (2, 7)
+    assert valid_BP[0].tolist() == [False, False, True, True, True, True, True]
+    assert tokens_BP[0, 2].item() == tok.bos_id and tokens_BP[0, :2].tolist() == [tok.pad_id] * 2
+    assert (tokens_BP[:, -1] == tok.encode("=")[0]).all()
+
+
+def test_top_p_filter_hand_case():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = torch.isfinite(top_p_filter(logits, 0.7))[0].tolist()
+    assert kept == [True, True, False, False]  # 0.5 < 0.7 <= 0.8
+    assert torch.isfinite(top_p_filter(logits, 1e-9)).sum() == 1  # never empty
+    assert torch.equal(top_p_filter(logits, 1.0), logits)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_kv_cache_samples_what_full_recompute_samples(policy, greedy):
+    tok = CharTokenizer()
+    out = [sample(policy, tok, PROMPTS * 4, max_new_tokens=6, temperature=0.8, greedy=greedy,
+                  generator=torch.Generator().manual_seed(5), kv_cache=kv) for kv in (True, False)]
+    for a, b in zip(out[0][:3], out[1][:3]):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(out[0][3], out[1][3], atol=1e-5, rtol=1e-5)
+
+
+def test_sampler_logprobs_match_the_recompute_and_padding_is_exact(policy):
+    tok = CharTokenizer()
+    T_temp = 0.7
+    tokens_BT, valid_BT, response_BT, logp_BT = sample(
+        policy, tok, PROMPTS * 8, max_new_tokens=6, temperature=T_temp,
+        generator=torch.Generator().manual_seed(0))
+    recompute_BT = policy.token_logprobs(tokens_BT, valid_BT, temperature=T_temp).cpu()
+    torch.testing.assert_close(logp_BT[response_BT], recompute_BT[response_BT], atol=1e-5,
+                               rtol=1e-5)
+    assert (logp_BT[~response_BT] == 0).all()
+    assert not (response_BT & ~valid_BT).any()
+    for row_tokens, row_resp in zip(tokens_BT, response_BT):
+        resp = row_tokens[row_resp].tolist()
+        assert tok.eos_id not in resp[:-1]  # nothing is generated after <eos>
+        tail = row_tokens[row_resp.nonzero().max() + 1:] if row_resp.any() else row_tokens[:0]
+        assert (tail == tok.pad_id).all()
+    assert math.isfinite(logp_BT.sum().item())
+
+
+def test_tiny_top_p_is_greedy(policy):
+    tok = CharTokenizer()
+    greedy = sample(policy, tok, PROMPTS, max_new_tokens=5, greedy=True)[0]
+    nucleus = sample(policy, tok, PROMPTS, max_new_tokens=5, top_p=1e-9,
+                     generator=torch.Generator().manual_seed(1))[0]
+    assert torch.equal(greedy, nucleus)
