@@ -172,7 +172,8 @@ class TrainConfig:
     makes GSPO plain on-policy policy gradient (every ratio is 1, nothing is clipped)."""
     routing_replay: Literal["off", "r2", "r3"] = "off"
     """Routing Replay: off; r2 = replay pi_old's routing from its training-side forward (GSPO
-    paper sec. 5.3); r3 = replay the routing recorded at rollout time."""
+    paper sec. 5.3); r3 = replay the routing the sampler used, recorded through the KV cache
+    (needs rollout.kv_cache, no sequence parallelism)."""
     flip_every: int = 1
     """Measure per-layer expert flips every k optimizer steps (0 = never)."""
     eval_every: int = 10
@@ -268,6 +269,12 @@ class RunConfig:
             raise ConfigError(
                 f"train.num_minibatches={n} does not divide the rollout batch "
                 f"rollout.prompts_per_batch * rollout.group_size = {batch}")
+        if self.train.routing_replay == "r3" and (not self.rollout.kv_cache
+                                                  or self.model.sequence_parallel):
+            raise ConfigError(
+                "train.routing_replay=r3 records routing through the KV-cache sampler: it needs "
+                f"rollout.kv_cache=true (got {self.rollout.kv_cache}) and "
+                f"model.sequence_parallel=false (got {self.model.sequence_parallel})")
 
 
 # ----------------------------------------------------------------------------- field typing

@@ -9,8 +9,10 @@ the policy loss.
 
 Sampling uses megatron-core's static KV cache (`MoEPolicy.kv_decoder`): the prompt columns are
 prefilled once, then each step runs the model on one new column. With `kv_cache=False`, or under
-sequence parallelism, each step recomputes the full forward instead (same logits up to float
-rounding). `sampler_logp_BT` is log pi(y_t) under the temperature-scaled distribution the tokens
+sequence parallelism (which megatron-core requires for MoE with TP > 1), each step recomputes the
+full forward instead (same logits up to float rounding). With `record_routing` (R3) the decoder also records every MoE layer's top-k ids as it
+goes, plus one last decode step for the final sampled column, giving `RolloutBatch.routing`: the
+routing the sampler itself used. `sampler_logp_BT` is log pi(y_t) under the temperature-scaled distribution the tokens
 were drawn from (before top-p filtering, as vLLM reports it), so it is directly comparable with the
 trainer's recompute and usable as pi_old (`rollout.use_sampler_logprobs`, the GSPO paper's claim
 that inference-engine likelihoods suffice for sequence-level ratios).
@@ -36,6 +38,8 @@ class RolloutBatch:
     """Index of the prompt each row answers (rows of a group are contiguous)."""
     completions: list
     examples: list
+    routing: object = None
+    """Rollout-time routing (`moe.replay.RoutingReplayCache`) when recorded for R3, else None."""
 
     def __len__(self) -> int:
         return self.tokens_BT.shape[0]
@@ -44,8 +48,12 @@ class RolloutBatch:
         out = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            out[f.name] = value[rows] if torch.is_tensor(value) else [value[i] for i in
-                                                                      rows.tolist()]
+            if torch.is_tensor(value):
+                out[f.name] = value[rows]
+            elif isinstance(value, list):
+                out[f.name] = [value[i] for i in rows.tolist()]
+            else:  # the routing cache, or None
+                out[f.name] = None if value is None else value.select(rows)
         return RolloutBatch(**out)
 
     @property
@@ -79,14 +87,20 @@ def top_p_filter(logits_BV: torch.Tensor, top_p: float) -> torch.Tensor:
 @torch.no_grad()
 def sample(policy, tokenizer, prompts: list[str], *, max_new_tokens: int,
            temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
-           generator: torch.Generator | None = None, kv_cache: bool = True):
-    """Sample responses. Returns tokens_BT, valid_BT, response_BT, sampler_logp_BT (CPU)."""
+           generator: torch.Generator | None = None, kv_cache: bool = True,
+           record_routing: bool = False):
+    """Sample responses: (tokens_BT, valid_BT, response_BT, sampler_logp_BT) on CPU, and the
+    rollout-time routing cache (None unless `record_routing`, which needs the KV cache)."""
     tokens_BT, valid_BT = encode_prompts(tokenizer, prompts)
     B = tokens_BT.shape[0]
     response_BT = torch.zeros_like(valid_BT)
     logp_BT = torch.zeros(tokens_BT.shape, dtype=torch.float32)
     done_B = torch.zeros(B, dtype=torch.bool)
-    decoder = policy.kv_decoder(B, tokens_BT.shape[1] + max_new_tokens) if kv_cache else None
+    decoder = policy.kv_decoder(B, tokens_BT.shape[1] + max_new_tokens, record_routing) \
+        if kv_cache or record_routing else None
+    if record_routing and decoder is None:
+        raise ValueError("recording rollout routing (R3) needs the KV-cache sampler, which "
+                         "sequence parallelism does not support")
     for _ in range(max_new_tokens):
         logits_BV = decoder.next_logits(tokens_BT, valid_BT) if decoder is not None \
             else policy.logits(tokens_BT, valid_BT)[:, -1]
@@ -107,7 +121,11 @@ def sample(policy, tokenizer, prompts: list[str], *, max_new_tokens: int,
         done_B |= next_B == tokenizer.eos_id
         if done_B.all():
             break
-    return tokens_BT, valid_BT, response_BT, logp_BT
+    routing = None
+    if record_routing:
+        decoder.next_logits(tokens_BT, valid_BT)  # route the last sampled column too
+        routing = decoder.routing(valid_BT)
+    return tokens_BT, valid_BT, response_BT, logp_BT, routing
 
 
 def decode_responses(tokenizer, tokens_BT: torch.Tensor, response_BT: torch.Tensor) -> list[str]:
@@ -116,19 +134,20 @@ def decode_responses(tokenizer, tokens_BT: torch.Tensor, response_BT: torch.Tens
 
 def generate_rollouts(policy, tokenizer, task, examples: list, *, group_size: int,
                       max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-                      generator: torch.Generator | None = None,
-                      kv_cache: bool = True) -> RolloutBatch:
+                      generator: torch.Generator | None = None, kv_cache: bool = True,
+                      record_routing: bool = False) -> RolloutBatch:
     """G samples for each example (group-major), decoded and rewarded by the task."""
     repeated = [ex for ex in examples for _ in range(group_size)]
-    tokens_BT, valid_BT, response_BT, logp_BT = sample(
+    tokens_BT, valid_BT, response_BT, logp_BT, routing = sample(
         policy, tokenizer, [ex.prompt for ex in repeated], max_new_tokens=max_new_tokens,
-        temperature=temperature, top_p=top_p, generator=generator, kv_cache=kv_cache)
+        temperature=temperature, top_p=top_p, generator=generator, kv_cache=kv_cache,
+        record_routing=record_routing)
     completions = decode_responses(tokenizer, tokens_BT, response_BT)
     rewards_B = torch.tensor([task.reward(ex, c) for ex, c in zip(repeated, completions)],
                              dtype=torch.float32)
     group_B = torch.arange(len(examples)).repeat_interleave(group_size)
     return RolloutBatch(tokens_BT, valid_BT, response_BT, logp_BT, rewards_B, group_B,
-                        completions, repeated)
+                        completions, repeated, routing)
 
 
 def evaluate(policy, tokenizer, task, examples: list, *, max_new_tokens: int,
@@ -141,7 +160,7 @@ def evaluate(policy, tokenizer, task, examples: list, *, max_new_tokens: int,
     completions = []
     for start in range(0, len(examples), batch_size):
         chunk = examples[start:start + batch_size]
-        tokens_BT, _, response_BT, _ = sample(policy, tokenizer, [ex.prompt for ex in chunk],
+        tokens_BT, _, response_BT, _, _ = sample(policy, tokenizer, [ex.prompt for ex in chunk],
                                               max_new_tokens=max_new_tokens, greedy=True,
                                               kv_cache=kv_cache)
         completions += decode_responses(tokenizer, tokens_BT, response_BT)

@@ -12,6 +12,13 @@ matter; with one minibatch GSPO reduces to on-policy policy gradient (PITFALLS #
 Per optimizer step it also measures expert flips: the top-k sets of the same tokens just before
 and just after the step (`moe/flip_rate/layer_XX`), and after the step vs pi_old
 (`moe/drift_vs_old/...`, the mismatch Routing Replay removes).
+
+Routing Replay: `r2` replays pi_old's routing from the no-grad training-side forward (GSPO
+paper, sec. 5.3); `r3` replays the routing the sampler itself used (recorded step by step through
+the KV cache), and logs `rollout/routing_mismatch/...`, the flip rate of the sampler's routing vs
+the training-side recompute of the same weights. Departure: here both sides run the same weights
+in the same framework and precision, so that mismatch is float rounding only; with a separate
+inference engine (vLLM/SGLang kernels, bf16) it is what R3 exists to remove.
 """
 
 from __future__ import annotations
@@ -87,8 +94,11 @@ class Trainer:
         adv_B, adv_metrics = group_advantages(batch.rewards_B, cfg.rollout.group_size,
                                               eps=cfg.loss.adv_eps)
         shared = {**rollout_metrics(batch, old_logp_BT), **adv_metrics, "train/iteration": it}
-        if cfg.train.routing_replay != "off":
-            shared["replay/cache_bytes"] = old_routing.nbytes
+        replay = {"off": None, "r2": old_routing, "r3": batch.routing}[cfg.train.routing_replay]
+        if replay is not None:
+            shared["replay/cache_bytes"] = replay.nbytes
+        if batch.routing is not None:  # how far the sampler's routing is from pi_old's recompute
+            shared.update(layer_flips(old_routing, batch.routing, "rollout/routing_mismatch/"))
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + it)
         order = torch.randperm(len(batch), generator=gen)
         metrics = {}
@@ -96,7 +106,8 @@ class Trainer:
             ref = None if ref_logp_BT is None else ref_logp_BT[rows]
             with self.timer("train"):
                 metrics = self.train_step(batch.select(rows), pi_old_BT[rows], adv_B[rows],
-                                          old_routing.select(rows), ref)
+                                          old_routing.select(rows),
+                                          None if replay is None else replay.select(rows), ref)
             metrics = mean_over_ranks({**metrics, **shared, "train/minibatch": m})
             if m < cfg.train.num_minibatches - 1:
                 self._log(self.state["opt_step"], metrics)
@@ -123,14 +134,16 @@ class Trainer:
                                   group_size=cfg.rollout.group_size,
                                   max_new_tokens=cfg.rollout.max_new_tokens,
                                   temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                  generator=gen, kv_cache=cfg.rollout.kv_cache)
+                                  generator=gen, kv_cache=cfg.rollout.kv_cache,
+                                  record_routing=cfg.train.routing_replay == "r3")
         self.policy.train(True)
         return batch
 
     # ------------------------------------------------------------------ one optimizer step
-    def train_step(self, mb: RolloutBatch, old_logp_BT, adv_B, old_routing, ref_logp_BT=None):
+    def train_step(self, mb: RolloutBatch, old_logp_BT, adv_B, old_routing, replay=None,
+                   ref_logp_BT=None):
+        """One optimizer step on a minibatch; `replay` (R2/R3 cache rows) forces its routing."""
         cfg, policy = self.cfg, self.policy
-        replay = old_routing if cfg.train.routing_replay != "off" else None
         measure = cfg.train.flip_every > 0 and self.state["opt_step"] % cfg.train.flip_every == 0
         before = None
         if measure and replay is not None:  # the live routing the step starts from
@@ -204,13 +217,20 @@ class Trainer:
 def flip_metrics(policy, mb: RolloutBatch, before, old_routing) -> dict:
     """Expert flips caused by this step (before vs after) and drift from pi_old's routing."""
     _, after = current_routing(policy, mb.tokens_BT, mb.valid_BT)
-    E, L = policy.preset.num_experts, after.num_layers
-    new = [after.layer_ids(l) for l in range(L)]
-    out = routing_metrics([before.layer_ids(l) for l in range(L)], new, E)
-    drift = routing_metrics([old_routing.layer_ids(l) for l in range(L)], new, E)
-    out.update({k.replace("moe/flip_rate/", "moe/drift_vs_old/"): v for k, v in drift.items()
-                if k.startswith("moe/flip_rate/")})
+    L = after.num_layers
+    out = routing_metrics([before.layer_ids(l) for l in range(L)],
+                          [after.layer_ids(l) for l in range(L)], after.num_experts)
+    out.update(layer_flips(old_routing, after, "moe/drift_vs_old/"))
     return out
+
+
+def layer_flips(old: RoutingReplayCache, new: RoutingReplayCache, prefix: str) -> dict:
+    """Per-layer flip rate of `new` vs `old` (same tokens) as `{prefix}layer_XX` and `mean`."""
+    L = new.num_layers
+    stats = routing_metrics([old.layer_ids(l) for l in range(L)],
+                            [new.layer_ids(l) for l in range(L)], new.num_experts)
+    return {k.replace("moe/flip_rate/", prefix): v for k, v in stats.items()
+            if k.startswith("moe/flip_rate/")}
 
 
 def rollout_metrics(batch: RolloutBatch, recompute_logp_BT: torch.Tensor) -> dict:

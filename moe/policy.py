@@ -16,6 +16,7 @@ imports megatron.core itself.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,7 @@ from moe.compat import apply_cpu_patches
 from moe.grads import global_grad_norm
 from moe.model import ParallelLayout, build_gpt_moe
 from moe.presets import MoEPreset
+from moe.replay import RoutingReplayCache, record_routing
 
 
 @dataclass(frozen=True)
@@ -117,12 +119,15 @@ class MoEPolicy:
             torch.arange(logits_BxV.shape[-1], device=logits_BxV.device) >= self.real_vocab,
             float("-inf"))
 
-    def kv_decoder(self, batch_size: int, max_len: int) -> "KVCacheDecoder | None":
+    def kv_decoder(self, batch_size: int, max_len: int,
+                   record_routing: bool = False) -> "KVCacheDecoder | None":
         """A KV-cached next-token decoder, or None under sequence parallelism (a single new
-        column cannot be split over the TP ranks; callers fall back to full recompute)."""
+        column cannot be split over the TP ranks; callers fall back to full recompute). As
+        megatron-core requires sequence parallelism for MoE with TP > 1, the cache serves TP=1
+        layouts (any EP and DP: tested on 2 processes with EP=2 and DP=2)."""
         if self.layout.sequence_parallel:
             return None
-        return KVCacheDecoder(self, batch_size, max_len)
+        return KVCacheDecoder(self, batch_size, max_len, record_routing)
 
     def token_logprobs(self, tokens_BT: torch.Tensor, valid_BT: torch.Tensor,
                        temperature: float = 1.0, with_entropy: bool = False):
@@ -212,10 +217,15 @@ class KVCacheDecoder:
     `policy.logits(tokens_BT, valid_BT)[:, -1]` up to float rounding (tests/moe/test_model.py),
     padding included: the mask hides padding keys exactly as the full forward does. The model
     runs in eval mode (megatron's inference path needs `not training`); MoE routing is computed
-    as usual, so routing recorders see only the new columns.
+    as usual.
+
+    With `record_routing`, every call records each MoE layer's top-k ids for the columns it runs
+    (megatron's RECORD action, `moe.replay.record_routing`); `routing(valid_BT)` stitches them
+    into the routing of the whole sequence, the rollout-time routing R3 replays.
     """
 
-    def __init__(self, policy: MoEPolicy, batch_size: int, max_len: int):
+    def __init__(self, policy: MoEPolicy, batch_size: int, max_len: int,
+                 record_routing: bool = False):
         from megatron.core.inference.contexts import StaticInferenceContext
 
         if max_len > policy.preset.max_seq_len:
@@ -223,6 +233,12 @@ class KVCacheDecoder:
                              f"{policy.preset.max_seq_len}")
         self.policy, self.batch_size, self.max_len = policy, batch_size, max_len
         self.context = StaticInferenceContext(batch_size, max_len)
+        self.recorded: list[list[torch.Tensor]] | None = [] if record_routing else None
+
+    @property
+    def seen(self) -> int:
+        """Columns already run through the model (and in the cache)."""
+        return self.context.sequence_len_offset
 
     @torch.no_grad()
     def next_logits(self, tokens_BT: torch.Tensor, valid_BT: torch.Tensor) -> torch.Tensor:
@@ -239,12 +255,31 @@ class KVCacheDecoder:
             self.context.enable_decode_mode()
         was_training = policy.model.training
         policy.model.train(False)
+        recording = record_routing(policy) if self.recorded is not None else nullcontext()
         try:
-            logits_BSV = policy.model(tokens_BT[:, seen:].to(policy.device),
-                                      position_ids_BT[:, seen:], mask_B1TT[:, :, seen:, :],
-                                      inference_context=self.context,
-                                      runtime_gather_output=True)
+            with recording as recorded_L:
+                logits_BSV = policy.model(tokens_BT[:, seen:].to(policy.device),
+                                          position_ids_BT[:, seen:], mask_B1TT[:, :, seen:, :],
+                                          inference_context=self.context,
+                                          runtime_gather_output=True)
         finally:
             policy.model.train(was_training)
+        if recorded_L is not None:
+            self.recorded.append(recorded_L)
         self.context.sequence_len_offset = T
         return policy.mask_vocab(logits_BSV[:, -1].float())
+
+    def routing(self, valid_BT: torch.Tensor) -> RoutingReplayCache:
+        """The recorded routing of all `seen` columns as a replay cache for `valid_BT`.
+
+        Each call's ids are sequence-first over its own columns ([S_call * B, K]); concatenated
+        in call order they are sequence-first over all columns, the layout of one full forward.
+        """
+        if self.recorded is None:
+            raise RuntimeError("this decoder was built without record_routing=True")
+        if valid_BT.shape != (self.batch_size, self.seen):
+            raise ValueError(f"valid {tuple(valid_BT.shape)} must be [{self.batch_size}, "
+                             f"{self.seen}] (the columns run so far)")
+        layers = [torch.cat([call[layer] for call in self.recorded])
+                  for layer in range(len(self.recorded[0]))]
+        return RoutingReplayCache.from_recorded(layers, valid_BT, self.policy.preset.num_experts)

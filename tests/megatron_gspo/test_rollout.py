@@ -52,7 +52,7 @@ def test_kv_cache_samples_what_full_recompute_samples(policy, greedy):
 def test_sampler_logprobs_match_the_recompute_and_padding_is_exact(policy):
     tok = CharTokenizer()
     T_temp = 0.7
-    tokens_BT, valid_BT, response_BT, logp_BT = sample(
+    tokens_BT, valid_BT, response_BT, logp_BT, _ = sample(
         policy, tok, PROMPTS * 8, max_new_tokens=6, temperature=T_temp,
         generator=torch.Generator().manual_seed(0))
     recompute_BT = policy.token_logprobs(tokens_BT, valid_BT, temperature=T_temp).cpu()
@@ -74,3 +74,36 @@ def test_tiny_top_p_is_greedy(policy):
     nucleus = sample(policy, tok, PROMPTS, max_new_tokens=5, top_p=1e-9,
                      generator=torch.Generator().manual_seed(1))[0]
     assert torch.equal(greedy, nucleus)
+
+
+def test_recorded_rollout_routing_is_the_full_forward_routing(policy):
+    """R3's cache: the sampler's per-step routing, stitched, equals one full forward's routing on
+    every valid token (the last sampled column included), and padding is excluded."""
+    from moe.replay import current_routing
+
+    tok = CharTokenizer()
+    tokens_BT, valid_BT, _, _, routing = sample(
+        policy, tok, PROMPTS * 3, max_new_tokens=6, temperature=1.0,
+        generator=torch.Generator().manual_seed(2), record_routing=True)
+    _, full = current_routing(policy, tokens_BT, valid_BT)
+    assert torch.equal(routing.valid_BT, valid_BT)
+    assert routing.ids_NLK.shape[0] == int(valid_BT.sum())
+    assert torch.equal(routing.ids_NLK, full.ids_NLK)
+    sub = routing.select(torch.tensor([4, 0]))
+    assert torch.equal(sub.valid_BT, valid_BT[[4, 0]])
+    with pytest.raises(ValueError, match="KV-cache"):
+        sample(_NoKV(policy), tok,
+               PROMPTS, max_new_tokens=2, record_routing=True)
+
+
+class _NoKV:
+    """A policy whose layout has no KV decoder (as under sequence parallelism)."""
+
+    def __init__(self, policy):
+        self._policy = policy
+
+    def kv_decoder(self, *args, **kwargs):
+        return None
+
+    def __getattr__(self, name):
+        return getattr(self._policy, name)

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from megatron_gspo.config import load_config
+from megatron_gspo.config import ConfigError, load_config
 from megatron_gspo.metrics import read_jsonl
 
 BASE = ["model.preset=tiny", "task.name=addition", "task.kwargs.num_digits=1", "task.n_train=60",
@@ -144,3 +144,46 @@ def test_cli_rejects_a_typo_naming_the_key(capsys):
 
     with pytest.raises(ValueError, match="train.stepz"):
         main(["train", "train.stepz=3"])
+
+
+@pytest.mark.parametrize("mode", ["r2", "r3"])
+def test_replay_source_is_pi_old_for_r2_and_the_sampler_for_r3(tmp_path, monkeypatch, mode):
+    """The sampler's routing is made to differ from pi_old's (on CPU they agree exactly, see
+    test_rollout), so replaying the wrong one is caught."""
+    from megatron_gspo import trainer as trainer_mod
+
+    trainer = make_trainer(tmp_path, "train.steps=1", f"train.routing_replay={mode}",
+                           "train.num_minibatches=2", "train.flip_every=1")
+    real_generate, real_step = trainer_mod.generate_rollouts, trainer_mod.Trainer.train_step
+
+    def shifted_generate(*args, **kwargs):
+        batch = real_generate(*args, **kwargs)
+        if batch.routing is not None:  # another valid routing: ids + 1 mod E, still unique
+            r = batch.routing
+            r.ids_NLK = ((r.ids_NLK.long() + 1) % r.num_experts).to(r.ids_NLK.dtype)
+        return batch
+
+    seen = []
+
+    def spy(self, mb, old_logp_BT, adv_B, old_routing, replay=None, ref_logp_BT=None):
+        assert (mb.routing is None) == (mode == "r2")
+        source = mb.routing if mode == "r3" else old_routing
+        assert torch.equal(replay.ids_NLK, source.ids_NLK)
+        seen.append(mode)
+        return real_step(self, mb, old_logp_BT, adv_B, old_routing, replay, ref_logp_BT)
+
+    monkeypatch.setattr(trainer_mod, "generate_rollouts", shifted_generate)
+    monkeypatch.setattr(trainer_mod.Trainer, "train_step", spy)
+    trainer.train()
+    assert seen == [mode, mode]
+    last = read_jsonl(os.path.join(trainer.cfg.run_dir, "metrics.jsonl"))[-1]
+    assert last["replay/cache_bytes"] > 0
+    if mode == "r3":
+        assert last["rollout/routing_mismatch/mean"] > 0.1
+    else:
+        assert "rollout/routing_mismatch/mean" not in last
+
+
+def test_r3_without_kv_cache_is_a_config_error():
+    with pytest.raises(ConfigError, match="rollout.kv_cache=true"):
+        load_config(None, ["train.routing_replay=r3", "rollout.kv_cache=false"])

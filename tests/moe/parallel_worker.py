@@ -73,6 +73,24 @@ def check_replay(policy, info, ref, rows, tokens_BT, valid_BT, what) -> None:
     assert torch.equal(got.sort(-1).values, want.sort(-1).values), f"{what}: recorded routing"
 
 
+def check_kv_decode(policy, ref, rows, tokens_BT, valid_BT, what) -> None:
+    """The KV-cache decoder (prefill 8 columns, then one at a time) gives the 1-process
+    full-forward logits at each step and records the 1-process routing (none under SP)."""
+    B, T = tokens_BT.shape
+    decoder = policy.kv_decoder(B, T, record_routing=True)
+    if decoder is None:
+        assert policy.layout.sequence_parallel, what
+        return
+    for t in range(8, T + 1):
+        step = decoder.next_logits(tokens_BT[:, :t], valid_BT[:, :t])
+        live = valid_BT[:, t - 1]
+        torch.testing.assert_close(step[live], ref["logits"][rows][:, t - 1][live], atol=ATOL,
+                                   rtol=RTOL, msg=lambda m: f"{what}: KV logits at {t}: {m}")
+    got = decoder.routing(valid_BT).ids_NLK.long()
+    want = ref["live_ids_BTLK"][rows][valid_BT]
+    assert torch.equal(got.sort(-1).values, want.sort(-1).values), f"{what}: KV routing"
+
+
 def worker(rank: int, world: int, port: int, ref_path: str, layouts: list) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
@@ -108,5 +126,6 @@ def worker(rank: int, world: int, port: int, ref_path: str, layouts: list) -> No
             assert abs(grad_norm - ref["grad_norm"]) <= 1e-5 * max(1.0, ref["grad_norm"]), \
                 f"{what}: grad norm {grad_norm} != {ref['grad_norm']}"
             check_replay(policy, info, ref, rows, tokens_BT[rows], valid_BT[rows], what)
+            check_kv_decode(policy, ref, rows, tokens_BT[rows], valid_BT[rows], what)
     finally:
         destroy_parallel()
