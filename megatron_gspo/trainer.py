@@ -160,7 +160,7 @@ class Trainer:
             before = RoutingReplayCache.from_recorded(rec, policy.routed_valid(mb.valid_BT),
                                                       policy.preset.num_experts)
         resp_BT = mb.response_BT.to(entropy_BT.device)
-        metrics["policy/entropy"] = float((entropy_BT * resp_BT).sum() / resp_BT.sum())
+        metrics["policy/entropy"] = float((entropy_BT.detach() * resp_BT).sum() / resp_BT.sum())
         stepped, grad_norm = False, float("nan")
         if torch.isfinite(loss):
             loss.backward()
