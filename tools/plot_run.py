@@ -26,7 +26,7 @@ Figures (each skipped, with a note, when no run has the keys it needs):
 
 Summary (stdout; also `summarize(load_runs(dirs))` from Python), per run/arm: final reward
 (mean of the last 10% of logged steps, at least one), best eval accuracy, mean token clip
-fraction, mean flip rate and per-layer mean flip rates. For an arm each statistic is computed
+fraction, mean flip rate and per-layer mean flip rates, plus the last eval accuracy. For an arm each statistic is computed
 per seed, then averaged over the seeds that have it. A step logged twice keeps its last value.
 """
 
@@ -169,6 +169,7 @@ def _seed_stats(seed: dict) -> dict:
         n = max(1, math.ceil(0.1 * len(r)))
         out["final_reward"] = float(np.mean(r[-n:]))
     for name, key, fn in (("best_eval_acc", "eval/accuracy", np.max),
+                          ("final_eval_acc", "eval/accuracy", lambda v: v[-1]),
                           ("clip_frac_token", "policy/clip_frac/token", np.mean),
                           ("flip_rate_mean", "moe/flip_rate/mean", np.mean)):
         v = vals(key)
@@ -185,15 +186,17 @@ def _mean_or_none(xs):
 
 
 def summarize(runs) -> list[dict]:
-    """Per run/arm: label, n_seeds, last_step, final_reward, best_eval_acc, clip_frac_token,
-    flip_rate_mean (None when missing) and flip_rate_layers {layer: mean over steps}."""
+    """Per run/arm: label, n_seeds, last_step, final_reward, best_eval_acc, final_eval_acc,
+    clip_frac_token, flip_rate_mean (None when missing) and flip_rate_layers {layer: mean over
+    steps}."""
     rows = []
     for run in runs:
         stats = [_seed_stats(s) for s in run["seeds"]]
         steps = [t for s in run["seeds"] for d in s.values() for t in d]
         row = {"label": run["label"], "n_seeds": len(run["seeds"]),
                "last_step": max(steps) if steps else None}
-        for name in ("final_reward", "best_eval_acc", "clip_frac_token", "flip_rate_mean"):
+        for name in ("final_reward", "best_eval_acc", "final_eval_acc", "clip_frac_token",
+                     "flip_rate_mean"):
             row[name] = _mean_or_none([s.get(name) for s in stats])
         layers = sorted({i for s in stats for i in s["flip_rate_layers"]})
         row["flip_rate_layers"] = {
@@ -203,7 +206,7 @@ def summarize(runs) -> list[dict]:
 
 
 def format_summary(rows) -> str:
-    cols = ("label", "n_seeds", "last_step", "final_reward", "best_eval_acc",
+    cols = ("label", "n_seeds", "last_step", "final_reward", "best_eval_acc", "final_eval_acc",
             "clip_frac_token", "flip_rate_mean")
 
     def fmt(v):

@@ -51,13 +51,12 @@ def test_gpu_profile_changes_the_preset():
 
 
 def test_demo_is_the_ablation_gspo_arm():
-    """The demo's README/YAML comments say so; keep it true."""
+    """The demo's README/YAML comments say so (a shorter run of that arm); keep it true."""
     demo = load_config(os.path.join(ROOT, "experiments", "demo", "gspo.yaml"))
     arm = load_config(os.path.join(ABL, "gspo.yaml"))
     assert (demo.model, demo.task, demo.rollout, demo.loss, demo.optim, demo.seed) == \
         (arm.model, arm.task, arm.rollout, arm.loss, arm.optim, arm.seed)
-    assert (demo.train.steps, demo.train.num_minibatches) == (arm.train.steps,
-                                                             arm.train.num_minibatches)
+    assert demo.train.num_minibatches == arm.train.num_minibatches  # the demo runs fewer steps
     demo_sft = load_config(os.path.join(ROOT, "experiments", "demo", "sft.yaml"))
     arm_sft = load_config(os.path.join(ABL, "sft.yaml"))
     assert (demo_sft.model, demo_sft.task, demo_sft.sft, demo_sft.seed) == \

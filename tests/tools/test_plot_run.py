@@ -44,7 +44,8 @@ def _gspo_s0():
 
 
 def _gspo_s1():
-    """20 steps; reward key absent at step 7; constant clip and flip rates."""
+    """20 steps; reward key absent at step 7; constant clip and flip rates; last eval at 19
+    below the best."""
     recs = []
     for t in range(20):
         r = {"step": t, "policy/clip_frac/token": 0.02, "moe/flip_rate/mean": 0.5}
@@ -52,6 +53,8 @@ def _gspo_s1():
             r["reward/mean"] = t / 20 + 0.1
         if t % 5 == 0:
             r["eval/accuracy"] = 0.3 + t / 100
+        if t == 19:
+            r["eval/accuracy"] = 0.4
         for l in range(4):
             r[f"moe/flip_rate/layer_{l:02d}"] = 0.2 * (l + 1)
         recs.append(r)
@@ -71,17 +74,20 @@ def dirs(tmp_path):
 
 
 # hand-computed per-run statistics
-S0 = {"final_reward": (0.90 + 0.95) / 2, "best_eval_acc": 0.35, "clip_frac_token": 0.02,
+S0 = {"final_reward": (0.90 + 0.95) / 2, "best_eval_acc": 0.35, "final_eval_acc": 0.35,
+      "clip_frac_token": 0.02,
       "flip_rate_mean": 0.255,
       "flip_rate_layers": {0: 0.105, 1: 0.205, 2: 0.305, 3: 0.4 + 0.01 * 10 / 19}}
-S1 = {"final_reward": (0.90 + 0.95) / 2 + 0.1, "best_eval_acc": 0.45, "clip_frac_token": 0.02,
+S1 = {"final_reward": (0.90 + 0.95) / 2 + 0.1, "best_eval_acc": 0.45, "final_eval_acc": 0.4,
+      "clip_frac_token": 0.02,
       "flip_rate_mean": 0.5, "flip_rate_layers": {0: 0.2, 1: 0.4, 2: 0.6, 3: 0.8}}
-G0 = {"final_reward": 0.5, "best_eval_acc": None, "clip_frac_token": 5e-5,
+G0 = {"final_reward": 0.5, "best_eval_acc": None, "final_eval_acc": None, "clip_frac_token": 5e-5,
       "flip_rate_mean": None, "flip_rate_layers": {}}
 
 
 def _check_row(row, want):
-    for k in ("final_reward", "best_eval_acc", "clip_frac_token", "flip_rate_mean"):
+    for k in ("final_reward", "best_eval_acc", "final_eval_acc", "clip_frac_token",
+              "flip_rate_mean"):
         if want[k] is None:
             assert row[k] is None, k
         else:
@@ -106,7 +112,7 @@ def test_group_by_prefix_averages_seeds(dirs):
     assert len(runs[0]["seeds"]) == 2 and len(runs[1]["seeds"]) == 1
     gspo, grpo = plot_run.summarize(runs)
     assert gspo["n_seeds"] == 2
-    mean = {k: (S0[k] + S1[k]) / 2 for k in ("final_reward", "best_eval_acc",
+    mean = {k: (S0[k] + S1[k]) / 2 for k in ("final_reward", "best_eval_acc", "final_eval_acc",
                                              "clip_frac_token", "flip_rate_mean")}
     mean["flip_rate_layers"] = {i: (S0["flip_rate_layers"][i] + S1["flip_rate_layers"][i]) / 2
                                 for i in range(4)}
