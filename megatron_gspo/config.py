@@ -60,6 +60,9 @@ class ModelConfig:
         _validate(self, nonempty=("preset",), ge={"tp": 1, "ep": 1, "aux_loss_coeff": 0})
         _check(self, "sequence_parallel", not self.sequence_parallel or self.tp > 1,
                f"requires model.tp > 1 (got tp={self.tp})")
+        _check(self, "sequence_parallel", self.sequence_parallel or self.tp == 1,
+               f"must be true with model.tp={self.tp}: megatron-core requires sequence "
+               "parallelism for MoE with tensor parallelism")
 
 
 @dataclass(frozen=True)

@@ -115,6 +115,10 @@ PRESETS: dict[str, MoEPreset] = {
         MoEPreset(name="qwen3-moe-tiny", num_layers=4, hidden_size=64, num_attention_heads=4,
                   num_query_groups=2, kv_channels=16, num_experts=16, topk=4,
                   moe_ffn_hidden_size=64, vocab_size=64, max_seq_len=64),
+        # The same, 12 layers deep: flip rate vs depth (experiments/routing_volatility).
+        MoEPreset(name="qwen3-moe-tiny-deep", num_layers=12, hidden_size=64,
+                  num_attention_heads=4, num_query_groups=2, kv_channels=16, num_experts=16,
+                  topk=4, moe_ffn_hidden_size=64, vocab_size=64, max_seq_len=64),
         # One GPU.
         MoEPreset(name="small", num_layers=12, hidden_size=512, num_attention_heads=8,
                   num_query_groups=4, kv_channels=64, num_experts=64, topk=8,

@@ -1,15 +1,17 @@
 """How volatile is expert routing under RL updates: flip rate vs layer depth, lr and minibatches.
 
 Usage:
-    python experiments/routing_volatility/run.py                 # the sweep below (~10 min CPU)
-    python experiments/routing_volatility/run.py --steps 10      # quicker
+    python experiments/routing_volatility/run.py                 # both presets, 6 runs each
+    python experiments/routing_volatility/run.py --presets qwen3-moe-tiny --steps 10
     python experiments/routing_volatility/run.py --plot-only
 
-GRPO without Routing Replay from the ablation's cold-start checkpoint (run the ablation first, or
-this script runs its SFT). Flips are measured on every optimizer step: the top-k sets of the
-same tokens just before vs just after the step. Sweeps learning rate at 4 minibatches, and the
-number of minibatches per rollout batch at lr 1e-4. Prints per-layer mean flip rates and the
-Spearman correlation of flip rate with depth for each run.
+GRPO without Routing Replay from a cold-start SFT checkpoint, on qwen3-moe-tiny (4 MoE layers;
+the ablation's checkpoint, made here if missing) and qwen3-moe-tiny-deep (the same layer, 12
+deep; its own SFT with the ablation's recipe). Flips are measured on every optimizer step: the
+top-k sets of the same tokens just before vs just after the step. Sweeps the learning rate at 4
+minibatches, and the number of minibatches per rollout batch at lr 1e-4. Prints per-layer mean
+flip rates, the Spearman correlation of flip rate with depth, and the mean flip rate of the
+deepest third of layers over that of the shallowest third. Figures go to figures/<preset>/.
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ sys.path.insert(0, os.path.join(ROOT, "experiments", "ablation"))
 
 from run import cli, load_plot_tool  # noqa: E402  (experiments/ablation/run.py)
 
+PRESETS = {"qwen3-moe-tiny": "4 MoE layers", "qwen3-moe-tiny-deep": "12 MoE layers"}
 SWEEP = {  # name -> overrides
     "lr3e-5_n4": ["optim.lr=3e-5", "train.num_minibatches=4"],
     "lr1e-4_n4": ["optim.lr=1e-4", "train.num_minibatches=4"],
     "lr3e-4_n4": ["optim.lr=3e-4", "train.num_minibatches=4"],
+    "lr1e-3_n4": ["optim.lr=1e-3", "train.num_minibatches=4"],
     "lr1e-4_n2": ["optim.lr=1e-4", "train.num_minibatches=2"],
     "lr1e-4_n8": ["optim.lr=1e-4", "train.num_minibatches=8"],
 }
@@ -50,35 +54,59 @@ def spearman(xs, ys) -> float:
     return cov / (vx * vy) if vx and vy else float("nan")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--runs", nargs="+", default=list(SWEEP), choices=list(SWEEP))
-    ap.add_argument("--out", default=os.path.join(HERE, "figures"))
-    ap.add_argument("--plot-only", action="store_true")
-    args = ap.parse_args(argv)
-    if not args.plot_only and not os.path.exists(
-            os.path.join(ROOT, "runs/ablation/sft/checkpoints/latest")):
-        cli("sft", "--config", os.path.join(ROOT, "experiments/ablation/sft.yaml"))
-    dirs = []
-    for name in args.runs:
-        run_dir = f"runs/routing_volatility/{name}"
-        dirs.append(os.path.join(ROOT, run_dir))
-        if not args.plot_only:
-            cli("train", "--config", os.path.join(ROOT, "experiments/ablation/grpo.yaml"),
-                f"run_dir={run_dir}", "resume=false", f"train.steps={args.steps}",
-                "train.eval_every=0", *SWEEP[name])
-    plot = load_plot_tool()
-    plot.main([*dirs, "--out", args.out])
-    print(f"\n{'run':<12} {'flip mean':>9}  per-layer mean flip rate (layer 0 first)   "
-          f"spearman(depth, flip)")
+def sft_checkpoint(preset: str) -> str:
+    """The cold-start checkpoint for `preset`: the ablation's for qwen3-moe-tiny, else its own
+    SFT with the ablation's recipe (run here when missing)."""
+    run_dir = "runs/ablation/sft" if preset == "qwen3-moe-tiny" else \
+        f"runs/routing_volatility/{preset}/sft"
+    if not os.path.exists(os.path.join(ROOT, run_dir, "checkpoints/latest")):
+        cli("sft", "--config", os.path.join(ROOT, "experiments/ablation/sft.yaml"),
+            f"model.preset={preset}", f"run_dir={run_dir}")
+    return run_dir
+
+
+def depth_table(plot, dirs: list) -> str:
+    """Per run: mean flip rate, per-layer means, Spearman(depth, flip), deepest/shallowest."""
+    lines = [f"{'run':<12} {'flip mean':>9}  {'spearman':>8}  {'deep/shallow':>12}  "
+             "per-layer mean flip rate (layer 0 first)"]
     for row in plot.summarize(plot.load_runs(dirs)):
         layers = row["flip_rate_layers"]
         xs = sorted(layers)
         ys = [layers[i] for i in xs]
-        print(f"{row['label']:<12} {row['flip_rate_mean']:>9.4f}  "
-              f"{' '.join(f'{y:.4f}' for y in ys):<40} {spearman(xs, ys):>6.2f}")
+        third = max(1, len(ys) // 3)
+        ratio = (sum(ys[-third:]) / third) / max(sum(ys[:third]) / third, 1e-12)
+        lines.append(f"{row['label']:<12} {row['flip_rate_mean']:>9.4f}  "
+                     f"{spearman(xs, ys):>8.2f}  {ratio:>12.2f}  "
+                     + " ".join(f"{y:.4f}" for y in ys))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=30, help="rollout batches per run")
+    ap.add_argument("--runs", nargs="+", default=list(SWEEP), choices=list(SWEEP))
+    ap.add_argument("--presets", nargs="+", default=list(PRESETS), choices=list(PRESETS))
+    ap.add_argument("--out", default=os.path.join(HERE, "figures"))
+    ap.add_argument("--plot-only", action="store_true")
+    args = ap.parse_args(argv)
+    plot = load_plot_tool()
+    tables = []
+    for preset in args.presets:
+        init = None if args.plot_only else sft_checkpoint(preset)
+        dirs = []
+        for name in args.runs:
+            run_dir = f"runs/routing_volatility/{preset}/{name}"
+            dirs.append(os.path.join(ROOT, run_dir))
+            if not args.plot_only:
+                cli("train", "--config", os.path.join(ROOT, "experiments/ablation/grpo.yaml"),
+                    f"model.preset={preset}", f"init_checkpoint={init}", f"run_dir={run_dir}",
+                    "resume=false", f"train.steps={args.steps}", "train.eval_every=0",
+                    "train.save_every=0", *SWEEP[name])
+        plot.main([*dirs, "--out", os.path.join(args.out, preset)])
+        tables.append(f"\n{preset} ({PRESETS[preset]}), GRPO, {args.steps} rollout batches:\n"
+                      + depth_table(plot, dirs))
+    print("\n".join(tables))
     return 0
 
 

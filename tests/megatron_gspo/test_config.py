@@ -121,6 +121,7 @@ def test_bool_parsing(text, flag):
     ("rollout.top_p=0", "rollout.top_p=0.0: must be in (0, 1]"),
     ("rollout.temperature=nan", "rollout.temperature=nan: must be > 0"),
     ("model.sequence_parallel=true", "model.sequence_parallel=True: requires model.tp > 1"),
+    ("model.tp=2", "model.sequence_parallel=False: must be true with model.tp=2"),
 ])
 def test_bad_overrides_raise_naming_key(override, fragment):
     with pytest.raises(ConfigError) as e:
