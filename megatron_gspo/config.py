@@ -9,28 +9,24 @@ Loading is strict and generic (it walks the dataclass fields, no per-section cod
 An unknown key at any level is an error naming the dotted key and listing the section's valid
 keys. Override values are YAML (`1e-5`, `true`, `[1,2]`, `null`) coerced to the field's type.
 
-Departure from plain `yaml.safe_load`: files and override values are read with a YAML 1.2-style
-resolver, so `3e-4` is a float (YAML 1.1 reads it as a string) and only true/false are
-booleans (`off`, `yes`, `no` stay strings, e.g. `train.routing_replay=off`).
+The generic machinery (typing, coercion, YAML 1.2-style loading, overrides, field docstrings)
+lives in `megatron_gspo.strict`; this module is the schema.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import functools
-import inspect
 import os
-import re
-import textwrap
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Optional, Sequence, Union, get_args, get_origin, get_type_hints
+from typing import ClassVar, Literal, Optional, Sequence
 
 import yaml
 
+from megatron_gspo.strict import (ConfigError, YamlLoader, apply_override, build, check,
+                                  describe_fields, field_docs, validate)
 
-class ConfigError(ValueError):
-    """A bad config key or value; the message names the dotted key."""
+__all__ = ["ConfigError", "RunConfig", "config_from_dict", "config_to_dict", "describe_config",
+           "field_docs", "load_config", "save_config"]
 
 
 # ----------------------------------------------------------------------------- schema
@@ -57,10 +53,10 @@ class ModelConfig:
     """MoE load-balancing auxiliary loss coefficient (0 = off)."""
 
     def __post_init__(self):
-        _validate(self, nonempty=("preset",), ge={"tp": 1, "ep": 1, "aux_loss_coeff": 0})
-        _check(self, "sequence_parallel", not self.sequence_parallel or self.tp > 1,
+        validate(self, nonempty=("preset",), ge={"tp": 1, "ep": 1, "aux_loss_coeff": 0})
+        check(self, "sequence_parallel", not self.sequence_parallel or self.tp > 1,
                f"requires model.tp > 1 (got tp={self.tp})")
-        _check(self, "sequence_parallel", self.sequence_parallel or self.tp == 1,
+        check(self, "sequence_parallel", self.sequence_parallel or self.tp == 1,
                f"must be true with model.tp={self.tp}: megatron-core requires sequence "
                "parallelism for MoE with tensor parallelism")
 
@@ -82,8 +78,8 @@ class TaskConfig:
     """Seed of the train / eval split."""
 
     def __post_init__(self):
-        _validate(self, nonempty=("name",), ge={"n_train": 1, "n_eval": 0})
-        _check(self, "kwargs", all(isinstance(k, str) for k in self.kwargs), "keys must be str")
+        validate(self, nonempty=("name",), ge={"n_train": 1, "n_eval": 0})
+        check(self, "kwargs", all(isinstance(k, str) for k in self.kwargs), "keys must be str")
 
 
 @dataclass(frozen=True)
@@ -109,9 +105,9 @@ class RolloutConfig:
     the full forward each step. Sequence parallelism always recomputes."""
 
     def __post_init__(self):
-        _validate(self, ge={"prompts_per_batch": 1, "group_size": 2, "max_new_tokens": 1},
+        validate(self, ge={"prompts_per_batch": 1, "group_size": 2, "max_new_tokens": 1},
                   gt={"temperature": 0})
-        _check(self, "top_p", 0 < self.top_p <= 1, "must be in (0, 1]")
+        check(self, "top_p", 0 < self.top_p <= 1, "must be in (0, 1]")
 
 
 @dataclass(frozen=True)
@@ -134,9 +130,9 @@ class LossConfig:
     """Epsilon in the group advantage (r - mean) / (std + eps)."""
 
     def __post_init__(self):
-        _validate(self, nonempty=("name",), ge={"eps_high": 0, "kl_coef": 0},
+        validate(self, nonempty=("name",), ge={"eps_high": 0, "kl_coef": 0},
                   gt={"max_log_ratio": 0, "adv_eps": 0})
-        _check(self, "eps_low", self.eps_low is None or 0 <= self.eps_low < 1, "must be in [0, 1)")
+        check(self, "eps_low", self.eps_low is None or 0 <= self.eps_low < 1, "must be in [0, 1)")
 
 
 @dataclass(frozen=True)
@@ -158,9 +154,9 @@ class OptimConfig:
     """Linear learning-rate warmup in optimizer steps."""
 
     def __post_init__(self):
-        _validate(self, ge={"lr": 0, "weight_decay": 0, "grad_clip": 0, "warmup_steps": 0})
+        validate(self, ge={"lr": 0, "weight_decay": 0, "grad_clip": 0, "warmup_steps": 0})
         for name in ("beta1", "beta2"):
-            _check(self, name, 0 <= getattr(self, name) < 1, "must be in [0, 1)")
+            check(self, name, 0 <= getattr(self, name) < 1, "must be in [0, 1)")
 
 
 @dataclass(frozen=True)
@@ -193,10 +189,10 @@ class TrainConfig:
     """Abort after this many consecutive steps skipped for NaN / inf loss or grad norm."""
 
     def __post_init__(self):
-        _validate(self, ge={"steps": 1, "num_minibatches": 1, "log_every": 1, "flip_every": 0,
+        validate(self, ge={"steps": 1, "num_minibatches": 1, "log_every": 1, "flip_every": 0,
                             "eval_every": 0, "save_every": 0, "max_skipped_steps": 0,
                             "collapse_entropy_floor": 0})
-        _check(self, "collapse_reward_drop", 0 < self.collapse_reward_drop <= 1,
+        check(self, "collapse_reward_drop", 0 < self.collapse_reward_drop <= 1,
                "must be in (0, 1]")
 
 
@@ -215,7 +211,7 @@ class SFTConfig:
     """Evaluate every k steps (0 = never)."""
 
     def __post_init__(self):
-        _validate(self, ge={"steps": 1, "batch_size": 1, "lr": 0, "eval_every": 0})
+        validate(self, ge={"steps": 1, "batch_size": 1, "lr": 0, "eval_every": 0})
 
 
 @dataclass(frozen=True)
@@ -231,7 +227,7 @@ class WandbConfig:
     """wandb run name (None = wandb's default)."""
 
     def __post_init__(self):
-        _validate(self, nonempty=("project",))
+        validate(self, nonempty=("project",))
 
 
 @dataclass(frozen=True)
@@ -265,7 +261,7 @@ class RunConfig:
     """wandb logging."""
 
     def __post_init__(self):
-        _validate(self, nonempty=("run_dir", "init_checkpoint"), ge={"seed": 0})
+        validate(self, nonempty=("run_dir", "init_checkpoint"), ge={"seed": 0})
         batch = self.rollout.prompts_per_batch * self.rollout.group_size
         n = self.train.num_minibatches
         if batch % n:
@@ -280,225 +276,14 @@ class RunConfig:
                 f"model.sequence_parallel=false (got {self.model.sequence_parallel})")
 
 
-# ----------------------------------------------------------------------------- field typing
-
-
-@functools.lru_cache(maxsize=None)
-def _field_types(cls) -> dict[str, Any]:
-    """{field name: resolved annotation} in declaration order (ClassVars excluded)."""
-    hints = get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
-
-
-def _type_name(tp) -> str:
-    origin, args = get_origin(tp), get_args(tp)
-    if origin is Union:
-        return " | ".join(_type_name(a) for a in args)
-    if origin is Literal:
-        return " | ".join(repr(a) for a in args)
-    if tp is type(None):
-        return "null"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _accepts_str(tp) -> bool:
-    origin, args = get_origin(tp), get_args(tp)
-    if origin is Union:
-        return any(_accepts_str(a) for a in args)
-    return tp is str or origin is Literal
-
-
-_BOOLS = {"true": True, "yes": True, "on": True, "1": True,
-          "false": False, "no": False, "off": False, "0": False}
-
-
-def _to_bool(v):
-    if isinstance(v, bool):
-        return v
-    return _BOOLS[v.strip().lower()] if isinstance(v, str) else _BOOLS[None]
-
-
-def _to_int(v):
-    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
-        raise ValueError(v)
-    if isinstance(v, float) and not v.is_integer():
-        raise ValueError(v)
-    return int(v.strip()) if isinstance(v, str) else int(v)
-
-
-def _to_float(v):  # strings too: YAML 1.1 reads 3e-4 as a string
-    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
-        raise ValueError(v)
-    return float(v)
-
-
-def _of_type(t):
-    def check(v):
-        if not isinstance(v, t):
-            raise ValueError(v)
-        return dict(v) if t is dict else v
-    return check
-
-
-_SCALARS = {bool: _to_bool, int: _to_int, float: _to_float, str: _of_type(str),
-            dict: _of_type(dict)}
-
-
-def _coerce(value, tp, key: str):
-    """`value` as annotation `tp` (int, float, bool, str, dict, Optional, Literal, dataclass)."""
-    origin, args = get_origin(tp), get_args(tp)
-    if origin is Union and value is None and type(None) in args:
-        return None
-    if origin is Literal:
-        if isinstance(value, str) and value in args:
-            return value
-        raise ConfigError(f"{key}={value}: expected one of {', '.join(map(repr, args))}")
-    inner = [a for a in args if a is not type(None)] if origin is Union else [tp]
-    base = get_origin(inner[0]) or inner[0]
-    convert = _of_type(base) if dataclasses.is_dataclass(base) else _SCALARS.get(base)
-    if len(inner) != 1 or convert is None:
-        raise TypeError(f"{key}: unsupported annotation {tp}")
-    try:
-        return convert(value)
-    except (ValueError, KeyError, TypeError):
-        raise ConfigError(f"{key}={value}: expected {_type_name(tp)}") from None
-
-
-def _key(obj, name: str) -> str:
-    return f"{obj._section}.{name}" if obj._section else name
-
-
-def _coerce_fields(obj) -> None:
-    """Normalise every field of a frozen dataclass to its annotated type (or raise)."""
-    for name, tp in _field_types(type(obj)).items():
-        value = _coerce(getattr(obj, name), tp, _key(obj, name))
-        object.__setattr__(obj, name, value)
-
-
-def _check(obj, name: str, ok: bool, msg: str) -> None:
-    if not ok:
-        raise ConfigError(f"{_key(obj, name)}={getattr(obj, name)}: {msg}")
-
-
-def _validate(obj, nonempty: Sequence[str] = (), ge: dict | None = None,
-              gt: dict | None = None) -> None:
-    """Coerce every field to its type, then range checks (None passes; NaN fails)."""
-    _coerce_fields(obj)
-    for name in nonempty:
-        _check(obj, name, getattr(obj, name) != "", "must be non-empty")
-    for name, lo in (ge or {}).items():
-        v = getattr(obj, name)
-        _check(obj, name, v is None or v >= lo, f"must be >= {lo}")
-    for name, lo in (gt or {}).items():
-        v = getattr(obj, name)
-        _check(obj, name, v is None or v > lo, f"must be > {lo}")
-
-
-# ----------------------------------------------------------------------------- loading
-
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader with YAML 1.2 floats (`3e-4`) and booleans (only true / false)."""
-
-
-_BOOL, _FLOAT = "tag:yaml.org,2002:bool", "tag:yaml.org,2002:float"
-_Loader.yaml_implicit_resolvers = {
-    ch: [(tag, rx) for tag, rx in rs if tag not in (_BOOL, _FLOAT)]
-    for ch, rs in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-_Loader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
-                              list("tTfF"))
-_Loader.add_implicit_resolver(_FLOAT, re.compile(
-    r"^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+"
-    r"|[-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
-    list("-+0123456789."))
-
-
-def _unknown(prefix: str, name, cls) -> ConfigError:
-    section = prefix.rstrip(".") or "top level"
-    return ConfigError(f"unknown config key '{prefix}{name}'; valid keys of {section}: "
-                       f"{', '.join(_field_types(cls))}")
-
-
-def _build(cls, data, prefix: str = ""):
-    """Strictly construct dataclass `cls` from a nested mapping (None = all defaults)."""
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of keys, "
-                          f"got {type(data).__name__} {data!r}")
-    types = _field_types(cls)
-    kwargs = {}
-    for name, value in data.items():
-        if name not in types:
-            raise _unknown(prefix, name, cls)
-        tp = types[name]
-        kwargs[name] = _build(tp, value, f"{prefix}{name}.") if dataclasses.is_dataclass(tp) \
-            else value
-    return cls(**kwargs)
-
-
 def config_from_dict(d: dict) -> RunConfig:
     """Strict: unknown keys at any level, wrong types or bad values raise ConfigError."""
-    return _build(RunConfig, d)
+    return build(RunConfig, d)
 
 
 def config_to_dict(cfg) -> dict:
     """Plain nested dict; `config_from_dict(config_to_dict(cfg)) == cfg`."""
     return dataclasses.asdict(cfg)
-
-
-def _parse_override(item: str) -> tuple[list[str], str]:
-    key, sep, text = item.partition("=")
-    key = key.strip()
-    if not sep or not key or any(p == "" for p in key.split(".")):
-        raise ConfigError(f"override {item!r} is not of the form dotted.key=value")
-    return key.split("."), text
-
-
-def _override_value(key: str, text: str, tp):
-    try:
-        value = yaml.load(text, Loader=_Loader) if text.strip() else ""
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{key}={text}: not a YAML value ({e})") from None
-    if tp is not Any and _accepts_str(tp) and isinstance(value, (bool, int, float)):
-        return text.strip()  # wandb.name=2024 is the string "2024"
-    return value
-
-
-def _apply_override(raw: dict, item: str) -> None:
-    """Set one `a.b=c` into the nested raw dict, checking the path against the schema."""
-    parts, text = _parse_override(item)
-    key = ".".join(parts)
-    cls, node = RunConfig, raw
-    for i, name in enumerate(parts):
-        prefix = "".join(p + "." for p in parts[:i])
-        types = _field_types(cls)
-        if name not in types:
-            raise _unknown(prefix, name, cls)
-        tp, last = types[name], i == len(parts) - 1
-        if dataclasses.is_dataclass(tp):
-            if last:
-                raise ConfigError(f"{key} is a section; set one of its keys, e.g. "
-                                  f"{key}.{next(iter(_field_types(tp)))}=...")
-            if node.get(name) is None:
-                node[name] = {}
-            if not isinstance(node[name], dict):
-                raise ConfigError(f"{prefix}{name}: expected a mapping, got {node[name]!r}")
-            cls, node = tp, node[name]
-        elif last:
-            node[name] = _override_value(key, text, tp)
-        elif tp is dict or get_origin(tp) is dict:  # task.kwargs.num_digits=3
-            default = {f.name: f for f in dataclasses.fields(cls)}[name].default_factory()
-            sub = node.get(name, default)
-            node[name] = sub = dict(sub) if isinstance(sub, dict) else {}
-            for p in parts[i + 1:-1]:
-                sub[p] = dict(sub[p]) if isinstance(sub.get(p), dict) else {}
-                sub = sub[p]
-            sub[parts[-1]] = _override_value(key, text, Any)
-            return
-        else:
-            raise ConfigError(f"{key}: {prefix}{name} is a value of type {_type_name(tp)}, "
-                              "not a section")
 
 
 def load_config(path: str | None, overrides: Sequence[str] = ()) -> RunConfig:
@@ -508,14 +293,14 @@ def load_config(path: str | None, overrides: Sequence[str] = ()) -> RunConfig:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"config file not found: {path}")
         with open(path) as f:
-            raw = yaml.load(f, Loader=_Loader)
+            raw = yaml.load(f, Loader=YamlLoader)
         if raw is None:
             raw = {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a mapping at the top level, "
                               f"got {type(raw).__name__}")
     for item in overrides:
-        _apply_override(raw, item)
+        apply_override(RunConfig, raw, item)
     return config_from_dict(raw)
 
 
@@ -529,39 +314,8 @@ def save_config(cfg: RunConfig, path: str) -> None:
     atomic_write(path, lambda f: f.write(text.encode("utf-8")))
 
 
-# ----------------------------------------------------------------------------- docs
-
-
-@functools.lru_cache(maxsize=None)
-def field_docs(cls) -> dict[str, str]:
-    """{field: docstring} from the string literal right under each annotated field (ast)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                and isinstance(nxt.value.value, str)):
-            docs[node.target.id] = inspect.cleandoc(nxt.value.value)
-    return {name: docs[name] for name in _field_types(cls) if name in docs}
-
-
-def _describe(cls, prefix: str, lines: list[str]) -> None:
-    docs, defaults = field_docs(cls), config_to_dict(cls())
-    sections = []
-    for name, tp in _field_types(cls).items():
-        if dataclasses.is_dataclass(tp):
-            sections.append((name, tp))
-            continue
-        lines.append(f"{prefix}{name}: {_type_name(tp)} = {defaults[name]!r}")
-        lines.extend("    " + ln for ln in docs.get(name, "(undocumented)").splitlines())
-    for name, tp in sections:
-        lines.append(f"\n[{prefix}{name}] {inspect.cleandoc(tp.__doc__ or '')}")
-        _describe(tp, f"{prefix}{name}.", lines)
-
-
 def describe_config() -> str:
     """Every key with its type, default and docstring (`megatron-gspo config`)."""
     lines = ["megatron-gspo config keys (YAML sections, or dotted key=value overrides):", ""]
-    _describe(RunConfig, "", lines)
+    describe_fields(RunConfig, "", lines)
     return "\n".join(lines)

@@ -51,7 +51,6 @@ import torch  # noqa: E402
 
 from megatron_gspo.config import load_config  # noqa: E402
 from megatron_gspo.tasks import CharTokenizer  # noqa: E402
-from moe.presets import get_preset  # noqa: E402
 
 PRESET = "qwen3-moe-tiny"
 

@@ -1,6 +1,5 @@
 """Trainer: off-policy minibatches, resume, NaN guard, replay isolation, flips, CLI errors."""
 
-import json
 import os
 
 import pytest
@@ -121,7 +120,6 @@ def test_routing_replay_is_confined_to_the_policy_forward(tmp_path, monkeypatch)
 
 def test_sft_checkpoint_initialises_rl(tmp_path):
     from megatron_gspo.sft import run_sft
-    from megatron_gspo.trainer import Trainer
 
     sft_cfg = load_config(None, [*BASE, f"run_dir={tmp_path / 'sft'}", "sft.steps=3",
                                  "sft.batch_size=8", "sft.eval_every=0"])

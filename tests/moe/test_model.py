@@ -7,7 +7,7 @@ import torch
 
 from moe.model import ParallelLayout
 from moe.policy import MoEPolicy, OptimSettings, attention_inputs
-from moe.presets import PRESETS, MoEPreset, get_preset
+from moe.presets import PRESETS, get_preset
 
 
 def test_qwen3_30b_a3b_preset_matches_the_released_architecture():

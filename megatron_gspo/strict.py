@@ -1,0 +1,267 @@
+"""Strict frozen-dataclass configs: field typing and coercion, validation, YAML loading, dotted
+overrides and field docstrings. Generic: it walks dataclass fields and knows no section by name;
+`megatron_gspo.config` defines the schema on top of it.
+
+Departure from plain `yaml.safe_load`: files and override values are read with a YAML 1.2-style
+resolver (`YamlLoader`), so `3e-4` is a float (YAML 1.1 reads it as a string) and only
+true/false are booleans (`off`, `yes`, `no` stay strings, e.g. `train.routing_replay=off`).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import re
+import textwrap
+from typing import Any, Literal, Sequence, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad config key or value; the message names the dotted key."""
+
+
+
+# ----------------------------------------------------------------------------- field typing
+
+
+@functools.lru_cache(maxsize=None)
+def field_types(cls) -> dict[str, Any]:
+    """{field name: resolved annotation} in declaration order (ClassVars excluded)."""
+    hints = get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def type_name(tp) -> str:
+    origin, args = get_origin(tp), get_args(tp)
+    if origin is Union:
+        return " | ".join(type_name(a) for a in args)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in args)
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _accepts_str(tp) -> bool:
+    origin, args = get_origin(tp), get_args(tp)
+    if origin is Union:
+        return any(_accepts_str(a) for a in args)
+    return tp is str or origin is Literal
+
+
+_BOOLS = {"true": True, "yes": True, "on": True, "1": True,
+          "false": False, "no": False, "off": False, "0": False}
+
+
+def _to_bool(v):
+    if isinstance(v, bool):
+        return v
+    return _BOOLS[v.strip().lower()] if isinstance(v, str) else _BOOLS[None]
+
+
+def _to_int(v):
+    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+        raise ValueError(v)
+    if isinstance(v, float) and not v.is_integer():
+        raise ValueError(v)
+    return int(v.strip()) if isinstance(v, str) else int(v)
+
+
+def _to_float(v):  # strings too: YAML 1.1 reads 3e-4 as a string
+    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+        raise ValueError(v)
+    return float(v)
+
+
+def _of_type(t):
+    def check(v):
+        if not isinstance(v, t):
+            raise ValueError(v)
+        return dict(v) if t is dict else v
+    return check
+
+
+_SCALARS = {bool: _to_bool, int: _to_int, float: _to_float, str: _of_type(str),
+            dict: _of_type(dict)}
+
+
+def _coerce(value, tp, key: str):
+    """`value` as annotation `tp` (int, float, bool, str, dict, Optional, Literal, dataclass)."""
+    origin, args = get_origin(tp), get_args(tp)
+    if origin is Union and value is None and type(None) in args:
+        return None
+    if origin is Literal:
+        if isinstance(value, str) and value in args:
+            return value
+        raise ConfigError(f"{key}={value}: expected one of {', '.join(map(repr, args))}")
+    inner = [a for a in args if a is not type(None)] if origin is Union else [tp]
+    base = get_origin(inner[0]) or inner[0]
+    convert = _of_type(base) if dataclasses.is_dataclass(base) else _SCALARS.get(base)
+    if len(inner) != 1 or convert is None:
+        raise TypeError(f"{key}: unsupported annotation {tp}")
+    try:
+        return convert(value)
+    except (ValueError, KeyError, TypeError):
+        raise ConfigError(f"{key}={value}: expected {type_name(tp)}") from None
+
+
+def _key(obj, name: str) -> str:
+    return f"{obj._section}.{name}" if obj._section else name
+
+
+def _coerce_fields(obj) -> None:
+    """Normalise every field of a frozen dataclass to its annotated type (or raise)."""
+    for name, tp in field_types(type(obj)).items():
+        value = _coerce(getattr(obj, name), tp, _key(obj, name))
+        object.__setattr__(obj, name, value)
+
+
+def check(obj, name: str, ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"{_key(obj, name)}={getattr(obj, name)}: {msg}")
+
+
+def validate(obj, nonempty: Sequence[str] = (), ge: dict | None = None,
+              gt: dict | None = None) -> None:
+    """Coerce every field to its type, then range checks (None passes; NaN fails)."""
+    _coerce_fields(obj)
+    for name in nonempty:
+        check(obj, name, getattr(obj, name) != "", "must be non-empty")
+    for name, lo in (ge or {}).items():
+        v = getattr(obj, name)
+        check(obj, name, v is None or v >= lo, f"must be >= {lo}")
+    for name, lo in (gt or {}).items():
+        v = getattr(obj, name)
+        check(obj, name, v is None or v > lo, f"must be > {lo}")
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+class YamlLoader(yaml.SafeLoader):
+    """SafeLoader with YAML 1.2 floats (`3e-4`) and booleans (only true / false)."""
+
+
+_BOOL, _FLOAT = "tag:yaml.org,2002:bool", "tag:yaml.org,2002:float"
+YamlLoader.yaml_implicit_resolvers = {
+    ch: [(tag, rx) for tag, rx in rs if tag not in (_BOOL, _FLOAT)]
+    for ch, rs in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+YamlLoader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                              list("tTfF"))
+YamlLoader.add_implicit_resolver(_FLOAT, re.compile(
+    r"^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+"
+    r"|[-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+0123456789."))
+
+
+def _unknown(prefix: str, name, cls) -> ConfigError:
+    section = prefix.rstrip(".") or "top level"
+    return ConfigError(f"unknown config key '{prefix}{name}'; valid keys of {section}: "
+                       f"{', '.join(field_types(cls))}")
+
+
+def build(cls, data, prefix: str = ""):
+    """Strictly construct dataclass `cls` from a nested mapping (None = all defaults)."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of keys, "
+                          f"got {type(data).__name__} {data!r}")
+    types = field_types(cls)
+    kwargs = {}
+    for name, value in data.items():
+        if name not in types:
+            raise _unknown(prefix, name, cls)
+        tp = types[name]
+        kwargs[name] = build(tp, value, f"{prefix}{name}.") if dataclasses.is_dataclass(tp) \
+            else value
+    return cls(**kwargs)
+
+
+def _parse_override(item: str) -> tuple[list[str], str]:
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key or any(p == "" for p in key.split(".")):
+        raise ConfigError(f"override {item!r} is not of the form dotted.key=value")
+    return key.split("."), text
+
+
+def _override_value(key: str, text: str, tp):
+    try:
+        value = yaml.load(text, Loader=YamlLoader) if text.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{key}={text}: not a YAML value ({e})") from None
+    if tp is not Any and _accepts_str(tp) and isinstance(value, (bool, int, float)):
+        return text.strip()  # wandb.name=2024 is the string "2024"
+    return value
+
+
+def apply_override(root, raw: dict, item: str) -> None:
+    """Set one `a.b=c` into the nested raw dict, checking the path against `root`'s schema."""
+    parts, text = _parse_override(item)
+    key = ".".join(parts)
+    cls, node = root, raw
+    for i, name in enumerate(parts):
+        prefix = "".join(p + "." for p in parts[:i])
+        types = field_types(cls)
+        if name not in types:
+            raise _unknown(prefix, name, cls)
+        tp, last = types[name], i == len(parts) - 1
+        if dataclasses.is_dataclass(tp):
+            if last:
+                raise ConfigError(f"{key} is a section; set one of its keys, e.g. "
+                                  f"{key}.{next(iter(field_types(tp)))}=...")
+            if node.get(name) is None:
+                node[name] = {}
+            if not isinstance(node[name], dict):
+                raise ConfigError(f"{prefix}{name}: expected a mapping, got {node[name]!r}")
+            cls, node = tp, node[name]
+        elif last:
+            node[name] = _override_value(key, text, tp)
+        elif tp is dict or get_origin(tp) is dict:  # task.kwargs.num_digits=3
+            default = {f.name: f for f in dataclasses.fields(cls)}[name].default_factory()
+            sub = node.get(name, default)
+            node[name] = sub = dict(sub) if isinstance(sub, dict) else {}
+            for p in parts[i + 1:-1]:
+                sub[p] = dict(sub[p]) if isinstance(sub.get(p), dict) else {}
+                sub = sub[p]
+            sub[parts[-1]] = _override_value(key, text, Any)
+            return
+        else:
+            raise ConfigError(f"{key}: {prefix}{name} is a value of type {type_name(tp)}, "
+                              "not a section")
+
+
+# ----------------------------------------------------------------------------- docs
+
+
+@functools.lru_cache(maxsize=None)
+def field_docs(cls) -> dict[str, str]:
+    """{field: docstring} from the string literal right under each annotated field (ast)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = inspect.cleandoc(nxt.value.value)
+    return {name: docs[name] for name in field_types(cls) if name in docs}
+
+
+def describe_fields(cls, prefix: str, lines: list[str]) -> None:
+    docs, defaults = field_docs(cls), dataclasses.asdict(cls())
+    sections = []
+    for name, tp in field_types(cls).items():
+        if dataclasses.is_dataclass(tp):
+            sections.append((name, tp))
+            continue
+        lines.append(f"{prefix}{name}: {type_name(tp)} = {defaults[name]!r}")
+        lines.extend("    " + ln for ln in docs.get(name, "(undocumented)").splitlines())
+    for name, tp in sections:
+        lines.append(f"\n[{prefix}{name}] {inspect.cleandoc(tp.__doc__ or '')}")
+        describe_fields(tp, f"{prefix}{name}.", lines)
