@@ -5,6 +5,7 @@ Usage:
     python experiments/ablation/run.py --seeds 0 --steps 20 --arms gspo grpo
     python experiments/ablation/run.py --plot-only        # redraw figures from runs/ablation
     python experiments/ablation/run.py --profile gpu-small   # `small` preset on one GPU
+    python experiments/ablation/run.py --tag stress --set optim.lr=3e-4 --set train.num_minibatches=8
 
 Every arm starts from the same SFT checkpoint and spends the same rollout compute (same prompts
 per batch, group size, response length and number of rollout batches); each rollout batch is split
@@ -61,24 +62,32 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=None, help="rollout batches per run")
     ap.add_argument("--profile", choices=list(PROFILES), default="cpu")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra override for every RL run (repeatable); use with --tag")
+    ap.add_argument("--tag", default="", help="variant name: runs/ablation[_profile]_TAG, "
+                                              "figures[_profile]_TAG (same SFT checkpoint)")
     ap.add_argument("--out", default=None, help="figures folder (default: figures[_profile])")
     ap.add_argument("--plot-only", action="store_true")
     args = ap.parse_args(argv)
+    if args.set and not args.tag:
+        ap.error("--set changes the runs: give them a --tag so they do not overwrite the default")
     t0 = time.time()
     suffix = "" if args.profile == "cpu" else "_" + args.profile.replace("-", "_")
+    sft_dir = f"runs/ablation{suffix}/sft"
+    suffix += f"_{args.tag}" if args.tag else ""
     root, out = f"runs/ablation{suffix}", args.out or os.path.join(HERE, "figures" + suffix)
     base = profile_overrides(args.profile)
     runs = []
-    if not os.path.exists(os.path.join(ROOT, root, "sft/checkpoints/latest")) \
+    if not os.path.exists(os.path.join(ROOT, sft_dir, "checkpoints/latest")) \
             and not args.plot_only:
-        cli("sft", "--config", os.path.join(HERE, "sft.yaml"), *base, f"run_dir={root}/sft")
+        cli("sft", "--config", os.path.join(HERE, "sft.yaml"), *base, f"run_dir={sft_dir}")
     for arm in args.arms:
         for seed in args.seeds:
             run_dir = f"{root}/{arm}_s{seed}"
             runs.append(os.path.join(ROOT, run_dir))
             if args.plot_only:
                 continue
-            overrides = [*base, f"init_checkpoint={root}/sft", f"run_dir={run_dir}",
+            overrides = [*base, *args.set, f"init_checkpoint={sft_dir}", f"run_dir={run_dir}",
                          f"seed={seed}", "resume=false"]
             if args.steps:
                 overrides.append(f"train.steps={args.steps}")
