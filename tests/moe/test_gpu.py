@@ -38,3 +38,22 @@ def test_policy_trains_and_replays_on_gpu(single_process):
     assert losses[-1] < losses[0]
     _, after = current_routing(policy, tokens, valid)
     assert after.ids_NLK.shape == cache.ids_NLK.shape
+
+
+def test_kv_cache_decoder_matches_full_forward_on_gpu(single_process):
+    """The sampler's KV-cache path on CUDA (TE spec when installed) equals the full forward."""
+    from moe.model import ParallelLayout
+    from moe.policy import MoEPolicy
+    from moe.presets import get_preset
+
+    preset = get_preset("qwen3-moe-tiny")
+    policy = MoEPolicy.build(preset, ParallelLayout(), real_vocab=26, optim=None)
+    tokens = torch.randint(0, 26, (4, 12))
+    valid = torch.ones(4, 12, dtype=torch.bool)
+    valid[0, :3] = False
+    full = policy.logits(tokens, valid)
+    decoder = policy.kv_decoder(4, 12, record_routing=True)
+    for t in range(7, 13):
+        step = decoder.next_logits(tokens[:, :t], valid[:, :t])
+        torch.testing.assert_close(step, full[:, t - 1], atol=2e-4, rtol=2e-4)
+    assert decoder.routing(valid).ids_NLK.shape[0] == int(valid.sum())
