@@ -1,7 +1,7 @@
 """The CPU demo: cold-start SFT of qwen3-moe-tiny, then a short GSPO run; prints eval accuracy.
 
 Usage:
-    python tools/demo.py                 # what `make demo` runs (about 5-10 minutes on 2 cores)
+    python tools/demo.py                 # what `make demo` runs (about 2 minutes on 2 cores)
     python tools/demo.py --fresh         # delete runs/demo first
     python tools/demo.py train.steps=4   # overrides go to the GSPO run
 
