@@ -5,10 +5,11 @@ Examples:
     megatron-gspo train --config experiments/demo/gspo.yaml train.steps=5 loss.name=grpo
     megatron-gspo eval  --config experiments/demo/gspo.yaml init_checkpoint=runs/demo/gspo
     megatron-gspo config            # every key with its default and meaning
-    torchrun --nproc-per-node 2 -m megatron_gspo.cli train --config ... model.tp=2
+    torchrun --nproc-per-node 2 -m megatron_gspo.cli train --config ... model.ep=2
 
-Overrides use dotted keys and YAML values; unknown keys are errors. The resolved config is
-saved in run_dir next to metrics.jsonl.
+Overrides use dotted keys and YAML values; unknown keys are errors. A bad config (typo, wrong
+type, bad value, missing file) exits with status 2 and one line naming the key, before anything is
+written. The resolved config is saved in run_dir next to metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -19,23 +20,27 @@ import sys
 import warnings
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-gspo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["sft", "train", "eval", "config"])
     parser.add_argument("--config", default=None, help="YAML experiment file")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    return parser.parse_intermixed_args(argv)
+    return parser
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    from megatron_gspo.config import describe_config, load_config
+    parser = build_parser()
+    args = parser.parse_intermixed_args(argv)
+    from megatron_gspo.config import ConfigError, describe_config, load_config
 
     if args.command == "config":
         print(describe_config())
         return 0
-    cfg = load_config(args.config, args.overrides)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (ConfigError, FileNotFoundError) as e:
+        parser.error(str(e))  # exit 2 with one line, nothing written
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|cuda_graph_scope).*")
     if args.command == "sft":
         from megatron_gspo.sft import run_sft

@@ -137,11 +137,19 @@ def test_missing_init_checkpoint_is_a_clear_error(tmp_path):
         make_trainer(tmp_path, f"init_checkpoint={tmp_path / 'nope'}")
 
 
-def test_cli_rejects_a_typo_naming_the_key(capsys):
+@pytest.mark.parametrize("argv, fragment", [
+    (["train", "train.stepz=3"], "unknown config key 'train.stepz'"),
+    (["train", "--config", "nope.yaml"], "config file not found: nope.yaml"),
+    (["train", "train.routing_replay=r3", "rollout.kv_cache=false"], "rollout.kv_cache=true"),
+])
+def test_cli_bad_config_exits_2_naming_the_problem(capsys, argv, fragment):
     from megatron_gspo.cli import main
 
-    with pytest.raises(ValueError, match="train.stepz"):
-        main(["train", "train.stepz=3"])
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert fragment in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("mode", ["r2", "r3"])
