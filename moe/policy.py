@@ -1,6 +1,6 @@
 """The MoE policy: a megatron-core GPTModel in megatron DDP with torch AdamW.
 
-Shape legend: B sequences, T tokens per sequence, V vocabulary.
+Shape legend: B sequences, T tokens per sequence, S new columns in one KV-cache call, V vocabulary.
 
 Sequences are left-padded prompts followed by responses and right padding; `valid_BT` marks the
 real tokens. The attention mask is causal and hides padding keys; position ids count real tokens
@@ -243,7 +243,7 @@ class KVCacheDecoder:
     @torch.no_grad()
     def next_logits(self, tokens_BT: torch.Tensor, valid_BT: torch.Tensor) -> torch.Tensor:
         """Float32 logits [B, V] for the token after column T-1; T grows between calls."""
-        seen, T = self.context.sequence_len_offset, tokens_BT.shape[1]
+        seen, T = self.seen, tokens_BT.shape[1]
         if tokens_BT.shape != valid_BT.shape or tokens_BT.shape[0] != self.batch_size:
             raise ValueError(f"tokens {tuple(tokens_BT.shape)} / valid {tuple(valid_BT.shape)}: "
                              f"expected [{self.batch_size}, T]")
