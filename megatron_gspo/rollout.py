@@ -10,12 +10,13 @@ the policy loss.
 Sampling uses megatron-core's static KV cache (`MoEPolicy.kv_decoder`): the prompt columns are
 prefilled once, then each step runs the model on one new column. With `kv_cache=False`, or under
 sequence parallelism (which megatron-core requires for MoE with TP > 1), each step recomputes the
-full forward instead (same logits up to float rounding). With `record_routing` (R3) the decoder also records every MoE layer's top-k ids as it
-goes, plus one last decode step for the final sampled column, giving `RolloutBatch.routing`: the
-routing the sampler itself used. `sampler_logp_BT` is log pi(y_t) under the temperature-scaled distribution the tokens
-were drawn from (before top-p filtering, as vLLM reports it), so it is directly comparable with the
-trainer's recompute and usable as pi_old (`rollout.use_sampler_logprobs`, the GSPO paper's claim
-that inference-engine likelihoods suffice for sequence-level ratios).
+full forward instead (same logits up to float rounding). With `record_routing` (R3) the decoder
+also records every MoE layer's top-k ids as it goes, plus one last decode step for the final
+sampled column, giving `RolloutBatch.routing`: the routing the sampler itself used.
+`sampler_logp_BT` is log pi(y_t) under the temperature-scaled distribution the tokens were drawn
+from (before top-p filtering, as vLLM reports it), so it is directly comparable with the trainer's
+recompute and usable as pi_old (`rollout.use_sampler_logprobs`, the GSPO paper's claim that
+inference-engine likelihoods suffice for sequence-level ratios).
 """
 
 from __future__ import annotations

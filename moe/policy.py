@@ -1,6 +1,6 @@
 """The MoE policy: a megatron-core GPTModel in megatron DDP with torch AdamW.
 
-Shape legend: B sequences, T tokens per sequence, S new columns in one KV-cache call, V vocabulary.
+Shape legend: B sequences, T tokens per sequence, S new columns of one KV-cache call, V vocab.
 
 Sequences are left-padded prompts followed by responses and right padding; `valid_BT` marks the
 real tokens. The attention mask is causal and hides padding keys; position ids count real tokens

@@ -5,7 +5,8 @@ Usage:
     python experiments/ablation/run.py --seeds 0 --steps 20 --arms gspo grpo
     python experiments/ablation/run.py --plot-only        # redraw figures from runs/ablation
     python experiments/ablation/run.py --profile gpu-small   # `small` preset on one GPU
-    python experiments/ablation/run.py --tag stress --set optim.lr=3e-4 --set train.num_minibatches=8
+    python experiments/ablation/run.py --tag stress --set optim.lr=3e-4 \
+        --set train.num_minibatches=8 --set train.steps=80 --set train.eval_every=20 --seeds 0 1
 
 Every arm starts from the same SFT checkpoint and spends the same rollout compute (same prompts
 per batch, group size, response length and number of rollout batches); each rollout batch is split

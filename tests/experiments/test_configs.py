@@ -18,7 +18,10 @@ ablation_run = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ablation_run)
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "experiments", "*", "*.yaml"))))
+YAMLS = sorted(glob.glob(os.path.join(ROOT, "experiments", "*", "*.yaml")))
+
+
+@pytest.mark.parametrize("path", YAMLS)
 def test_experiment_yaml_loads(path):
     if path.endswith("gpu_small.yaml"):  # an override overlay, checked below
         return
