@@ -44,7 +44,8 @@ class ModelConfig:
     ep: int = 1
     """Expert-parallel size."""
     sequence_parallel: bool = False
-    """Megatron sequence parallelism (requires tp > 1)."""
+    """Megatron sequence parallelism: required when tp > 1 (megatron-core's rule for MoE),
+    invalid when tp == 1."""
     dispatcher: Literal["alltoall", "allgather"] = "alltoall"
     """MoE token dispatcher."""
     dtype: Literal["fp32", "bf16"] = "fp32"

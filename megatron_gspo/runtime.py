@@ -39,9 +39,9 @@ class Runtime:
 
 
 def layout_of(cfg: RunConfig) -> ParallelLayout:
-    # megatron-core refuses MoE + TP training without sequence parallel, so tp > 1 implies it.
+    # ModelConfig already refuses tp > 1 without sequence parallel (megatron-core's MoE rule).
     return ParallelLayout(tp=cfg.model.tp, ep=cfg.model.ep,
-                          sequence_parallel=cfg.model.sequence_parallel or cfg.model.tp > 1,
+                          sequence_parallel=cfg.model.sequence_parallel,
                           dispatcher=cfg.model.dispatcher)
 
 
