@@ -104,6 +104,12 @@ class MoEPreset:
                 "active": self.num_layers * per_layer_active + emb}
 
 
+# Qwen3-30B-A3B structure scaled down: the CPU RL experiments' policy.
+_QWEN3_MOE_TINY = MoEPreset(name="qwen3-moe-tiny", num_layers=4, hidden_size=64,
+                            num_attention_heads=4, num_query_groups=2, kv_channels=16,
+                            num_experts=16, topk=4, moe_ffn_hidden_size=64, vocab_size=64,
+                            max_seq_len=64)
+
 PRESETS: dict[str, MoEPreset] = {
     p.name: p
     for p in (
@@ -111,14 +117,9 @@ PRESETS: dict[str, MoEPreset] = {
         MoEPreset(name="tiny", num_layers=2, hidden_size=32, num_attention_heads=4,
                   num_query_groups=2, kv_channels=8, num_experts=8, topk=2,
                   moe_ffn_hidden_size=32, vocab_size=64, max_seq_len=64, rotary_base=10000.0),
-        # Qwen3-30B-A3B structure scaled down: the CPU RL experiments' policy.
-        MoEPreset(name="qwen3-moe-tiny", num_layers=4, hidden_size=64, num_attention_heads=4,
-                  num_query_groups=2, kv_channels=16, num_experts=16, topk=4,
-                  moe_ffn_hidden_size=64, vocab_size=64, max_seq_len=64),
-        # The same, 12 layers deep: flip rate vs depth (experiments/routing_volatility).
-        MoEPreset(name="qwen3-moe-tiny-deep", num_layers=12, hidden_size=64,
-                  num_attention_heads=4, num_query_groups=2, kv_channels=16, num_experts=16,
-                  topk=4, moe_ffn_hidden_size=64, vocab_size=64, max_seq_len=64),
+        _QWEN3_MOE_TINY,
+        # The same layer, 12 deep: flip rate vs depth (experiments/routing_volatility).
+        dataclasses.replace(_QWEN3_MOE_TINY, name="qwen3-moe-tiny-deep", num_layers=12),
         # One GPU.
         MoEPreset(name="small", num_layers=12, hidden_size=512, num_attention_heads=8,
                   num_query_groups=4, kv_channels=64, num_experts=64, topk=8,
