@@ -51,13 +51,9 @@ def main(argv=None) -> int:
 
         result = Trainer(cfg).train()
     else:
-        from megatron_gspo.runtime import setup_runtime
-        from megatron_gspo.rollout import evaluate
+        from megatron_gspo.runtime import evaluate_runtime, setup_runtime
 
-        rt = setup_runtime(cfg, lr=0.0, job="eval")
-        result = evaluate(rt.policy, rt.tokenizer, rt.task, rt.eval_set,
-                          max_new_tokens=cfg.rollout.max_new_tokens,
-                          kv_cache=cfg.rollout.kv_cache)
+        result = evaluate_runtime(setup_runtime(cfg, lr=0.0, job="eval"))
     print(json.dumps({k: v for k, v in result.items() if k.startswith(("eval/", "reward/"))}))
     return 0
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from megatron_gspo import checkpoint as ckpt
 from megatron_gspo.config import RunConfig, config_to_dict, save_config
 from megatron_gspo.metrics import MetricsLogger
+from megatron_gspo.rollout import evaluate
 from megatron_gspo.tasks import CharTokenizer, make_splits, make_task
 from moe.model import ParallelLayout
 from moe.parallel import ParallelInfo, init_parallel
@@ -73,6 +74,12 @@ def setup_runtime(cfg: RunConfig, lr: float, job: str) -> Runtime:
     logger = MetricsLogger(cfg.run_dir, config_to_dict(cfg), wandb_mode=cfg.wandb.mode,
                            project=cfg.wandb.project, name=cfg.wandb.name, enabled=info.is_main)
     return Runtime(cfg, info, tokenizer, task, train_set, eval_set, policy, logger)
+
+
+def evaluate_runtime(rt: Runtime) -> dict[str, float]:
+    """Greedy held-out accuracy of `rt.policy` on `rt.eval_set`, sampled as the config says."""
+    return evaluate(rt.policy, rt.tokenizer, rt.task, rt.eval_set,
+                    max_new_tokens=rt.cfg.rollout.max_new_tokens, kv_cache=rt.cfg.rollout.kv_cache)
 
 
 def barrier() -> None:

@@ -14,8 +14,8 @@ import torch
 
 from megatron_gspo.config import RunConfig
 from megatron_gspo.metrics import format_progress
-from megatron_gspo.rollout import encode_prompts, evaluate
-from megatron_gspo.runtime import mean_over_ranks, save_state, setup_runtime
+from megatron_gspo.rollout import encode_prompts
+from megatron_gspo.runtime import evaluate_runtime, mean_over_ranks, save_state, setup_runtime
 
 
 def sft_batch(tokenizer, examples) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -42,10 +42,7 @@ def run_sft(cfg: RunConfig) -> dict:
         raise ValueError(f"sft.batch_size={cfg.sft.batch_size} is not divisible by the "
                          f"data-parallel size {info.dp}")
     gen = torch.Generator().manual_seed(cfg.seed * 31 + info.dp_rank)
-    evaluate_now = lambda: evaluate(policy, rt.tokenizer, rt.task, rt.eval_set,  # noqa: E731
-                                    max_new_tokens=cfg.rollout.max_new_tokens,
-                                    kv_cache=cfg.rollout.kv_cache)
-    metrics = evaluate_now()
+    metrics = evaluate_runtime(rt)
     rt.logger.log(0, metrics)
     policy.train(True)
     for step in range(1, cfg.sft.steps + 1):
@@ -61,7 +58,7 @@ def run_sft(cfg: RunConfig) -> dict:
         metrics = {"sft/loss": loss.item(), "train/grad_norm": grad_norm,
                    "train/skipped": float(not stepped)}
         if cfg.sft.eval_every and (step % cfg.sft.eval_every == 0 or step == cfg.sft.steps):
-            metrics.update(evaluate_now())
+            metrics.update(evaluate_runtime(rt))
             if info.is_main:
                 print(format_progress(step, cfg.sft.steps, metrics,
                                       ("sft/loss", "eval/accuracy")), flush=True)

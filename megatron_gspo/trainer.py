@@ -32,9 +32,9 @@ from megatron_gspo.advantages import group_advantages
 from megatron_gspo.config import RunConfig
 from megatron_gspo.losses import PolicyLossConfig, get_policy_loss
 from megatron_gspo.metrics import Timer, format_progress
-from megatron_gspo.rollout import RolloutBatch, evaluate, generate_rollouts
-from megatron_gspo.runtime import (Runtime, build_policy, load_init_weights, mean_over_ranks,
-                                   save_state, setup_runtime, try_resume)
+from megatron_gspo.rollout import RolloutBatch, generate_rollouts
+from megatron_gspo.runtime import (Runtime, build_policy, evaluate_runtime, load_init_weights,
+                                   mean_over_ranks, save_state, setup_runtime, try_resume)
 from moe.replay import RoutingReplayCache, current_routing, record_routing, replay_routing
 from moe.routing_stats import routing_metrics
 
@@ -206,9 +206,7 @@ class Trainer:
                 "alert/entropy_collapse": float(entropy_crash)}
 
     def evaluate(self) -> dict:
-        return evaluate(self.policy, self.rt.tokenizer, self.rt.task, self.rt.eval_set,
-                        max_new_tokens=self.cfg.rollout.max_new_tokens,
-                        kv_cache=self.cfg.rollout.kv_cache)
+        return evaluate_runtime(self.rt)
 
     def _log(self, step: int, metrics: dict) -> None:
         self.rt.logger.log(step, metrics)
