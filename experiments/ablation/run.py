@@ -32,13 +32,18 @@ PROFILES = {"cpu": None, "gpu-small": "gpu_small.yaml"}
 
 
 def profile_overrides(profile: str) -> list[str]:
-    """The profile's `key=value` overrides (a flat YAML mapping of dotted keys); [] for cpu."""
+    """The profile's `key=value` overrides (a flat YAML mapping of dotted keys); [] for cpu.
+
+    Read with the config loader's YAML 1.2 resolver, so `off` stays a string as in any config."""
     import yaml
+
+    sys.path.insert(0, ROOT)
+    from megatron_gspo.strict import YamlLoader
 
     if PROFILES[profile] is None:
         return []
     with open(os.path.join(HERE, PROFILES[profile])) as f:
-        mapping = yaml.safe_load(f) or {}
+        mapping = yaml.load(f, Loader=YamlLoader) or {}
     return [f"{k}={v}" for k, v in mapping.items()]
 
 

@@ -64,3 +64,14 @@ def test_demo_is_the_ablation_gspo_arm():
     arm_sft = load_config(os.path.join(ABL, "sft.yaml"))
     assert (demo_sft.model, demo_sft.task, demo_sft.sft, demo_sft.seed) == \
         (arm_sft.model, arm_sft.task, arm_sft.sft, arm_sft.seed)
+
+
+def test_profile_overlay_reads_yaml_like_the_config_loader(tmp_path, monkeypatch):
+    """`off` in an overlay stays the string "off" (YAML 1.1 would make it False)."""
+    (tmp_path / "overlay.yaml").write_text("train.routing_replay: off\noptim.lr: 3e-4\n")
+    monkeypatch.setattr(ablation_run, "HERE", str(tmp_path))
+    monkeypatch.setitem(ablation_run.PROFILES, "test", "overlay.yaml")
+    overrides = ablation_run.profile_overrides("test")
+    assert overrides == ["train.routing_replay=off", "optim.lr=0.0003"]
+    cfg = load_config(os.path.join(ABL, "grpo_r2.yaml"), overrides)
+    assert cfg.train.routing_replay == "off" and cfg.optim.lr == 3e-4
