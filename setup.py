@@ -23,8 +23,11 @@ setup(
     extras_require={
         "gpu": ["transformer-engine[pytorch]"],
         "wandb": ["wandb"],
+        # local Hugging Face checkpoints and tokenizers (model.hf_path); nothing is downloaded
+        "hf": ["transformers==5.23.0", "safetensors", "tokenizers"],
         "plot": ["matplotlib"],
-        "dev": ["pytest", "matplotlib", "wandb"],
+        "dev": ["pytest", "matplotlib", "wandb", "transformers==5.23.0", "safetensors",
+                "tokenizers"],
         # tools/bench_throughput.py's TRL side; the versions it was measured with
         "bench": ["trl==1.16.0", "transformers==5.23.0", "accelerate==1.15.0", "datasets==5.2.0"],
     },

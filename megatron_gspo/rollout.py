@@ -63,8 +63,10 @@ class RolloutBatch:
 
 
 def encode_prompts(tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded `<bos> prompt` token ids [B, P] and their valid mask."""
-    ids = [[tokenizer.bos_id] + tokenizer.encode(p) for p in prompts]
+    """Left-padded `<bos> prompt` token ids [B, P] (no <bos> when the tokenizer has none) and
+    their valid mask."""
+    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    ids = [bos + tokenizer.encode(p) for p in prompts]
     P = max(len(x) for x in ids)
     tokens_BP = torch.full((len(ids), P), tokenizer.pad_id, dtype=torch.long)
     valid_BP = torch.zeros(len(ids), P, dtype=torch.bool)
@@ -97,6 +99,7 @@ def sample(policy, tokenizer, prompts: list[str], *, max_new_tokens: int,
     response_BT = torch.zeros_like(valid_BT)
     logp_BT = torch.zeros(tokens_BT.shape, dtype=torch.float32)
     done_B = torch.zeros(B, dtype=torch.bool)
+    stop_ids = torch.tensor(sorted(tokenizer.stop_ids), dtype=torch.long)
     decoder = policy.kv_decoder(B, tokens_BT.shape[1] + max_new_tokens, record_routing) \
         if kv_cache or record_routing else None
     if record_routing and decoder is None:
@@ -119,7 +122,7 @@ def sample(policy, tokenizer, prompts: list[str], *, max_new_tokens: int,
         response_BT = torch.cat([response_BT, live_B[:, None]], dim=1)
         step_logp_B = logp_BV.gather(1, next_B[:, None]).squeeze(1) * live_B
         logp_BT = torch.cat([logp_BT, step_logp_B[:, None]], dim=1)
-        done_B |= next_B == tokenizer.eos_id
+        done_B |= torch.isin(next_B, stop_ids)
         if done_B.all():
             break
     routing = None

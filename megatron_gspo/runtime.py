@@ -17,7 +17,8 @@ from megatron_gspo import checkpoint as ckpt
 from megatron_gspo.config import RunConfig, config_to_dict, save_config
 from megatron_gspo.metrics import MetricsLogger
 from megatron_gspo.rollout import evaluate
-from megatron_gspo.tasks import CharTokenizer, make_splits, make_task
+from megatron_gspo.tasks import make_splits, make_task
+from megatron_gspo.tokenizer import CharTokenizer, Tokenizer
 from moe.model import ParallelLayout
 from moe.parallel import ParallelInfo, init_parallel
 from moe.policy import MoEPolicy, OptimSettings
@@ -31,7 +32,7 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 class Runtime:
     cfg: RunConfig
     info: ParallelInfo
-    tokenizer: CharTokenizer
+    tokenizer: Tokenizer
     task: object
     train_set: list
     eval_set: list

@@ -1,4 +1,4 @@
-"""Verifiable toy tasks with exact 0/1 rewards, and the character tokenizer they share.
+"""Verifiable toy tasks with exact 0/1 rewards (tokenized by `megatron_gspo.tokenizer.CharTokenizer`).
 
 Each task is small enough for a tiny MoE transformer (vocab < 32, context <= 48 tokens) to learn
 on CPU in minutes, and its reward is exact (no learned judge), as in the GSPO paper's
@@ -23,42 +23,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import ClassVar, Protocol, Sequence
 
-_SPECIALS = ("<pad>", "<bos>", "<eos>")
-_CHARS = "0123456789+-*=,:>() acs"
-
-
-class CharTokenizer:
-    """Fixed character vocabulary: <pad>=0, <bos>=1, <eos>=2, then `_CHARS` (26 ids in all)."""
-
-    def __init__(self) -> None:
-        self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
-        self.chars = _CHARS
-        self.vocab_size = len(_SPECIALS) + len(_CHARS)
-        self._id_of = {ch: i + len(_SPECIALS) for i, ch in enumerate(_CHARS)}
-
-    def encode(self, text: str) -> list[int]:
-        ids = []
-        for pos, ch in enumerate(text):
-            if ch not in self._id_of:
-                raise ValueError(f"unknown character {ch!r} at position {pos} in {text!r}; "
-                                 f"the vocabulary is {_CHARS!r}")
-            ids.append(self._id_of[ch])
-        return ids
-
-    def decode(self, ids: Sequence[int]) -> str:
-        """Characters up to the first <eos>; <pad> and <bos> are dropped."""
-        out = []
-        for i in ids:
-            i = int(i)
-            if i == self.eos_id:
-                break
-            if i in (self.pad_id, self.bos_id):
-                continue
-            if not 0 <= i < self.vocab_size:
-                raise ValueError(f"token id {i} outside the vocabulary [0, {self.vocab_size})")
-            out.append(_CHARS[i - len(_SPECIALS)])
-        return "".join(out)
-
+from megatron_gspo.tokenizer import CharTokenizer  # noqa: F401 (re-exported)
 
 @dataclass(frozen=True)
 class Example:
