@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     else:
         from megatron_gspo.runtime import evaluate_runtime, setup_runtime
 
-        result = evaluate_runtime(setup_runtime(cfg, lr=0.0, job="eval"))
+        result = evaluate_runtime(setup_runtime(cfg, job="eval"))
     print(json.dumps({k: v for k, v in result.items() if k.startswith(("eval/", "reward/"))}))
     return 0
 

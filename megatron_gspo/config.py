@@ -24,6 +24,7 @@ import yaml
 
 from megatron_gspo.strict import (ConfigError, YamlLoader, apply_override, build, check,
                                   describe_fields, field_docs, validate)
+from moe.optim import OptimSettings
 
 __all__ = ["ConfigError", "RunConfig", "config_from_dict", "config_to_dict", "describe_config",
            "field_docs", "load_config", "save_config"]
@@ -48,8 +49,9 @@ class ModelConfig:
     invalid when tp == 1."""
     dispatcher: Literal["alltoall", "allgather"] = "alltoall"
     """MoE token dispatcher."""
-    dtype: Literal["fp32", "bf16"] = "fp32"
-    """Parameter / compute dtype."""
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Parameter / compute dtype. bf16 / fp16 train with fp32 main grads and fp32 master weights
+    (megatron's Float16 optimizer); fp16 adds loss scaling (optim.loss_scale)."""
     aux_loss_coeff: float = 0.0
     """MoE load-balancing auxiliary loss coefficient (0 = off)."""
 
@@ -137,27 +139,14 @@ class LossConfig:
 
 
 @dataclass(frozen=True)
-class OptimConfig:
-    """AdamW optimizer."""
+class OptimConfig(OptimSettings):
+    """megatron-core's Adam and lr schedule; the fields are `moe.optim.OptimSettings`'s."""
     _section: ClassVar[str] = "optim"
 
-    lr: float = 1e-4
-    """Peak learning rate of RL training."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay."""
-    beta1: float = 0.9
-    """Adam beta1."""
-    beta2: float = 0.999
-    """Adam beta2."""
-    grad_clip: float = 1.0
-    """Global gradient-norm clip (0 = off)."""
-    warmup_steps: int = 0
-    """Linear learning-rate warmup in optimizer steps."""
-
     def __post_init__(self):
-        validate(self, ge={"lr": 0, "weight_decay": 0, "grad_clip": 0, "warmup_steps": 0})
-        for name in ("beta1", "beta2"):
-            check(self, name, 0 <= getattr(self, name) < 1, "must be in [0, 1)")
+        validate(self)
+        for name, msg in self.problems():
+            check(self, name, False, msg)
 
 
 @dataclass(frozen=True)

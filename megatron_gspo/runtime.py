@@ -8,7 +8,7 @@ parameters, so a checkpoint initialises a run with any TP/EP layout (`init_check
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -21,11 +21,12 @@ from megatron_gspo.tasks import make_splits, make_task
 from megatron_gspo.tokenizer import CharTokenizer, Tokenizer
 from moe.model import ParallelLayout
 from moe.parallel import ParallelInfo, init_parallel
-from moe.policy import MoEPolicy, OptimSettings
+from moe.optim import OptimSettings
+from moe.policy import MoEPolicy
 from moe.presets import get_preset
 from moe.sharding import gather_full_params, load_full_params
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -47,26 +48,39 @@ def layout_of(cfg: RunConfig) -> ParallelLayout:
                           dispatcher=cfg.model.dispatcher)
 
 
-def build_policy(cfg: RunConfig, vocab_size: int, lr: float, with_optimizer: bool = True,
+def optim_settings(cfg: RunConfig, job: str) -> OptimSettings | None:
+    """The optimizer of a job: `optim` as configured for RL ("train"; lr_decay_steps 0 = its
+    last update); for "sft" the same Adam at a constant `sft.lr`; none for "eval"."""
+    if job not in ("train", "sft", "eval"):
+        raise ValueError(f"job={job!r}: expected 'train', 'sft' or 'eval'")
+    if job == "eval":
+        return None
+    if job == "sft":
+        return replace(cfg.optim, lr=cfg.sft.lr, min_lr=0.0, warmup_steps=0,
+                       lr_decay_style="constant", lr_decay_steps=0)
+    total = cfg.train.steps * cfg.train.num_minibatches
+    return replace(cfg.optim, lr_decay_steps=cfg.optim.lr_decay_steps or total)
+
+
+def build_policy(cfg: RunConfig, vocab_size: int, optim: OptimSettings | None,
                  seed: int | None = None) -> MoEPolicy:
+    """The policy for `cfg.model`; `optim=None` builds it without an optimizer."""
     tp = cfg.model.tp
     preset = get_preset(cfg.model.preset)
     preset = preset.with_vocab(vocab_size, multiple=16 * tp)  # the task's tokenizer, padded
-    optim = OptimSettings(lr=lr, weight_decay=cfg.optim.weight_decay, beta1=cfg.optim.beta1,
-                          beta2=cfg.optim.beta2, grad_clip=cfg.optim.grad_clip)
     return MoEPolicy.build(preset, layout_of(cfg), real_vocab=vocab_size,
                            seed=cfg.seed if seed is None else seed,
                            dtype=_DTYPES[cfg.model.dtype], aux_loss_coeff=cfg.model.aux_loss_coeff,
-                           optim=optim if with_optimizer else None)
+                           optim=optim)
 
 
-def setup_runtime(cfg: RunConfig, lr: float, job: str) -> Runtime:
+def setup_runtime(cfg: RunConfig, job: str) -> Runtime:
     """Process groups, task splits, policy (+ init weights), metrics logger, saved config."""
     info = init_parallel(cfg.model.tp, cfg.model.ep, seed=cfg.seed)
     tokenizer = CharTokenizer()
     task = make_task(cfg.task.name, **dict(cfg.task.kwargs))
     train_set, eval_set = make_splits(task, cfg.task.n_train, cfg.task.n_eval, cfg.task.seed)
-    policy = build_policy(cfg, tokenizer.vocab_size, lr)
+    policy = build_policy(cfg, tokenizer.vocab_size, optim_settings(cfg, job))
     if cfg.init_checkpoint:
         load_init_weights(policy, cfg.init_checkpoint)
     if info.is_main:
@@ -112,6 +126,7 @@ def load_init_weights(policy: MoEPolicy, path: str) -> None:
     if "full_params" not in state:
         raise ValueError(f"{path}: checkpoint has no full_params (not written by megatron-gspo?)")
     load_full_params(policy.model.module, state["full_params"])
+    policy.weights_changed()
 
 
 def try_resume(rt: Runtime) -> dict | None:

@@ -36,7 +36,7 @@ def sft_batch(tokenizer, examples) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 def run_sft(cfg: RunConfig) -> dict:
     """Train `cfg.sft.steps` steps, evaluating every `cfg.sft.eval_every`; save a checkpoint."""
-    rt = setup_runtime(cfg, lr=cfg.sft.lr, job="sft")
+    rt = setup_runtime(cfg, job="sft")
     policy, info = rt.policy, rt.info
     if cfg.sft.batch_size % info.dp:
         raise ValueError(f"sft.batch_size={cfg.sft.batch_size} is not divisible by the "
@@ -53,7 +53,7 @@ def run_sft(cfg: RunConfig) -> dict:
         logp_BT = policy.token_logprobs(tokens_BT, valid_BT)
         target_BT = target_BT.to(logp_BT.device)
         loss = -(logp_BT * target_BT).sum() / target_BT.sum()
-        loss.backward()
+        policy.backward(loss)
         stepped, grad_norm = policy.step()
         metrics = {"sft/loss": loss.item(), "train/grad_norm": grad_norm,
                    "train/skipped": float(not stepped)}

@@ -89,6 +89,7 @@ def transformer_config(preset: MoEPreset, layout: ParallelLayout = ParallelLayou
         sequence_parallel=layout.sequence_parallel,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
         use_cpu_initialization=True,
         init_method_std=0.02,
         bias_activation_fusion=False,

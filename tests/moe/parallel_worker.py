@@ -1,7 +1,8 @@
 """Worker for the 2-process gloo equivalence tests (run through torch.multiprocessing.spawn).
 
 Each layout is checked against a reference computed by the 1-process model with the same
-weights: logits, gradients (gathered back to full tensors) and the global grad norm.
+weights: logits, gradients (gathered back to full tensors) and the global grad norm, both
+`moe.grads`'s and the one megatron's optimizer clips with.
 """
 
 import os
@@ -95,6 +96,7 @@ def worker(rank: int, world: int, port: int, ref_path: str, layouts: list) -> No
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     from moe.model import ParallelLayout
+    from moe.optim import OptimSettings
     from moe.parallel import destroy_parallel, init_parallel
     from moe.policy import MoEPolicy
     from moe.presets import get_preset
@@ -107,7 +109,8 @@ def worker(rank: int, world: int, port: int, ref_path: str, layouts: list) -> No
         for tp, ep, sp, dispatcher in layouts:
             info = init_parallel(tp=tp, ep=ep, seed=0)
             layout = ParallelLayout(tp=tp, ep=ep, sequence_parallel=sp, dispatcher=dispatcher)
-            policy = MoEPolicy.build(preset, layout, real_vocab=preset.vocab_size, optim=None)
+            policy = MoEPolicy.build(preset, layout, real_vocab=preset.vocab_size,
+                                     optim=OptimSettings())
             load_full_params(policy.model.module, ref["params"])
             rows = slice(None)
             if info.dp > 1:  # each DP rank takes its contiguous share of the batch
@@ -125,6 +128,10 @@ def worker(rank: int, world: int, port: int, ref_path: str, layouts: list) -> No
                                            msg=lambda m: f"{what}: grad {name}: {m}")
             assert abs(grad_norm - ref["grad_norm"]) <= 1e-5 * max(1.0, ref["grad_norm"]), \
                 f"{what}: grad norm {grad_norm} != {ref['grad_norm']}"
+            policy.optimizer.optimizer.prepare_grads()
+            clip_norm = policy.optimizer.optimizer.get_grad_norm()  # what megatron clips with
+            assert abs(clip_norm - ref["grad_norm"]) <= 1e-5 * max(1.0, ref["grad_norm"]), \
+                f"{what}: optimizer grad norm {clip_norm} != {ref['grad_norm']}"
             check_replay(policy, info, ref, rows, tokens_BT[rows], valid_BT[rows], what)
             check_kv_decode(policy, ref, rows, tokens_BT[rows], valid_BT[rows], what)
     finally:
