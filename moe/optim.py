@@ -197,11 +197,44 @@ class PolicyOptimizer:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
     def state_dict(self) -> dict:
-        """This rank's optimizer state (megatron's format; masters included) and schedule."""
-        return {"optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict()}
+        """This rank's optimizer state (megatron's format; masters included) and schedule.
 
+        Under the distributed optimizer megatron's `state_dict` leaves out the per-parameter
+        state; this rank's shard of it (fp32 masters, Adam moments) is added the way megatron's
+        `DistributedOptimizer.load_state_dict` reads it back ("dp_reshardable": same layout).
+        """
+        state = {"optimizer": self.optimizer.state_dict(),
+                 "scheduler": self.scheduler.state_dict()}
+        if self.settings.distributed:
+            subs = state["optimizer"]
+            for sub, sub_state in zip(self.optimizer.chained_optimizers,
+                                      subs if isinstance(subs, list) else [subs]):
+                param_state = sub.get_parameter_state_dp_reshardable()
+                for bucket in _bucket_states(param_state):
+                    for elem in bucket:
+                        elem["padding"] = False  # megatron's loader filters on this key
+                sub_state.update(param_state=param_state,
+                                 param_state_sharding_type="dp_reshardable")
+        return state
+
+    @torch.no_grad()  # fp32 params are their own masters (views under the distributed optimizer)
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.settings.distributed:
+            # megatron's DistributedOptimizer.load_state_dict gives every parameter of a torch
+            # Adam the *same* `step` tensor, which torch increments in place once per parameter
+            # per update (wrong bias correction from the first resumed step on): un-share it.
+            for sub in self.optimizer.chained_optimizers:
+                for param_state in sub.optimizer.state.values():
+                    if torch.is_tensor(param_state.get("step")):
+                        param_state["step"] = param_state["step"].clone()
         self.scheduler.load_state_dict(state["scheduler"])
         self.last_lr = self.lr_at(max(self.scheduler.num_steps, 1))
+
+
+def _bucket_states(param_state: dict):
+    """The per-bucket lists of `DistributedOptimizer.get_parameter_state_dp_reshardable()`."""
+    for key, by_dtype in param_state.items():
+        if isinstance(key, int):
+            for buckets in by_dtype.values():
+                yield from buckets
