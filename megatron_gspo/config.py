@@ -24,6 +24,7 @@ import yaml
 
 from megatron_gspo.strict import (ConfigError, YamlLoader, apply_override, build, check,
                                   describe_fields, field_docs, validate)
+from moe.model import RECOMPUTE_MODULES
 from moe.optim import OptimSettings
 
 __all__ = ["ConfigError", "RunConfig", "config_from_dict", "config_to_dict", "describe_config",
@@ -54,9 +55,19 @@ class ModelConfig:
     (megatron's Float16 optimizer); fp16 adds loss scaling (optim.loss_scale)."""
     aux_loss_coeff: float = 0.0
     """MoE load-balancing auxiliary loss coefficient (0 = off)."""
+    recompute_granularity: Literal["off", "selective", "full"] = "off"
+    """megatron's activation recompute for long responses: 'selective' re-runs
+    recompute_modules in the backward, 'full' every transformer layer. Same grads (routing
+    replay included), less activation memory, one more forward."""
+    recompute_modules: str = "moe"
+    """Comma-separated modules for 'selective': moe (the whole MoE layer: router, dispatch,
+    experts), core_attn."""
 
     def __post_init__(self):
         validate(self, nonempty=("preset",), ge={"tp": 1, "ep": 1, "aux_loss_coeff": 0})
+        modules = [m.strip() for m in self.recompute_modules.split(",")]
+        check(self, "recompute_modules", all(m in RECOMPUTE_MODULES for m in modules),
+              f"expected a comma-separated subset of {', '.join(RECOMPUTE_MODULES)}")
         check(self, "sequence_parallel", not self.sequence_parallel or self.tp > 1,
                f"requires model.tp > 1 (got tp={self.tp})")
         check(self, "sequence_parallel", self.sequence_parallel or self.tp == 1,

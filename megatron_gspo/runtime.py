@@ -19,7 +19,7 @@ from megatron_gspo.metrics import MetricsLogger
 from megatron_gspo.rollout import evaluate
 from megatron_gspo.tasks import make_splits, make_task
 from megatron_gspo.tokenizer import CharTokenizer, Tokenizer
-from moe.model import ParallelLayout
+from moe.model import ParallelLayout, Recompute
 from moe.parallel import ParallelInfo, init_parallel
 from moe.optim import OptimSettings
 from moe.policy import MoEPolicy
@@ -48,6 +48,12 @@ def layout_of(cfg: RunConfig) -> ParallelLayout:
                           dispatcher=cfg.model.dispatcher)
 
 
+def recompute_of(cfg: RunConfig) -> Recompute:
+    modules = tuple(m.strip() for m in cfg.model.recompute_modules.split(","))
+    granularity = cfg.model.recompute_granularity
+    return Recompute(None if granularity == "off" else granularity, modules)
+
+
 def optim_settings(cfg: RunConfig, job: str) -> OptimSettings | None:
     """The optimizer of a job: `optim` as configured for RL ("train"; lr_decay_steps 0 = its
     last update); for "sft" the same Adam at a constant `sft.lr`; none for "eval"."""
@@ -71,7 +77,7 @@ def build_policy(cfg: RunConfig, vocab_size: int, optim: OptimSettings | None,
     return MoEPolicy.build(preset, layout_of(cfg), real_vocab=vocab_size,
                            seed=cfg.seed if seed is None else seed,
                            dtype=_DTYPES[cfg.model.dtype], aux_loss_coeff=cfg.model.aux_loss_coeff,
-                           optim=optim)
+                           optim=optim, recompute=recompute_of(cfg))
 
 
 def setup_runtime(cfg: RunConfig, job: str) -> Runtime:

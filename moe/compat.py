@@ -105,8 +105,9 @@ def _patch_torch_norm_sequence_parallel() -> None:
     torch_norm.WrappedTorchNorm.__new__ = staticmethod(__new__)
 
 
-# ============================================================================ megatron optimizer
+# ============================================================================ training: optimizer, recompute
 # Owned by the mixed-precision work (issue 11); kept apart from the model patches above.
+# `apply_cpu_training_patches()` (called by `moe.optim` and by recompute-enabled models):
 #
 # megatron-core's optimizer stack (`get_megatron_optimizer`: the FP32 / Float16 / Distributed
 # optimizers, the grad scalers and `clip_grads`) is device-agnostic except for two habits:
@@ -114,11 +115,14 @@ def _patch_torch_norm_sequence_parallel() -> None:
 #      with a literal `device='cuda'`;
 #   b. it tells fp32 from 16-bit parameters by `param.type()` strings such as
 #      'torch.cuda.BFloat16Tensor', which a CPU tensor never matches.
-# `apply_cpu_optimizer_patches()` fixes both without touching the math: (a) the optimizer modules
-# see a `torch` whose tensor factories map device 'cuda' to 'cpu'; (b) the few functions that
-# compare type strings run while `Tensor.type()` reports a CPU tensor under its CUDA name.
+# It fixes both without touching the math: (a) the optimizer modules see a `torch` whose tensor
+# factories map device 'cuda' to 'cpu'; (b) the few functions that compare type strings run while
+# `Tensor.type()` reports a CPU tensor under its CUDA name.
+# Activation recompute (`tensor_parallel.checkpoint`) saves and restores the CUDA RNG state around
+# the recomputed forward; without CUDA there is none (c): those two calls become no-ops (the CPU
+# generator is still saved and restored by megatron itself).
 
-_OPTIMIZER_APPLIED = False
+_TRAINING_APPLIED = False
 _CUDA_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor",
                "torch.HalfTensor": "torch.cuda.HalfTensor",
                "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
@@ -187,13 +191,14 @@ def _local_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
     return torch.stack(squares).sum().sqrt().reshape(1), None
 
 
-def apply_cpu_optimizer_patches() -> bool:
-    """Let megatron-core's optimizers run on CPU tensors. No-op with CUDA; idempotent."""
-    global _OPTIMIZER_APPLIED
+def apply_cpu_training_patches() -> bool:
+    """Let megatron-core's optimizers and activation recompute run on CPU. No-op with CUDA;
+    idempotent."""
+    global _TRAINING_APPLIED
     if cuda_available():
         return False
     apply_cpu_patches()
-    if _OPTIMIZER_APPLIED:
+    if _TRAINING_APPLIED:
         return True
     from megatron.core.optimizer import clip_grads, distrib_optimizer, grad_scaler, optimizer
 
@@ -210,5 +215,9 @@ def apply_cpu_optimizer_patches() -> bool:
     clip = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
     clip_grads.clip_grad_by_total_norm_fp32 = optimizer.clip_grad_by_total_norm_fp32 = clip
     grad_scaler.DynamicGradScaler.load_state_dict = _scaler_load_state_dict
-    _OPTIMIZER_APPLIED = True
+    from megatron.core.tensor_parallel import random as tp_random
+
+    tp_random._get_cuda_rng_state = lambda *args, **kwargs: None  # (c)
+    tp_random._set_cuda_rng_state = lambda *args, **kwargs: None
+    _TRAINING_APPLIED = True
     return True

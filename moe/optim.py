@@ -14,7 +14,7 @@
   constant, linear or cosine decay to `min_lr`; it also sets each group's weight decay (megatron
   exempts biases and 1-D parameters, i.e. norm weights).
 
-On CPU `moe.compat.apply_cpu_optimizer_patches` lets the same classes run (their few CUDA-only
+On CPU `moe.compat.apply_cpu_training_patches` lets the same classes run (their few CUDA-only
 tensor allocations and type-string checks); no second optimizer is written here.
 
 Departures from megatron's `ChainedOptimizer.step`: (1) a non-finite global grad norm skips the
@@ -33,7 +33,7 @@ from typing import Literal, Optional
 
 import torch
 
-from moe.compat import apply_cpu_optimizer_patches
+from moe.compat import apply_cpu_training_patches
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ class PolicyOptimizer:
         from megatron.core.optimizer import get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        apply_cpu_optimizer_patches()
+        apply_cpu_training_patches()
         dtype = next(ddp_model.module.parameters()).dtype
         if settings.distributed != ddp_model.ddp_config.use_distributed_optimizer:
             raise ValueError(f"distributed={settings.distributed} but the DDP wrapper was built "

@@ -22,10 +22,10 @@ import torch.nn.functional as F
 
 from moe.compat import apply_cpu_patches
 from moe.grads import global_grad_norm
-from moe.model import ParallelLayout, build_gpt_moe
+from moe.model import ParallelLayout, Recompute, build_gpt_moe
 from moe.optim import OptimSettings, PolicyOptimizer
 from moe.presets import MoEPreset
-from moe.replay import RoutingReplayCache, record_routing
+from moe.replay import RoutingReplayCache, record_routing, replay_backward
 
 
 def attention_inputs(valid_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,17 +44,21 @@ class MoEPolicy:
     """Policy model + optimizer. Build with `MoEPolicy.build(...)` after `init_parallel`."""
 
     def __init__(self, model, optimizer: PolicyOptimizer | None, preset: MoEPreset,
-                 layout: ParallelLayout, real_vocab: int, device: torch.device):
+                 layout: ParallelLayout, real_vocab: int, device: torch.device,
+                 recompute: Recompute = Recompute()):
         self.model, self.optimizer = model, optimizer
         self.preset, self.layout = preset, layout
-        self.real_vocab, self.device = real_vocab, device
+        self.real_vocab, self.device, self.recompute = real_vocab, device, recompute
+        # per replayed forward, the routing its recompute must replay (`moe.replay`)
+        self.backward_replays: list[list[torch.Tensor]] = []
         self.router_replays = model.module.router_replays if hasattr(model, "module") \
             else model.router_replays
 
     @classmethod
     def build(cls, preset: MoEPreset, layout: ParallelLayout, *, real_vocab: int, seed: int = 0,
               dtype: torch.dtype = torch.float32, aux_loss_coeff: float = 0.0,
-              optim: OptimSettings | None = OptimSettings()) -> "MoEPolicy":
+              optim: OptimSettings | None = OptimSettings(),
+              recompute: Recompute = Recompute()) -> "MoEPolicy":
         """The GPTModel wrapped in megatron DDP, with megatron's Adam (`moe.optim`; None: no
         optimizer). 16-bit `dtype` trains with fp32 main grads and fp32 master weights."""
         apply_cpu_patches()
@@ -64,13 +68,14 @@ class MoEPolicy:
         if real_vocab > preset.vocab_size:
             raise ValueError(f"tokenizer vocab {real_vocab} exceeds preset {preset.name!r} "
                              f"vocab_size={preset.vocab_size}")
-        gpt = build_gpt_moe(preset, layout, seed=seed, dtype=dtype, aux_loss_coeff=aux_loss_coeff)
+        gpt = build_gpt_moe(preset, layout, seed=seed, dtype=dtype, aux_loss_coeff=aux_loss_coeff,
+                            recompute=recompute)
         model = DistributedDataParallel(gpt.config, DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, bucket_size=None,
             use_distributed_optimizer=optim is not None and optim.distributed), gpt)
         optimizer = None if optim is None else PolicyOptimizer(model, optim)
         device = next(gpt.parameters()).device
-        return cls(model, optimizer, preset, layout, real_vocab, device)
+        return cls(model, optimizer, preset, layout, real_vocab, device, recompute)
 
     # ---------------------------------------------------------------- forward
     def _pad_for_sp(self, *tensors_BT):
@@ -145,13 +150,17 @@ class MoEPolicy:
         self.model.train(mode)
 
     def zero_grad(self) -> None:
+        self.backward_replays.clear()
         self.model.zero_grad_buffer()
         if self.optimizer is not None:
             self.optimizer.zero_grad()
 
     def backward(self, loss: torch.Tensor) -> None:
-        """`loss.backward()`, times the fp16 loss scale when there is one."""
-        (loss if self.optimizer is None else self.optimizer.scale_loss(loss)).backward()
+        """`loss.backward()`, times the fp16 loss scale when there is one. Under activation
+        recompute, routers re-run in the backward replay what the forward replayed."""
+        replays, self.backward_replays = self.backward_replays, []
+        with replay_backward(self, replays):
+            (loss if self.optimizer is None else self.optimizer.scale_loss(loss)).backward()
 
     def reduce_grads(self) -> float:
         """Reduce grads across DP/TP (megatron's finalize), expose them as `.grad` and return the
