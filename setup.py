@@ -19,6 +19,7 @@ setup(
         "megatron-core==0.16.1",
         "numpy",
         "pyyaml",
+        "psutil",  # megatron-core's dist_checkpointing (torch_dist writer) needs it
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]"],

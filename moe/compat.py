@@ -121,6 +121,8 @@ def _patch_torch_norm_sequence_parallel() -> None:
 # Activation recompute (`tensor_parallel.checkpoint`) saves and restores the CUDA RNG state around
 # the recomputed forward; without CUDA there is none (c): those two calls become no-ops (the CPU
 # generator is still saved and restored by megatron itself).
+# dist_checkpointing's torch_dist writer stages tensors to the host with `non_blocking=True` and
+# then calls `torch.cuda.synchronize()` (d): on CPU the staging is a no-op and the sync is skipped.
 
 _TRAINING_APPLIED = False
 _CUDA_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor",
@@ -219,5 +221,11 @@ def apply_cpu_training_patches() -> bool:
 
     tp_random._get_cuda_rng_state = lambda *args, **kwargs: None  # (c)
     tp_random._set_cuda_rng_state = lambda *args, **kwargs: None
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import \
+        FileSystemWriterAsync
+
+    stage = FileSystemWriterAsync.preload_tensors  # (d)
+    FileSystemWriterAsync.preload_tensors = staticmethod(
+        lambda write_buckets, non_blocking=True: stage(write_buckets, non_blocking=False))
     _TRAINING_APPLIED = True
     return True

@@ -189,6 +189,14 @@ def build_gpt_moe(preset: MoEPreset, layout: ParallelLayout = ParallelLayout(), 
     )
     if cuda_available():
         model = model.cuda()
+    # megatron's torch RMSNorm (local spec) creates fp32 weights whatever params_dtype says; TE's
+    # norms, and Megatron-LM's Float16Module for any spec, make every parameter 16-bit in a
+    # 16-bit run. Do the same: the Float16 optimizer then holds an fp32 master for every
+    # parameter (and its sharded_state_dict maps only 16-bit params).
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dtype != dtype:
+                param.data = param.data.to(dtype)
     model.router_replays = list(RouterReplay.global_router_replay_instances)
     # megatron marks expert weights `allreduce=False` (reduce over the expert-data-parallel group)
     # only when ep > 1. With ep == 1 and tp > 1 (expert TP = 1), each TP rank's experts see only
