@@ -210,3 +210,65 @@ def optimizer_worker(rank: int, world: int, port: int, ref_path: str) -> None:
             assert torch.equal(bf16[0][name], bf16[1][name]), f"bf16 distributed, {name}"
     finally:
         destroy_parallel()
+
+
+# ------------------------------------------------------------------ dist checkpoints
+def step_loss(policy, rows) -> float:
+    """The fixed-batch loss over all DP ranks (per-sequence means: the 1-process loss)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    tokens_BT, valid_BT, readout_BTV = batch(policy.preset.vocab_size)
+    with torch.no_grad():
+        loss = loss_fn(policy.logits(tokens_BT[rows], valid_BT[rows]), valid_BT[rows],
+                       readout_BTV[rows])
+    dist.all_reduce(loss, group=ps.get_data_parallel_group())
+    return float(loss) / ps.get_data_parallel_world_size()
+
+
+def build_layout(preset, tp: int, ep: int):
+    from moe.model import ParallelLayout
+    from moe.optim import OptimSettings
+    from moe.parallel import init_parallel
+    from moe.policy import MoEPolicy
+
+    info = init_parallel(tp=tp, ep=ep, seed=0)
+    layout = ParallelLayout(tp=tp, ep=ep, sequence_parallel=tp > 1)
+    policy = MoEPolicy.build(preset, layout, real_vocab=preset.vocab_size,
+                             optim=OptimSettings(lr=LR, grad_clip=CLIP))
+    per = 4 // info.dp  # the fixed batch has 4 sequences; each DP rank takes its share
+    return policy, slice(info.dp_rank * per, (info.dp_rank + 1) * per)
+
+
+def checkpoint_worker(rank: int, world: int, port: int, ref_path: str, ckpt_dir: str,
+                      out_path: str) -> None:
+    """TP=2: 2 updates, save (each rank its shards), then the uninterrupted 3rd step; EP=2
+    (DP=2): resume from the TP=2 checkpoint and take the same 3rd step."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    from moe import dist_ckpt
+    from moe.parallel import destroy_parallel
+    from moe.presets import get_preset
+    from moe.sharding import gather_full_params, load_full_params
+
+    ref = torch.load(ref_path, weights_only=False)
+    preset = get_preset(ref["preset"])
+    try:
+        policy, rows = build_layout(preset, tp=2, ep=1)
+        load_full_params(policy.model.module, ref["params"])
+        train_steps(policy, rows, 2)
+        dist_ckpt.save(policy, ckpt_dir)
+        out = {"tp2_loss3": step_loss(policy, rows)}
+        train_steps(policy, rows, 3, start=2)
+        out["tp2_params3"] = gather_full_params(policy.model.module)
+
+        resumed, rows = build_layout(preset, tp=1, ep=2)
+        dist_ckpt.load(resumed, ckpt_dir)
+        out["ep2_loss3"] = step_loss(resumed, rows)
+        train_steps(resumed, rows, 3, start=2)
+        out["ep2_params3"] = gather_full_params(resumed.model.module)
+        out["ep2_updates"] = resumed.optimizer.updates
+        if rank == 0:
+            torch.save(out, out_path)
+    finally:
+        destroy_parallel()

@@ -1,0 +1,102 @@
+"""Rank-local, reshardable policy checkpoints through megatron-core's `dist_checkpointing`.
+
+Each rank writes only its own shards: megatron's `sharded_state_dict()` describes every local
+tensor as a slice of a global tensor (TP partition, EP expert offset, a replica id so that only
+one DP replica writes it), and the torch_dist backend (torch.distributed.checkpoint; runs on CPU
+with gloo) writes one file per rank and writer thread, plus rank 0's `common.pt` (non-tensor
+state) and metadata. Nothing is gathered on the save path. Loading builds the sharded state dict
+of the *current* layout and reads the slices it needs, so a checkpoint saved with one TP / EP /
+DP layout resumes with another (tests/moe/test_dist_ckpt.py: TP=2 -> EP=2, TP=2 -> 1 process).
+
+What is saved: the model weights (16-bit for bf16 runs), the optimizer (fp32 masters, Adam
+moments and step) and the lr schedule. Optimizer resharding: megatron's non-distributed
+optimizers store state shaped like the parameters, so it reshards over TP / EP / DP like them;
+the distributed optimizer uses megatron's 'dp_reshardable' format (fully parallel, no gather),
+which lets the DP size change but not TP / EP (megatron's TP/EP-reshardable format for it,
+'fully_reshardable', gathers the state on DP rank 0: what this module avoids). Changing TP / EP
+under the distributed optimizer: load the weights only (`load(..., optimizer=False)`).
+
+Atomic: the checkpoint is written into `<directory>.tmp` and renamed to `<directory>` only after
+every rank has finished (barriers around it), so a crash leaves no half-written `<directory>`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch.distributed as dist
+
+from moe.compat import apply_cpu_training_patches
+
+METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+"""megatron's `metadata` for the optimizers' sharded_state_dict (used by the distributed one)."""
+
+
+def is_dist_checkpoint(directory: str) -> bool:
+    """True when `directory` holds a complete dist_checkpointing checkpoint."""
+    return os.path.isfile(os.path.join(directory, "metadata.json"))
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _sharded_state_dict(policy, optimizer: bool, is_loading: bool) -> dict:
+    model_sd = policy.model.module.sharded_state_dict()
+    state = {"model": model_sd}
+    if optimizer and policy.optimizer is not None:
+        opt = policy.optimizer
+        state["optimizer"] = opt.optimizer.sharded_state_dict(model_sd, is_loading,
+                                                              metadata=METADATA)
+        state["scheduler"] = opt.scheduler.state_dict()
+    return state
+
+
+def save(policy, directory: str) -> None:
+    """Write this rank's shards of `policy` (model, optimizer, schedule) to `directory`.
+
+    Collective: every rank of the job calls it with the same `directory`.
+    """
+    from megatron.core import dist_checkpointing
+
+    apply_cpu_training_patches()
+    tmp = directory.rstrip("/") + ".tmp"
+    main = not dist.is_initialized() or dist.get_rank() == 0
+    if main:
+        shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt
+        os.makedirs(tmp)
+    _barrier()
+    dist_checkpointing.save(_sharded_state_dict(policy, True, False), tmp)
+    _barrier()
+    if main:
+        old = directory.rstrip("/") + ".old"
+        if os.path.exists(directory):
+            os.replace(directory, old)
+        os.replace(tmp, directory)
+        shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+
+
+def load(policy, directory: str, optimizer: bool = True) -> None:
+    """Load `directory` into `policy`, whatever layout saved it (see the module docstring).
+
+    `optimizer=False` loads the weights only (and refreshes 16-bit runs' fp32 masters from
+    them). Collective.
+    """
+    from megatron.core import dist_checkpointing
+
+    apply_cpu_training_patches()
+    if not is_dist_checkpoint(directory):
+        held = sorted(os.listdir(directory)) if os.path.isdir(directory) else "nothing"
+        raise FileNotFoundError(f"{directory}: not a complete dist checkpoint (no "
+                                f"metadata.json); it holds {held}")
+    with_optimizer = optimizer and policy.optimizer is not None
+    state = dist_checkpointing.load(_sharded_state_dict(policy, with_optimizer, True), directory)
+    policy.model.module.load_state_dict(state["model"])
+    if with_optimizer:
+        policy.optimizer.load_state_dict({"optimizer": state["optimizer"],
+                                          "scheduler": state["scheduler"]})
+    else:
+        policy.weights_changed()
