@@ -1,8 +1,11 @@
 """What SFT, RL training and eval share: process groups, task, policy, checkpoints.
 
-Checkpoints are sharded by rank (`megatron_gspo.checkpoint`): each rank saves its exact model and
-optimizer shard for resuming with the same layout, and rank 0 also saves the full (gathered)
-parameters, so a checkpoint initialises a run with any TP/EP layout (`init_checkpoint`).
+Checkpoints (`megatron_gspo.checkpoint` layout, `latest` marker): in each step dir, `dist/` is the
+policy (model, optimizer, lr schedule) written by `moe.dist_ckpt` through megatron-core's
+dist_checkpointing, each rank writing only its own shards; `rank_XXXXX.pt` holds each rank's
+counters, RNG state and config. A checkpoint resumes (`resume`) or initialises (`init_checkpoint`)
+a run with any TP / EP / DP layout; RNG states are restored only for the same layout. Checkpoints
+of older versions (`full_params` in rank 0's file) still initialise runs.
 """
 
 from __future__ import annotations
@@ -19,12 +22,13 @@ from megatron_gspo.metrics import MetricsLogger
 from megatron_gspo.rollout import evaluate
 from megatron_gspo.tasks import make_splits, make_task
 from megatron_gspo.tokenizer import CharTokenizer, Tokenizer
+from moe import dist_ckpt
 from moe.model import ParallelLayout, Recompute
 from moe.parallel import ParallelInfo, init_parallel
 from moe.optim import OptimSettings
 from moe.policy import MoEPolicy
 from moe.presets import get_preset
-from moe.sharding import gather_full_params, load_full_params
+from moe.sharding import load_full_params
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -109,14 +113,13 @@ def barrier() -> None:
 
 
 def save_state(rt: Runtime, step: int, extra: dict) -> None:
-    """Every rank saves its shard; rank 0 adds the full params; `latest` moves last."""
+    """Every rank writes its policy shards (`dist/`) and its own small state; `latest` moves
+    last."""
     root = os.path.join(rt.cfg.run_dir, "checkpoints")
-    state = {"policy": rt.policy.state_dict(), "extra": extra, "rng": ckpt.rng_state(),
+    dist_ckpt.save(rt.policy, os.path.join(ckpt.step_dir(root, step), "dist"))  # collective
+    state = {"extra": extra, "rng": ckpt.rng_state(),
              "layout": (rt.info.tp, rt.info.ep, rt.info.world_size),
              "config": config_to_dict(rt.cfg)}
-    full = gather_full_params(rt.policy.model.module)  # collective: every rank takes part
-    if rt.info.is_main:
-        state["full_params"] = full
     ckpt.save_checkpoint(root, step, state, rank=rt.info.rank)
     barrier()
     if rt.info.is_main:
@@ -124,29 +127,49 @@ def save_state(rt: Runtime, step: int, extra: dict) -> None:
     barrier()
 
 
-def load_init_weights(policy: MoEPolicy, path: str) -> None:
-    """Initialise from a run dir (its latest checkpoint) or a step dir, any parallel layout."""
+def _step_dir_of(path: str) -> str:
+    """The step dir a run dir (its latest), a checkpoints root or a step dir points to."""
     root = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) \
         else path
-    state = ckpt.load_checkpoint(root, rank=0)
+    if os.path.basename(os.path.normpath(root)).startswith("step_"):
+        return root
+    step = ckpt.latest_step(root)
+    if step is None:
+        raise FileNotFoundError(f"{path}: no complete checkpoint (no 'latest' marker)")
+    return ckpt.step_dir(root, step)
+
+
+def load_init_weights(policy: MoEPolicy, path: str) -> None:
+    """Initialise from a run dir (its latest checkpoint) or a step dir, any parallel layout."""
+    step_dir = _step_dir_of(path)
+    if dist_ckpt.is_dist_checkpoint(os.path.join(step_dir, "dist")):
+        dist_ckpt.load(policy, os.path.join(step_dir, "dist"), optimizer=False)  # collective
+        return
+    state = ckpt.load_checkpoint(step_dir, rank=0)
     if "full_params" not in state:
-        raise ValueError(f"{path}: checkpoint has no full_params (not written by megatron-gspo?)")
+        raise ValueError(f"{path}: checkpoint has neither dist/ nor full_params (not written by "
+                         "megatron-gspo?)")
     load_full_params(policy.model.module, state["full_params"])
     policy.weights_changed()
 
 
 def try_resume(rt: Runtime) -> dict | None:
-    """Restore this rank's exact shard from run_dir's latest checkpoint; returns its `extra`."""
+    """Restore the policy (any layout) and counters from run_dir's latest checkpoint; returns
+    its `extra`. RNG states come back only when the layout is the same."""
     root = os.path.join(rt.cfg.run_dir, "checkpoints")
     if not rt.cfg.resume or ckpt.latest_step(root) is None:
         return None
-    state = ckpt.load_checkpoint(root, rank=rt.info.rank)
+    step_dir = ckpt.step_dir(root, ckpt.latest_step(root))
     layout = (rt.info.tp, rt.info.ep, rt.info.world_size)
-    if tuple(state["layout"]) != layout:
-        raise ValueError(f"{root}: saved with (tp, ep, world)={tuple(state['layout'])}, resuming "
-                         f"with {layout}; use init_checkpoint to change layout")
-    rt.policy.load_state_dict(state["policy"])
-    ckpt.set_rng_state(state["rng"])
+    same_rank = os.path.isfile(ckpt.rank_file(step_dir, rt.info.rank))
+    state = ckpt.load_checkpoint(step_dir, rank=rt.info.rank if same_rank else 0)
+    if not dist_ckpt.is_dist_checkpoint(os.path.join(step_dir, "dist")):
+        raise ValueError(f"{step_dir}: written before dist checkpoints (no dist/), its optimizer "
+                         f"state cannot be resumed; start from its weights with "
+                         f"init_checkpoint={rt.cfg.run_dir} and resume=false")
+    dist_ckpt.load(rt.policy, os.path.join(step_dir, "dist"))  # collective
+    if tuple(state["layout"]) == layout:
+        ckpt.set_rng_state(state["rng"])
     return state["extra"]
 
 

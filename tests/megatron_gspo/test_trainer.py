@@ -125,11 +125,17 @@ def test_sft_checkpoint_initialises_rl(tmp_path):
                                  "sft.batch_size=8", "sft.eval_every=0"])
     run_sft(sft_cfg)
     trainer = make_trainer(tmp_path, "train.steps=1", f"init_checkpoint={tmp_path / 'sft'}")
-    from megatron_gspo.checkpoint import load_checkpoint
+    from megatron_gspo.runtime import build_policy
+    from moe import dist_ckpt
 
-    saved = load_checkpoint(str(tmp_path / "sft" / "checkpoints"))["full_params"]
+    fresh = build_policy(trainer.cfg, trainer.rt.tokenizer.vocab_size, optim=None)
+    saved = build_policy(trainer.cfg, trainer.rt.tokenizer.vocab_size, optim=None, seed=123)
+    dist_ckpt.load(saved, str(tmp_path / "sft" / "checkpoints" / "step_000003" / "dist"))
+    fresh, saved = dict(fresh.model.module.named_parameters()), \
+        dict(saved.model.module.named_parameters())
     for n, p in trainer.policy.model.module.named_parameters():
         torch.testing.assert_close(p.detach(), saved[n], atol=0, rtol=0, msg=n)
+    assert any(not torch.equal(p, saved[n]) for n, p in fresh.items())  # SFT moved them
 
 
 def test_missing_init_checkpoint_is_a_clear_error(tmp_path):
