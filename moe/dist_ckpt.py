@@ -48,6 +48,13 @@ def _sharded_state_dict(policy, optimizer: bool, is_loading: bool) -> dict:
     state = {"model": model_sd}
     if optimizer and policy.optimizer is not None:
         opt = policy.optimizer
+        if is_loading and opt.settings.distributed:
+            # On the torch-Adam path megatron's DistributedOptimizer.state_dict() needs Adam's
+            # state to exist; before the first update it does not. megatron's own remedy: one
+            # zero-grad step (its values are overwritten by the load).
+            for sub in opt.optimizer.chained_optimizers:
+                if not sub.optimizer.state:
+                    sub._init_optimizer_states_with_dummy_values()
         state["optimizer"] = opt.optimizer.sharded_state_dict(model_sd, is_loading,
                                                               metadata=METADATA)
         state["scheduler"] = opt.scheduler.state_dict()

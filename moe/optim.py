@@ -221,15 +221,27 @@ class PolicyOptimizer:
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.settings.distributed:
-            # megatron's DistributedOptimizer.load_state_dict gives every parameter of a torch
-            # Adam the *same* `step` tensor, which torch increments in place once per parameter
-            # per update (wrong bias correction from the first resumed step on): un-share it.
-            for sub in self.optimizer.chained_optimizers:
-                for param_state in sub.optimizer.state.values():
-                    if torch.is_tensor(param_state.get("step")):
-                        param_state["step"] = param_state["step"].clone()
+            _restore_adam_steps(self.optimizer.chained_optimizers)
         self.scheduler.load_state_dict(state["scheduler"])
         self.last_lr = self.lr_at(max(self.scheduler.num_steps, 1))
+
+
+def _restore_adam_steps(distributed_optimizers) -> None:
+    """Give each torch-Adam parameter state its own `step`, equal to its param group's.
+
+    megatron's DistributedOptimizer keeps Adam's step in the param groups (TE's FusedAdam keeps
+    it there); on the torch-Adam path its load_state_dict then hands every parameter the *same*
+    step tensor (torch increments it in place once per parameter per update), and its
+    dist-checkpoint loader copies the pre-load local step over it ('step' is a
+    LocalNonpersistentObject there). Either breaks Adam's bias correction after a resume.
+    """
+    for sub in distributed_optimizers:
+        for group in sub.optimizer.param_groups:
+            for param in group["params"]:
+                state = sub.optimizer.state.get(param, {})
+                if torch.is_tensor(state.get("step")) and group.get("step") is not None:
+                    state["step"] = torch.tensor(float(group["step"]), dtype=state["step"].dtype,
+                                                 device=state["step"].device)
 
 
 def _bucket_states(param_state: dict):

@@ -167,14 +167,13 @@ def build_trained(preset, params, rows, steps, dtype=torch.float32, distributed=
     return policy
 
 
-def optimizer_worker(rank: int, world: int, port: int, ref_path: str) -> None:
+def optimizer_worker(rank: int, world: int, port: int, ref_path: str, ckpt_dir: str) -> None:
     """DP=2: megatron's distributed optimizer (masters and moments sharded over the 2 ranks)
     gives the 1-process parameters; in bf16 it equals the unsharded optimizer exactly; its
-    per-rank state resumes the same layout exactly."""
-    import io
-
+    per-rank checkpoint resumes exactly."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    from moe import dist_ckpt
     from moe.parallel import destroy_parallel, init_parallel
     from moe.presets import get_preset
     from moe.sharding import gather_full_params
@@ -192,13 +191,12 @@ def optimizer_worker(rank: int, world: int, port: int, ref_path: str) -> None:
         for name, p in gather_full_params(sharded.model.module).items():
             torch.testing.assert_close(p, ref["trained"][name], atol=DP_ATOL, rtol=0,
                                        msg=lambda m: f"DP=2 distributed, {name}: {m}")
-        # Resume: this rank's state after 2 updates, reloaded into a fresh policy.
+        # Resume: each rank's shards after 2 updates (moe.dist_ckpt, megatron's dp_reshardable
+        # optimizer format), loaded into a fresh policy whose Adam state does not exist yet.
         half = build_trained(preset, ref["params"], rows, 2, distributed=True)
-        buffer = io.BytesIO()
-        torch.save(half.state_dict(), buffer)
-        buffer.seek(0)
+        dist_ckpt.save(half, ckpt_dir)
         resumed = build_trained(preset, ref["params"], rows, 0, distributed=True)
-        resumed.load_state_dict(torch.load(buffer, weights_only=False))
+        dist_ckpt.load(resumed, ckpt_dir)
         train_steps(resumed, rows, STEPS, start=2)
         for a, b in zip(sharded.model.module.parameters(), resumed.model.module.parameters()):
             assert torch.equal(a, b), "distributed optimizer resume"

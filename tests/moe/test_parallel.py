@@ -82,11 +82,12 @@ def test_two_process_layouts_match_single_process(reference):
 
 
 @pytest.mark.slow
-def test_distributed_optimizer_dp2_matches_single_process(reference):
+def test_distributed_optimizer_dp2_matches_single_process(reference, tmp_path):
     """3 clipped Adam steps with megatron's distributed optimizer on DP=2 give the 1-process
     parameters within pw.DP_ATOL (fp32); in bf16 exactly the unsharded optimizer's; resuming
-    from a rank's saved shard continues exactly."""
-    mp.spawn(pw.optimizer_worker, args=(2, _port(), reference), nprocs=2, join=True)
+    from the ranks' dist checkpoint continues exactly."""
+    mp.spawn(pw.optimizer_worker, args=(2, _port(), reference, str(tmp_path / "ckpt")),
+             nprocs=2, join=True)
 
 
 def test_worker_detects_a_wrong_weight(single_process, reference, tmp_path):
