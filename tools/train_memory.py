@@ -23,8 +23,9 @@ Measured part: one optimizer step (forward, backward, megatron's optimizer) of
 (Adam's moments exist). Peak = the most memory in use during the step above the process's
 baseline before the model was built. On CUDA that is `torch.cuda.max_memory_allocated`; on CPU
 torch has no allocator statistics, so glibc malloc's own (`mallinfo2`: bytes in use, heap plus
-mmapped) are read after every aten op (a TorchDispatchMode), which catches each op's outputs
-but not scratch memory inside a kernel. oneDNN is switched off on CPU unless --onednn: its bf16
+mmapped) are read after every aten op with outputs of 64 KiB or more and after every 32nd op (a
+TorchDispatchMode; mallinfo2 walks malloc's bins, too slow for every op). That catches the
+step's large tensors, not scratch memory inside a kernel. oneDNN is switched off on CPU unless --onednn: its bf16
 matmuls keep cached primitives and scratchpads (measured ~550 MiB for this model), a cost of the
 CPU backend, not of the training state; torch's own bf16 kernels run instead.
 """
@@ -43,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 warnings.filterwarnings("ignore")
 
 GIB, MIB = 1024 ** 3, 1024 ** 2
+SAMPLE_BYTES, SAMPLE_EVERY = 64 * 1024, 32  # CPU: read malloc's stats after ops this big / often
 
 # (name, bytes/param unsharded by the distributed optimizer, bytes/param it shards)
 SETTINGS = [("fp32", 4 + 4, 8), ("bf16 + fp32 masters", 2 + 4, 4 + 8),
@@ -101,6 +103,7 @@ def measure_one(preset_name: str, dtype_name: str, batch: int, seq: int,
     """Peak and persistent bytes of one train step (this process; see the docstring)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
 
     from moe.compat import cuda_available
     from moe.model import ParallelLayout, Recompute
@@ -136,9 +139,15 @@ def measure_one(preset_name: str, dtype_name: str, batch: int, seq: int,
         peak = [in_use()]
 
         class Sample(TorchDispatchMode):
+            ops = 0
+
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
-                peak[0] = max(peak[0], in_use())
+                Sample.ops += 1
+                new = sum(t.untyped_storage().nbytes() for t in tree_flatten(out)[0]
+                          if isinstance(t, torch.Tensor))
+                if new >= SAMPLE_BYTES or Sample.ops % SAMPLE_EVERY == 0:  # mallinfo2 is slow
+                    peak[0] = max(peak[0], in_use())
                 return out
 
         if cuda:

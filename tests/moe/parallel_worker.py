@@ -167,45 +167,51 @@ def build_trained(preset, params, rows, steps, dtype=torch.float32, distributed=
     return policy
 
 
-def optimizer_worker(rank: int, world: int, port: int, ref_path: str, ckpt_dir: str) -> None:
+def optimizer_checks(rank: int, preset, ref: dict, ckpt_dir: str) -> dict:
     """DP=2: megatron's distributed optimizer (masters and moments sharded over the 2 ranks)
-    gives the 1-process parameters; in bf16 it equals the unsharded optimizer exactly; its
-    per-rank checkpoint resumes exactly."""
+    after 3 updates, its resume from the ranks' dist checkpoint, and bf16 sharded vs not."""
+    from moe import dist_ckpt
+    from moe.parallel import init_parallel
+    from moe.sharding import gather_full_params
+
+    info = init_parallel(tp=1, ep=1, seed=0)
+    assert info.dp == 2
+    rows = slice(rank * 2, rank * 2 + 2)
+    sharded = build_trained(preset, ref["params"], rows, STEPS, distributed=True)
+    out = {"dp2_params3": gather_full_params(sharded.model.module),
+           "dp2_total_numel": sum(p.numel() for p in sharded.model.module.parameters()),
+           "dp2_local_master_numel": sum(p.numel() for p in sharded.optimizer.master_params())}
+    # Resume: each rank's shards after 2 updates (moe.dist_ckpt, megatron's dp_reshardable
+    # optimizer format), loaded into a fresh policy whose Adam state does not exist yet.
+    half = build_trained(preset, ref["params"], rows, 2, distributed=True)
+    dist_ckpt.save(half, ckpt_dir)
+    resumed = build_trained(preset, ref["params"], rows, 0, distributed=True)
+    dist_ckpt.load(resumed, ckpt_dir)
+    train_steps(resumed, rows, STEPS, start=2)
+    out["dp2_resumed_params3"] = gather_full_params(resumed.model.module)
+    # bf16: sharded fp32 masters vs unsharded fp32 masters, same DP grads.
+    out["dp2_bf16"] = [gather_full_params(build_trained(preset, ref["params"], rows, STEPS,
+                                                        torch.bfloat16, d).model.module)
+                       for d in (True, False)]
+    return out
+
+
+def training_worker(rank: int, world: int, port: int, ref_path: str, tmp_dir: str,
+                    out_path: str) -> None:
+    """One spawn for the 2-process training-state tests: `optimizer_checks`, then
+    `checkpoint_checks`; rank 0 saves what the tests compare."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    from moe import dist_ckpt
-    from moe.parallel import destroy_parallel, init_parallel
+    from moe.parallel import destroy_parallel
     from moe.presets import get_preset
-    from moe.sharding import gather_full_params
 
     ref = torch.load(ref_path, weights_only=False)
     preset = get_preset(ref["preset"])
     try:
-        info = init_parallel(tp=1, ep=1, seed=0)
-        assert info.dp == 2
-        rows = slice(rank * 2, rank * 2 + 2)
-        sharded = build_trained(preset, ref["params"], rows, STEPS, distributed=True)
-        total = sum(p.numel() for p in sharded.model.module.parameters())
-        local = sum(p.numel() for p in sharded.optimizer.master_params())
-        assert local <= total // 2 + 64, (local, total)  # this rank's half (+ bucket padding)
-        for name, p in gather_full_params(sharded.model.module).items():
-            torch.testing.assert_close(p, ref["trained"][name], atol=DP_ATOL, rtol=0,
-                                       msg=lambda m: f"DP=2 distributed, {name}: {m}")
-        # Resume: each rank's shards after 2 updates (moe.dist_ckpt, megatron's dp_reshardable
-        # optimizer format), loaded into a fresh policy whose Adam state does not exist yet.
-        half = build_trained(preset, ref["params"], rows, 2, distributed=True)
-        dist_ckpt.save(half, ckpt_dir)
-        resumed = build_trained(preset, ref["params"], rows, 0, distributed=True)
-        dist_ckpt.load(resumed, ckpt_dir)
-        train_steps(resumed, rows, STEPS, start=2)
-        for a, b in zip(sharded.model.module.parameters(), resumed.model.module.parameters()):
-            assert torch.equal(a, b), "distributed optimizer resume"
-        # bf16: sharded fp32 masters == unsharded fp32 masters, same DP grads.
-        bf16 = [gather_full_params(build_trained(preset, ref["params"], rows, STEPS,
-                                                 torch.bfloat16, distributed=d).model.module)
-                for d in (True, False)]
-        for name in bf16[0]:
-            assert torch.equal(bf16[0][name], bf16[1][name]), f"bf16 distributed, {name}"
+        out = optimizer_checks(rank, preset, ref, os.path.join(tmp_dir, "dp2"))
+        out.update(checkpoint_checks(rank, preset, ref, os.path.join(tmp_dir, "tp2_step_2")))
+        if rank == 0:
+            torch.save(out, out_path)
     finally:
         destroy_parallel()
 
@@ -238,35 +244,24 @@ def build_layout(preset, tp: int, ep: int):
     return policy, slice(info.dp_rank * per, (info.dp_rank + 1) * per)
 
 
-def checkpoint_worker(rank: int, world: int, port: int, ref_path: str, ckpt_dir: str,
-                      out_path: str) -> None:
+def checkpoint_checks(rank: int, preset, ref: dict, ckpt_dir: str) -> dict:
     """TP=2: 2 updates, save (each rank its shards), then the uninterrupted 3rd step; EP=2
     (DP=2): resume from the TP=2 checkpoint and take the same 3rd step."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     from moe import dist_ckpt
-    from moe.parallel import destroy_parallel
-    from moe.presets import get_preset
     from moe.sharding import gather_full_params, load_full_params
 
-    ref = torch.load(ref_path, weights_only=False)
-    preset = get_preset(ref["preset"])
-    try:
-        policy, rows = build_layout(preset, tp=2, ep=1)
-        load_full_params(policy.model.module, ref["params"])
-        train_steps(policy, rows, 2)
-        dist_ckpt.save(policy, ckpt_dir)
-        out = {"tp2_loss3": step_loss(policy, rows)}
-        train_steps(policy, rows, 3, start=2)
-        out["tp2_params3"] = gather_full_params(policy.model.module)
+    policy, rows = build_layout(preset, tp=2, ep=1)
+    load_full_params(policy.model.module, ref["params"])
+    train_steps(policy, rows, 2)
+    dist_ckpt.save(policy, ckpt_dir)
+    out = {"tp2_ckpt": ckpt_dir, "tp2_loss3": step_loss(policy, rows)}
+    train_steps(policy, rows, 3, start=2)
+    out["tp2_params3"] = gather_full_params(policy.model.module)
 
-        resumed, rows = build_layout(preset, tp=1, ep=2)
-        dist_ckpt.load(resumed, ckpt_dir)
-        out["ep2_loss3"] = step_loss(resumed, rows)
-        train_steps(resumed, rows, 3, start=2)
-        out["ep2_params3"] = gather_full_params(resumed.model.module)
-        out["ep2_updates"] = resumed.optimizer.updates
-        if rank == 0:
-            torch.save(out, out_path)
-    finally:
-        destroy_parallel()
+    resumed, rows = build_layout(preset, tp=1, ep=2)
+    dist_ckpt.load(resumed, ckpt_dir)
+    out["ep2_loss3"] = step_loss(resumed, rows)
+    train_steps(resumed, rows, 3, start=2)
+    out["ep2_params3"] = gather_full_params(resumed.model.module)
+    out["ep2_updates"] = resumed.optimizer.updates
+    return out

@@ -1,6 +1,11 @@
-"""Rank-local dist checkpoints (moe.dist_ckpt): saved with TP=2 on 2 gloo processes, resumed
-with EP=2 (DP=2) and with 1 process, the next step's loss and parameters equal the uninterrupted
-TP=2 run's."""
+"""Training state on 2 gloo processes, one spawn (tests/moe/parallel_worker.training_worker):
+
+- megatron's distributed optimizer on DP=2 (masters and Adam moments sharded over the ranks)
+  gives the 1-process optimizer's parameters after 3 clipped updates; in bf16 exactly the
+  unsharded optimizer's; its dist checkpoint resumes exactly;
+- rank-local dist checkpoints (moe.dist_ckpt) saved with TP=2 resume with EP=2 (DP=2) and in 1
+  process: the next step's loss and parameters equal the uninterrupted TP=2 run's.
+"""
 
 import os
 
@@ -15,17 +20,30 @@ LOSS_RTOL = 1e-5  # the same step under different layouts: float summation order
 
 
 @pytest.fixture(scope="module")
-def tp2_run(reference, tmp_path_factory):  # noqa: F811
-    d = tmp_path_factory.mktemp("dist_ckpt")
-    ckpt, out = str(d / "step_2"), str(d / "out.pt")
-    mp.spawn(pw.checkpoint_worker, args=(2, _port(), reference, ckpt, out), nprocs=2,
-             join=True)
-    return ckpt, torch.load(out, weights_only=False)
+def run(reference, tmp_path_factory):  # noqa: F811
+    d = tmp_path_factory.mktemp("training_state")
+    mp.spawn(pw.training_worker, args=(2, _port(), reference, str(d), str(d / "out.pt")),
+             nprocs=2, join=True)
+    out = torch.load(d / "out.pt", weights_only=False)
+    out["ref_trained"] = torch.load(reference, weights_only=False)["trained"]
+    return out
 
 
 @pytest.mark.slow
-def test_each_rank_writes_its_own_shards_atomically(tp2_run):
-    ckpt, _ = tp2_run
+def test_distributed_optimizer_dp2_matches_single_process(run):
+    # each rank holds about half of the masters (+ bucket padding)
+    assert run["dp2_local_master_numel"] <= run["dp2_total_numel"] // 2 + 64
+    for name, p in run["ref_trained"].items():  # measured max |diff| 4.3e-7
+        torch.testing.assert_close(run["dp2_params3"][name], p, atol=pw.DP_ATOL, rtol=0,
+                                   msg=lambda m: f"DP=2 distributed, {name}: {m}")
+        assert torch.equal(run["dp2_resumed_params3"][name], run["dp2_params3"][name]), name
+    sharded, unsharded = run["dp2_bf16"]
+    assert all(torch.equal(sharded[n], unsharded[n]) for n in sharded)
+
+
+@pytest.mark.slow
+def test_each_rank_writes_its_own_shards_atomically(run):
+    ckpt = run["tp2_ckpt"]
     names = sorted(os.listdir(ckpt))
     assert "metadata.json" in names and "common.pt" in names
     shards = [n for n in names if n.endswith(".distcp")]
@@ -34,28 +52,26 @@ def test_each_rank_writes_its_own_shards_atomically(tp2_run):
 
 
 @pytest.mark.slow
-def test_tp2_checkpoint_resumes_with_ep2(tp2_run):
-    _, out = tp2_run
-    assert out["ep2_updates"] == 3
-    assert out["ep2_loss3"] == pytest.approx(out["tp2_loss3"], rel=LOSS_RTOL)
-    for name, p in out["tp2_params3"].items():
-        torch.testing.assert_close(out["ep2_params3"][name], p, atol=pw.DP_ATOL, rtol=0,
+def test_tp2_checkpoint_resumes_with_ep2(run):
+    assert run["ep2_updates"] == 3
+    assert run["ep2_loss3"] == pytest.approx(run["tp2_loss3"], rel=LOSS_RTOL)
+    for name, p in run["tp2_params3"].items():
+        torch.testing.assert_close(run["ep2_params3"][name], p, atol=pw.DP_ATOL, rtol=0,
                                    msg=lambda m: f"EP=2 resumed, {name}: {m}")
 
 
 @pytest.mark.slow
-def test_tp2_checkpoint_resumes_in_one_process(single_process, tp2_run):
+def test_tp2_checkpoint_resumes_in_one_process(single_process, run):
     from moe import dist_ckpt
     from moe.presets import get_preset
     from moe.sharding import gather_full_params
 
-    ckpt, out = tp2_run
     policy, rows = pw.build_layout(get_preset("tiny"), tp=1, ep=1)
-    dist_ckpt.load(policy, ckpt)
-    assert pw.step_loss(policy, rows) == pytest.approx(out["tp2_loss3"], rel=LOSS_RTOL)
+    dist_ckpt.load(policy, run["tp2_ckpt"])
+    assert pw.step_loss(policy, rows) == pytest.approx(run["tp2_loss3"], rel=LOSS_RTOL)
     pw.train_steps(policy, rows, 3, start=2)
     for name, p in gather_full_params(policy.model.module).items():
-        torch.testing.assert_close(p, out["tp2_params3"][name], atol=pw.DP_ATOL, rtol=0,
+        torch.testing.assert_close(p, run["tp2_params3"][name], atol=pw.DP_ATOL, rtol=0,
                                    msg=lambda m: f"1-process resumed, {name}: {m}")
 
 
