@@ -62,7 +62,8 @@ def build_policy(cfg: RunConfig, vocab_size: int, lr: float, with_optimizer: boo
 
 def setup_runtime(cfg: RunConfig, lr: float, job: str) -> Runtime:
     """Process groups, task splits, policy (+ init weights), metrics logger, saved config."""
-    info = init_parallel(cfg.model.tp, cfg.model.ep, seed=cfg.seed)
+    info = init_parallel(cfg.model.tp, cfg.model.ep, seed=cfg.seed,
+                         timeout_min=cfg.model.dist_timeout_min)
     tokenizer = CharTokenizer()
     task = make_task(cfg.task.name, **dict(cfg.task.kwargs))
     train_set, eval_set = make_splits(task, cfg.task.n_train, cfg.task.n_eval, cfg.task.seed)
