@@ -84,6 +84,16 @@ def rollout_and_train(trainer, prompts: list[str], adv_B: torch.Tensor) -> dict:
     return out
 
 
+def collective_timeouts_s() -> list[float]:
+    """Timeouts of the world, EP and DP gloo groups (torch's private accessor)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    groups = (dist.group.WORLD, ps.get_expert_model_parallel_group(),
+              ps.get_data_parallel_group())
+    return [g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in groups]
+
+
 def worker(rank: int, world: int, port: int, ref_path: str, out_dir: str, eps: list) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
@@ -99,10 +109,11 @@ def worker(rank: int, world: int, port: int, ref_path: str, out_dir: str, eps: l
         for ep in eps:
             trainer = Trainer(make_config(os.path.join(out_dir, f"run_ep{ep}"), ep))
             load_full_params(trainer.policy.model.module, ref["params"])
+            out_timeouts = collective_timeouts_s()
             acc = evaluate(trainer.policy, trainer.rt.tokenizer, trainer.rt.task,
                            ref["eval_examples"][rank], max_new_tokens=MAX_NEW, batch_size=1)
             out = rollout_and_train(trainer, ref["prompts"][rows], ref["adv_B"][rows])
-            out["eval"] = acc
+            out["eval"], out["timeouts_s"] = acc, out_timeouts
             trainer.rt.logger.close()
             torch.save(out, os.path.join(out_dir, f"ep{ep}_rank{rank}.pt"))
     finally:

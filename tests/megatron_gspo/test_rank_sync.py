@@ -100,6 +100,7 @@ def test_pitfall13_ranks_finishing_at_different_lengths_decode_in_step(reference
             if rank == 0:  # done early: every later column is padding
                 assert not s["response"][:, -(steps - max(ref["lengths"][:4])):].any()
         assert got["eval"] == ref["eval"][rank], (layout, rank)
+        assert got["timeouts_s"] == [60.0] * 3  # model.dist_timeout_min=1 reached every group
 
 
 @pytest.mark.slow
