@@ -1,11 +1,12 @@
 """Worker for the 2-process rank-sync tests (PITFALLS #13), run through `parallel_worker.spawn`.
 
 Each rank builds the Trainer for a layout (EP=2, or pure DP=2), loads the 1-process reference
-weights, then runs `evaluate` (one example per chunk, a chunk count that differs between ranks) and
-`rollout_and_train` on its half of the prompts (greedy sampling with and without the KV cache,
-R3 routing, two optimizer steps). Results are saved per rank; the tests compare them with the 1-process reference.
-Every collective has a 60 s timeout (`model.dist_timeout_min`), so a rank left waiting by a
-desynchronised peer fails fast instead of hanging.
+weights, then runs `evaluate` (one example per chunk, a chunk count that differs between ranks)
+and `rollout_and_train` on its half of the prompts (greedy sampling with and without the KV
+cache, R3 routing, two optimizer steps, then one whose loss is infinite on rank 1 only). Results are
+saved per rank; the tests compare them with the 1-process reference. Every collective has a 60 s
+timeout (`model.dist_timeout_min`), so a rank left waiting by a desynchronised peer fails fast
+instead of hanging.
 """
 
 import os
@@ -52,9 +53,12 @@ def force_early_eos(policy, tokenizer, prompts: list[str], strength: float) -> N
     gpt.output_layer.weight[tokenizer.eos_id] += strength * m / m.norm() ** 2
 
 
-def rollout_and_train(trainer, prompts: list[str], adv_B: torch.Tensor) -> dict:
+def rollout_and_train(trainer, prompts: list[str], adv_B: torch.Tensor,
+                      bad_adv_B: torch.Tensor) -> dict:
     """Greedy samples (KV cache with R3 routing, and full recompute), then two optimizer steps
-    on the KV samples with advantages `adv_B`: tensors, step metrics and the final weights."""
+    on the KV samples with advantages `adv_B` and a third with `bad_adv_B` (inf on some rows:
+    a non-finite loss, skipped): tensors, step metrics, the third step's local `train/skipped`
+    and the final weights."""
     from megatron_gspo.rollout import RolloutBatch, sample
     from megatron_gspo.runtime import mean_over_ranks
     from moe.replay import current_routing
@@ -80,6 +84,8 @@ def rollout_and_train(trainer, prompts: list[str], adv_B: torch.Tensor) -> dict:
     for _ in range(2):
         metrics = trainer.train_step(mb, old_logp_BT, adv_B, old_routing)
         out["train"].append(mean_over_ranks({k: metrics[k] for k in TRAIN_KEYS}))
+    out["bad_step_skipped"] = trainer.train_step(mb, old_logp_BT, bad_adv_B,
+                                                 old_routing)["train/skipped"]
     out["params_after"] = gather_full_params(policy.model.module)
     return out
 
@@ -112,7 +118,8 @@ def worker(rank: int, world: int, port: int, ref_path: str, out_dir: str, eps: l
             out_timeouts = collective_timeouts_s()
             acc = evaluate(trainer.policy, trainer.rt.tokenizer, trainer.rt.task,
                            ref["eval_examples"][rank], max_new_tokens=MAX_NEW, batch_size=1)
-            out = rollout_and_train(trainer, ref["prompts"][rows], ref["adv_B"][rows])
+            out = rollout_and_train(trainer, ref["prompts"][rows], ref["adv_B"][rows],
+                                    ref["bad_adv_B"][rows])
             out["eval"], out["timeouts_s"] = acc, out_timeouts
             trainer.rt.logger.close()
             torch.save(out, os.path.join(out_dir, f"ep{ep}_rank{rank}.pt"))

@@ -5,7 +5,8 @@ The 1-process reference (this process) is the Trainer's random-init policy with 
 lifted (`sync_worker.force_early_eos`) so that greedy responses end after 1 to 6 tokens. Rank 0
 gets the 4 prompts that end soonest, rank 1 the 4 that run longest: stopping on its own rows, rank
 0 would leave the decode loop first and its peer would wait in the MoE all-to-all (EP) until the
-process-group timeout. `evaluate` gets 1 example on rank 0 and 3 on rank 1 (one per chunk).
+process-group timeout. `evaluate` gets 1 example on rank 0 and 3 on rank 1 (one per chunk). A
+train step whose loss is infinite on rank 1 only must be skipped on both ranks.
 Workers run with a 60 s collective timeout under a hard deadline, so a regression fails, never
 hangs. The last test runs the user's command (`torchrun ... train ... model.ep=2`) end to end.
 """
@@ -52,9 +53,11 @@ def reference(single_process, tmp_path_factory):
            "adv_B": torch.randn(8, generator=torch.Generator().manual_seed(0)),
            "params": gather_full_params(policy.model.module),
            "eval_examples": [examples[:1], examples[4:7]]}
+    ref["bad_adv_B"] = ref["adv_B"].clone()
+    ref["bad_adv_B"][7] = float("inf")  # rank 1's last row: only rank 1's loss is not finite
     ref["eval"] = [evaluate(policy, tok, trainer.rt.task, exs, max_new_tokens=sw.MAX_NEW,
                             batch_size=1) for exs in ref["eval_examples"]]
-    ref.update(sw.rollout_and_train(trainer, ref["prompts"], ref["adv_B"]))
+    ref.update(sw.rollout_and_train(trainer, ref["prompts"], ref["adv_B"], ref["bad_adv_B"]))
     trainer.rt.logger.close()
     path = root / "ref.pt"
     torch.save(ref, path)
@@ -101,6 +104,9 @@ def test_pitfall13_ranks_finishing_at_different_lengths_decode_in_step(reference
                 assert not s["response"][:, -(steps - max(ref["lengths"][:4])):].any()
         assert got["eval"] == ref["eval"][rank], (layout, rank)
         assert got["timeouts_s"] == [60.0] * 3  # model.dist_timeout_min=1 reached every group
+        # inf loss on rank 1 only: both ranks skip the step (rank 0 alone stepping would wait
+        # in the backward all-to-all / gradient all-reduce its peer never joins)
+        assert got["bad_step_skipped"] == 1.0 == ref["bad_step_skipped"], (layout, rank)
 
 
 @pytest.mark.slow
