@@ -108,6 +108,8 @@ def worker(rank: int, world: int, port: int, ref_path: str, out_dir: str, eps: l
     from moe.parallel import destroy_parallel
     from moe.sharding import load_full_params
 
+    from megatron_gspo.dist_utils import all_ranks, max_over_ranks
+
     ref = torch.load(ref_path, weights_only=False)
     half = len(ref["prompts"]) // world
     rows = slice(rank * half, (rank + 1) * half)
@@ -121,6 +123,7 @@ def worker(rank: int, world: int, port: int, ref_path: str, out_dir: str, eps: l
             out = rollout_and_train(trainer, ref["prompts"][rows], ref["adv_B"][rows],
                                     ref["bad_adv_B"][rows])
             out["eval"], out["timeouts_s"] = acc, out_timeouts
+            out["agree"] = (all_ranks(rank == 0), all_ranks(True), max_over_ranks(10 * rank + 1))
             trainer.rt.logger.close()
             torch.save(out, os.path.join(out_dir, f"ep{ep}_rank{rank}.pt"))
     finally:

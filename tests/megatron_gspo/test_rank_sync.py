@@ -33,6 +33,21 @@ PARAM_ATOL = 5e-5
 (measured max 5.2e-6 EP=2, 4.5e-6 DP=2, with lr 1e-3; the steps move weights by 2e-3)."""
 
 
+def test_agreement_is_local_on_one_process(single_process, monkeypatch):
+    """With one rank the helpers answer from the local value and communicate nothing."""
+    import torch.distributed as dist
+
+    from megatron_gspo import dist_utils
+
+    def no_collective(*args, **kwargs):
+        raise AssertionError("collective called with one process")
+
+    monkeypatch.setattr(dist, "all_reduce", no_collective)
+    assert dist_utils.world_size() == 1
+    assert dist_utils.all_ranks(True) is True and dist_utils.all_ranks(False) is False
+    assert dist_utils.max_over_ranks(7) == 7
+
+
 @pytest.fixture(scope="module")
 def reference(single_process, tmp_path_factory):
     from megatron_gspo.rollout import evaluate, sample
@@ -103,6 +118,7 @@ def test_pitfall13_ranks_finishing_at_different_lengths_decode_in_step(reference
             if rank == 0:  # done early: every later column is padding
                 assert not s["response"][:, -(steps - max(ref["lengths"][:4])):].any()
         assert got["eval"] == ref["eval"][rank], (layout, rank)
+        assert got["agree"] == (False, True, 11)  # dist_utils: MIN of flags, MAX of ints
         assert got["timeouts_s"] == [60.0] * 3  # model.dist_timeout_min=1 reached every group
         # inf loss on rank 1 only: both ranks skip the step (rank 0 alone stepping would wait
         # in the backward all-to-all / gradient all-reduce its peer never joins)
