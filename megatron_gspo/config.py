@@ -52,9 +52,15 @@ class ModelConfig:
     """Parameter / compute dtype."""
     aux_loss_coeff: float = 0.0
     """MoE load-balancing auxiliary loss coefficient (0 = off)."""
+    dist_timeout_min: float = 10.0
+    """Timeout of every collective (torch.distributed and megatron's groups), in minutes: a rank
+    waiting longer on its peers fails with the backend's timeout error instead of hanging
+    (torch's default is 30)."""
 
     def __post_init__(self):
-        validate(self, nonempty=("preset",), ge={"tp": 1, "ep": 1, "aux_loss_coeff": 0})
+        validate(self, nonempty=("preset",), ge={"tp": 1, "ep": 1, "aux_loss_coeff": 0},
+                  gt={"dist_timeout_min": 0})
+        check(self, "dist_timeout_min", self.dist_timeout_min < float("inf"), "must be finite")
         from moe.presets import PRESETS
 
         check(self, "preset", self.preset in PRESETS, f"unknown preset; valid: {sorted(PRESETS)}")

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo import checkpoint as ckpt
-from megatron_gspo.collectives import reduce_int
+from megatron_gspo.dist_utils import all_ranks
 from megatron_gspo.config import ConfigError, RunConfig, config_to_dict, save_config
 from megatron_gspo.rundir import RunDirLock, claim_run_dir, record_run
 from megatron_gspo.metrics import MetricsLogger
@@ -79,7 +79,8 @@ def build_policy(cfg: RunConfig, vocab_size: int, lr: float, with_optimizer: boo
 def setup_runtime(cfg: RunConfig, lr: float, job: str) -> Runtime:
     """Process groups, run-dir claim, task splits, policy (+ init weights), metrics logger,
     recorded config. `job` is "sft", "train" or "eval" (eval writes nothing)."""
-    info = init_parallel(cfg.model.tp, cfg.model.ep, seed=cfg.seed)
+    info = init_parallel(cfg.model.tp, cfg.model.ep, seed=cfg.seed,
+                         timeout_min=cfg.model.dist_timeout_min)
     if cfg.init_checkpoint:
         check_init_checkpoint(cfg.init_checkpoint)  # fail before the run dir is claimed
     writes = job != "eval"
@@ -175,7 +176,7 @@ def try_resume(rt: Runtime) -> dict | None:
             state = ckpt.load_checkpoint(root, rank=rt.info.rank, step=step)
         except (ckpt.CheckpointError, FileNotFoundError) as e:
             error = str(e)
-        if not reduce_int(state is not None, "min"):
+        if not all_ranks(state is not None):
             if rt.info.is_main or error:
                 print(f"WARNING: skipping checkpoint step {step}: "
                       f"{error or 'a shard on another rank is bad'}", flush=True)

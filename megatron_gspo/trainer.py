@@ -30,6 +30,7 @@ import torch
 
 from megatron_gspo.advantages import group_advantages
 from megatron_gspo.config import RunConfig
+from megatron_gspo.dist_utils import all_ranks
 from megatron_gspo.losses import PolicyLossConfig, get_policy_loss
 from megatron_gspo.metrics import Timer, format_progress
 from megatron_gspo.preempt import Preempted, Preemption
@@ -189,7 +190,7 @@ class Trainer:
         resp_BT = mb.response_BT.to(entropy_BT.device)
         metrics["policy/entropy"] = float((entropy_BT.detach() * resp_BT).sum() / resp_BT.sum())
         stepped, grad_norm = False, float("nan")
-        if torch.isfinite(loss):
+        if all_ranks(bool(torch.isfinite(loss))):  # skip on every rank or none (PITFALLS #13)
             loss.backward()
             stepped, grad_norm = policy.step()
         metrics.update(self.guard(stepped), **{"train/grad_norm": grad_norm,
