@@ -12,11 +12,11 @@ setup(
     version="0.1.0",
     description="GSPO/GRPO RL for megatron-core MoE policies with Routing Replay and "
                 "per-layer expert-flip instrumentation",
-    python_requires=">=3.10,<3.12",  # megatron-core 0.17+ needs 3.12; we pin 0.16.1
+    python_requires=">=3.10",
     packages=find_packages(include=["megatron_gspo", "megatron_gspo.*", "moe", "moe.*"]),
     install_requires=[
         "torch>=2.4",
-        "megatron-core==0.16.1",
+        "megatron-core>=0.16.1,<0.20",  # 0.17+ needs Python 3.12; tested 0.16.1 and 0.19.2
         "numpy",
         "pyyaml",
     ],
