@@ -2,7 +2,10 @@
 instrumentation.
 
 Install torch first (`pip install torch==2.13.0`: a CPU wheel where no GPU is present), then
-`pip install -e .[dev]`. TransformerEngine needs CUDA and is in the `[gpu]` extra.
+`pip install -e .[dev]`. TransformerEngine needs CUDA and is in the `[gpu]` extra (README
+"Install": build it with --no-build-isolation, core_cu12 / core_cu13 matching torch's CUDA).
+Supported: Python >= 3.10 with megatron-core 0.16.1 (the newest for Python < 3.12) through 0.19.x;
+`make test` pins the fast path (Makefile PINNED), `make test-latest` tests the newest release.
 """
 
 from setuptools import find_packages, setup
@@ -12,11 +15,11 @@ setup(
     version="0.1.0",
     description="GSPO/GRPO RL for megatron-core MoE policies with Routing Replay and "
                 "per-layer expert-flip instrumentation",
-    python_requires=">=3.10,<3.12",  # megatron-core 0.17+ needs 3.12; we pin 0.16.1
+    python_requires=">=3.10",
     packages=find_packages(include=["megatron_gspo", "megatron_gspo.*", "moe", "moe.*"]),
     install_requires=[
         "torch>=2.4",
-        "megatron-core==0.16.1",
+        "megatron-core>=0.16.1,<0.20",  # 0.17+ needs Python 3.12; tested 0.16.1 and 0.19.2
         "numpy",
         "pyyaml",
     ],
