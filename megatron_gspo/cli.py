@@ -5,6 +5,7 @@ Examples:
     megatron-gspo train --config experiments/demo/gspo.yaml train.steps=5 loss.name=grpo
     megatron-gspo eval  --config experiments/demo/gspo.yaml init_checkpoint=runs/demo/gspo
     megatron-gspo config            # every key with its default and meaning
+    megatron-gspo export --run-dir runs/demo/gspo --to-hf out/  # Hugging Face folder
     torchrun --nproc-per-node 2 -m megatron_gspo.cli train --config ... model.ep=2
 
 Overrides use dotted keys and YAML values; unknown keys are errors. A bad config (typo, wrong
@@ -23,8 +24,13 @@ import warnings
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-gspo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["sft", "train", "eval", "config"])
+    parser.add_argument("command", choices=["sft", "train", "eval", "config", "export"])
     parser.add_argument("--config", default=None, help="YAML experiment file")
+    # export: a run's latest checkpoint as a Hugging Face model folder (megatron_gspo.export)
+    parser.add_argument("--run-dir", default=None, help="export: the run (or step) dir")
+    parser.add_argument("--to-hf", default=None, help="export: output folder")
+    parser.add_argument("--hf-path", default=None,
+                        help="export: source model folder (default: the run's model.hf_path)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     return parser
 
@@ -37,6 +43,8 @@ def main(argv=None) -> int:
     if args.command == "config":
         print(describe_config())
         return 0
+    if args.command == "export":
+        return _export(parser, args)
     try:
         cfg = load_config(args.config, args.overrides)
     except (ConfigError, FileNotFoundError) as e:
@@ -55,6 +63,19 @@ def main(argv=None) -> int:
 
         result = evaluate_runtime(setup_runtime(cfg, lr=0.0, job="eval"))
     print(json.dumps({k: v for k, v in result.items() if k.startswith(("eval/", "reward/"))}))
+    return 0
+
+
+def _export(parser, args) -> int:
+    if not args.run_dir or not args.to_hf:
+        parser.error("export needs --run-dir R --to-hf OUT")
+    from megatron_gspo.export import export_run
+
+    try:
+        summary = export_run(args.run_dir, args.to_hf, hf_path=args.hf_path)
+    except (FileNotFoundError, ValueError) as e:
+        parser.error(str(e))
+    print(json.dumps(summary))
     return 0
 
 

@@ -18,11 +18,11 @@ from megatron_gspo.config import RunConfig, config_to_dict, save_config
 from megatron_gspo.metrics import MetricsLogger
 from megatron_gspo.rollout import evaluate
 from megatron_gspo.tasks import make_splits, make_task
-from megatron_gspo.tokenizer import CharTokenizer, Tokenizer
+from megatron_gspo.tokenizer import Tokenizer, load_tokenizer
 from moe.model import ParallelLayout
 from moe.parallel import ParallelInfo, init_parallel
 from moe.policy import MoEPolicy, OptimSettings
-from moe.presets import get_preset
+from moe.presets import MoEPreset, get_preset
 from moe.sharding import gather_full_params, load_full_params
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -47,23 +47,41 @@ def layout_of(cfg: RunConfig) -> ParallelLayout:
                           dispatcher=cfg.model.dispatcher)
 
 
+def resolve_preset(cfg: RunConfig, vocab_size: int) -> MoEPreset:
+    """model.hf_path's config.json (vocab padded to vocab_multiple * tp), else model.preset with
+    the tokenizer's vocab padded to 16 * tp (the toy path, unchanged)."""
+    tp = cfg.model.tp
+    if cfg.model.hf_path:
+        from moe.hf.config import preset_from_hf
+
+        preset = preset_from_hf(cfg.model.hf_path)
+        return preset.with_vocab(max(preset.vocab_size, vocab_size),
+                                 multiple=cfg.model.vocab_multiple * tp)
+    return get_preset(cfg.model.preset).with_vocab(vocab_size, multiple=16 * tp)
+
+
 def build_policy(cfg: RunConfig, vocab_size: int, lr: float, with_optimizer: bool = True,
                  seed: int | None = None) -> MoEPolicy:
-    tp = cfg.model.tp
-    preset = get_preset(cfg.model.preset)
-    preset = preset.with_vocab(vocab_size, multiple=16 * tp)  # the task's tokenizer, padded
+    """The policy for tokenizer vocab `vocab_size`; model.hf_path's weights when set."""
+    preset = resolve_preset(cfg, vocab_size)
     optim = OptimSettings(lr=lr, weight_decay=cfg.optim.weight_decay, beta1=cfg.optim.beta1,
                           beta2=cfg.optim.beta2, grad_clip=cfg.optim.grad_clip)
-    return MoEPolicy.build(preset, layout_of(cfg), real_vocab=vocab_size,
-                           seed=cfg.seed if seed is None else seed,
-                           dtype=_DTYPES[cfg.model.dtype], aux_loss_coeff=cfg.model.aux_loss_coeff,
-                           optim=optim if with_optimizer else None)
+    policy = MoEPolicy.build(preset, layout_of(cfg), real_vocab=vocab_size,
+                             seed=cfg.seed if seed is None else seed,
+                             dtype=_DTYPES[cfg.model.dtype],
+                             aux_loss_coeff=cfg.model.aux_loss_coeff,
+                             optim=optim if with_optimizer else None)
+    if cfg.model.hf_path:
+        from moe.hf.weights import load_hf_weights
+
+        load_hf_weights(policy.model.module, cfg.model.hf_path)  # this rank's shard only
+    return policy
 
 
 def setup_runtime(cfg: RunConfig, lr: float, job: str) -> Runtime:
     """Process groups, task splits, policy (+ init weights), metrics logger, saved config."""
     info = init_parallel(cfg.model.tp, cfg.model.ep, seed=cfg.seed)
-    tokenizer = CharTokenizer()
+    tokenizer = load_tokenizer(cfg.model.hf_path)
     task = make_task(cfg.task.name, **dict(cfg.task.kwargs))
     train_set, eval_set = make_splits(task, cfg.task.n_train, cfg.task.n_eval, cfg.task.seed)
     policy = build_policy(cfg, tokenizer.vocab_size, lr)
