@@ -31,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--to-hf", default=None, help="export: output folder")
     parser.add_argument("--hf-path", default=None,
                         help="export: source model folder (default: the run's model.hf_path)")
+    parser.add_argument("--max-shard-bytes", type=int, default=5 * 1024**3,
+                        help="export: safetensors shard size limit")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     return parser
 
@@ -72,7 +74,8 @@ def _export(parser, args) -> int:
     from megatron_gspo.export import export_run
 
     try:
-        summary = export_run(args.run_dir, args.to_hf, hf_path=args.hf_path)
+        summary = export_run(args.run_dir, args.to_hf, hf_path=args.hf_path,
+                             max_shard_bytes=args.max_shard_bytes)
     except (FileNotFoundError, ValueError) as e:
         parser.error(str(e))
     print(json.dumps(summary))
