@@ -105,3 +105,63 @@ def test_two_process_layouts_match_transformers(hf_dirs, tmp_path):
             # experts are not TP-split (expert TP = 1): with EP=2 a rank reads half of them
             share = 0.75 if "ep=2" in r["layout"] else 1.0
             assert r["read_elements"] < share * r["checkpoint_elements"], r
+
+
+def _config(tmp_path, **changes):
+    from tests.hf_fixtures import QWEN3
+
+    cfg = {**QWEN3, "model_type": "qwen3_moe", "vocab_size": 300, **changes}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"model_type": "olmoe"}, "model_type='olmoe' is not supported"),
+    ({"mlp_only_layers": [0]}, "dense MLP layers"),
+    ({"decoder_sparse_step": 2}, "dense MLP layers"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "RoPE scaling"),
+    ({"use_sliding_window": True}, "use_sliding_window"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+])
+def test_unsupported_configs_are_refused_naming_the_key(tmp_path, changes, match):
+    from moe.hf.config import preset_from_hf
+
+    with pytest.raises(ValueError, match=match):
+        preset_from_hf(_config(tmp_path, **changes))
+
+
+def test_config_key_spellings_and_missing_files(tmp_path):
+    from moe.hf.config import preset_from_hf
+
+    folder = _config(tmp_path, rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    cfg = json.load(open(f"{folder}/config.json"))
+    cfg["num_local_experts"] = cfg.pop("num_experts")  # transformers 5's spelling
+    cfg.pop("rope_theta")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    preset = preset_from_hf(folder)
+    assert (preset.num_experts, preset.rotary_base, preset.kv_channels) == (8, 5e5, 16)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        preset_from_hf(str(tmp_path / ".."))
+    with pytest.raises(FileNotFoundError, match="hub name"):
+        preset_from_hf("Qwen/Qwen3-30B-A3B")
+
+
+def test_checkpoint_that_disagrees_with_its_config_is_refused(single_process, hf_dirs, tmp_path):
+    """An extra tensor (a dense layer, a bias the config does not declare) has no place."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "extra"
+    shutil.copytree(hf_dirs["qwen3"], folder)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(64)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="no place.*o_proj.bias"):
+        hw.build_from_hf(str(folder), REAL_VOCAB)
+    del tensors["model.layers.0.self_attn.o_proj.bias"]
+    del tensors["model.layers.1.mlp.experts.5.up_proj.weight"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(KeyError, match="experts.5.up_proj"):
+        hw.build_from_hf(str(folder), REAL_VOCAB)
