@@ -165,3 +165,25 @@ def test_checkpoint_that_disagrees_with_its_config_is_refused(single_process, hf
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(KeyError, match="experts.5.up_proj"):
         hw.build_from_hf(str(folder), REAL_VOCAB)
+
+
+def test_qwen3_30b_a3b_preset_is_the_released_models_shape():
+    """The preset equals what preset_from_hf makes of Qwen3-30B-A3B's config.json (the values
+    of the released file; slime's scripts/models/qwen3-30B-A3B.sh has the same shape)."""
+    import dataclasses
+
+    from moe.hf.config import preset_from_hf_config
+    from moe.presets import get_preset
+
+    released = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                "attention_bias": False, "decoder_sparse_step": 1, "head_dim": 128,
+                "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 6144,
+                "max_position_embeddings": 40960, "mlp_only_layers": [],
+                "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32,
+                "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48,
+                "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_scaling": None,
+                "rope_theta": 1000000.0, "tie_word_embeddings": False,
+                "use_sliding_window": False, "vocab_size": 151936}
+    preset = preset_from_hf_config(released)
+    assert dataclasses.replace(preset, name="qwen3-30b-a3b") == get_preset("qwen3-30b-a3b")
+    assert preset.with_vocab(151936, 128 * 2).vocab_size == 152064  # 128 x TP=2 padding
