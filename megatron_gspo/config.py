@@ -39,14 +39,6 @@ class ModelConfig:
 
     preset: str = "qwen3-moe-tiny"
     """Model preset name (validated by `moe.presets`); ignored when hf_path is set."""
-    hf_path: Optional[str] = None
-    """Local Hugging Face model folder (config.json, *.safetensors, tokenizer files) to start
-    from: the architecture comes from its config.json (model.preset is then ignored), the
-    weights are loaded into this run's TP/EP layout, the tokenizer and chat template are its own.
-    Qwen3-MoE and Qwen2-MoE. Nothing is downloaded: a hub name is an error."""
-    vocab_multiple: int = 128
-    """With hf_path: the embedding is padded to a multiple of vocab_multiple * tp rows (megatron's
-    make-vocab-size-divisible-by); padded logits are masked. The toy tokenizer pads to 16 * tp."""
     tp: int = 1
     """Tensor-parallel size."""
     ep: int = 1
@@ -60,6 +52,14 @@ class ModelConfig:
     """Parameter / compute dtype."""
     aux_loss_coeff: float = 0.0
     """MoE load-balancing auxiliary loss coefficient (0 = off)."""
+    hf_path: Optional[str] = None
+    """Local Hugging Face model folder (config.json, *.safetensors, tokenizer files) to start
+    from: the architecture comes from its config.json (model.preset is then ignored), the
+    weights are loaded into this run's TP/EP layout, the tokenizer and chat template are its own.
+    Qwen3-MoE and Qwen2-MoE. Nothing is downloaded: a hub name is an error."""
+    vocab_multiple: int = 128
+    """With hf_path: the embedding is padded to a multiple of vocab_multiple * tp rows (megatron's
+    make-vocab-size-divisible-by); padded logits are masked. The toy tokenizer pads to 16 * tp."""
 
     def __post_init__(self):
         validate(self, nonempty=("preset", "hf_path"),
