@@ -31,10 +31,11 @@ def run(capsys, *argv) -> tuple[int, float, float]:
 
 
 def test_matching_checkpoint_passes_and_a_tight_tolerance_fails(hf_dir, capsys):
-    status, diff, match = run(capsys, "--hf-path", hf_dir, "--max-new-tokens", "6")
+    args = ["--hf-path", hf_dir, "--max-new-tokens", "6", "--prompt", "12+30=",
+            "--prompt", "what is 7 plus 5?"]
+    status, diff, match = run(capsys, *args)
     assert status == 0 and 0 < diff <= 1e-4 and match == 1.0
-    status, diff2, _ = run(capsys, "--hf-path", hf_dir, "--max-new-tokens", "6",
-                           "--tol", f"{diff / 2:.3e}")
+    status, diff2, _ = run(capsys, *args, "--tol", f"{diff / 2:.3e}")
     assert status == 1 and diff2 == diff
 
 
