@@ -134,9 +134,22 @@ def test_export_of_a_toy_run_is_a_qwen3_moe_model(single_process, tmp_path, caps
     assert (ours - ref).abs().max() <= 1e-4
 
 
-def test_export_errors_name_the_problem(tmp_path):
+def test_export_errors_name_the_problem(tmp_path, capsys):
+    assert cli_main(["export", "--run-dir", str(tmp_path / "missing"), "--to-hf", "x"]) == 2
+    assert "missing' does not exist" in capsys.readouterr().err
     with pytest.raises(SystemExit) as err:
-        cli_main(["export", "--run-dir", str(tmp_path / "missing"), "--to-hf", "x"])
-    assert err.value.code == 2
-    with pytest.raises(SystemExit):
         cli_main(["export", "--to-hf", "x"])
+    assert err.value.code == 2
+
+
+def test_bad_hf_path_exits_2_before_the_run_dir_is_claimed(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    argv = ["train", f"run_dir={run_dir}", "wandb.mode=disabled"]
+    assert cli_main(argv + ["model.hf_path=Qwen/Qwen3-30B-A3B"]) == 2
+    assert "hub name" in capsys.readouterr().err
+    folder = tmp_path / "olmoe"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "olmoe"}))
+    assert cli_main(argv + [f"model.hf_path={folder}"]) == 2
+    assert "model.hf_path=" in capsys.readouterr().err
+    assert not run_dir.exists()
