@@ -90,7 +90,10 @@ def build_policy(cfg: RunConfig, vocab_size: int, lr: float, with_optimizer: boo
     if cfg.model.hf_path:
         from moe.hf.weights import load_hf_weights
 
-        load_hf_weights(policy.model.module, cfg.model.hf_path)  # this rank's shard only
+        try:
+            load_hf_weights(policy.model.module, cfg.model.hf_path)  # this rank's shard only
+        except (KeyError, ValueError) as e:  # weights that disagree with their config.json
+            raise ConfigError(f"model.hf_path={cfg.model.hf_path}: {e.args[0]}") from None
     return policy
 
 

@@ -105,7 +105,12 @@ def load_hf_weights(model, path: str, reader: SafetensorsReader | None = None
         hf_names = mapping.hf_names(te_name)
         parts = [_read_part(reader, n, shard, params[name], len(hf_names) > 1,
                             shard.global_name in _VOCAB) for n in hf_names]
-        value = mapping.to_mcore(te_name, parts)
+        try:
+            value = mapping.to_mcore(te_name, parts)
+        except RuntimeError as e:  # a view / cat of parts whose shapes do not fit together
+            raise ValueError(f"{name} <- {hf_names} with shapes {[tuple(p.shape) for p in parts]}"
+                             f": {str(e).splitlines()[0]} (config.json and weights disagree?)"
+                             ) from None
         if value.shape != params[name].shape:
             raise ValueError(f"{name} <- {hf_names}: got shape {tuple(value.shape)}, the model "
                              f"holds {tuple(params[name].shape)} (config.json and weights "

@@ -153,3 +153,19 @@ def test_bad_hf_path_exits_2_before_the_run_dir_is_claimed(tmp_path, capsys):
     assert cli_main(argv + [f"model.hf_path={folder}"]) == 2
     assert "model.hf_path=" in capsys.readouterr().err
     assert not run_dir.exists()
+
+
+def test_weights_that_disagree_with_config_exit_2(single_process, hf_dir, tmp_path, capsys):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "broken"
+    shutil.copytree(hf_dir, folder)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.0.self_attn.q_proj.weight"] = tensors[
+        "model.layers.0.self_attn.q_proj.weight"][:-16]  # one head short
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    argv = ["eval", f"model.hf_path={folder}", "task.n_eval=2", "wandb.mode=disabled"]
+    assert cli_main(argv) == 2
+    assert "q_proj" in capsys.readouterr().err
