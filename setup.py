@@ -26,11 +26,12 @@ setup(
     extras_require={
         "gpu": ["transformer-engine[pytorch]"],
         "wandb": ["wandb"],
-        # local Hugging Face checkpoints and tokenizers (model.hf_path); nothing is downloaded
-        "hf": ["transformers==5.23.0", "safetensors", "tokenizers"],
+        # local Hugging Face checkpoints and tokenizers (model.hf_path); nothing is downloaded.
+        # mbridge gives the per-family name mapping (moe/hf/mapping.py); einops is its import.
+        "hf": ["transformers==5.23.0", "safetensors", "tokenizers", "mbridge==0.15.1", "einops"],
         "plot": ["matplotlib"],
         "dev": ["pytest", "matplotlib", "wandb", "transformers==5.23.0", "safetensors",
-                "tokenizers"],
+                "tokenizers", "mbridge==0.15.1", "einops"],
         # tools/bench_throughput.py's TRL side; the versions it was measured with
         "bench": ["trl==1.16.0", "transformers==5.23.0", "accelerate==1.15.0", "datasets==5.2.0"],
     },

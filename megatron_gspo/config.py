@@ -38,7 +38,7 @@ class ModelConfig:
     _section: ClassVar[str] = "model"
 
     preset: str = "qwen3-moe-tiny"
-    """Model preset name (validated by `moe.presets`)."""
+    """Model preset name (validated by `moe.presets`); ignored when hf_path is set."""
     tp: int = 1
     """Tensor-parallel size."""
     ep: int = 1
@@ -56,10 +56,19 @@ class ModelConfig:
     """Timeout of every collective (torch.distributed and megatron's groups), in minutes: a rank
     waiting longer on its peers fails with the backend's timeout error instead of hanging
     (torch's default is 30)."""
+    hf_path: Optional[str] = None
+    """Local Hugging Face model folder (config.json, *.safetensors, tokenizer files) to start
+    from: the architecture comes from its config.json (model.preset is then ignored), the
+    weights are loaded into this run's TP/EP layout, the tokenizer and chat template are its own.
+    Qwen3-MoE and Qwen2-MoE. Nothing is downloaded: a hub name is an error."""
+    vocab_multiple: int = 128
+    """With hf_path: the embedding is padded to a multiple of vocab_multiple * tp rows (megatron's
+    make-vocab-size-divisible-by); padded logits are masked. The toy tokenizer pads to 16 * tp."""
 
     def __post_init__(self):
-        validate(self, nonempty=("preset",), ge={"tp": 1, "ep": 1, "aux_loss_coeff": 0},
-                  gt={"dist_timeout_min": 0})
+        validate(self, nonempty=("preset", "hf_path"),
+                 ge={"tp": 1, "ep": 1, "aux_loss_coeff": 0, "vocab_multiple": 1},
+                 gt={"dist_timeout_min": 0})
         check(self, "dist_timeout_min", self.dist_timeout_min < float("inf"), "must be finite")
         from moe.presets import PRESETS
 

@@ -25,11 +25,11 @@ from megatron_gspo.rundir import RunDirLock, claim_run_dir, record_run
 from megatron_gspo.metrics import MetricsLogger
 from megatron_gspo.rollout import evaluate
 from megatron_gspo.tasks import make_splits, make_task
-from megatron_gspo.tokenizer import CharTokenizer, Tokenizer
+from megatron_gspo.tokenizer import Tokenizer, load_tokenizer
 from moe.model import ParallelLayout
 from moe.parallel import ParallelInfo, init_parallel
 from moe.policy import MoEPolicy, OptimSettings
-from moe.presets import get_preset
+from moe.presets import MoEPreset, get_preset
 from moe.sharding import gather_full_params, load_full_params
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -63,17 +63,38 @@ def layout_of(cfg: RunConfig) -> ParallelLayout:
                           dispatcher=cfg.model.dispatcher)
 
 
+def resolve_preset(cfg: RunConfig, vocab_size: int) -> MoEPreset:
+    """model.hf_path's config.json (vocab padded to vocab_multiple * tp), else model.preset with
+    the tokenizer's vocab padded to 16 * tp (the toy path, unchanged)."""
+    tp = cfg.model.tp
+    if cfg.model.hf_path:
+        from moe.hf.config import preset_from_hf
+
+        preset = preset_from_hf(cfg.model.hf_path)
+        return preset.with_vocab(max(preset.vocab_size, vocab_size),
+                                 multiple=cfg.model.vocab_multiple * tp)
+    return get_preset(cfg.model.preset).with_vocab(vocab_size, multiple=16 * tp)
+
+
 def build_policy(cfg: RunConfig, vocab_size: int, lr: float, with_optimizer: bool = True,
                  seed: int | None = None) -> MoEPolicy:
-    tp = cfg.model.tp
-    preset = get_preset(cfg.model.preset)
-    preset = preset.with_vocab(vocab_size, multiple=16 * tp)  # the task's tokenizer, padded
+    """The policy for tokenizer vocab `vocab_size`; model.hf_path's weights when set."""
+    preset = resolve_preset(cfg, vocab_size)
     optim = OptimSettings(lr=lr, weight_decay=cfg.optim.weight_decay, beta1=cfg.optim.beta1,
                           beta2=cfg.optim.beta2, grad_clip=cfg.optim.grad_clip)
-    return MoEPolicy.build(preset, layout_of(cfg), real_vocab=vocab_size,
-                           seed=cfg.seed if seed is None else seed,
-                           dtype=_DTYPES[cfg.model.dtype], aux_loss_coeff=cfg.model.aux_loss_coeff,
-                           optim=optim if with_optimizer else None)
+    policy = MoEPolicy.build(preset, layout_of(cfg), real_vocab=vocab_size,
+                             seed=cfg.seed if seed is None else seed,
+                             dtype=_DTYPES[cfg.model.dtype],
+                             aux_loss_coeff=cfg.model.aux_loss_coeff,
+                             optim=optim if with_optimizer else None)
+    if cfg.model.hf_path:
+        from moe.hf.weights import load_hf_weights
+
+        try:
+            load_hf_weights(policy.model.module, cfg.model.hf_path)  # this rank's shard only
+        except (KeyError, ValueError) as e:  # weights that disagree with their config.json
+            raise ConfigError(f"model.hf_path={cfg.model.hf_path}: {e.args[0]}") from None
+    return policy
 
 
 def setup_runtime(cfg: RunConfig, lr: float, job: str) -> Runtime:
@@ -83,11 +104,13 @@ def setup_runtime(cfg: RunConfig, lr: float, job: str) -> Runtime:
                          timeout_min=cfg.model.dist_timeout_min)
     if cfg.init_checkpoint:
         check_init_checkpoint(cfg.init_checkpoint)  # fail before the run dir is claimed
+    if cfg.model.hf_path:
+        check_hf_path(cfg.model.hf_path)
     writes = job != "eval"
     lock = claim_run_dir(cfg.run_dir, job, config_to_dict(cfg), cfg.resume, info.is_main) \
         if writes else None
     try:
-        tokenizer = CharTokenizer()
+        tokenizer = load_tokenizer(cfg.model.hf_path)
         task = make_task(cfg.task.name, **dict(cfg.task.kwargs))
         train_set, eval_set = make_splits(task, cfg.task.n_train, cfg.task.n_eval, cfg.task.seed)
         policy = build_policy(cfg, tokenizer.vocab_size, lr)
@@ -130,6 +153,17 @@ def save_state(rt: Runtime, step: int, extra: dict) -> None:
     if rt.info.is_main:
         ckpt.mark_latest(root, step)
     barrier()
+
+
+def check_hf_path(path: str) -> None:
+    """model.hf_path is a local folder with a supported config.json: FileNotFoundError (a hub
+    name says so) or ConfigError naming the value."""
+    from moe.hf.config import preset_from_hf
+
+    try:
+        preset_from_hf(path)
+    except ValueError as e:
+        raise ConfigError(f"model.hf_path={path}: {e}") from None
 
 
 def check_init_checkpoint(path: str) -> str:

@@ -91,10 +91,15 @@ def transformer_config(preset: MoEPreset, layout: ParallelLayout = ParallelLayou
         add_bias_linear=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
+        add_qkv_bias=preset.qkv_bias,
         num_moe_experts=preset.num_experts,
         moe_router_topk=preset.topk,
         moe_ffn_hidden_size=preset.moe_ffn_hidden_size,
-        moe_router_pre_softmax=False,  # softmax over the top-k logits = renormalised top-k probs
+        # norm_topk_prob: softmax over the top-k logits = renormalised top-k probs; otherwise
+        # softmax over all experts, then top-k (Qwen2-MoE).
+        moe_router_pre_softmax=not preset.norm_topk_prob,
+        moe_shared_expert_intermediate_size=preset.shared_expert_ffn_hidden_size or None,
+        moe_shared_expert_gate=preset.shared_expert_gate,
         moe_router_score_function="softmax",
         moe_router_load_balancing_type="aux_loss" if aux_loss_coeff > 0 else "none",
         moe_aux_loss_coeff=aux_loss_coeff,
@@ -137,11 +142,13 @@ def build_gpt_moe(preset: MoEPreset, layout: ParallelLayout = ParallelLayout(), 
                                 routing_replay=routing_replay)
     if have_transformer_engine():
         spec = get_gpt_layer_with_transformer_engine_spec(
-            num_experts=preset.num_experts, moe_grouped_gemm=False, qk_layernorm=True)
+            num_experts=preset.num_experts, moe_grouped_gemm=False,
+            qk_layernorm=preset.qk_layernorm)
     else:
         _notice_local_spec_on_gpu()
         spec = get_gpt_layer_local_spec(num_experts=preset.num_experts, moe_grouped_gemm=False,
-                                        qk_layernorm=True, normalization="RMSNorm")
+                                        qk_layernorm=preset.qk_layernorm,
+                                        normalization="RMSNorm")
     # megatron's RouterReplay matches replay data to layers through a class-level list filled in
     # construction order: a model built earlier in this process (reference model, a test) would
     # shift every layer. Start each model with an empty list (PITFALLS #9).
@@ -154,9 +161,10 @@ def build_gpt_moe(preset: MoEPreset, layout: ParallelLayout = ParallelLayout(), 
         max_sequence_length=preset.max_seq_len,
         pre_process=True,
         post_process=True,
-        share_embeddings_and_output_weights=False,
+        share_embeddings_and_output_weights=preset.tie_word_embeddings,
         position_embedding_type="rope",
-        rotary_base=int(preset.rotary_base),
+        rotary_base=int(preset.rotary_base) if float(preset.rotary_base).is_integer()
+        else preset.rotary_base,
         parallel_output=False,
     )
     if cuda_available():
