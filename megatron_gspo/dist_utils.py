@@ -43,3 +43,25 @@ def all_ranks(flag: bool) -> bool:
 def max_over_ranks(value: int) -> int:
     """The largest `value` over all ranks (collective: every rank must call it)."""
     return _reduce_int(value, dist.ReduceOp.MAX)
+
+
+def reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """Scalar metrics over all ranks: MAX for `*/max` keys, MIN for `*/min`, the mean otherwise
+    (identical keys on every rank; collective: every rank must call it)."""
+    if world_size() == 1 or not metrics:
+        return metrics
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend() == "nccl" else torch.device("cpu")
+    out = {}
+    for suffix, op in (("/max", dist.ReduceOp.MAX), ("/min", dist.ReduceOp.MIN),
+                       ("", dist.ReduceOp.SUM)):
+        keys = sorted(k for k in metrics if k not in out and k.endswith(suffix))
+        if not keys:
+            continue
+        values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64,
+                              device=device)
+        dist.all_reduce(values, op=op)
+        if not suffix:
+            values /= world_size()
+        out.update(zip(keys, values.cpu().tolist()))
+    return {k: out[k] for k in metrics}

@@ -224,16 +224,3 @@ def try_resume(rt: Runtime) -> dict | None:
         return state["extra"]
     raise ckpt.CheckpointError(f"no readable checkpoint in {root} (tried "
                                f"{ckpt.resume_candidates(root)}); move it away to start afresh")
-
-
-def mean_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
-    """Average scalar metrics over all ranks (identical keys everywhere)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1) or not metrics:
-        return metrics
-    keys = sorted(metrics)
-    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
-    if torch.cuda.is_available():
-        values = values.cuda()
-    dist.all_reduce(values)
-    values /= dist.get_world_size()
-    return dict(zip(keys, values.cpu().tolist()))

@@ -60,7 +60,7 @@ def rollout_and_train(trainer, prompts: list[str], adv_B: torch.Tensor,
     a non-finite loss, skipped): tensors, step metrics, the third step's local `train/skipped`
     and the final weights."""
     from megatron_gspo.rollout import RolloutBatch, sample
-    from megatron_gspo.runtime import mean_over_ranks
+    from megatron_gspo.dist_utils import reduce_metrics
     from moe.replay import current_routing
     from moe.sharding import gather_full_params
 
@@ -83,7 +83,7 @@ def rollout_and_train(trainer, prompts: list[str], adv_B: torch.Tensor,
     out["train"] = []
     for _ in range(2):
         metrics = trainer.train_step(mb, old_logp_BT, adv_B, old_routing)
-        out["train"].append(mean_over_ranks({k: metrics[k] for k in TRAIN_KEYS}))
+        out["train"].append(reduce_metrics({k: metrics[k] for k in TRAIN_KEYS}))
     out["bad_step_skipped"] = trainer.train_step(mb, old_logp_BT, bad_adv_B,
                                                  old_routing)["train/skipped"]
     out["params_after"] = gather_full_params(policy.model.module)
@@ -108,7 +108,7 @@ def worker(rank: int, world: int, port: int, ref_path: str, out_dir: str, eps: l
     from moe.parallel import destroy_parallel
     from moe.sharding import load_full_params
 
-    from megatron_gspo.dist_utils import all_ranks, max_over_ranks
+    from megatron_gspo.dist_utils import all_ranks, max_over_ranks, reduce_metrics
 
     ref = torch.load(ref_path, weights_only=False)
     half = len(ref["prompts"]) // world
@@ -124,6 +124,7 @@ def worker(rank: int, world: int, port: int, ref_path: str, out_dir: str, eps: l
                                     ref["bad_adv_B"][rows])
             out["eval"], out["timeouts_s"] = acc, out_timeouts
             out["agree"] = (all_ranks(rank == 0), all_ranks(True), max_over_ranks(10 * rank + 1))
+            out["reduced"] = reduce_metrics({"x/max": rank, "x/min": rank + 1.0, "x": rank})
             trainer.rt.logger.close()
             torch.save(out, os.path.join(out_dir, f"ep{ep}_rank{rank}.pt"))
     finally:

@@ -119,6 +119,7 @@ def test_pitfall13_ranks_finishing_at_different_lengths_decode_in_step(reference
                 assert not s["response"][:, -(steps - max(ref["lengths"][:4])):].any()
         assert got["eval"] == ref["eval"][rank], (layout, rank)
         assert got["agree"] == (False, True, 11)  # dist_utils: MIN of flags, MAX of ints
+        assert got["reduced"] == {"x/max": 1.0, "x/min": 1.0, "x": 0.5}  # max / min / mean
         assert got["timeouts_s"] == [60.0] * 3  # model.dist_timeout_min=1 reached every group
         # inf loss on rank 1 only: both ranks skip the step (rank 0 alone stepping would wait
         # in the backward all-to-all / gradient all-reduce its peer never joins)
