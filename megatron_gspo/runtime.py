@@ -7,6 +7,7 @@ parameters, so a checkpoint initialises a run with any TP/EP layout (`init_check
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -17,8 +18,8 @@ from megatron_gspo import checkpoint as ckpt
 from megatron_gspo.config import RunConfig, config_to_dict, save_config
 from megatron_gspo.metrics import MetricsLogger
 from megatron_gspo.rollout import evaluate
-from megatron_gspo.tasks import make_splits, make_task
-from megatron_gspo.tokenizer import CharTokenizer, Tokenizer
+from megatron_gspo.data import build_task, tokenizer_folder
+from megatron_gspo.tokenizer import Tokenizer, load_tokenizer
 from moe.model import ParallelLayout
 from moe.parallel import ParallelInfo, init_parallel
 from moe.policy import MoEPolicy, OptimSettings
@@ -47,10 +48,15 @@ def layout_of(cfg: RunConfig) -> ParallelLayout:
                           dispatcher=cfg.model.dispatcher)
 
 
+def model_max_len(cfg: RunConfig) -> int:
+    """model.max_seq_len, else the preset's."""
+    return cfg.model.max_seq_len or get_preset(cfg.model.preset).max_seq_len
+
+
 def build_policy(cfg: RunConfig, vocab_size: int, lr: float, with_optimizer: bool = True,
                  seed: int | None = None) -> MoEPolicy:
     tp = cfg.model.tp
-    preset = get_preset(cfg.model.preset)
+    preset = dataclasses.replace(get_preset(cfg.model.preset), max_seq_len=model_max_len(cfg))
     preset = preset.with_vocab(vocab_size, multiple=16 * tp)  # the task's tokenizer, padded
     optim = OptimSettings(lr=lr, weight_decay=cfg.optim.weight_decay, beta1=cfg.optim.beta1,
                           beta2=cfg.optim.beta2, grad_clip=cfg.optim.grad_clip)
@@ -63,9 +69,8 @@ def build_policy(cfg: RunConfig, vocab_size: int, lr: float, with_optimizer: boo
 def setup_runtime(cfg: RunConfig, lr: float, job: str) -> Runtime:
     """Process groups, task splits, policy (+ init weights), metrics logger, saved config."""
     info = init_parallel(cfg.model.tp, cfg.model.ep, seed=cfg.seed)
-    tokenizer = CharTokenizer()
-    task = make_task(cfg.task.name, **dict(cfg.task.kwargs))
-    train_set, eval_set = make_splits(task, cfg.task.n_train, cfg.task.n_eval, cfg.task.seed)
+    tokenizer = load_tokenizer(tokenizer_folder(cfg))
+    task, train_set, eval_set = build_task(cfg, tokenizer, model_max_len(cfg), info.is_main)
     policy = build_policy(cfg, tokenizer.vocab_size, lr)
     if cfg.init_checkpoint:
         load_init_weights(policy, cfg.init_checkpoint)

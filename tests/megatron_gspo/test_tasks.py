@@ -193,7 +193,7 @@ def test_make_splits_capacity_errors():
 
 
 def test_registry_errors():
-    assert set(TASKS) == {"addition", "sort", "countdown"}
+    assert set(TASKS) == {"addition", "sort", "countdown", "running_sum"}
     with pytest.raises(KeyError, match="addition.*countdown.*sort"):
         make_task("multiply")
     with pytest.raises(TypeError, match="digits"):
