@@ -167,7 +167,7 @@ def _ground_truth(value, where: str, key: str):
             or (isinstance(value, str) and not value.strip()):
         raise DataError(f"{where}: field {key!r} (the ground truth) must be a non-empty string, "
                         f"a number or a JSON object, got {value!r}")
-    return freeze(value)
+    return value.strip() if isinstance(value, str) else freeze(value)
 
 
 def row_to_example(row: dict, where: str, data, tokenizer) -> Example:
