@@ -301,12 +301,13 @@ class Countdown:
 class RunningSum:
     """"a:3,5,7,2=" -> "3+5=8,8+7=15,15+2=17": running sums written out as a scratchpad.
 
-    The long-response task: with the defaults (10 numbers in [1, 9]) the reference has 9 steps,
-    62-79 characters (mean 72, see tests), so sequence-level (GSPO) and token-level (GRPO) importance
-    ratios differ over 60+ tokens per response. Each step is one small addition plus a copy
-    from the prompt, which the tiny presets learn by SFT. Reward: `exact` (the whole scratchpad,
-    i.e. every partial sum, must be right); `format_ok`: it parses as steps "a+b=c" joined by ",".
-    Needs model.max_seq_len >= about 110 (the tiny presets have 64).
+    The long-response task: with the defaults (10 numbers in [1, 9]) the reference has 9 steps
+    and 61-71 tokens with <eos> under the character tokenizer (over 99% of them 64+; see
+    tests), so sequence-level (GSPO) and token-level (GRPO) importance ratios differ over 60+
+    tokens per response. Each step is one small addition plus a copy from the prompt. Reward:
+    `exact` (the whole scratchpad, i.e. every partial sum, must be right); `format_ok`: it
+    parses as steps "a+b=c" joined by ",". Needs model.max_seq_len >= 23 + 71 = 94 (the tiny
+    presets have 64).
     """
 
     num_numbers: int = 10
