@@ -26,8 +26,9 @@ setup(
         # local Hugging Face checkpoints and tokenizers (model.hf_path); nothing is downloaded
         "hf": ["transformers==5.23.0", "safetensors", "tokenizers"],
         "plot": ["matplotlib"],
+        "math": ["math-verify==0.9.0"],  # reward.name=math; parquet data also needs pyarrow
         "dev": ["pytest", "matplotlib", "wandb", "transformers==5.23.0", "safetensors",
-                "tokenizers"],
+                "tokenizers", "math-verify==0.9.0", "pyarrow"],
         # tools/bench_throughput.py's TRL side; the versions it was measured with
         "bench": ["trl==1.16.0", "transformers==5.23.0", "accelerate==1.15.0", "datasets==5.2.0"],
     },
