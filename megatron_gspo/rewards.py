@@ -251,8 +251,11 @@ def _report(example, error: BaseException) -> None:
     _errors_seen += 1
     if _errors_seen <= _ERRORS_SHOWN:
         more = " (further errors are only counted)" if _errors_seen == _ERRORS_SHOWN else ""
+        meta = getattr(example, "meta", ())
+        where = meta[2] if len(meta) == 3 and isinstance(meta[2], str) \
+            else f"prompt {str(getattr(example, 'prompt', ''))[:60]!r}"  # a dataset row: file:line
         print(f"reward error, scored 0 and counted in reward/errors: {type(error).__name__}: "
-              f"{error} [prompt {str(getattr(example, 'prompt', ''))[:60]!r}]{more}", flush=True)
+              f"{error} [{where}]{more}", flush=True)
 
 
 def compute_rewards(task, examples: Sequence, completions: Sequence[str],

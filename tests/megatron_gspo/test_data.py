@@ -271,3 +271,21 @@ def test_tokenizer_folder_precedence():
     assert tokenizer_folder(cfg(None, None)) is None
     assert tokenizer_folder(SimpleNamespace(data=SimpleNamespace(tokenizer_path=None),
                                             model=SimpleNamespace())) is None
+
+
+def test_template_bos_text_is_not_doubled(tmp_path):
+    """A template that writes the BOS text itself (Llama 3 style) loses it: the sampler
+    prepends bos_id to every prompt already."""
+
+    class BosTok(ByteTok):
+        hf = SimpleNamespace(bos_token="<s>")
+
+        def apply_chat_template(self, messages):
+            return "<s>" + super().apply_chat_template(messages)
+
+    path = write_jsonl(tmp_path / "t.jsonl", [verl_row(i) for i in range(4)])
+    cfg = data_cfg(train_files=[path], shuffle=False)
+    _, evals, _ = dataset_splits(cfg, BosTok(bos=2), 100)
+    assert evals[0].prompt == "<u>What is 0 + 0?<a>"
+    _, evals, _ = dataset_splits(cfg, BosTok(bos=None), 100)  # no bos id: the text stays
+    assert evals[0].prompt == "<s><u>What is 0 + 0?<a>"
