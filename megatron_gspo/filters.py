@@ -15,7 +15,8 @@ with reward variance, in draw order. Departure: when the rounds run out, equal-r
 fill the batch instead of training on fewer prompts (DAPO's verl recipe raises or goes on with
 a smaller batch), so the batch shape, minibatch split and data-parallel symmetry never change.
 All ranks run the same number of rounds (an all-reduce decides), since under EP the sampler's
-forwards are collective.
+forwards are collective. `time/rollout` covers every round while `perf/rollout_tokens_per_s`
+counts the kept rows' tokens only.
 
 Metrics: `response/truncated_frac`, `reward/errors` (responses whose reward raised or timed out)
 and `reward/timeouts` for every batch; `filter/overlong_masked` when overlong filtering is on;

@@ -16,9 +16,9 @@ import torch.distributed as dist
 
 from megatron_gspo import checkpoint as ckpt
 from megatron_gspo.config import RunConfig, config_to_dict, save_config
+from megatron_gspo.data import build_task, tokenizer_folder
 from megatron_gspo.metrics import MetricsLogger
 from megatron_gspo.rollout import evaluate
-from megatron_gspo.data import build_task, tokenizer_folder
 from megatron_gspo.tokenizer import Tokenizer, load_tokenizer
 from moe.model import ParallelLayout
 from moe.parallel import ParallelInfo, init_parallel

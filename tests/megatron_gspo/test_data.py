@@ -289,3 +289,24 @@ def test_template_bos_text_is_not_doubled(tmp_path):
     assert evals[0].prompt == "<u>What is 0 + 0?<a>"
     _, evals, _ = dataset_splits(cfg, BosTok(bos=None), 100)  # no bos id: the text stays
     assert evals[0].prompt == "<s><u>What is 0 + 0?<a>"
+
+
+def test_build_task_prompt_limit_defaults_to_model_length_minus_new_tokens(tmp_path, capsys):
+    from megatron_gspo.data import build_task
+    from megatron_gspo.runtime import model_max_len
+
+    rows = [verl_row(i) for i in range(5)] + [verl_row(7, question="x" * 30)]
+    path = write_jsonl(tmp_path / "t.jsonl", rows)
+    over = ["task.name=dataset", f"data.train_files={path}", "reward.name=exact",
+            "rollout.max_new_tokens=8", "model.max_seq_len=30"]
+    cfg = load_config(None, over)
+    assert model_max_len(cfg) == 30 and model_max_len(load_config(None)) == 64
+    with pytest.raises(DataError, match=r"t.jsonl:6: prompt \(prompt\) is 36 tokens, over "
+                                        r"data.max_prompt_tokens=22"):
+        build_task(cfg, ByteTok(), model_max_len(cfg))
+    cfg = load_config(None, over + ["data.skip_overlong_prompts=true"])
+    task, train, evals = build_task(cfg, ByteTok(), model_max_len(cfg), verbose=True)
+    assert (task.name, task.reward_name, len(train), len(evals)) == ("dataset", "exact", 4, 1)
+    assert task.reward(evals[0], evals[0].meta[0]) == 1.0
+    assert "4 train / 1 eval examples, reward exact, 1 overlong prompts skipped" \
+        in capsys.readouterr().out
