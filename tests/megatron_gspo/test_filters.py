@@ -1,5 +1,7 @@
 """DAPO filters on hand-built rollout batches: truncation, overlong masking, dynamic sampling."""
 
+import os
+
 import pytest
 import torch
 
@@ -129,3 +131,44 @@ def test_dynamic_sampling_one_round_when_the_first_batch_suffices():
     assert metrics["filter/rounds"] == 1.0 and metrics["filter/zero_std_frac/before"] == 0.0
     assert torch.equal(out.tokens_BT, batches[0].tokens_BT[:, :3])  # its padding column trimmed
     assert out.examples == batches[0].examples
+
+
+def _ranks_worker(rank: int, port: int, out_dir: str) -> None:
+    """Rank 0 finds 2 varied groups in its first draw, rank 1 only in its second: both must
+    run 2 rounds (their sampler forwards are collective under EP)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    try:
+        first = [1, 0, 0, 1] if rank == 0 else [1, 1, 0, 0]
+        calls = []
+
+        def draw():
+            calls.append(1)
+            return make_batch(first if len(calls) == 1 else [0, 1, 1, 0], tag=len(calls))
+
+        out, metrics = dynamic_sample(draw, n_prompts=2, group_size=2, max_rounds=3,
+                                      pad_id=PAD)
+        torch.save({"calls": len(calls), "metrics": metrics, "examples": out.examples},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_ranks_agree_on_the_number_of_rounds(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_ranks_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert r0["calls"] == r1["calls"] == 2
+    assert r0["metrics"]["filter/rounds"] == r1["metrics"]["filter/rounds"] == 2.0
+    assert r0["examples"] == ["e1_0", "e1_0", "e1_1", "e1_1"]  # its first draw sufficed
+    assert r1["examples"] == ["e2_0", "e2_0", "e2_1", "e2_1"]
+    assert r1["metrics"]["filter/zero_std_frac/before"] == 0.5
