@@ -73,7 +73,7 @@ class TaskConfig:
     _section: ClassVar[str] = "task"
 
     name: str = "addition"
-    """Task name (see `megatron_gspo.tasks`)."""
+    """Task name (see `megatron_gspo.tasks`), or dataset (prompts from files: the data section)."""
     kwargs: dict = field(default_factory=dict)
     """Keyword arguments for the task constructor, e.g. {num_digits: 2}."""
     n_train: int = 2000
@@ -238,7 +238,7 @@ class WandbConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Prompts from your own files (task.name=dataset): JSONL or parquet, verl or plain schema."""
+    """Prompts from files (task.name=dataset; task.n_train / n_eval / seed do not apply)."""
     _section: ClassVar[str] = "data"
 
     train_files: list = field(default_factory=list)
