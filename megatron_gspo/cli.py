@@ -8,14 +8,17 @@ Examples:
     torchrun --nproc-per-node 2 -m megatron_gspo.cli train --config ... model.ep=2
 
 Overrides use dotted keys and YAML values; unknown keys are errors. A bad config (typo, wrong
-type, bad value, missing file) exits with status 2 and one line naming the key, before anything is
-written. The resolved config is saved in run_dir next to metrics.jsonl.
+type, bad value, malformed YAML, missing file or checkpoint), a run dir that belongs to another
+run, or a corrupt checkpoint exits with status 2 and one line naming it; nothing already written
+is lost. SIGTERM / Ctrl-C saves a checkpoint and exits with 128 + the signal number. The resolved
+config is saved in run_dir next to metrics.jsonl on a run's first start.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 
@@ -29,33 +32,51 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _fail(message: str) -> int:
+    """One line on stderr (rank 0 only under torchrun), exit status 2, no traceback."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"megatron-gspo: error: {message}", file=sys.stderr, flush=True)
+    return 2
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_intermixed_args(argv)
+    from megatron_gspo.checkpoint import CheckpointError
     from megatron_gspo.config import ConfigError, describe_config, load_config
+    from megatron_gspo.preempt import Preempted
+    from megatron_gspo.rundir import RunDirError
 
     if args.command == "config":
         print(describe_config())
         return 0
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|cuda_graph_scope).*")
     try:
         cfg = load_config(args.config, args.overrides)
-    except (ConfigError, FileNotFoundError) as e:
-        parser.error(str(e))  # exit 2 with one line, nothing written
-    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|cuda_graph_scope).*")
-    if args.command == "sft":
+        result = run(args.command, cfg)
+    except (ConfigError, FileNotFoundError, RunDirError, CheckpointError) as e:
+        return _fail(str(e))  # nothing already written is lost
+    except Preempted as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"megatron-gspo: {e}", file=sys.stderr, flush=True)
+        return 128 + e.signum
+    if result:
+        print(json.dumps({k: v for k, v in result.items() if k.startswith(("eval/", "reward/"))}))
+    return 0
+
+
+def run(command: str, cfg) -> dict:
+    if command == "sft":
         from megatron_gspo.sft import run_sft
 
-        result = run_sft(cfg)
-    elif args.command == "train":
+        return run_sft(cfg)
+    if command == "train":
         from megatron_gspo.trainer import Trainer
 
-        result = Trainer(cfg).train()
-    else:
-        from megatron_gspo.runtime import evaluate_runtime, setup_runtime
+        return Trainer(cfg).train()
+    from megatron_gspo.runtime import evaluate_runtime, setup_runtime
 
-        result = evaluate_runtime(setup_runtime(cfg, lr=0.0, job="eval"))
-    print(json.dumps({k: v for k, v in result.items() if k.startswith(("eval/", "reward/"))}))
-    return 0
+    return evaluate_runtime(setup_runtime(cfg, lr=0.0, job="eval"))
 
 
 if __name__ == "__main__":

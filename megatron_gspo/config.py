@@ -18,12 +18,12 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal, Optional, Sequence
+from typing import ClassVar, Literal, Optional, Sequence, Union
 
 import yaml
 
-from megatron_gspo.strict import (ConfigError, YamlLoader, apply_override, build, check,
-                                  describe_fields, field_docs, validate)
+from megatron_gspo.strict import (ConfigError, apply_override, build, check, describe_fields,
+                                  field_docs, load_yaml, validate)
 
 __all__ = ["ConfigError", "RunConfig", "config_from_dict", "config_to_dict", "describe_config",
            "field_docs", "load_config", "save_config"]
@@ -60,6 +60,9 @@ class ModelConfig:
     def __post_init__(self):
         validate(self, nonempty=("preset",), ge={"tp": 1, "ep": 1, "aux_loss_coeff": 0,
                                                   "max_seq_len": 2})
+        from moe.presets import PRESETS
+
+        check(self, "preset", self.preset in PRESETS, f"unknown preset; valid: {sorted(PRESETS)}")
         check(self, "sequence_parallel", not self.sequence_parallel or self.tp > 1,
                f"requires model.tp > 1 (got tp={self.tp})")
         check(self, "sequence_parallel", self.sequence_parallel or self.tp == 1,
@@ -86,6 +89,15 @@ class TaskConfig:
     def __post_init__(self):
         validate(self, nonempty=("name",), ge={"n_train": 1, "n_eval": 0})
         check(self, "kwargs", all(isinstance(k, str) for k in self.kwargs), "keys must be str")
+        from megatron_gspo.tasks import TASKS, task_kwarg_names
+
+        check(self, "name", self.name in TASKS or self.name == "dataset",
+              f"unknown task; valid: {sorted(TASKS) + ['dataset']}")
+        bad = [] if self.name == "dataset" else \
+            [k for k in self.kwargs if k not in task_kwarg_names(self.name)]
+        if bad:
+            raise ConfigError(f"task.kwargs.{bad[0]}: unknown argument of task {self.name!r}; "
+                              f"valid: {task_kwarg_names(self.name)}")
 
 
 @dataclass(frozen=True)
@@ -138,6 +150,10 @@ class LossConfig:
     def __post_init__(self):
         validate(self, nonempty=("name",), ge={"eps_high": 0, "kl_coef": 0},
                   gt={"max_log_ratio": 0, "adv_eps": 0})
+        from megatron_gspo.losses import POLICY_LOSSES
+
+        check(self, "name", self.name in POLICY_LOSSES,
+              f"unknown policy loss; valid: {sorted(POLICY_LOSSES)}")
         check(self, "eps_low", self.eps_low is None or 0 <= self.eps_low < 1, "must be in [0, 1)")
 
 
@@ -369,8 +385,10 @@ class RunConfig:
     """Global seed (model init, sampling, minibatch order)."""
     init_checkpoint: Optional[str] = None
     """Initial weights: a run dir (its latest checkpoint) or a step dir, any parallel layout."""
-    resume: bool = True
-    """Resume from run_dir's latest checkpoint if there is one."""
+    resume: Union[bool, Literal["force"]] = True
+    """Resume from run_dir's newest good checkpoint if there is one. A run dir belongs to one
+    run: resuming with a different job or semantic config is refused (`megatron_gspo.rundir`);
+    "force" resumes anyway with the new config; false refuses a run dir holding checkpoints."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Policy architecture and parallel layout."""
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -427,8 +445,7 @@ def load_config(path: str | None, overrides: Sequence[str] = ()) -> RunConfig:
     if path is not None:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"config file not found: {path}")
-        with open(path) as f:
-            raw = yaml.load(f, Loader=YamlLoader)
+        raw = load_yaml(path)
         if raw is None:
             raw = {}
         if not isinstance(raw, dict):

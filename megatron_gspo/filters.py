@@ -30,9 +30,9 @@ from dataclasses import fields
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from megatron_gspo.advantages import ZERO_STD_TOL
+from megatron_gspo.collectives import reduce_int
 from megatron_gspo.rewards import RAISED, TIMED_OUT
 from megatron_gspo.rollout import RolloutBatch
 
@@ -110,17 +110,6 @@ def trim_columns(batch: RolloutBatch) -> RolloutBatch:
     return RolloutBatch(**out)
 
 
-def any_rank(flag: bool) -> bool:
-    """True if `flag` is True on any rank (every rank must call it)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return flag
-    t = torch.tensor([int(flag)], dtype=torch.int32)
-    if torch.cuda.is_available():
-        t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
-
 def dynamic_sample(draw: Callable[[], RolloutBatch], n_prompts: int, group_size: int,
                    max_rounds: int, pad_id: int) -> tuple[RolloutBatch, dict[str, float]]:
     """Call `draw()` (a batch of `n_prompts` groups) until `n_prompts` groups with reward
@@ -133,7 +122,7 @@ def dynamic_sample(draw: Callable[[], RolloutBatch], n_prompts: int, group_size:
         batches.append(batch)
         for p, ok in enumerate(group_has_signal(batch.rewards_B, group_size).tolist()):
             (varied if ok else flat).append((k, p))
-        if not any_rank(len(varied) < n_prompts):
+        if not reduce_int(len(varied) < n_prompts, "max"):  # any rank still short
             break
     drawn = len(varied) + len(flat)
     chosen = (varied + flat)[:n_prompts]

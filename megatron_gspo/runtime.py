@@ -3,6 +3,11 @@
 Checkpoints are sharded by rank (`megatron_gspo.checkpoint`): each rank saves its exact model and
 optimizer shard for resuming with the same layout, and rank 0 also saves the full (gathered)
 parameters, so a checkpoint initialises a run with any TP/EP layout (`init_checkpoint`).
+
+A run dir belongs to one run (`megatron_gspo.rundir`): `setup_runtime` locks it and refuses a
+different job or config before anything is written; `eval` only reads. Resume verifies every
+shard and falls back, with a warning, past a corrupt latest step to the newest good one; rows of
+metrics.jsonl logged after the resumed step are dropped, so no step is logged twice.
 """
 
 from __future__ import annotations
@@ -15,8 +20,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo import checkpoint as ckpt
-from megatron_gspo.config import RunConfig, config_to_dict, save_config
+from megatron_gspo.collectives import reduce_int
+from megatron_gspo.config import ConfigError, RunConfig, config_to_dict, save_config
 from megatron_gspo.data import build_task, tokenizer_folder
+from megatron_gspo.rundir import RunDirLock, claim_run_dir, record_run
 from megatron_gspo.metrics import MetricsLogger
 from megatron_gspo.rollout import evaluate
 from megatron_gspo.tokenizer import Tokenizer, load_tokenizer
@@ -39,6 +46,15 @@ class Runtime:
     eval_set: list
     policy: MoEPolicy
     logger: MetricsLogger
+    lock: RunDirLock | None = None
+    """Rank 0's hold on run_dir (None on other ranks and for eval)."""
+
+    def close(self) -> None:
+        """Close the metrics log and release run_dir."""
+        self.logger.close()
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
 
 def layout_of(cfg: RunConfig) -> ParallelLayout:
@@ -67,19 +83,30 @@ def build_policy(cfg: RunConfig, vocab_size: int, lr: float, with_optimizer: boo
 
 
 def setup_runtime(cfg: RunConfig, lr: float, job: str) -> Runtime:
-    """Process groups, task splits, policy (+ init weights), metrics logger, saved config."""
+    """Process groups, run-dir claim, task splits, policy (+ init weights), metrics logger,
+    recorded config. `job` is "sft", "train" or "eval" (eval writes nothing)."""
     info = init_parallel(cfg.model.tp, cfg.model.ep, seed=cfg.seed)
-    tokenizer = load_tokenizer(tokenizer_folder(cfg))
-    task, train_set, eval_set = build_task(cfg, tokenizer, model_max_len(cfg), info.is_main)
-    policy = build_policy(cfg, tokenizer.vocab_size, lr)
     if cfg.init_checkpoint:
-        load_init_weights(policy, cfg.init_checkpoint)
-    if info.is_main:
-        os.makedirs(cfg.run_dir, exist_ok=True)
-        save_config(cfg, os.path.join(cfg.run_dir, f"{job}_config.yaml"))
-    logger = MetricsLogger(cfg.run_dir, config_to_dict(cfg), wandb_mode=cfg.wandb.mode,
-                           project=cfg.wandb.project, name=cfg.wandb.name, enabled=info.is_main)
-    return Runtime(cfg, info, tokenizer, task, train_set, eval_set, policy, logger)
+        check_init_checkpoint(cfg.init_checkpoint)  # fail before the run dir is claimed
+    writes = job != "eval"
+    lock = claim_run_dir(cfg.run_dir, job, config_to_dict(cfg), cfg.resume, info.is_main) \
+        if writes else None
+    try:
+        tokenizer = load_tokenizer(tokenizer_folder(cfg))
+        task, train_set, eval_set = build_task(cfg, tokenizer, model_max_len(cfg), info.is_main)
+        policy = build_policy(cfg, tokenizer.vocab_size, lr)
+        if cfg.init_checkpoint:
+            load_init_weights(policy, cfg.init_checkpoint)
+        if writes and info.is_main:
+            record_run(cfg.run_dir, job, config_to_dict(cfg), lambda p: save_config(cfg, p))
+        logger = MetricsLogger(cfg.run_dir, config_to_dict(cfg), wandb_mode=cfg.wandb.mode,
+                               project=cfg.wandb.project, name=cfg.wandb.name,
+                               enabled=writes and info.is_main)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return Runtime(cfg, info, tokenizer, task, train_set, eval_set, policy, logger, lock)
 
 
 def evaluate_runtime(rt: Runtime) -> dict[str, float]:
@@ -109,29 +136,64 @@ def save_state(rt: Runtime, step: int, extra: dict) -> None:
     barrier()
 
 
+def check_init_checkpoint(path: str) -> str:
+    """The checkpoint root or step dir `init_checkpoint` names (a run dir means its latest
+    step); ConfigError naming the value when it is missing, a file, or holds no checkpoint."""
+    if not os.path.exists(path):
+        raise ConfigError(f"init_checkpoint={path}: no such directory")
+    if not os.path.isdir(path):
+        raise ConfigError(f"init_checkpoint={path} is a file; pass the run dir (or one of its "
+                          "checkpoints/step_XXXXXX dirs) that holds it")
+    root = os.path.join(path, "checkpoints")
+    root = root if os.path.isdir(root) else path
+    if not (os.path.isfile(ckpt.rank_file(root, 0)) or ckpt.latest_step(root) is not None):
+        raise ConfigError(f"init_checkpoint={path} holds no checkpoint (no "
+                          f"checkpoints/{ckpt.LATEST_FILE} and no rank_00000.pt)")
+    return root
+
+
 def load_init_weights(policy: MoEPolicy, path: str) -> None:
-    """Initialise from a run dir (its latest checkpoint) or a step dir, any parallel layout."""
-    root = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) \
-        else path
-    state = ckpt.load_checkpoint(root, rank=0)
+    """Initialise from a run dir (its latest step) or a step dir, any parallel layout."""
+    state = ckpt.load_checkpoint(check_init_checkpoint(path), rank=0)
     if "full_params" not in state:
-        raise ValueError(f"{path}: checkpoint has no full_params (not written by megatron-gspo?)")
-    load_full_params(policy.model.module, state["full_params"])
+        raise ConfigError(f"init_checkpoint={path}: checkpoint has no full_params (not written "
+                          "by megatron-gspo?)")
+    try:
+        load_full_params(policy.model.module, state["full_params"])
+    except (KeyError, ValueError) as e:
+        saved = state.get("config", {}).get("model", {}).get("preset")
+        raise ConfigError(f"init_checkpoint={path} holds preset {saved!r}, this run builds "
+                          f"{policy.preset.name!r}: {str(e).strip(chr(34) + chr(39))}") from None
 
 
 def try_resume(rt: Runtime) -> dict | None:
-    """Restore this rank's exact shard from run_dir's latest checkpoint; returns its `extra`."""
+    """Restore this rank's exact shard from run_dir's newest good checkpoint; returns its
+    `extra` (None when there is none or resume is off). A corrupt or unreadable latest step
+    is skipped with a warning; every rank resumes the same step."""
     root = os.path.join(rt.cfg.run_dir, "checkpoints")
-    if not rt.cfg.resume or ckpt.latest_step(root) is None:
+    if rt.cfg.resume is False or ckpt.latest_step(root) is None:
         return None
-    state = ckpt.load_checkpoint(root, rank=rt.info.rank)
     layout = (rt.info.tp, rt.info.ep, rt.info.world_size)
-    if tuple(state["layout"]) != layout:
-        raise ValueError(f"{root}: saved with (tp, ep, world)={tuple(state['layout'])}, resuming "
-                         f"with {layout}; use init_checkpoint to change layout")
-    rt.policy.load_state_dict(state["policy"])
-    ckpt.set_rng_state(state["rng"])
-    return state["extra"]
+    for step in ckpt.resume_candidates(root):
+        state, error = None, ""
+        try:
+            state = ckpt.load_checkpoint(root, rank=rt.info.rank, step=step)
+        except (ckpt.CheckpointError, FileNotFoundError) as e:
+            error = str(e)
+        if not reduce_int(state is not None, "min"):
+            if rt.info.is_main or error:
+                print(f"WARNING: skipping checkpoint step {step}: "
+                      f"{error or 'a shard on another rank is bad'}", flush=True)
+            continue
+        if tuple(state["layout"]) != layout:
+            raise ConfigError(f"{root}: saved with (tp, ep, world)={tuple(state['layout'])}, "
+                              f"resuming with {layout}; use init_checkpoint to change layout")
+        rt.policy.load_state_dict(state["policy"])
+        ckpt.set_rng_state(state["rng"])
+        rt.logger.drop_after(state["extra"].get("opt_step", state["extra"].get("step", step)))
+        return state["extra"]
+    raise ckpt.CheckpointError(f"no readable checkpoint in {root} (tried "
+                               f"{ckpt.resume_candidates(root)}); move it away to start afresh")
 
 
 def mean_over_ranks(metrics: dict[str, float]) -> dict[str, float]:

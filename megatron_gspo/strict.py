@@ -107,6 +107,16 @@ def _coerce(value, tp, key: str):
             return value
         raise ConfigError(f"{key}={value}: expected one of {', '.join(map(repr, args))}")
     inner = [a for a in args if a is not type(None)] if origin is Union else [tp]
+    words = [a for a in inner if get_origin(a) is Literal]
+    if words:  # e.g. bool | Literal["force"]: the words first, then the one other type
+        if isinstance(value, str) and any(value in get_args(w) for w in words):
+            return value
+        inner = [a for a in inner if a not in words]
+        if len(inner) == 1:
+            try:
+                return _coerce(value, inner[0], key)
+            except ConfigError:
+                raise ConfigError(f"{key}={value}: expected {type_name(tp)}") from None
     base = get_origin(inner[0]) or inner[0]
     convert = _of_type(base) if dataclasses.is_dataclass(base) else _SCALARS.get(base)
     if len(inner) != 1 or convert is None:
@@ -151,7 +161,35 @@ def validate(obj, nonempty: Sequence[str] = (), ge: dict | None = None,
 
 
 class YamlLoader(yaml.SafeLoader):
-    """SafeLoader with YAML 1.2 floats (`3e-4`) and booleans (only true / false)."""
+    """SafeLoader with YAML 1.2 floats (`3e-4`) and booleans (only true / false), and duplicate
+    keys as errors (plain PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first at line {seen[key] + 1})",
+                    key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(path: str):
+    """Parse a YAML file with `YamlLoader`; any YAML error is a one-line ConfigError naming the
+    file, line and column."""
+    with open(path) as f:
+        text = f.read()
+    try:
+        return yaml.load(text, Loader=YamlLoader)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
+        what = " ".join(str(x) for x in (e.context, e.problem) if x)
+        raise ConfigError(f"{where}: invalid YAML: {what}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {' '.join(str(e).split())}") from None
 
 
 _BOOL, _FLOAT = "tag:yaml.org,2002:bool", "tag:yaml.org,2002:float"

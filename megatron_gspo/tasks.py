@@ -353,11 +353,16 @@ TASKS: dict[str, type] = {"addition": Addition, "sort": Sort, "countdown": Count
                           "running_sum": RunningSum}
 
 
+def task_kwarg_names(name: str) -> list[str]:
+    """The constructor arguments of registered task `name`."""
+    return [f.name for f in fields(TASKS[name])]
+
+
 def make_task(name: str, **kwargs) -> Task:
     if name not in TASKS:
         raise KeyError(f"unknown task {name!r}; valid tasks: {sorted(TASKS)}")
     cls = TASKS[name]
-    valid = [f.name for f in fields(cls)]
+    valid = task_kwarg_names(name)
     bad = [k for k in kwargs if k not in valid]
     if bad:
         raise TypeError(f"task {name!r} got unknown kwarg(s) {bad}; valid: {valid}")

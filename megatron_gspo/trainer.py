@@ -33,6 +33,7 @@ from megatron_gspo.config import RunConfig
 from megatron_gspo.filters import overlong_filter, rollout_health, sample_rollouts
 from megatron_gspo.losses import PolicyLossConfig, get_policy_loss
 from megatron_gspo.metrics import Timer, format_progress
+from megatron_gspo.preempt import Preempted, Preemption
 from megatron_gspo.rollout import RolloutBatch, generate_rollouts
 from megatron_gspo.runtime import (Runtime, build_policy, evaluate_runtime, load_init_weights,
                                    mean_over_ranks, save_state, setup_runtime, try_resume)
@@ -47,6 +48,13 @@ class Trainer:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.rt: Runtime = setup_runtime(cfg, lr=cfg.optim.lr, job="train")
+        try:
+            self._build(cfg)
+        except BaseException:
+            self.rt.close()
+            raise
+
+    def _build(self, cfg: RunConfig) -> None:
         self.policy = self.rt.policy
         self.loss_cfg = PolicyLossConfig(name=cfg.loss.name, eps_low=cfg.loss.eps_low,
                                          eps_high=cfg.loss.eps_high, kl_coef=cfg.loss.kl_coef,
@@ -71,16 +79,38 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def train(self) -> dict:
+        """Run to `train.steps` rollout batches; a signal saves and raises `Preempted`."""
         cfg, last = self.cfg, {}
-        if self.state["iteration"] == 0 and cfg.train.eval_every:
-            self._log(self.state["opt_step"], self.evaluate())
-        while self.state["iteration"] < cfg.train.steps:
-            last = self.iteration()
-            if self.rt.info.is_main:
-                print(format_progress(self.state["iteration"], cfg.train.steps, last,
-                                      PROGRESS_KEYS), flush=True)
-        self.rt.logger.close()
+        try:
+            if self.state["iteration"] >= cfg.train.steps:
+                if self.rt.info.is_main:
+                    print(f"{cfg.run_dir} already finished {self.state['iteration']} of "
+                          f"train.steps={cfg.train.steps} rollout batches; nothing to do "
+                          "(raise train.steps to continue it)", flush=True)
+                return last
+            if self.state["iteration"] == 0 and cfg.train.eval_every:
+                self._log(self.state["opt_step"], self.evaluate())
+            with Preemption() as stop:
+                while self.state["iteration"] < cfg.train.steps:
+                    last = self.iteration()
+                    it = self.state["iteration"]
+                    if self.rt.info.is_main and it % cfg.train.log_every == 0:
+                        print(format_progress(it, cfg.train.steps, last, PROGRESS_KEYS),
+                              flush=True)
+                    signum = stop.requested()
+                    if self.should_save(it) or signum:
+                        save_state(self.rt, it, dict(self.state))
+                    if signum and it < cfg.train.steps:
+                        raise Preempted(signum, f"stopped at rollout batch {it} of "
+                                        f"{cfg.train.steps}; checkpoint saved in {cfg.run_dir}; "
+                                        "run the same command to resume")
+        finally:
+            self.rt.close()
         return last
+
+    def should_save(self, iteration: int) -> bool:
+        every = self.cfg.train.save_every
+        return bool(every) and (iteration % every == 0 or iteration == self.cfg.train.steps)
 
     def iteration(self) -> dict:
         cfg, it = self.cfg, self.state["iteration"]
@@ -122,9 +152,6 @@ class Trainer:
         if cfg.train.eval_every and self.state["iteration"] % cfg.train.eval_every == 0:
             metrics.update(self.evaluate())
         self._log(self.state["opt_step"], metrics)
-        if cfg.train.save_every and (self.state["iteration"] % cfg.train.save_every == 0
-                                     or self.state["iteration"] == cfg.train.steps):
-            save_state(self.rt, self.state["iteration"], dict(self.state))
         return metrics
 
     def rollout(self, it: int) -> RolloutBatch:

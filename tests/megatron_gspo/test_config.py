@@ -79,14 +79,15 @@ def test_missing_file_names_it(tmp_path):
 def test_overrides_coerce_types():
     cfg = load_config(None, ["loss.eps_low=3e-4", "optim.lr=1e-5", "train.steps=7",
                              "rollout.temperature=2", "loss.eps_high=null", "seed=3",
-                             "wandb.name=2024", "task.kwargs.num_digits=3",
-                             "task.kwargs.digits=[1,2]", "train.routing_replay=r3"])
+                             "wandb.name=2024", "task.name=countdown",
+                             "task.kwargs.num_numbers=3", "task.kwargs.max_number=[1,2]",
+                             "train.routing_replay=r3"])
     assert cfg.loss.eps_low == pytest.approx(3e-4) and type(cfg.loss.eps_low) is float
     assert cfg.optim.lr == 1e-5 and cfg.train.steps == 7 and type(cfg.train.steps) is int
     assert cfg.rollout.temperature == 2.0 and type(cfg.rollout.temperature) is float
     assert cfg.loss.eps_high is None and cfg.seed == 3
     assert cfg.wandb.name == "2024"  # a str field keeps the literal text
-    assert cfg.task.kwargs == {"num_digits": 3, "digits": [1, 2]}
+    assert cfg.task.kwargs == {"num_numbers": 3, "max_number": [1, 2]}  # YAML-typed values
     assert cfg.train.routing_replay == "r3"
 
 
@@ -107,7 +108,7 @@ def test_bool_parsing(text, flag):
 @pytest.mark.parametrize("override, fragment", [
     ("train.num_minibatches=abc", "train.num_minibatches=abc: expected int"),
     ("train.steps=2.5", "train.steps=2.5: expected int"),
-    ("resume=maybe", "resume=maybe: expected bool"),
+    ("resume=maybe", "resume=maybe: expected bool | 'force'"),
     ("loss.eps_low=abc", "loss.eps_low=abc: expected float | null"),
     ("train.routing_replay=r9", "expected one of 'off', 'r2', 'r3'"),
     ("model.dtype=fp16", "expected one of 'fp32', 'bf16'"),
