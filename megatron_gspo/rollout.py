@@ -31,6 +31,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from megatron_gspo.dist_utils import all_ranks, max_over_ranks
+from megatron_gspo.rewards import compute_rewards
 
 
 @dataclass
@@ -48,6 +49,10 @@ class RolloutBatch:
     examples: list
     routing: object = None
     """Rollout-time routing (`moe.replay.RoutingReplayCache`) when recorded for R3, else None."""
+    truncated_B: torch.Tensor | None = None
+    """True where the response hit max_new_tokens without a stop token."""
+    reward_status_B: torch.Tensor | None = None
+    """`rewards.compute_rewards` status per row: 0 ok, 1 the reward raised, 2 it timed out."""
 
     def __len__(self) -> int:
         return self.tokens_BT.shape[0]
@@ -157,11 +162,22 @@ def generate_rollouts(policy, tokenizer, task, examples: list, *, group_size: in
         temperature=temperature, top_p=top_p, generator=generator, kv_cache=kv_cache,
         record_routing=record_routing)
     completions = decode_responses(tokenizer, tokens_BT, response_BT)
-    rewards_B = torch.tensor([task.reward(ex, c) for ex, c in zip(repeated, completions)],
-                             dtype=torch.float32)
+    rewards, status = compute_rewards(task, repeated, completions)
+    rewards_B = torch.tensor(rewards, dtype=torch.float32)
     group_B = torch.arange(len(examples)).repeat_interleave(group_size)
     return RolloutBatch(tokens_BT, valid_BT, response_BT, logp_BT, rewards_B, group_B,
-                        completions, repeated, routing)
+                        completions, repeated, routing,
+                        truncated_rows(tokens_BT, response_BT, tokenizer.stop_ids),
+                        torch.tensor(status, dtype=torch.int8))
+
+
+def truncated_rows(tokens_BT: torch.Tensor, response_BT: torch.Tensor, stop_ids) -> torch.Tensor:
+    """[B] bool: the row's last response token is not a stop id (it ran out of tokens)."""
+    T = tokens_BT.shape[1]
+    last_B = (response_BT.long() * torch.arange(T)).argmax(1)
+    last_tok_B = tokens_BT.gather(1, last_B[:, None]).squeeze(1)
+    stops = torch.tensor(sorted(stop_ids), dtype=tokens_BT.dtype)
+    return ~torch.isin(last_tok_B, stops) & response_BT.any(1)
 
 
 def evaluate(policy, tokenizer, task, examples: list, *, max_new_tokens: int,

@@ -12,6 +12,7 @@ metrics.jsonl logged after the resumed step are dropped, so no step is logged tw
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -21,10 +22,10 @@ import torch.distributed as dist
 from megatron_gspo import checkpoint as ckpt
 from megatron_gspo.dist_utils import all_ranks
 from megatron_gspo.config import ConfigError, RunConfig, config_to_dict, save_config
+from megatron_gspo.data import build_task, tokenizer_folder
 from megatron_gspo.rundir import RunDirLock, claim_run_dir, record_run
 from megatron_gspo.metrics import MetricsLogger
 from megatron_gspo.rollout import evaluate
-from megatron_gspo.tasks import make_splits, make_task
 from megatron_gspo.tokenizer import Tokenizer, load_tokenizer
 from moe.model import ParallelLayout
 from moe.parallel import ParallelInfo, init_parallel
@@ -65,15 +66,31 @@ def layout_of(cfg: RunConfig) -> ParallelLayout:
 
 def resolve_preset(cfg: RunConfig, vocab_size: int) -> MoEPreset:
     """model.hf_path's config.json (vocab padded to vocab_multiple * tp), else model.preset with
-    the tokenizer's vocab padded to 16 * tp (the toy path, unchanged)."""
+    the tokenizer's vocab padded to 16 * tp (the toy path, unchanged); model.max_seq_len if
+    set."""
     tp = cfg.model.tp
     if cfg.model.hf_path:
         from moe.hf.config import preset_from_hf
 
         preset = preset_from_hf(cfg.model.hf_path)
-        return preset.with_vocab(max(preset.vocab_size, vocab_size),
-                                 multiple=cfg.model.vocab_multiple * tp)
-    return get_preset(cfg.model.preset).with_vocab(vocab_size, multiple=16 * tp)
+        preset = preset.with_vocab(max(preset.vocab_size, vocab_size),
+                                   multiple=cfg.model.vocab_multiple * tp)
+    else:
+        preset = get_preset(cfg.model.preset).with_vocab(vocab_size, multiple=16 * tp)
+    if cfg.model.max_seq_len:
+        preset = dataclasses.replace(preset, max_seq_len=cfg.model.max_seq_len)
+    return preset
+
+
+def model_max_len(cfg: RunConfig) -> int:
+    """model.max_seq_len, else the preset's (config.json's with model.hf_path)."""
+    if cfg.model.max_seq_len:
+        return cfg.model.max_seq_len
+    if cfg.model.hf_path:
+        from moe.hf.config import preset_from_hf
+
+        return preset_from_hf(cfg.model.hf_path).max_seq_len
+    return get_preset(cfg.model.preset).max_seq_len
 
 
 def build_policy(cfg: RunConfig, vocab_size: int, lr: float, with_optimizer: bool = True,
@@ -110,9 +127,8 @@ def setup_runtime(cfg: RunConfig, lr: float, job: str) -> Runtime:
     lock = claim_run_dir(cfg.run_dir, job, config_to_dict(cfg), cfg.resume, info.is_main) \
         if writes else None
     try:
-        tokenizer = load_tokenizer(cfg.model.hf_path)
-        task = make_task(cfg.task.name, **dict(cfg.task.kwargs))
-        train_set, eval_set = make_splits(task, cfg.task.n_train, cfg.task.n_eval, cfg.task.seed)
+        tokenizer = load_tokenizer(tokenizer_folder(cfg))
+        task, train_set, eval_set = build_task(cfg, tokenizer, model_max_len(cfg), info.is_main)
         policy = build_policy(cfg, tokenizer.vocab_size, lr)
         if cfg.init_checkpoint:
             load_init_weights(policy, cfg.init_checkpoint)

@@ -85,8 +85,16 @@ def _of_type(t):
     return check
 
 
+def _to_list(v):  # a YAML list, or one string as a one-element list
+    if isinstance(v, str):
+        return [v]
+    if not isinstance(v, (list, tuple)):
+        raise ValueError(v)
+    return list(v)
+
+
 _SCALARS = {bool: _to_bool, int: _to_int, float: _to_float, str: _of_type(str),
-            dict: _of_type(dict)}
+            dict: _of_type(dict), list: _to_list}
 
 
 def _coerce(value, tp, key: str):

@@ -31,6 +31,7 @@ import torch
 from megatron_gspo.advantages import group_advantages
 from megatron_gspo.config import ConfigError, RunConfig
 from megatron_gspo.dist_utils import all_ranks, reduce_metrics
+from megatron_gspo.filters import overlong_filter, rollout_health, sample_rollouts
 from megatron_gspo.losses import PolicyLossConfig, get_policy_loss
 from megatron_gspo.metrics import Timer, format_progress
 from megatron_gspo.preempt import Preempted, Preemption
@@ -71,6 +72,7 @@ class Trainer:
                       "reward_ema": None, "best_reward_ema": None}
         self.state.update(try_resume(self.rt) or {})
         self.timer = Timer()
+        self.filter_metrics: dict = {}  # dynamic sampling's, of the last rollout
 
     # ------------------------------------------------------------------ loop
     def train(self) -> dict:
@@ -120,7 +122,9 @@ class Trainer:
         pi_old_BT = batch.sampler_logp_BT if cfg.rollout.use_sampler_logprobs else old_logp_BT
         adv_B, adv_metrics = group_advantages(batch.rewards_B, cfg.rollout.group_size,
                                               eps=cfg.loss.adv_eps)
-        shared = {**rollout_metrics(batch, old_logp_BT), **adv_metrics, "train/iteration": it}
+        adv_B, overlong_metrics = overlong_filter(adv_B, batch, cfg.filter.overlong)
+        shared = {**rollout_metrics(batch, old_logp_BT), **adv_metrics, "train/iteration": it,
+                  **rollout_health(batch), **overlong_metrics, **self.filter_metrics}
         replay = {"off": None, "r2": old_routing, "r3": batch.routing}[cfg.train.routing_replay]
         if replay is not None:
             shared["replay/cache_bytes"] = replay.nbytes
@@ -151,15 +155,20 @@ class Trainer:
         cfg, info = self.cfg, self.rt.info
         # Same draw on every TP rank of a DP replica; deterministic per iteration (resumable).
         gen = torch.Generator().manual_seed(cfg.seed * 7_919 + it * 104_729 + info.dp_rank)
-        idx = torch.randint(len(self.rt.train_set), (self.local_prompts,), generator=gen)
+
+        def draw() -> RolloutBatch:
+            idx = torch.randint(len(self.rt.train_set), (self.local_prompts,), generator=gen)
+            return generate_rollouts(self.policy, self.rt.tokenizer, self.rt.task,
+                                     [self.rt.train_set[i] for i in idx.tolist()],
+                                     group_size=cfg.rollout.group_size,
+                                     max_new_tokens=cfg.rollout.max_new_tokens,
+                                     temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                     generator=gen, kv_cache=cfg.rollout.kv_cache,
+                                     record_routing=cfg.train.routing_replay == "r3")
         self.policy.train(False)
-        batch = generate_rollouts(self.policy, self.rt.tokenizer, self.rt.task,
-                                  [self.rt.train_set[i] for i in idx.tolist()],
-                                  group_size=cfg.rollout.group_size,
-                                  max_new_tokens=cfg.rollout.max_new_tokens,
-                                  temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                  generator=gen, kv_cache=cfg.rollout.kv_cache,
-                                  record_routing=cfg.train.routing_replay == "r3")
+        batch, self.filter_metrics = sample_rollouts(draw, cfg.filter, self.local_prompts,
+                                                     cfg.rollout.group_size,
+                                                     self.rt.tokenizer.pad_id)
         self.policy.train(True)
         return batch
 
