@@ -86,7 +86,7 @@ def run(command: str, cfg) -> dict:
         return Trainer(cfg).train()
     from megatron_gspo.runtime import evaluate_runtime, setup_runtime
 
-    return evaluate_runtime(setup_runtime(cfg, lr=0.0, job="eval"))
+    return evaluate_runtime(setup_runtime(cfg, job="eval"))
 
 
 def _export(parser, args, errors: tuple) -> int:

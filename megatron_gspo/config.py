@@ -24,6 +24,8 @@ import yaml
 
 from megatron_gspo.strict import (ConfigError, apply_override, build, check, describe_fields,
                                   field_docs, load_yaml, validate)
+from moe.model import RECOMPUTE_MODULES
+from moe.optim import OptimSettings
 
 __all__ = ["ConfigError", "RunConfig", "config_from_dict", "config_to_dict", "describe_config",
            "field_docs", "load_config", "save_config"]
@@ -48,8 +50,9 @@ class ModelConfig:
     invalid when tp == 1."""
     dispatcher: Literal["alltoall", "allgather"] = "alltoall"
     """MoE token dispatcher."""
-    dtype: Literal["fp32", "bf16"] = "fp32"
-    """Parameter / compute dtype."""
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Parameter / compute dtype. bf16 / fp16 train with fp32 main grads and fp32 master weights
+    (megatron's Float16 optimizer); fp16 adds loss scaling (optim.loss_scale)."""
     aux_loss_coeff: float = 0.0
     """MoE load-balancing auxiliary loss coefficient (0 = off)."""
     dist_timeout_min: float = 10.0
@@ -68,6 +71,13 @@ class ModelConfig:
     """Maximum sequence length (prompt + response tokens) the model is built for; None = the
     preset's (64 for the tiny presets; long-response tasks and datasets need more), or
     config.json's with hf_path. RoPE has no length-bound parameters, so this changes no weight."""
+    recompute_granularity: Literal["off", "selective", "full"] = "off"
+    """megatron's activation recompute for long responses: 'selective' re-runs
+    recompute_modules in the backward, 'full' every transformer layer. Same grads (routing
+    replay included), less activation memory, one more forward."""
+    recompute_modules: str = "moe"
+    """Comma-separated modules for 'selective': moe (the whole MoE layer: router, dispatch,
+    experts), core_attn."""
 
     def __post_init__(self):
         validate(self, nonempty=("preset", "hf_path"),
@@ -75,6 +85,9 @@ class ModelConfig:
                      "max_seq_len": 2},
                  gt={"dist_timeout_min": 0})
         check(self, "dist_timeout_min", self.dist_timeout_min < float("inf"), "must be finite")
+        modules = [m.strip() for m in self.recompute_modules.split(",")]
+        check(self, "recompute_modules", all(m in RECOMPUTE_MODULES for m in modules),
+              f"expected a comma-separated subset of {', '.join(RECOMPUTE_MODULES)}")
         from moe.presets import PRESETS
 
         check(self, "preset", self.preset in PRESETS, f"unknown preset; valid: {sorted(PRESETS)}")
@@ -173,27 +186,14 @@ class LossConfig:
 
 
 @dataclass(frozen=True)
-class OptimConfig:
-    """AdamW optimizer."""
+class OptimConfig(OptimSettings):
+    """megatron-core's Adam and lr schedule; the fields are `moe.optim.OptimSettings`'s."""
     _section: ClassVar[str] = "optim"
 
-    lr: float = 1e-4
-    """Peak learning rate of RL training."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay."""
-    beta1: float = 0.9
-    """Adam beta1."""
-    beta2: float = 0.999
-    """Adam beta2."""
-    grad_clip: float = 1.0
-    """Global gradient-norm clip (0 = off)."""
-    warmup_steps: int = 0
-    """Linear learning-rate warmup in optimizer steps."""
-
     def __post_init__(self):
-        validate(self, ge={"lr": 0, "weight_decay": 0, "grad_clip": 0, "warmup_steps": 0})
-        for name in ("beta1", "beta2"):
-            check(self, name, 0 <= getattr(self, name) < 1, "must be in [0, 1)")
+        validate(self)
+        for name, msg in self.problems():
+            check(self, name, False, msg)
 
 
 @dataclass(frozen=True)

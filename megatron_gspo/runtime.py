@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -27,13 +27,14 @@ from megatron_gspo.rundir import RunDirLock, claim_run_dir, record_run
 from megatron_gspo.metrics import MetricsLogger
 from megatron_gspo.rollout import evaluate
 from megatron_gspo.tokenizer import Tokenizer, load_tokenizer
-from moe.model import ParallelLayout
+from moe.model import ParallelLayout, Recompute
+from moe.optim import OptimSettings
 from moe.parallel import ParallelInfo, init_parallel
-from moe.policy import MoEPolicy, OptimSettings
+from moe.policy import MoEPolicy
 from moe.presets import MoEPreset, get_preset
 from moe.sharding import gather_full_params, load_full_params
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -93,17 +94,36 @@ def model_max_len(cfg: RunConfig) -> int:
     return get_preset(cfg.model.preset).max_seq_len
 
 
-def build_policy(cfg: RunConfig, vocab_size: int, lr: float, with_optimizer: bool = True,
+def recompute_of(cfg: RunConfig) -> Recompute:
+    modules = tuple(m.strip() for m in cfg.model.recompute_modules.split(","))
+    granularity = cfg.model.recompute_granularity
+    return Recompute(None if granularity == "off" else granularity, modules)
+
+
+def optim_settings(cfg: RunConfig, job: str) -> OptimSettings | None:
+    """The optimizer of a job: `optim` as configured for RL ("train"; lr_decay_steps 0 = its
+    last update); for "sft" the same Adam at a constant `sft.lr`; none for "eval"."""
+    if job not in ("train", "sft", "eval"):
+        raise ValueError(f"job={job!r}: expected 'train', 'sft' or 'eval'")
+    if job == "eval":
+        return None
+    if job == "sft":
+        return replace(cfg.optim, lr=cfg.sft.lr, min_lr=0.0, warmup_steps=0,
+                       lr_decay_style="constant", lr_decay_steps=0)
+    total = cfg.train.steps * cfg.train.num_minibatches
+    return replace(cfg.optim, lr_decay_steps=cfg.optim.lr_decay_steps or total)
+
+
+def build_policy(cfg: RunConfig, vocab_size: int, optim: OptimSettings | None,
                  seed: int | None = None) -> MoEPolicy:
-    """The policy for tokenizer vocab `vocab_size`; model.hf_path's weights when set."""
+    """The policy for tokenizer vocab `vocab_size` (`optim=None`: no optimizer); model.hf_path's
+    weights when set."""
     preset = resolve_preset(cfg, vocab_size)
-    optim = OptimSettings(lr=lr, weight_decay=cfg.optim.weight_decay, beta1=cfg.optim.beta1,
-                          beta2=cfg.optim.beta2, grad_clip=cfg.optim.grad_clip)
     policy = MoEPolicy.build(preset, layout_of(cfg), real_vocab=vocab_size,
                              seed=cfg.seed if seed is None else seed,
                              dtype=_DTYPES[cfg.model.dtype],
                              aux_loss_coeff=cfg.model.aux_loss_coeff,
-                             optim=optim if with_optimizer else None)
+                             optim=optim, recompute=recompute_of(cfg))
     if cfg.model.hf_path:
         from moe.hf.weights import load_hf_weights
 
@@ -111,10 +131,11 @@ def build_policy(cfg: RunConfig, vocab_size: int, lr: float, with_optimizer: boo
             load_hf_weights(policy.model.module, cfg.model.hf_path)  # this rank's shard only
         except (KeyError, ValueError) as e:  # weights that disagree with their config.json
             raise ConfigError(f"model.hf_path={cfg.model.hf_path}: {e.args[0]}") from None
+        policy.weights_changed()
     return policy
 
 
-def setup_runtime(cfg: RunConfig, lr: float, job: str) -> Runtime:
+def setup_runtime(cfg: RunConfig, job: str) -> Runtime:
     """Process groups, run-dir claim, task splits, policy (+ init weights), metrics logger,
     recorded config. `job` is "sft", "train" or "eval" (eval writes nothing)."""
     info = init_parallel(cfg.model.tp, cfg.model.ep, seed=cfg.seed,
@@ -129,7 +150,7 @@ def setup_runtime(cfg: RunConfig, lr: float, job: str) -> Runtime:
     try:
         tokenizer = load_tokenizer(tokenizer_folder(cfg))
         task, train_set, eval_set = build_task(cfg, tokenizer, model_max_len(cfg), info.is_main)
-        policy = build_policy(cfg, tokenizer.vocab_size, lr)
+        policy = build_policy(cfg, tokenizer.vocab_size, optim_settings(cfg, job))
         if cfg.init_checkpoint:
             load_init_weights(policy, cfg.init_checkpoint)
         if writes and info.is_main:
@@ -210,6 +231,7 @@ def load_init_weights(policy: MoEPolicy, path: str) -> None:
         saved = state.get("config", {}).get("model", {}).get("preset")
         raise ConfigError(f"init_checkpoint={path} holds preset {saved!r}, this run builds "
                           f"{policy.preset.name!r}: {str(e).strip(chr(34) + chr(39))}") from None
+    policy.weights_changed()
 
 
 def try_resume(rt: Runtime) -> dict | None:

@@ -40,7 +40,7 @@ def sft_batch(tokenizer, examples) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 def run_sft(cfg: RunConfig) -> dict:
     """Train `cfg.sft.steps` steps, evaluating every `cfg.sft.eval_every`; save a checkpoint at
     the end (and on SIGTERM / Ctrl-C, then raise `Preempted`); resume a stopped run."""
-    rt = setup_runtime(cfg, lr=cfg.sft.lr, job="sft")
+    rt = setup_runtime(cfg, job="sft")
     try:
         return _sft_loop(rt)
     finally:
@@ -95,7 +95,7 @@ def sft_step(rt, gen: torch.Generator) -> dict:
     logp_BT = policy.token_logprobs(tokens_BT, valid_BT)
     target_BT = target_BT.to(logp_BT.device)
     loss = -(logp_BT * target_BT).sum() / target_BT.sum()
-    loss.backward()
+    policy.backward(loss)
     stepped, grad_norm = policy.step()
     return {"sft/loss": loss.item(), "train/grad_norm": grad_norm,
             "train/skipped": float(not stepped)}

@@ -287,15 +287,18 @@ def apply_override(root, raw: dict, item: str) -> None:
 
 @functools.lru_cache(maxsize=None)
 def field_docs(cls) -> dict[str, str]:
-    """{field: docstring} from the string literal right under each annotated field (ast)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body
+    """{field: docstring} from the string literal right under each annotated field (ast), in
+    `cls` and its dataclass bases (a section may subclass a settings class defined elsewhere)."""
     docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                and isinstance(nxt.value.value, str)):
-            docs[node.target.id] = inspect.cleandoc(nxt.value.value)
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        for node, nxt in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                    and isinstance(nxt.value.value, str)):
+                docs[node.target.id] = inspect.cleandoc(nxt.value.value)
     return {name: docs[name] for name in field_types(cls) if name in docs}
 
 

@@ -48,7 +48,7 @@ PROGRESS_KEYS = ("reward/mean", "eval/accuracy", "policy/clip_frac/token",
 class Trainer:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
-        self.rt: Runtime = setup_runtime(cfg, lr=cfg.optim.lr, job="train")
+        self.rt: Runtime = setup_runtime(cfg, job="train")
         try:
             self._build(cfg)
         except BaseException:
@@ -63,8 +63,7 @@ class Trainer:
         self.loss_fn = get_policy_loss(cfg.loss.name)
         self.ref_policy = None
         if cfg.loss.kl_coef > 0:  # frozen reference = the initial weights
-            self.ref_policy = build_policy(cfg, self.rt.tokenizer.vocab_size, lr=0.0,
-                                           with_optimizer=False)
+            self.ref_policy = build_policy(cfg, self.rt.tokenizer.vocab_size, optim=None)
             if cfg.init_checkpoint:
                 load_init_weights(self.ref_policy, cfg.init_checkpoint)
         self.local_prompts = local_prompts(cfg, self.rt.info.dp)
@@ -181,7 +180,6 @@ class Trainer:
         before = None
         if measure and replay is not None:  # the live routing the step starts from
             _, before = current_routing(policy, mb.tokens_BT, mb.valid_BT)
-        self.set_lr()
         policy.zero_grad()
         record = record_routing(policy) if measure and replay is None else nullcontext()
         with replay_routing(policy, replay), record as rec:
@@ -196,10 +194,10 @@ class Trainer:
         metrics["policy/entropy"] = float((entropy_BT.detach() * resp_BT).sum() / resp_BT.sum())
         stepped, grad_norm = False, float("nan")
         if all_ranks(bool(torch.isfinite(loss))):  # skip on every rank or none (PITFALLS #13)
-            loss.backward()
+            policy.backward(loss)
             stepped, grad_norm = policy.step()
         metrics.update(self.guard(stepped), **{"train/grad_norm": grad_norm,
-                                               "train/lr": self.current_lr()})
+                                               "train/lr": policy.lr})
         if measure and stepped:
             metrics.update(flip_metrics(policy, mb, before, old_routing))
         self.state["opt_step"] += 1
@@ -214,15 +212,6 @@ class Trainer:
                 f"loss or grad norm (train.max_skipped_steps={self.cfg.train.max_skipped_steps}); "
                 f"checkpoints in {self.cfg.run_dir} are untouched")
         return {"train/skipped": float(not stepped)}
-
-    def set_lr(self) -> None:
-        for group in self.policy.optimizer.param_groups:
-            group["lr"] = self.current_lr()
-
-    def current_lr(self) -> float:
-        warm = self.cfg.optim.warmup_steps
-        scale = min(1.0, (self.state["opt_step"] + 1) / warm) if warm else 1.0
-        return self.cfg.optim.lr * scale
 
     def collapse_alerts(self, metrics: dict) -> dict:
         """Flag a reward crash (EMA below best by `collapse_reward_drop`) or entropy collapse."""

@@ -241,3 +241,130 @@ def _patch_torch_norm_sequence_parallel() -> None:
 
     __new__._megatron_gspo_patched = True
     torch_norm.WrappedTorchNorm.__new__ = staticmethod(__new__)
+
+
+# ============================================================================ training: optimizer, recompute
+# Owned by the mixed-precision work (issue 11); kept apart from the model patches above.
+# `apply_cpu_training_patches()` (called by `moe.optim` and by recompute-enabled models):
+#
+# megatron-core's optimizer stack (`get_megatron_optimizer`: the FP32 / Float16 / Distributed
+# optimizers, the grad scalers and `clip_grads`) is device-agnostic except for two habits:
+#   a. it allocates its small state tensors (loss scale, found-inf flag, norm accumulators)
+#      with a literal `device='cuda'`;
+#   b. it tells fp32 from 16-bit parameters by `param.type()` strings such as
+#      'torch.cuda.BFloat16Tensor', which a CPU tensor never matches.
+# It fixes both without touching the math: (a) the optimizer modules see a `torch` whose tensor
+# factories map device 'cuda' to 'cpu'; (b) the few functions that compare type strings run while
+# `Tensor.type()` reports a CPU tensor under its CUDA name.
+# Activation recompute (`tensor_parallel.checkpoint`) saves and restores the CUDA RNG state around
+# the recomputed forward; without CUDA there is none (c): those two calls become no-ops (the CPU
+# generator is still saved and restored by megatron itself).
+
+_TRAINING_APPLIED = False
+_CUDA_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor",
+               "torch.HalfTensor": "torch.cuda.HalfTensor",
+               "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+
+
+class _CpuFactoryTorch:
+    """`torch` as a megatron optimizer module sees it on CPU: factories ignore device='cuda'."""
+
+    _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "zeros_like", "empty_like")
+
+    def __getattr__(self, name):
+        import torch
+
+        attr = getattr(torch, name)
+        if name not in self._FACTORIES:
+            return attr
+
+        def factory(*args, device=None, **kwargs):
+            if device is not None and str(device).startswith("cuda"):
+                device = "cpu"
+            return attr(*args, device=device, **kwargs)
+        return factory
+
+
+_ORIGINAL_TENSOR_TYPE: list = []  # torch.Tensor.type before any patch (filled lazily: `import
+# moe` does not import torch)
+
+
+def _cuda_named_type(self, *args, **kwargs):
+    name = _ORIGINAL_TENSOR_TYPE[0](self, *args, **kwargs)
+    return _CUDA_NAMES.get(name, name) if not args and not kwargs else name
+
+
+@contextlib.contextmanager
+def cuda_type_names():
+    """Within: `tensor.type()` names CPU float tensors as their CUDA types."""
+    import torch
+
+    if not _ORIGINAL_TENSOR_TYPE:
+        _ORIGINAL_TENSOR_TYPE.append(torch.Tensor.type)
+    previous = torch.Tensor.type
+    torch.Tensor.type = _cuda_named_type  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.type = previous  # type: ignore[method-assign]
+
+
+def _with_cuda_type_names(fn):
+    if getattr(fn, "_megatron_gspo_patched", False):
+        return fn
+
+    def wrapped(*args, **kwargs):
+        with cuda_type_names():
+            return fn(*args, **kwargs)
+    wrapped._megatron_gspo_patched = True
+    return wrapped
+
+
+def _scaler_load_state_dict(self, state_dict):
+    """DynamicGradScaler.load_state_dict without `.cuda()` (megatron moves 'scale' to CUDA)."""
+    self._scale = state_dict["scale"].to(self._scale.device)
+    self._growth_tracker = state_dict["growth_tracker"]
+    self._hysteresis_tracker = state_dict["hysteresis_tracker"]
+
+
+def _local_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """megatron.core.utils.local_multi_tensor_l2_norm (the torch stand-in for the fused l2-norm
+    kernel) on CPU: the same norm, returned as a CPU tensor instead of a CUDA one, and summed in
+    float64 as `moe.grads.global_grad_norm` does, so fp32 CPU runs keep their pre-megatron-
+    optimizer numbers (megatron's fallback sums in fp32: ~1e-7 relative apart)."""
+    import torch
+
+    squares = [tensor.detach().double().pow(2).sum() for tl in tensor_lists for tensor in tl]
+    return torch.stack(squares).sum().sqrt().reshape(1), None
+
+
+def apply_cpu_training_patches() -> bool:
+    """Let megatron-core's optimizers and activation recompute run on CPU. No-op with CUDA;
+    idempotent."""
+    global _TRAINING_APPLIED
+    if cuda_available():
+        return False
+    apply_cpu_patches()
+    if _TRAINING_APPLIED:
+        return True
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, grad_scaler, optimizer
+
+    shim = _CpuFactoryTorch()
+    for module in (optimizer, clip_grads, grad_scaler, distrib_optimizer):  # (a)
+        module.torch = shim
+    if clip_grads.l2_norm_impl.__module__ == "megatron.core.utils":  # no TE / Apex kernels
+        clip_grads.l2_norm_impl = _local_l2_norm
+    # (b) type-string checks: 16-bit params get fp32 main copies; clipping asserts fp32 grads.
+    fp16 = optimizer.Float16OptimizerWithFloat16Params
+    fp16.__init__ = _with_cuda_type_names(fp16.__init__)
+    dist_opt = distrib_optimizer.DistributedOptimizer
+    dist_opt.__init__ = _with_cuda_type_names(dist_opt.__init__)
+    clip = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
+    clip_grads.clip_grad_by_total_norm_fp32 = optimizer.clip_grad_by_total_norm_fp32 = clip
+    grad_scaler.DynamicGradScaler.load_state_dict = _scaler_load_state_dict
+    from megatron.core.tensor_parallel import random as tp_random
+
+    tp_random._get_cuda_rng_state = lambda *args, **kwargs: None  # (c)
+    tp_random._set_cuda_rng_state = lambda *args, **kwargs: None
+    _TRAINING_APPLIED = True
+    return True

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from moe.compat import apply_cpu_patches, cuda_available
+from moe.compat import apply_cpu_patches, apply_cpu_training_patches, cuda_available
 from moe.presets import MoEPreset
 
 
@@ -39,6 +39,50 @@ class ParallelLayout:
             raise ValueError("sequence_parallel=True needs tp > 1")
         if self.dispatcher not in ("alltoall", "allgather"):
             raise ValueError(f"dispatcher={self.dispatcher!r}: expected 'alltoall' or 'allgather'")
+
+
+# megatron recompute modules this model has and the local (non-TE) spec runs
+RECOMPUTE_MODULES = ("moe", "core_attn")
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Activation recompute: megatron's `recompute_granularity` / `recompute_modules`.
+
+    Saves activation memory for long responses by re-running part of the forward in the
+    backward (megatron's `tensor_parallel.checkpoint`). 'selective' recomputes the listed
+    submodules ('moe' = the whole MoE layer: router, dispatch, experts, combine); 'full'
+    recomputes every transformer layer (uniform method, one layer per unit), keeping only layer
+    inputs. The gradients are unchanged (tests/moe/test_recompute.py)."""
+
+    granularity: str | None = None
+    """None (off), 'selective' or 'full'."""
+    modules: tuple[str, ...] = ("moe",)
+    """Submodules recomputed under 'selective' (subset of RECOMPUTE_MODULES)."""
+
+    def __post_init__(self) -> None:
+        if self.granularity not in (None, "selective", "full"):
+            raise ValueError(f"recompute granularity={self.granularity!r}: expected None, "
+                             "'selective' or 'full'")
+        bad = [m for m in self.modules if m not in RECOMPUTE_MODULES]
+        if bad or (self.granularity == "selective" and not self.modules):
+            raise ValueError(f"recompute modules={self.modules!r}: expected a non-empty subset "
+                             f"of {RECOMPUTE_MODULES}")
+
+    @property
+    def routing(self) -> bool:
+        """True when the routers run again in the backward (full, or selective with 'moe')."""
+        return self.granularity == "full" or (self.granularity == "selective"
+                                              and "moe" in self.modules)
+
+    def config_kwargs(self) -> dict:
+        """The `TransformerConfig` fields for this setting."""
+        if self.granularity == "full":
+            return dict(recompute_granularity="full", recompute_method="uniform",
+                        recompute_num_layers=1)
+        if self.granularity == "selective":
+            return dict(recompute_granularity="selective", recompute_modules=list(self.modules))
+        return {}
 
 
 _LOCAL_SPEC_NOTICE_SHOWN = False
@@ -71,7 +115,7 @@ def _notice_local_spec_on_gpu() -> None:
 
 def transformer_config(preset: MoEPreset, layout: ParallelLayout = ParallelLayout(), *,
                        dtype: torch.dtype = torch.float32, aux_loss_coeff: float = 0.0,
-                       routing_replay: bool = True):
+                       routing_replay: bool = True, recompute: Recompute = Recompute()):
     """The megatron `TransformerConfig` for a preset and a parallel layout."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -113,6 +157,7 @@ def transformer_config(preset: MoEPreset, layout: ParallelLayout = ParallelLayou
         sequence_parallel=layout.sequence_parallel,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
         use_cpu_initialization=True,
         init_method_std=0.02,
         bias_activation_fusion=False,
@@ -121,25 +166,28 @@ def transformer_config(preset: MoEPreset, layout: ParallelLayout = ParallelLayou
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
+        **recompute.config_kwargs(),
     )
 
 
 def build_gpt_moe(preset: MoEPreset, layout: ParallelLayout = ParallelLayout(), *, seed: int = 0,
                   dtype: torch.dtype = torch.float32, aux_loss_coeff: float = 0.0,
-                  routing_replay: bool = True):
+                  routing_replay: bool = True, recompute: Recompute = Recompute()):
     """Build the (sharded) MoE GPTModel. Call `moe.parallel.init_parallel` first.
 
     `routing_replay=True` gives every router a megatron `RouterReplay`; idle (no action set) it
     routes normally, so it costs nothing until `moe.replay` records or replays.
     """
     apply_cpu_patches()
+    if recompute.granularity is not None:
+        apply_cpu_training_patches()
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     config = transformer_config(preset, layout, dtype=dtype, aux_loss_coeff=aux_loss_coeff,
-                                routing_replay=routing_replay)
+                                routing_replay=routing_replay, recompute=recompute)
     if have_transformer_engine():
         spec = get_gpt_layer_with_transformer_engine_spec(
             num_experts=preset.num_experts, moe_grouped_gemm=False,

@@ -1,4 +1,4 @@
-"""The MoE policy: a megatron-core GPTModel in megatron DDP with torch AdamW.
+"""The MoE policy: a megatron-core GPTModel in megatron DDP with megatron's optimizer.
 
 Shape legend: B sequences, T tokens per sequence, S new columns of one KV-cache call, V vocab.
 
@@ -15,29 +15,17 @@ imports megatron.core itself.
 
 from __future__ import annotations
 
-import math
 from contextlib import nullcontext
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from moe.compat import apply_cpu_patches
 from moe.grads import global_grad_norm
-from moe.model import ParallelLayout, build_gpt_moe
+from moe.model import ParallelLayout, Recompute, build_gpt_moe
+from moe.optim import OptimSettings, PolicyOptimizer
 from moe.presets import MoEPreset
-from moe.replay import RoutingReplayCache, record_routing
-
-
-@dataclass(frozen=True)
-class OptimSettings:
-    """Optimizer hyper-parameters handed to megatron's `OptimizerConfig` (Adam)."""
-
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.999
-    grad_clip: float = 1.0
+from moe.replay import RoutingReplayCache, record_routing, replay_backward
 
 
 def attention_inputs(valid_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,19 +43,24 @@ def attention_inputs(valid_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 class MoEPolicy:
     """Policy model + optimizer. Build with `MoEPolicy.build(...)` after `init_parallel`."""
 
-    def __init__(self, model, optimizer, preset: MoEPreset, layout: ParallelLayout,
-                 real_vocab: int, device: torch.device, grad_clip: float = 0.0):
+    def __init__(self, model, optimizer: PolicyOptimizer | None, preset: MoEPreset,
+                 layout: ParallelLayout, real_vocab: int, device: torch.device,
+                 recompute: Recompute = Recompute()):
         self.model, self.optimizer = model, optimizer
         self.preset, self.layout = preset, layout
-        self.real_vocab, self.device, self.grad_clip = real_vocab, device, grad_clip
+        self.real_vocab, self.device, self.recompute = real_vocab, device, recompute
+        # per replayed forward, the routing its recompute must replay (`moe.replay`)
+        self.backward_replays: list[list[torch.Tensor]] = []
         self.router_replays = model.module.router_replays if hasattr(model, "module") \
             else model.router_replays
 
     @classmethod
     def build(cls, preset: MoEPreset, layout: ParallelLayout, *, real_vocab: int, seed: int = 0,
               dtype: torch.dtype = torch.float32, aux_loss_coeff: float = 0.0,
-              optim: OptimSettings | None = OptimSettings()) -> "MoEPolicy":
-        """The GPTModel wrapped in megatron DDP, with megatron's Adam (None: no optimizer)."""
+              optim: OptimSettings | None = OptimSettings(),
+              recompute: Recompute = Recompute()) -> "MoEPolicy":
+        """The GPTModel wrapped in megatron DDP, with megatron's Adam (`moe.optim`; None: no
+        optimizer). 16-bit `dtype` trains with fp32 main grads and fp32 master weights."""
         apply_cpu_patches()
         from megatron.core.distributed import DistributedDataParallel, \
             DistributedDataParallelConfig
@@ -75,19 +68,14 @@ class MoEPolicy:
         if real_vocab > preset.vocab_size:
             raise ValueError(f"tokenizer vocab {real_vocab} exceeds preset {preset.name!r} "
                              f"vocab_size={preset.vocab_size}")
-        gpt = build_gpt_moe(preset, layout, seed=seed, dtype=dtype, aux_loss_coeff=aux_loss_coeff)
+        gpt = build_gpt_moe(preset, layout, seed=seed, dtype=dtype, aux_loss_coeff=aux_loss_coeff,
+                            recompute=recompute)
         model = DistributedDataParallel(gpt.config, DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, bucket_size=None), gpt)
-        optimizer = None
-        if optim is not None:
-            # megatron's MegatronOptimizer hard-codes device='cuda' buffers; torch AdamW over the
-            # DDP main grads, with a parallel-aware grad norm (`moe.grads`), runs everywhere.
-            optimizer = torch.optim.AdamW(gpt.parameters(), lr=optim.lr,
-                                          betas=(optim.beta1, optim.beta2),
-                                          weight_decay=optim.weight_decay)
+            grad_reduce_in_fp32=True, bucket_size=None,
+            use_distributed_optimizer=optim is not None and optim.distributed), gpt)
+        optimizer = None if optim is None else PolicyOptimizer(model, optim)
         device = next(gpt.parameters()).device
-        return cls(model, optimizer, preset, layout, real_vocab, device,
-                   grad_clip=optim.grad_clip if optim else 0.0)
+        return cls(model, optimizer, preset, layout, real_vocab, device, recompute)
 
     # ---------------------------------------------------------------- forward
     def _pad_for_sp(self, *tensors_BT):
@@ -162,12 +150,22 @@ class MoEPolicy:
         self.model.train(mode)
 
     def zero_grad(self) -> None:
+        self.backward_replays.clear()
         self.model.zero_grad_buffer()
         if self.optimizer is not None:
             self.optimizer.zero_grad()
 
+    def backward(self, loss: torch.Tensor) -> None:
+        """`loss.backward()`, times the fp16 loss scale when there is one. Under activation
+        recompute, routers re-run in the backward replay what the forward replayed."""
+        replays, self.backward_replays = self.backward_replays, []
+        with replay_backward(self, replays):
+            (loss if self.optimizer is None else self.optimizer.scale_loss(loss)).backward()
+
     def reduce_grads(self) -> float:
-        """Reduce grads across DP/TP (megatron's finalize) and return the global grad norm."""
+        """Reduce grads across DP/TP (megatron's finalize), expose them as `.grad` and return the
+        global grad norm (`moe.grads`). For inspecting an fp32 model's grads (tests); training
+        goes through `step`, which leaves the grads to megatron's optimizer."""
         from megatron.core.distributed import finalize_model_grads
 
         finalize_model_grads([self.model])
@@ -177,20 +175,27 @@ class MoEPolicy:
         return global_grad_norm(params)
 
     def step(self) -> tuple[bool, float]:
-        """Reduce grads, clip to `grad_clip`, Adam step. Returns (stepped, grad_norm).
+        """Reduce grads (megatron's finalize), then megatron's optimizer: clip to `grad_clip`,
+        Adam on the fp32 (master) weights. Returns (stepped, grad_norm).
 
         A non-finite grad norm (identical on every rank) skips the update on every rank.
         """
-        grad_norm = self.reduce_grads()
-        if not math.isfinite(grad_norm):
-            return False, grad_norm
-        if self.grad_clip > 0 and grad_norm > self.grad_clip:
-            scale = self.grad_clip / (grad_norm + 1e-6)
-            for p in self.model.module.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-        self.optimizer.step()
-        return True, grad_norm
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([self.model])
+        return self.optimizer.step()
+
+    def weights_changed(self) -> None:
+        """Call after writing the model's weights outside the optimizer (init checkpoint, HF
+        import): 16-bit models' fp32 master copies are refreshed from them (megatron's
+        `reload_model_params`)."""
+        if self.optimizer is not None:
+            self.optimizer.optimizer.reload_model_params()
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the latest update (of the next one before any update)."""
+        return self.optimizer.last_lr
 
     def parameters(self):
         return self.model.parameters()

@@ -19,6 +19,12 @@ The cache stores sequences batch-first (so a minibatch is a row slice) and conve
 sequence-first when it hands ids to megatron. Padding rows, which megatron still routes, get a
 balanced, duplicate-free filler (row n -> experts (n*K + j) mod E) rather than expert 0.
 
+Activation recompute (`moe.model.Recompute` with the routers inside: 'full', or 'selective'
+with 'moe') runs each router again in the backward, after `replay_routing` has exited. The
+replayed ids are then queued on the policy and `MoEPolicy.backward` replays them with megatron's
+REPLAY_BACKWARD action (`replay_backward`), so the recomputed forward routes as the forward did
+(PITFALLS #5 still holds: probs are re-gathered from live logits).
+
 Everything is rank-local: each rank caches exactly the tokens its routers saw (its DP rows, its
 SP sequence shard), so nothing is ever broadcast (PITFALLS #11). Replay state is set only inside
 the context managers and cleared on exit, also on error, so eval / reference / rollout forwards
@@ -174,10 +180,37 @@ def replay_routing(policy, cache: RoutingReplayCache | None):
     if cache.num_layers != len(routers):
         raise ValueError(f"cache has {cache.num_layers} layers, policy has {len(routers)} routers")
     cache.validate()
-    for r, ids in zip(routers, cache.dense_layers(policy.device)):
+    ids_L = cache.dense_layers(policy.device)
+    for r, ids in zip(routers, ids_L):
         r.clear_indices()
         r.set_target_indices(ids)
         r.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    try:
+        yield
+    finally:
+        for r in routers:
+            r.clear_router_replay_action()
+            r.clear_indices()
+    if policy.recompute.routing and torch.is_grad_enabled():
+        policy.backward_replays.append(ids_L)
+
+
+@contextlib.contextmanager
+def replay_backward(policy, replays: list[list[torch.Tensor]]):
+    """During a backward: recomputed routers replay `replays` (per replayed forward, per layer
+    ids) in forward order with megatron's REPLAY_BACKWARD (no-op when empty)."""
+    if not replays:
+        yield
+        return
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    routers = _routers(policy)
+    assert_routing_idle(policy)
+    for layer, r in enumerate(routers):
+        r.clear_indices()
+        for ids_L in replays:
+            r.set_target_indices(ids_L[layer])
+        r.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
     try:
         yield
     finally:

@@ -111,7 +111,7 @@ def test_bool_parsing(text, flag):
     ("resume=maybe", "resume=maybe: expected bool | 'force'"),
     ("loss.eps_low=abc", "loss.eps_low=abc: expected float | null"),
     ("train.routing_replay=r9", "expected one of 'off', 'r2', 'r3'"),
-    ("model.dtype=fp16", "expected one of 'fp32', 'bf16'"),
+    ("model.dtype=fp8", "expected one of 'fp32', 'bf16', 'fp16'"),
     ("model.tp=", "model.tp=: expected int"),
     ("model.nope=1", "unknown config key 'model.nope'"),
     ("nope.x=1", "unknown config key 'nope'"),
@@ -194,7 +194,7 @@ def test_every_field_has_a_docstring():
         for f in dataclasses.fields(cls):
             assert docs.get(f.name, "").strip(), f"{cls.__name__}.{f.name} has no docstring"
             seen += 1
-    assert seen == 15 + 11 + 5 + 7 + 6 + 6 + 10 + 4 + 3 + 14 + 3 + 3  # every field of every section
+    assert seen == 15 + 13 + 5 + 7 + 6 + 13 + 10 + 4 + 3 + 14 + 3 + 3  # every field of every section
 
 
 def test_describe_config_lists_every_key_with_default_and_doc():
@@ -207,4 +207,4 @@ def test_describe_config_lists_every_key_with_default_and_doc():
     assert "train.num_minibatches: int = 4" in text
     assert "must divide prompts_per_batch * group_size" in text
     n_keys = sum(1 for ln in text.splitlines() if ln and not ln.startswith((" ", "[", "megat")))
-    assert n_keys == 4 + 11 + 5 + 7 + 6 + 6 + 10 + 4 + 3 + 14 + 3 + 3
+    assert n_keys == 4 + 13 + 5 + 7 + 6 + 13 + 10 + 4 + 3 + 14 + 3 + 3

@@ -36,7 +36,7 @@ def test_runtime_builds_tokenizer_preset_and_weights_from_hf_path(single_process
     from megatron_gspo.runtime import setup_runtime
     from megatron_gspo.tokenizer import HFTokenizer
 
-    rt = setup_runtime(run_config(hf_dir, tmp_path / "run"), lr=0.0, job="eval")
+    rt = setup_runtime(run_config(hf_dir, tmp_path / "run"), job="eval")
     assert isinstance(rt.tokenizer, HFTokenizer) and rt.tokenizer.vocab_size == 300
     preset = rt.policy.preset
     assert (preset.name, preset.num_query_groups, preset.topk, preset.vocab_size) == \
@@ -58,7 +58,7 @@ def test_hub_name_is_a_clear_error(single_process, tmp_path):
     from megatron_gspo.runtime import setup_runtime
 
     with pytest.raises(FileNotFoundError, match="hub name"):
-        setup_runtime(run_config("Qwen/Qwen3-30B-A3B", tmp_path / "run"), lr=0.0, job="eval")
+        setup_runtime(run_config("Qwen/Qwen3-30B-A3B", tmp_path / "run"), job="eval")
 
 
 def save_run(policy, cfg, run_dir: str) -> None:
@@ -80,7 +80,7 @@ def test_export_round_trip_and_greedy_generation_match(single_process, hf_dir, t
 
     cfg = run_config(hf_dir, tmp_path / "run")
     tok = load_tokenizer(hf_dir)
-    policy = build_policy(cfg, tok.vocab_size, lr=0.0, with_optimizer=False)
+    policy = build_policy(cfg, tok.vocab_size, optim=None)
     save_run(policy, cfg, cfg.run_dir)
     out = str(tmp_path / "export")
     assert cli_main(["export", "--run-dir", cfg.run_dir, "--to-hf", out,
@@ -121,7 +121,7 @@ def test_export_of_a_toy_run_is_a_qwen3_moe_model(single_process, tmp_path, caps
     from megatron_gspo.runtime import build_policy
 
     cfg = load_config(None, [f"run_dir={tmp_path / 'toy'}", "model.preset=tiny"])
-    policy = build_policy(cfg, 26, lr=0.0, with_optimizer=False)
+    policy = build_policy(cfg, 26, optim=None)
     save_run(policy, cfg, cfg.run_dir)
     out = str(tmp_path / "toy_hf")
     assert cli_main(["export", "--run-dir", cfg.run_dir, "--to-hf", out]) == 0

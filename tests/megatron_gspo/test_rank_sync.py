@@ -194,7 +194,7 @@ def test_pitfall13_torchrun_train_ep2_with_early_eos_completes(single_process, t
     init = str(tmp_path / "init")
     rt = setup_runtime(load_config("experiments/demo/gspo.yaml", [f"run_dir={init}",
                                                                   "init_checkpoint=null"]),
-                       lr=0.0, job="sft")
+                       job="sft")
     sw.force_early_eos(rt.policy, rt.tokenizer, [ex.prompt for ex in rt.train_set[:64]],
                        E2E_EOS_STRENGTH)
     save_state(rt, 0, {"job": "test"})

@@ -1,7 +1,8 @@
 """Worker for the 2-process gloo equivalence tests (run through torch.multiprocessing.spawn).
 
 Each layout is checked against a reference computed by the 1-process model with the same
-weights: logits, gradients (gathered back to full tensors) and the global grad norm.
+weights: logits, gradients (gathered back to full tensors) and the global grad norm, both
+`moe.grads`'s and the one megatron's optimizer clips with.
 """
 
 import os
@@ -121,6 +122,7 @@ def worker(rank: int, world: int, port: int, ref_path: str, layouts: list) -> No
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     from moe.model import ParallelLayout
+    from moe.optim import OptimSettings
     from moe.parallel import destroy_parallel, init_parallel
     from moe.policy import MoEPolicy
     from moe.presets import get_preset
@@ -133,7 +135,8 @@ def worker(rank: int, world: int, port: int, ref_path: str, layouts: list) -> No
         for tp, ep, sp, dispatcher in layouts:
             info = init_parallel(tp=tp, ep=ep, seed=0)
             layout = ParallelLayout(tp=tp, ep=ep, sequence_parallel=sp, dispatcher=dispatcher)
-            policy = MoEPolicy.build(preset, layout, real_vocab=preset.vocab_size, optim=None)
+            policy = MoEPolicy.build(preset, layout, real_vocab=preset.vocab_size,
+                                     optim=OptimSettings())
             load_full_params(policy.model.module, ref["params"])
             rows = slice(None)
             if info.dp > 1:  # each DP rank takes its contiguous share of the batch
@@ -151,7 +154,85 @@ def worker(rank: int, world: int, port: int, ref_path: str, layouts: list) -> No
                                            msg=lambda m: f"{what}: grad {name}: {m}")
             assert abs(grad_norm - ref["grad_norm"]) <= 1e-5 * max(1.0, ref["grad_norm"]), \
                 f"{what}: grad norm {grad_norm} != {ref['grad_norm']}"
+            policy.optimizer.optimizer.prepare_grads()
+            clip_norm = policy.optimizer.optimizer.get_grad_norm()  # what megatron clips with
+            assert abs(clip_norm - ref["grad_norm"]) <= 1e-5 * max(1.0, ref["grad_norm"]), \
+                f"{what}: optimizer grad norm {clip_norm} != {ref['grad_norm']}"
             check_replay(policy, info, ref, rows, tokens_BT[rows], valid_BT[rows], what)
             check_kv_decode(policy, ref, rows, tokens_BT[rows], valid_BT[rows], what)
+    finally:
+        destroy_parallel()
+
+
+# ------------------------------------------------------------------ optimizer (DP=2)
+LR, CLIP, STEPS = 1e-3, 0.5, 3
+DP_ATOL = 2e-6  # fp32, 3 Adam steps at lr 1e-3: DP grads differ from 1-process by summation order
+
+
+def train_steps(policy, rows, steps: int, start: int = 0) -> None:
+    """`steps` clipped Adam updates on this rank's rows of the fixed batch."""
+    tokens_BT, valid_BT, readout_BTV = batch(policy.preset.vocab_size)
+    for _ in range(start, steps):
+        policy.zero_grad()
+        loss_fn(policy.logits(tokens_BT[rows], valid_BT[rows]), valid_BT[rows],
+                readout_BTV[rows]).backward()
+        assert policy.step()[0]
+
+
+def build_trained(preset, params, rows, steps, dtype=torch.float32, distributed=False):
+    from moe.model import ParallelLayout
+    from moe.optim import OptimSettings
+    from moe.policy import MoEPolicy
+    from moe.sharding import load_full_params
+
+    policy = MoEPolicy.build(preset, ParallelLayout(), real_vocab=preset.vocab_size, dtype=dtype,
+                             optim=OptimSettings(lr=LR, grad_clip=CLIP, distributed=distributed))
+    load_full_params(policy.model.module, params)
+    policy.weights_changed()
+    train_steps(policy, rows, steps)
+    return policy
+
+
+def optimizer_worker(rank: int, world: int, port: int, ref_path: str) -> None:
+    """DP=2: megatron's distributed optimizer (masters and moments sharded over the 2 ranks)
+    gives the 1-process parameters; in bf16 it equals the unsharded optimizer exactly; its
+    per-rank state resumes the same layout exactly."""
+    import io
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    from moe.parallel import destroy_parallel, init_parallel
+    from moe.presets import get_preset
+    from moe.sharding import gather_full_params
+
+    ref = torch.load(ref_path, weights_only=False)
+    preset = get_preset(ref["preset"])
+    try:
+        info = init_parallel(tp=1, ep=1, seed=0)
+        assert info.dp == 2
+        rows = slice(rank * 2, rank * 2 + 2)
+        sharded = build_trained(preset, ref["params"], rows, STEPS, distributed=True)
+        total = sum(p.numel() for p in sharded.model.module.parameters())
+        local = sum(p.numel() for p in sharded.optimizer.master_params())
+        assert local <= total // 2 + 64, (local, total)  # this rank's half (+ bucket padding)
+        for name, p in gather_full_params(sharded.model.module).items():
+            torch.testing.assert_close(p, ref["trained"][name], atol=DP_ATOL, rtol=0,
+                                       msg=lambda m: f"DP=2 distributed, {name}: {m}")
+        # Resume: this rank's state after 2 updates, reloaded into a fresh policy.
+        half = build_trained(preset, ref["params"], rows, 2, distributed=True)
+        buffer = io.BytesIO()
+        torch.save(half.state_dict(), buffer)
+        buffer.seek(0)
+        resumed = build_trained(preset, ref["params"], rows, 0, distributed=True)
+        resumed.load_state_dict(torch.load(buffer, weights_only=False))
+        train_steps(resumed, rows, STEPS, start=2)
+        for a, b in zip(sharded.model.module.parameters(), resumed.model.module.parameters()):
+            assert torch.equal(a, b), "distributed optimizer resume"
+        # bf16: sharded fp32 masters == unsharded fp32 masters, same DP grads.
+        bf16 = [gather_full_params(build_trained(preset, ref["params"], rows, STEPS,
+                                                 torch.bfloat16, distributed=d).model.module)
+                for d in (True, False)]
+        for name in bf16[0]:
+            assert torch.equal(bf16[0][name], bf16[1][name]), f"bf16 distributed, {name}"
     finally:
         destroy_parallel()

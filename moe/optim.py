@@ -1,0 +1,240 @@
+"""The policy's optimizer and learning-rate schedule: megatron-core's own, on CUDA and on CPU.
+
+`PolicyOptimizer` wraps what megatron-core's training loop uses (Megatron-LM `training.py`):
+
+- `megatron.core.optimizer.get_megatron_optimizer`: a `ChainedOptimizer` of one Adam (AdamW mode)
+  over the dense and one over the expert parameters. An fp32 model gets its `FP32Optimizer` (Adam
+  steps the parameters, reading DDP's fp32 `main_grad`); a bf16 / fp16 model gets
+  `Float16OptimizerWithFloat16Params`: fp32 master copies of the 16-bit parameters, fp32 main
+  grads (DDP reduces in fp32), Adam on the masters, masters copied back into the model after each
+  step. fp16 adds megatron's `DynamicGradScaler` (loss scaling, inf/NaN skip). `distributed=True`
+  selects its `DistributedOptimizer`: masters and Adam moments sharded over the data-parallel
+  ranks (ZeRO-1; grads reduce-scattered, params all-gathered).
+- `megatron.core.optimizer_param_scheduler.OptimizerParamScheduler`: linear warmup, then
+  constant, linear or cosine decay to `min_lr`; it also sets each group's weight decay (megatron
+  exempts biases and 1-D parameters, i.e. norm weights).
+
+On CPU `moe.compat.apply_cpu_training_patches` lets the same classes run (their few CUDA-only
+tensor allocations and type-string checks); no second optimizer is written here.
+
+Departures from megatron's `ChainedOptimizer.step`: (1) a non-finite global grad norm skips the
+update on every rank (megatron clips with it; its fp16 scaler skips only on fp16); `step` is
+megatron's own pieces in its order (`prepare_grads`, `get_grad_norm`,
+`clip_grad_by_total_norm_fp32`, `step_with_ready_grads`) with that check in between. (2) The
+schedule counts applied updates from 1: update k uses the lr of scheduler step k (Megatron-LM
+steps the scheduler after the update, so its first update runs at `init_lr` = 0 under warmup).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import torch
+
+from moe.compat import apply_cpu_training_patches
+
+
+@dataclass(frozen=True)
+class OptimSettings:
+    """Adam (megatron-core's) and its learning-rate schedule.
+
+    The one definition of the optimizer hyper-parameters: `megatron_gspo.config.OptimConfig`
+    subclasses it (adding only YAML coercion and dotted-key errors), so a new field here is a new
+    config key.
+    """
+
+    lr: float = 1e-4
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Floor of the lr decay (lr_decay_style linear / cosine)."""
+    weight_decay: float = 0.0
+    """Decoupled (AdamW) weight decay; megatron exempts biases and 1-D params (norm weights)."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.999
+    """Adam beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (0 = off)."""
+    warmup_steps: int = 0
+    """Linear lr warmup: update k <= warmup_steps runs at lr * k / warmup_steps."""
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """lr after warmup: constant, or linear / cosine decay reaching min_lr at lr_decay_steps."""
+    lr_decay_steps: int = 0
+    """Update at which the decay reaches min_lr, warmup included (megatron's convention);
+    0 = the run's last update."""
+    distributed: bool = False
+    """megatron's distributed optimizer: fp32 master weights and Adam moments sharded over the
+    data-parallel ranks (grads reduce-scattered, params all-gathered)."""
+    loss_scale: Optional[float] = None
+    """fp16 only: a constant loss scale; null = megatron's dynamic loss scaler."""
+    initial_loss_scale: float = 2.0 ** 16
+    """fp16 only: the dynamic scaler's first scale (torch.amp's default; megatron's 2**32 costs
+    about 17 skipped overflow steps before it settles)."""
+
+    def __post_init__(self):
+        for name, msg in self.problems():
+            raise ValueError(f"{name}={getattr(self, name)!r}: {msg}")
+
+    def problems(self) -> list[tuple[str, str]]:
+        """(field, message) for each invalid value; empty when all are valid."""
+        out = [(n, "must be >= 0") for n in ("lr", "min_lr", "weight_decay", "eps", "grad_clip",
+                                             "warmup_steps", "lr_decay_steps")
+               if not getattr(self, n) >= 0]
+        out += [(n, "must be in [0, 1)") for n in ("beta1", "beta2")
+                if not 0 <= getattr(self, n) < 1]
+        if self.min_lr > self.lr:
+            out.append(("min_lr", f"must be <= lr={self.lr}"))
+        if self.lr_decay_style not in ("constant", "linear", "cosine"):
+            out.append(("lr_decay_style", "expected 'constant', 'linear' or 'cosine'"))
+        if self.loss_scale is not None and not self.loss_scale > 0:
+            out.append(("loss_scale", "must be > 0 or null"))
+        if not self.initial_loss_scale >= 1:
+            out.append(("initial_loss_scale", "must be >= 1"))
+        return out
+
+
+def megatron_optimizer_config(settings: OptimSettings, params_dtype: torch.dtype):
+    """megatron's `OptimizerConfig` for these settings and the model's parameter dtype."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(
+        optimizer="adam", lr=settings.lr, min_lr=settings.min_lr,
+        weight_decay=settings.weight_decay, adam_beta1=settings.beta1,
+        adam_beta2=settings.beta2, adam_eps=settings.eps, clip_grad=settings.grad_clip,
+        bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
+        params_dtype=params_dtype, loss_scale=settings.loss_scale,
+        initial_loss_scale=settings.initial_loss_scale,
+        use_distributed_optimizer=settings.distributed)
+
+
+class PolicyOptimizer:
+    """megatron's optimizer + lr scheduler for one DDP-wrapped model (`moe.policy`)."""
+
+    def __init__(self, ddp_model, settings: OptimSettings):
+        from megatron.core.optimizer import get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        apply_cpu_training_patches()
+        dtype = next(ddp_model.module.parameters()).dtype
+        if settings.distributed != ddp_model.ddp_config.use_distributed_optimizer:
+            raise ValueError(f"distributed={settings.distributed} but the DDP wrapper was built "
+                             f"with use_distributed_optimizer="
+                             f"{ddp_model.ddp_config.use_distributed_optimizer}")
+        decay_steps = settings.lr_decay_steps
+        if settings.lr_decay_style == "constant":
+            decay_steps = max(decay_steps, settings.warmup_steps + 1)  # unused; megatron's assert
+        elif decay_steps <= settings.warmup_steps:
+            raise ValueError(f"lr_decay_steps={decay_steps} must exceed warmup_steps="
+                             f"{settings.warmup_steps} for lr_decay_style="
+                             f"{settings.lr_decay_style!r}")
+        self.settings = settings
+        self.config = megatron_optimizer_config(settings, dtype)
+        self.optimizer = get_megatron_optimizer(self.config, [ddp_model])
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0, max_lr=settings.lr, min_lr=settings.min_lr,
+            lr_warmup_steps=settings.warmup_steps, lr_decay_steps=decay_steps,
+            lr_decay_style=settings.lr_decay_style, start_wd=settings.weight_decay,
+            end_wd=settings.weight_decay, wd_incr_steps=1, wd_incr_style="constant",
+            # on resume the config's schedule wins; only the update count comes from the state
+            use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True)
+        self.last_lr = self.lr_at(1)
+
+    @property
+    def updates(self) -> int:
+        """Applied (not skipped) updates so far."""
+        return self.scheduler.num_steps
+
+    def lr_at(self, update: int) -> float:
+        """The learning rate of update `update` (1-based) of the default param group."""
+        saved = self.scheduler.num_steps
+        self.scheduler.num_steps = update
+        try:
+            group = next(g for g in self.optimizer.param_groups if g["default_config"])
+            return self.scheduler.get_lr(group)
+        finally:
+            self.scheduler.num_steps = saved
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss` times the current loss scale (1 except under fp16)."""
+        return self.optimizer.scale_loss(loss)
+
+    @torch.no_grad()
+    def step(self) -> tuple[bool, float]:
+        """Update from the reduced main grads. Returns (stepped, global grad norm).
+
+        A non-finite grad norm (the same on every rank) or an fp16 overflow skips the update on
+        every rank and leaves the schedule where it was.
+        """
+        from megatron.core.optimizer import clip_grads
+
+        opt = self.optimizer
+        self.scheduler.step(1)  # this update's lr and weight decay
+        self.last_lr = self.lr_at(self.scheduler.num_steps)
+        found_inf = opt.prepare_grads()  # main grads -> grads of the fp32 (master) params
+        grad_norm = float("nan") if found_inf else float(opt.get_grad_norm())
+        if found_inf or not math.isfinite(grad_norm):
+            self.scheduler.step(-1)
+            return False, grad_norm
+        if self.settings.grad_clip > 0:
+            for sub in opt.chained_optimizers:
+                params = [] if sub.is_stub_optimizer else sub.get_parameters()
+                if params:
+                    clip_grads.clip_grad_by_total_norm_fp32(params, self.settings.grad_clip,
+                                                            grad_norm)
+        opt.step_with_ready_grads()
+        return True, grad_norm
+
+    def master_params(self) -> list[torch.Tensor]:
+        """The fp32 tensors Adam updates on this rank: master copies (16-bit models; shards
+        under the distributed optimizer) or the model's own fp32 params."""
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def state_dict(self) -> dict:
+        """This rank's optimizer state (megatron's format; masters included) and schedule.
+
+        Under the distributed optimizer megatron's `state_dict` leaves out the per-parameter
+        state; this rank's shard of it (fp32 masters, Adam moments) is added the way megatron's
+        `DistributedOptimizer.load_state_dict` reads it back ("dp_reshardable": same layout).
+        """
+        state = {"optimizer": self.optimizer.state_dict(),
+                 "scheduler": self.scheduler.state_dict()}
+        if self.settings.distributed:
+            subs = state["optimizer"]
+            for sub, sub_state in zip(self.optimizer.chained_optimizers,
+                                      subs if isinstance(subs, list) else [subs]):
+                param_state = sub.get_parameter_state_dp_reshardable()
+                for bucket in _bucket_states(param_state):
+                    for elem in bucket:
+                        elem["padding"] = False  # megatron's loader filters on this key
+                sub_state.update(param_state=param_state,
+                                 param_state_sharding_type="dp_reshardable")
+        return state
+
+    @torch.no_grad()  # fp32 params are their own masters (views under the distributed optimizer)
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.settings.distributed:
+            # megatron's DistributedOptimizer.load_state_dict gives every parameter of a torch
+            # Adam the *same* `step` tensor, which torch increments in place once per parameter
+            # per update (wrong bias correction from the first resumed step on): un-share it.
+            for sub in self.optimizer.chained_optimizers:
+                for param_state in sub.optimizer.state.values():
+                    if torch.is_tensor(param_state.get("step")):
+                        param_state["step"] = param_state["step"].clone()
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.last_lr = self.lr_at(max(self.scheduler.num_steps, 1))
+
+
+def _bucket_states(param_state: dict):
+    """The per-bucket lists of `DistributedOptimizer.get_parameter_state_dp_reshardable()`."""
+    for key, by_dtype in param_state.items():
+        if isinstance(key, int):
+            for buckets in by_dtype.values():
+                yield from buckets

@@ -1,0 +1,187 @@
+"""megatron-core's optimizer on the policy: bf16 with fp32 masters, clipping, NaN skip, fp16 loss
+scaling, the lr schedule (1 process; DP=2 sharding is in test_parallel)."""
+
+import math
+
+import pytest
+import torch
+
+from moe.model import ParallelLayout
+from moe.optim import OptimSettings
+from moe.policy import MoEPolicy
+from moe.presets import get_preset
+
+LR = 1e-4
+
+
+def build(dtype=torch.bfloat16, optim=OptimSettings(lr=LR), preset="tiny"):
+    p = get_preset(preset)
+    return MoEPolicy.build(p, ParallelLayout(), real_vocab=p.vocab_size, seed=5, dtype=dtype,
+                           optim=optim)
+
+
+def fixed_batch(vocab: int, B: int = 4, T: int = 16):
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, vocab, (B, T), generator=g), torch.ones(B, T, dtype=torch.bool)
+
+
+def lm_loss(policy, tokens_BT, valid_BT):
+    return -policy.token_logprobs(tokens_BT, valid_BT)[:, 1:].mean()
+
+
+def train(policy, steps: int):
+    """`steps` updates on one fixed batch; returns the losses before each update."""
+    tokens_BT, valid_BT = fixed_batch(policy.preset.vocab_size)
+    losses = []
+    for _ in range(steps):
+        policy.zero_grad()
+        loss = lm_loss(policy, tokens_BT, valid_BT)
+        losses.append(loss.item())
+        policy.backward(loss)
+        assert policy.step()[0]
+    return losses
+
+
+def bf16_adamw_step(policy, opt) -> None:
+    """The old code path (fixed to run): torch AdamW directly on the bf16 weights."""
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads([policy.model])
+    for p in policy.model.module.parameters():
+        p.grad = p.main_grad.to(p.dtype)
+    opt.step()
+
+
+def moved_fraction(params: dict, init: dict, big: float) -> float:
+    """Fraction of the weights with |initial value| >= `big` that differ from it."""
+    moved = total = 0
+    for n, p in params.items():
+        mask = init[n].abs() >= big
+        moved += int((p.detach().float() != init[n])[mask].sum())
+        total += int(mask.sum())
+    return moved / total
+
+
+def test_bf16_masters_learn_where_a_pure_bf16_update_rounds_away(single_process):
+    """At |w| >= 2**-5 bf16 values are 2**-12 apart: an Adam update of ~lr = 1e-4 is under half
+    of that, so torch AdamW on bf16 weights leaves them where they are; the fp32 masters
+    accumulate the updates and the bf16 weights (their rounding) follow."""
+    policy = build()
+    masters = policy.optimizer.master_params()
+    bf16 = {n: p for n, p in policy.model.module.named_parameters() if p.dtype == torch.bfloat16}
+    # megatron's torch RMSNorm keeps its weights in fp32; every other weight is bf16
+    assert len(bf16) > 0 and all("layernorm" in n for n, p in
+                                 policy.model.module.named_parameters() if n not in bf16)
+    assert {p.dtype for p in masters} == {torch.float32}
+    assert all(p.main_param.dtype == torch.float32 for p in bf16.values())
+    init = {n: p.detach().float().clone() for n, p in bf16.items()}
+
+    losses = train(policy, 20)
+    assert losses[-1] < losses[0] - 0.05, losses  # measured: 4.147 -> 4.005
+    for p in bf16.values():
+        assert torch.equal(p.detach(), p.main_param.to(torch.bfloat16))
+    master_moved = moved_fraction({n: p.main_param for n, p in bf16.items()}, init, 2 ** -5)
+    model_moved = moved_fraction(bf16, init, 2 ** -5)
+
+    pure = build(optim=None)  # same init (seed), same batch, same lr
+    opt = torch.optim.AdamW(pure.model.module.parameters(), lr=LR, weight_decay=0.0)
+    tokens_BT, valid_BT = fixed_batch(pure.preset.vocab_size)
+    for _ in range(20):
+        pure.zero_grad()
+        lm_loss(pure, tokens_BT, valid_BT).backward()
+        bf16_adamw_step(pure, opt)
+    pure_moved = moved_fraction({n: p for n, p in pure.model.module.named_parameters()
+                                 if n in bf16}, init, 2 ** -5)
+    # measured over 5007 such weights: masters 0.98, bf16 model 0.97, pure bf16 AdamW 0.01
+    assert master_moved > 0.9 and model_moved > 0.9 and pure_moved < 0.03, \
+        (master_moved, model_moved, pure_moved)
+
+
+def test_bf16_updates_follow_fp32_training(single_process):
+    """bf16 training with fp32 masters tracks fp32 training (same init, batch, lr): the total
+    update of the masters points the way fp32's does."""
+    ref, half = build(torch.float32, OptimSettings(lr=1e-3)), build(optim=OptimSettings(lr=1e-3))
+    init = {n: p.detach().float().clone() for n, p in ref.model.module.named_parameters()}
+    ref_losses, half_losses = train(ref, 5), train(half, 5)
+    assert half_losses == pytest.approx(ref_losses, abs=0.005)
+    delta_ref = torch.cat([(p.detach() - init[n]).flatten()
+                           for n, p in ref.model.module.named_parameters()])
+    delta_half = torch.cat([(getattr(p, "main_param", p).detach() - init[n]).flatten()
+                            for n, p in half.model.module.named_parameters()])
+    cosine = float(torch.nn.functional.cosine_similarity(delta_ref, delta_half, dim=0))
+    assert cosine > 0.9, cosine  # measured 0.994; losses agree to 4e-4
+
+
+def test_bf16_clipping_scales_master_grads_to_the_clip(single_process):
+    policy = build(optim=OptimSettings(lr=LR, grad_clip=0.05))
+    tokens_BT, valid_BT = fixed_batch(policy.preset.vocab_size)
+    policy.zero_grad()
+    policy.backward(lm_loss(policy, tokens_BT, valid_BT))
+    stepped, grad_norm = policy.step()
+    assert stepped and grad_norm > 0.5  # far above the clip
+    clipped = math.sqrt(sum(float(p.grad.double().pow(2).sum())
+                            for p in policy.optimizer.master_params()))
+    assert clipped == pytest.approx(0.05, rel=1e-4)
+
+
+def test_bf16_nan_grad_skips_the_update_and_the_schedule(single_process):
+    policy = build(optim=OptimSettings(lr=LR, warmup_steps=4))
+    train(policy, 1)
+    masters = [p.detach().clone() for p in policy.optimizer.master_params()]
+    weights = [p.detach().clone() for p in policy.model.module.parameters()]
+    tokens_BT, valid_BT = fixed_batch(policy.preset.vocab_size)
+    policy.zero_grad()
+    policy.backward(lm_loss(policy, tokens_BT, valid_BT) * float("nan"))
+    stepped, grad_norm = policy.step()
+    assert not stepped and math.isnan(grad_norm)
+    assert all(torch.equal(a, b) for a, b in zip(masters, policy.optimizer.master_params()))
+    assert all(torch.equal(a, b) for a, b in zip(weights, policy.model.module.parameters()))
+    assert policy.optimizer.updates == 1
+    train(policy, 1)
+    assert policy.optimizer.updates == 2 and policy.lr == pytest.approx(LR * 2 / 4)
+
+
+def test_fp16_overflow_is_skipped_and_the_loss_scale_backs_off(single_process):
+    policy = build(torch.float16, OptimSettings(lr=LR, initial_loss_scale=2.0 ** 10))
+    scaler = policy.optimizer.optimizer.chained_optimizers[0].grad_scaler
+    assert float(policy.optimizer.scale_loss(torch.tensor(1.0))) == 2.0 ** 10
+    tokens_BT, valid_BT = fixed_batch(policy.preset.vocab_size)
+    weights = [p.detach().clone() for p in policy.model.module.parameters()]
+    for _ in range(2):  # megatron's hysteresis: the 2nd overflow in a row halves the scale
+        policy.zero_grad()
+        policy.backward(lm_loss(policy, tokens_BT, valid_BT) * 1e6)  # overflows fp16 grads
+        assert policy.step() == (False, pytest.approx(float("nan"), nan_ok=True))
+    assert float(scaler.scale) == 2.0 ** 9
+    assert all(torch.equal(a, b) for a, b in zip(weights, policy.model.module.parameters()))
+    losses = train(policy, 3)
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("style,want", [
+    ("constant", [0.5, 1.0, 1.0, 1.0, 1.0, 1.0]),
+    ("linear", [0.5, 1.0, 0.75, 0.5, 0.25, 0.0]),
+    ("cosine", [0.5, 1.0, 0.5 * (1 + math.cos(math.pi / 4)), 0.5,
+                0.5 * (1 + math.cos(3 * math.pi / 4)), 0.0]),
+])
+def test_lr_schedule_warmup_then_decay_to_the_floor(single_process, style, want):
+    """Update k runs at the schedule's step k: warmup 2, decay reaching min_lr at update 6."""
+    min_lr = 0.1 * LR
+    policy = build(torch.float32, OptimSettings(lr=LR, min_lr=min_lr, warmup_steps=2,
+                                                lr_decay_style=style, lr_decay_steps=6))
+    lrs = []
+    for _ in range(6):
+        policy.zero_grad()  # zero grads: the schedule alone is under test
+        assert policy.step()[0]
+        lrs.append(policy.lr)
+        assert all(g["lr"] == policy.lr for g in policy.optimizer.optimizer.param_groups)
+    floor = [w if k < 2 else min_lr + w * (LR - min_lr) for k, w in enumerate(want)]
+    expected = [LR * w for w in want[:2]] + floor[2:]
+    assert lrs == pytest.approx(expected, rel=1e-9)
+
+
+def test_decay_needs_steps_past_the_warmup(single_process):
+    with pytest.raises(ValueError, match="lr_decay_steps=2 must exceed warmup_steps=2"):
+        build(torch.float32, OptimSettings(lr=LR, warmup_steps=2, lr_decay_style="cosine",
+                                           lr_decay_steps=2))
+    with pytest.raises(ValueError, match="min_lr=0.1: must be <= lr"):
+        OptimSettings(lr=LR, min_lr=0.1)

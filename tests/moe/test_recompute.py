@@ -1,0 +1,62 @@
+"""Activation recompute (megatron's recompute_granularity / recompute_modules) leaves the
+gradients unchanged, with and without Routing Replay."""
+
+import pytest
+import torch
+
+from moe.model import ParallelLayout, Recompute
+from moe.policy import MoEPolicy
+from moe.presets import get_preset
+from moe.replay import (RoutingReplayCache, assert_routing_idle, current_routing,
+                        replay_routing)
+from tests.moe.parallel_worker import batch, loss_fn
+
+SETTINGS = [Recompute("selective", ("moe",)), Recompute("selective", ("core_attn",)),
+            Recompute("full")]
+
+
+def grads(recompute: Recompute, replay_from: RoutingReplayCache | None = None):
+    """Grads of the fixed-batch loss (optionally under a forced routing), and the policy."""
+    preset = get_preset("tiny")
+    policy = MoEPolicy.build(preset, ParallelLayout(), real_vocab=preset.vocab_size, seed=3,
+                             optim=None, recompute=recompute)
+    tokens_BT, valid_BT, readout_BTV = batch(preset.vocab_size)
+    policy.zero_grad()
+    with replay_routing(policy, replay_from):
+        loss = loss_fn(policy.logits(tokens_BT, valid_BT), valid_BT, readout_BTV)
+    policy.backward(loss)
+    policy.reduce_grads()
+    assert_routing_idle(policy)
+    return {n: p.grad.clone() for n, p in policy.model.module.named_parameters()}, policy
+
+
+def forced_routing(policy) -> RoutingReplayCache:
+    """A routing unlike the live one: each token's live top-k shifted to other experts."""
+    tokens_BT, valid_BT, _ = batch(policy.preset.vocab_size)
+    _, live = current_routing(policy, tokens_BT, valid_BT)
+    shifted = (live.ids_NLK.long() + 1) % policy.preset.num_experts
+    return RoutingReplayCache(shifted.to(live.ids_NLK.dtype), live.valid_BT, live.num_experts)
+
+
+@pytest.mark.parametrize("recompute", SETTINGS, ids=lambda r: f"{r.granularity}-{r.modules}")
+def test_recompute_gives_the_same_grads(single_process, recompute):
+    ref, _ = grads(Recompute())
+    got, policy = grads(recompute)
+    assert policy.model.module.config.recompute_granularity == recompute.granularity
+    for name in ref:
+        assert torch.equal(got[name], ref[name]), name
+
+
+@pytest.mark.parametrize("recompute", [SETTINGS[0], SETTINGS[2]],
+                         ids=lambda r: f"{r.granularity}")
+def test_recompute_replays_the_forward_routing_in_the_backward(single_process, recompute):
+    """Under Routing Replay the recomputed routers replay the cached routing too: the grads
+    are those of the replayed forward, not of the live routing the routers would pick."""
+    live_grads, policy = grads(Recompute())
+    forced = forced_routing(policy)
+    ref, _ = grads(Recompute(), replay_from=forced)
+    got, _ = grads(recompute, replay_from=forced)
+    router = next(n for n in ref if "router" in n)
+    assert not torch.allclose(ref[router], live_grads[router])  # the replay matters
+    for name in ref:
+        assert torch.equal(got[name], ref[name]), name
