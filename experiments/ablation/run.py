@@ -11,9 +11,9 @@ Usage:
 Every arm starts from the same SFT checkpoint and spends the same rollout compute (same prompts
 per batch, group size, response length and number of rollout batches); each rollout batch is split
 into 4 minibatches (4 optimizer steps). Runs land in runs/ablation/<arm>_s<seed>; figures and the
-summary table in experiments/ablation/figures (or --out). `--profile gpu-small` applies the dotted
-overrides of gpu_small.yaml to every command and writes to runs/ablation_gpu_small and
-experiments/ablation/figures_gpu_small.
+summary table in experiments/ablation/figures (or --out). `--profile gpu-small` lays
+gpu_small.yaml over every command's config (as dotted overrides) and writes to
+runs/ablation_gpu_small and experiments/ablation/figures_gpu_small.
 """
 
 from __future__ import annotations
@@ -32,19 +32,15 @@ PROFILES = {"cpu": None, "gpu-small": "gpu_small.yaml"}
 
 
 def profile_overrides(profile: str) -> list[str]:
-    """The profile's `key=value` overrides (a flat YAML mapping of dotted keys); [] for cpu.
+    """The profile's YAML (config format, no `base`) as `key=value` overrides; [] for cpu.
 
     Read with the config loader's YAML 1.2 resolver, so `off` stays a string as in any config."""
-    import yaml
-
     sys.path.insert(0, ROOT)
-    from megatron_gspo.strict import YamlLoader
+    from megatron_gspo.strict import load_yaml, mapping_to_overrides
 
     if PROFILES[profile] is None:
         return []
-    with open(os.path.join(HERE, PROFILES[profile])) as f:
-        mapping = yaml.load(f, Loader=YamlLoader) or {}
-    return [f"{k}={v}" for k, v in mapping.items()]
+    return mapping_to_overrides(load_yaml(os.path.join(HERE, PROFILES[profile])) or {})
 
 
 def cli(*args: str) -> None:
