@@ -1,11 +1,11 @@
 """Plot training-run metrics (metrics.jsonl) as small PNG figures and print a summary table.
 
 Usage:
-    python tools/plot_run.py RUN_DIR [RUN_DIR ...] --out OUT_DIR [--labels a b ...]
+    python -m tools.plot_run RUN_DIR [RUN_DIR ...] --out OUT_DIR [--labels a b ...]
                              [--group-by-prefix] [--smooth N]
 
-    python tools/plot_run.py runs/gspo runs/grpo --out figs
-    python tools/plot_run.py runs/gspo_s0 runs/gspo_s1 runs/grpo_s0 runs/grpo_s1 \\
+    python -m tools.plot_run runs/gspo runs/grpo --out figs
+    python -m tools.plot_run runs/gspo_s0 runs/gspo_s1 runs/grpo_s0 runs/grpo_s1 \\
         --out figs --group-by-prefix --smooth 5
 
 Each RUN_DIR holds `metrics.jsonl` (one JSON object per line with an integer `step`; a path to

@@ -3,11 +3,11 @@ and the demo inherit one recipe (`base:`), and differ from each other only in th
 here."""
 
 import glob
-import importlib.util
 import os
 
 import pytest
 
+from experiments.ablation import run as ablation_run
 from megatron_gspo.config import ConfigError, config_to_dict, load_config
 from megatron_gspo.strict import load_yaml
 from moe.presets import get_preset
@@ -17,9 +17,6 @@ ABL = os.path.join(ROOT, "experiments", "ablation")
 DEMO = os.path.join(ROOT, "experiments", "demo")
 ARMS = ("gspo", "grpo", "grpo_r2")
 
-_spec = importlib.util.spec_from_file_location("ablation_run", os.path.join(ABL, "run.py"))
-ablation_run = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ablation_run)
 
 PROFILE_FILES = {os.path.join(ABL, f) for f in ablation_run.PROFILES.values() if f}
 CONFIGS = sorted(set(glob.glob(os.path.join(ROOT, "experiments", "*", "*.yaml")))
