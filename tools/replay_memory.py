@@ -32,8 +32,10 @@ GIB = 1024 ** 3
 def cache_bytes(tokens: int, layers: int, topk: int, num_experts: int, itemsize: int | None = None
                 ) -> int:
     """Bytes of a replay cache for `tokens` valid tokens (itemsize None = the compact dtype)."""
+    from moe.replay import ids_dtype
+
     if itemsize is None:
-        itemsize = 1 if num_experts <= 256 else 2
+        itemsize = ids_dtype(num_experts).itemsize
     return tokens * layers * topk * itemsize
 
 
