@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from moe.parallel import free_port
 from tests.hf_fixtures import load_hf, make_model
 from tests.moe import hf_worker as hw
-from tests.moe.test_parallel import _port
 
 MODELS = {
     "qwen3": ("qwen3_moe", {"vocab_size": 305}),
@@ -94,7 +94,7 @@ def test_two_process_layouts_match_transformers(hf_dirs, tmp_path):
     torch.save(ref, path)
     layouts = [("qwen3", 2, 1, True), ("qwen3", 1, 2, False), ("qwen3", 2, 2, True),
                ("qwen2", 2, 2, True)]
-    mp.spawn(hw.worker, args=(2, _port(), str(path), layouts), nprocs=2, join=True)
+    mp.spawn(hw.worker, args=(2, free_port(), str(path), layouts), nprocs=2, join=True)
     results = [json.load(open(f"{path}.rank{r}.json")) for r in range(2)]
     for rank_results in results:
         assert len(rank_results) == len(layouts)
