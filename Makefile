@@ -25,7 +25,7 @@ $(STAMP): setup.py
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python tools/demo.py
+	$(BIN)/python -m tools.demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
@@ -50,11 +50,11 @@ test-latest: $(LATEST_STAMP)
 	$(LATEST_VENV)/bin/python -m pytest -q
 
 ablation: $(STAMP)
-	$(BIN)/python experiments/ablation/run.py
+	$(BIN)/python -m experiments.ablation.run
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[bench]'
-	$(BIN)/python tools/bench_throughput.py
+	$(BIN)/python -m tools.bench_throughput
 
 clean:
 	rm -rf runs .pytest_cache

@@ -23,7 +23,7 @@ from typing import ClassVar, Literal, Optional, Sequence, Union
 import yaml
 
 from megatron_gspo.strict import (ConfigError, apply_override, build, check, describe_fields,
-                                  field_docs, load_yaml, validate)
+                                  field_docs, load_layered, validate)
 from moe.model import RECOMPUTE_MODULES
 from moe.optim import OptimSettings
 
@@ -455,17 +455,9 @@ def config_to_dict(cfg) -> dict:
 
 
 def load_config(path: str | None, overrides: Sequence[str] = ()) -> RunConfig:
-    """YAML experiment file (None = all defaults), then `a.b=c` overrides; all strict."""
-    raw: dict = {}
-    if path is not None:
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"config file not found: {path}")
-        raw = load_yaml(path)
-        if raw is None:
-            raw = {}
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: expected a mapping at the top level, "
-                              f"got {type(raw).__name__}")
+    """YAML experiment file (None = all defaults; `base: other.yaml` inherits, see
+    `strict.load_layered`), then `a.b=c` overrides; all strict."""
+    raw = {} if path is None else load_layered(path)
     for item in overrides:
         apply_override(RunConfig, raw, item)
     return config_from_dict(raw)

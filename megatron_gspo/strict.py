@@ -13,6 +13,8 @@ import ast
 import dataclasses
 import functools
 import inspect
+import json
+import os
 import re
 import textwrap
 from typing import Any, Literal, Sequence, Union, get_args, get_origin, get_type_hints
@@ -190,6 +192,58 @@ def load_yaml(path: str):
         raise ConfigError(f"{where}: invalid YAML: {what}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: invalid YAML: {' '.join(str(e).split())}") from None
+
+
+
+def deep_merge(base: dict, top: dict) -> dict:
+    """`top` on `base`: mappings merge key by key (recursively), anything else in `top`
+    (scalars, lists, null) replaces. Neither input is modified."""
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) \
+            else v
+    return out
+
+
+def load_layered(path: str, _chain: tuple[str, ...] = ()) -> dict:
+    """A YAML mapping with inheritance: a top-level `base: other.yaml` (a path relative to this
+    file) is loaded first, recursively, and this file's other keys are deep-merged on top
+    (`deep_merge`). A cycle, a missing base file or a non-mapping file is a one-line
+    ConfigError naming the files. One base per file; no interpolation."""
+    real = os.path.realpath(path)
+    if real in _chain:
+        names = " -> ".join(os.path.relpath(p) for p in (*_chain, real))
+        raise ConfigError(f"config base cycle: {names}")
+    if not os.path.isfile(path) and _chain:
+        raise ConfigError(f"base config not found: {path} (the base of {_chain[-1]})")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"config file not found: {path}")
+    raw = load_yaml(path)
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, "
+                          f"got {type(raw).__name__}")
+    if "base" not in raw:
+        return raw
+    base = raw.pop("base")
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"{path}: base={base!r}: expected the path of a YAML file")
+    base_path = os.path.join(os.path.dirname(path), base)
+    return deep_merge(load_layered(base_path, (*_chain, real)), raw)
+
+
+
+def mapping_to_overrides(mapping: dict, prefix: str = "") -> list[str]:
+    """A (nested or dotted-key) YAML mapping as `a.b=c` overrides, in file order, so it can be
+    laid over any config like a file over its base (`apply_override` checks every key). Strings
+    are written as-is, other values as JSON (a YAML 1.2 subset: `null`, `true`, `3e-05`, `[1]`)."""
+    out = []
+    for k, v in mapping.items():
+        if isinstance(v, dict) and v:
+            out += mapping_to_overrides(v, f"{prefix}{k}.")
+        else:
+            out.append(f"{prefix}{k}={v if isinstance(v, str) else json.dumps(v)}")
+    return out
 
 
 _BOOL, _FLOAT = "tag:yaml.org,2002:bool", "tag:yaml.org,2002:float"

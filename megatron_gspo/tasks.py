@@ -25,6 +25,7 @@ from typing import ClassVar, Protocol, Sequence
 
 from megatron_gspo.rewards import compute_rewards, countdown_reward, exact_reward
 from megatron_gspo.tokenizer import CharTokenizer  # noqa: F401 (re-exported)
+from moe.checks import is_int
 
 @dataclass(frozen=True)
 class Example:
@@ -48,7 +49,7 @@ class Task(Protocol):
 
 
 def _check_int(task: str, field: str, value, lo: int, hi: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+    if not is_int(value) or not lo <= value <= hi:
         raise ValueError(f"{task}: {field}={value!r} must be an int in [{lo}, {hi}]")
 
 
@@ -391,7 +392,7 @@ def make_splits(task: Task, n_train: int, n_eval: int,
     Eval is drawn first, so the eval set depends only on (task, n_eval, seed).
     """
     for label, n in (("n_train", n_train), ("n_eval", n_eval)):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        if not is_int(n) or n < 0:
             raise ValueError(f"make_splits: {label}={n!r} must be an int >= 0")
     capacity = task.num_prompts() if hasattr(task, "num_prompts") else None
     if capacity is not None and n_train + n_eval > capacity:

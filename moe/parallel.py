@@ -43,7 +43,8 @@ class ParallelInfo:
         return self.rank == 0
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a rendezvous address)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -57,7 +58,7 @@ def _init_process_group(timeout_min: float) -> None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend=backend, timeout=timeout)
     else:
-        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
+        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}",
                                 rank=0, world_size=1, timeout=timeout)
 
 

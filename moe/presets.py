@@ -21,6 +21,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from moe.checks import is_int
+
 
 @dataclass(frozen=True)
 class MoEPreset:
@@ -74,7 +76,7 @@ class MoEPreset:
                     "max_seq_len")
         for field in positive:
             value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise ValueError(f"preset {self.name!r}: {field}={value!r} must be a positive int")
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(
@@ -83,8 +85,7 @@ class MoEPreset:
         if self.topk > self.num_experts:
             raise ValueError(
                 f"preset {self.name!r}: topk={self.topk} exceeds num_experts={self.num_experts}")
-        if isinstance(self.shared_expert_ffn_hidden_size, bool) or \
-                not isinstance(self.shared_expert_ffn_hidden_size, int) or \
+        if not is_int(self.shared_expert_ffn_hidden_size) or \
                 self.shared_expert_ffn_hidden_size < 0:
             raise ValueError(f"preset {self.name!r}: shared_expert_ffn_hidden_size="
                              f"{self.shared_expert_ffn_hidden_size!r} must be an int >= 0")

@@ -1,9 +1,9 @@
 """Check your own Hugging Face MoE checkpoint against this project's megatron-core model.
 
 Usage:
-    python tools/hf_parity.py --hf-path /models/Qwen3-30B-A3B
-    torchrun --nproc-per-node 2 tools/hf_parity.py --hf-path DIR --tp 2 --ep 2
-    python tools/hf_parity.py --hf-path DIR --prompt "12+30=" --max-new-tokens 32 --tol 1e-3
+    python -m tools.hf_parity --hf-path /models/Qwen3-30B-A3B
+    torchrun --nproc-per-node 2 -m tools.hf_parity --hf-path DIR --tp 2 --ep 2
+    python -m tools.hf_parity --hf-path DIR --prompt "12+30=" --max-new-tokens 32 --tol 1e-3
 
 Loads the folder into our model in the given layout (each rank reads only its shard), samples
 greedily from our model, then runs transformers' model (rank 0 only, the whole model in float32
@@ -23,11 +23,9 @@ not enforced, since a near-tie may flip a greedy pick within tolerance), else 0.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 warnings.filterwarnings("ignore")
 
 DEFAULT_PROMPTS = ("What is 12 + 30?", "Name three primary colors.", "The capital of France is")

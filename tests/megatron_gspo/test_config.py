@@ -44,9 +44,8 @@ def test_yaml_file_and_demo_experiments_load(tmp_path):
     assert cfg.train.routing_replay == "off"  # YAML 1.1 would make unquoted off a bool
     assert cfg.task.n_train == 10 and cfg.task.n_eval == 128  # unset keys keep defaults
     root = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "demo")
-    for name in ("sft.yaml", "gspo.yaml"):
-        if os.path.exists(os.path.join(root, name)):
-            assert load_config(os.path.join(root, name)).wandb.mode == "disabled"
+    for name in ("sft.yaml", "gspo.yaml"):  # both exist; a missing one fails here
+        assert load_config(os.path.join(root, name)).wandb.mode == "disabled"
 
 
 @pytest.mark.parametrize("text, key", [
@@ -74,6 +73,64 @@ def test_missing_file_names_it(tmp_path):
     path = os.path.join(tmp_path, "nope.yaml")
     with pytest.raises(FileNotFoundError, match="nope.yaml"):
         load_config(path)
+
+
+
+def _files(tmp_path, files: dict) -> None:
+    for name, text in files.items():
+        os.makedirs(os.path.dirname(os.path.join(tmp_path, name)), exist_ok=True)
+        with open(os.path.join(tmp_path, name), "w") as f:
+            f.write(textwrap.dedent(text))
+
+
+def test_base_is_loaded_first_and_deep_merged(tmp_path):
+    _files(tmp_path, {
+        "shared/root.yaml": """
+            run_dir: runs/root
+            task: {name: addition, kwargs: {num_digits: 3}, n_train: 10}
+            loss: {name: grpo, eps_low: 0.2}
+            train: {steps: 9}
+            """,
+        "shared/mid.yaml": """
+            base: root.yaml
+            loss: {eps_high: 0.27}
+            train: {steps: 7}
+            """,
+        "exp/arm.yaml": """
+            base: ../shared/mid.yaml
+            run_dir: runs/arm
+            task: {kwargs: {num_digits: 2}}
+            """})
+    cfg = load_config(os.path.join(tmp_path, "exp", "arm.yaml"), ["train.steps=5"])
+    assert cfg.run_dir == "runs/arm" and cfg.task.n_train == 10
+    assert cfg.task.kwargs == {"num_digits": 2}  # mappings merge (loss: three files)
+    assert (cfg.loss.name, cfg.loss.eps_low, cfg.loss.eps_high) == ("grpo", 0.2, 0.27)
+    assert cfg.train.steps == 5  # file beats base, override beats file
+    assert load_config(os.path.join(tmp_path, "exp", "arm.yaml")).train.steps == 7
+
+
+def test_base_replaces_lists_and_scalars():
+    from megatron_gspo.strict import deep_merge
+
+    base = {"a": [1, 2], "b": {"c": 1, "d": [3]}, "e": {"f": 1}}
+    top = {"a": [9], "b": {"d": [4, 5]}, "e": None}
+    assert deep_merge(base, top) == {"a": [9], "b": {"c": 1, "d": [4, 5]}, "e": None}
+    assert base == {"a": [1, 2], "b": {"c": 1, "d": [3]}, "e": {"f": 1}}  # not modified
+
+
+@pytest.mark.parametrize("files, match", [
+    ({"exp.yaml": "base: b.yaml\n", "b.yaml": "base: exp.yaml\n"},
+     r"config base cycle: .*exp.yaml -> .*b.yaml -> .*exp.yaml"),
+    ({"exp.yaml": "base: exp.yaml\n"}, r"config base cycle: .*exp.yaml -> .*exp.yaml"),
+    ({"exp.yaml": "base: gone.yaml\n"}, r"base config not found: .*gone.yaml \(the base of"),
+    ({"exp.yaml": "base: [a.yaml]\n"}, r"exp.yaml: base=\['a.yaml'\]: expected the path"),
+    ({"exp.yaml": "base: b.yaml\n", "b.yaml": "- 1\n"}, r"b.yaml: expected a mapping"),
+    ({"exp.yaml": "base: b.yaml\n", "b.yaml": "train: {stepz: 1}\n"}, r"'train.stepz'"),
+])
+def test_bad_base_is_a_clear_error(tmp_path, files, match):
+    _files(tmp_path, files)
+    with pytest.raises(ConfigError, match=match):
+        load_config(os.path.join(tmp_path, "exp.yaml"))
 
 
 def test_overrides_coerce_types():

@@ -109,13 +109,40 @@ def test_routing_replay_is_confined_to_the_policy_forward(tmp_path, monkeypatch)
         return real_sample(policy, *args, **kwargs)
 
     monkeypatch.setattr(rollout, "sample", checked_sample)
+    replayed, live = _spy_replayed_routes(trainer.policy)
     trainer.train()
     assert_routing_idle(trainer.policy)
     rows = read_jsonl(os.path.join(trainer.cfg.run_dir, "metrics.jsonl"))
     last = rows[-1]
     assert last["replay/cache_bytes"] > 0
-    # replaying pi_old's routes: the first minibatch's policy forward sees zero drift
-    assert "moe/drift_vs_old/mean" in last
+    L, n_mb = len(trainer.policy.router_replays), trainer.cfg.train.num_minibatches
+    assert len(replayed) == L * n_mb  # every loss forward replays, in every layer
+    # the first minibatch's policy forward (pi == pi_old) replays exactly what it would route
+    for r, v in zip(replayed[:L], live[:L]):
+        assert torch.equal(r.sort(-1).values, v.sort(-1).values)
+    # later forwards still get pi_old's routes while the live router has moved (drift > 0)
+    moved = sum(int((r.sort(-1).values != v.sort(-1).values).any(-1).sum())
+                for r, v in zip(replayed[L:], live[L:]))
+    assert moved > 0 and last["moe/drift_vs_old/mean"] > 0
+
+
+def _spy_replayed_routes(policy):
+    """Wrap each router's top-k: in replay forwards, keep (replayed ids, ids it would pick)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    replayed, live = [], []
+    for router in policy.router_replays:
+        def topk(scores, k, *args, _inner=router.get_replay_topk, _router=router, **kwargs):
+            probs, ids = _inner(scores, k, *args, **kwargs)
+            if _router.router_replay_action == RouterReplayAction.REPLAY_FORWARD:
+                named = dict(zip(("num_groups", "group_topk", "default_compute_topk"), args),
+                             **kwargs)
+                compute = named.pop("default_compute_topk")
+                replayed.append(ids.detach().cpu())
+                live.append(compute(scores, k, **named)[1].detach().cpu())
+            return probs, ids
+        router.get_replay_topk = topk
+    return replayed, live
 
 
 def test_sft_checkpoint_initialises_rl(tmp_path):

@@ -6,22 +6,17 @@ weights: logits, gradients (gathered back to full tensors) and the global grad n
 """
 
 import os
-import socket
 import time
 import warnings
 
 import torch
 import torch.multiprocessing as mp
 
+from moe.parallel import free_port  # noqa: F401 (the tests' rendezvous port)
+
 warnings.filterwarnings("ignore")
 
 ATOL = RTOL = 1e-5
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(fn, args: tuple, nprocs: int, timeout_s: float) -> None:

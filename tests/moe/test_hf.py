@@ -14,6 +14,7 @@ import json
 import pytest
 import torch
 
+from moe.parallel import free_port
 from tests.hf_fixtures import load_hf, make_model
 from tests.moe import hf_worker as hw
 from tests.moe import parallel_worker as pw
@@ -93,7 +94,7 @@ def test_two_process_layouts_match_transformers(hf_dirs, tmp_path):
     torch.save(ref, path)
     layouts = [("qwen3", 2, 1, True), ("qwen3", 1, 2, False), ("qwen3", 2, 2, True),
                ("qwen2", 2, 2, True)]
-    pw.spawn(hw.worker, (2, pw.free_port(), str(path), layouts), nprocs=2, timeout_s=600)
+    pw.spawn(hw.worker, (2, free_port(), str(path), layouts), nprocs=2, timeout_s=600)
     results = [json.load(open(f"{path}.rank{r}.json")) for r in range(2)]
     for rank_results in results:
         assert len(rank_results) == len(layouts)

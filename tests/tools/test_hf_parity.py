@@ -1,17 +1,12 @@
 """tools/hf_parity.py on a tiny local Qwen3-MoE folder: its last line and exit status."""
 
-import importlib.util
-import os
 import re
 
 import pytest
 
 from tests.hf_fixtures import make_model
+from tools import hf_parity
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "hf_parity.py")
-_spec = importlib.util.spec_from_file_location("hf_parity", _PATH)
-hf_parity = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(hf_parity)
 LAST = re.compile(r"^max_abs_logit_diff=(\S+) greedy_match=(\S+)$")
 
 
