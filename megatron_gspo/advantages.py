@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from moe.checks import is_int
+
 ZERO_STD_TOL = 1e-12
 """A group with population reward std below this counts as zero-variance."""
 
@@ -33,7 +35,7 @@ def group_advantages(rewards_B: torch.Tensor, group_size: int, eps: float = 1e-6
     if not isinstance(rewards_B, torch.Tensor) or rewards_B.ndim != 1:
         raise ValueError(f"rewards_B must be a 1-D tensor [B], got "
                          f"{tuple(getattr(rewards_B, 'shape', ())) or type(rewards_B).__name__}")
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
+    if not is_int(group_size) or group_size < 2:
         raise ValueError(f"group_size={group_size!r} must be an int >= 2 (advantages are "
                          "normalised within a group)")
     B = rewards_B.shape[0]

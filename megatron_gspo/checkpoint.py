@@ -12,22 +12,32 @@ file in the same directory, fsync'ed, then `os.replace`d into place (atomic on P
 barrier). A crash mid-save leaves at most a `.tmp` file and a step dir that `latest` does not
 point to, so resume and `load_checkpoint` still see the previous complete step.
 
+Verified: each shard's sha256 and size are written beside it (`rank_XXXXX.pt.sha256`) and
+checked before it is loaded, so a truncated or overwritten file is a `CheckpointError` naming the
+file instead of silently wrong tensors. `mark_latest` also marks the step dir `complete`;
+`resume_candidates` lists the complete steps newest first, for a resume that falls back past a
+corrupt latest step. A write that fails (disk full) raises `CheckpointError` with the OSError and
+leaves the previous checkpoint as it was. Files get the user's umask (mkstemp would give 0600).
+
 Files are our own, so they are loaded with `torch.load(weights_only=False)` (they hold Python
 objects: RNG states, config dicts, counters).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
 import re
-import shutil
 import tempfile
 
 import numpy as np
 import torch
 
 LATEST_FILE = "latest"
+COMPLETE_FILE = "complete"
+CHECKSUM_SUFFIX = ".sha256"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
 
@@ -59,21 +69,104 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def atomic_write(path: str, write) -> None:
-    """`write(binary_file)` into a tmp file next to `path`, fsync, then os.replace."""
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or trusted (one line, names the file)."""
+
+
+class _HashingWriter:
+    """File wrapper that hashes what is written and keeps the first OSError it raised (torch's
+    zip writer may report a failed write as its own RuntimeError)."""
+
+    def __init__(self, f):
+        self.f, self.sha, self.size, self.error = f, hashlib.sha256(), 0, None
+
+    def write(self, data) -> int:
+        try:
+            n = self.f.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+        self.sha.update(memoryview(data)[:n] if n is not None else data)
+        self.size += len(data) if n is None else n
+        return len(data) if n is None else n
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write(path: str, write) -> tuple[str, int]:
+    """`write(file)` into a tmp file next to `path`, fsync, then os.replace; returns the sha256
+    and size of what was written. A failed write raises CheckpointError naming `path` and
+    leaves no tmp file."""
     d = os.path.dirname(path) or "."
     fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    out = None
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
-            write(f)
+            out = _HashingWriter(f)
+            write(out)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.remove(tmp)
+        cause = out.error if out is not None and out.error is not None else e
+        if isinstance(cause, OSError):
+            raise CheckpointError(f"cannot write {path}: {cause.strerror or cause}; files "
+                                  "already written are unchanged") from cause
         raise
     _fsync_dir(d)
+    return out.sha.hexdigest(), out.size
+
+
+def _write_checksum(path: str, sha: str, size: int) -> None:
+    text = json.dumps({"sha256": sha, "size": size})
+    atomic_write(path + CHECKSUM_SUFFIX, lambda f: f.write(text.encode()))
+
+
+def write_checksum(path: str) -> None:
+    """Write the sha256 / size sidecar of a file someone else wrote (e.g. a dist_checkpointing
+    shard), so `verify_file` checks it like a rank file."""
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            sha.update(block)
+    _write_checksum(path, sha.hexdigest(), os.path.getsize(path))
+
+
+def verify_file(path: str) -> None:
+    """CheckpointError unless `path` matches the sha256 and size written beside it. Files
+    without a checksum (written by an older version) pass unchecked."""
+    sidecar = path + CHECKSUM_SUFFIX
+    if not os.path.isfile(sidecar):
+        return
+    with open(sidecar) as f:
+        want = json.load(f)
+    size = os.path.getsize(path)
+    if size != want["size"]:
+        raise CheckpointError(f"checkpoint file {path} is truncated or overwritten: {size} "
+                              f"bytes, {want['size']} were written")
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            sha.update(block)
+    if sha.hexdigest() != want["sha256"]:
+        raise CheckpointError(f"checkpoint file {path} is corrupt: its sha256 differs from the "
+                              "one written with it")
 
 
 def save_checkpoint(root: str, step: int, state: dict, rank: int = 0) -> str:
@@ -84,7 +177,9 @@ def save_checkpoint(root: str, step: int, state: dict, rank: int = 0) -> str:
         raise ValueError(f"state: expected a dict, got {type(state).__name__}")
     d = step_dir(root, step)
     os.makedirs(d, exist_ok=True)
-    atomic_write(rank_file(d, rank), lambda f: torch.save(state, f))
+    path = rank_file(d, rank)
+    sha, size = atomic_write(path, lambda f: torch.save(state, f))
+    _write_checksum(path, sha, size)
     return d
 
 
@@ -95,6 +190,7 @@ def mark_latest(root: str, step: int) -> None:
     if not os.path.isfile(rank_file(d, 0)):
         raise FileNotFoundError(f"cannot mark step {step} latest: {rank_file(d, 0)} does not "
                                 f"exist; {root} holds {_listing(root)}")
+    atomic_write(os.path.join(d, COMPLETE_FILE), lambda f: f.write(b"1\n"))
     atomic_write(os.path.join(root, LATEST_FILE), lambda f: f.write(f"{step}\n".encode()))
 
 
@@ -149,27 +245,24 @@ def load_checkpoint(root_or_step_dir: str, rank: int = 0, step: int | None = Non
         where = d if os.path.isdir(d) else os.path.dirname(d)
         raise FileNotFoundError(f"checkpoint file {f} does not exist; {where} holds "
                                 f"{_listing(where)}")
-    return torch.load(f, map_location=map_location, weights_only=False)
+    verify_file(f)
+    try:
+        return torch.load(f, map_location=map_location, weights_only=False)
+    except Exception as e:  # unreadable zip / pickle: name the file in one line
+        raise CheckpointError(f"checkpoint file {f} cannot be read: "
+                              f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
 
 
-def list_steps(root: str) -> list[int]:
-    """Steps with a step dir under root, ascending (complete or not)."""
-    if not os.path.isdir(root):
+def resume_candidates(root: str) -> list[int]:
+    """Steps to resume from, newest first: `latest`, then older steps marked complete."""
+    latest = latest_step(root)
+    if latest is None:
         return []
     steps = [int(m.group(1)) for n in os.listdir(root) if (m := _STEP_RE.match(n))]
-    return sorted(steps)
-
-
-def prune_checkpoints(root: str, keep: int) -> None:
-    """Delete all but the newest `keep` step dirs; the one `latest` points to always stays."""
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-        raise ValueError(f"keep={keep!r}: expected an int >= 1")
-    steps = list_steps(root)
-    latest = latest_step(root)
-    survivors = set(steps[-keep:]) | ({latest} if latest is not None else set())
-    for s in steps:
-        if s not in survivors:
-            shutil.rmtree(step_dir(root, s))
+    older = sorted((s for s in steps if s < latest
+                    and os.path.isfile(os.path.join(step_dir(root, s), COMPLETE_FILE))),
+                   reverse=True)
+    return [latest] + older
 
 
 def rng_state() -> dict:

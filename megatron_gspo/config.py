@@ -18,12 +18,12 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal, Optional, Sequence
+from typing import ClassVar, Literal, Optional, Sequence, Union
 
 import yaml
 
-from megatron_gspo.strict import (ConfigError, YamlLoader, apply_override, build, check,
-                                  describe_fields, field_docs, validate)
+from megatron_gspo.strict import (ConfigError, apply_override, build, check, describe_fields,
+                                  field_docs, load_layered, validate)
 from moe.model import RECOMPUTE_MODULES
 from moe.optim import OptimSettings
 
@@ -40,7 +40,7 @@ class ModelConfig:
     _section: ClassVar[str] = "model"
 
     preset: str = "qwen3-moe-tiny"
-    """Model preset name (validated by `moe.presets`)."""
+    """Model preset name (validated by `moe.presets`); ignored when hf_path is set."""
     tp: int = 1
     """Tensor-parallel size."""
     ep: int = 1
@@ -55,6 +55,22 @@ class ModelConfig:
     (megatron's Float16 optimizer); fp16 adds loss scaling (optim.loss_scale)."""
     aux_loss_coeff: float = 0.0
     """MoE load-balancing auxiliary loss coefficient (0 = off)."""
+    dist_timeout_min: float = 10.0
+    """Timeout of every collective (torch.distributed and megatron's groups), in minutes: a rank
+    waiting longer on its peers fails with the backend's timeout error instead of hanging
+    (torch's default is 30)."""
+    hf_path: Optional[str] = None
+    """Local Hugging Face model folder (config.json, *.safetensors, tokenizer files) to start
+    from: the architecture comes from its config.json (model.preset is then ignored), the
+    weights are loaded into this run's TP/EP layout, the tokenizer and chat template are its own.
+    Qwen3-MoE and Qwen2-MoE. Nothing is downloaded: a hub name is an error."""
+    vocab_multiple: int = 128
+    """With hf_path: the embedding is padded to a multiple of vocab_multiple * tp rows (megatron's
+    make-vocab-size-divisible-by); padded logits are masked. The toy tokenizer pads to 16 * tp."""
+    max_seq_len: Optional[int] = None
+    """Maximum sequence length (prompt + response tokens) the model is built for; None = the
+    preset's (64 for the tiny presets; long-response tasks and datasets need more), or
+    config.json's with hf_path. RoPE has no length-bound parameters, so this changes no weight."""
     recompute_granularity: Literal["off", "selective", "full"] = "off"
     """megatron's activation recompute for long responses: 'selective' re-runs
     recompute_modules in the backward, 'full' every transformer layer. Same grads (routing
@@ -64,10 +80,17 @@ class ModelConfig:
     experts), core_attn."""
 
     def __post_init__(self):
-        validate(self, nonempty=("preset",), ge={"tp": 1, "ep": 1, "aux_loss_coeff": 0})
+        validate(self, nonempty=("preset", "hf_path"),
+                 ge={"tp": 1, "ep": 1, "aux_loss_coeff": 0, "vocab_multiple": 1,
+                     "max_seq_len": 2},
+                 gt={"dist_timeout_min": 0})
+        check(self, "dist_timeout_min", self.dist_timeout_min < float("inf"), "must be finite")
         modules = [m.strip() for m in self.recompute_modules.split(",")]
         check(self, "recompute_modules", all(m in RECOMPUTE_MODULES for m in modules),
               f"expected a comma-separated subset of {', '.join(RECOMPUTE_MODULES)}")
+        from moe.presets import PRESETS
+
+        check(self, "preset", self.preset in PRESETS, f"unknown preset; valid: {sorted(PRESETS)}")
         check(self, "sequence_parallel", not self.sequence_parallel or self.tp > 1,
                f"requires model.tp > 1 (got tp={self.tp})")
         check(self, "sequence_parallel", self.sequence_parallel or self.tp == 1,
@@ -81,7 +104,7 @@ class TaskConfig:
     _section: ClassVar[str] = "task"
 
     name: str = "addition"
-    """Task name (see `megatron_gspo.tasks`)."""
+    """Task name (see `megatron_gspo.tasks`), or dataset (prompts from files: the data section)."""
     kwargs: dict = field(default_factory=dict)
     """Keyword arguments for the task constructor, e.g. {num_digits: 2}."""
     n_train: int = 2000
@@ -94,6 +117,15 @@ class TaskConfig:
     def __post_init__(self):
         validate(self, nonempty=("name",), ge={"n_train": 1, "n_eval": 0})
         check(self, "kwargs", all(isinstance(k, str) for k in self.kwargs), "keys must be str")
+        from megatron_gspo.tasks import TASKS, task_kwarg_names
+
+        check(self, "name", self.name in TASKS or self.name == "dataset",
+              f"unknown task; valid: {sorted(TASKS) + ['dataset']}")
+        bad = [] if self.name == "dataset" else \
+            [k for k in self.kwargs if k not in task_kwarg_names(self.name)]
+        if bad:
+            raise ConfigError(f"task.kwargs.{bad[0]}: unknown argument of task {self.name!r}; "
+                              f"valid: {task_kwarg_names(self.name)}")
 
 
 @dataclass(frozen=True)
@@ -146,6 +178,10 @@ class LossConfig:
     def __post_init__(self):
         validate(self, nonempty=("name",), ge={"eps_high": 0, "kl_coef": 0},
                   gt={"max_log_ratio": 0, "adv_eps": 0})
+        from megatron_gspo.losses import POLICY_LOSSES
+
+        check(self, "name", self.name in POLICY_LOSSES,
+              f"unknown policy loss; valid: {sorted(POLICY_LOSSES)}")
         check(self, "eps_low", self.eps_low is None or 0 <= self.eps_low < 1, "must be in [0, 1)")
 
 
@@ -232,6 +268,128 @@ class WandbConfig:
 
 
 @dataclass(frozen=True)
+class DataConfig:
+    """Prompts from files (task.name=dataset; task.n_train / n_eval / seed do not apply)."""
+    _section: ClassVar[str] = "data"
+
+    train_files: list = field(default_factory=list)
+    """Training files (.jsonl, or .parquet with pyarrow installed); a string is one file. Set
+    exactly when task.name=dataset."""
+    eval_files: list = field(default_factory=list)
+    """Held-out files; empty = split data.eval_fraction of the (shuffled) train rows off."""
+    format: Literal["verl", "plain"] = "verl"
+    """Row schema. verl: `prompt` = list of chat messages ({role, content}),
+    `reward_model.ground_truth`, `data_source`. plain: `question`, `answer` (a GSM8K answer's
+    text after '####' is its ground truth)."""
+    prompt_key: Optional[str] = None
+    """Dotted field holding the prompt; None = the format's (verl: prompt; plain: question)."""
+    answer_key: Optional[str] = None
+    """Dotted field holding the ground truth; None = the format's (verl:
+    reward_model.ground_truth; plain: answer)."""
+    sft_key: Optional[str] = None
+    """Dotted field holding the SFT target (a worked solution), e.g. extra_info.answer;
+    None = the answer field."""
+    template: Optional[str] = None
+    """None = the tokenizer's chat template (apply_chat_template, generation prompt on; an
+    error if it has none). A string with {prompt} = a plain template for base models, e.g.
+    'Question: {prompt}\\nAnswer:' ({prompt} = the message contents joined by blank lines)."""
+    eval_fraction: float = 0.1
+    """Fraction of the train rows held out for eval when data.eval_files is empty."""
+    max_eval: Optional[int] = None
+    """Cap on the eval examples (the first ones after the seeded shuffle); None = all."""
+    shuffle: bool = True
+    """Shuffle rows with data.seed before splitting (and the eval rows before max_eval)."""
+    seed: int = 1234
+    """Seed of the shuffle and train / eval split."""
+    max_prompt_tokens: Optional[int] = None
+    """Longest prompt in tokens (with <bos>); None = the model's max_seq_len minus
+    rollout.max_new_tokens. Longer prompts are an error naming file, row and field, or skipped
+    and counted with data.skip_overlong_prompts."""
+    skip_overlong_prompts: bool = False
+    """Skip (and count) prompts longer than max_prompt_tokens instead of failing."""
+    tokenizer_path: Optional[str] = None
+    """Local tokenizer folder (tokenizer.json + tokenizer_config.json). Precedence:
+    data.tokenizer_path, else model.hf_path (the model's folder), else the toy character
+    tokenizer."""
+
+    def __post_init__(self):
+        for name in ("train_files", "eval_files"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                object.__setattr__(self, name, [value])
+        validate(self, nonempty=("prompt_key", "answer_key", "sft_key", "tokenizer_path"),
+                 ge={"max_eval": 1, "max_prompt_tokens": 1})
+        for name in ("train_files", "eval_files"):
+            check(self, name, all(isinstance(p, str) and p for p in getattr(self, name)),
+                  "must be a list of non-empty paths")
+        check(self, "eval_fraction", 0 < self.eval_fraction < 1 or bool(self.eval_files),
+              "must be in (0, 1) (or give data.eval_files)")
+        check(self, "template", self.template is None or "{prompt}" in self.template,
+              "must contain {prompt} (or be null for the tokenizer's chat template)")
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """Verifier of dataset tasks (registry in `megatron_gspo.rewards`)."""
+    _section: ClassVar[str] = "reward"
+
+    name: Optional[str] = None
+    """Reward: exact, countdown or math (math-verify, pip install -e .[math]). None = the
+    task's own verifier (toy tasks; task.name=dataset uses math). Toy tasks take no name."""
+    timeout_s: float = 5.0
+    """Per-answer time limit in seconds of a dataset task's reward (0 = none); a reward that
+    raises or runs out of time scores 0 and is counted in reward/errors."""
+    format_weight: float = 0.0
+    """Reward of a wrong answer in the right format (the reward's format check, e.g. a
+    \\boxed{} or '#### ' answer for math); 0 = off. In [0, 1): a correct answer scores 1."""
+
+    def __post_init__(self):
+        validate(self, nonempty=("name",), ge={"timeout_s": 0})
+        check(self, "format_weight", 0 <= self.format_weight < 1, "must be in [0, 1)")
+        if self.name is not None:
+            from megatron_gspo.rewards import REWARDS
+
+            check(self, "name", self.name in REWARDS, f"valid names: {sorted(REWARDS)}")
+
+
+@dataclass(frozen=True)
+class FilterConfig:
+    """DAPO's rollout filters (arXiv 2503.14476, sec. 3.2 and 3.4)."""
+    _section: ClassVar[str] = "filter"
+
+    overlong: bool = False
+    """Overlong filtering: responses that hit rollout.max_new_tokens without a stop token get
+    advantage 0 (no policy-gradient signal). response/truncated_frac is logged either way."""
+    dynamic_sampling: bool = False
+    """Dynamic sampling: drop prompt groups whose G rewards are all equal and draw more prompts,
+    up to filter.max_rounds rollout rounds; the batch keeps its size (equal-reward groups fill
+    it when too few varied ones were found). Logs filter/zero_std_frac/{before,after}."""
+    max_rounds: int = 4
+    """Most rollout rounds per iteration under dynamic sampling (1 = no extra draws)."""
+
+    def __post_init__(self):
+        validate(self, ge={"max_rounds": 1})
+
+
+def check_data_sections(cfg) -> None:
+    """Cross-section rules of DataConfig / RewardConfig / FilterConfig (RunConfig calls it)."""
+    dataset = cfg.task.name == "dataset"
+    if dataset != bool(cfg.data.train_files):
+        raise ConfigError(
+            f"task.name={cfg.task.name} with data.train_files={cfg.data.train_files}: set "
+            "task.name=dataset together with data.train_files (and neither for a toy task)")
+    if dataset and cfg.task.kwargs:
+        raise ConfigError(f"task.kwargs={cfg.task.kwargs}: task.name=dataset is configured by "
+                          "the data section")
+    if not dataset and cfg.reward.name is not None:
+        raise ConfigError(f"reward.name={cfg.reward.name}: toy task {cfg.task.name} has its "
+                          "own verifier (reward.name applies to task.name=dataset)")
+    if cfg.filter.dynamic_sampling and cfg.train.routing_replay == "r3":
+        raise ConfigError("filter.dynamic_sampling=true with train.routing_replay=r3: the "
+                          "sampler's routing of several rollout rounds is not merged; use r2")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """Top level of an experiment file."""
     _section: ClassVar[str] = ""
@@ -242,8 +400,10 @@ class RunConfig:
     """Global seed (model init, sampling, minibatch order)."""
     init_checkpoint: Optional[str] = None
     """Initial weights: a run dir (its latest checkpoint) or a step dir, any parallel layout."""
-    resume: bool = True
-    """Resume from run_dir's latest checkpoint if there is one."""
+    resume: Union[bool, Literal["force"]] = True
+    """Resume from run_dir's newest good checkpoint if there is one. A run dir belongs to one
+    run: resuming with a different job or semantic config is refused (`megatron_gspo.rundir`);
+    "force" resumes anyway with the new config; false refuses a run dir holding checkpoints."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Policy architecture and parallel layout."""
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -260,9 +420,16 @@ class RunConfig:
     """Supervised cold start."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """wandb logging."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Dataset files (task.name=dataset)."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Dataset reward."""
+    filter: FilterConfig = field(default_factory=FilterConfig)
+    """DAPO rollout filters."""
 
     def __post_init__(self):
         validate(self, nonempty=("run_dir", "init_checkpoint"), ge={"seed": 0})
+        check_data_sections(self)
         batch = self.rollout.prompts_per_batch * self.rollout.group_size
         n = self.train.num_minibatches
         if batch % n:
@@ -288,18 +455,9 @@ def config_to_dict(cfg) -> dict:
 
 
 def load_config(path: str | None, overrides: Sequence[str] = ()) -> RunConfig:
-    """YAML experiment file (None = all defaults), then `a.b=c` overrides; all strict."""
-    raw: dict = {}
-    if path is not None:
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"config file not found: {path}")
-        with open(path) as f:
-            raw = yaml.load(f, Loader=YamlLoader)
-        if raw is None:
-            raw = {}
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: expected a mapping at the top level, "
-                              f"got {type(raw).__name__}")
+    """YAML experiment file (None = all defaults; `base: other.yaml` inherits, see
+    `strict.load_layered`), then `a.b=c` overrides; all strict."""
+    raw = {} if path is None else load_layered(path)
     for item in overrides:
         apply_override(RunConfig, raw, item)
     return config_from_dict(raw)

@@ -3,7 +3,8 @@
     logger = MetricsLogger(run_dir, config_to_dict(cfg), wandb_mode="disabled")
     logger.log(step, {"reward/mean": 0.41, "policy/clip_frac/token": 0.012})
 
-Each line is {"step": int, "time": unix seconds, **metrics}. Keys follow `group/name[/stat]`.
+Each line is {"step": int, "time": unix seconds, **metrics}. A resumed run calls
+`drop_after(step)` first, so the rows of steps it will redo are not logged twice. Keys follow `group/name[/stat]`.
 Tensors and numpy scalars become Python numbers; non-finite floats are written as the strings
 "nan", "inf", "-inf" (JSON has no NaN, and null would hide a blow-up). The file is opened in
 append mode, so a resumed run keeps earlier lines. Only rank 0 logs: construct with
@@ -80,8 +81,28 @@ class MetricsLogger:
             self._file.write("\n")
         if wandb_mode != "disabled":
             wandb = _import_wandb(wandb_mode)
+            if wandb_mode == "online":
+                wandb_mode = _online_or_offline()
             self._wandb_run = wandb.init(project=project, name=name, mode=wandb_mode,
                                          dir=run_dir, config=config_dict or {})
+
+    def drop_after(self, step: int) -> int:
+        """Remove rows with a step above `step` (logged after the checkpoint a run resumes
+        from); returns how many. The file is rewritten atomically."""
+        if not self.enabled or not os.path.getsize(self.path):
+            return 0
+        with open(self.path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+        kept = [ln for ln in lines if ln.strip() and _row_step(ln) <= step]
+        dropped = sum(1 for ln in lines if ln.strip()) - len(kept)
+        if dropped:
+            from megatron_gspo.checkpoint import atomic_write
+
+            self._file.close()
+            text = "".join(ln + "\n" for ln in kept)
+            atomic_write(self.path, lambda f: f.write(text.encode("utf-8")))
+            self._file = open(self.path, "a", encoding="utf-8")
+        return dropped
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Append {"step", "time", **metrics} as one flushed line (and to wandb if on)."""
@@ -116,6 +137,31 @@ class MetricsLogger:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _row_step(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return float("inf")  # a malformed (half-written) row goes too
+
+
+def _online_or_offline(timeout_s: float = 3.0) -> str:
+    """"online" when wandb's server answers a TCP connect within `timeout_s`, else "offline"
+    with a warning: wandb's own online start would retry for minutes and abort the run."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+    parsed = urlparse(url)
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        socket.create_connection((parsed.hostname, port), timeout=timeout_s).close()
+        return "online"
+    except OSError as e:
+        print(f"WARNING: wandb server {url} unreachable ({e.strerror or e}); logging offline "
+              "(upload later with `wandb sync`)", file=sys.stderr, flush=True)
+        return "offline"
 
 
 def _ends_with_newline(path: str) -> bool:

@@ -17,6 +17,11 @@ sampled column, giving `RolloutBatch.routing`: the routing the sampler itself us
 from (before top-p filtering, as vLLM reports it), so it is directly comparable with the trainer's
 recompute and usable as pi_old (`rollout.use_sampler_logprobs`, the GSPO paper's claim that
 inference-engine likelihoods suffice for sequence-level ratios).
+
+Every rank takes the same number of decode steps (and `evaluate` the same number of chunks):
+sampling stops only when all ranks are done (`dist_utils.all_ranks`), finished rows meanwhile
+decode padding. A per-rank stop desynchronises the EP all-to-all of the decode steps
+(PITFALLS #13).
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import torch
+
+from megatron_gspo.dist_utils import all_ranks, max_over_ranks
+from megatron_gspo.rewards import compute_rewards
 
 
 @dataclass
@@ -41,6 +49,10 @@ class RolloutBatch:
     examples: list
     routing: object = None
     """Rollout-time routing (`moe.replay.RoutingReplayCache`) when recorded for R3, else None."""
+    truncated_B: torch.Tensor | None = None
+    """True where the response hit max_new_tokens without a stop token."""
+    reward_status_B: torch.Tensor | None = None
+    """`rewards.compute_rewards` status per row: 0 ok, 1 the reward raised, 2 it timed out."""
 
     def __len__(self) -> int:
         return self.tokens_BT.shape[0]
@@ -93,7 +105,10 @@ def sample(policy, tokenizer, prompts: list[str], *, max_new_tokens: int,
            generator: torch.Generator | None = None, kv_cache: bool = True,
            record_routing: bool = False):
     """Sample responses: (tokens_BT, valid_BT, response_BT, sampler_logp_BT) on CPU, and the
-    rollout-time routing cache (None unless `record_routing`, which needs the KV cache)."""
+    rollout-time routing cache (None unless `record_routing`, which needs the KV cache).
+
+    Collective: every rank calls it and decodes until all ranks' rows are done (or
+    `max_new_tokens`), so T is the same step count on every rank."""
     tokens_BT, valid_BT = encode_prompts(tokenizer, prompts)
     B = tokens_BT.shape[0]
     response_BT = torch.zeros_like(valid_BT)
@@ -123,7 +138,7 @@ def sample(policy, tokenizer, prompts: list[str], *, max_new_tokens: int,
         step_logp_B = logp_BV.gather(1, next_B[:, None]).squeeze(1) * live_B
         logp_BT = torch.cat([logp_BT, step_logp_B[:, None]], dim=1)
         done_B |= torch.isin(next_B, stop_ids)
-        if done_B.all():
+        if all_ranks(bool(done_B.all())):  # never a per-rank break (PITFALLS #13)
             break
     routing = None
     if record_routing:
@@ -147,26 +162,43 @@ def generate_rollouts(policy, tokenizer, task, examples: list, *, group_size: in
         temperature=temperature, top_p=top_p, generator=generator, kv_cache=kv_cache,
         record_routing=record_routing)
     completions = decode_responses(tokenizer, tokens_BT, response_BT)
-    rewards_B = torch.tensor([task.reward(ex, c) for ex, c in zip(repeated, completions)],
-                             dtype=torch.float32)
+    rewards, status = compute_rewards(task, repeated, completions)
+    rewards_B = torch.tensor(rewards, dtype=torch.float32)
     group_B = torch.arange(len(examples)).repeat_interleave(group_size)
     return RolloutBatch(tokens_BT, valid_BT, response_BT, logp_BT, rewards_B, group_B,
-                        completions, repeated, routing)
+                        completions, repeated, routing,
+                        truncated_rows(tokens_BT, response_BT, tokenizer.stop_ids),
+                        torch.tensor(status, dtype=torch.int8))
+
+
+def truncated_rows(tokens_BT: torch.Tensor, response_BT: torch.Tensor, stop_ids) -> torch.Tensor:
+    """[B] bool: the row's last response token is not a stop id (it ran out of tokens)."""
+    T = tokens_BT.shape[1]
+    last_B = (response_BT.long() * torch.arange(T)).argmax(1)
+    last_tok_B = tokens_BT.gather(1, last_B[:, None]).squeeze(1)
+    stops = torch.tensor(sorted(stop_ids), dtype=tokens_BT.dtype)
+    return ~torch.isin(last_tok_B, stops) & response_BT.any(1)
 
 
 def evaluate(policy, tokenizer, task, examples: list, *, max_new_tokens: int,
              batch_size: int = 128, kv_cache: bool = True) -> dict[str, float]:
-    """Greedy-decode accuracy on held-out examples (`eval/...` metrics from `task` scoring)."""
+    """Greedy-decode accuracy on held-out examples (`eval/...` metrics from `task` scoring).
+
+    Collective: every rank runs the largest chunk count of any rank; a rank with fewer chunks
+    decodes its first example as filler and discards it (PITFALLS #13)."""
     from megatron_gspo.tasks import score
 
+    if not examples:
+        raise ValueError("evaluate: no examples")
     was_training = policy.model.training
     policy.train(False)
     completions = []
-    for start in range(0, len(examples), batch_size):
-        chunk = examples[start:start + batch_size]
+    n_chunks = max_over_ranks(-(-len(examples) // batch_size))
+    for start in range(0, n_chunks * batch_size, batch_size):
+        chunk = examples[start:start + batch_size] or examples[:1]  # filler past this rank's end
         tokens_BT, _, response_BT, _, _ = sample(policy, tokenizer, [ex.prompt for ex in chunk],
                                               max_new_tokens=max_new_tokens, greedy=True,
                                               kv_cache=kv_cache)
         completions += decode_responses(tokenizer, tokens_BT, response_BT)
     policy.train(was_training)
-    return score(task, examples, completions)
+    return score(task, examples, completions[:len(examples)])

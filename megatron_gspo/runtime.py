@@ -2,32 +2,42 @@
 
 Checkpoints (`megatron_gspo.checkpoint` layout, `latest` marker): in each step dir, `dist/` is the
 policy (model, optimizer, lr schedule) written by `moe.dist_ckpt` through megatron-core's
-dist_checkpointing, each rank writing only its own shards; `rank_XXXXX.pt` holds each rank's
-counters, RNG state and config. A checkpoint resumes (`resume`) or initialises (`init_checkpoint`)
-a run with any TP / EP / DP layout; RNG states are restored only for the same layout. Checkpoints
-of older versions (`full_params` in rank 0's file) still initialise runs.
+dist_checkpointing, each rank writing only its own shards (checksummed like the rank files);
+`rank_XXXXX.pt` holds each rank's counters, RNG state and config. A checkpoint resumes (`resume`)
+or initialises (`init_checkpoint`) a run with any TP / EP / DP layout; RNG states are restored
+only for the same layout. Older checkpoints (the policy in the rank files, rank 0's
+`full_params`) still resume with the same layout and initialise any layout.
+
+A run dir belongs to one run (`megatron_gspo.rundir`): `setup_runtime` locks it and refuses a
+different job or config before anything is written; `eval` only reads. Resume verifies every
+shard and falls back, with a warning, past a corrupt latest step to the newest good one; rows of
+metrics.jsonl logged after the resumed step are dropped, so no step is logged twice.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from megatron_gspo import checkpoint as ckpt
-from megatron_gspo.config import RunConfig, config_to_dict, save_config
+from megatron_gspo.dist_utils import all_ranks
+from megatron_gspo.config import ConfigError, RunConfig, config_to_dict, save_config
+from megatron_gspo.data import build_task, tokenizer_folder
+from megatron_gspo.rundir import RunDirLock, claim_run_dir, record_run
 from megatron_gspo.metrics import MetricsLogger
 from megatron_gspo.rollout import evaluate
-from megatron_gspo.tasks import make_splits, make_task
-from megatron_gspo.tokenizer import CharTokenizer, Tokenizer
+from megatron_gspo.tokenizer import Tokenizer, load_tokenizer
 from moe import dist_ckpt
 from moe.model import ParallelLayout, Recompute
-from moe.parallel import ParallelInfo, init_parallel
 from moe.optim import OptimSettings
+from moe.parallel import ParallelInfo, init_parallel
 from moe.policy import MoEPolicy
-from moe.presets import get_preset
+from moe.presets import MoEPreset, get_preset
 from moe.sharding import load_full_params
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -43,6 +53,15 @@ class Runtime:
     eval_set: list
     policy: MoEPolicy
     logger: MetricsLogger
+    lock: RunDirLock | None = None
+    """Rank 0's hold on run_dir (None on other ranks and for eval)."""
+
+    def close(self) -> None:
+        """Close the metrics log and release run_dir."""
+        self.logger.close()
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
 
 def layout_of(cfg: RunConfig) -> ParallelLayout:
@@ -50,6 +69,35 @@ def layout_of(cfg: RunConfig) -> ParallelLayout:
     return ParallelLayout(tp=cfg.model.tp, ep=cfg.model.ep,
                           sequence_parallel=cfg.model.sequence_parallel,
                           dispatcher=cfg.model.dispatcher)
+
+
+def resolve_preset(cfg: RunConfig, vocab_size: int) -> MoEPreset:
+    """model.hf_path's config.json (vocab padded to vocab_multiple * tp), else model.preset with
+    the tokenizer's vocab padded to 16 * tp (the toy path, unchanged); model.max_seq_len if
+    set."""
+    tp = cfg.model.tp
+    if cfg.model.hf_path:
+        from moe.hf.config import preset_from_hf
+
+        preset = preset_from_hf(cfg.model.hf_path)
+        preset = preset.with_vocab(max(preset.vocab_size, vocab_size),
+                                   multiple=cfg.model.vocab_multiple * tp)
+    else:
+        preset = get_preset(cfg.model.preset).with_vocab(vocab_size, multiple=16 * tp)
+    if cfg.model.max_seq_len:
+        preset = dataclasses.replace(preset, max_seq_len=cfg.model.max_seq_len)
+    return preset
+
+
+def model_max_len(cfg: RunConfig) -> int:
+    """model.max_seq_len, else the preset's (config.json's with model.hf_path)."""
+    if cfg.model.max_seq_len:
+        return cfg.model.max_seq_len
+    if cfg.model.hf_path:
+        from moe.hf.config import preset_from_hf
+
+        return preset_from_hf(cfg.model.hf_path).max_seq_len
+    return get_preset(cfg.model.preset).max_seq_len
 
 
 def recompute_of(cfg: RunConfig) -> Recompute:
@@ -74,31 +122,53 @@ def optim_settings(cfg: RunConfig, job: str) -> OptimSettings | None:
 
 def build_policy(cfg: RunConfig, vocab_size: int, optim: OptimSettings | None,
                  seed: int | None = None) -> MoEPolicy:
-    """The policy for `cfg.model`; `optim=None` builds it without an optimizer."""
-    tp = cfg.model.tp
-    preset = get_preset(cfg.model.preset)
-    preset = preset.with_vocab(vocab_size, multiple=16 * tp)  # the task's tokenizer, padded
-    return MoEPolicy.build(preset, layout_of(cfg), real_vocab=vocab_size,
-                           seed=cfg.seed if seed is None else seed,
-                           dtype=_DTYPES[cfg.model.dtype], aux_loss_coeff=cfg.model.aux_loss_coeff,
-                           optim=optim, recompute=recompute_of(cfg))
+    """The policy for tokenizer vocab `vocab_size` (`optim=None`: no optimizer); model.hf_path's
+    weights when set."""
+    preset = resolve_preset(cfg, vocab_size)
+    policy = MoEPolicy.build(preset, layout_of(cfg), real_vocab=vocab_size,
+                             seed=cfg.seed if seed is None else seed,
+                             dtype=_DTYPES[cfg.model.dtype],
+                             aux_loss_coeff=cfg.model.aux_loss_coeff,
+                             optim=optim, recompute=recompute_of(cfg))
+    if cfg.model.hf_path:
+        from moe.hf.weights import load_hf_weights
+
+        try:
+            load_hf_weights(policy.model.module, cfg.model.hf_path)  # this rank's shard only
+        except (KeyError, ValueError) as e:  # weights that disagree with their config.json
+            raise ConfigError(f"model.hf_path={cfg.model.hf_path}: {e.args[0]}") from None
+        policy.weights_changed()
+    return policy
 
 
 def setup_runtime(cfg: RunConfig, job: str) -> Runtime:
-    """Process groups, task splits, policy (+ init weights), metrics logger, saved config."""
-    info = init_parallel(cfg.model.tp, cfg.model.ep, seed=cfg.seed)
-    tokenizer = CharTokenizer()
-    task = make_task(cfg.task.name, **dict(cfg.task.kwargs))
-    train_set, eval_set = make_splits(task, cfg.task.n_train, cfg.task.n_eval, cfg.task.seed)
-    policy = build_policy(cfg, tokenizer.vocab_size, optim_settings(cfg, job))
+    """Process groups, run-dir claim, task splits, policy (+ init weights), metrics logger,
+    recorded config. `job` is "sft", "train" or "eval" (eval writes nothing)."""
+    info = init_parallel(cfg.model.tp, cfg.model.ep, seed=cfg.seed,
+                         timeout_min=cfg.model.dist_timeout_min)
     if cfg.init_checkpoint:
-        load_init_weights(policy, cfg.init_checkpoint)
-    if info.is_main:
-        os.makedirs(cfg.run_dir, exist_ok=True)
-        save_config(cfg, os.path.join(cfg.run_dir, f"{job}_config.yaml"))
-    logger = MetricsLogger(cfg.run_dir, config_to_dict(cfg), wandb_mode=cfg.wandb.mode,
-                           project=cfg.wandb.project, name=cfg.wandb.name, enabled=info.is_main)
-    return Runtime(cfg, info, tokenizer, task, train_set, eval_set, policy, logger)
+        check_init_checkpoint(cfg.init_checkpoint)  # fail before the run dir is claimed
+    if cfg.model.hf_path:
+        check_hf_path(cfg.model.hf_path)
+    writes = job != "eval"
+    lock = claim_run_dir(cfg.run_dir, job, config_to_dict(cfg), cfg.resume, info.is_main) \
+        if writes else None
+    try:
+        tokenizer = load_tokenizer(tokenizer_folder(cfg))
+        task, train_set, eval_set = build_task(cfg, tokenizer, model_max_len(cfg), info.is_main)
+        policy = build_policy(cfg, tokenizer.vocab_size, optim_settings(cfg, job))
+        if cfg.init_checkpoint:
+            load_init_weights(policy, cfg.init_checkpoint)
+        if writes and info.is_main:
+            record_run(cfg.run_dir, job, config_to_dict(cfg), lambda p: save_config(cfg, p))
+        logger = MetricsLogger(cfg.run_dir, config_to_dict(cfg), wandb_mode=cfg.wandb.mode,
+                               project=cfg.wandb.project, name=cfg.wandb.name,
+                               enabled=writes and info.is_main)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return Runtime(cfg, info, tokenizer, task, train_set, eval_set, policy, logger, lock)
 
 
 def evaluate_runtime(rt: Runtime) -> dict[str, float]:
@@ -114,9 +184,12 @@ def barrier() -> None:
 
 def save_state(rt: Runtime, step: int, extra: dict) -> None:
     """Every rank writes its policy shards (`dist/`) and its own small state; `latest` moves
-    last."""
+    last. Nothing is gathered."""
     root = os.path.join(rt.cfg.run_dir, "checkpoints")
-    dist_ckpt.save(rt.policy, os.path.join(ckpt.step_dir(root, step), "dist"))  # collective
+    dist_dir = os.path.join(ckpt.step_dir(root, step), "dist")
+    dist_ckpt.save(rt.policy, dist_dir)  # collective
+    for path in dist_ckpt.files_written_by(dist_dir, rt.info.rank):
+        ckpt.write_checksum(path)
     state = {"extra": extra, "rng": ckpt.rng_state(),
              "layout": (rt.info.tp, rt.info.ep, rt.info.world_size),
              "config": config_to_dict(rt.cfg)}
@@ -127,60 +200,101 @@ def save_state(rt: Runtime, step: int, extra: dict) -> None:
     barrier()
 
 
-def _step_dir_of(path: str) -> str:
-    """The step dir a run dir (its latest), a checkpoints root or a step dir points to."""
-    root = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) \
-        else path
-    if os.path.basename(os.path.normpath(root)).startswith("step_"):
-        return root
-    step = ckpt.latest_step(root)
-    if step is None:
-        raise FileNotFoundError(f"{path}: no complete checkpoint (no 'latest' marker)")
-    return ckpt.step_dir(root, step)
+def check_hf_path(path: str) -> None:
+    """model.hf_path is a local folder with a supported config.json: FileNotFoundError (a hub
+    name says so) or ConfigError naming the value."""
+    from moe.hf.config import preset_from_hf
+
+    try:
+        preset_from_hf(path)
+    except ValueError as e:
+        raise ConfigError(f"model.hf_path={path}: {e}") from None
+
+
+def check_init_checkpoint(path: str) -> str:
+    """The checkpoint root or step dir `init_checkpoint` names (a run dir means its latest
+    step); ConfigError naming the value when it is missing, a file, or holds no checkpoint."""
+    if not os.path.exists(path):
+        raise ConfigError(f"init_checkpoint={path}: no such directory")
+    if not os.path.isdir(path):
+        raise ConfigError(f"init_checkpoint={path} is a file; pass the run dir (or one of its "
+                          "checkpoints/step_XXXXXX dirs) that holds it")
+    root = os.path.join(path, "checkpoints")
+    root = root if os.path.isdir(root) else path
+    if not (os.path.isfile(ckpt.rank_file(root, 0)) or ckpt.latest_step(root) is not None):
+        raise ConfigError(f"init_checkpoint={path} holds no checkpoint (no "
+                          f"checkpoints/{ckpt.LATEST_FILE} and no rank_00000.pt)")
+    return root
 
 
 def load_init_weights(policy: MoEPolicy, path: str) -> None:
-    """Initialise from a run dir (its latest checkpoint) or a step dir, any parallel layout."""
-    step_dir = _step_dir_of(path)
-    if dist_ckpt.is_dist_checkpoint(os.path.join(step_dir, "dist")):
-        dist_ckpt.load(policy, os.path.join(step_dir, "dist"), optimizer=False)  # collective
+    """Initialise from a run dir (its latest step) or a step dir, any parallel layout."""
+    root = check_init_checkpoint(path)
+    step_dir = root if os.path.isfile(ckpt.rank_file(root, 0)) \
+        else ckpt.step_dir(root, ckpt.latest_step(root))
+    dist_dir = os.path.join(step_dir, "dist")
+    if dist_ckpt.is_dist_checkpoint(dist_dir):
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        for f in dist_ckpt.files_written_by(dist_dir, rank):
+            ckpt.verify_file(f)
+        try:
+            dist_ckpt.load(policy, dist_dir, optimizer=False)  # collective
+        except (Exception, CheckpointException) as e:  # shape / key mismatch: another model
+            saved = ckpt.load_checkpoint(step_dir, rank=0).get("config", {}).get("model", {})
+            lines = [ln for ln in str(e).splitlines() if "mismatch" in ln] or [str(e)]
+            raise ConfigError(f"init_checkpoint={path} holds preset {saved.get('preset')!r}, "
+                              f"this run builds {policy.preset.name!r}: "
+                              f"{lines[-1].strip()}") from None
         return
     state = ckpt.load_checkpoint(step_dir, rank=0)
     if "full_params" not in state:
-        raise ValueError(f"{path}: checkpoint has neither dist/ nor full_params (not written by "
-                         "megatron-gspo?)")
-    load_full_params(policy.model.module, state["full_params"])
+        raise ConfigError(f"init_checkpoint={path}: checkpoint has no full_params (not written "
+                          "by megatron-gspo?)")
+    try:
+        load_full_params(policy.model.module, state["full_params"])
+    except (KeyError, ValueError) as e:
+        saved = state.get("config", {}).get("model", {}).get("preset")
+        raise ConfigError(f"init_checkpoint={path} holds preset {saved!r}, this run builds "
+                          f"{policy.preset.name!r}: {str(e).strip(chr(34) + chr(39))}") from None
     policy.weights_changed()
 
 
 def try_resume(rt: Runtime) -> dict | None:
-    """Restore the policy (any layout) and counters from run_dir's latest checkpoint; returns
-    its `extra`. RNG states come back only when the layout is the same."""
+    """Restore the policy (any layout) from run_dir's newest good checkpoint; returns its
+    `extra` (None when there is none or resume is off). A corrupt or unreadable latest step
+    is skipped with a warning; every rank resumes the same step. RNG states come back only
+    with the layout they were saved with."""
     root = os.path.join(rt.cfg.run_dir, "checkpoints")
-    if not rt.cfg.resume or ckpt.latest_step(root) is None:
+    if rt.cfg.resume is False or ckpt.latest_step(root) is None:
         return None
-    step_dir = ckpt.step_dir(root, ckpt.latest_step(root))
     layout = (rt.info.tp, rt.info.ep, rt.info.world_size)
-    same_rank = os.path.isfile(ckpt.rank_file(step_dir, rt.info.rank))
-    state = ckpt.load_checkpoint(step_dir, rank=rt.info.rank if same_rank else 0)
-    if not dist_ckpt.is_dist_checkpoint(os.path.join(step_dir, "dist")):
-        raise ValueError(f"{step_dir}: written before dist checkpoints (no dist/), its optimizer "
-                         f"state cannot be resumed; start from its weights with "
-                         f"init_checkpoint={rt.cfg.run_dir} and resume=false")
-    dist_ckpt.load(rt.policy, os.path.join(step_dir, "dist"))  # collective
-    if tuple(state["layout"]) == layout:
-        ckpt.set_rng_state(state["rng"])
-    return state["extra"]
-
-
-def mean_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
-    """Average scalar metrics over all ranks (identical keys everywhere)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1) or not metrics:
-        return metrics
-    keys = sorted(metrics)
-    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
-    if torch.cuda.is_available():
-        values = values.cuda()
-    dist.all_reduce(values)
-    values /= dist.get_world_size()
-    return dict(zip(keys, values.cpu().tolist()))
+    for step in ckpt.resume_candidates(root):
+        state, error = None, ""
+        dist_dir = os.path.join(ckpt.step_dir(root, step), "dist")
+        own = os.path.isfile(ckpt.rank_file(ckpt.step_dir(root, step), rt.info.rank))
+        try:
+            state = ckpt.load_checkpoint(root, rank=rt.info.rank if own else 0, step=step)
+            for f in dist_ckpt.files_written_by(dist_dir, rt.info.rank):
+                ckpt.verify_file(f)
+        except (ckpt.CheckpointError, FileNotFoundError) as e:
+            state, error = None, str(e)
+        if not all_ranks(state is not None):
+            if rt.info.is_main or error:
+                print(f"WARNING: skipping checkpoint step {step}: "
+                      f"{error or 'a shard on another rank is bad'}", flush=True)
+            continue
+        same_layout = tuple(state["layout"]) == layout
+        if dist_ckpt.is_dist_checkpoint(dist_dir):
+            dist_ckpt.load(rt.policy, dist_dir)  # collective; any layout
+        elif same_layout:  # written before dist checkpoints: the policy is in the rank files
+            rt.policy.load_state_dict(state["policy"])
+        else:
+            raise ConfigError(f"{root}: saved with (tp, ep, world)={tuple(state['layout'])} "
+                              f"before dist checkpoints, resuming with {layout}; use "
+                              "init_checkpoint to change layout")
+        if same_layout:
+            ckpt.set_rng_state(state["rng"])
+        rt.logger.drop_after(state["extra"].get("opt_step", state["extra"].get("step", step)))
+        return state["extra"]
+    raise ckpt.CheckpointError(f"no readable checkpoint in {root} (tried "
+                               f"{ckpt.resume_candidates(root)}); move it away to start afresh")

@@ -15,7 +15,10 @@ import torch
 from megatron_gspo.config import RunConfig
 from megatron_gspo.metrics import format_progress
 from megatron_gspo.rollout import encode_prompts
-from megatron_gspo.runtime import evaluate_runtime, mean_over_ranks, save_state, setup_runtime
+from megatron_gspo.dist_utils import reduce_metrics
+from megatron_gspo.preempt import Preempted, Preemption
+from megatron_gspo.runtime import (evaluate_runtime, save_state, setup_runtime,
+                                   try_resume)
 
 
 def sft_batch(tokenizer, examples) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -35,34 +38,64 @@ def sft_batch(tokenizer, examples) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 
 def run_sft(cfg: RunConfig) -> dict:
-    """Train `cfg.sft.steps` steps, evaluating every `cfg.sft.eval_every`; save a checkpoint."""
+    """Train `cfg.sft.steps` steps, evaluating every `cfg.sft.eval_every`; save a checkpoint at
+    the end (and on SIGTERM / Ctrl-C, then raise `Preempted`); resume a stopped run."""
     rt = setup_runtime(cfg, job="sft")
-    policy, info = rt.policy, rt.info
+    try:
+        return _sft_loop(rt)
+    finally:
+        rt.close()
+
+
+def _sft_loop(rt) -> dict:
+    cfg, policy, info = rt.cfg, rt.policy, rt.info
     if cfg.sft.batch_size % info.dp:
         raise ValueError(f"sft.batch_size={cfg.sft.batch_size} is not divisible by the "
                          f"data-parallel size {info.dp}")
     gen = torch.Generator().manual_seed(cfg.seed * 31 + info.dp_rank)
-    metrics = evaluate_runtime(rt)
-    rt.logger.log(0, metrics)
+    resumed = try_resume(rt)
+    if resumed is not None:
+        gen.set_state(resumed["gen"])
+        metrics = resumed["eval"]
+    else:
+        metrics = evaluate_runtime(rt)
+        rt.logger.log(0, metrics)
+    start = resumed["step"] + 1 if resumed else 1
+    if start > cfg.sft.steps and info.is_main:
+        print(f"{cfg.run_dir} already finished sft.steps={cfg.sft.steps}; nothing to do",
+              flush=True)
     policy.train(True)
-    for step in range(1, cfg.sft.steps + 1):
-        idx = torch.randint(len(rt.train_set), (cfg.sft.batch_size // info.dp,), generator=gen)
-        tokens_BT, valid_BT, target_BT = sft_batch(rt.tokenizer,
-                                                   [rt.train_set[i] for i in idx.tolist()])
-        policy.zero_grad()
-        logp_BT = policy.token_logprobs(tokens_BT, valid_BT)
-        target_BT = target_BT.to(logp_BT.device)
-        loss = -(logp_BT * target_BT).sum() / target_BT.sum()
-        policy.backward(loss)
-        stepped, grad_norm = policy.step()
-        metrics = {"sft/loss": loss.item(), "train/grad_norm": grad_norm,
-                   "train/skipped": float(not stepped)}
-        if cfg.sft.eval_every and (step % cfg.sft.eval_every == 0 or step == cfg.sft.steps):
-            metrics.update(evaluate_runtime(rt))
-            if info.is_main:
-                print(format_progress(step, cfg.sft.steps, metrics,
-                                      ("sft/loss", "eval/accuracy")), flush=True)
-        rt.logger.log(step, mean_over_ranks(metrics))
-    save_state(rt, cfg.sft.steps, {"job": "sft", "eval": metrics})
-    rt.logger.close()
+    with Preemption() as stop:
+        for step in range(start, cfg.sft.steps + 1):
+            metrics = sft_step(rt, gen)
+            if cfg.sft.eval_every and (step % cfg.sft.eval_every == 0 or step == cfg.sft.steps):
+                metrics.update(evaluate_runtime(rt))
+                if info.is_main:
+                    print(format_progress(step, cfg.sft.steps, metrics,
+                                          ("sft/loss", "eval/accuracy")), flush=True)
+            rt.logger.log(step, reduce_metrics(metrics))
+            signum = stop.requested()
+            if step == cfg.sft.steps or signum:
+                save_state(rt, step, {"job": "sft", "step": step, "eval": metrics,
+                                      "gen": gen.get_state()})
+            if signum and step < cfg.sft.steps:
+                raise Preempted(signum, f"stopped at SFT step {step} of {cfg.sft.steps}; "
+                                f"checkpoint saved in {cfg.run_dir}; run the same command "
+                                "to resume")
     return metrics
+
+
+def sft_step(rt, gen: torch.Generator) -> dict:
+    """One cross-entropy step on a fresh batch of this rank's share of `sft.batch_size`."""
+    cfg, policy = rt.cfg, rt.policy
+    idx = torch.randint(len(rt.train_set), (cfg.sft.batch_size // rt.info.dp,), generator=gen)
+    tokens_BT, valid_BT, target_BT = sft_batch(rt.tokenizer,
+                                               [rt.train_set[i] for i in idx.tolist()])
+    policy.zero_grad()
+    logp_BT = policy.token_logprobs(tokens_BT, valid_BT)
+    target_BT = target_BT.to(logp_BT.device)
+    loss = -(logp_BT * target_BT).sum() / target_BT.sum()
+    policy.backward(loss)
+    stepped, grad_norm = policy.step()
+    return {"sft/loss": loss.item(), "train/grad_norm": grad_norm,
+            "train/skipped": float(not stepped)}

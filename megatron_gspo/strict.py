@@ -13,6 +13,8 @@ import ast
 import dataclasses
 import functools
 import inspect
+import json
+import os
 import re
 import textwrap
 from typing import Any, Literal, Sequence, Union, get_args, get_origin, get_type_hints
@@ -85,8 +87,16 @@ def _of_type(t):
     return check
 
 
+def _to_list(v):  # a YAML list, or one string as a one-element list
+    if isinstance(v, str):
+        return [v]
+    if not isinstance(v, (list, tuple)):
+        raise ValueError(v)
+    return list(v)
+
+
 _SCALARS = {bool: _to_bool, int: _to_int, float: _to_float, str: _of_type(str),
-            dict: _of_type(dict)}
+            dict: _of_type(dict), list: _to_list}
 
 
 def _coerce(value, tp, key: str):
@@ -99,6 +109,16 @@ def _coerce(value, tp, key: str):
             return value
         raise ConfigError(f"{key}={value}: expected one of {', '.join(map(repr, args))}")
     inner = [a for a in args if a is not type(None)] if origin is Union else [tp]
+    words = [a for a in inner if get_origin(a) is Literal]
+    if words:  # e.g. bool | Literal["force"]: the words first, then the one other type
+        if isinstance(value, str) and any(value in get_args(w) for w in words):
+            return value
+        inner = [a for a in inner if a not in words]
+        if len(inner) == 1:
+            try:
+                return _coerce(value, inner[0], key)
+            except ConfigError:
+                raise ConfigError(f"{key}={value}: expected {type_name(tp)}") from None
     base = get_origin(inner[0]) or inner[0]
     convert = _of_type(base) if dataclasses.is_dataclass(base) else _SCALARS.get(base)
     if len(inner) != 1 or convert is None:
@@ -143,7 +163,87 @@ def validate(obj, nonempty: Sequence[str] = (), ge: dict | None = None,
 
 
 class YamlLoader(yaml.SafeLoader):
-    """SafeLoader with YAML 1.2 floats (`3e-4`) and booleans (only true / false)."""
+    """SafeLoader with YAML 1.2 floats (`3e-4`) and booleans (only true / false), and duplicate
+    keys as errors (plain PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first at line {seen[key] + 1})",
+                    key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(path: str):
+    """Parse a YAML file with `YamlLoader`; any YAML error is a one-line ConfigError naming the
+    file, line and column."""
+    with open(path) as f:
+        text = f.read()
+    try:
+        return yaml.load(text, Loader=YamlLoader)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
+        what = " ".join(str(x) for x in (e.context, e.problem) if x)
+        raise ConfigError(f"{where}: invalid YAML: {what}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {' '.join(str(e).split())}") from None
+
+
+
+def deep_merge(base: dict, top: dict) -> dict:
+    """`top` on `base`: mappings merge key by key (recursively), anything else in `top`
+    (scalars, lists, null) replaces. Neither input is modified."""
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) \
+            else v
+    return out
+
+
+def load_layered(path: str, _chain: tuple[str, ...] = ()) -> dict:
+    """A YAML mapping with inheritance: a top-level `base: other.yaml` (a path relative to this
+    file) is loaded first, recursively, and this file's other keys are deep-merged on top
+    (`deep_merge`). A cycle, a missing base file or a non-mapping file is a one-line
+    ConfigError naming the files. One base per file; no interpolation."""
+    real = os.path.realpath(path)
+    if real in _chain:
+        names = " -> ".join(os.path.relpath(p) for p in (*_chain, real))
+        raise ConfigError(f"config base cycle: {names}")
+    if not os.path.isfile(path) and _chain:
+        raise ConfigError(f"base config not found: {path} (the base of {_chain[-1]})")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"config file not found: {path}")
+    raw = load_yaml(path)
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, "
+                          f"got {type(raw).__name__}")
+    if "base" not in raw:
+        return raw
+    base = raw.pop("base")
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"{path}: base={base!r}: expected the path of a YAML file")
+    base_path = os.path.join(os.path.dirname(path), base)
+    return deep_merge(load_layered(base_path, (*_chain, real)), raw)
+
+
+
+def mapping_to_overrides(mapping: dict, prefix: str = "") -> list[str]:
+    """A (nested or dotted-key) YAML mapping as `a.b=c` overrides, in file order, so it can be
+    laid over any config like a file over its base (`apply_override` checks every key). Strings
+    are written as-is, other values as JSON (a YAML 1.2 subset: `null`, `true`, `3e-05`, `[1]`)."""
+    out = []
+    for k, v in mapping.items():
+        if isinstance(v, dict) and v:
+            out += mapping_to_overrides(v, f"{prefix}{k}.")
+        else:
+            out.append(f"{prefix}{k}={v if isinstance(v, str) else json.dumps(v)}")
+    return out
 
 
 _BOOL, _FLOAT = "tag:yaml.org,2002:bool", "tag:yaml.org,2002:float"

@@ -23,7 +23,9 @@ import re
 from dataclasses import dataclass, fields
 from typing import ClassVar, Protocol, Sequence
 
+from megatron_gspo.rewards import compute_rewards, countdown_reward, exact_reward
 from megatron_gspo.tokenizer import CharTokenizer  # noqa: F401 (re-exported)
+from moe.checks import is_int
 
 @dataclass(frozen=True)
 class Example:
@@ -47,7 +49,7 @@ class Task(Protocol):
 
 
 def _check_int(task: str, field: str, value, lo: int, hi: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+    if not is_int(value) or not lo <= value <= hi:
         raise ValueError(f"{task}: {field}={value!r} must be an int in [{lo}, {hi}]")
 
 
@@ -90,7 +92,7 @@ class Addition:
         return Example(f"{a}+{b}=", str(a + b))
 
     def reward(self, example: Example, completion: str) -> float:
-        return float(_check_completion(completion).strip() == example.answer)
+        return exact_reward(completion, example.answer)
 
     def format_ok(self, completion: str) -> bool:
         return _DIGITS.fullmatch(_check_completion(completion).strip()) is not None
@@ -122,7 +124,7 @@ class Sort:
         return Example(f"s:{digits}=", "".join(sorted(digits)))
 
     def reward(self, example: Example, completion: str) -> float:
-        return float(_check_completion(completion).strip() == example.answer)
+        return exact_reward(completion, example.answer)
 
     def format_ok(self, completion: str) -> bool:
         text = _check_completion(completion).strip()
@@ -275,12 +277,7 @@ class Countdown:
         return Example(prompt, expr, (tuple(shown), target))
 
     def reward(self, example: Example, completion: str) -> float:
-        parsed = parse_expression(_check_completion(completion))
-        if parsed is None:
-            return 0.0
-        numbers, target = example.meta
-        value, used = parsed
-        return float(value == target and sorted(used) == sorted(numbers))
+        return countdown_reward(completion, example.meta)
 
     def format_ok(self, completion: str) -> bool:
         return parse_expression(_check_completion(completion)) is not None
@@ -301,14 +298,72 @@ class Countdown:
         return sum(_distinct_permutations(ms) for ms, _ in seen)
 
 
-TASKS: dict[str, type] = {"addition": Addition, "sort": Sort, "countdown": Countdown}
+@dataclass(frozen=True)
+class RunningSum:
+    """"a:3,5,7,2=" -> "3+5=8,8+7=15,15+2=17": running sums written out as a scratchpad.
+
+    The long-response task: with the defaults (10 numbers in [1, 9]) the reference has 9 steps
+    and 61-71 tokens with <eos> under the character tokenizer (over 99% of them 64+; see
+    tests), so sequence-level (GSPO) and token-level (GRPO) importance ratios differ over 60+
+    tokens per response. Each step is one small addition plus a copy from the prompt. Reward:
+    `exact` (the whole scratchpad, i.e. every partial sum, must be right); `format_ok`: it
+    parses as steps "a+b=c" joined by ",". Needs model.max_seq_len >= 23 + 71 = 94 (the tiny
+    presets have 64).
+    """
+
+    num_numbers: int = 10
+    max_number: int = 9
+    name: ClassVar[str] = "running_sum"
+
+    def __post_init__(self) -> None:
+        _check_int(self.name, "num_numbers", self.num_numbers, 2, 64)
+        _check_int(self.name, "max_number", self.max_number, 1, 999)
+
+    def _scratchpad(self, nums: Sequence[int]) -> str:
+        steps, total = [], nums[0]
+        for x in nums[1:]:
+            steps.append(f"{total}+{x}={total + x}")
+            total += x
+        return ",".join(steps)
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return len("a:=") + self.num_numbers * len(str(self.max_number)) + self.num_numbers - 1
+
+    @property
+    def max_answer_chars(self) -> int:  # every number at its maximum gives the longest text
+        return len(self._scratchpad([self.max_number] * self.num_numbers))
+
+    def num_prompts(self) -> int:
+        return self.max_number ** self.num_numbers
+
+    def sample(self, rng: random.Random) -> Example:
+        nums = [rng.randint(1, self.max_number) for _ in range(self.num_numbers)]
+        return Example(f"a:{','.join(map(str, nums))}=", self._scratchpad(nums))
+
+    def reward(self, example: Example, completion: str) -> float:
+        return exact_reward(completion, example.answer)
+
+    def format_ok(self, completion: str) -> bool:
+        return _STEPS.fullmatch(_check_completion(completion).strip()) is not None
+
+
+_STEPS = re.compile(r"[0-9]+\+[0-9]+=[0-9]+(,[0-9]+\+[0-9]+=[0-9]+)*")
+
+TASKS: dict[str, type] = {"addition": Addition, "sort": Sort, "countdown": Countdown,
+                          "running_sum": RunningSum}
+
+
+def task_kwarg_names(name: str) -> list[str]:
+    """The constructor arguments of registered task `name`."""
+    return [f.name for f in fields(TASKS[name])]
 
 
 def make_task(name: str, **kwargs) -> Task:
     if name not in TASKS:
         raise KeyError(f"unknown task {name!r}; valid tasks: {sorted(TASKS)}")
     cls = TASKS[name]
-    valid = [f.name for f in fields(cls)]
+    valid = task_kwarg_names(name)
     bad = [k for k in kwargs if k not in valid]
     if bad:
         raise TypeError(f"task {name!r} got unknown kwarg(s) {bad}; valid: {valid}")
@@ -337,7 +392,7 @@ def make_splits(task: Task, n_train: int, n_eval: int,
     Eval is drawn first, so the eval set depends only on (task, n_eval, seed).
     """
     for label, n in (("n_train", n_train), ("n_eval", n_eval)):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        if not is_int(n) or n < 0:
             raise ValueError(f"make_splits: {label}={n!r} must be an int >= 0")
     capacity = task.num_prompts() if hasattr(task, "num_prompts") else None
     if capacity is not None and n_train + n_eval > capacity:
@@ -355,7 +410,7 @@ def score(task: Task, examples: Sequence[Example], completions: Sequence[str]) -
         raise ValueError(f"score: {len(examples)} examples but {len(completions)} completions")
     if not examples:
         raise ValueError("score: no examples")
-    rewards = [task.reward(ex, c) for ex, c in zip(examples, completions)]
+    rewards, _ = compute_rewards(task, examples, completions)
     n = len(rewards)
     return {"eval/accuracy": sum(r >= 1.0 for r in rewards) / n,
             "eval/reward_mean": sum(rewards) / n,

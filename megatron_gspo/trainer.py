@@ -29,12 +29,15 @@ from contextlib import nullcontext
 import torch
 
 from megatron_gspo.advantages import group_advantages
-from megatron_gspo.config import RunConfig
+from megatron_gspo.config import ConfigError, RunConfig
+from megatron_gspo.dist_utils import all_ranks, reduce_metrics
+from megatron_gspo.filters import overlong_filter, rollout_health, sample_rollouts
 from megatron_gspo.losses import PolicyLossConfig, get_policy_loss
 from megatron_gspo.metrics import Timer, format_progress
+from megatron_gspo.preempt import Preempted, Preemption
 from megatron_gspo.rollout import RolloutBatch, generate_rollouts
 from megatron_gspo.runtime import (Runtime, build_policy, evaluate_runtime, load_init_weights,
-                                   mean_over_ranks, save_state, setup_runtime, try_resume)
+                                   save_state, setup_runtime, try_resume)
 from moe.replay import RoutingReplayCache, current_routing, record_routing, replay_routing
 from moe.routing_stats import routing_metrics
 
@@ -46,6 +49,13 @@ class Trainer:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.rt: Runtime = setup_runtime(cfg, job="train")
+        try:
+            self._build(cfg)
+        except BaseException:
+            self.rt.close()
+            raise
+
+    def _build(self, cfg: RunConfig) -> None:
         self.policy = self.rt.policy
         self.loss_cfg = PolicyLossConfig(name=cfg.loss.name, eps_low=cfg.loss.eps_low,
                                          eps_high=cfg.loss.eps_high, kl_coef=cfg.loss.kl_coef,
@@ -56,28 +66,47 @@ class Trainer:
             self.ref_policy = build_policy(cfg, self.rt.tokenizer.vocab_size, optim=None)
             if cfg.init_checkpoint:
                 load_init_weights(self.ref_policy, cfg.init_checkpoint)
-        dp = self.rt.info.dp
-        if cfg.rollout.prompts_per_batch % dp:
-            raise ValueError(f"rollout.prompts_per_batch={cfg.rollout.prompts_per_batch} is not "
-                             f"divisible by the data-parallel size {dp}")
-        self.local_prompts = cfg.rollout.prompts_per_batch // dp
+        self.local_prompts = local_prompts(cfg, self.rt.info.dp)
         self.state = {"iteration": 0, "opt_step": 0, "skipped_in_a_row": 0,
                       "reward_ema": None, "best_reward_ema": None}
         self.state.update(try_resume(self.rt) or {})
         self.timer = Timer()
+        self.filter_metrics: dict = {}  # dynamic sampling's, of the last rollout
 
     # ------------------------------------------------------------------ loop
     def train(self) -> dict:
+        """Run to `train.steps` rollout batches; a signal saves and raises `Preempted`."""
         cfg, last = self.cfg, {}
-        if self.state["iteration"] == 0 and cfg.train.eval_every:
-            self._log(self.state["opt_step"], self.evaluate())
-        while self.state["iteration"] < cfg.train.steps:
-            last = self.iteration()
-            if self.rt.info.is_main:
-                print(format_progress(self.state["iteration"], cfg.train.steps, last,
-                                      PROGRESS_KEYS), flush=True)
-        self.rt.logger.close()
+        try:
+            if self.state["iteration"] >= cfg.train.steps:
+                if self.rt.info.is_main:
+                    print(f"{cfg.run_dir} already finished {self.state['iteration']} of "
+                          f"train.steps={cfg.train.steps} rollout batches; nothing to do "
+                          "(raise train.steps to continue it)", flush=True)
+                return last
+            if self.state["iteration"] == 0 and cfg.train.eval_every:
+                self._log(self.state["opt_step"], self.evaluate())
+            with Preemption() as stop:
+                while self.state["iteration"] < cfg.train.steps:
+                    last = self.iteration()
+                    it = self.state["iteration"]
+                    if self.rt.info.is_main and it % cfg.train.log_every == 0:
+                        print(format_progress(it, cfg.train.steps, last, PROGRESS_KEYS),
+                              flush=True)
+                    signum = stop.requested()
+                    if self.should_save(it) or signum:
+                        save_state(self.rt, it, dict(self.state))
+                    if signum and it < cfg.train.steps:
+                        raise Preempted(signum, f"stopped at rollout batch {it} of "
+                                        f"{cfg.train.steps}; checkpoint saved in {cfg.run_dir}; "
+                                        "run the same command to resume")
+        finally:
+            self.rt.close()
         return last
+
+    def should_save(self, iteration: int) -> bool:
+        every = self.cfg.train.save_every
+        return bool(every) and (iteration % every == 0 or iteration == self.cfg.train.steps)
 
     def iteration(self) -> dict:
         cfg, it = self.cfg, self.state["iteration"]
@@ -92,7 +121,9 @@ class Trainer:
         pi_old_BT = batch.sampler_logp_BT if cfg.rollout.use_sampler_logprobs else old_logp_BT
         adv_B, adv_metrics = group_advantages(batch.rewards_B, cfg.rollout.group_size,
                                               eps=cfg.loss.adv_eps)
-        shared = {**rollout_metrics(batch, old_logp_BT), **adv_metrics, "train/iteration": it}
+        adv_B, overlong_metrics = overlong_filter(adv_B, batch, cfg.filter.overlong)
+        shared = {**rollout_metrics(batch, old_logp_BT), **adv_metrics, "train/iteration": it,
+                  **rollout_health(batch), **overlong_metrics, **self.filter_metrics}
         replay = {"off": None, "r2": old_routing, "r3": batch.routing}[cfg.train.routing_replay]
         if replay is not None:
             shared["replay/cache_bytes"] = replay.nbytes
@@ -107,7 +138,7 @@ class Trainer:
                 metrics = self.train_step(batch.select(rows), pi_old_BT[rows], adv_B[rows],
                                           old_routing.select(rows),
                                           None if replay is None else replay.select(rows), ref)
-            metrics = mean_over_ranks({**metrics, **shared, "train/minibatch": m})
+            metrics = reduce_metrics({**metrics, **shared, "train/minibatch": m})
             if m < cfg.train.num_minibatches - 1:
                 self._log(self.state["opt_step"], metrics)
         self.state["iteration"] = it + 1
@@ -117,24 +148,26 @@ class Trainer:
         if cfg.train.eval_every and self.state["iteration"] % cfg.train.eval_every == 0:
             metrics.update(self.evaluate())
         self._log(self.state["opt_step"], metrics)
-        if cfg.train.save_every and (self.state["iteration"] % cfg.train.save_every == 0
-                                     or self.state["iteration"] == cfg.train.steps):
-            save_state(self.rt, self.state["iteration"], dict(self.state))
         return metrics
 
     def rollout(self, it: int) -> RolloutBatch:
         cfg, info = self.cfg, self.rt.info
         # Same draw on every TP rank of a DP replica; deterministic per iteration (resumable).
         gen = torch.Generator().manual_seed(cfg.seed * 7_919 + it * 104_729 + info.dp_rank)
-        idx = torch.randint(len(self.rt.train_set), (self.local_prompts,), generator=gen)
+
+        def draw() -> RolloutBatch:
+            idx = torch.randint(len(self.rt.train_set), (self.local_prompts,), generator=gen)
+            return generate_rollouts(self.policy, self.rt.tokenizer, self.rt.task,
+                                     [self.rt.train_set[i] for i in idx.tolist()],
+                                     group_size=cfg.rollout.group_size,
+                                     max_new_tokens=cfg.rollout.max_new_tokens,
+                                     temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                     generator=gen, kv_cache=cfg.rollout.kv_cache,
+                                     record_routing=cfg.train.routing_replay == "r3")
         self.policy.train(False)
-        batch = generate_rollouts(self.policy, self.rt.tokenizer, self.rt.task,
-                                  [self.rt.train_set[i] for i in idx.tolist()],
-                                  group_size=cfg.rollout.group_size,
-                                  max_new_tokens=cfg.rollout.max_new_tokens,
-                                  temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                  generator=gen, kv_cache=cfg.rollout.kv_cache,
-                                  record_routing=cfg.train.routing_replay == "r3")
+        batch, self.filter_metrics = sample_rollouts(draw, cfg.filter, self.local_prompts,
+                                                     cfg.rollout.group_size,
+                                                     self.rt.tokenizer.pad_id)
         self.policy.train(True)
         return batch
 
@@ -160,7 +193,7 @@ class Trainer:
         resp_BT = mb.response_BT.to(entropy_BT.device)
         metrics["policy/entropy"] = float((entropy_BT.detach() * resp_BT).sum() / resp_BT.sum())
         stepped, grad_norm = False, float("nan")
-        if torch.isfinite(loss):
+        if all_ranks(bool(torch.isfinite(loss))):  # skip on every rank or none (PITFALLS #13)
             policy.backward(loss)
             stepped, grad_norm = policy.step()
         metrics.update(self.guard(stepped), **{"train/grad_norm": grad_norm,
@@ -199,6 +232,21 @@ class Trainer:
 
     def _log(self, step: int, metrics: dict) -> None:
         self.rt.logger.log(step, metrics)
+
+
+def local_prompts(cfg: RunConfig, dp: int) -> int:
+    """Prompts per rollout batch on one data-parallel rank; ConfigError unless the batch splits
+    evenly over the ranks and each rank's rows split into `train.num_minibatches`."""
+    prompts, group, n = cfg.rollout.prompts_per_batch, cfg.rollout.group_size, \
+        cfg.train.num_minibatches
+    if prompts % dp:
+        raise ConfigError(f"rollout.prompts_per_batch={prompts} is not divisible by the "
+                          f"data-parallel size {dp}")
+    if prompts // dp * group % n:  # each rank splits its own share into minibatches
+        raise ConfigError(f"train.num_minibatches={n} does not divide a data-parallel rank's "
+                          f"{prompts // dp * group} rollout rows (rollout.prompts_per_batch / "
+                          f"dp * rollout.group_size = {prompts} / {dp} * {group})")
+    return prompts // dp
 
 
 def flip_metrics(policy, mb: RolloutBatch, before, old_routing) -> dict:

@@ -16,13 +16,18 @@ which lets the DP size change but not TP / EP (megatron's TP/EP-reshardable form
 'fully_reshardable', gathers the state on DP rank 0: what this module avoids). Changing TP / EP
 under the distributed optimizer: load the weights only (`load(..., optimizer=False)`).
 
+`full_params` reads a checkpoint into a 1-process model and returns the full parameter dict (what
+Hugging Face export needs), whatever layout wrote it.
+
 Atomic: the checkpoint is written into `<directory>.tmp` and renamed to `<directory>` only after
 every rank has finished (barriers around it), so a crash leaves no half-written `<directory>`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import shutil
 
 import torch.distributed as dist
@@ -36,6 +41,24 @@ METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 def is_dist_checkpoint(directory: str) -> bool:
     """True when `directory` holds a complete dist_checkpointing checkpoint."""
     return os.path.isfile(os.path.join(directory, "metadata.json"))
+
+
+_SHARD_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")  # torch_dist: __<rank>_<writer>.distcp
+
+
+def files_written_by(directory: str, rank: int) -> list[str]:
+    """The files of checkpoint `directory` that `rank` wrote: its `.distcp` shards; rank 0 also
+    the common state and metadata (for per-file checksums; other files, e.g. checksum sidecars,
+    are skipped)."""
+    if not os.path.isdir(directory):
+        return []
+    out = []
+    for name in sorted(os.listdir(directory)):
+        m = _SHARD_FILE.match(name)
+        if (m and int(m.group(1)) == rank) or (rank == 0 and not m and (
+                name in ("common.pt", ".metadata", "metadata.json"))):
+            out.append(os.path.join(directory, name))
+    return out
 
 
 def _barrier() -> None:
@@ -107,3 +130,31 @@ def load(policy, directory: str, optimizer: bool = True) -> None:
                                           "scheduler": state["scheduler"]})
     else:
         policy.weights_changed()
+
+
+def embedding_rows(directory: str) -> int:
+    """The (padded) vocabulary rows of the checkpoint's embedding, from its metadata."""
+    from megatron.core import dist_checkpointing
+
+    meta = dist_checkpointing.load_tensors_metadata(directory)
+    return meta["embedding.word_embeddings.weight"].global_shape[0]
+
+
+def full_params(directory: str, preset) -> dict:
+    """The full parameter dict (1-process names, `moe.sharding`) of checkpoint `directory`:
+    its weights loaded into a 1-process model of `preset` (vocab = the checkpoint's rows).
+    Runs in one process (`moe.parallel.init_parallel(1, 1)` if no group exists)."""
+    from moe.model import ParallelLayout
+    from moe.parallel import init_parallel
+    from moe.policy import MoEPolicy
+    from moe.sharding import gather_full_params
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError(f"reading {directory} into full parameters runs in one process, "
+                           f"not {dist.get_world_size()}")
+    init_parallel(1, 1)
+    rows = embedding_rows(directory)
+    preset = dataclasses.replace(preset, vocab_size=rows)
+    policy = MoEPolicy.build(preset, ParallelLayout(), real_vocab=rows, optim=None)
+    load(policy, directory, optimizer=False)
+    return gather_full_params(policy.model.module)

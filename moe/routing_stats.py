@@ -24,11 +24,13 @@ from typing import Sequence
 
 import torch
 
+from moe.checks import is_int
+
 _INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 def _check_num_experts(num_experts) -> None:
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+    if not is_int(num_experts) or num_experts < 1:
         raise ValueError(f"num_experts={num_experts!r} must be a positive int")
 
 

@@ -1,9 +1,9 @@
 """Throughput of one GSPO iteration: ours (megatron-core MoE) vs TRL's GRPOTrainer, side by side.
 
-    python tools/bench_throughput.py                      # 3 warm-up + 20 measured iterations each
-    python tools/bench_throughput.py --iterations 40 --threads 2   # only on an idle machine
-    python tools/bench_throughput.py --skip-trl           # ours only
-    python tools/bench_throughput.py --set train.flip_every=1   # extra overrides for our side
+    python -m tools.bench_throughput                      # 3 warm-up + 20 measured iterations each
+    python -m tools.bench_throughput --iterations 40 --threads 2   # only on an idle machine
+    python -m tools.bench_throughput --skip-trl           # ours only
+    python -m tools.bench_throughput --set train.flip_every=1   # extra overrides for our side
 
 Needs `pip install trl transformers accelerate datasets` for the TRL side (without them the
 script reports ours and says why TRL was skipped). Nothing is downloaded: the HF model is a
@@ -45,7 +45,6 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach the Hub
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 

@@ -1,9 +1,9 @@
 """The CPU demo: cold-start SFT of qwen3-moe-tiny, then a short GSPO run; prints eval accuracy.
 
 Usage:
-    python tools/demo.py                 # what `make demo` runs (about 2 minutes on 2 cores)
-    python tools/demo.py --fresh         # delete runs/demo first
-    python tools/demo.py train.steps=4   # overrides go to the GSPO run
+    python -m tools.demo                 # what `make demo` runs (about 2 minutes on 2 cores)
+    python -m tools.demo --fresh         # delete runs/demo first
+    python -m tools.demo train.steps=4   # overrides go to the GSPO run
 
 SFT is skipped when runs/demo/sft already holds a checkpoint.
 """
@@ -17,7 +17,6 @@ import sys
 import time
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 warnings.filterwarnings("ignore")
 
 HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",

@@ -1,11 +1,11 @@
 """Plot training-run metrics (metrics.jsonl) as small PNG figures and print a summary table.
 
 Usage:
-    python tools/plot_run.py RUN_DIR [RUN_DIR ...] --out OUT_DIR [--labels a b ...]
+    python -m tools.plot_run RUN_DIR [RUN_DIR ...] --out OUT_DIR [--labels a b ...]
                              [--group-by-prefix] [--smooth N]
 
-    python tools/plot_run.py runs/gspo runs/grpo --out figs
-    python tools/plot_run.py runs/gspo_s0 runs/gspo_s1 runs/grpo_s0 runs/grpo_s1 \\
+    python -m tools.plot_run runs/gspo runs/grpo --out figs
+    python -m tools.plot_run runs/gspo_s0 runs/gspo_s1 runs/grpo_s0 runs/grpo_s1 \\
         --out figs --group-by-prefix --smooth 5
 
 Each RUN_DIR holds `metrics.jsonl` (one JSON object per line with an integer `step`; a path to
@@ -33,13 +33,14 @@ per seed, then averaged over the seeds that have it. A step logged twice keeps i
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
 import sys
 
 import numpy as np
+
+from megatron_gspo.metrics import read_jsonl
 
 METRICS_FILE = "metrics.jsonl"
 LAYER_RE = re.compile(r"^moe/flip_rate/layer_(\d+)$")
@@ -64,23 +65,13 @@ def _number(v) -> float | None:
 
 
 def read_metrics(path: str) -> dict[str, dict[int, float]]:
-    """Read one metrics.jsonl into {key: {step: value}}. Lines without a numeric `step` are
-    skipped; a malformed final line (a crash mid-write) is skipped with a note."""
-    with open(path) as f:
-        lines = f.read().splitlines()
+    """Read one metrics.jsonl (`read_jsonl`: a malformed final line, a crash mid-write, is
+    skipped) into {key: {step: value}}. Records without a numeric `step` are skipped."""
     out: dict[str, dict[int, float]] = {}
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            if i == len(lines):
-                print(f"note: skipping malformed last line {path}:{i}", file=sys.stderr)
-                continue
-            raise ValueError(f"malformed JSON at {path}:{i}: {e}") from None
+    for i, rec in enumerate(read_jsonl(path), 1):
         if not isinstance(rec, dict):
-            raise ValueError(f"expected a JSON object at {path}:{i}, got {type(rec).__name__}")
+            raise ValueError(f"expected a JSON object as record {i} of {path}, "
+                             f"got {type(rec).__name__}")
         step = _number(rec.get("step"))
         if step is None:
             continue

@@ -1,9 +1,9 @@
 """Routing Replay cache memory (analytic, checked against a real run) and its time overhead.
 
 Usage:
-    python tools/replay_memory.py                       # qwen3-30b-a3b table + tiny-scale check
-    python tools/replay_memory.py --preset small --prompts 64 --group 8 --tokens 2048
-    python tools/replay_memory.py --measure-only        # just the measured tiny-scale part
+    python -m tools.replay_memory                       # qwen3-30b-a3b table + tiny-scale check
+    python -m tools.replay_memory --preset small --prompts 64 --group 8 --tokens 2048
+    python -m tools.replay_memory --measure-only        # just the measured tiny-scale part
 
 The cache keeps, for every valid token of a rollout batch, the K expert ids chosen at each of the
 L MoE layers: bytes = tokens x L x K x itemsize, with itemsize 1 (uint8) for <= 256 experts and
@@ -20,12 +20,10 @@ prints the ratios (absolute CPU times are noise; ratios measured together are no
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 warnings.filterwarnings("ignore")
 
 GIB = 1024 ** 3
@@ -34,8 +32,10 @@ GIB = 1024 ** 3
 def cache_bytes(tokens: int, layers: int, topk: int, num_experts: int, itemsize: int | None = None
                 ) -> int:
     """Bytes of a replay cache for `tokens` valid tokens (itemsize None = the compact dtype)."""
+    from moe.replay import ids_dtype
+
     if itemsize is None:
-        itemsize = 1 if num_experts <= 256 else 2
+        itemsize = ids_dtype(num_experts).itemsize
     return tokens * layers * topk * itemsize
 
 

@@ -1,29 +1,31 @@
 """GSPO vs GRPO vs GRPO + Routing Replay on qwen3-moe-tiny, from one cold-start checkpoint.
 
 Usage:
-    python experiments/ablation/run.py                    # `make ablation`: 3 arms x 3 seeds
-    python experiments/ablation/run.py --seeds 0 --steps 20 --arms gspo grpo
-    python experiments/ablation/run.py --plot-only        # redraw figures from runs/ablation
-    python experiments/ablation/run.py --profile gpu-small   # `small` preset on one GPU
-    python experiments/ablation/run.py --tag stress --set optim.lr=3e-4 \
+    python -m experiments.ablation.run                    # `make ablation`: 3 arms x 3 seeds
+    python -m experiments.ablation.run --seeds 0 --steps 20 --arms gspo grpo
+    python -m experiments.ablation.run --plot-only        # redraw figures from runs/ablation
+    python -m experiments.ablation.run --profile gpu-small   # `small` preset on one GPU
+    python -m experiments.ablation.run --tag stress --set optim.lr=3e-4 \
         --set train.num_minibatches=8 --set train.steps=80 --set train.eval_every=20 --seeds 0 1
 
 Every arm starts from the same SFT checkpoint and spends the same rollout compute (same prompts
 per batch, group size, response length and number of rollout batches); each rollout batch is split
 into 4 minibatches (4 optimizer steps). Runs land in runs/ablation/<arm>_s<seed>; figures and the
-summary table in experiments/ablation/figures (or --out). `--profile gpu-small` applies the dotted
-overrides of gpu_small.yaml to every command and writes to runs/ablation_gpu_small and
-experiments/ablation/figures_gpu_small.
+summary table in experiments/ablation/figures (or --out). `--profile gpu-small` lays
+gpu_small.yaml over every command's config (as dotted overrides) and writes to
+runs/ablation_gpu_small and experiments/ablation/figures_gpu_small.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import subprocess
 import sys
 import time
+
+from megatron_gspo.strict import load_yaml, mapping_to_overrides
+from tools import plot_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -32,33 +34,18 @@ PROFILES = {"cpu": None, "gpu-small": "gpu_small.yaml"}
 
 
 def profile_overrides(profile: str) -> list[str]:
-    """The profile's `key=value` overrides (a flat YAML mapping of dotted keys); [] for cpu.
+    """The profile's YAML (config format, no `base`) as `key=value` overrides; [] for cpu.
 
     Read with the config loader's YAML 1.2 resolver, so `off` stays a string as in any config."""
-    import yaml
-
-    sys.path.insert(0, ROOT)
-    from megatron_gspo.strict import YamlLoader
-
     if PROFILES[profile] is None:
         return []
-    with open(os.path.join(HERE, PROFILES[profile])) as f:
-        mapping = yaml.load(f, Loader=YamlLoader) or {}
-    return [f"{k}={v}" for k, v in mapping.items()]
+    return mapping_to_overrides(load_yaml(os.path.join(HERE, PROFILES[profile])) or {})
 
 
 def cli(*args: str) -> None:
     cmd = [sys.executable, "-m", "megatron_gspo.cli", *args]
     print("$", " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True)
-
-
-def load_plot_tool():
-    spec = importlib.util.spec_from_file_location("plot_run", os.path.join(ROOT, "tools",
-                                                                          "plot_run.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def main(argv=None) -> int:
@@ -100,8 +87,7 @@ def main(argv=None) -> int:
             if os.path.exists(os.path.join(ROOT, run_dir, "metrics.jsonl")):
                 os.remove(os.path.join(ROOT, run_dir, "metrics.jsonl"))
             cli("train", "--config", os.path.join(HERE, f"{arm}.yaml"), *overrides)
-    plot = load_plot_tool()
-    plot.main([*runs, "--out", out, "--group-by-prefix"])
+    plot_run.main([*runs, "--out", out, "--group-by-prefix"])
     print(f"ablation done in {time.time() - t0:.0f}s")
     return 0
 

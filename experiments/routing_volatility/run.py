@@ -1,9 +1,9 @@
 """How volatile is expert routing under RL updates: flip rate vs layer depth, lr and minibatches.
 
 Usage:
-    python experiments/routing_volatility/run.py                 # both presets, 6 runs each
-    python experiments/routing_volatility/run.py --presets qwen3-moe-tiny --steps 10
-    python experiments/routing_volatility/run.py --plot-only
+    python -m experiments.routing_volatility.run                 # both presets, 6 runs each
+    python -m experiments.routing_volatility.run --presets qwen3-moe-tiny --steps 10
+    python -m experiments.routing_volatility.run --plot-only
 
 GRPO without Routing Replay from a cold-start SFT checkpoint, on qwen3-moe-tiny (4 MoE layers;
 the ablation's checkpoint, made here if missing) and qwen3-moe-tiny-deep (the same layer, 12
@@ -20,11 +20,11 @@ import argparse
 import os
 import sys
 
+from experiments.ablation.run import cli
+from tools import plot_run
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, os.path.join(ROOT, "experiments", "ablation"))
-
-from run import cli, load_plot_tool  # noqa: E402  (experiments/ablation/run.py)
 
 PRESETS = {"qwen3-moe-tiny": "4 MoE layers", "qwen3-moe-tiny-deep": "12 MoE layers"}
 SWEEP = {  # name -> overrides
@@ -65,11 +65,11 @@ def sft_checkpoint(preset: str) -> str:
     return run_dir
 
 
-def depth_table(plot, dirs: list) -> str:
+def depth_table(dirs: list) -> str:
     """Per run: mean flip rate, per-layer means, Spearman(depth, flip), deepest/shallowest."""
     lines = [f"{'run':<12} {'flip mean':>9}  {'spearman':>8}  {'deep/shallow':>12}  "
              "per-layer mean flip rate (layer 0 first)"]
-    for row in plot.summarize(plot.load_runs(dirs)):
+    for row in plot_run.summarize(plot_run.load_runs(dirs)):
         layers = row["flip_rate_layers"]
         xs = sorted(layers)
         ys = [layers[i] for i in xs]
@@ -90,7 +90,6 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(HERE, "figures"))
     ap.add_argument("--plot-only", action="store_true")
     args = ap.parse_args(argv)
-    plot = load_plot_tool()
     tables = []
     for preset in args.presets:
         init = None if args.plot_only else sft_checkpoint(preset)
@@ -103,9 +102,9 @@ def main(argv=None) -> int:
                     f"model.preset={preset}", f"init_checkpoint={init}", f"run_dir={run_dir}",
                     "resume=false", f"train.steps={args.steps}", "train.eval_every=0",
                     "train.save_every=0", *SWEEP[name])
-        plot.main([*dirs, "--out", os.path.join(args.out, preset)])
+        plot_run.main([*dirs, "--out", os.path.join(args.out, preset)])
         tables.append(f"\n{preset} ({PRESETS[preset]}), GRPO, {args.steps} rollout batches:\n"
-                      + depth_table(plot, dirs))
+                      + depth_table(dirs))
     print("\n".join(tables))
     return 0
 

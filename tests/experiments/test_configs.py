@@ -1,49 +1,71 @@
-"""Every experiment config loads strictly, and the ablation arms compare like with like."""
+"""Every experiment config loads strictly, and the ablation arms compare like with like: the arms
+and the demo inherit one recipe (`base:`), and differ from each other only in the keys listed
+here."""
 
 import glob
-import importlib.util
 import os
 
 import pytest
 
-from megatron_gspo.config import ConfigError, load_config
+from experiments.ablation import run as ablation_run
+from megatron_gspo.config import ConfigError, config_to_dict, load_config
+from megatron_gspo.strict import load_yaml
 from moe.presets import get_preset
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 ABL = os.path.join(ROOT, "experiments", "ablation")
+DEMO = os.path.join(ROOT, "experiments", "demo")
 ARMS = ("gspo", "grpo", "grpo_r2")
 
-_spec = importlib.util.spec_from_file_location("ablation_run", os.path.join(ABL, "run.py"))
-ablation_run = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ablation_run)
+
+PROFILE_FILES = {os.path.join(ABL, f) for f in ablation_run.PROFILES.values() if f}
+CONFIGS = sorted(set(glob.glob(os.path.join(ROOT, "experiments", "*", "*.yaml")))
+                 - PROFILE_FILES)
 
 
-YAMLS = sorted(glob.glob(os.path.join(ROOT, "experiments", "*", "*.yaml")))
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k != "kwargs":
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
 
 
-@pytest.mark.parametrize("path", YAMLS)
+def _diff(a, b) -> set[str]:
+    fa, fb = _flat(config_to_dict(a)), _flat(config_to_dict(b))
+    return {k for k in fa if fa[k] != fb[k]}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: os.path.relpath(p, ROOT))
 def test_experiment_yaml_loads(path):
-    if path.endswith("gpu_small.yaml"):  # an override overlay, checked below
-        return
     cfg = load_config(path)
     get_preset(cfg.model.preset)
 
 
+@pytest.mark.parametrize("path", sorted(PROFILE_FILES), ids=os.path.basename)
+def test_profile_yaml_has_no_base(path):
+    """A profile is laid over every config as overrides; a `base` there would be a config key."""
+    assert "base" not in load_yaml(path)
+
+
 @pytest.mark.parametrize("profile", sorted(ablation_run.PROFILES))
-def test_ablation_arms_are_comparable(profile):
+def test_ablation_arms_differ_only_in_the_intended_keys(profile):
     """Same rollout compute, same optimizer, N > 1 minibatches (PITFALLS 4) in every arm."""
     base = ablation_run.profile_overrides(profile)
     cfgs = {arm: load_config(os.path.join(ABL, f"{arm}.yaml"), base) for arm in ARMS}
     sft = load_config(os.path.join(ABL, "sft.yaml"), base)
-    shared = lambda c: (c.model, c.task, c.rollout, c.optim, c.train.steps,  # noqa: E731
-                        c.train.num_minibatches, c.train.flip_every)
-    assert shared(cfgs["gspo"]) == shared(cfgs["grpo"]) == shared(cfgs["grpo_r2"])
+    assert _diff(cfgs["gspo"], cfgs["grpo"]) == {"run_dir", "loss.name", "loss.eps_low",
+                                                 "loss.eps_high"}
+    assert _diff(cfgs["grpo"], cfgs["grpo_r2"]) == {"run_dir", "train.routing_replay"}
     assert (sft.model, sft.task) == (cfgs["gspo"].model, cfgs["gspo"].task)
-    assert all(c.train.num_minibatches > 1 for c in cfgs.values())
+    assert all(c.train.num_minibatches == 4 for c in cfgs.values())
     assert cfgs["gspo"].loss.name == "gspo" and cfgs["grpo"].loss.name == "grpo"
     assert (cfgs["gspo"].loss.eps_low, cfgs["gspo"].loss.eps_high) == (3e-4, 4e-4)
     assert (cfgs["grpo"].loss.eps_low, cfgs["grpo"].loss.eps_high) == (0.2, 0.27)
     assert [c.train.routing_replay for c in cfgs.values()] == ["off", "off", "r2"]
+    assert {c.init_checkpoint for c in cfgs.values()} == {"runs/ablation/sft"}
 
 
 def test_gpu_profile_changes_the_preset():
@@ -55,23 +77,27 @@ def test_gpu_profile_changes_the_preset():
 
 def test_demo_is_the_ablation_gspo_arm():
     """The demo's README/YAML comments say so (a shorter run of that arm); keep it true."""
-    demo = load_config(os.path.join(ROOT, "experiments", "demo", "gspo.yaml"))
-    arm = load_config(os.path.join(ABL, "gspo.yaml"))
-    assert (demo.model, demo.task, demo.rollout, demo.loss, demo.optim, demo.seed) == \
-        (arm.model, arm.task, arm.rollout, arm.loss, arm.optim, arm.seed)
-    assert demo.train.num_minibatches == arm.train.num_minibatches  # the demo runs fewer steps
-    demo_sft = load_config(os.path.join(ROOT, "experiments", "demo", "sft.yaml"))
-    arm_sft = load_config(os.path.join(ABL, "sft.yaml"))
-    assert (demo_sft.model, demo_sft.task, demo_sft.sft, demo_sft.seed) == \
-        (arm_sft.model, arm_sft.task, arm_sft.sft, arm_sft.seed)
+    demo, arm = (load_config(os.path.join(d, "gspo.yaml")) for d in (DEMO, ABL))
+    assert _diff(demo, arm) == {"run_dir", "init_checkpoint", "train.steps",
+                                "train.eval_every", "train.save_every"}
+    assert (demo.train.steps, arm.train.steps) == (60, 150)
+    demo_sft, arm_sft = (load_config(os.path.join(d, "sft.yaml")) for d in (DEMO, ABL))
+    assert _diff(demo_sft, arm_sft) == {"run_dir"}
 
 
 def test_profile_overlay_reads_yaml_like_the_config_loader(tmp_path, monkeypatch):
-    """`off` in an overlay stays the string "off" (YAML 1.1 would make it False)."""
-    (tmp_path / "overlay.yaml").write_text("train.routing_replay: off\noptim.lr: 3e-4\n")
+    """`off` in an overlay stays the string "off" (YAML 1.1 would make it False); nested and
+    dotted keys both work."""
+    (tmp_path / "overlay.yaml").write_text(
+        "train.routing_replay: off\noptim: {lr: 3e-4}\ntask: {kwargs: {num_digits: 3}}\n"
+        "model: {dtype: null}\n")
     monkeypatch.setattr(ablation_run, "HERE", str(tmp_path))
     monkeypatch.setitem(ablation_run.PROFILES, "test", "overlay.yaml")
     overrides = ablation_run.profile_overrides("test")
-    assert overrides == ["train.routing_replay=off", "optim.lr=0.0003"]
-    cfg = load_config(os.path.join(ABL, "grpo_r2.yaml"), overrides)
+    assert overrides == ["train.routing_replay=off", "optim.lr=0.0003",
+                         "task.kwargs.num_digits=3", "model.dtype=null"]
+    with pytest.raises(ConfigError, match="model.dtype=None"):
+        load_config(os.path.join(ABL, "grpo_r2.yaml"), overrides)
+    cfg = load_config(os.path.join(ABL, "grpo_r2.yaml"), overrides[:3])
     assert cfg.train.routing_replay == "off" and cfg.optim.lr == 3e-4
+    assert cfg.task.kwargs == {"num_digits": 3}

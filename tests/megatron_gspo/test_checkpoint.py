@@ -30,7 +30,8 @@ def test_round_trip_tensors_and_python_objects(tmp_path):
     d = ckpt.save_checkpoint(root, 10, _state(1), rank=0)
     ckpt.save_checkpoint(root, 10, _state(2), rank=1)
     assert d == os.path.join(root, "step_000010")
-    assert sorted(os.listdir(d)) == ["rank_00000.pt", "rank_00001.pt"]
+    assert sorted(os.listdir(d)) == ["rank_00000.pt", "rank_00000.pt.sha256", "rank_00001.pt",
+                                     "rank_00001.pt.sha256"]
     ckpt.mark_latest(root, 10)
     _assert_same(ckpt.load_checkpoint(root, rank=0), _state(1))
     _assert_same(ckpt.load_checkpoint(root, rank=1), _state(2))
@@ -100,19 +101,13 @@ def test_missing_checkpoint_errors_name_the_path(tmp_path):
         ckpt.load_checkpoint(root, step=7)
 
 
-def test_prune_keeps_newest_and_latest(tmp_path):
+def test_resume_candidates_are_latest_then_older_complete_steps(tmp_path):
     root = str(tmp_path)
     for s in (1, 2, 3, 4, 5):
         ckpt.save_checkpoint(root, s, _state(s))
-    ckpt.mark_latest(root, 2)  # e.g. steps 3-5 written but never marked complete
-    ckpt.prune_checkpoints(root, keep=2)
-    assert ckpt.list_steps(root) == [2, 4, 5]
-    ckpt.mark_latest(root, 5)
-    ckpt.prune_checkpoints(root, keep=1)
-    assert ckpt.list_steps(root) == [5]
-    assert ckpt.load_checkpoint(root)["extra"]["iteration"] == 5
-    with pytest.raises(ValueError, match="keep=0"):
-        ckpt.prune_checkpoints(root, keep=0)
+        if s in (1, 2, 4):
+            ckpt.mark_latest(root, s)  # 3 and 5 were written but never marked complete
+    assert ckpt.resume_candidates(root) == [4, 2, 1]
 
 
 def _draw() -> tuple:

@@ -44,9 +44,8 @@ def test_yaml_file_and_demo_experiments_load(tmp_path):
     assert cfg.train.routing_replay == "off"  # YAML 1.1 would make unquoted off a bool
     assert cfg.task.n_train == 10 and cfg.task.n_eval == 128  # unset keys keep defaults
     root = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "demo")
-    for name in ("sft.yaml", "gspo.yaml"):
-        if os.path.exists(os.path.join(root, name)):
-            assert load_config(os.path.join(root, name)).wandb.mode == "disabled"
+    for name in ("sft.yaml", "gspo.yaml"):  # both exist; a missing one fails here
+        assert load_config(os.path.join(root, name)).wandb.mode == "disabled"
 
 
 @pytest.mark.parametrize("text, key", [
@@ -76,17 +75,76 @@ def test_missing_file_names_it(tmp_path):
         load_config(path)
 
 
+
+def _files(tmp_path, files: dict) -> None:
+    for name, text in files.items():
+        os.makedirs(os.path.dirname(os.path.join(tmp_path, name)), exist_ok=True)
+        with open(os.path.join(tmp_path, name), "w") as f:
+            f.write(textwrap.dedent(text))
+
+
+def test_base_is_loaded_first_and_deep_merged(tmp_path):
+    _files(tmp_path, {
+        "shared/root.yaml": """
+            run_dir: runs/root
+            task: {name: addition, kwargs: {num_digits: 3}, n_train: 10}
+            loss: {name: grpo, eps_low: 0.2}
+            train: {steps: 9}
+            """,
+        "shared/mid.yaml": """
+            base: root.yaml
+            loss: {eps_high: 0.27}
+            train: {steps: 7}
+            """,
+        "exp/arm.yaml": """
+            base: ../shared/mid.yaml
+            run_dir: runs/arm
+            task: {kwargs: {num_digits: 2}}
+            """})
+    cfg = load_config(os.path.join(tmp_path, "exp", "arm.yaml"), ["train.steps=5"])
+    assert cfg.run_dir == "runs/arm" and cfg.task.n_train == 10
+    assert cfg.task.kwargs == {"num_digits": 2}  # mappings merge (loss: three files)
+    assert (cfg.loss.name, cfg.loss.eps_low, cfg.loss.eps_high) == ("grpo", 0.2, 0.27)
+    assert cfg.train.steps == 5  # file beats base, override beats file
+    assert load_config(os.path.join(tmp_path, "exp", "arm.yaml")).train.steps == 7
+
+
+def test_base_replaces_lists_and_scalars():
+    from megatron_gspo.strict import deep_merge
+
+    base = {"a": [1, 2], "b": {"c": 1, "d": [3]}, "e": {"f": 1}}
+    top = {"a": [9], "b": {"d": [4, 5]}, "e": None}
+    assert deep_merge(base, top) == {"a": [9], "b": {"c": 1, "d": [4, 5]}, "e": None}
+    assert base == {"a": [1, 2], "b": {"c": 1, "d": [3]}, "e": {"f": 1}}  # not modified
+
+
+@pytest.mark.parametrize("files, match", [
+    ({"exp.yaml": "base: b.yaml\n", "b.yaml": "base: exp.yaml\n"},
+     r"config base cycle: .*exp.yaml -> .*b.yaml -> .*exp.yaml"),
+    ({"exp.yaml": "base: exp.yaml\n"}, r"config base cycle: .*exp.yaml -> .*exp.yaml"),
+    ({"exp.yaml": "base: gone.yaml\n"}, r"base config not found: .*gone.yaml \(the base of"),
+    ({"exp.yaml": "base: [a.yaml]\n"}, r"exp.yaml: base=\['a.yaml'\]: expected the path"),
+    ({"exp.yaml": "base: b.yaml\n", "b.yaml": "- 1\n"}, r"b.yaml: expected a mapping"),
+    ({"exp.yaml": "base: b.yaml\n", "b.yaml": "train: {stepz: 1}\n"}, r"'train.stepz'"),
+])
+def test_bad_base_is_a_clear_error(tmp_path, files, match):
+    _files(tmp_path, files)
+    with pytest.raises(ConfigError, match=match):
+        load_config(os.path.join(tmp_path, "exp.yaml"))
+
+
 def test_overrides_coerce_types():
     cfg = load_config(None, ["loss.eps_low=3e-4", "optim.lr=1e-5", "train.steps=7",
                              "rollout.temperature=2", "loss.eps_high=null", "seed=3",
-                             "wandb.name=2024", "task.kwargs.num_digits=3",
-                             "task.kwargs.digits=[1,2]", "train.routing_replay=r3"])
+                             "wandb.name=2024", "task.name=countdown",
+                             "task.kwargs.num_numbers=3", "task.kwargs.max_number=[1,2]",
+                             "train.routing_replay=r3"])
     assert cfg.loss.eps_low == pytest.approx(3e-4) and type(cfg.loss.eps_low) is float
     assert cfg.optim.lr == 1e-5 and cfg.train.steps == 7 and type(cfg.train.steps) is int
     assert cfg.rollout.temperature == 2.0 and type(cfg.rollout.temperature) is float
     assert cfg.loss.eps_high is None and cfg.seed == 3
     assert cfg.wandb.name == "2024"  # a str field keeps the literal text
-    assert cfg.task.kwargs == {"num_digits": 3, "digits": [1, 2]}
+    assert cfg.task.kwargs == {"num_numbers": 3, "max_number": [1, 2]}  # YAML-typed values
     assert cfg.train.routing_replay == "r3"
 
 
@@ -107,7 +165,7 @@ def test_bool_parsing(text, flag):
 @pytest.mark.parametrize("override, fragment", [
     ("train.num_minibatches=abc", "train.num_minibatches=abc: expected int"),
     ("train.steps=2.5", "train.steps=2.5: expected int"),
-    ("resume=maybe", "resume=maybe: expected bool"),
+    ("resume=maybe", "resume=maybe: expected bool | 'force'"),
     ("loss.eps_low=abc", "loss.eps_low=abc: expected float | null"),
     ("train.routing_replay=r9", "expected one of 'off', 'r2', 'r3'"),
     ("model.dtype=fp8", "expected one of 'fp32', 'bf16', 'fp16'"),
@@ -122,6 +180,8 @@ def test_bool_parsing(text, flag):
     ("rollout.temperature=nan", "rollout.temperature=nan: must be > 0"),
     ("model.sequence_parallel=true", "model.sequence_parallel=True: requires model.tp > 1"),
     ("model.tp=2", "model.sequence_parallel=False: must be true with model.tp=2"),
+    ("model.dist_timeout_min=0", "model.dist_timeout_min=0.0: must be > 0"),
+    ("model.dist_timeout_min=.inf", "model.dist_timeout_min=inf: must be finite"),
 ])
 def test_bad_overrides_raise_naming_key(override, fragment):
     with pytest.raises(ConfigError) as e:
@@ -191,7 +251,7 @@ def test_every_field_has_a_docstring():
         for f in dataclasses.fields(cls):
             assert docs.get(f.name, "").strip(), f"{cls.__name__}.{f.name} has no docstring"
             seen += 1
-    assert seen == 12 + 9 + 5 + 7 + 6 + 13 + 10 + 4 + 3  # every field of every section
+    assert seen == 15 + 13 + 5 + 7 + 6 + 13 + 10 + 4 + 3 + 14 + 3 + 3  # every field of every section
 
 
 def test_describe_config_lists_every_key_with_default_and_doc():
@@ -204,4 +264,4 @@ def test_describe_config_lists_every_key_with_default_and_doc():
     assert "train.num_minibatches: int = 4" in text
     assert "must divide prompts_per_batch * group_size" in text
     n_keys = sum(1 for ln in text.splitlines() if ln and not ln.startswith((" ", "[", "megat")))
-    assert n_keys == 4 + 9 + 5 + 7 + 6 + 13 + 10 + 4 + 3
+    assert n_keys == 4 + 13 + 5 + 7 + 6 + 13 + 10 + 4 + 3 + 14 + 3 + 3

@@ -42,3 +42,23 @@ def test_bf16_run_logs_the_schedule_and_resumes_exactly(tmp_path):
     rows_b = read_jsonl(os.path.join(resumed.cfg.run_dir, "metrics.jsonl"))
     assert rows_b[-1]["train/lr"] == rows[-1]["train/lr"]
     assert rows_b[-1]["policy/loss"] == rows[-1]["policy/loss"]
+
+
+def test_corrupt_dist_shard_is_caught_and_resume_falls_back(tmp_path, capsys):
+    """The policy's dist checkpoint files carry sha256 sidecars like the rank files: a damaged
+    shard of the latest step makes resume fall back to the step before."""
+    from megatron_gspo import checkpoint as ckpt
+
+    run = make_trainer(tmp_path, "train.steps=2")
+    run.train()
+    dist_dir = os.path.join(run.cfg.run_dir, "checkpoints", "step_000002", "dist")
+    shard = os.path.join(dist_dir, "__0_0.distcp")
+    assert os.path.isfile(shard + ckpt.CHECKSUM_SUFFIX)
+    with open(shard, "r+b") as f:  # two floats deep inside the tensor data
+        f.seek(os.path.getsize(shard) // 2)
+        f.write(b"\x00\x00\x80\x7f\x00\x00\x80\x7f")
+    with pytest.raises(ckpt.CheckpointError, match=r"__0_0.distcp is corrupt"):
+        ckpt.verify_file(shard)
+    resumed = make_trainer(tmp_path, "train.steps=2")
+    assert resumed.state["iteration"] == 1  # fell back to step 1
+    assert "skipping checkpoint step 2" in capsys.readouterr().out

@@ -193,7 +193,7 @@ def test_make_splits_capacity_errors():
 
 
 def test_registry_errors():
-    assert set(TASKS) == {"addition", "sort", "countdown"}
+    assert set(TASKS) == {"addition", "sort", "countdown", "running_sum"}
     with pytest.raises(KeyError, match="addition.*countdown.*sort"):
         make_task("multiply")
     with pytest.raises(TypeError, match="digits"):
@@ -214,3 +214,27 @@ def test_score_hand_values():
     assert out == {"eval/accuracy": 0.25, "eval/reward_mean": 0.25, "eval/format_ok": 0.5}
     with pytest.raises(ValueError, match="4 examples but 3 completions"):
         score(task, examples, ["3", "10", "18"])
+
+
+def test_running_sum_hand_values_and_lengths(tok):
+    task = make_task("running_sum")
+    ex = Example("a:3,5,7,2=", "3+5=8,8+7=15,15+2=17")
+    assert make_task("running_sum", num_numbers=4)._scratchpad([3, 5, 7, 2]) == ex.answer
+    assert task.reward(ex, "3+5=8,8+7=15,15+2=17") == 1.0
+    assert task.reward(ex, " 3+5=8,8+7=15,15+2=17 ") == 1.0
+    assert task.reward(ex, "3+5=8,8+7=15,15+2=18") == 0.0  # last partial sum wrong
+    assert task.reward(ex, "3+5=8,8+7=16,16+2=18") == 0.0  # consistent, but wrong from step 2
+    assert task.format_ok("3+5=8,8+7=15") and not task.format_ok("3+5=8,") \
+        and not task.format_ok("17")
+    # "a:9,9,9,9,9,9,9,9,9,9=" and "9+9=18,18+9=27,...,81+9=90": 6 + 8 * 7 + 8 commas
+    assert (task.max_prompt_chars, task.max_answer_chars) == (22, 70)
+    rng = random.Random(0)
+    lengths = []
+    for _ in range(2000):
+        ex = task.sample(rng)
+        assert len(ex.prompt) == 22 and task.reward(ex, ex.answer) == 1.0
+        lengths.append(len(tok.encode(ex.answer)) + 1)  # + <eos>
+    assert min(lengths) >= 61 and max(lengths) <= 71
+    assert sum(n >= 64 for n in lengths) / len(lengths) > 0.99
+    with pytest.raises(ValueError, match="num_numbers=1"):
+        make_task("running_sum", num_numbers=1)

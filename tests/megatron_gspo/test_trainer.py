@@ -62,8 +62,8 @@ def test_resume_gives_the_same_next_step(tmp_path):
 
 
 def test_nan_loss_is_skipped_then_aborts_without_losing_checkpoints(tmp_path):
+    make_trainer(tmp_path, "train.steps=1", "train.max_skipped_steps=2").train()  # checkpointed
     trainer = make_trainer(tmp_path, "train.steps=3", "train.max_skipped_steps=2")
-    trainer.iteration()  # one good iteration, checkpointed
     before = params(trainer)
     real = trainer.loss_fn
 
@@ -73,7 +73,7 @@ def test_nan_loss_is_skipped_then_aborts_without_losing_checkpoints(tmp_path):
 
     trainer.loss_fn = nan_loss
     with pytest.raises(FloatingPointError, match="max_skipped_steps=2"):
-        trainer.iteration()  # 4 minibatches: the 3rd consecutive skip aborts
+        trainer.train()  # 4 minibatches: the 3rd consecutive skip aborts
     after = params(trainer)
     for n in before:
         assert torch.equal(before[n], after[n]), n
@@ -109,13 +109,40 @@ def test_routing_replay_is_confined_to_the_policy_forward(tmp_path, monkeypatch)
         return real_sample(policy, *args, **kwargs)
 
     monkeypatch.setattr(rollout, "sample", checked_sample)
+    replayed, live = _spy_replayed_routes(trainer.policy)
     trainer.train()
     assert_routing_idle(trainer.policy)
     rows = read_jsonl(os.path.join(trainer.cfg.run_dir, "metrics.jsonl"))
     last = rows[-1]
     assert last["replay/cache_bytes"] > 0
-    # replaying pi_old's routes: the first minibatch's policy forward sees zero drift
-    assert "moe/drift_vs_old/mean" in last
+    L, n_mb = len(trainer.policy.router_replays), trainer.cfg.train.num_minibatches
+    assert len(replayed) == L * n_mb  # every loss forward replays, in every layer
+    # the first minibatch's policy forward (pi == pi_old) replays exactly what it would route
+    for r, v in zip(replayed[:L], live[:L]):
+        assert torch.equal(r.sort(-1).values, v.sort(-1).values)
+    # later forwards still get pi_old's routes while the live router has moved (drift > 0)
+    moved = sum(int((r.sort(-1).values != v.sort(-1).values).any(-1).sum())
+                for r, v in zip(replayed[L:], live[L:]))
+    assert moved > 0 and last["moe/drift_vs_old/mean"] > 0
+
+
+def _spy_replayed_routes(policy):
+    """Wrap each router's top-k: in replay forwards, keep (replayed ids, ids it would pick)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    replayed, live = [], []
+    for router in policy.router_replays:
+        def topk(scores, k, *args, _inner=router.get_replay_topk, _router=router, **kwargs):
+            probs, ids = _inner(scores, k, *args, **kwargs)
+            if _router.router_replay_action == RouterReplayAction.REPLAY_FORWARD:
+                named = dict(zip(("num_groups", "group_topk", "default_compute_topk"), args),
+                             **kwargs)
+                compute = named.pop("default_compute_topk")
+                replayed.append(ids.detach().cpu())
+                live.append(compute(scores, k, **named)[1].detach().cpu())
+            return probs, ids
+        router.get_replay_topk = topk
+    return replayed, live
 
 
 def test_sft_checkpoint_initialises_rl(tmp_path):
@@ -139,8 +166,9 @@ def test_sft_checkpoint_initialises_rl(tmp_path):
 
 
 def test_missing_init_checkpoint_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nope"):
+    with pytest.raises(ConfigError, match="init_checkpoint=.*nope: no such directory"):
         make_trainer(tmp_path, f"init_checkpoint={tmp_path / 'nope'}")
+    assert not os.path.exists(tmp_path / "run")  # refused before anything was written
 
 
 @pytest.mark.parametrize("argv, fragment", [
@@ -151,11 +179,9 @@ def test_missing_init_checkpoint_is_a_clear_error(tmp_path):
 def test_cli_bad_config_exits_2_naming_the_problem(capsys, argv, fragment):
     from megatron_gspo.cli import main
 
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    assert e.value.code == 2
+    assert main(argv) == 2
     err = capsys.readouterr().err
-    assert fragment in err and "Traceback" not in err
+    assert fragment in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("mode", ["r2", "r3"])

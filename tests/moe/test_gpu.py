@@ -38,6 +38,12 @@ def test_policy_trains_and_replays_on_gpu(single_process):
     assert losses[-1] < losses[0]
     _, after = current_routing(policy, tokens, valid)
     assert after.ids_NLK.shape == cache.ids_NLK.shape
+    with torch.no_grad():  # replaying the live routes gives the live logits at real tokens
+        live = policy.logits(tokens, valid)
+        with replay_routing(policy, after):
+            replayed = policy.logits(tokens, valid)
+    mask = valid.to(live.device)  # padding gets filler routes (token_logprobs reads one)
+    torch.testing.assert_close(replayed[mask], live[mask], atol=2e-4, rtol=2e-4)
 
 
 def test_kv_cache_decoder_matches_full_forward_on_gpu(single_process):
@@ -45,6 +51,7 @@ def test_kv_cache_decoder_matches_full_forward_on_gpu(single_process):
     from moe.model import ParallelLayout
     from moe.policy import MoEPolicy
     from moe.presets import get_preset
+    from moe.replay import current_routing
 
     preset = get_preset("qwen3-moe-tiny")
     policy = MoEPolicy.build(preset, ParallelLayout(), real_vocab=26, optim=None)
@@ -56,4 +63,6 @@ def test_kv_cache_decoder_matches_full_forward_on_gpu(single_process):
     for t in range(7, 13):
         step = decoder.next_logits(tokens[:, :t], valid[:, :t])
         torch.testing.assert_close(step, full[:, t - 1], atol=2e-4, rtol=2e-4)
-    assert decoder.routing(valid).ids_NLK.shape[0] == int(valid.sum())
+    got = decoder.routing(valid).ids_NLK.long()  # same experts as the full forward, per token
+    _, want = current_routing(policy, tokens, valid)
+    assert torch.equal(got.sort(-1).values.cpu(), want.ids_NLK.long().sort(-1).values.cpu())

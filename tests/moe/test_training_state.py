@@ -11,10 +11,9 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from tests.moe import parallel_worker as pw
-from tests.moe.test_parallel import _port, reference  # noqa: F401  (module fixture)
+from tests.moe.test_parallel import TIMEOUT_S, reference  # noqa: F401  (module fixture)
 
 LOSS_RTOL = 1e-5  # the same step under different layouts: float summation order only
 
@@ -22,8 +21,8 @@ LOSS_RTOL = 1e-5  # the same step under different layouts: float summation order
 @pytest.fixture(scope="module")
 def run(reference, tmp_path_factory):  # noqa: F811
     d = tmp_path_factory.mktemp("training_state")
-    mp.spawn(pw.training_worker, args=(2, _port(), reference, str(d), str(d / "out.pt")),
-             nprocs=2, join=True)
+    pw.spawn(pw.training_worker, (2, pw.free_port(), reference, str(d), str(d / "out.pt")),
+             nprocs=2, timeout_s=TIMEOUT_S)
     out = torch.load(d / "out.pt", weights_only=False)
     out["ref_trained"] = torch.load(reference, weights_only=False)["trained"]
     return out

@@ -1,16 +1,12 @@
 """tools/plot_run.py on synthetic metrics.jsonl files with hand-computed summaries."""
 
-import importlib.util
 import json
 import os
 
 import numpy as np
 import pytest
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "plot_run.py")
-_spec = importlib.util.spec_from_file_location("plot_run", _PATH)
-plot_run = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(plot_run)
+from tools import plot_run
 
 FIGURES = ("reward.png", "eval_accuracy.png", "clip_fraction.png", "flip_rate_layers.png",
            "flip_rate_mean.png", "flip_vs_depth.png")

@@ -1,0 +1,1 @@
+"""One folder per experiment; runners go from the repository root: `python -m experiments.NAME.run`."""

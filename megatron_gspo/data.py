@@ -1,0 +1,275 @@
+"""Datasets from your own files: prompts + ground truths in JSONL or parquet, as a task.
+
+    task, train_set, eval_set = build_task(cfg, tokenizer, model_max_len=256)
+
+`task.name=dataset` reads `data.train_files` (and `data.eval_files`) row by row. Two schemas:
+
+  verl   {"data_source": "openai/gsm8k",
+          "prompt": [{"role": "user", "content": "Natalia sold ..."}],
+          "reward_model": {"style": "rule", "ground_truth": "72"},
+          "extra_info": {"answer": "Natalia sold 48/2 = 24 clips in May. ... #### 72"}}
+         (verl's examples/data_preprocess/gsm8k.py writes this; `prompt` may also be a string)
+  plain  {"question": "Natalia sold ...", "answer": "Natalia sold 48/2 = 24 ... #### 72"}
+
+Field names are dotted paths (`data.prompt_key`, `data.answer_key`, `data.sft_key`). Each row
+becomes an `Example(prompt, answer, meta)`: `prompt` is the text the policy sees (the chat
+template applied with its generation prompt, or `data.template` with {prompt} replaced),
+`answer` the SFT target (`data.sft_key`, default the answer field) and
+`meta = (ground_truth, data_source, "file:line")`, what the reward reads. Rows are shuffled with
+`data.seed`, then `data.eval_fraction` of them is held out unless `data.eval_files` are given.
+
+Errors name the file, the row (JSONL: line number; parquet: row index) and the field: a missing
+file or field, a wrong type, an empty dataset, a prompt longer than `data.max_prompt_tokens`
+(or, with `data.skip_overlong_prompts`, that prompt is skipped and counted).
+
+The reward is `DatasetTask.reward`: the registry's `reward.name` (default `math`) on the row's
+ground truth, `reward.format_weight` for a wrong answer in the right format. Departures from
+verl: one reward for every row (verl dispatches on data_source); the prompt text is rendered
+once at load time, not per batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass
+from typing import Any, ClassVar, Iterator
+
+from megatron_gspo.rewards import check_math_available, get_format_check, get_reward
+from megatron_gspo.tasks import Example, make_splits, make_task
+
+_DEFAULT_KEYS = {"verl": ("prompt", "reward_model.ground_truth", "data_source"),
+                 "plain": ("question", "answer", None)}
+_SUFFIXES = (".jsonl", ".parquet")
+
+
+class DataError(ValueError):
+    """Bad dataset content; the message names the file, row and field."""
+
+
+@dataclass(frozen=True)
+class DatasetTask:
+    """Examples come from files; the reward is `reward_name` from `megatron_gspo.rewards`."""
+
+    reward_name: str = "math"
+    reward_timeout_s: float = 5.0
+    """Per-answer time limit used by `rewards.compute_rewards` (0 = none)."""
+    format_weight: float = 0.0
+    """Reward of a wrong answer that passes the reward's format check."""
+    name: ClassVar[str] = "dataset"
+
+    def __post_init__(self) -> None:
+        get_reward(self.reward_name)  # KeyError listing the valid names
+        if self.reward_name == "math":
+            check_math_available()
+
+    def sample(self, rng: random.Random) -> Example:
+        raise TypeError("a dataset task's examples come from its files (data.train_files)")
+
+    def reward(self, example: Example, completion: str) -> float:
+        correct = get_reward(self.reward_name)(completion, example.meta[0])
+        if self.format_weight and correct < 1.0 and self.format_ok(completion):
+            return max(correct, self.format_weight)
+        return correct
+
+    def format_ok(self, completion: str) -> bool:
+        return get_format_check(self.reward_name)(completion)
+
+
+# ----------------------------------------------------------------------------- reading rows
+
+
+def read_rows(path: str, what: str = "data.train_files") -> Iterator[tuple[str, dict]]:
+    """(where, row) for each row of a .jsonl or .parquet file; where = 'path:line' / 'path row i'."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"data file not found: {path} ({what})")
+    if path.endswith(".parquet"):
+        yield from _parquet_rows(path)
+        return
+    if not path.endswith(".jsonl"):
+        raise DataError(f"{path}: unsupported file type ({what}); expected one of {_SUFFIXES}")
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg} at column "
+                                f"{e.colno})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path}:{lineno}: a row must be a JSON object, got "
+                                f"{type(row).__name__}")
+            yield f"{path}:{lineno}", row
+
+
+def _parquet_rows(path: str) -> Iterator[tuple[str, dict]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow (or convert the "
+                          "file to .jsonl)") from None
+    for i, row in enumerate(pq.read_table(path).to_pylist()):
+        yield f"{path} row {i}", row
+
+
+def get_field(row: dict, key: str, where: str, config_key: str):
+    """Value at dotted `key` of a row; DataError naming where, the field and the config key."""
+    value: Any = row
+    for depth, part in enumerate(key.split(".")):
+        if not isinstance(value, dict) or part not in value or value[part] is None:
+            have = sorted(value) if isinstance(value, dict) else type(value).__name__
+            at = ".".join(key.split(".")[:depth]) or "the row"
+            raise DataError(f"{where}: missing field {key!r} ({config_key}); {at} has {have}")
+        value = value[part]
+    return value
+
+
+# ----------------------------------------------------------------------------- one row
+
+
+def _messages(value, where: str, key: str) -> list[dict]:
+    if isinstance(value, str):
+        value = [{"role": "user", "content": value}]
+    ok = isinstance(value, list) and value and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str)
+        and isinstance(m.get("content"), str) for m in value)
+    if not ok:
+        raise DataError(f"{where}: field {key!r} must be a string or a non-empty list of "
+                        f"{{role, content}} messages, got {str(value)[:80]!r}")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def render_prompt(messages: list[dict], tokenizer, template: str | None, where: str) -> str:
+    """The prompt text: the tokenizer's chat template (generation prompt on) or `template`."""
+    if template is not None:
+        return template.replace("{prompt}", "\n\n".join(m["content"] for m in messages))
+    text = tokenizer.apply_chat_template(messages)
+    if text is None:
+        raise DataError(f"{where}: data.template is null (use the tokenizer's chat template) but "
+                        f"the tokenizer ({type(tokenizer).__name__}) has none; set data.template,"
+                        " e.g. 'Question: {prompt}\\nAnswer:'")
+    # Templates that write the BOS text themselves (Llama 3): the sampler prepends bos_id already.
+    bos_text = getattr(getattr(tokenizer, "hf", None), "bos_token", None)
+    if tokenizer.bos_id is not None and bos_text and text.startswith(bos_text):
+        text = text[len(bos_text):]
+    return text
+
+
+def freeze(value):
+    """A hashable copy of a JSON value (dicts become sorted (key, value) tuples)."""
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), freeze(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(freeze(v) for v in value)
+    return value
+
+
+def _ground_truth(value, where: str, key: str):
+    if isinstance(value, bool) or not isinstance(value, (str, int, float, dict, list)) \
+            or (isinstance(value, str) and not value.strip()):
+        raise DataError(f"{where}: field {key!r} (the ground truth) must be a non-empty string, "
+                        f"a number or a JSON object, got {value!r}")
+    return value.strip() if isinstance(value, str) else freeze(value)
+
+
+def row_to_example(row: dict, where: str, data, tokenizer) -> Example:
+    prompt_key, answer_key, source_key = _DEFAULT_KEYS[data.format]
+    prompt_key = data.prompt_key or prompt_key
+    answer_key = data.answer_key or answer_key
+    messages = _messages(get_field(row, prompt_key, where, "data.prompt_key"), where, prompt_key)
+    truth_raw = get_field(row, answer_key, where, "data.answer_key")
+    truth = _ground_truth(truth_raw, where, answer_key)
+    if data.format == "plain" and isinstance(truth, str) and "####" in truth:
+        truth = _ground_truth(truth.rsplit("####", 1)[1], where, answer_key)  # GSM8K style
+    target = truth_raw if data.sft_key is None else get_field(row, data.sft_key, where,
+                                                              "data.sft_key")
+    source = row.get(source_key, "") if source_key else ""
+    prompt = render_prompt(messages, tokenizer, data.template, where)
+    return Example(prompt, str(target).strip(), (truth, str(source), where))
+
+
+# ----------------------------------------------------------------------------- files -> splits
+
+
+def load_examples(paths: list[str], data, tokenizer, max_prompt_tokens: int,
+                  what: str) -> tuple[list[Example], int]:
+    """Examples of every row of `paths` and the number of overlong prompts skipped."""
+    bos = 0 if tokenizer.bos_id is None else 1
+    out, skipped = [], 0
+    for path in paths:
+        for where, row in read_rows(path, what):
+            ex = row_to_example(row, where, data, tokenizer)
+            n = bos + len(tokenizer.encode(ex.prompt))
+            if n > max_prompt_tokens:
+                if data.skip_overlong_prompts:
+                    skipped += 1
+                    continue
+                raise DataError(
+                    f"{where}: prompt ({data.prompt_key or _DEFAULT_KEYS[data.format][0]}) is "
+                    f"{n} tokens, over data.max_prompt_tokens={max_prompt_tokens} (default: the"
+                    " model's max_seq_len - rollout.max_new_tokens); raise model.max_seq_len or "
+                    "set data.skip_overlong_prompts=true")
+            out.append(ex)
+    return out, skipped
+
+
+def dataset_splits(data, tokenizer, max_prompt_tokens: int,
+                   ) -> tuple[list[Example], list[Example], dict[str, int]]:
+    """Train / eval examples (deterministic for data.seed) and counts: data/{train,eval}_size,
+    data/skipped_overlong_prompts."""
+    if max_prompt_tokens < 1:
+        raise DataError(f"no room for a prompt: max_prompt_tokens={max_prompt_tokens} (raise "
+                        "model.max_seq_len or lower rollout.max_new_tokens)")
+    rng = random.Random(data.seed)
+    train, skipped = load_examples(data.train_files, data, tokenizer, max_prompt_tokens,
+                                   "data.train_files")
+    if not train:
+        raise DataError(f"no training examples in {data.train_files}"
+                        + (f" ({skipped} overlong prompts skipped)" if skipped else ""))
+    if data.shuffle:
+        rng.shuffle(train)
+    if data.eval_files:
+        evals, skipped_eval = load_examples(data.eval_files, data, tokenizer, max_prompt_tokens,
+                                            "data.eval_files")
+        skipped += skipped_eval
+        if data.shuffle:
+            rng.shuffle(evals)
+    else:
+        n_eval = max(1, round(data.eval_fraction * len(train)))
+        if n_eval >= len(train):
+            raise DataError(f"{len(train)} rows in {data.train_files} leave no training rows "
+                            f"after holding out data.eval_fraction={data.eval_fraction}")
+        evals, train = train[:n_eval], train[n_eval:]
+    if not evals:
+        raise DataError(f"no eval examples in {data.eval_files}")
+    evals = evals[:data.max_eval] if data.max_eval else evals
+    return train, evals, {"data/train_size": len(train), "data/eval_size": len(evals),
+                          "data/skipped_overlong_prompts": skipped}
+
+
+def build_task(cfg, tokenizer, model_max_len: int, verbose: bool = False):
+    """(task, train_set, eval_set): a toy task's seeded splits, or the dataset's."""
+    if cfg.task.name != "dataset":
+        task = make_task(cfg.task.name, **dict(cfg.task.kwargs))
+        train, evals = make_splits(task, cfg.task.n_train, cfg.task.n_eval, cfg.task.seed)
+        return task, train, evals
+    task = DatasetTask(reward_name=cfg.reward.name or "math",
+                       reward_timeout_s=cfg.reward.timeout_s,
+                       format_weight=cfg.reward.format_weight)
+    limit = cfg.data.max_prompt_tokens or model_max_len - cfg.rollout.max_new_tokens
+    train, evals, counts = dataset_splits(cfg.data, tokenizer, limit)
+    if verbose:
+        skipped = counts["data/skipped_overlong_prompts"]
+        print(f"data: {len(train)} train / {len(evals)} eval examples, reward "
+              f"{task.reward_name}" + (f", {skipped} overlong prompts skipped" if skipped
+                                       else ""), flush=True)
+    return task, train, evals
+
+
+def tokenizer_folder(cfg) -> str | None:
+    """data.tokenizer_path, else model.hf_path (when the config has it), else None (the
+    character tokenizer)."""
+    return cfg.data.tokenizer_path or getattr(cfg.model, "hf_path", None) or None
+

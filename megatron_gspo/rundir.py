@@ -1,0 +1,193 @@
+"""A run directory belongs to one run: owner record, config fingerprint, lock, stale-file cleanup.
+
+    run_dir/run.json          {"job": "train", "fingerprint": "...", "config": {...semantic keys}}
+    run_dir/.lock             flock'ed by rank 0 while a process writes the run ("pid job")
+    run_dir/{job}_config.yaml the resolved config, written once on first start, never replaced
+
+`claim_run_dir` runs on every rank before anything is written: rank 0 takes the lock and checks
+the record, every rank gets the same verdict (one collective). Refused, with a one-line
+`RunDirError` naming what differs: a run dir owned by another job (`sft` into an RL run), a
+config whose semantic keys differ from the recorded ones (unless `resume=force`), a second
+process writing the same run dir, an unwritable path. `record_run` writes the record and the
+config once the run has really started (policy built, init weights loaded), so a run that fails
+its set-up leaves nothing that would refuse its corrected re-run.
+
+Semantic keys are the ones that change what is trained; the rest (how long, how often to eval,
+save and log, wandb, the collective timeout) may change between resumes. Departure from verl /
+Megatron-LM, which resume whatever is in the save dir: they overwrite silently (PITFALLS #16).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import glob
+import json
+import os
+from dataclasses import dataclass
+
+RUN_FILE = "run.json"
+LOCK_FILE = ".lock"
+# Keys that may change when a run is resumed (dotted prefixes of config_to_dict's keys).
+NON_SEMANTIC = ("run_dir", "resume", "wandb", "train.steps", "train.eval_every",
+                "train.save_every", "train.log_every", "train.flip_every", "sft.steps",
+                "sft.eval_every", "model.dist_timeout_min")
+# Sections a job does not read, so they may differ too.
+UNUSED_BY_JOB = {"train": ("sft",), "sft": ("train", "loss", "rollout")}
+
+
+class RunDirError(RuntimeError):
+    """This run may not write this run dir (one line, names the reason)."""
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and k != "kwargs":
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def semantic_config(config: dict, job: str) -> dict:
+    """The dotted keys of `config` that define the run (see NON_SEMANTIC / UNUSED_BY_JOB)."""
+    skip = NON_SEMANTIC + UNUSED_BY_JOB.get(job, ())
+    kept = {k: v for k, v in sorted(_flatten(config).items())
+            if not any(k == s or k.startswith(s + ".") for s in skip)}
+    return json.loads(json.dumps(kept, default=str))  # as run.json holds it (tuples -> lists)
+
+
+def fingerprint(semantic: dict) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(semantic, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def differing_keys(old: dict, new: dict) -> list[str]:
+    return [f"{k}: {old.get(k, '<unset>')!r} -> {new.get(k, '<unset>')!r}"
+            for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+
+
+# Locks this process holds, by real path: a second Trainer in one process (tests, a notebook)
+# shares the lock; another process is refused.
+_HELD: dict[str, list] = {}
+
+
+@dataclass
+class RunDirLock:
+    path: str
+
+    def release(self) -> None:
+        held = _HELD.get(self.path)
+        if held is None:
+            return
+        held[1] -= 1
+        if held[1] == 0:
+            os.close(held[0])  # closing the descriptor drops the flock
+            del _HELD[self.path]
+
+
+def _lock(run_dir: str, job: str) -> RunDirLock:
+    path = os.path.realpath(os.path.join(run_dir, LOCK_FILE))
+    if path in _HELD:
+        _HELD[path][1] += 1
+        return RunDirLock(path)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        owner = os.read(fd, 200).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise RunDirError(f"run_dir={run_dir} is being written by another process ({owner}); "
+                          "wait for it to finish or choose another run_dir") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} job {job}".encode())
+    _HELD[path] = [fd, 1]
+    return RunDirLock(path)
+
+
+def remove_stale_tmp(run_dir: str) -> list[str]:
+    """Delete `.*.tmp` files a killed save left under run_dir (atomic_write's temporaries)."""
+    stale = glob.glob(os.path.join(glob.escape(run_dir), "**", ".*.tmp"), recursive=True)
+    for path in stale:
+        os.remove(path)
+    return stale
+
+
+def _verdict(run_dir: str, job: str, config: dict, resume) -> str:
+    """Rank 0's check of the record: "" when this run may go on, else the one-line reason."""
+    record_path = os.path.join(run_dir, RUN_FILE)
+    if not os.path.isfile(record_path):
+        other = [j for j in UNUSED_BY_JOB if j != job
+                 and os.path.isfile(os.path.join(run_dir, f"{j}_config.yaml"))]
+        if other:  # written before run.json existed
+            return (f"run_dir={run_dir} holds a '{other[0]}' run; `{job}` would replace its "
+                    "checkpoints: choose another run_dir")
+        return ""
+    with open(record_path) as f:
+        record = json.load(f)
+    if record["job"] != job:
+        return (f"run_dir={run_dir} holds a '{record['job']}' run; `{job}` would replace its "
+                "checkpoints: choose another run_dir")
+    new = semantic_config(config, job)
+    if fingerprint(new) != record["fingerprint"] and resume != "force":
+        diff = differing_keys(record["config"], new)
+        return (f"run_dir={run_dir} was started with another config ({'; '.join(diff)}); "
+                "use a new run_dir, or resume=force to continue with this one")
+    if resume is False and os.path.isdir(os.path.join(run_dir, "checkpoints")):
+        return (f"run_dir={run_dir} holds checkpoints and resume=false would overwrite them; "
+                "use a new run_dir, or resume=true")
+    return ""
+
+
+def _agree(message: str) -> str:
+    """Rank 0's message on every rank (no-op on one process)."""
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return message
+    box = [message]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def claim_run_dir(run_dir: str, job: str, config: dict, resume, is_main: bool):
+    """Lock run_dir for this run and check it may write there; returns the lock (rank 0) or
+    None. Raises RunDirError on every rank with rank 0's reason."""
+    lock, message = None, ""
+    if is_main:
+        try:
+            os.makedirs(run_dir, exist_ok=True)
+            lock = _lock(run_dir, job)
+            message = _verdict(run_dir, job, config, resume)
+        except RunDirError as e:
+            message = str(e)
+        except OSError as e:
+            message = f"run_dir={run_dir}: cannot write there ({e.strerror or e})"
+        if message and lock is not None:
+            lock.release()
+            lock = None
+    message = _agree(message)
+    if message:
+        raise RunDirError(message)
+    if is_main:
+        for path in remove_stale_tmp(run_dir):
+            print(f"removed {path}, left by an interrupted save", flush=True)
+    return lock
+
+
+def record_run(run_dir: str, job: str, config: dict, save_config) -> None:
+    """On first start: write run.json and `{job}_config.yaml` (both are never replaced)."""
+    record_path = os.path.join(run_dir, RUN_FILE)
+    if os.path.isfile(record_path):
+        return
+    from megatron_gspo.checkpoint import atomic_write
+
+    cfg_path = os.path.join(run_dir, f"{job}_config.yaml")
+    if not os.path.exists(cfg_path):
+        save_config(cfg_path)
+    semantic = semantic_config(config, job)
+    record = {"job": job, "fingerprint": fingerprint(semantic), "config": semantic}
+    text = json.dumps(record, indent=1, default=str)
+    atomic_write(record_path, lambda f: f.write(text.encode()))

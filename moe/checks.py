@@ -1,0 +1,6 @@
+"""Value checks shared by `moe` and `megatron_gspo` (plain Python: no torch, no megatron)."""
+
+
+def is_int(value) -> bool:
+    """A Python int that is not a bool (`isinstance(True, int)` is True)."""
+    return isinstance(value, int) and not isinstance(value, bool)

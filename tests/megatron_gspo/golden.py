@@ -1,0 +1,90 @@
+"""The golden run (torchtitan style): a short SFT then 2 RL iterations of GSPO and of GRPO + R2,
+whose per-step metrics are pinned in tests/golden/golden_run.json. A refactor that changes what
+the trainer computes changes these numbers; `test_golden.py` compares within `TOLERANCE`.
+
+Regenerate (only when a change is *meant* to alter the numbers; say why in the commit):
+    python -m tests.megatron_gspo.golden --write
+
+Tolerance: relative 1e-4 (absolute 1e-6). Measured: two runs on one machine agree exactly; CPUs
+of another make (AMD EPYC vs Intel Xeon) round differently at ~1e-7 relative in these short runs,
+far inside the tolerance, while a real change to a loss, an optimizer or the routing moves these
+numbers by 1e-3 or more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "..", "golden", "golden_run.json")
+TOLERANCE = {"rel": 1e-4, "abs": 1e-6}
+COMMON = ["model.preset=qwen3-moe-tiny", "task.name=addition", "task.kwargs.num_digits=1",
+          "task.n_train=80", "task.n_eval=16", "rollout.prompts_per_batch=4",
+          "rollout.group_size=4", "rollout.max_new_tokens=3", "wandb.mode=disabled", "seed=3"]
+SFT = ["sft.steps=40", "sft.batch_size=32", "sft.lr=3e-3", "sft.eval_every=0"]
+ARMS = {"gspo": ["loss.name=gspo"],
+        "grpo_r2": ["loss.name=grpo", "train.routing_replay=r2"]}
+RL = ["train.steps=2", "train.num_minibatches=2", "train.eval_every=0", "train.save_every=0",
+      "optim.lr=1e-3", "train.flip_every=1"]
+KEYS = ("policy/loss", "train/grad_norm", "policy/clip_frac/token", "policy/clip_frac/seq",
+        "policy/ratio/mean", "moe/flip_rate/mean", "moe/flip_rate/layer_00",
+        "moe/flip_rate/layer_03", "moe/drift_vs_old/mean", "reward/mean", "sft/loss")
+
+
+def run(root: str) -> dict[str, list[dict]]:
+    """{arm: [{step, key: value} per logged row]} for the SFT run and each RL arm."""
+    from megatron_gspo.config import load_config
+    from megatron_gspo.metrics import read_jsonl
+    from megatron_gspo.sft import run_sft
+    from megatron_gspo.trainer import Trainer
+
+    sft_dir = os.path.join(root, "sft")
+    run_sft(load_config(None, [*COMMON, *SFT, f"run_dir={sft_dir}"]))
+    out = {"sft": _rows(read_jsonl(os.path.join(sft_dir, "metrics.jsonl")))}
+    for arm, overrides in ARMS.items():
+        d = os.path.join(root, arm)
+        Trainer(load_config(None, [*COMMON, *RL, *overrides, f"run_dir={d}",
+                                   f"init_checkpoint={sft_dir}"])).train()
+        out[arm] = _rows(read_jsonl(os.path.join(d, "metrics.jsonl")))
+    return out
+
+
+def cpu_model() -> str:
+    """The CPU the numbers were measured on (floats differ across CPU makes)."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _rows(records: list[dict]) -> list[dict]:
+    return [{"step": r["step"], **{k: r[k] for k in KEYS if k in r}} for r in records]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--write", action="store_true", help=f"overwrite {GOLDEN}")
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as root:
+        result = {"cpu": cpu_model(), "runs": run(root)}
+    text = json.dumps(result, indent=1, sort_keys=True)
+    if args.write:
+        with open(GOLDEN, "w") as f:
+            f.write(text + "\n")
+        print(f"wrote {os.path.normpath(GOLDEN)}")
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,323 @@
+"""Fault injection (issue 17): every way a run can be hurt from outside gets a clear refusal or a
+clean recovery, and nothing already written is lost.
+
+Run dirs (PITFALLS #16), verified checkpoints, preemption, one-line CLI errors, wandb offline
+fallback. Collective-safe sampling (PITFALLS #13) is guarded in tests/moe (2 processes).
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from megatron_gspo import checkpoint as ckpt
+from megatron_gspo.cli import main
+from megatron_gspo.config import config_to_dict, load_config
+from megatron_gspo.metrics import read_jsonl
+from megatron_gspo.rundir import RunDirError, claim_run_dir, record_run
+
+TINY = ["model.preset=tiny", "task.name=addition", "task.kwargs.num_digits=1",
+        "task.n_train=60", "task.n_eval=8", "rollout.prompts_per_batch=4",
+        "rollout.group_size=4", "rollout.max_new_tokens=3", "train.num_minibatches=2",
+        "train.eval_every=0", "train.save_every=1", "wandb.mode=disabled", "optim.lr=3e-3",
+        "loss.name=grpo", "sft.steps=2", "sft.batch_size=8", "sft.eval_every=0"]
+
+
+def cli(capsys, *argv) -> tuple[int, str]:
+    code = main(list(argv))
+    return code, capsys.readouterr().err
+
+
+def one_line_error(capsys, *argv) -> str:
+    code, err = cli(capsys, *argv)
+    assert code == 2, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+def digit_first(example, completion: str) -> float:
+    return float(completion[:1].isdigit())
+
+
+def trainer(run_dir, *overrides):
+    from megatron_gspo.trainer import Trainer
+
+    t = Trainer(load_config(None, [*TINY, f"run_dir={run_dir}", *overrides]))
+    object.__setattr__(t.rt.task, "reward", digit_first)  # groups with reward variance
+    return t
+
+
+def params(t) -> dict:
+    return {n: p.detach().clone() for n, p in t.policy.model.module.named_parameters()}
+
+
+# ----------------------------------------------------------------------------- run dirs
+
+
+def claim(run_dir, job="train", *overrides, resume=True):
+    cfg = load_config(None, [f"run_dir={run_dir}", *overrides])
+    lock = claim_run_dir(str(run_dir), job, config_to_dict(cfg), resume, is_main=True)
+    record_run(str(run_dir), job, config_to_dict(cfg), lambda p: open(p, "w").write("x"))
+    return lock
+
+
+def test_resume_with_another_config_is_refused_naming_the_keys(tmp_path):
+    claim(tmp_path, "train", "optim.lr=1e-4").release()
+    with pytest.raises(RunDirError, match=r"optim.lr: 0.0001 -> 0.001.*resume=force"):
+        claim(tmp_path, "train", "optim.lr=1e-3")
+    # keys that do not change what is trained may change
+    claim(tmp_path, "train", "optim.lr=1e-4", "train.steps=99", "wandb.mode=offline").release()
+    claim(tmp_path, "train", "optim.lr=1e-3", resume="force").release()
+
+
+def test_another_job_is_refused(tmp_path):
+    claim(tmp_path, "train").release()
+    with pytest.raises(RunDirError, match="holds a 'train' run; `sft` would replace"):
+        claim(tmp_path, "sft")
+
+
+def test_second_process_is_refused_while_the_first_writes(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from megatron_gspo.rundir import _lock
+        _lock({str(tmp_path)!r}, "train"); print("locked", flush=True); time.sleep(60)""")],
+        stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(RunDirError, match=rf"another process \(pid {holder.pid} job train"):
+            claim(tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+    claim(tmp_path).release()  # the lock dies with its process: no stale lock
+
+
+def test_unwritable_run_dir_is_one_line(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    err = one_line_error(capsys, "train", *TINY, f"run_dir={blocker}/run")
+    assert f"run_dir={blocker}/run: cannot write there" in err
+
+
+def test_sft_into_an_rl_run_keeps_its_checkpoints(tmp_path, capsys):
+    run = tmp_path / "rl"
+    assert cli(capsys, "train", *TINY, f"run_dir={run}", "train.steps=1")[0] == 0
+    latest = (run / "checkpoints" / "latest").read_text()
+    rows = read_jsonl(run / "metrics.jsonl")
+    config = (run / "train_config.yaml").read_text()
+    assert "holds a 'train' run" in one_line_error(capsys, "sft", *TINY, f"run_dir={run}")
+    err = one_line_error(capsys, "train", *TINY, f"run_dir={run}", "optim.lr=0.5")
+    assert "optim.lr: 0.003 -> 0.5" in err
+    assert (run / "checkpoints" / "latest").read_text() == latest
+    assert read_jsonl(run / "metrics.jsonl") == rows
+    assert (run / "train_config.yaml").read_text() == config
+    assert not (run / "sft_config.yaml").exists()
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def _shard(root, step):
+    return os.path.join(ckpt.step_dir(root, step), "rank_00000.pt")
+
+
+def test_overwritten_floats_are_caught_and_resume_falls_back(tmp_path, capsys):
+    run = tmp_path / "run"
+    t = trainer(run, "train.steps=2")
+    t.train()
+    root = str(run / "checkpoints")
+    with open(_shard(root, 2), "r+b") as f:  # two floats deep inside the tensor data
+        f.seek(os.path.getsize(_shard(root, 2)) // 2)
+        f.write(b"\x00\x00\x80\x7f\x00\x00\x80\x7f")
+    with pytest.raises(ckpt.CheckpointError, match=r"rank_00000.pt is corrupt"):
+        ckpt.load_checkpoint(root)
+    resumed = trainer(run, "train.steps=2")
+    assert resumed.state["iteration"] == 1  # fell back to step 1
+    assert "skipping checkpoint step 2" in capsys.readouterr().out
+    resumed.rt.close()
+
+
+def test_truncated_shard_is_a_one_line_error(tmp_path):
+    root = str(tmp_path)
+    ckpt.save_checkpoint(root, 1, {"w": torch.zeros(1000)})
+    ckpt.mark_latest(root, 1)
+    with open(_shard(root, 1), "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(ckpt.CheckpointError, match=r"rank_00000.pt is truncated.*100 bytes"):
+        ckpt.load_checkpoint(root)
+
+
+def test_stale_tmp_files_are_removed_and_files_follow_the_umask(tmp_path):
+    root = tmp_path / "checkpoints"
+    step = root / "step_000001"
+    step.mkdir(parents=True)
+    stale = step / ".rank_00000.pt.abc123.tmp"
+    stale.write_bytes(b"half a checkpoint")
+    old = os.umask(0o022)
+    try:
+        claim(tmp_path).release()
+        ckpt.save_checkpoint(str(root), 2, {"w": torch.zeros(3)})
+    finally:
+        os.umask(old)
+    assert not stale.exists()
+    assert os.stat(_shard(str(root), 2)).st_mode & 0o777 == 0o644
+
+
+def test_disk_full_names_the_file_and_keeps_the_previous_step(tmp_path, monkeypatch):
+    root = str(tmp_path)
+    ckpt.save_checkpoint(root, 1, {"w": torch.zeros(3)})
+    ckpt.mark_latest(root, 1)
+    real = ckpt.tempfile.mkstemp
+
+    def full_disk(*args, **kwargs):  # a real ENOSPC: writes go to /dev/full
+        fd, path = real(*args, **kwargs)
+        os.dup2(os.open("/dev/full", os.O_WRONLY), fd)
+        return fd, path
+
+    monkeypatch.setattr(ckpt.tempfile, "mkstemp", full_disk)
+    with pytest.raises(ckpt.CheckpointError, match=r"cannot write .*rank_00000.pt: No space left"):
+        ckpt.save_checkpoint(root, 2, {"w": torch.zeros(100_000)})
+    monkeypatch.undo()
+    assert ckpt.latest_step(root) == 1 and ckpt.load_checkpoint(root)["w"].shape == (3,)
+    assert not [n for n in os.listdir(ckpt.step_dir(root, 2)) if n.endswith(".tmp")]
+
+
+# ----------------------------------------------------------------------------- preemption
+
+
+def test_sigterm_saves_then_resume_matches_the_uninterrupted_run(tmp_path, capsys):
+    from megatron_gspo.preempt import Preempted
+
+    straight = trainer(tmp_path / "straight", "train.steps=3", "train.save_every=0")
+    straight.train()
+    t = trainer(tmp_path / "cut", "train.steps=3", "train.save_every=0")
+    calls = []
+
+    def reward_then_sigterm(example, completion):
+        calls.append(1)
+        if len(calls) == 20:  # inside the 2nd rollout batch (16 samples each)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return digit_first(example, completion)
+
+    object.__setattr__(t.rt.task, "reward", reward_then_sigterm)
+    with pytest.raises(Preempted, match="stopped at rollout batch 2 of 3"):
+        t.train()
+    cut = tmp_path / "cut"
+    assert ckpt.latest_step(str(cut / "checkpoints")) == 2
+    (cut / "metrics.jsonl").open("a").write(json.dumps({"step": 99, "x": 1}) + "\n")
+    resumed = trainer(cut, "train.steps=3", "train.save_every=3")  # saves at the end
+    resumed.train()
+    steps = [r["step"] for r in read_jsonl(cut / "metrics.jsonl")]
+    assert steps == sorted(steps) and len(steps) == len(set(steps)) and 99 not in steps
+    a, b = params(straight), params(resumed)
+    for n in a:
+        torch.testing.assert_close(a[n], b[n], atol=1e-6, rtol=1e-6, msg=n)
+    again = trainer(cut, "train.steps=3")
+    assert again.train() == {}
+    assert "already finished 3 of train.steps=3" in capsys.readouterr().out
+
+
+def test_first_signal_arms_the_default_action_for_the_second():
+    from megatron_gspo.preempt import Preemption
+
+    with Preemption() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.signum == signal.SIGINT and stop.requested() == signal.SIGINT
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL  # a 2nd Ctrl-C kills
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+# ----------------------------------------------------------------------------- CLI errors
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("loss.name=ppo", "loss.name=ppo: unknown policy loss; valid: ['grpo', 'gspo'"),
+    ("task.name=nope", "task.name=nope: unknown task; valid: ['addition'"),
+    ("model.preset=qwen9", "model.preset=qwen9: unknown preset; valid: "),
+    ("task.kwargs.bogus=1", "task.kwargs.bogus: unknown argument of task 'addition'"),
+])
+def test_unknown_registry_names_are_refused_at_load(tmp_path, capsys, override, fragment):
+    assert fragment in one_line_error(capsys, "train", f"run_dir={tmp_path}/r", override)
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("model:\n  preset: [tiny\n", ":3:1: invalid YAML"),
+    ("model:\n  preset: tiny\n  preset: small\n", ":3:3: invalid YAML: duplicate key 'preset'"),
+])
+def test_malformed_yaml_names_line_and_column(tmp_path, capsys, text, fragment):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    assert f"{path}{fragment}" in one_line_error(capsys, "train", "--config", str(path))
+
+
+def test_init_checkpoint_errors_name_the_problem(tmp_path, capsys):
+    sft = tmp_path / "sft"
+    assert cli(capsys, "sft", *TINY, f"run_dir={sft}")[0] == 0
+    shard = sft / "checkpoints" / "step_000002" / "rank_00000.pt"
+    err = one_line_error(capsys, "train", *TINY, f"run_dir={tmp_path}/a",
+                         f"init_checkpoint={shard}")
+    assert "is a file; pass the run dir" in err
+    err = one_line_error(capsys, "train", *TINY, f"run_dir={tmp_path}/b",
+                         f"init_checkpoint={tmp_path}/missing")
+    assert "missing: no such directory" in err
+    err = one_line_error(capsys, "train", *TINY, f"run_dir={tmp_path}/c",
+                         f"init_checkpoint={sft}", "model.preset=qwen3-moe-tiny")
+    assert "holds preset 'tiny', this run builds 'qwen3-moe-tiny'" in err and "shape" in err
+    assert not (tmp_path / "c" / "run.json").exists()  # a refused start records nothing
+
+
+# ----------------------------------------------------------------------------- wandb
+
+
+def test_unreachable_wandb_server_falls_back_to_offline(monkeypatch):
+    from megatron_gspo.metrics import _online_or_offline
+
+    with socket.socket() as s:  # a port that refuses: bound, never listening
+        s.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{s.getsockname()[1]}")
+        assert _online_or_offline(timeout_s=2.0) == "offline"
+    with socket.socket() as server:  # a reachable one stays online
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{server.getsockname()[1]}")
+        assert _online_or_offline(timeout_s=2.0) == "online"
+
+
+def test_logger_starts_wandb_offline_when_online_is_unreachable(tmp_path, monkeypatch):
+    import types
+
+    from megatron_gspo import metrics
+
+    seen = {}
+    fake = types.SimpleNamespace(init=lambda **kw: seen.update(kw) or None)
+    monkeypatch.setattr(metrics, "_import_wandb", lambda mode: fake)
+    monkeypatch.setattr(metrics, "_online_or_offline", lambda: "offline")
+    metrics.MetricsLogger(str(tmp_path), {}, wandb_mode="online").close()
+    assert seen["mode"] == "offline"
+
+
+def test_resume_force_is_a_config_value():
+    assert load_config(None, ["resume=force"]).resume == "force"
+    assert load_config(None, ["resume=false"]).resume is False
+
+
+def test_minibatches_must_divide_each_data_parallel_ranks_share():
+    from megatron_gspo.config import ConfigError
+    from megatron_gspo.trainer import local_prompts
+
+    cfg = load_config(None, ["rollout.prompts_per_batch=4", "rollout.group_size=2",
+                             "train.num_minibatches=8"])  # the global batch (8) splits in 8
+    assert local_prompts(cfg, dp=1) == 4
+    with pytest.raises(ConfigError, match=r"num_minibatches=8 does not divide .* 4 rollout rows"):
+        local_prompts(cfg, dp=2)  # ... but each of 2 ranks holds only 4 rows
+    with pytest.raises(ConfigError, match="prompts_per_batch=4 is not divisible by the "
+                                          "data-parallel size 3"):
+        local_prompts(cfg, dp=3)

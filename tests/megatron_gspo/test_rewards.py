@@ -1,0 +1,167 @@
+"""Reward registry: hand-checked verdicts, the per-answer time limit, error counting."""
+
+import signal
+import threading
+
+import pytest
+
+from megatron_gspo.rewards import (OK, RAISED, REWARDS, TIMED_OUT, UnknownRewardError,
+                                   compute_rewards, countdown_reward, exact_reward,
+                                   get_format_check, get_reward, math_gold_text)
+from megatron_gspo.tasks import Example, make_task
+
+
+def test_registry_names_and_unknown_name_lists_valid_ones():
+    assert sorted(REWARDS) == ["countdown", "exact", "math"]
+    with pytest.raises(KeyError, match=r"unknown reward 'bogus'; valid names: \['countdown', "
+                                        r"'exact', 'math'\]"):
+        get_reward("bogus")
+    with pytest.raises(ValueError):  # also a ValueError, for config loaders
+        get_reward("bogus")
+    assert issubclass(UnknownRewardError, ValueError)
+
+
+def test_exact():
+    assert exact_reward("357", "357") == 1.0
+    assert exact_reward(" 357\n", "357") == 1.0
+    assert exact_reward("358", "357") == 0.0
+    assert exact_reward("72", 72) == 1.0  # a numeric ground truth compares as text
+    assert exact_reward("", "0") == 0.0
+    with pytest.raises(TypeError, match="completion must be a str"):
+        exact_reward(None, "1")
+    fmt = get_format_check("exact")
+    assert fmt(" 7 ") and not fmt("  ")
+
+
+def test_countdown_accepts_tuple_dict_and_frozen_dict():
+    for truth in [((3, 5, 7), 56), {"numbers": [3, 5, 7], "target": 56},
+                  (("numbers", (3, 5, 7)), ("target", 56))]:
+        assert countdown_reward("(3+5)*7", truth) == 1.0
+        assert countdown_reward("7*(5+3)", truth) == 1.0
+        assert countdown_reward("3+5*7", truth) == 0.0  # 38
+        assert countdown_reward("(3+5)*7+0", truth) == 0.0  # an extra number
+        assert countdown_reward("(3+3)*7", truth) == 0.0  # 3 twice, 5 unused
+    with pytest.raises(ValueError, match="lacks"):
+        countdown_reward("1+2", {"target": 3})
+
+
+def test_toy_tasks_use_the_registry_verifiers():
+    add = make_task("addition")
+    ex = Example("12+345=", "357")
+    assert add.reward(ex, "357") == exact_reward("357", "357") == 1.0
+    cd = make_task("countdown")
+    ex = Example("c:3,5,7>56=", "(3+5)*7", ((3, 5, 7), 56))
+    assert cd.reward(ex, "7*(3+5)") == 1.0 and cd.reward(ex, "3*5*7") == 0.0
+
+
+def test_math_gold_text():
+    assert math_gold_text("72") == "\\boxed{72}"
+    assert math_gold_text(72) == "\\boxed{72}"
+    assert math_gold_text("Natalia sold 48/2 = 24 clips.\n#### 72") == "\\boxed{72}"
+    assert math_gold_text("\\boxed{\\frac{1}{2}}") == "\\boxed{\\frac{1}{2}}"
+
+
+# Hand-checked: (completion, ground truth, verdict).
+MATH_CASES = [
+    ("She has 10 + 72 = 82 apples.\n#### 82", "82", 1.0),
+    ("So the answer is \\boxed{72}.", "72", 1.0),
+    ("The answer is 72", "72", 1.0),  # a final number without markup
+    ("#### 72.0", "72", 1.0),
+    ("\\boxed{1,000}", "1000", 1.0),
+    ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),  # fraction vs decimal
+    ("#### 0.5", "\\frac{1}{2}", 1.0),
+    ("each pays 7.5 dollars\n#### 7.5", "7.5", 1.0),
+    ("\\boxed{\\frac{15}{2}}", "7.5", 1.0),
+    ("$\\dfrac{3}{4}$", "\\frac{3}{4}", 1.0),  # \dfrac == \frac
+    ("\\boxed{\\sqrt{4}}", "2", 1.0),
+    ("\\boxed{\\frac{\\pi}{2}}", "\\pi/2", 1.0),
+    ("\\boxed{(x+1)^2}", "x^2+2x+1", 1.0),  # symbolic equality
+    ("#### 72", "Natalia sold 48/2 = 24 clips in May.\n#### 72", 1.0),  # GSM8K gold
+    ("#### 71", "72", 0.0),
+    ("\\boxed{0.49}", "\\frac{1}{2}", 0.0),
+    ("I think 72 but then 73", "72", 0.0),  # the last answer counts
+    ("\\boxed{x^2+1}", "x^2+2x+1", 0.0),
+    ("", "72", 0.0),
+    ("no number here", "72", 0.0),
+]
+
+
+@pytest.mark.parametrize("completion,truth,verdict", MATH_CASES)
+def test_math_reward_hand_checked(completion, truth, verdict):
+    pytest.importorskip("math_verify")
+    assert get_reward("math")(completion, truth) == verdict
+
+
+def test_math_format_check():
+    fmt = get_format_check("math")
+    assert fmt("so \\boxed{3}") and fmt("steps\n#### 5") and fmt("#### 5")
+    assert not fmt("the answer is 5") and not fmt("####") and not fmt("a #### 5")
+
+
+class _Task:
+    reward_timeout_s = 0.3
+
+    def __init__(self, fn):
+        self.reward = fn
+
+
+def _spin(example, completion):
+    while True:
+        pass
+
+
+def test_time_limit_interrupts_a_python_loop_and_counts_it():
+    task = _Task(lambda ex, c: 1.0 if c == "ok" else _spin(ex, c))
+    rewards, status = compute_rewards(task, [Example("p", "a")] * 3, ["ok", "spin", "ok"])
+    assert rewards == [1.0, 0.0, 1.0] and status == [OK, TIMED_OUT, OK]
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)  # no alarm left behind
+
+
+def test_math_verify_blowup_times_out_instead_of_hanging():
+    """\\boxed{9^{9^{9^{9}}}} runs for minutes without a limit (measured); here it is stopped."""
+    pytest.importorskip("math_verify")
+    from megatron_gspo.data import DatasetTask
+
+    task = DatasetTask(reward_name="math", reward_timeout_s=0.5)
+    rewards, status = compute_rewards(task, [Example("p", "1", ("1", "", "x"))] * 2,
+                                      ["\\boxed{9^{9^{9^{9}}}}", "#### 1"])
+    assert rewards == [0.0, 1.0] and status == [TIMED_OUT, OK]
+
+
+def test_raising_or_nan_reward_scores_zero_and_is_counted():
+    def reward(ex, c):
+        if c == "boom":
+            raise RuntimeError("verifier bug")
+        return float("nan") if c == "nan" else 0.5
+
+    rewards, status = compute_rewards(_Task(reward), [Example("p", "a")] * 3,
+                                      ["fine", "boom", "nan"])
+    assert rewards == [0.5, 0.0, 0.0] and status == [OK, RAISED, RAISED]
+    with pytest.raises(ValueError, match="2 examples but 1 completions"):
+        compute_rewards(_Task(reward), [Example("p", "a")] * 2, ["x"])
+
+
+def test_outer_alarm_survives_a_reward_time_limit():
+    fired = []
+    old = signal.signal(signal.SIGALRM, lambda *a: fired.append(1))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 30.0)
+        compute_rewards(_Task(lambda ex, c: 1.0), [Example("p", "a")], ["x"])
+        left, _ = signal.getitimer(signal.ITIMER_REAL)
+        assert 0.0 < left <= 30.0 and not fired
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_outside_the_main_thread_rewards_run_without_a_limit():
+    out = {}
+
+    def run():
+        out["result"] = compute_rewards(_Task(lambda ex, c: 1.0), [Example("p", "a")], ["x"])
+
+    with pytest.warns(RuntimeWarning, match="main thread"):
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+    assert out["result"] == ([1.0], [OK])
