@@ -1,10 +1,10 @@
 """Training-state memory: fp32 vs bf16 with fp32 masters vs megatron's distributed optimizer.
 
 Usage:
-    python tools/train_memory.py                    # qwen3-30b-a3b table + measured tiny-deep step
-    python tools/train_memory.py --batch 8 --seq 32 # a smaller measured step
-    python tools/train_memory.py --no-measure       # just the table
-    python tools/train_memory.py --with-recompute   # + bf16 with activation recompute
+    python -m tools.train_memory                    # qwen3-30b-a3b table + measured tiny-deep step
+    python -m tools.train_memory --batch 8 --seq 32 # a smaller measured step
+    python -m tools.train_memory --no-measure       # just the table
+    python -m tools.train_memory --with-recompute   # + bf16 with activation recompute
 
 Analytic part: bytes per parameter of the model state megatron keeps for training (its
 distributed-optimizer docs use the same accounting), per data-parallel replica of the model:
@@ -25,9 +25,10 @@ baseline before the model was built. On CUDA that is `torch.cuda.max_memory_allo
 torch has no allocator statistics, so glibc malloc's own (`mallinfo2`: bytes in use, heap plus
 mmapped) are read after every aten op with outputs of 64 KiB or more and after every 32nd op (a
 TorchDispatchMode; mallinfo2 walks malloc's bins, too slow for every op). That catches the
-step's large tensors, not scratch memory inside a kernel. oneDNN is switched off on CPU unless --onednn: its bf16
-matmuls keep cached primitives and scratchpads (measured ~550 MiB for this model), a cost of the
-CPU backend, not of the training state; torch's own bf16 kernels run instead.
+step's large tensors, not scratch memory inside a kernel. oneDNN is switched off on CPU unless
+--onednn: its bf16 matmuls keep cached primitives and scratchpads (measured ~550 MiB for this
+model), a cost of the CPU backend, not of the training state; torch's own bf16 kernels run
+instead.
 """
 
 from __future__ import annotations
@@ -40,9 +41,9 @@ import subprocess
 import sys
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 warnings.filterwarnings("ignore")
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB, MIB = 1024 ** 3, 1024 ** 2
 SAMPLE_BYTES, SAMPLE_EVERY = 64 * 1024, 32  # CPU: read malloc's stats after ops this big / often
 
@@ -172,10 +173,10 @@ def measure(preset_name: str, batch: int, seq: int, onednn: bool = False,
     variants = [("fp32", "off"), ("bf16", "off")]
     variants += [("bf16", "selective"), ("bf16", "full")] if with_recompute else []
     for dtype, recompute in variants:
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", dtype, "--recompute",
+        cmd = [sys.executable, "-m", "tools.train_memory", "--child", dtype, "--recompute",
                recompute, "--preset", preset_name, "--batch", str(batch), "--seq", str(seq)]
         cmd += ["--onednn"] if onednn else []
-        run = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        run = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT)
         if run.returncode:
             raise SystemExit(f"measuring {dtype} {recompute} failed:\n{run.stderr[-2000:]}")
         out.append(json.loads(run.stdout.strip().splitlines()[-1]))
