@@ -79,7 +79,7 @@ def test_distributed_optimizer_dp2_matches_single_process(reference):
     """3 clipped Adam steps with megatron's distributed optimizer on DP=2 give the 1-process
     parameters within pw.DP_ATOL (fp32); in bf16 exactly the unsharded optimizer's; resuming
     from a rank's saved shard continues exactly."""
-    mp.spawn(pw.optimizer_worker, args=(2, _port(), reference), nprocs=2, join=True)
+    pw.spawn(pw.optimizer_worker, (2, pw.free_port(), reference), nprocs=2, timeout_s=TIMEOUT_S)
 
 
 def test_worker_detects_a_wrong_weight(single_process, reference, tmp_path):
