@@ -2,7 +2,10 @@
 instrumentation.
 
 Install torch first (`pip install torch==2.13.0`: a CPU wheel where no GPU is present), then
-`pip install -e .[dev]`. TransformerEngine needs CUDA and is in the `[gpu]` extra.
+`pip install -e .[dev]`. TransformerEngine needs CUDA and is in the `[gpu]` extra (README
+"Install": build it with --no-build-isolation, core_cu12 / core_cu13 matching torch's CUDA).
+Supported: Python >= 3.10 with megatron-core 0.16.1 (the newest for Python < 3.12) through 0.19.x;
+`make test` pins the fast path (Makefile PINNED), `make test-latest` tests the newest release.
 """
 
 from setuptools import find_packages, setup
@@ -12,23 +15,24 @@ setup(
     version="0.1.0",
     description="GSPO/GRPO RL for megatron-core MoE policies with Routing Replay and "
                 "per-layer expert-flip instrumentation",
-    python_requires=">=3.10,<3.12",  # megatron-core 0.17+ needs 3.12; we pin 0.16.1
+    python_requires=">=3.10",
     packages=find_packages(include=["megatron_gspo", "megatron_gspo.*", "moe", "moe.*"]),
     install_requires=[
         "torch>=2.4",
-        "megatron-core==0.16.1",
+        "megatron-core>=0.16.1,<0.20",  # 0.17+ needs Python 3.12; tested 0.16.1 and 0.19.2
         "numpy",
         "pyyaml",
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]"],
         "wandb": ["wandb"],
-        # local Hugging Face checkpoints and tokenizers (model.hf_path); nothing is downloaded
-        "hf": ["transformers==5.23.0", "safetensors", "tokenizers"],
+        # local Hugging Face checkpoints and tokenizers (model.hf_path); nothing is downloaded.
+        # mbridge gives the per-family name mapping (moe/hf/mapping.py); einops is its import.
+        "hf": ["transformers==5.23.0", "safetensors", "tokenizers", "mbridge==0.15.1", "einops"],
         "plot": ["matplotlib"],
         "math": ["math-verify==0.9.0"],  # reward.name=math; parquet data also needs pyarrow
         "dev": ["pytest", "matplotlib", "wandb", "transformers==5.23.0", "safetensors",
-                "tokenizers", "math-verify==0.9.0", "pyarrow"],
+                "tokenizers", "mbridge==0.15.1", "einops", "math-verify==0.9.0", "pyarrow"],
         # tools/bench_throughput.py's TRL side; the versions it was measured with
         "bench": ["trl==1.16.0", "transformers==5.23.0", "accelerate==1.15.0", "datasets==5.2.0"],
     },

@@ -1,10 +1,11 @@
-"""Command line: `megatron-gspo {sft,train,eval,config} [--config FILE.yaml] [key=value ...]`.
+"""Command line: `megatron-gspo {sft,train,eval,config,export} [--config F.yaml] [key=value ...]`.
 
 Examples:
     megatron-gspo sft   --config experiments/demo/sft.yaml
     megatron-gspo train --config experiments/demo/gspo.yaml train.steps=5 loss.name=grpo
     megatron-gspo eval  --config experiments/demo/gspo.yaml init_checkpoint=runs/demo/gspo
     megatron-gspo config            # every key with its default and meaning
+    megatron-gspo export --run-dir runs/demo/gspo --to-hf out/  # Hugging Face folder
     torchrun --nproc-per-node 2 -m megatron_gspo.cli train --config ... model.ep=2
 
 Overrides use dotted keys and YAML values; unknown keys are errors. A bad config (typo, wrong
@@ -26,8 +27,15 @@ import warnings
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-gspo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["sft", "train", "eval", "config"])
+    parser.add_argument("command", choices=["sft", "train", "eval", "config", "export"])
     parser.add_argument("--config", default=None, help="YAML experiment file")
+    # export: a run's latest checkpoint as a Hugging Face model folder (megatron_gspo.export)
+    parser.add_argument("--run-dir", default=None, help="export: the run (or step) dir")
+    parser.add_argument("--to-hf", default=None, help="export: output folder")
+    parser.add_argument("--hf-path", default=None,
+                        help="export: source model folder (default: the run's model.hf_path)")
+    parser.add_argument("--max-shard-bytes", type=int, default=5 * 1024**3,
+                        help="export: safetensors shard size limit")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     return parser
 
@@ -50,6 +58,8 @@ def main(argv=None) -> int:
     if args.command == "config":
         print(describe_config())
         return 0
+    if args.command == "export":
+        return _export(parser, args, (FileNotFoundError, ValueError, CheckpointError))
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|cuda_graph_scope).*")
     try:
         cfg = load_config(args.config, args.overrides)
@@ -77,6 +87,20 @@ def run(command: str, cfg) -> dict:
     from megatron_gspo.runtime import evaluate_runtime, setup_runtime
 
     return evaluate_runtime(setup_runtime(cfg, lr=0.0, job="eval"))
+
+
+def _export(parser, args, errors: tuple) -> int:
+    if not args.run_dir or not args.to_hf:
+        parser.error("export needs --run-dir R --to-hf OUT")
+    from megatron_gspo.export import export_run
+
+    try:
+        summary = export_run(args.run_dir, args.to_hf, hf_path=args.hf_path,
+                             max_shard_bytes=args.max_shard_bytes)
+    except errors as e:
+        return _fail(str(e))
+    print(json.dumps(summary))
+    return 0
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ class ModelConfig:
     _section: ClassVar[str] = "model"
 
     preset: str = "qwen3-moe-tiny"
-    """Model preset name (validated by `moe.presets`)."""
+    """Model preset name (validated by `moe.presets`); ignored when hf_path is set."""
     tp: int = 1
     """Tensor-parallel size."""
     ep: int = 1
@@ -52,14 +52,29 @@ class ModelConfig:
     """Parameter / compute dtype."""
     aux_loss_coeff: float = 0.0
     """MoE load-balancing auxiliary loss coefficient (0 = off)."""
+    dist_timeout_min: float = 10.0
+    """Timeout of every collective (torch.distributed and megatron's groups), in minutes: a rank
+    waiting longer on its peers fails with the backend's timeout error instead of hanging
+    (torch's default is 30)."""
+    hf_path: Optional[str] = None
+    """Local Hugging Face model folder (config.json, *.safetensors, tokenizer files) to start
+    from: the architecture comes from its config.json (model.preset is then ignored), the
+    weights are loaded into this run's TP/EP layout, the tokenizer and chat template are its own.
+    Qwen3-MoE and Qwen2-MoE. Nothing is downloaded: a hub name is an error."""
+    vocab_multiple: int = 128
+    """With hf_path: the embedding is padded to a multiple of vocab_multiple * tp rows (megatron's
+    make-vocab-size-divisible-by); padded logits are masked. The toy tokenizer pads to 16 * tp."""
     max_seq_len: Optional[int] = None
     """Maximum sequence length (prompt + response tokens) the model is built for; None = the
-    preset's (64 for the tiny presets; long-response tasks and datasets need more). RoPE has
-    no length-bound parameters, so this changes no weight."""
+    preset's (64 for the tiny presets; long-response tasks and datasets need more), or
+    config.json's with hf_path. RoPE has no length-bound parameters, so this changes no weight."""
 
     def __post_init__(self):
-        validate(self, nonempty=("preset",), ge={"tp": 1, "ep": 1, "aux_loss_coeff": 0,
-                                                  "max_seq_len": 2})
+        validate(self, nonempty=("preset", "hf_path"),
+                 ge={"tp": 1, "ep": 1, "aux_loss_coeff": 0, "vocab_multiple": 1,
+                     "max_seq_len": 2},
+                 gt={"dist_timeout_min": 0})
+        check(self, "dist_timeout_min", self.dist_timeout_min < float("inf"), "must be finite")
         from moe.presets import PRESETS
 
         check(self, "preset", self.preset in PRESETS, f"unknown preset; valid: {sorted(PRESETS)}")

@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 
 from megatron_gspo.advantages import ZERO_STD_TOL
-from megatron_gspo.collectives import reduce_int
+from megatron_gspo.dist_utils import max_over_ranks
 from megatron_gspo.rewards import RAISED, TIMED_OUT
 from megatron_gspo.rollout import RolloutBatch
 
@@ -122,7 +122,7 @@ def dynamic_sample(draw: Callable[[], RolloutBatch], n_prompts: int, group_size:
         batches.append(batch)
         for p, ok in enumerate(group_has_signal(batch.rewards_B, group_size).tolist()):
             (varied if ok else flat).append((k, p))
-        if not reduce_int(len(varied) < n_prompts, "max"):  # any rank still short
+        if not max_over_ranks(len(varied) < n_prompts):  # any rank still short
             break
     drawn = len(varied) + len(flat)
     chosen = (varied + flat)[:n_prompts]

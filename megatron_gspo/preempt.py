@@ -57,6 +57,6 @@ class Preemption:
     def requested(self) -> int:
         """The signal number if any rank was signalled, else 0 (one all-reduce when
         distributed)."""
-        from megatron_gspo.collectives import reduce_int
+        from megatron_gspo.dist_utils import max_over_ranks
 
-        return reduce_int(self.signum, "max")
+        return max_over_ranks(self.signum)

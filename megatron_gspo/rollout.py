@@ -17,6 +17,11 @@ sampled column, giving `RolloutBatch.routing`: the routing the sampler itself us
 from (before top-p filtering, as vLLM reports it), so it is directly comparable with the trainer's
 recompute and usable as pi_old (`rollout.use_sampler_logprobs`, the GSPO paper's claim that
 inference-engine likelihoods suffice for sequence-level ratios).
+
+Every rank takes the same number of decode steps (and `evaluate` the same number of chunks):
+sampling stops only when all ranks are done (`dist_utils.all_ranks`), finished rows meanwhile
+decode padding. A per-rank stop desynchronises the EP all-to-all of the decode steps
+(PITFALLS #13).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from megatron_gspo.dist_utils import all_ranks, max_over_ranks
 from megatron_gspo.rewards import compute_rewards
 
 
@@ -99,7 +105,10 @@ def sample(policy, tokenizer, prompts: list[str], *, max_new_tokens: int,
            generator: torch.Generator | None = None, kv_cache: bool = True,
            record_routing: bool = False):
     """Sample responses: (tokens_BT, valid_BT, response_BT, sampler_logp_BT) on CPU, and the
-    rollout-time routing cache (None unless `record_routing`, which needs the KV cache)."""
+    rollout-time routing cache (None unless `record_routing`, which needs the KV cache).
+
+    Collective: every rank calls it and decodes until all ranks' rows are done (or
+    `max_new_tokens`), so T is the same step count on every rank."""
     tokens_BT, valid_BT = encode_prompts(tokenizer, prompts)
     B = tokens_BT.shape[0]
     response_BT = torch.zeros_like(valid_BT)
@@ -129,7 +138,7 @@ def sample(policy, tokenizer, prompts: list[str], *, max_new_tokens: int,
         step_logp_B = logp_BV.gather(1, next_B[:, None]).squeeze(1) * live_B
         logp_BT = torch.cat([logp_BT, step_logp_B[:, None]], dim=1)
         done_B |= torch.isin(next_B, stop_ids)
-        if done_B.all():
+        if all_ranks(bool(done_B.all())):  # never a per-rank break (PITFALLS #13)
             break
     routing = None
     if record_routing:
@@ -173,17 +182,23 @@ def truncated_rows(tokens_BT: torch.Tensor, response_BT: torch.Tensor, stop_ids)
 
 def evaluate(policy, tokenizer, task, examples: list, *, max_new_tokens: int,
              batch_size: int = 128, kv_cache: bool = True) -> dict[str, float]:
-    """Greedy-decode accuracy on held-out examples (`eval/...` metrics from `task` scoring)."""
+    """Greedy-decode accuracy on held-out examples (`eval/...` metrics from `task` scoring).
+
+    Collective: every rank runs the largest chunk count of any rank; a rank with fewer chunks
+    decodes its first example as filler and discards it (PITFALLS #13)."""
     from megatron_gspo.tasks import score
 
+    if not examples:
+        raise ValueError("evaluate: no examples")
     was_training = policy.model.training
     policy.train(False)
     completions = []
-    for start in range(0, len(examples), batch_size):
-        chunk = examples[start:start + batch_size]
+    n_chunks = max_over_ranks(-(-len(examples) // batch_size))
+    for start in range(0, n_chunks * batch_size, batch_size):
+        chunk = examples[start:start + batch_size] or examples[:1]  # filler past this rank's end
         tokens_BT, _, response_BT, _, _ = sample(policy, tokenizer, [ex.prompt for ex in chunk],
                                               max_new_tokens=max_new_tokens, greedy=True,
                                               kv_cache=kv_cache)
         completions += decode_responses(tokenizer, tokens_BT, response_BT)
     policy.train(was_training)
-    return score(task, examples, completions)
+    return score(task, examples, completions[:len(examples)])

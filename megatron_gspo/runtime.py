@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo import checkpoint as ckpt
-from megatron_gspo.collectives import reduce_int
+from megatron_gspo.dist_utils import all_ranks
 from megatron_gspo.config import ConfigError, RunConfig, config_to_dict, save_config
 from megatron_gspo.data import build_task, tokenizer_folder
 from megatron_gspo.rundir import RunDirLock, claim_run_dir, record_run
@@ -30,7 +30,7 @@ from megatron_gspo.tokenizer import Tokenizer, load_tokenizer
 from moe.model import ParallelLayout
 from moe.parallel import ParallelInfo, init_parallel
 from moe.policy import MoEPolicy, OptimSettings
-from moe.presets import get_preset
+from moe.presets import MoEPreset, get_preset
 from moe.sharding import gather_full_params, load_full_params
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -64,30 +64,65 @@ def layout_of(cfg: RunConfig) -> ParallelLayout:
                           dispatcher=cfg.model.dispatcher)
 
 
+def resolve_preset(cfg: RunConfig, vocab_size: int) -> MoEPreset:
+    """model.hf_path's config.json (vocab padded to vocab_multiple * tp), else model.preset with
+    the tokenizer's vocab padded to 16 * tp (the toy path, unchanged); model.max_seq_len if
+    set."""
+    tp = cfg.model.tp
+    if cfg.model.hf_path:
+        from moe.hf.config import preset_from_hf
+
+        preset = preset_from_hf(cfg.model.hf_path)
+        preset = preset.with_vocab(max(preset.vocab_size, vocab_size),
+                                   multiple=cfg.model.vocab_multiple * tp)
+    else:
+        preset = get_preset(cfg.model.preset).with_vocab(vocab_size, multiple=16 * tp)
+    if cfg.model.max_seq_len:
+        preset = dataclasses.replace(preset, max_seq_len=cfg.model.max_seq_len)
+    return preset
+
+
 def model_max_len(cfg: RunConfig) -> int:
-    """model.max_seq_len, else the preset's."""
-    return cfg.model.max_seq_len or get_preset(cfg.model.preset).max_seq_len
+    """model.max_seq_len, else the preset's (config.json's with model.hf_path)."""
+    if cfg.model.max_seq_len:
+        return cfg.model.max_seq_len
+    if cfg.model.hf_path:
+        from moe.hf.config import preset_from_hf
+
+        return preset_from_hf(cfg.model.hf_path).max_seq_len
+    return get_preset(cfg.model.preset).max_seq_len
 
 
 def build_policy(cfg: RunConfig, vocab_size: int, lr: float, with_optimizer: bool = True,
                  seed: int | None = None) -> MoEPolicy:
-    tp = cfg.model.tp
-    preset = dataclasses.replace(get_preset(cfg.model.preset), max_seq_len=model_max_len(cfg))
-    preset = preset.with_vocab(vocab_size, multiple=16 * tp)  # the task's tokenizer, padded
+    """The policy for tokenizer vocab `vocab_size`; model.hf_path's weights when set."""
+    preset = resolve_preset(cfg, vocab_size)
     optim = OptimSettings(lr=lr, weight_decay=cfg.optim.weight_decay, beta1=cfg.optim.beta1,
                           beta2=cfg.optim.beta2, grad_clip=cfg.optim.grad_clip)
-    return MoEPolicy.build(preset, layout_of(cfg), real_vocab=vocab_size,
-                           seed=cfg.seed if seed is None else seed,
-                           dtype=_DTYPES[cfg.model.dtype], aux_loss_coeff=cfg.model.aux_loss_coeff,
-                           optim=optim if with_optimizer else None)
+    policy = MoEPolicy.build(preset, layout_of(cfg), real_vocab=vocab_size,
+                             seed=cfg.seed if seed is None else seed,
+                             dtype=_DTYPES[cfg.model.dtype],
+                             aux_loss_coeff=cfg.model.aux_loss_coeff,
+                             optim=optim if with_optimizer else None)
+    if cfg.model.hf_path:
+        from moe.hf.weights import load_hf_weights
+
+        try:
+            load_hf_weights(policy.model.module, cfg.model.hf_path)  # this rank's shard only
+        except (KeyError, ValueError) as e:  # weights that disagree with their config.json
+            raise ConfigError(f"model.hf_path={cfg.model.hf_path}: {e.args[0]}") from None
+    return policy
 
 
 def setup_runtime(cfg: RunConfig, lr: float, job: str) -> Runtime:
     """Process groups, run-dir claim, task splits, policy (+ init weights), metrics logger,
     recorded config. `job` is "sft", "train" or "eval" (eval writes nothing)."""
-    info = init_parallel(cfg.model.tp, cfg.model.ep, seed=cfg.seed)
+    info = init_parallel(cfg.model.tp, cfg.model.ep, seed=cfg.seed,
+                         timeout_min=cfg.model.dist_timeout_min)
     if cfg.init_checkpoint:
         check_init_checkpoint(cfg.init_checkpoint)  # fail before the run dir is claimed
+    if cfg.model.hf_path:
+        check_hf_path(cfg.model.hf_path)
     writes = job != "eval"
     lock = claim_run_dir(cfg.run_dir, job, config_to_dict(cfg), cfg.resume, info.is_main) \
         if writes else None
@@ -136,6 +171,17 @@ def save_state(rt: Runtime, step: int, extra: dict) -> None:
     barrier()
 
 
+def check_hf_path(path: str) -> None:
+    """model.hf_path is a local folder with a supported config.json: FileNotFoundError (a hub
+    name says so) or ConfigError naming the value."""
+    from moe.hf.config import preset_from_hf
+
+    try:
+        preset_from_hf(path)
+    except ValueError as e:
+        raise ConfigError(f"model.hf_path={path}: {e}") from None
+
+
 def check_init_checkpoint(path: str) -> str:
     """The checkpoint root or step dir `init_checkpoint` names (a run dir means its latest
     step); ConfigError naming the value when it is missing, a file, or holds no checkpoint."""
@@ -180,7 +226,7 @@ def try_resume(rt: Runtime) -> dict | None:
             state = ckpt.load_checkpoint(root, rank=rt.info.rank, step=step)
         except (ckpt.CheckpointError, FileNotFoundError) as e:
             error = str(e)
-        if not reduce_int(state is not None, "min"):
+        if not all_ranks(state is not None):
             if rt.info.is_main or error:
                 print(f"WARNING: skipping checkpoint step {step}: "
                       f"{error or 'a shard on another rank is bad'}", flush=True)
@@ -194,16 +240,3 @@ def try_resume(rt: Runtime) -> dict | None:
         return state["extra"]
     raise ckpt.CheckpointError(f"no readable checkpoint in {root} (tried "
                                f"{ckpt.resume_candidates(root)}); move it away to start afresh")
-
-
-def mean_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
-    """Average scalar metrics over all ranks (identical keys everywhere)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1) or not metrics:
-        return metrics
-    keys = sorted(metrics)
-    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
-    if torch.cuda.is_available():
-        values = values.cuda()
-    dist.all_reduce(values)
-    values /= dist.get_world_size()
-    return dict(zip(keys, values.cpu().tolist()))

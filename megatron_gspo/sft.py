@@ -15,8 +15,9 @@ import torch
 from megatron_gspo.config import RunConfig
 from megatron_gspo.metrics import format_progress
 from megatron_gspo.rollout import encode_prompts
+from megatron_gspo.dist_utils import reduce_metrics
 from megatron_gspo.preempt import Preempted, Preemption
-from megatron_gspo.runtime import (evaluate_runtime, mean_over_ranks, save_state, setup_runtime,
+from megatron_gspo.runtime import (evaluate_runtime, save_state, setup_runtime,
                                    try_resume)
 
 
@@ -72,7 +73,7 @@ def _sft_loop(rt) -> dict:
                 if info.is_main:
                     print(format_progress(step, cfg.sft.steps, metrics,
                                           ("sft/loss", "eval/accuracy")), flush=True)
-            rt.logger.log(step, mean_over_ranks(metrics))
+            rt.logger.log(step, reduce_metrics(metrics))
             signum = stop.requested()
             if step == cfg.sft.steps or signum:
                 save_state(rt, step, {"job": "sft", "step": step, "eval": metrics,

@@ -20,6 +20,8 @@ import json
 import os
 from typing import Protocol, Sequence
 
+from moe.hf.config import check_local_folder  # noqa: F401 (one hub-name error for both)
+
 _SPECIALS = ("<pad>", "<bos>", "<eos>")
 _CHARS = "0123456789+-*=,:>() acs"
 
@@ -128,16 +130,6 @@ def _generation_eos_ids(path: str) -> list[int]:
     with open(gen) as f:
         eos = json.load(f).get("eos_token_id")
     return [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
-
-
-def check_local_folder(path: str, what: str) -> None:
-    """A clear error for a missing folder or a hub name (nothing is downloaded)."""
-    if os.path.isdir(path):
-        return
-    hint = (" (it looks like a hub name: download the model yourself and pass its local folder; "
-            "megatron-gspo never downloads)" if path.count("/") == 1 and not
-            path.startswith((".", "/")) else "")
-    raise FileNotFoundError(f"{what} folder {path!r} does not exist{hint}")
 
 
 def load_tokenizer(path: str | None) -> Tokenizer:

@@ -29,14 +29,15 @@ from contextlib import nullcontext
 import torch
 
 from megatron_gspo.advantages import group_advantages
-from megatron_gspo.config import RunConfig
+from megatron_gspo.config import ConfigError, RunConfig
+from megatron_gspo.dist_utils import all_ranks, reduce_metrics
 from megatron_gspo.filters import overlong_filter, rollout_health, sample_rollouts
 from megatron_gspo.losses import PolicyLossConfig, get_policy_loss
 from megatron_gspo.metrics import Timer, format_progress
 from megatron_gspo.preempt import Preempted, Preemption
 from megatron_gspo.rollout import RolloutBatch, generate_rollouts
 from megatron_gspo.runtime import (Runtime, build_policy, evaluate_runtime, load_init_weights,
-                                   mean_over_ranks, save_state, setup_runtime, try_resume)
+                                   save_state, setup_runtime, try_resume)
 from moe.replay import RoutingReplayCache, current_routing, record_routing, replay_routing
 from moe.routing_stats import routing_metrics
 
@@ -66,11 +67,7 @@ class Trainer:
                                            with_optimizer=False)
             if cfg.init_checkpoint:
                 load_init_weights(self.ref_policy, cfg.init_checkpoint)
-        dp = self.rt.info.dp
-        if cfg.rollout.prompts_per_batch % dp:
-            raise ValueError(f"rollout.prompts_per_batch={cfg.rollout.prompts_per_batch} is not "
-                             f"divisible by the data-parallel size {dp}")
-        self.local_prompts = cfg.rollout.prompts_per_batch // dp
+        self.local_prompts = local_prompts(cfg, self.rt.info.dp)
         self.state = {"iteration": 0, "opt_step": 0, "skipped_in_a_row": 0,
                       "reward_ema": None, "best_reward_ema": None}
         self.state.update(try_resume(self.rt) or {})
@@ -142,7 +139,7 @@ class Trainer:
                 metrics = self.train_step(batch.select(rows), pi_old_BT[rows], adv_B[rows],
                                           old_routing.select(rows),
                                           None if replay is None else replay.select(rows), ref)
-            metrics = mean_over_ranks({**metrics, **shared, "train/minibatch": m})
+            metrics = reduce_metrics({**metrics, **shared, "train/minibatch": m})
             if m < cfg.train.num_minibatches - 1:
                 self._log(self.state["opt_step"], metrics)
         self.state["iteration"] = it + 1
@@ -198,7 +195,7 @@ class Trainer:
         resp_BT = mb.response_BT.to(entropy_BT.device)
         metrics["policy/entropy"] = float((entropy_BT.detach() * resp_BT).sum() / resp_BT.sum())
         stepped, grad_norm = False, float("nan")
-        if torch.isfinite(loss):
+        if all_ranks(bool(torch.isfinite(loss))):  # skip on every rank or none (PITFALLS #13)
             loss.backward()
             stepped, grad_norm = policy.step()
         metrics.update(self.guard(stepped), **{"train/grad_norm": grad_norm,
@@ -246,6 +243,21 @@ class Trainer:
 
     def _log(self, step: int, metrics: dict) -> None:
         self.rt.logger.log(step, metrics)
+
+
+def local_prompts(cfg: RunConfig, dp: int) -> int:
+    """Prompts per rollout batch on one data-parallel rank; ConfigError unless the batch splits
+    evenly over the ranks and each rank's rows split into `train.num_minibatches`."""
+    prompts, group, n = cfg.rollout.prompts_per_batch, cfg.rollout.group_size, \
+        cfg.train.num_minibatches
+    if prompts % dp:
+        raise ConfigError(f"rollout.prompts_per_batch={prompts} is not divisible by the "
+                          f"data-parallel size {dp}")
+    if prompts // dp * group % n:  # each rank splits its own share into minibatches
+        raise ConfigError(f"train.num_minibatches={n} does not divide a data-parallel rank's "
+                          f"{prompts // dp * group} rollout rows (rollout.prompts_per_batch / "
+                          f"dp * rollout.group_size = {prompts} / {dp} * {group})")
+    return prompts // dp
 
 
 def flip_metrics(policy, mb: RolloutBatch, before, old_routing) -> dict:

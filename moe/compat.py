@@ -1,31 +1,162 @@
-"""CPU compatibility for megatron-core 0.16.1: the few patches it needs to run without CUDA.
+"""Compatibility with the supported megatron-core releases (0.16.1 to 0.19.x) on CPU and GPU.
 
-Every patch is applied only when CUDA is absent (`apply_cpu_patches()` is a no-op on a GPU
-machine), is idempotent, and carries a comment saying why megatron needs it. Nothing else in
-the project patches megatron; `moe.model` calls `apply_cpu_patches()` before building a model.
+This is the one place that adapts to megatron-core versions and to CUDA's absence; nothing else in
+the project patches megatron or checks its version. Two kinds of patch:
+
+- `install_import_hooks()` (run by `moe/__init__.py`, so before anything imports megatron): lets
+  `import megatron.core` succeed without triton (megatron-core 0.18+; triton comes with PyPI's
+  CUDA torch wheels but not with the CPU wheel).
+- `apply_cpu_patches()` (run before building a model / parallel state): patches megatron for CPU
+  execution; a no-op on a GPU machine.
+
+Each patch is idempotent and carries a comment naming the megatron version that needs it and why.
+Differences that need no patch (checked on 0.19.2): `RouterReplay` only gained members;
+`get_gpt_layer_{local,with_transformer_engine}_spec` became wrappers with the same parameters;
+`StaticInferenceContext` is still in `megatron.core.inference.contexts`; the router's top-k is
+unsorted under no_grad (`sorted=torch.is_grad_enabled()`), which is fine because the project treats
+top-k rows as sets (`moe.routing_stats`) and replays ids through megatron's gather.
+tests/moe/test_compat.py has one test per patch.
+
+torch is imported inside the functions: `import moe` (e.g. for `moe.presets`) stays torch-free.
 """
 
 from __future__ import annotations
 
+import builtins
 import contextlib
-
-import torch
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
 
 _APPLIED = False
 
+# megatron modules that `import triton` unconditionally and lie on the `import megatron.core` path
+# (via pipeline_parallel.schedules -> transformer.moe.paged_stash). They only define paged-stash
+# kernels (a CUDA-graph MoE memory feature this project does not use).
+TRITON_ONLY_MODULES = (
+    "megatron.core.transformer.moe.paged_stash",      # megatron-core 0.18.x: kernels inline
+    "megatron.core.transformer.moe.ops.paged_stash",  # megatron-core 0.19.x: kernels moved here
+)
+
 
 def cuda_available() -> bool:
+    import torch
+
     return torch.cuda.is_available()
+
+
+def triton_available() -> bool:
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # sys.modules["triton"] = None: import blocked
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Import without triton (megatron-core 0.18+)
+
+
+class _NeedsTriton:
+    """Stands in for anything a TRITON_ONLY_MODULES module takes from triton: decorating and
+    annotating work (module import), launching a kernel raises."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr: str) -> "_NeedsTriton":
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _NeedsTriton(f"{self._name}.{attr}")
+
+    def __call__(self, *args, **kwargs) -> "_NeedsTriton":
+        if len(args) == 1 and not kwargs and callable(args[0]):  # @triton.jit on a kernel
+            return _NeedsTriton(getattr(args[0], "__qualname__", self._name))
+        return self  # triton.jit(**options), triton.Config(...), ...
+
+    def __getitem__(self, grid):
+        raise RuntimeError(f"{self._name}: this megatron-core kernel needs triton, which is not "
+                           f"installed (pip install triton, or use a CUDA build of torch)")
+
+
+def _triton_stub_import(real_import):
+    """An `__import__` that hands out a stub for `triton` / `triton.*` and imports the rest."""
+
+    def _import(name, globals=None, locals=None, fromlist=(), level=0):
+        if level == 0 and (name == "triton" or name.startswith("triton.")):
+            stub = _NeedsTriton("triton")
+            return getattr(stub, name.split(".", 1)[1]) if fromlist and "." in name else stub
+        return real_import(name, globals, locals, fromlist, level)
+
+    return _import
+
+
+class _TritonStubLoader(importlib.abc.Loader):
+    """Runs a TRITON_ONLY_MODULES module with the stub visible to that module alone (its own
+    `__builtins__.__import__`), so other megatron modules' `try: import triton` still fail and
+    their HAVE_TRITON flags stay False."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        module_builtins = dict(vars(builtins))
+        module_builtins["__import__"] = _triton_stub_import(builtins.__import__)
+        module.__builtins__ = module_builtins
+        self._loader.exec_module(module)
+
+
+class _TritonStubFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in TRITON_ONLY_MODULES:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None  # an older megatron-core without this module
+        spec.loader = _TritonStubLoader(spec.loader)
+        return spec
+
+
+def install_import_hooks() -> bool:
+    """Let megatron-core 0.18+ import without triton. Returns True when the hook is (already)
+    installed; a no-op (False) when triton is importable."""
+    if any(isinstance(f, _TritonStubFinder) for f in sys.meta_path):
+        return True
+    if triton_available():
+        return False
+    sys.meta_path.insert(0, _TritonStubFinder())
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU execution (all versions unless a comment names one)
+
+
+class _HostStream:
+    """`torch.cuda.current_stream()` on CPU: one in-order host stream, nothing to wait for."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
 
 
 def apply_cpu_patches() -> bool:
     """Patch megatron-core for CPU execution. Returns True when patches were applied."""
+    import torch
+
     global _APPLIED
     if cuda_available():
         return False
     if _APPLIED:
         return True
-
     # 1. megatron allocates buffers with `device=torch.cuda.current_device()` (router buffers,
     #    DDP grad buffers, RoPE frequencies, ...). Without CUDA that call raises; "cpu" is a valid
     #    `device=` argument everywhere it is used.
@@ -55,11 +186,18 @@ def apply_cpu_patches() -> bool:
     torch.cuda.nvtx.range_pop = lambda *a, **k: None  # type: ignore[assignment]
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
 
+    # 6. megatron-core 0.19: `_ParamAndGradBucketGroup.start_grad_sync` always calls
+    #    `torch.cuda.current_stream()` to wait for CUDA-graph wgrad events (0.16-0.18 do so only
+    #    with several distributed-optimizer instances). On CPU everything runs in order on the host.
+    torch.cuda.current_stream = lambda device=None: _HostStream()  # type: ignore[assignment]
+
     _APPLIED = True
     return True
 
 
 def _as_numpy(tensor):
+    import torch
+
     return tensor.numpy() if torch.is_tensor(tensor) else tensor
 
 

@@ -5,6 +5,10 @@ one-process group when launched as plain `python`), megatron's tensor / expert /
 groups and its RNG tracker. Data parallel is whatever is left: world = tp * dp, with experts
 sharded ep ways over the tp*dp ranks (expert tensor parallel = 1, the usual choice for
 fine-grained MoE).
+
+Every group gets the same collective timeout (`timeout_min`, default 10 minutes instead of
+torch's 30): a rank stuck in a collective its peers never join (PITFALLS #13) then fails with
+gloo's / NCCL's timeout error naming the operation instead of hanging for half an hour.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -44,25 +49,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _init_process_group() -> None:
+def _init_process_group(timeout_min: float) -> None:
     backend = "nccl" if cuda_available() else "gloo"
+    timeout = timedelta(minutes=timeout_min)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if cuda_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=backend, timeout=timeout)
     else:
         dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
-                                rank=0, world_size=1)
+                                rank=0, world_size=1, timeout=timeout)
 
 
-def init_parallel(tp: int = 1, ep: int = 1, seed: int = 0) -> ParallelInfo:
-    """Initialise torch.distributed and megatron's parallel state; idempotent per layout."""
+def init_parallel(tp: int = 1, ep: int = 1, seed: int = 0,
+                  timeout_min: float = 10.0) -> ParallelInfo:
+    """Initialise torch.distributed and megatron's parallel state; idempotent per layout.
+
+    `timeout_min` bounds every collective of the world and megatron's groups (it takes effect
+    when the groups are created: the world group on the first call, megatron's groups on the
+    first call and on a layout change)."""
     apply_cpu_patches()
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    if not timeout_min > 0:
+        raise ValueError(f"timeout_min={timeout_min} must be > 0")
     if not dist.is_initialized():
-        _init_process_group()
+        _init_process_group(timeout_min)
     world = dist.get_world_size()
     if tp < 1 or ep < 1:
         raise ValueError(f"tp={tp} and ep={ep} must be >= 1")
@@ -77,7 +90,8 @@ def init_parallel(tp: int = 1, ep: int = 1, seed: int = 0) -> ParallelInfo:
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=tp,
                                      expert_model_parallel_size=ep,
-                                     expert_tensor_parallel_size=1)
+                                     expert_tensor_parallel_size=1,
+                                     distributed_timeout_minutes=timeout_min)
     # Without CUDA there is no CUDA RNG to track: megatron's inference tracker makes `fork()` a
     # no-op, so weights come from the CPU generator (we init on CPU and shard the master weight).
     model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not cuda_available(),

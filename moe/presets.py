@@ -6,6 +6,10 @@ RMSNorm, QK-norm, SwiGLU experts, RoPE, softmax top-k routing whose top-k probab
 renormalised (softmax over the selected logits, megatron's `moe_router_pre_softmax=False`),
 no shared expert, untied embeddings, every layer MoE.
 
+Models read from a Hugging Face config.json (`moe.hf.preset_from_hf`) are presets too; the fields
+after `qk_layernorm` carry what other families differ in (Qwen2-MoE: QKV bias, a sigmoid-gated
+shared expert, top-k probabilities not renormalised) and default to the Qwen3-MoE conventions.
+
 `qwen3-30b-a3b` follows the released Qwen3-30B-A3B config (48 layers, hidden 2048, 32 query
 heads / 4 KV heads of dim 128, 128 experts top-8, expert FFN 768, vocab 151936, RoPE theta 1e6).
 `qwen3-moe-tiny` keeps that structure (GQA, QK-norm, many experts, top-k > 2) scaled down so
@@ -50,6 +54,19 @@ class MoEPreset:
     """RMSNorm epsilon."""
     qk_layernorm: bool = True
     """Qwen3's per-head RMSNorm on queries and keys."""
+    qkv_bias: bool = False
+    """Bias on the query/key/value projections (Qwen2-MoE); the output projection has none."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k router probabilities to sum to 1 (Qwen3-MoE's norm_topk_prob). False
+    keeps the softmax over all experts (megatron's `moe_router_pre_softmax=True`)."""
+    shared_expert_ffn_hidden_size: int = 0
+    """Hidden size of the always-on shared expert (Qwen2-MoE); 0 = none."""
+    shared_expert_gate: bool = False
+    """Scale the shared expert's output by sigmoid(x . w) (Qwen2-MoE's shared_expert_gate)."""
+    tie_word_embeddings: bool = False
+    """Output layer shares the input embedding matrix."""
+    hf_model_type: str = "qwen3_moe"
+    """The Hugging Face `model_type` whose layout this preset follows (for export)."""
 
     def __post_init__(self) -> None:
         positive = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
@@ -66,6 +83,13 @@ class MoEPreset:
         if self.topk > self.num_experts:
             raise ValueError(
                 f"preset {self.name!r}: topk={self.topk} exceeds num_experts={self.num_experts}")
+        if isinstance(self.shared_expert_ffn_hidden_size, bool) or \
+                not isinstance(self.shared_expert_ffn_hidden_size, int) or \
+                self.shared_expert_ffn_hidden_size < 0:
+            raise ValueError(f"preset {self.name!r}: shared_expert_ffn_hidden_size="
+                             f"{self.shared_expert_ffn_hidden_size!r} must be an int >= 0")
+        if self.shared_expert_gate and not self.shared_expert_ffn_hidden_size:
+            raise ValueError(f"preset {self.name!r}: shared_expert_gate needs a shared expert")
         if self.rotary_base <= 0 or self.norm_epsilon <= 0:
             raise ValueError(f"preset {self.name!r}: rotary_base and norm_epsilon must be > 0")
 
@@ -88,18 +112,24 @@ class MoEPreset:
         if self.moe_ffn_hidden_size % tp:
             raise ValueError(f"preset {self.name!r}: moe_ffn_hidden_size="
                              f"{self.moe_ffn_hidden_size} is not divisible by tp={tp}")
+        if self.shared_expert_ffn_hidden_size % tp:
+            raise ValueError(f"preset {self.name!r}: shared_expert_ffn_hidden_size="
+                             f"{self.shared_expert_ffn_hidden_size} is not divisible by tp={tp}")
 
     def num_params(self) -> dict[str, int]:
         """Analytic parameter counts: total and activated per token (embeddings included)."""
         h, q, kv = self.hidden_size, self.num_attention_heads, self.num_query_groups
         d = self.kv_channels
-        attn = h * d * (q + 2 * kv) + q * d * h + (2 * d if self.qk_layernorm else 0)
+        attn = h * d * (q + 2 * kv) + q * d * h + (2 * d if self.qk_layernorm else 0) \
+            + (d * (q + 2 * kv) if self.qkv_bias else 0)
         expert = 3 * h * self.moe_ffn_hidden_size
         router = h * self.num_experts
         norms = 2 * h
-        per_layer_total = attn + router + norms + self.num_experts * expert
-        per_layer_active = attn + router + norms + self.topk * expert
-        emb = 2 * self.vocab_size * h + h  # untied input/output embeddings + final norm
+        shared = 3 * h * self.shared_expert_ffn_hidden_size + (h if self.shared_expert_gate else 0)
+        per_layer_total = attn + router + norms + shared + self.num_experts * expert
+        per_layer_active = attn + router + norms + shared + self.topk * expert
+        # input (and, untied, output) embeddings + final norm
+        emb = (1 if self.tie_word_embeddings else 2) * self.vocab_size * h + h
         return {"total": self.num_layers * per_layer_total + emb,
                 "active": self.num_layers * per_layer_active + emb}
 

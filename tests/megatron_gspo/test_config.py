@@ -123,6 +123,8 @@ def test_bool_parsing(text, flag):
     ("rollout.temperature=nan", "rollout.temperature=nan: must be > 0"),
     ("model.sequence_parallel=true", "model.sequence_parallel=True: requires model.tp > 1"),
     ("model.tp=2", "model.sequence_parallel=False: must be true with model.tp=2"),
+    ("model.dist_timeout_min=0", "model.dist_timeout_min=0.0: must be > 0"),
+    ("model.dist_timeout_min=.inf", "model.dist_timeout_min=inf: must be finite"),
 ])
 def test_bad_overrides_raise_naming_key(override, fragment):
     with pytest.raises(ConfigError) as e:
@@ -192,7 +194,7 @@ def test_every_field_has_a_docstring():
         for f in dataclasses.fields(cls):
             assert docs.get(f.name, "").strip(), f"{cls.__name__}.{f.name} has no docstring"
             seen += 1
-    assert seen == 15 + 8 + 5 + 7 + 6 + 6 + 10 + 4 + 3 + 14 + 3 + 3  # every field of every section
+    assert seen == 15 + 11 + 5 + 7 + 6 + 6 + 10 + 4 + 3 + 14 + 3 + 3  # every field of every section
 
 
 def test_describe_config_lists_every_key_with_default_and_doc():
@@ -205,4 +207,4 @@ def test_describe_config_lists_every_key_with_default_and_doc():
     assert "train.num_minibatches: int = 4" in text
     assert "must divide prompts_per_batch * group_size" in text
     n_keys = sum(1 for ln in text.splitlines() if ln and not ln.startswith((" ", "[", "megat")))
-    assert n_keys == 4 + 8 + 5 + 7 + 6 + 6 + 10 + 4 + 3 + 14 + 3 + 3
+    assert n_keys == 4 + 11 + 5 + 7 + 6 + 6 + 10 + 4 + 3 + 14 + 3 + 3

@@ -307,3 +307,17 @@ def test_logger_starts_wandb_offline_when_online_is_unreachable(tmp_path, monkey
 def test_resume_force_is_a_config_value():
     assert load_config(None, ["resume=force"]).resume == "force"
     assert load_config(None, ["resume=false"]).resume is False
+
+
+def test_minibatches_must_divide_each_data_parallel_ranks_share():
+    from megatron_gspo.config import ConfigError
+    from megatron_gspo.trainer import local_prompts
+
+    cfg = load_config(None, ["rollout.prompts_per_batch=4", "rollout.group_size=2",
+                             "train.num_minibatches=8"])  # the global batch (8) splits in 8
+    assert local_prompts(cfg, dp=1) == 4
+    with pytest.raises(ConfigError, match=r"num_minibatches=8 does not divide .* 4 rollout rows"):
+        local_prompts(cfg, dp=2)  # ... but each of 2 ranks holds only 4 rows
+    with pytest.raises(ConfigError, match="prompts_per_batch=4 is not divisible by the "
+                                          "data-parallel size 3"):
+        local_prompts(cfg, dp=3)

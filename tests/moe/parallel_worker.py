@@ -5,13 +5,39 @@ weights: logits, gradients (gathered back to full tensors) and the global grad n
 """
 
 import os
+import socket
+import time
 import warnings
 
 import torch
+import torch.multiprocessing as mp
 
 warnings.filterwarnings("ignore")
 
 ATOL = RTOL = 1e-5
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(fn, args: tuple, nprocs: int, timeout_s: float) -> None:
+    """`mp.spawn(fn, args, nprocs)` under a hard deadline: a hang (ranks whose collectives got
+    out of step, PITFALLS #13) kills the workers and fails the test instead of blocking CI.
+    A worker's exception is re-raised as by `mp.spawn`."""
+    ctx = mp.spawn(fn, args=args, nprocs=nprocs, join=False)
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=max(0.0, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            for p in ctx.processes:
+                p.join()
+            raise TimeoutError(f"{nprocs} workers of {fn.__module__}.{fn.__name__} still "
+                               f"running after {timeout_s:.0f} s (a collective hang?)")
 
 
 def batch(vocab: int, B: int = 4, T: int = 12, seed: int = 7):

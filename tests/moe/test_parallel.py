@@ -8,19 +8,12 @@ The sharded models load their weights sliced from the 1-process model (moe.shard
 difference in logits, gathered gradients or grad norm is a parallelism bug.
 """
 
-import socket
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from tests.moe import parallel_worker as pw
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+TIMEOUT_S = 600  # a hang fails the test (about 20 s when it passes)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +68,7 @@ LAYOUTS = [
 
 @pytest.mark.slow
 def test_two_process_layouts_match_single_process(reference):
-    mp.spawn(pw.worker, args=(2, _port(), reference, LAYOUTS), nprocs=2, join=True)
+    pw.spawn(pw.worker, (2, pw.free_port(), reference, LAYOUTS), nprocs=2, timeout_s=TIMEOUT_S)
 
 
 def test_worker_detects_a_wrong_weight(single_process, reference, tmp_path):
@@ -86,5 +79,5 @@ def test_worker_detects_a_wrong_weight(single_process, reference, tmp_path):
     bad = tmp_path / "bad.pt"
     torch.save(ref, bad)
     with pytest.raises(Exception, match="differ|grad"):
-        mp.spawn(pw.worker, args=(1, _port(), str(bad), [(1, 1, False, "alltoall")]), nprocs=1,
-                 join=True)
+        pw.spawn(pw.worker, (1, pw.free_port(), str(bad), [(1, 1, False, "alltoall")]), nprocs=1,
+                 timeout_s=TIMEOUT_S)

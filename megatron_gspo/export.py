@@ -1,0 +1,71 @@
+"""`megatron-gspo export --run-dir R --to-hf OUT`: a run's latest weights as a Hugging Face model.
+
+Reads the full parameters rank 0 saved with the checkpoint (gathered from whatever TP/EP layout
+the run used, so the export does not depend on it) and the run's model config from the same
+file. A run started from `model.hf_path` exports that architecture with the source folder's
+config.json keys (token ids, ...), its tokenizer files, chat template and generation config; a
+toy run exports its preset as a `qwen3_moe` config (the character tokenizer has no Hugging Face
+files, so none are written). `transformers.AutoModelForCausalLM.from_pretrained(OUT)` loads the
+result (tests/moe/test_hf.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+
+from megatron_gspo import checkpoint as ckpt
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
+_SKIP = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
+
+
+def _copy_tokenizer_files(src: str, out: str) -> list[str]:
+    """Every top-level file of the source folder except weights and config (tokenizer files,
+    chat template, generation config, license, README)."""
+    copied = []
+    for name in sorted(os.listdir(src)):
+        path = os.path.join(src, name)
+        if os.path.isfile(path) and name not in _SKIP and not name.endswith(_WEIGHT_SUFFIXES):
+            shutil.copy2(path, os.path.join(out, name))
+            copied.append(name)
+    return copied
+
+
+def export_run(run_dir: str, out: str, hf_path: str | None = None,
+               max_shard_bytes: int = 5 * 1024**3) -> dict:
+    """Export `run_dir`'s latest checkpoint (or a step dir) to Hugging Face folder `out`.
+
+    `hf_path` overrides the run's model.hf_path (the source folder moved). Returns a summary.
+    """
+    from moe.hf.config import hf_config_dict, preset_from_hf_config, read_hf_config
+    from moe.hf.weights import export_hf
+    from moe.presets import get_preset
+
+    root = os.path.join(run_dir, "checkpoints")
+    root = root if os.path.isdir(root) else run_dir
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"run dir {run_dir!r} does not exist")
+    state = ckpt.load_checkpoint(root, rank=0)
+    if "full_params" not in state:
+        raise ValueError(f"{run_dir}: checkpoint has no full_params (not written by "
+                         "megatron-gspo?)")
+    full, model_cfg = state["full_params"], state["config"]["model"]
+    hf_path = hf_path or model_cfg.get("hf_path")
+    rows = full["embedding.word_embeddings.weight"].shape[0]
+    if hf_path:
+        base = read_hf_config(hf_path)
+        preset, vocab, tokenizer_src = preset_from_hf_config(base, hf_path), base["vocab_size"], \
+            hf_path
+    else:
+        base, preset, vocab, tokenizer_src = None, get_preset(model_cfg["preset"]), rows, None
+    preset = dataclasses.replace(preset, vocab_size=rows)
+    if vocab > rows:
+        raise ValueError(f"{hf_path}: config.json vocab_size={vocab} exceeds the checkpoint's "
+                         f"{rows} embedding rows (a different model?)")
+    files = export_hf(full, out, hf_config_dict(preset, vocab, base=base),
+                      max_shard_bytes=max_shard_bytes)
+    copied = _copy_tokenizer_files(tokenizer_src, out) if tokenizer_src else []
+    return {"out": out, "files": files + copied, "tokenizer": bool(copied),
+            "model_type": preset.hf_model_type}

@@ -1,0 +1,160 @@
+"""config.json <-> `MoEPreset` for the Hugging Face MoE families this project maps.
+
+`preset_from_hf` reads a local folder's config.json (nothing is downloaded) and refuses, naming
+the key, what the megatron-core model would get wrong: dense MLP layers (`mlp_only_layers`,
+`decoder_sparse_step`), sliding-window attention, RoPE scaling, an activation other than SiLU, and
+Qwen3's `attention_bias` (which also biases the output projection; megatron's `add_qkv_bias`
+does not). `hf_config_dict` writes the config.json of an export.
+
+Key spellings differ across transformers versions: `num_experts` (Qwen's released configs) or
+`num_local_experts` (what transformers 5 writes); `rope_theta` or `rope_parameters.rope_theta`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from moe.presets import MoEPreset
+
+SUPPORTED = ("qwen3_moe", "qwen2_moe")
+_ARCH = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+
+
+def check_local_folder(path: str, what: str) -> None:
+    """A clear error for a missing folder or a hub name (nothing is downloaded)."""
+    if os.path.isdir(path):
+        return
+    hint = (" (it looks like a hub name: download the model yourself and pass its local folder; "
+            "megatron-gspo never downloads)" if path.count("/") == 1 and not
+            path.startswith((".", "/", "~")) else "")
+    raise FileNotFoundError(f"{what} folder {path!r} does not exist{hint}")
+
+
+def read_hf_config(path: str) -> dict:
+    """The config.json of local model folder `path`."""
+    check_local_folder(path, "model")
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face model folder)")
+    with open(file) as f:
+        return json.load(f)
+
+
+def _rope_theta(cfg: dict, where: str) -> float:
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    kind = params.get("rope_type", "default") if params else scaling.get("rope_type", "default")
+    if kind != "default" or (scaling and scaling.get("type", "default") != "default"):
+        raise ValueError(f"{where}: RoPE scaling {params or scaling} is not supported "
+                         "(plain RoPE only)")
+    return float(cfg.get("rope_theta", params.get("rope_theta", 10000.0)))
+
+
+def _refuse(cfg: dict, where: str) -> None:
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED:
+        raise ValueError(f"{where}: model_type={model_type!r} is not supported; supported: "
+                         f"{list(SUPPORTED)}")
+    if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
+        raise ValueError(f"{where}: dense MLP layers (mlp_only_layers="
+                         f"{cfg.get('mlp_only_layers')}, decoder_sparse_step="
+                         f"{cfg.get('decoder_sparse_step')}) are not supported: every layer "
+                         "must be MoE")
+    if cfg.get("use_sliding_window"):
+        raise ValueError(f"{where}: use_sliding_window=true is not supported")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where}: hidden_act={cfg['hidden_act']!r} is not supported (silu)")
+    if model_type == "qwen3_moe" and cfg.get("attention_bias"):
+        raise ValueError(f"{where}: attention_bias=true is not supported (it biases o_proj too)")
+
+
+def _required(cfg: dict, key: str, where: str):
+    if key not in cfg:
+        raise ValueError(f"{where}: config.json has no {key!r}")
+    return cfg[key]
+
+
+def preset_from_hf_config(cfg: dict, where: str = "config.json") -> MoEPreset:
+    """The preset of a Hugging Face MoE config dict (see module docstring for what is refused)."""
+    _refuse(cfg, where)
+    model_type = cfg["model_type"]
+    heads, hidden = _required(cfg, "num_attention_heads", where), _required(cfg, "hidden_size",
+                                                                            where)
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    if experts is None:
+        raise ValueError(f"{where}: config.json has neither 'num_experts' nor "
+                         "'num_local_experts'")
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0) \
+        if model_type == "qwen2_moe" else 0
+    return MoEPreset(
+        name=f"hf:{model_type}",
+        num_layers=_required(cfg, "num_hidden_layers", where),
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=cfg.get("num_key_value_heads") or heads,
+        kv_channels=cfg.get("head_dim") or hidden // heads,
+        num_experts=experts,
+        topk=_required(cfg, "num_experts_per_tok", where),
+        moe_ffn_hidden_size=_required(cfg, "moe_intermediate_size", where),
+        vocab_size=_required(cfg, "vocab_size", where),
+        max_seq_len=cfg.get("max_position_embeddings", 32768),
+        rotary_base=_rope_theta(cfg, where),
+        norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
+        qk_layernorm=model_type == "qwen3_moe",
+        qkv_bias=bool(cfg.get("qkv_bias", True)) if model_type == "qwen2_moe" else False,
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        shared_expert_ffn_hidden_size=shared,
+        shared_expert_gate=shared > 0,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        hf_model_type=model_type,
+    )
+
+
+def preset_from_hf(path: str) -> MoEPreset:
+    """The preset of local Hugging Face model folder `path` (its config.json)."""
+    return preset_from_hf_config(read_hf_config(path), where=os.path.join(path, "config.json"))
+
+
+def hf_config_dict(preset: MoEPreset, vocab_size: int, dtype: str = "float32",
+                   base: dict | None = None) -> dict:
+    """config.json for `preset` with `vocab_size` rows. `base` (the source model's config.json)
+    keeps its other keys (token ids, ...); the architecture keys must agree with the preset."""
+    if preset.hf_model_type not in SUPPORTED:
+        raise ValueError(f"preset {preset.name!r}: hf_model_type={preset.hf_model_type!r} "
+                         f"cannot be exported; supported: {list(SUPPORTED)}")
+    if preset.hf_model_type == "qwen2_moe" and \
+            preset.kv_channels * preset.num_attention_heads != preset.hidden_size:
+        raise ValueError(f"preset {preset.name!r}: qwen2_moe needs head_dim * heads == hidden")
+    out = dict(base or {})
+    out.update(
+        architectures=[_ARCH[preset.hf_model_type]], model_type=preset.hf_model_type,
+        vocab_size=vocab_size, hidden_size=preset.hidden_size,
+        num_hidden_layers=preset.num_layers, num_attention_heads=preset.num_attention_heads,
+        num_key_value_heads=preset.num_query_groups, head_dim=preset.kv_channels,
+        num_experts=preset.num_experts, num_experts_per_tok=preset.topk,
+        moe_intermediate_size=preset.moe_ffn_hidden_size,
+        norm_topk_prob=preset.norm_topk_prob, rms_norm_eps=preset.norm_epsilon,
+        max_position_embeddings=preset.max_seq_len,
+        tie_word_embeddings=preset.tie_word_embeddings, hidden_act="silu",
+        decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False, dtype=dtype)
+    out.setdefault("intermediate_size", preset.moe_ffn_hidden_size)  # unused: no dense layers
+    out.pop("num_local_experts", None)
+    out.pop("torch_dtype", None)
+    if "rope_parameters" in out or "rope_theta" not in out:
+        out["rope_parameters"] = {"rope_type": "default", "rope_theta": preset.rotary_base}
+        out.pop("rope_theta", None)
+    else:
+        out["rope_theta"] = preset.rotary_base
+    if preset.hf_model_type == "qwen2_moe":
+        out.update(qkv_bias=preset.qkv_bias,
+                   shared_expert_intermediate_size=preset.shared_expert_ffn_hidden_size)
+    else:
+        out["attention_bias"] = False
+    again = dataclasses.replace(preset_from_hf_config(out, "exported config"), name=preset.name,
+                                vocab_size=preset.vocab_size)
+    if again != preset:
+        raise ValueError(f"preset {preset.name!r} has no exact {preset.hf_model_type} config "
+                         f"(round trip gives {again})")
+    return out

@@ -1,0 +1,171 @@
+"""A run from model.hf_path, and `megatron-gspo export` back to a Hugging Face folder.
+
+The run side goes through `setup_runtime` (tokenizer, preset from config.json, vocab padding,
+weights). The export writes sharded safetensors (a small shard limit forces an index), which
+transformers loads with every tensor equal to the source, and whose greedy generation equals ours
+token for token; the exported folder loads back into our model through the index.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+from megatron_gspo import checkpoint as ckpt
+from megatron_gspo.cli import main as cli_main
+from megatron_gspo.config import config_to_dict, load_config
+from megatron_gspo.rollout import encode_prompts, sample
+from tests.hf_fixtures import load_hf, make_model
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("qwen3"))
+    make_model(folder, "qwen3_moe", seed=1)
+    return folder
+
+
+def run_config(hf_dir, run_dir, *extra):
+    return load_config(None, [f"model.hf_path={hf_dir}", f"run_dir={run_dir}", "task.n_train=4",
+                              "task.n_eval=2", "wandb.mode=disabled", *extra])
+
+
+def test_runtime_builds_tokenizer_preset_and_weights_from_hf_path(single_process, hf_dir,
+                                                                  tmp_path):
+    from megatron_gspo.runtime import setup_runtime
+    from megatron_gspo.tokenizer import HFTokenizer
+
+    rt = setup_runtime(run_config(hf_dir, tmp_path / "run"), lr=0.0, job="eval")
+    assert isinstance(rt.tokenizer, HFTokenizer) and rt.tokenizer.vocab_size == 300
+    preset = rt.policy.preset
+    assert (preset.name, preset.num_query_groups, preset.topk, preset.vocab_size) == \
+        ("hf:qwen3_moe", 2, 3, 384)
+    assert rt.policy.real_vocab == 300
+    tokens_BT, valid_BT = encode_prompts(rt.tokenizer, ["12+30=", "7+5="])
+    with torch.no_grad():
+        ours = rt.policy.logits(tokens_BT, valid_BT)
+        ref = load_hf(hf_dir)(tokens_BT, attention_mask=valid_BT.long()).logits
+    assert (ours[..., :300] - ref)[valid_BT].abs().max() <= 1e-4
+    # vocab_multiple is configurable
+    cfg = run_config(hf_dir, tmp_path / "run2", "model.vocab_multiple=64")
+    from megatron_gspo.runtime import resolve_preset
+
+    assert resolve_preset(cfg, 300).vocab_size == 320
+
+
+def test_hub_name_is_a_clear_error(single_process, tmp_path):
+    from megatron_gspo.runtime import setup_runtime
+
+    with pytest.raises(FileNotFoundError, match="hub name"):
+        setup_runtime(run_config("Qwen/Qwen3-30B-A3B", tmp_path / "run"), lr=0.0, job="eval")
+
+
+def save_run(policy, cfg, run_dir: str) -> None:
+    """What runtime.save_state writes for rank 0 (the export reads only these keys)."""
+    from moe.sharding import gather_full_params
+
+    root = os.path.join(run_dir, "checkpoints")
+    ckpt.save_checkpoint(root, 3, {"full_params": gather_full_params(policy.model.module),
+                                   "config": config_to_dict(cfg)})
+    ckpt.mark_latest(root, 3)
+
+
+def test_export_round_trip_and_greedy_generation_match(single_process, hf_dir, tmp_path,
+                                                        capsys):
+    from megatron_gspo.runtime import build_policy
+    from megatron_gspo.tokenizer import load_tokenizer
+    from moe.hf.io import INDEX, SafetensorsReader
+    from moe.hf.weights import load_hf_weights
+
+    cfg = run_config(hf_dir, tmp_path / "run")
+    tok = load_tokenizer(hf_dir)
+    policy = build_policy(cfg, tok.vocab_size, lr=0.0, with_optimizer=False)
+    save_run(policy, cfg, cfg.run_dir)
+    out = str(tmp_path / "export")
+    assert cli_main(["export", "--run-dir", cfg.run_dir, "--to-hf", out,
+                     "--max-shard-bytes", "60000"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["tokenizer"] and summary["model_type"] == "qwen3_moe"
+    assert os.path.isfile(os.path.join(out, INDEX)) and len(
+        [f for f in os.listdir(out) if f.endswith(".safetensors")]) > 1
+    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= \
+        set(os.listdir(out))
+    # every tensor exactly the source's
+    src, dst = SafetensorsReader(hf_dir), SafetensorsReader(out)
+    assert src.names() == dst.names()
+    assert all(torch.equal(src.read(n), dst.read(n)) for n in src.names())
+    # transformers loads it; greedy generation equals ours token for token
+    hf = load_hf(out)
+    assert json.load(open(os.path.join(out, "config.json")))["vocab_size"] == 300
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}])
+               for q in ("12+30=?", "what is 7 plus 5?", "hi")]
+    tokens_BT, _, response_BT, _, _ = sample(policy, tok, prompts, max_new_tokens=10,
+                                             greedy=True)
+    for b, prompt in enumerate(prompts):
+        ids = torch.tensor([tok.encode(prompt)])
+        want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10,
+                           do_sample=False, eos_token_id=sorted(tok.stop_ids),
+                           pad_token_id=tok.pad_id)[0, ids.shape[1]:].tolist()
+        got = tokens_BT[b][response_BT[b]].tolist()
+        assert got == want, (prompt, got, want)
+    # and the exported folder (an index and shards) loads back into our model unchanged
+    before = {n: p.detach().clone() for n, p in policy.model.module.named_parameters()}
+    load_hf_weights(policy.model.module, out)
+    for n, p in policy.model.module.named_parameters():
+        assert torch.equal(p, before[n]), n
+
+
+def test_export_of_a_toy_run_is_a_qwen3_moe_model(single_process, tmp_path, capsys):
+    """A run without hf_path exports its preset's shape (no tokenizer files)."""
+    from megatron_gspo.runtime import build_policy
+
+    cfg = load_config(None, [f"run_dir={tmp_path / 'toy'}", "model.preset=tiny"])
+    policy = build_policy(cfg, 26, lr=0.0, with_optimizer=False)
+    save_run(policy, cfg, cfg.run_dir)
+    out = str(tmp_path / "toy_hf")
+    assert cli_main(["export", "--run-dir", cfg.run_dir, "--to-hf", out]) == 0
+    assert not json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokenizer"]
+    tokens_BT = torch.randint(0, 26, (2, 9), generator=torch.Generator().manual_seed(0))
+    valid_BT = torch.ones_like(tokens_BT, dtype=torch.bool)
+    with torch.no_grad():
+        ours = policy.logits(tokens_BT, valid_BT)[..., :26]
+        ref = load_hf(out)(tokens_BT).logits[..., :26]
+    assert (ours - ref).abs().max() <= 1e-4
+
+
+def test_export_errors_name_the_problem(tmp_path, capsys):
+    assert cli_main(["export", "--run-dir", str(tmp_path / "missing"), "--to-hf", "x"]) == 2
+    assert "missing' does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as err:
+        cli_main(["export", "--to-hf", "x"])
+    assert err.value.code == 2
+
+
+def test_bad_hf_path_exits_2_before_the_run_dir_is_claimed(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    argv = ["train", f"run_dir={run_dir}", "wandb.mode=disabled"]
+    assert cli_main(argv + ["model.hf_path=Qwen/Qwen3-30B-A3B"]) == 2
+    assert "hub name" in capsys.readouterr().err
+    folder = tmp_path / "olmoe"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "olmoe"}))
+    assert cli_main(argv + [f"model.hf_path={folder}"]) == 2
+    assert "model.hf_path=" in capsys.readouterr().err
+    assert not run_dir.exists()
+
+
+def test_weights_that_disagree_with_config_exit_2(single_process, hf_dir, tmp_path, capsys):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "broken"
+    shutil.copytree(hf_dir, folder)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.0.self_attn.q_proj.weight"] = tensors[
+        "model.layers.0.self_attn.q_proj.weight"][:-16]  # one head short
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    argv = ["eval", f"model.hf_path={folder}", "task.n_eval=2", "wandb.mode=disabled"]
+    assert cli_main(argv) == 2
+    assert "q_proj" in capsys.readouterr().err

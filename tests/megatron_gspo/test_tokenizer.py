@@ -1,0 +1,64 @@
+"""The Tokenizer protocol: CharTokenizer and a locally built Hugging Face tokenizer folder."""
+
+import json
+
+import pytest
+
+from megatron_gspo.tokenizer import CharTokenizer, HFTokenizer, load_tokenizer
+from tests.hf_fixtures import SPECIALS, make_tokenizer
+
+PROTOCOL = ("vocab_size", "pad_id", "eos_id", "bos_id", "stop_ids", "encode", "decode",
+            "apply_chat_template")
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tok")
+    make_tokenizer(str(folder))
+    return str(folder)
+
+
+def test_char_tokenizer_is_the_default_and_has_no_template():
+    tok = load_tokenizer(None)
+    assert isinstance(tok, CharTokenizer)
+    assert all(hasattr(tok, a) for a in PROTOCOL)
+    assert (tok.vocab_size, tok.pad_id, tok.bos_id, tok.eos_id) == (26, 0, 1, 2)
+    assert tok.decode(tok.encode("12+30=42")) == "12+30=42"
+    assert tok.apply_chat_template([{"role": "user", "content": "1+1"}]) is None
+
+
+def test_hf_tokenizer_ids_round_trip_and_chat_template(tok_dir):
+    tok = load_tokenizer(tok_dir)
+    assert isinstance(tok, HFTokenizer)
+    assert all(hasattr(tok, a) for a in PROTOCOL)
+    assert tok.vocab_size == len(tok.hf) == 300
+    assert tok.eos_id == SPECIALS.index("<|im_end|>") == 2
+    assert tok.pad_id == SPECIALS.index("<|endoftext|>") == 0
+    assert tok.bos_id is None  # Qwen has none: prompts get no <bos>
+    assert tok.stop_ids == frozenset({2})
+    text = "12+30=42 and the assistant answers"
+    ids = tok.encode(text)
+    assert len(ids) < len(text)  # merges were learned
+    assert tok.decode(ids) == text
+    prompt = tok.apply_chat_template([{"role": "user", "content": "12+30=?"}])
+    assert prompt == "<|im_start|>user\n12+30=?<|im_end|>\n<|im_start|>assistant\n"
+    # special tokens encode to their own ids; decoding stops at the first stop id
+    assert tok.encode("<|im_start|>")[0] == 1
+    assert tok.decode(tok.encode("42") + [tok.eos_id] + tok.encode("junk")) == "42"
+
+
+def test_generation_config_eos_ids_join_the_stop_set(tok_dir, tmp_path):
+    import shutil
+
+    folder = tmp_path / "gen"
+    shutil.copytree(tok_dir, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2]}))
+    assert load_tokenizer(str(folder)).stop_ids == frozenset({0, 2})
+
+
+def test_hub_name_and_missing_folder_are_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="hub name.*never downloads"):
+        load_tokenizer("Qwen/Qwen3-30B-A3B")
+    with pytest.raises(FileNotFoundError, match="does not exist") as err:
+        load_tokenizer(str(tmp_path / "nope"))
+    assert "hub name" not in str(err.value)

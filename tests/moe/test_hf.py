@@ -1,0 +1,188 @@
+"""Hugging Face Qwen3-MoE / Qwen2-MoE checkpoints in and out (moe.hf).
+
+Tiny random models are built locally from a config (tests/hf_fixtures.py) and compared with
+transformers on the same tokens in float32: max abs logit diff <= 1e-4 in 1 process here, and for
+TP=2 (+SP), EP=2 and TP2xEP2 on 2 gloo processes (tests/moe/hf_worker.py, which also checks what
+each rank reads). The three models differ where a mapping can go wrong: GQA ratio 3 with
+head_dim * heads != hidden, top-3 renormalised, a config vocab larger than the tokenizer
+(`qwen3`); GQA 6 (one KV head), top-5 not renormalised, tied embeddings (`qwen3_mqa`); Qwen2-MoE's
+sigmoid-gated shared expert, QKV bias, top-2 not renormalised, tied embeddings (`qwen2`).
+"""
+
+import json
+
+import pytest
+import torch
+
+from tests.hf_fixtures import load_hf, make_model
+from tests.moe import hf_worker as hw
+from tests.moe import parallel_worker as pw
+
+MODELS = {
+    "qwen3": ("qwen3_moe", {"vocab_size": 305}),
+    "qwen3_mqa": ("qwen3_moe", {"num_key_value_heads": 1, "num_experts_per_tok": 5,
+                                "norm_topk_prob": False, "tie_word_embeddings": True}),
+    "qwen2": ("qwen2_moe", {}),
+}
+REAL_VOCAB = 300  # the fixture tokenizer's size
+
+
+def batch(B: int = 4, T: int = 12, seed: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    tokens_BT = torch.randint(0, REAL_VOCAB, (B, T), generator=g)
+    valid_BT = torch.ones(B, T, dtype=torch.bool)
+    valid_BT[1, :3] = False  # left padding
+    valid_BT[3, :5] = False
+    return tokens_BT, valid_BT
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    dirs = {}
+    for key, (family, overrides) in MODELS.items():
+        folder = tmp_path_factory.mktemp(key)
+        make_model(str(folder), family, **overrides)
+        dirs[key] = str(folder)
+    return dirs
+
+
+def hf_logits(folder: str, tokens_BT, valid_BT):
+    with torch.no_grad():
+        return load_hf(folder)(tokens_BT, attention_mask=valid_BT.long()).logits.float()
+
+
+@pytest.mark.parametrize("key", list(MODELS))
+def test_logits_match_transformers(single_process, hf_dirs, key):
+    tokens_BT, valid_BT = batch()
+    policy, reader = hw.build_from_hf(hf_dirs[key], REAL_VOCAB)
+    assert policy.preset.vocab_size == 384  # 300 or 305 padded to a multiple of 128
+    with torch.no_grad():
+        ours = policy.logits(tokens_BT, valid_BT)
+    diff = hw.logit_diff(ours, hf_logits(hf_dirs[key], tokens_BT, valid_BT), valid_BT,
+                         REAL_VOCAB)
+    assert diff <= hw.TOL
+    assert {r[1] for r in reader.reads} == {None}  # 1 process: every tensor whole, once
+    assert len(reader.reads) == len(reader.names())
+
+
+def test_a_wrong_mapping_is_caught(single_process, hf_dirs):
+    """Not vacuous: swapping two experts' weights in our model moves the logits past 1e-4."""
+    tokens_BT, valid_BT = batch()
+    policy, _ = hw.build_from_hf(hf_dirs["qwen3"], REAL_VOCAB)
+    experts = policy.model.module.decoder.layers[0].mlp.experts.local_experts
+    with torch.no_grad():
+        a, b = experts[0].linear_fc2.weight, experts[1].linear_fc2.weight
+        a_copy = a.clone()
+        a.copy_(b)
+        b.copy_(a_copy)
+        ours = policy.logits(tokens_BT, valid_BT)
+    ref = hf_logits(hf_dirs["qwen3"], tokens_BT, valid_BT)
+    assert hw.logit_diff(ours, ref, valid_BT, REAL_VOCAB) > 1e-2
+
+
+@pytest.mark.slow
+def test_two_process_layouts_match_transformers(hf_dirs, tmp_path):
+    tokens_BT, valid_BT = batch()
+    ref = {}
+    for key in ("qwen3", "qwen2"):
+        config = json.load(open(f"{hf_dirs[key]}/config.json"))
+        ref[key] = {"dir": hf_dirs[key], "tokens": tokens_BT, "valid": valid_BT,
+                    "hf_logits": hf_logits(hf_dirs[key], tokens_BT, valid_BT),
+                    "real_vocab": REAL_VOCAB, "hf_vocab": config["vocab_size"]}
+    path = tmp_path / "ref.pt"
+    torch.save(ref, path)
+    layouts = [("qwen3", 2, 1, True), ("qwen3", 1, 2, False), ("qwen3", 2, 2, True),
+               ("qwen2", 2, 2, True)]
+    pw.spawn(hw.worker, (2, pw.free_port(), str(path), layouts), nprocs=2, timeout_s=600)
+    results = [json.load(open(f"{path}.rank{r}.json")) for r in range(2)]
+    for rank_results in results:
+        assert len(rank_results) == len(layouts)
+        for r in rank_results:
+            print(f"{r['layout']}: max_abs_logit_diff={r['max_abs_logit_diff']:.2e} read "
+                  f"{r['read_elements']}/{r['checkpoint_elements']} elements")
+            assert r["max_abs_logit_diff"] <= hw.TOL
+            # experts are not TP-split (expert TP = 1): with EP=2 a rank reads half of them
+            share = 0.75 if "ep=2" in r["layout"] else 1.0
+            assert r["read_elements"] < share * r["checkpoint_elements"], r
+
+
+def _config(tmp_path, **changes):
+    from tests.hf_fixtures import QWEN3
+
+    cfg = {**QWEN3, "model_type": "qwen3_moe", "vocab_size": 300, **changes}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"model_type": "olmoe"}, "model_type='olmoe' is not supported"),
+    ({"mlp_only_layers": [0]}, "dense MLP layers"),
+    ({"decoder_sparse_step": 2}, "dense MLP layers"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "RoPE scaling"),
+    ({"use_sliding_window": True}, "use_sliding_window"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+])
+def test_unsupported_configs_are_refused_naming_the_key(tmp_path, changes, match):
+    from moe.hf.config import preset_from_hf
+
+    with pytest.raises(ValueError, match=match):
+        preset_from_hf(_config(tmp_path, **changes))
+
+
+def test_config_key_spellings_and_missing_files(tmp_path):
+    from moe.hf.config import preset_from_hf
+
+    folder = _config(tmp_path, rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    cfg = json.load(open(f"{folder}/config.json"))
+    cfg["num_local_experts"] = cfg.pop("num_experts")  # transformers 5's spelling
+    cfg.pop("rope_theta")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    preset = preset_from_hf(folder)
+    assert (preset.num_experts, preset.rotary_base, preset.kv_channels) == (8, 5e5, 16)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        preset_from_hf(str(tmp_path / ".."))
+    with pytest.raises(FileNotFoundError, match="hub name"):
+        preset_from_hf("Qwen/Qwen3-30B-A3B")
+
+
+def test_checkpoint_that_disagrees_with_its_config_is_refused(single_process, hf_dirs, tmp_path):
+    """An extra tensor (a dense layer, a bias the config does not declare) has no place."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "extra"
+    shutil.copytree(hf_dirs["qwen3"], folder)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(64)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="no place.*o_proj.bias"):
+        hw.build_from_hf(str(folder), REAL_VOCAB)
+    del tensors["model.layers.0.self_attn.o_proj.bias"]
+    del tensors["model.layers.1.mlp.experts.5.up_proj.weight"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(KeyError, match="experts.5.up_proj"):
+        hw.build_from_hf(str(folder), REAL_VOCAB)
+
+
+def test_qwen3_30b_a3b_preset_is_the_released_models_shape():
+    """The preset equals what preset_from_hf makes of Qwen3-30B-A3B's config.json (the values
+    of the released file; slime's scripts/models/qwen3-30B-A3B.sh has the same shape)."""
+    import dataclasses
+
+    from moe.hf.config import preset_from_hf_config
+    from moe.presets import get_preset
+
+    released = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                "attention_bias": False, "decoder_sparse_step": 1, "head_dim": 128,
+                "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 6144,
+                "max_position_embeddings": 40960, "mlp_only_layers": [],
+                "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32,
+                "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48,
+                "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_scaling": None,
+                "rope_theta": 1000000.0, "tie_word_embeddings": False,
+                "use_sliding_window": False, "vocab_size": 151936}
+    preset = preset_from_hf_config(released)
+    assert dataclasses.replace(preset, name="qwen3-30b-a3b") == get_preset("qwen3-30b-a3b")
+    assert preset.with_vocab(151936, 128 * 2).vocab_size == 152064  # 128 x TP=2 padding
