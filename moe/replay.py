@@ -162,9 +162,7 @@ def record_routing(policy):
         yield recorded
         recorded.extend(r.get_recorded_indices() for r in routers)
     finally:
-        for r in routers:
-            r.clear_router_replay_action()
-            r.clear_indices()
+        _release(routers)
 
 
 @contextlib.contextmanager
@@ -188,11 +186,16 @@ def replay_routing(policy, cache: RoutingReplayCache | None):
     try:
         yield
     finally:
-        for r in routers:
-            r.clear_router_replay_action()
-            r.clear_indices()
+        _release(routers)
     if policy.recompute.routing and torch.is_grad_enabled():
         policy.backward_replays.append(ids_L)
+
+
+def _release(routers) -> None:
+    """Routers back to plain routing, their replay targets dropped."""
+    for r in routers:
+        r.clear_router_replay_action()
+        r.clear_indices()
 
 
 @contextlib.contextmanager
@@ -214,9 +217,7 @@ def replay_backward(policy, replays: list[list[torch.Tensor]]):
     try:
         yield
     finally:
-        for r in routers:
-            r.clear_router_replay_action()
-            r.clear_indices()
+        _release(routers)
 
 
 @torch.no_grad()

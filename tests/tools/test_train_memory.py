@@ -18,11 +18,28 @@ def test_bytes_per_param_match_megatron_accounting():
     assert f"{(6 + 12 / 8) * n / tm.GIB:.1f}" in row and f"{(6 + 12 / 64) * n / tm.GIB:.1f}" in row
 
 
-def test_measured_state_is_near_the_analytic_bytes_and_bf16_peaks_lower(single_process):
-    """In this process (CPU: glibc's bytes in use; CUDA: the allocator's). Persistent state is
-    the analytic bytes/param plus buffers and Python objects (measured +2 to +4.6 B/param)."""
-    fp32 = tm.measure_one("qwen3-moe-tiny", "fp32", batch=8, seq=32)
-    bf16 = tm.measure_one("qwen3-moe-tiny", "bf16", batch=8, seq=32)
+_MEASURE = """
+import json, os
+os.environ.pop("RANK", None); os.environ.pop("WORLD_SIZE", None)
+from moe.parallel import init_parallel
+from tools import train_memory as tm
+init_parallel(1, 1, seed=0)
+print(json.dumps([tm.measure_one("qwen3-moe-tiny-deep", d, batch=8, seq=32)
+                  for d in ("fp32", "bf16")]))
+"""
+
+
+def test_measured_state_is_near_the_analytic_bytes_and_bf16_peaks_lower():
+    """In a fresh process (CPU: glibc's bytes in use, which memory freed by earlier tests in a
+    shared pytest process skews; CUDA: the allocator's). Persistent state is the analytic
+    bytes/param plus buffers and Python objects (measured ~+4.6 B/param here)."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _MEASURE], capture_output=True, text=True,
+                         check=True, timeout=600).stdout
+    fp32, bf16 = json.loads(out.strip().splitlines()[-1])
     for r, analytic in ((fp32, 16), (bf16, 18)):
         assert analytic <= r["persistent_bytes"] / r["params"] <= analytic + 8, r
         assert r["peak_bytes"] > r["persistent_bytes"], r
