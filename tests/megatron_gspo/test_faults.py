@@ -123,6 +123,13 @@ def test_sft_into_an_rl_run_keeps_its_checkpoints(tmp_path, capsys):
 # ----------------------------------------------------------------------------- checkpoints
 
 
+def overwrite_two_floats(path) -> None:
+    """Corrupt a checkpoint file silently: two float32 infs deep inside its tensor data."""
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        f.write(b"\x00\x00\x80\x7f\x00\x00\x80\x7f")
+
+
 def _shard(root, step):
     return os.path.join(ckpt.step_dir(root, step), "rank_00000.pt")
 
@@ -132,9 +139,7 @@ def test_overwritten_floats_are_caught_and_resume_falls_back(tmp_path, capsys):
     t = trainer(run, "train.steps=2")
     t.train()
     root = str(run / "checkpoints")
-    with open(_shard(root, 2), "r+b") as f:  # two floats deep inside the tensor data
-        f.seek(os.path.getsize(_shard(root, 2)) // 2)
-        f.write(b"\x00\x00\x80\x7f\x00\x00\x80\x7f")
+    overwrite_two_floats(_shard(root, 2))
     with pytest.raises(ckpt.CheckpointError, match=r"rank_00000.pt is corrupt"):
         ckpt.load_checkpoint(root)
     resumed = trainer(run, "train.steps=2")

@@ -4,6 +4,8 @@
 import os
 
 import pytest
+
+from tests.megatron_gspo.test_faults import overwrite_two_floats
 import torch
 
 from megatron_gspo.metrics import read_jsonl
@@ -54,9 +56,7 @@ def test_corrupt_dist_shard_is_caught_and_resume_falls_back(tmp_path, capsys):
     dist_dir = os.path.join(run.cfg.run_dir, "checkpoints", "step_000002", "dist")
     shard = os.path.join(dist_dir, "__0_0.distcp")
     assert os.path.isfile(shard + ckpt.CHECKSUM_SUFFIX)
-    with open(shard, "r+b") as f:  # two floats deep inside the tensor data
-        f.seek(os.path.getsize(shard) // 2)
-        f.write(b"\x00\x00\x80\x7f\x00\x00\x80\x7f")
+    overwrite_two_floats(shard)
     with pytest.raises(ckpt.CheckpointError, match=r"__0_0.distcp is corrupt"):
         ckpt.verify_file(shard)
     resumed = make_trainer(tmp_path, "train.steps=2")
