@@ -1,0 +1,105 @@
+"""Router-logit noise on the top-k selection: changes which experts run (reproducibly), keeps
+the gate weights clean, is ignored under replay, leaves no trace outside its context, and is
+replayed by activation recompute."""
+
+import pytest
+import torch
+
+from moe.model import ParallelLayout, Recompute
+from moe.policy import MoEPolicy
+from moe.presets import get_preset
+from moe.replay import assert_routing_idle, current_routing, record_routing, replay_routing
+from moe.router_noise import router_noise
+from moe.routing_stats import flip_stats
+from tests.moe.parallel_worker import batch, loss_fn
+
+PRESET = get_preset("tiny")
+
+
+def build(recompute=Recompute(), seed=3):
+    return MoEPolicy.build(PRESET, ParallelLayout(), real_vocab=PRESET.vocab_size, seed=seed,
+                           optim=None, recompute=recompute)
+
+
+def noisy_routing(policy, std, seed):
+    tokens_BT, valid_BT, _ = batch(PRESET.vocab_size)
+    with torch.no_grad(), router_noise(policy, std, torch.Generator().manual_seed(seed)), \
+            record_routing(policy) as rec:
+        logits = policy.logits(tokens_BT, valid_BT)
+    return rec, logits
+
+
+def mean_flip(old_L, new_L, valid_BT):
+    valid_N = valid_BT.transpose(0, 1).reshape(-1)  # megatron's rows are sequence-first
+    return sum(flip_stats(o[valid_N], n[valid_N], PRESET.num_experts)["flip_rate"]
+               for o, n in zip(old_L, new_L)) / len(old_L)
+
+
+def test_noise_flips_experts_reproducibly_and_only_inside(single_process):
+    policy = build()
+    tokens_BT, valid_BT, _ = batch(PRESET.vocab_size)
+    clean_logits = policy.logits(tokens_BT, valid_BT).detach()
+    clean, _ = noisy_routing(policy, 0.0, seed=7)  # std 0: the plain routing
+    flips = []
+    for std in (0.05, 1.0):
+        rec, _ = noisy_routing(policy, std, seed=7)
+        again, _ = noisy_routing(policy, std, seed=7)
+        assert all(torch.equal(a, b) for a, b in zip(rec, again))  # same seed, same routing
+        flips.append(mean_flip(clean, rec, valid_BT))
+    assert 0.0 < flips[0] < flips[1], flips
+    assert flips[1] > 0.3, flips
+    other, _ = noisy_routing(policy, 1.0, seed=8)
+    assert not all(torch.equal(a, b) for a, b in zip(rec, other))  # the seed matters
+    # nothing leaks: a plain forward afterwards is the clean one
+    torch.testing.assert_close(policy.logits(tokens_BT, valid_BT).detach(), clean_logits,
+                               rtol=0, atol=0)
+    assert_routing_idle(policy)
+    assert "get_replay_topk" not in vars(policy.router_replays[0])
+
+
+def test_gate_weights_come_from_the_clean_logits(single_process):
+    """Noise that cannot change any selection (tiny std) leaves the logits bit-identical."""
+    policy = build()
+    tokens_BT, valid_BT, _ = batch(PRESET.vocab_size)
+    clean = policy.logits(tokens_BT, valid_BT).detach()
+    _, noisy = noisy_routing(policy, 1e-30, seed=1)
+    torch.testing.assert_close(noisy, clean, rtol=0, atol=0)
+    _, flipped = noisy_routing(policy, 1.0, seed=1)
+    assert (flipped - clean).abs().max() > 1e-3  # the check can fail
+
+
+def test_noise_is_ignored_under_replay(single_process):
+    policy = build()
+    tokens_BT, valid_BT, _ = batch(PRESET.vocab_size)
+    _, cache = current_routing(policy, tokens_BT, valid_BT)
+    with torch.no_grad(), replay_routing(policy, cache):
+        replayed = policy.logits(tokens_BT, valid_BT)
+    with torch.no_grad(), router_noise(policy, 1.0, torch.Generator().manual_seed(0)), \
+            replay_routing(policy, cache):
+        noisy_replayed = policy.logits(tokens_BT, valid_BT)
+    torch.testing.assert_close(noisy_replayed, replayed, rtol=0, atol=0)
+
+
+def grads(recompute):
+    policy = build(recompute)
+    tokens_BT, valid_BT, readout_BTV = batch(PRESET.vocab_size)
+    policy.zero_grad()
+    with router_noise(policy, 0.5, torch.Generator().manual_seed(11)):
+        loss = loss_fn(policy.logits(tokens_BT, valid_BT), valid_BT, readout_BTV)
+    policy.backward(loss)
+    policy.reduce_grads()
+    assert_routing_idle(policy)
+    return {n: p.grad.clone() for n, p in policy.model.module.named_parameters()}
+
+
+def test_recompute_replays_the_noisy_selection(single_process):
+    ref = grads(Recompute())
+    got = grads(Recompute("full"))
+    for name in ref:
+        assert torch.equal(got[name], ref[name]), name
+
+
+def test_bad_std_is_an_error(single_process):
+    with pytest.raises(ValueError, match="std=-1"):
+        with router_noise(build(), -1.0, torch.Generator()):
+            pass
