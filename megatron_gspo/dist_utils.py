@@ -65,3 +65,15 @@ def reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
             values /= world_size()
         out.update(zip(keys, values.cpu().tolist()))
     return {k: out[k] for k in metrics}
+
+
+def sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
+    """`t` summed over all ranks (float64 on the host; collective: every rank must call it)."""
+    t = t.double()
+    if world_size() == 1:
+        return t
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend() == "nccl" else torch.device("cpu")
+    out = t.to(device)
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out.cpu()

@@ -1,26 +1,116 @@
 """Expert-flip instrumentation: how much one optimizer step changes each token's experts.
 
-Shape legend: B sequences, T tokens, N routed tokens, L MoE layers, K top-k.
+Shape legend: B sequences, T tokens, N routed tokens, L MoE layers, K top-k, E experts.
 
 The GSPO paper (arXiv 2507.18071, sec. 5.3) reports that after one gradient step about 10% of
 the experts activated for the same tokens change (Qwen3-30B-A3B, 48 layers, 128 experts top-8);
 this is what makes GRPO's token ratios noisy on MoE and what Routing Replay removes. Per
 measured optimizer step `StepFlips` compares the top-k sets of the minibatch's tokens just
-before the step with those just after it (`moe/flip_rate/layer_XX`, `moe/flip_rate/mean`, load
-statistics), and the live routing after the step with pi_old's (`moe/drift_vs_old/...`).
+before the step with those just after it (`moe/flip_rate/layer_XX`, `moe/flip_rate/mean`,
+`moe/any_flip`, `moe/jaccard`, `moe/load_imbalance`), the live routing after the step with
+pi_old's (`moe/drift_vs_old/...`), and the routing the loss's forward used with pi_old's
+(`moe/loss_routing_vs_old/...`: the replayed cache under R2 / R3, so 0 under R2).
+
+Which tokens: the headline keys count the *loss positions*, the positions whose next-token
+logits the loss scores: for a response token at t, the position t-1 that predicts it (the last
+prompt token through the second-to-last response token). Their routing is the MoE path of the
+log-probs in the importance ratio; prompt positions before them only reach the loss through
+attention, and the last response token's own routing reaches nothing. The same statistics over
+every valid token (prompt and response, what these keys meant before) are kept as
+`moe/flip_rate_all/...`, `moe/drift_vs_old_all/...` and `rollout/routing_mismatch_all/...`.
+The paper does not say which tokens it counts.
+
+Counts, not per-rank rates: every statistic is a ratio of sums (flipped activations over
+activations, flipped tokens over tokens, per-expert loads) summed over all ranks before
+dividing, so it is token-weighted over the whole minibatch under DP / SP (a sequence-parallel
+shard holding only prompt positions contributes nothing to the loss-position keys). Each rank
+routes distinct tokens (its DP rows, its SP shard), so the world sum counts each token once.
 
 Cost: the "before" routing is recorded from the training forward itself (no extra forward)
 unless that forward replays a cached routing (R2/R3), in which case one no-grad forward runs
-before the step; the "after" routing is one no-grad forward. Departure from the paper: it does
-not say which tokens it counts; here every valid token of the minibatch (prompt and response).
+before the step; the "after" routing is one no-grad forward. Under router noise
+(`moe.router_noise`, `train.router_noise_std`) the recorded "before" of an unreplayed step is
+the noisy routing its loss actually used, so `moe/flip_rate` counts the noise's flips too.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 
+import torch
+
+from megatron_gspo.dist_utils import sum_over_ranks
 from moe.replay import RoutingReplayCache, current_routing, record_routing
-from moe.routing_stats import routing_metrics
+from moe.routing_stats import topk_mask
+
+
+def loss_positions(response_BT: torch.Tensor) -> torch.Tensor:
+    """bool [B, T]: positions whose next-token logits score a response token (t-1 for t)."""
+    out_BT = torch.zeros_like(response_BT, dtype=torch.bool)
+    out_BT[:, :-1] = response_BT[:, 1:].bool()
+    return out_BT
+
+
+def token_rows(policy, cache: RoutingReplayCache, mask_BT: torch.Tensor) -> torch.Tensor:
+    """bool [N]: which of `cache`'s tokens (this rank's routed shard) lie in `mask_BT`."""
+    return policy.routed_valid(mask_BT.bool())[cache.valid_BT]
+
+
+def _layer_counts(old: RoutingReplayCache, new: RoutingReplayCache, rows_N: torch.Tensor
+                  ) -> torch.Tensor:
+    """float64 [L, 4 + E] over the rows: flipped activations, tokens, tokens with any flip,
+    sum of per-token Jaccard, then the new routing's load per expert."""
+    K, E = new.topk, new.num_experts
+    out = []
+    for layer in range(new.num_layers):
+        old_NE = topk_mask(old.layer_ids(layer), E)[rows_N]
+        new_NE = topk_mask(new.layer_ids(layer).to(old_NE.device), E)[rows_N]
+        inter_N = (old_NE & new_NE).sum(1).double()
+        head = torch.stack([(K - inter_N).sum(), torch.tensor(float(inter_N.numel()),
+                            dtype=torch.float64), (inter_N < K).double().sum(),
+                            (inter_N / (2 * K - inter_N)).sum()])
+        out.append(torch.cat([head, new_NE.sum(0).double()]))
+    return torch.stack(out)
+
+
+def flip_counts(old: RoutingReplayCache, new: RoutingReplayCache, rows_N: torch.Tensor
+                ) -> dict[str, list[float]]:
+    """Per-layer `flip_rate`, `any_flip`, `jaccard` of `new` vs `old` and `load_imbalance`
+    (max / mean load) of `new`, over the rows `rows_N` of every rank (collective). NaN where
+    no rank has a row."""
+    if old.ids_NLK.shape != new.ids_NLK.shape or rows_N.shape != (new.ids_NLK.shape[0],):
+        raise ValueError(f"routings {tuple(old.ids_NLK.shape)} / {tuple(new.ids_NLK.shape)} "
+                         f"and rows {tuple(rows_N.shape)} must cover the same [N] tokens")
+    counts_LC = sum_over_ranks(_layer_counts(old, new, rows_N.bool()))
+    flipped_L, tokens_L, any_L, jaccard_L = counts_LC[:, :4].T
+    tokens_L = torch.where(tokens_L > 0, tokens_L, torch.full_like(tokens_L, float("nan")))
+    load_LE = counts_LC[:, 4:]
+    return {"flip_rate": (flipped_L / (new.topk * tokens_L)).tolist(),
+            "any_flip": (any_L / tokens_L).tolist(), "jaccard": (jaccard_L / tokens_L).tolist(),
+            "load_imbalance": (load_LE.max(1).values / load_LE.mean(1)).tolist()}
+
+
+def _keyed(per_layer: dict[str, list[float]], stats: dict[str, str]) -> dict[str, float]:
+    """{stat: prefix} -> `{prefix}layer_XX`, `{prefix}mean` (and `{prefix}max` for flips)."""
+    out = {}
+    for stat, prefix in stats.items():
+        values = per_layer[stat]
+        out.update({f"{prefix}layer_{l:02d}": v for l, v in enumerate(values)})
+        out[f"{prefix}mean"] = sum(values) / len(values)
+        if stat == "flip_rate":
+            out[f"{prefix}max"] = max(values)
+    return out
+
+
+def layer_flips(old: RoutingReplayCache, new: RoutingReplayCache, prefix: str,
+                rows_N: torch.Tensor) -> dict:
+    """Flip rate of `new` vs `old` per layer, `mean` and `max`: on the rows `rows_N` (the loss
+    positions) as `{prefix}...`, on every token as `{prefix without /}_all/...` (collective)."""
+    all_prefix = prefix.rstrip("/") + "_all/"
+    out = _keyed(flip_counts(old, new, rows_N), {"flip_rate": prefix})
+    out.update(_keyed(flip_counts(old, new, torch.ones_like(rows_N, dtype=torch.bool)),
+                      {"flip_rate": all_prefix}))
+    return out
 
 
 class StepFlips:
@@ -36,6 +126,7 @@ class StepFlips:
     def __init__(self, policy, mb, active: bool):
         self.policy, self.mb, self.active = policy, mb, active
         self.before: RoutingReplayCache | None = None
+        self.used: RoutingReplayCache | None = None  # the routing the loss's forward used
 
     @contextmanager
     def watch(self):
@@ -48,29 +139,29 @@ class StepFlips:
             return
         if mb.replay is not None:
             _, self.before = current_routing(policy, mb.tokens_BT, mb.valid_BT)
+            self.used = mb.replay
             yield
             return
         with record_routing(policy) as recorded:
             yield
         self.before = RoutingReplayCache.from_recorded(recorded, policy.routed_valid(mb.valid_BT),
                                                        policy.preset.num_experts)
+        self.used = self.before
 
     def after_step(self) -> dict:
         """Flip rates of this step and drift from pi_old (call once the optimizer stepped)."""
         if not self.active:
             return {}
-        _, after = current_routing(self.policy, self.mb.tokens_BT, self.mb.valid_BT)
-        L = after.num_layers
-        out = routing_metrics([self.before.layer_ids(l) for l in range(L)],
-                              [after.layer_ids(l) for l in range(L)], after.num_experts)
-        out.update(layer_flips(self.mb.old_routing, after, "moe/drift_vs_old/"))
+        mb = self.mb
+        _, after = current_routing(self.policy, mb.tokens_BT, mb.valid_BT)
+        rows_N = token_rows(self.policy, after, loss_positions(mb.response_BT))
+        out = _keyed(flip_counts(self.before, after, rows_N),
+                     {s: f"moe/{s}/" for s in ("flip_rate", "any_flip", "jaccard",
+                                                "load_imbalance")})
+        all_N = torch.ones_like(rows_N)
+        out.update(_keyed(flip_counts(self.before, after, all_N),
+                          {"flip_rate": "moe/flip_rate_all/"}))
+        out.update(layer_flips(mb.old_routing, after, "moe/drift_vs_old/", rows_N))
+        out.update(_keyed(flip_counts(mb.old_routing, self.used, rows_N),
+                          {"flip_rate": "moe/loss_routing_vs_old/"}))
         return out
-
-
-def layer_flips(old: RoutingReplayCache, new: RoutingReplayCache, prefix: str) -> dict:
-    """Per-layer flip rate of `new` vs `old` (same tokens) as `{prefix}layer_XX` and `mean`."""
-    L = new.num_layers
-    stats = routing_metrics([old.layer_ids(l) for l in range(L)],
-                            [new.layer_ids(l) for l in range(L)], new.num_experts)
-    return {k.replace("moe/flip_rate/", prefix): v for k, v in stats.items()
-            if k.startswith("moe/flip_rate/")}

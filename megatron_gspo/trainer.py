@@ -36,7 +36,7 @@ from megatron_gspo.advantages import group_advantages
 from megatron_gspo.config import ConfigError, RunConfig
 from megatron_gspo.dist_utils import all_ranks, reduce_metrics
 from megatron_gspo.filters import overlong_filter, rollout_health, sample_rollouts
-from megatron_gspo.flips import StepFlips, layer_flips
+from megatron_gspo.flips import StepFlips, layer_flips, loss_positions, token_rows
 from megatron_gspo.losses import PolicyLossFn, get_policy_loss
 from megatron_gspo.metrics import Timer, format_progress
 from megatron_gspo.preempt import Preempted, Preemption
@@ -212,7 +212,9 @@ class Trainer:
         if replay is not None:
             shared["replay/cache_bytes"] = replay.nbytes
         if batch.routing is not None:  # how far the sampler's routing is from pi_old's recompute
-            shared.update(layer_flips(old_routing, batch.routing, "rollout/routing_mismatch/"))
+            rows_N = token_rows(self.policy, old_routing, loss_positions(batch.response_BT))
+            shared.update(layer_flips(old_routing, batch.routing, "rollout/routing_mismatch/",
+                                      rows_N))
         pi_old_BT = batch.sampler_logp_BT if cfg.rollout.use_sampler_logprobs else old_logp_BT
         return Minibatch(batch, pi_old_BT, adv_B, old_routing, replay, ref_logp_BT), shared
 

@@ -29,8 +29,8 @@ ARMS = {"gspo": ["loss.name=gspo"],
 RL = ["train.steps=2", "train.num_minibatches=2", "train.eval_every=0", "train.save_every=0",
       "optim.lr=1e-3", "train.flip_every=1"]
 KEYS = ("policy/loss", "train/grad_norm", "policy/clip_frac/token", "policy/clip_frac/seq",
-        "policy/ratio/mean", "moe/flip_rate/mean", "moe/flip_rate/layer_00",
-        "moe/flip_rate/layer_03", "moe/drift_vs_old/mean", "reward/mean", "sft/loss")
+        "policy/ratio/mean", "moe/flip_rate_all/mean", "moe/flip_rate_all/layer_00",
+        "moe/flip_rate_all/layer_03", "moe/drift_vs_old_all/mean", "reward/mean", "sft/loss")
 
 
 def run(root: str) -> dict[str, list[dict]]:

@@ -29,5 +29,5 @@ def test_golden_run_metrics_are_unchanged(tmp_path):
     # the run must exercise what it pins: clipping, flips and reward signal are non-trivial
     rl = [r for arm in golden.ARMS for r in pinned["runs"][arm]]
     assert max(r.get("policy/clip_frac/token", 0) for r in rl) > 0
-    assert max(r.get("moe/flip_rate/mean", 0) for r in rl) > 0
+    assert max(r.get("moe/flip_rate_all/mean", 0) for r in rl) > 0
     assert 0 < max(r.get("reward/mean", 0) for r in rl) < 1

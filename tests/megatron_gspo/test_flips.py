@@ -1,0 +1,72 @@
+"""Flip statistics on the loss positions vs all tokens: a constructed routing whose prompt and
+response flips differ, checked against hand-computed values."""
+
+import pytest
+import torch
+
+from megatron_gspo.flips import flip_counts, layer_flips, loss_positions, token_rows
+from moe.replay import RoutingReplayCache
+
+E = 4
+
+
+class OneRank:
+    """The part of MoEPolicy that `token_rows` reads (no sequence parallelism)."""
+
+    def routed_valid(self, mask_BT):
+        return mask_BT.cpu()
+
+
+def constructed():
+    """2 sequences x 5 columns, 2 layers, top-2 of 4. Every token routes to {0, 1} in the old
+    routing; the new one flips only prompt tokens in layer 0 (3 activations) and one loss
+    position in layer 1 (1 activation)."""
+    valid_BT = torch.ones(2, 5, dtype=torch.bool)
+    valid_BT[1, 4] = False  # right padding
+    response_BT = torch.zeros(2, 5, dtype=torch.bool)
+    response_BT[0, 3:] = True
+    response_BT[1, 2:4] = True
+    old_BTLK = torch.tensor([0, 1]).expand(2, 5, 2, 2).clone()
+    new_BTLK = old_BTLK.clone()
+    new_BTLK[0, 0, 0] = torch.tensor([2, 3])  # prompt token, 2 flips, layer 0
+    new_BTLK[1, 0, 0] = torch.tensor([0, 2])  # prompt token, 1 flip, layer 0
+    new_BTLK[0, 2, 1] = torch.tensor([0, 3])  # predicts response token (0, 3): 1 flip, layer 1
+    old = RoutingReplayCache.from_dense(old_BTLK, valid_BT, E)
+    new = RoutingReplayCache.from_dense(new_BTLK, valid_BT, E)
+    return old, new, valid_BT, response_BT
+
+
+def test_loss_positions_are_the_positions_predicting_response_tokens():
+    _, _, _, response_BT = constructed()
+    assert loss_positions(response_BT).nonzero().tolist() == [[0, 2], [0, 3], [1, 1], [1, 2]]
+
+
+def test_response_and_all_token_flips_differ_as_constructed():
+    old, new, _, response_BT = constructed()
+    rows_N = token_rows(OneRank(), new, loss_positions(response_BT))
+    assert int(rows_N.sum()) == 4 and rows_N.numel() == 9
+    out = layer_flips(old, new, "moe/drift_vs_old/", rows_N)
+    want = {"moe/drift_vs_old/layer_00": 0.0, "moe/drift_vs_old/layer_01": 1 / 8,
+            "moe/drift_vs_old/mean": 1 / 16, "moe/drift_vs_old/max": 1 / 8,
+            "moe/drift_vs_old_all/layer_00": 3 / 18, "moe/drift_vs_old_all/layer_01": 1 / 18,
+            "moe/drift_vs_old_all/mean": 1 / 9, "moe/drift_vs_old_all/max": 3 / 18}
+    assert out == pytest.approx(want, abs=1e-15)
+    assert sorted(out) == sorted(want)
+
+
+def test_token_and_load_statistics_on_the_loss_positions():
+    old, new, _, response_BT = constructed()
+    rows_N = token_rows(OneRank(), new, loss_positions(response_BT))
+    stats = flip_counts(old, new, rows_N)
+    assert stats["any_flip"] == pytest.approx([0.0, 1 / 4], abs=1e-15)
+    assert stats["jaccard"] == pytest.approx([1.0, (3 + 1 / 3) / 4], abs=1e-15)
+    # layer 1 loads over the 4 rows: e0=4, e1=3, e2=0, e3=1 -> max / mean = 4 / 2
+    assert stats["load_imbalance"] == pytest.approx([2.0, 2.0], abs=1e-15)
+    none = flip_counts(old, new, torch.zeros_like(rows_N))
+    assert all(v != v for v in none["flip_rate"])  # NaN: no token counted
+
+
+def test_mismatched_shapes_are_an_error():
+    old, new, _, _ = constructed()
+    with pytest.raises(ValueError, match="same"):
+        flip_counts(old, new, torch.ones(3, dtype=torch.bool))
