@@ -202,6 +202,12 @@ class TrainConfig:
     (needs rollout.kv_cache, no sequence parallelism)."""
     flip_every: int = 1
     """Measure per-layer expert flips every k optimizer steps (0 = never)."""
+    router_noise_std: float = 0.0
+    """Routing-volatility knob (0 = off): Gaussian noise of this std on the router logits picks
+    the top-k experts in the loss's forward only (gate weights stay those of the clean logits;
+    sampler, pi_old, eval and flip-measurement forwards are clean; seeded per optimizer step).
+    Under train.routing_replay=r2/r3 the replayed top-k is forced, so it has no effect: it adds
+    exactly the routing-induced noise replay removes (`moe.router_noise`)."""
     eval_every: int = 10
     """Evaluate every k iterations (0 = never)."""
     save_every: int = 10
@@ -217,6 +223,7 @@ class TrainConfig:
 
     def __post_init__(self):
         validate(self, ge={"steps": 1, "num_minibatches": 1, "log_every": 1, "flip_every": 0,
+                            "router_noise_std": 0,
                             "eval_every": 0, "save_every": 0, "max_skipped_steps": 0,
                             "collapse_entropy_floor": 0})
         check(self, "collapse_reward_drop", 0 < self.collapse_reward_drop <= 1,

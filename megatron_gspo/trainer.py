@@ -44,6 +44,7 @@ from megatron_gspo.rollout import RolloutBatch, generate_rollouts
 from megatron_gspo.runtime import (Runtime, build_policy, evaluate_runtime, load_init_weights,
                                    save_state, setup_runtime, try_resume)
 from moe.replay import RoutingReplayCache, current_routing, replay_routing
+from moe.router_noise import router_noise
 
 PROGRESS_KEYS = ("reward/mean", "eval/accuracy", "policy/clip_frac/token",
                  "moe/flip_rate/mean", "train/grad_norm")
@@ -246,7 +247,7 @@ class Trainer:
         every = cfg.train.flip_every
         flips = StepFlips(policy, mb, active=every > 0 and self.state.opt_step % every == 0)
         policy.zero_grad()
-        with flips.watch(), replay_routing(policy, mb.replay):
+        with flips.watch(), replay_routing(policy, mb.replay), self.router_noise(mb):
             logp_BT, entropy_BT = policy.token_logprobs(mb.tokens_BT, mb.valid_BT,
                                                         cfg.rollout.temperature, with_entropy=True)
             loss, metrics = self.loss_fn(logp_BT, mb.old_logp_BT, mb.adv_B,
@@ -264,6 +265,16 @@ class Trainer:
             metrics.update(flips.after_step())
         self.state.opt_step += 1
         return metrics
+
+    def router_noise(self, mb: Minibatch):
+        """`train.router_noise_std` on the loss's forward when it is not replayed; one seeded
+        draw per optimizer step (resumable)."""
+        std = self.cfg.train.router_noise_std
+        if not std or mb.replay is not None:
+            return router_noise(self.policy, 0.0, None)
+        gen = torch.Generator(self.policy.device).manual_seed(
+            self.cfg.seed * 1_000_033 + self.state.opt_step + 17)
+        return router_noise(self.policy, std, gen)
 
     def guard(self, stepped: bool) -> dict:
         """NaN/inf guard: a bad step is skipped and counted; too many in a row aborts."""

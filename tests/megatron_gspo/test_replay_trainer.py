@@ -1,0 +1,39 @@
+"""Routing Replay in the trainer: router noise reaches only the loss's forward (and replay
+removes it)."""
+
+import os
+
+import pytest
+
+from megatron_gspo.metrics import read_jsonl
+from megatron_gspo.rollout import generate_rollouts
+from tests.megatron_gspo.test_trainer import make_trainer
+
+
+def clean_generate(policy, *args, **kwargs):
+    """The sampler, asserting that no router carries the noisy top-k while it runs."""
+    assert not any("get_replay_topk" in vars(r) for r in policy.router_replays)
+    return generate_rollouts(policy, *args, **kwargs)
+
+
+@pytest.mark.parametrize("mode", ["off", "r2"])
+def test_router_noise_reaches_only_the_unreplayed_loss_forward(tmp_path, mode):
+    """lr=0: every forward sees the same weights, so without noise every ratio is 1 and no
+    expert flips. Noise on the loss's forward moves GRPO's ratios and flips experts, while the
+    sampler and pi_old stay clean (their log-probs agree to rounding); under R2 it does nothing."""
+    trainer = make_trainer(tmp_path, "train.steps=1", "optim.lr=0.0", "train.num_minibatches=2",
+                           "train.router_noise_std=1.0", f"train.routing_replay={mode}",
+                           "train.flip_every=1", generate=clean_generate)
+    trainer.train()
+    rows = read_jsonl(os.path.join(trainer.cfg.run_dir, "metrics.jsonl"))
+    assert len(rows) == 2
+    for r in rows:
+        assert r["rollout/logprob_mismatch/mean"] < 1e-5  # sampler vs pi_old: both clean
+        if mode == "off":
+            assert r["moe/loss_routing_vs_old/mean"] > 0.2  # the loss's forward was noisy
+            assert r["moe/flip_rate/mean"] == r["moe/loss_routing_vs_old/mean"]
+            assert r["policy/log_ratio/abs_max"] > 1e-3  # (an untrained model: small)
+        else:
+            assert r["moe/loss_routing_vs_old/mean"] == 0.0
+            assert r["moe/flip_rate/mean"] == 0.0
+            assert r["policy/log_ratio/abs_max"] < 1e-5
