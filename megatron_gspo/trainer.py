@@ -19,10 +19,13 @@ each optimizer step's rows; counters live in `TrainerState`, which checkpoints c
 
 Routing Replay: `r2` replays pi_old's routing from the no-grad training-side forward (GSPO
 paper, sec. 5.3); `r3` replays the routing the sampler itself used (recorded step by step through
-the KV cache), and logs `rollout/routing_mismatch/...`, the flip rate of the sampler's routing vs
-the training-side recompute of the same weights. Departure: here both sides run the same weights
-in the same framework and precision, so that mismatch is float rounding only; with a separate
-inference engine (vLLM/SGLang kernels, bf16) it is what R3 exists to remove.
+the KV cache) in pi_old's forward too, so pi_old's log-probs are those of the sampler's routing
+and the first minibatch is on-policy (ratio 1). It logs `rollout/routing_mismatch/...`, the flip
+rate of the sampler's routing vs the training-side live recompute of the same weights, and
+`rollout/logprob_mismatch_r3/...`, the sampler's log-probs vs pi_old's replayed ones (what is
+left after R3: the precision). Departure: by default both sides run the same weights in the same
+framework and precision, so the mismatch is float rounding only; with a separate inference
+engine (vLLM/SGLang kernels, bf16) it is what R3 exists to remove.
 """
 
 from __future__ import annotations
@@ -200,24 +203,35 @@ class Trainer:
         """pi_old's no-grad pass (log-probs, routing), advantages and the replay source: the
         whole rollout batch as one `Minibatch`, plus the metrics all its steps share."""
         cfg = self.cfg
-        old_logp_BT, old_routing = current_routing(self.policy, batch.tokens_BT, batch.valid_BT,
-                                                   cfg.rollout.temperature)
+        live_logp_BT, old_routing = current_routing(self.policy, batch.tokens_BT,
+                                                    batch.valid_BT, cfg.rollout.temperature)
+        old_logp_BT, live_routing = live_logp_BT, old_routing
+        if cfg.train.routing_replay == "r3":  # pi_old routes as the sampler did (on-policy)
+            old_logp_BT, old_routing = self.replayed_logprobs(batch), batch.routing
         ref_logp_BT = None if self.ref_policy is None else self.ref_policy.token_logprobs(
             batch.tokens_BT, batch.valid_BT, cfg.rollout.temperature).detach()
         adv_B, adv_metrics = group_advantages(batch.rewards_B, cfg.rollout.group_size,
                                               eps=cfg.loss.adv_eps)
         adv_B, overlong_metrics = overlong_filter(adv_B, batch, cfg.filter.overlong)
-        shared = {**rollout_metrics(batch, old_logp_BT), **adv_metrics, **rollout_health(batch),
+        shared = {**rollout_metrics(batch, live_logp_BT), **adv_metrics, **rollout_health(batch),
                   **overlong_metrics, **self.filter_metrics}
         replay = {"off": None, "r2": old_routing, "r3": batch.routing}[cfg.train.routing_replay]
         if replay is not None:
             shared["replay/cache_bytes"] = replay.nbytes
-        if batch.routing is not None:  # how far the sampler's routing is from pi_old's recompute
-            rows_N = token_rows(self.policy, old_routing, loss_positions(batch.response_BT))
-            shared.update(layer_flips(old_routing, batch.routing, "rollout/routing_mismatch/",
+        if batch.routing is not None:  # how far the sampler's routing is from the recompute's
+            rows_N = token_rows(self.policy, live_routing, loss_positions(batch.response_BT))
+            shared.update(layer_flips(live_routing, batch.routing, "rollout/routing_mismatch/",
                                       rows_N))
+            shared.update(rollout_metrics(batch, old_logp_BT, "rollout/logprob_mismatch_r3/"))
         pi_old_BT = batch.sampler_logp_BT if cfg.rollout.use_sampler_logprobs else old_logp_BT
         return Minibatch(batch, pi_old_BT, adv_B, old_routing, replay, ref_logp_BT), shared
+
+    @torch.no_grad()
+    def replayed_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        """pi_old's log-probs under the sampler's recorded routing (R3's pi_old forward)."""
+        with replay_routing(self.policy, batch.routing):
+            return self.policy.token_logprobs(batch.tokens_BT, batch.valid_BT,
+                                              self.cfg.rollout.temperature)
 
     def rollout(self, it: int) -> RolloutBatch:
         cfg, info = self.cfg, self.rt.info
@@ -255,6 +269,10 @@ class Trainer:
                                          ref_logp_BT=mb.ref_logp_BT)
         resp_BT = mb.response_BT.to(entropy_BT.device)
         metrics["policy/entropy"] = float((entropy_BT.detach() * resp_BT).sum() / resp_BT.sum())
+        # on a rollout batch's first minibatch pi == pi_old: any log-ratio there comes from the
+        # routing (noise, R3's sampler routing) or the sampler's precision
+        abs_lr_BT = (logp_BT.detach() - mb.old_logp_BT.to(logp_BT.device)).abs() * resp_BT
+        metrics["policy/log_ratio/abs_mean"] = float(abs_lr_BT.sum() / resp_BT.sum())
         stepped, grad_norm = False, float("nan")
         if all_ranks(bool(torch.isfinite(loss))):  # skip on every rank or none (PITFALLS #13)
             policy.backward(loss)
@@ -324,10 +342,17 @@ def local_prompts(cfg: RunConfig, dp: int) -> int:
     return prompts // dp
 
 
-def rollout_metrics(batch: RolloutBatch, recompute_logp_BT: torch.Tensor) -> dict:
+def rollout_metrics(batch: RolloutBatch, recompute_logp_BT: torch.Tensor,
+                    mismatch: str | None = None) -> dict:
+    """Reward and length statistics, and `rollout/logprob_mismatch/{mean,max}`: |sampler's
+    log-prob - the trainer's recompute| over response tokens. With `mismatch` (a key prefix),
+    only that mismatch, under the prefix."""
     resp_BT = batch.response_BT
     lengths_B = batch.response_lengths_B.float()
     diff_BT = (batch.sampler_logp_BT - recompute_logp_BT.cpu()).abs() * resp_BT
+    if mismatch is not None:
+        return {f"{mismatch}mean": float(diff_BT.sum() / resp_BT.sum()),
+                f"{mismatch}max": float(diff_BT.max())}
     return {"reward/mean": float(batch.rewards_B.mean()),
             "reward/std": float(batch.rewards_B.std(unbiased=False)),
             "reward/accuracy": float((batch.rewards_B >= 1.0).float().mean()),

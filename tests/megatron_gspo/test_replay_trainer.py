@@ -37,3 +37,34 @@ def test_router_noise_reaches_only_the_unreplayed_loss_forward(tmp_path, mode):
             assert r["moe/loss_routing_vs_old/mean"] == 0.0
             assert r["moe/flip_rate/mean"] == 0.0
             assert r["policy/log_ratio/abs_max"] < 1e-5
+
+
+def shifted_generate(*args, **kwargs):
+    """The sampler, reporting a routing that differs from the trainer's (ids + 1 mod E)."""
+    batch = generate_rollouts(*args, **kwargs)
+    r = batch.routing
+    r.ids_NLK = ((r.ids_NLK.long() + 1) % r.num_experts).to(r.ids_NLK.dtype)
+    return batch
+
+
+def test_r3_pi_old_replays_the_sampler_routing(tmp_path):
+    """Under R3 pi_old's forward routes as the sampler did, so a rollout batch's first
+    minibatch (pi == pi_old) has ratio 1 exactly, even when the sampler's routing differs from
+    the trainer's (before the fix pi_old used the live routing and the first ratio was not 1)."""
+    trainer = make_trainer(tmp_path, "train.steps=2", "train.routing_replay=r3",
+                           "train.num_minibatches=2", "train.flip_every=1",
+                           generate=shifted_generate)
+    trainer.train()
+    rows = read_jsonl(os.path.join(trainer.cfg.run_dir, "metrics.jsonl"))
+    first = [r for r in rows if r.get("train/minibatch") == 0]
+    later = [r for r in rows if r.get("train/minibatch") == 1]
+    assert len(first) == 2 and len(later) == 2
+    for r in first:
+        assert r["policy/log_ratio/abs_max"] < 1e-5
+        assert r["policy/clip_frac/token"] == 0.0
+        assert r["moe/loss_routing_vs_old/mean"] == 0.0  # pi_old's routing is the sampler's
+        assert r["rollout/routing_mismatch/mean"] > 0.5  # ids shifted (sets may overlap)
+        # the sampler really routed as the trainer does live; only its report is shifted
+        assert r["rollout/logprob_mismatch/mean"] < 1e-5
+        assert r["rollout/logprob_mismatch_r3/mean"] > 1e-3
+    assert any(r["policy/log_ratio/abs_max"] > 1e-4 for r in later)  # the check can fail
