@@ -144,6 +144,10 @@ class RolloutConfig:
     use_sampler_logprobs: bool = False
     """Use the sampler's log-probs as pi_old instead of a recompute forward (the GSPO paper's
     claim that inference-engine likelihoods can be used directly, sec. 4.3)."""
+    sampler_dtype: Literal["same", "bf16"] = "same"
+    """Precision of the sampler's forwards: "same" as the trainer, or "bf16" (autocast) for a
+    real train-inference mismatch with an fp32 trainer (`megatron_gspo.mismatch`): log-probs and
+    MoE routing then differ between sampler and trainer; pi_old, loss and eval stay as trained."""
     kv_cache: bool = True
     """Sample with megatron-core's static KV cache (one new column per step); False recomputes
     the full forward each step. Sequence parallelism always recomputes."""
@@ -434,6 +438,10 @@ class RunConfig:
             raise ConfigError(
                 f"train.num_minibatches={n} does not divide the rollout batch "
                 f"rollout.prompts_per_batch * rollout.group_size = {batch}")
+        if self.loss.tis_cap is not None and self.rollout.use_sampler_logprobs:
+            raise ConfigError(f"loss.tis_cap={self.loss.tis_cap} weights by pi_old / pi_sampler: "
+                              "with rollout.use_sampler_logprobs=true pi_old is the sampler's, "
+                              "so every weight would be 1")
         if self.train.routing_replay == "r3" and (not self.rollout.kv_cache
                                                   or self.model.sequence_parallel):
             raise ConfigError(

@@ -100,6 +100,10 @@ class PolicyLossConfig:
     max_log_ratio: float = 20.0
     """Clamp of |log-ratio| before exp (> 0): a numerical guard, not in the paper; the
     gradient is zero beyond it."""
+    tis_cap: float | None = None
+    """Truncated importance sampling against the train-inference mismatch (None = off): each
+    response token's loss term is weighted by min(pi_old / pi_sampler, tis_cap), pi_old being the
+    trainer's recompute (verl's rollout IS `truncate`, slime's `tis_clip`). > 0."""
 
     def __post_init__(self):
         if self.name not in POLICY_LOSSES:
@@ -115,6 +119,8 @@ class PolicyLossConfig:
         self._check("eps_high", lambda v: v >= 0, "must be >= 0")
         self._check("kl_coef", lambda v: v >= 0, "must be >= 0")
         self._check("max_log_ratio", lambda v: v > 0, "must be > 0")
+        if self.tis_cap is not None:
+            self._check("tis_cap", lambda v: v > 0, "must be > 0 or None")
 
     def _check(self, field: str, ok: Callable[[float], bool], why: str) -> None:
         v = getattr(self, field)
@@ -154,6 +160,7 @@ class _Batch(NamedTuple):
     mask_BT: torch.Tensor       # bool
     n_B: torch.Tensor           # unmasked tokens per sequence (compute dtype)
     ref_BT: torch.Tensor | None  # masked to 0, detached
+    w_BT: torch.Tensor          # importance weight per token (TIS), 1 without; detached
 
 
 def _nan_row(x_BT: torch.Tensor, mask_BT: torch.Tensor, what: str) -> None:
@@ -163,7 +170,8 @@ def _nan_row(x_BT: torch.Tensor, mask_BT: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what} is NaN at unmasked positions of rows {rows[:8]}")
 
 
-def _prepare(logp_BT, old_logp_BT, adv, mask_BT, ref_logp_BT, token_adv: bool) -> _Batch:
+def _prepare(logp_BT, old_logp_BT, adv, mask_BT, ref_logp_BT, token_adv: bool,
+             is_weight_BT=None) -> _Batch:
     """Validate shapes / masks / NaN; cast to a float>=32 dtype on logp's device; mask."""
     if not isinstance(logp_BT, torch.Tensor) or logp_BT.ndim != 2 \
             or not logp_BT.is_floating_point():
@@ -171,9 +179,10 @@ def _prepare(logp_BT, old_logp_BT, adv, mask_BT, ref_logp_BT, token_adv: bool) -
                          f"{getattr(logp_BT, 'dtype', type(logp_BT))} "
                          f"{tuple(getattr(logp_BT, 'shape', ()))}")
     B, T = logp_BT.shape
-    named = {"old_logp_BT": old_logp_BT, "mask_BT": mask_BT, "ref_logp_BT": ref_logp_BT}
+    named = {"old_logp_BT": old_logp_BT, "mask_BT": mask_BT, "ref_logp_BT": ref_logp_BT,
+             "is_weight_BT": is_weight_BT}
     for key, t in named.items():
-        if (t is not None or key != "ref_logp_BT") and (
+        if (t is not None or key in ("old_logp_BT", "mask_BT")) and (
                 not isinstance(t, torch.Tensor) or tuple(t.shape) != (B, T)):
             raise ValueError(f"{key} must have shape {(B, T)} like logp_BT, got "
                              f"{tuple(getattr(t, 'shape', ())) or type(t).__name__}")
@@ -208,7 +217,9 @@ def _prepare(logp_BT, old_logp_BT, adv, mask_BT, ref_logp_BT, token_adv: bool) -
     log_ratio_BT = logp_m - old_m
     _nan_row(log_ratio_BT, mask_BT, "logp_BT - old_logp_BT (inf - inf)")
     n_B = mask_BT.sum(-1).to(dtype)
-    return _Batch(logp_m, log_ratio_BT, adv, mask_BT, n_B, ref_m)
+    w_BT = torch.ones_like(logp_m.detach()) if is_weight_BT is None else \
+        masked(is_weight_BT.detach(), "is_weight_BT")
+    return _Batch(logp_m, log_ratio_BT, adv, mask_BT, n_B, ref_m, w_BT)
 
 
 def _token_mean(x_BT: torch.Tensor, b: _Batch) -> torch.Tensor:
@@ -263,16 +274,18 @@ def _check_kl(cfg: PolicyLossConfig, ref_logp_BT) -> None:
 
 
 @register_policy_loss("grpo", eps=(0.2, 0.27))
-def grpo_loss(logp_BT, old_logp_BT, adv_B, mask_BT, cfg: PolicyLossConfig, ref_logp_BT=None):
+def grpo_loss(logp_BT, old_logp_BT, adv_B, mask_BT, cfg: PolicyLossConfig, ref_logp_BT=None,
+              is_weight_BT=None):
     """GRPO (paper sec. 2): token ratio exp(logp - old) clipped per token, token-mean per
     sequence, mean over sequences. Metrics: ratio over unmasked tokens; log_ratio/abs_max
     is the largest unmasked |token log-ratio| before the clamp."""
     _check_kl(cfg, ref_logp_BT)
-    b = _prepare(logp_BT, old_logp_BT, adv_B, mask_BT, ref_logp_BT, token_adv=False)
+    b = _prepare(logp_BT, old_logp_BT, adv_B, mask_BT, ref_logp_BT, token_adv=False,
+                 is_weight_BT=is_weight_BT)
     ratio_BT = torch.exp(b.log_ratio_BT.clamp(-cfg.max_log_ratio, cfg.max_log_ratio))
     term_BT, low_BT, high_BT = clipped_surrogate(ratio_BT, b.adv[:, None], cfg.eps_low,
                                                  cfg.eps_high)
-    obj_B = _token_mean(term_BT, b)
+    obj_B = _token_mean(term_BT * b.w_BT, b)
     return _finish(obj_B, ratio_BT.detach()[b.mask_BT], low_BT & b.mask_BT,
                    high_BT & b.mask_BT, b.log_ratio_BT.detach().abs(), b, cfg)
 
@@ -283,28 +296,31 @@ def _seq_log_ratio(b: _Batch) -> torch.Tensor:
 
 
 @register_policy_loss("gspo", eps=(3e-4, 4e-4))
-def gspo_loss(logp_BT, old_logp_BT, adv_B, mask_BT, cfg: PolicyLossConfig, ref_logp_BT=None):
+def gspo_loss(logp_BT, old_logp_BT, adv_B, mask_BT, cfg: PolicyLossConfig, ref_logp_BT=None,
+              is_weight_BT=None):
     """GSPO (paper sec. 4.1): s_i = exp(mean_t log-ratio), clipped once per sequence;
     loss = -mean_i min(s_i A_i, clip(s_i) A_i). Metrics: ratio over sequences (s_i);
     log_ratio/abs_max is the largest |sequence mean log-ratio| before the clamp."""
     _check_kl(cfg, ref_logp_BT)
-    b = _prepare(logp_BT, old_logp_BT, adv_B, mask_BT, ref_logp_BT, token_adv=False)
+    b = _prepare(logp_BT, old_logp_BT, adv_B, mask_BT, ref_logp_BT, token_adv=False,
+                 is_weight_BT=is_weight_BT)
     seq_lr_B = _seq_log_ratio(b)
     s_B = torch.exp(seq_lr_B.clamp(-cfg.max_log_ratio, cfg.max_log_ratio))
     term_B, low_B, high_B = clipped_surrogate(s_B, b.adv, cfg.eps_low, cfg.eps_high)
-    return _finish(term_B, s_B.detach(), low_B[:, None] & b.mask_BT,
+    return _finish(term_B * _token_mean(b.w_BT, b), s_B.detach(), low_B[:, None] & b.mask_BT,
                    high_B[:, None] & b.mask_BT, seq_lr_B.detach().abs(), b, cfg)
 
 
 @register_policy_loss("gspo_token", eps=(3e-4, 4e-4))
 def gspo_token_loss(logp_BT, old_logp_BT, adv_B, mask_BT, cfg: PolicyLossConfig,
-                    ref_logp_BT=None):
+                    ref_logp_BT=None, is_weight_BT=None):
     """GSPO-token (paper sec. 4.3): s_it = sg[s_i] * exp(logp_it - sg[logp_it]), clipped on
     its value s_i; token-mean per sequence, mean over sequences. `adv_B` may be [B] or token
     advantages [B, T]. Where the sequence clamp is active the token factor's gradient is
     zeroed, as gspo's is. Metrics as for gspo (ratio = s_i)."""
     _check_kl(cfg, ref_logp_BT)
-    b = _prepare(logp_BT, old_logp_BT, adv_B, mask_BT, ref_logp_BT, token_adv=True)
+    b = _prepare(logp_BT, old_logp_BT, adv_B, mask_BT, ref_logp_BT, token_adv=True,
+                 is_weight_BT=is_weight_BT)
     seq_lr_B = _seq_log_ratio(b).detach()
     clamped_B = seq_lr_B.clamp(-cfg.max_log_ratio, cfg.max_log_ratio)
     inside_B = (seq_lr_B.abs() <= cfg.max_log_ratio).to(seq_lr_B.dtype)
@@ -313,13 +329,38 @@ def gspo_token_loss(logp_BT, old_logp_BT, adv_B, mask_BT, cfg: PolicyLossConfig,
     s_BT = torch.exp(clamped_B[:, None] + inside_B[:, None] * token_BT)
     adv_BT = b.adv[:, None] if b.adv.ndim == 1 else b.adv
     term_BT, low_BT, high_BT = clipped_surrogate(s_BT, adv_BT, cfg.eps_low, cfg.eps_high)
-    obj_B = _token_mean(term_BT, b)
+    obj_B = _token_mean(term_BT * b.w_BT, b)
     return _finish(obj_B, torch.exp(clamped_B), low_BT & b.mask_BT, high_BT & b.mask_BT,
                    seq_lr_B.abs(), b, cfg)
 
 
 def policy_loss(logp_BT, old_logp_BT, adv_B, mask_BT, cfg: PolicyLossConfig, ref_logp_BT=None,
-                ) -> tuple[torch.Tensor, dict[str, float]]:
+                is_weight_BT=None) -> tuple[torch.Tensor, dict[str, float]]:
     """Dispatch to the loss registered as `cfg.name`."""
     return get_policy_loss(cfg.name)(logp_BT, old_logp_BT, adv_B, mask_BT, cfg,
-                                     ref_logp_BT=ref_logp_BT)
+                                     ref_logp_BT=ref_logp_BT, is_weight_BT=is_weight_BT)
+
+
+def tis_weights(old_logp_BT: torch.Tensor, sampler_logp_BT: torch.Tensor, mask_BT: torch.Tensor,
+                cap: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """Truncated importance weights min(exp(old - sampler), cap) per token (1 off the mask),
+    detached, and `policy/tis/{mean,max_raw,clip_frac}` over the masked tokens.
+
+    Yao et al., "Your efficient RL framework secretly brings you off-policy RL training" (2025);
+    verl's rollout importance sampling (`truncate` mode) and slime's `tis_clip` apply the same
+    per-token weight to the policy-gradient term. Here `old` is pi_old from the trainer and
+    `sampler` is what the rollout engine reported; the weight multiplies each token's clipped
+    surrogate (GRPO, GSPO-token) or, for GSPO, the sequence's term times its token-mean weight.
+    """
+    if not cap > 0:
+        raise ValueError(f"tis cap={cap!r} must be > 0")
+    mask_BT = mask_BT.bool().to(old_logp_BT.device)
+    with torch.no_grad():
+        log_w_BT = (old_logp_BT.double() - sampler_logp_BT.to(old_logp_BT.device).double())
+        raw_BT = torch.where(mask_BT, log_w_BT.clamp(max=60).exp(), torch.ones_like(log_w_BT))
+        w_BT = raw_BT.clamp(max=cap)
+        n = mask_BT.sum().clamp(min=1)
+        stats = {"policy/tis/mean": float(w_BT[mask_BT].sum() / n),
+                 "policy/tis/max_raw": float(raw_BT[mask_BT].max()) if mask_BT.any() else 1.0,
+                 "policy/tis/clip_frac": float((raw_BT > cap)[mask_BT].sum() / n)}
+    return w_BT.to(old_logp_BT.dtype), stats

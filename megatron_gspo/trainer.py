@@ -40,8 +40,9 @@ from megatron_gspo.config import ConfigError, RunConfig
 from megatron_gspo.dist_utils import all_ranks, reduce_metrics
 from megatron_gspo.filters import overlong_filter, rollout_health, sample_rollouts
 from megatron_gspo.flips import StepFlips, layer_flips, loss_positions, token_rows
-from megatron_gspo.losses import PolicyLossFn, get_policy_loss
+from megatron_gspo.losses import PolicyLossFn, get_policy_loss, tis_weights
 from megatron_gspo.metrics import Timer, format_progress
+from megatron_gspo.mismatch import sampler_precision
 from megatron_gspo.preempt import Preempted, Preemption
 from megatron_gspo.rollout import RolloutBatch, generate_rollouts
 from megatron_gspo.runtime import (Runtime, build_policy, evaluate_runtime, load_init_weights,
@@ -248,9 +249,10 @@ class Trainer:
                                      generator=gen, kv_cache=cfg.rollout.kv_cache,
                                      record_routing=cfg.train.routing_replay == "r3")
         self.policy.train(False)
-        batch, self.filter_metrics = sample_rollouts(draw, cfg.filter, self.local_prompts,
-                                                     cfg.rollout.group_size,
-                                                     self.rt.tokenizer.pad_id)
+        with sampler_precision(self.policy, cfg.rollout.sampler_dtype):
+            batch, self.filter_metrics = sample_rollouts(draw, cfg.filter, self.local_prompts,
+                                                         cfg.rollout.group_size,
+                                                         self.rt.tokenizer.pad_id)
         self.policy.train(True)
         return batch
 
@@ -264,9 +266,16 @@ class Trainer:
         with flips.watch(), replay_routing(policy, mb.replay), self.router_noise(mb):
             logp_BT, entropy_BT = policy.token_logprobs(mb.tokens_BT, mb.valid_BT,
                                                         cfg.rollout.temperature, with_entropy=True)
+            tis = {}
+            if cfg.loss.tis_cap is not None:  # pi_old (trainer) / pi_sampler, truncated
+                weight_BT, tis_metrics = tis_weights(mb.old_logp_BT, mb.rollout.sampler_logp_BT,
+                                                     mb.response_BT, cfg.loss.tis_cap)
+                tis = {"is_weight_BT": weight_BT}
             loss, metrics = self.loss_fn(logp_BT, mb.old_logp_BT, mb.adv_B,
                                          mb.response_BT.float(), cfg.loss,
-                                         ref_logp_BT=mb.ref_logp_BT)
+                                         ref_logp_BT=mb.ref_logp_BT, **tis)
+            if tis:
+                metrics.update(tis_metrics)
         resp_BT = mb.response_BT.to(entropy_BT.device)
         metrics["policy/entropy"] = float((entropy_BT.detach() * resp_BT).sum() / resp_BT.sum())
         # on a rollout batch's first minibatch pi == pi_old: any log-ratio there comes from the

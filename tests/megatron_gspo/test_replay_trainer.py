@@ -68,3 +68,28 @@ def test_r3_pi_old_replays_the_sampler_routing(tmp_path):
         assert r["rollout/logprob_mismatch/mean"] < 1e-5
         assert r["rollout/logprob_mismatch_r3/mean"] > 1e-3
     assert any(r["policy/log_ratio/abs_max"] > 1e-4 for r in later)  # the check can fail
+
+
+def test_bf16_sampler_is_a_real_mismatch_that_tis_reweights(tmp_path):
+    """rollout.sampler_dtype=bf16 with an fp32 trainer: the sampler's log-probs differ from the
+    trainer's recompute (fp32 on both sides agrees to < 1e-5, see the noise test above) and
+    loss.tis_cap weights the tokens by min(pi_old / pi_sampler, cap); R3 still makes the first
+    minibatch on-policy (pi_old replays the bf16 sampler's routing in fp32)."""
+    trainer = make_trainer(tmp_path, "train.steps=1", "rollout.sampler_dtype=bf16",
+                           "loss.tis_cap=1.0001", "train.routing_replay=r3",
+                           "train.num_minibatches=2")
+    trainer.train()
+    rows = read_jsonl(os.path.join(trainer.cfg.run_dir, "metrics.jsonl"))
+    for r in rows:
+        assert r["rollout/logprob_mismatch/mean"] > 1e-4
+        assert r["policy/tis/max_raw"] > 1.0 and r["policy/tis/mean"] <= 1.0001
+        assert r["policy/tis/mean"] != 1.0 and r["policy/tis/clip_frac"] > 0
+    first = [r for r in rows if r["train/minibatch"] == 0]
+    assert first and first[0]["policy/log_ratio/abs_max"] < 1e-5
+
+
+def test_tis_with_sampler_logprobs_is_a_config_error():
+    from megatron_gspo.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="loss.tis_cap"):
+        load_config(None, ["loss.tis_cap=2", "rollout.use_sampler_logprobs=true"])
