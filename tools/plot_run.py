@@ -23,6 +23,8 @@ Figures (each skipped, with a note, when no run has the keys it needs):
     flip_rate_layers.png  heatmap of moe/flip_rate/layer_XX (layer x step), one panel per run/arm
     flip_rate_mean.png    moe/flip_rate/mean vs step
     flip_vs_depth.png     mean over steps of moe/flip_rate/layer_XX vs layer index
+moe/flip_rate counts the loss positions (`megatron_gspo.flips`); runs logged before that change
+counted every token, which is now moe/flip_rate_all.
 
 Summary (stdout; also `summarize(load_runs(dirs))` from Python), per run/arm: final reward
 (mean of the last 10% of logged steps, at least one), best eval accuracy, mean token clip
