@@ -234,6 +234,14 @@ class Trainer:
             return self.policy.token_logprobs(batch.tokens_BT, batch.valid_BT,
                                               self.cfg.rollout.temperature)
 
+    def records_sampler_routing(self) -> bool:
+        """Record the sampler's routing: for R3, and to measure a bf16 sampler's routing
+        mismatch where it can (KV cache, one rollout round, no sequence parallelism)."""
+        cfg = self.cfg
+        return cfg.train.routing_replay == "r3" or (
+            cfg.rollout.sampler_dtype != "same" and cfg.rollout.kv_cache
+            and not cfg.filter.dynamic_sampling and not cfg.model.sequence_parallel)
+
     def rollout(self, it: int) -> RolloutBatch:
         cfg, info = self.cfg, self.rt.info
         # Same draw on every TP rank of a DP replica; deterministic per iteration (resumable).
@@ -247,7 +255,7 @@ class Trainer:
                                      max_new_tokens=cfg.rollout.max_new_tokens,
                                      temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                      generator=gen, kv_cache=cfg.rollout.kv_cache,
-                                     record_routing=cfg.train.routing_replay == "r3")
+                                     record_routing=self.records_sampler_routing())
         self.policy.train(False)
         with sampler_precision(self.policy, cfg.rollout.sampler_dtype):
             batch, self.filter_metrics = sample_rollouts(draw, cfg.filter, self.local_prompts,

@@ -70,13 +70,15 @@ def test_r3_pi_old_replays_the_sampler_routing(tmp_path):
     assert any(r["policy/log_ratio/abs_max"] > 1e-4 for r in later)  # the check can fail
 
 
-def test_bf16_sampler_is_a_real_mismatch_that_tis_reweights(tmp_path):
+@pytest.mark.parametrize("mode", ["off", "r3"])
+def test_bf16_sampler_is_a_real_mismatch_that_tis_reweights(tmp_path, mode):
     """rollout.sampler_dtype=bf16 with an fp32 trainer: the sampler's log-probs differ from the
     trainer's recompute (fp32 on both sides agrees to < 1e-5, see the noise test above) and
     loss.tis_cap weights the tokens by min(pi_old / pi_sampler, cap); R3 still makes the first
-    minibatch on-policy (pi_old replays the bf16 sampler's routing in fp32)."""
+    minibatch on-policy (pi_old replays the bf16 sampler's routing in fp32); without R3 the
+    sampler's routing is recorded anyway, to log its mismatch."""
     trainer = make_trainer(tmp_path, "train.steps=1", "rollout.sampler_dtype=bf16",
-                           "loss.tis_cap=1.0001", "train.routing_replay=r3",
+                           "loss.tis_cap=1.0001", f"train.routing_replay={mode}",
                            "train.num_minibatches=2")
     trainer.train()
     rows = read_jsonl(os.path.join(trainer.cfg.run_dir, "metrics.jsonl"))
@@ -84,6 +86,7 @@ def test_bf16_sampler_is_a_real_mismatch_that_tis_reweights(tmp_path):
         assert r["rollout/logprob_mismatch/mean"] > 1e-4
         assert r["policy/tis/max_raw"] > 1.0 and r["policy/tis/mean"] <= 1.0001
         assert r["policy/tis/mean"] != 1.0 and r["policy/tis/clip_frac"] > 0
+        assert "rollout/routing_mismatch/mean" in r  # recorded without R3 too
     first = [r for r in rows if r["train/minibatch"] == 0]
     assert first and first[0]["policy/log_ratio/abs_max"] < 1e-5
 
