@@ -23,6 +23,9 @@ import re
 import statistics
 
 RUN_RE = re.compile(r"^(grpo_r2|grpo|gspo)_(n0|f\d\d)_s(\d+)$")
+MM_RE = re.compile(r"^(grpo_bf16|grpo_r3_bf16|grpo_tis_bf16)_s(\d+)$")
+MM_LABELS = {"grpo_bf16": "GRPO, bf16 sampler", "grpo_r3_bf16": "GRPO + R3, bf16 sampler",
+             "grpo_tis_bf16": "GRPO + TIS (cap 2), bf16 sampler"}
 T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306}
 LABELS = {"grpo": "GRPO", "grpo_r2": "GRPO + R2", "gspo": "GSPO"}
 MARKER = "dose"
@@ -46,20 +49,24 @@ def run_stats(path: str) -> dict | None:
             "flip_all": mean("moe/flip_rate_all/mean", steps),
             "clip": mean("policy/clip_frac/token", steps),
             "lr0": mean("policy/log_ratio/abs_mean", first),
-            "reward": mean("reward/mean", steps[-len(steps) // 4:])}
+            "reward": mean("reward/mean", steps[-len(steps) // 4:]),
+            "lp_mm": mean("rollout/logprob_mismatch/mean", steps),
+            "route_mm": mean("rollout/routing_mismatch/mean", steps),
+            "route_mm_all": mean("rollout/routing_mismatch_all/mean", steps)}
 
 
 def collect(root: str) -> dict:
     """{(arm, level): {seed: stats}} over the finished runs in `root`."""
     out: dict = {}
     for name in sorted(os.listdir(root)):
-        m = RUN_RE.match(name)
+        m, mm = RUN_RE.match(name), MM_RE.match(name)
         path = os.path.join(root, name, "metrics.jsonl")
-        if not m or not os.path.exists(path):
+        if not (m or mm) or not os.path.exists(path):
             continue
         stats = run_stats(path)
+        key = (m.group(1), m.group(2)) if m else (mm.group(1), "mm")
         if stats is not None:
-            out.setdefault((m.group(1), m.group(2)), {})[int(m.group(3))] = stats
+            out.setdefault(key, {})[int((m or mm).groups()[-1])] = stats
     return out
 
 
@@ -77,7 +84,7 @@ def rows(runs: dict, calib: dict) -> list[dict]:
                           for t, s in calib["targets"].items()}}
     r2 = runs.get(("grpo_r2", "n0"), {})
     out = []
-    for level in sorted({lv for _, lv in runs}, key=lambda lv: stds.get(lv, 0.0)):
+    for level in sorted({lv for _, lv in runs if lv != "mm"}, key=lambda lv: stds.get(lv, 0.0)):
         grpo = runs.get(("grpo", level), {})
         row = {"level": level, "std": stds.get(level, float("nan")), "n": len(grpo)}
         for key in ("flip", "flip_all", "clip", "lr0"):
@@ -114,6 +121,28 @@ def table(rs: list[dict], start_acc: float) -> str:
             f"| {_pm(r['gspo_clip'], '.3f')} | {_pm(r['acc_grpo'])} | {_pm(r['acc_grpo_r2'])} "
             f"| {_pm(r['acc_gspo'])} | {_pm(r['gap_grpo_r2'])} | {_pm(r['gap_gspo'])} |")
     return "\n".join(lines)
+
+
+def mismatch_table(runs: dict) -> str:
+    """The bf16-sampler arms vs GRPO with an fp32 sampler (n0), paired by seed."""
+    base = runs.get(("grpo", "n0"), {})
+    head = ("| arm | seeds | sampler vs trainer abs log-prob diff | routing mismatch (loss "
+            "positions) | all tokens | first-minibatch abs log-ratio | clip frac | acc "
+            "| acc - GRPO (fp32 sampler) |")
+    lines = [head, "|" + " --- |" * 9]
+    for arm, label in MM_LABELS.items():
+        seeds = runs.get((arm, "mm"), {})
+        if not seeds:
+            continue
+        col = {k: ci([s[k] for s in seeds.values()]) for k in
+               ("lp_mm", "route_mm", "route_mm_all", "lr0", "clip", "final_acc")}
+        gap = ci([seeds[s]["final_acc"] - base[s]["final_acc"] for s in seeds if s in base]
+                 or [float("nan")])
+        lines.append(f"| {label} | {len(seeds)} | {_pm(col['lp_mm'], '.4f')} "
+                     f"| {_pm(col['route_mm'], '.4f')} | {_pm(col['route_mm_all'], '.4f')} "
+                     f"| {_pm(col['lr0'], '.4f')} | {_pm(col['clip'], '.4f')} "
+                     f"| {_pm(col['final_acc'])} | {_pm(gap)} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def figure(rs: list[dict], path: str) -> None:
@@ -169,6 +198,10 @@ def main(root: str, calib_path: str, readme: str | None = None,
         raise SystemExit(f"no finished runs in {root}")
     starts = [s["start_acc"] for seeds in runs.values() for s in seeds.values()]
     text = table(rows(runs, calib), statistics.fmean(starts))
+    mm = mismatch_table(runs)
+    if mm:
+        text += "\n\nTrain-inference mismatch (noise 0, sampler under bf16 autocast, trainer " \
+                "fp32):\n\n" + mm
     print(text, flush=True)
     with open(os.path.join(root, "table.md"), "w") as f:
         f.write(text + "\n")

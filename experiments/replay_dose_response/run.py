@@ -12,7 +12,9 @@ Usage:
    that flips 1%, 3% and 10% of the loss positions' expert activations.
 3. The grid: GRPO and GSPO at noise 0 and the three calibrated stds; GRPO + R2 once per seed,
    because under replay the noise has no effect by construction (`moe.router_noise`), so its
-   runs at every level are the same run. Each run: rl.yaml (8 minibatches per rollout batch),
+   runs at every level are the same run. Then a real train-inference mismatch at noise 0: the
+   sampler under bf16 autocast (`rollout.sampler_dtype=bf16`) with GRPO, GRPO + R3 and GRPO +
+   TIS (`loss.tis_cap=2`). Each run: rl.yaml (8 minibatches per rollout batch),
    `--workers` runs at a time, each a `megatron-gspo train` subprocess with 1 torch thread.
 4. Summary: per run, the last held-out eval accuracy, the mean measured per-step flip rate on
    the loss positions (`moe/flip_rate/mean`), GRPO's token clip fraction and the routing-induced
@@ -40,6 +42,11 @@ ARMS = {"grpo": ["loss.name=grpo", "loss.eps_low=0.2", "loss.eps_high=0.27"],
                     "train.routing_replay=r2"],
         "gspo": ["loss.name=gspo", "loss.eps_low=3e-4", "loss.eps_high=4e-4"]}
 TARGETS = (0.01, 0.03, 0.1)
+# The precision mismatch (noise 0): the sampler under bf16 autocast, the trainer fp32.
+BF16 = ["rollout.sampler_dtype=bf16"]
+MISMATCH_ARMS = {"grpo_bf16": [*ARMS["grpo"], *BF16],
+                 "grpo_r3_bf16": [*ARMS["grpo"], *BF16, "train.routing_replay=r3"],
+                 "grpo_tis_bf16": [*ARMS["grpo"], *BF16, "loss.tis_cap=2.0"]}
 
 
 def py(*args: str, log: str | None = None) -> None:
@@ -62,20 +69,23 @@ def levels(calib: dict, quick: bool) -> dict[str, float]:
     return out
 
 
-def jobs(lv: dict[str, float], seeds) -> list[tuple[str, str, float, int]]:
-    """(arm, level, std, seed) per run; GRPO + R2 only at n0 (noise-independent)."""
+def jobs(lv: dict[str, float], seeds, mismatch: bool) -> list[tuple[str, str, float, int]]:
+    """(arm, level, std, seed) per run; GRPO + R2 only at n0 (noise-independent); with
+    `mismatch`, the bf16-sampler arms (level "mm", noise 0) after the grid."""
     out = []
     for seed in seeds:
         for level, std in lv.items():
             for arm in ARMS:
                 if arm != "grpo_r2" or level == "n0":
                     out.append((arm, level, std, seed))
+    if mismatch:
+        out += [(arm, "mm", 0.0, seed) for seed in seeds for arm in MISMATCH_ARMS]
     return out
 
 
 def run_one(job, root: str, extra: list[str]) -> str:
     arm, level, std, seed = job
-    run_dir = f"{root}/{arm}_{level}_s{seed}"
+    run_dir = f"{root}/{arm}_{level}_s{seed}" if level != "mm" else f"{root}/{arm}_s{seed}"
     if os.path.exists(os.path.join(ROOT, run_dir, "checkpoints", "latest")):
         return run_dir  # finished (rl.yaml saves only at the end)
     if os.path.isdir(os.path.join(ROOT, run_dir)):
@@ -83,7 +93,8 @@ def run_one(job, root: str, extra: list[str]) -> str:
 
         shutil.rmtree(os.path.join(ROOT, run_dir))  # an interrupted run restarts clean
     t0 = time.time()
-    py("megatron_gspo.cli", "train", "--config", os.path.join(HERE, "rl.yaml"), *ARMS[arm],
+    py("megatron_gspo.cli", "train", "--config", os.path.join(HERE, "rl.yaml"),
+       *{**ARMS, **MISMATCH_ARMS}[arm],
        f"train.router_noise_std={std}", f"seed={seed}", f"run_dir={run_dir}", *extra,
        log=os.path.join(ROOT, f"{run_dir}.log"))
     print(f"done {run_dir} in {time.time() - t0:.0f}s", flush=True)
@@ -98,6 +109,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help="smoke test: seed 0, levels n0 and f10, 3 rollout batches, 64 evals")
     ap.add_argument("--plot-only", action="store_true")
+    ap.add_argument("--no-mismatch", action="store_true",
+                    help="skip the bf16-sampler arms (GRPO, GRPO + R3, GRPO + TIS)")
     ap.add_argument("--sft-dir", default=SFT_DIR,
                     help="cold-start checkpoint (built with experiments/ablation/sft.yaml if "
                          "absent)")
@@ -119,7 +132,7 @@ def main(argv=None) -> int:
                f"init_checkpoint={args.sft_dir}")
         with open(calib_path) as f:
             calib = json.load(f)
-        grid = jobs(levels(calib, args.quick), seeds)
+        grid = jobs(levels(calib, args.quick), seeds, not args.no_mismatch)
         print(f"{len(grid)} runs, {args.workers} at a time", flush=True)
         with ThreadPoolExecutor(args.workers) as pool:
             list(pool.map(lambda j: run_one(j, root, [f"init_checkpoint={args.sft_dir}",
