@@ -145,6 +145,16 @@ def mismatch_table(runs: dict) -> str:
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
+def calibration_table(calib: dict) -> str:
+    """The calibration grid (one rollout batch of the cold start, clean vs noisy forward)."""
+    lines = ["| noise std | flip rate (loss positions) | abs log-prob change, response tokens |",
+             "| --- | --- | --- |"]
+    lines += [f"| {g['std']:.4g} | {g['flip_rate']:.4f} | {g['abs_log_ratio']:.4f} |"
+              for g in calib["grid"]]
+    picked = ", ".join(f"{float(t):.0%} -> {v:.4g}" for t, v in calib["targets"].items())
+    return "\n".join(lines) + f"\n\nInterpolated stds (target flip rate -> std): {picked}."
+
+
 def figure(rs: list[dict], path: str) -> None:
     import matplotlib
 
@@ -198,6 +208,7 @@ def main(root: str, calib_path: str, readme: str | None = None,
         raise SystemExit(f"no finished runs in {root}")
     starts = [s["start_acc"] for seeds in runs.values() for s in seeds.values()]
     text = table(rows(runs, calib), statistics.fmean(starts))
+    text += "\n\nNoise calibration on the cold start:\n\n" + calibration_table(calib)
     mm = mismatch_table(runs)
     if mm:
         text += "\n\nTrain-inference mismatch (noise 0, sampler under bf16 autocast, trainer " \
