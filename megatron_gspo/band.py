@@ -23,7 +23,10 @@ data-parallel ranks.
 
 from __future__ import annotations
 
+import os
+
 from megatron_gspo.config import ConfigError, RunConfig
+from megatron_gspo.metrics import read_jsonl
 
 ACC = "eval/accuracy"
 
@@ -102,3 +105,18 @@ class SFTBand:
         if self.entered is None:
             return {}
         return {"sft/start_accuracy": self.last[1], "sft/band_step": float(self.entered)}
+
+
+def cold_start_line(sft_dir: str) -> str:
+    """One line on where an SFT run stopped: its held-out accuracy (the start accuracy of RL
+    from it) and the step it entered sft.target_accuracy, read from its metrics.jsonl."""
+    path = os.path.join(sft_dir, "metrics.jsonl")
+    rows = read_jsonl(path) if os.path.isfile(path) else []
+    band = [r for r in rows if "sft/band_step" in r]
+    if band:
+        return (f"cold start {sft_dir}: start accuracy {band[-1]['sft/start_accuracy']:.4f}, "
+                f"entered the band at SFT step {band[-1]['sft/band_step']:.0f}")
+    evals = [r for r in rows if "eval/accuracy" in r]
+    last = f"accuracy {evals[-1]['eval/accuracy']:.4f} at step {evals[-1]['step']}" \
+        if evals else "no eval logged"
+    return f"cold start {sft_dir}: no band record ({last})"

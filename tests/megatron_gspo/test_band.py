@@ -6,7 +6,8 @@ import os
 import pytest
 
 from megatron_gspo import checkpoint as ckpt
-from megatron_gspo.band import AccuracyBandError, SFTBand, check_start_accuracy
+from megatron_gspo.band import (AccuracyBandError, SFTBand, check_start_accuracy,
+                                cold_start_line)
 from megatron_gspo.config import ConfigError, load_config
 from megatron_gspo.metrics import read_jsonl
 
@@ -110,6 +111,9 @@ def test_real_sft_stops_in_band_and_rl_checks_its_start(tmp_path):
     extra = ckpt.load_checkpoint(os.path.join(sft_dir, "checkpoints"), rank=0)["extra"]
     assert extra["band"] == {"sft/start_accuracy": evals[-1][1], "sft/band_step": first}
     assert run_sft(cfg)["sft/band_step"] == first  # re-running: done, nothing trained
+    assert cold_start_line(str(sft_dir)) == (f"cold start {sft_dir}: start accuracy "
+                                             f"{evals[-1][1]:.4f}, entered the band at SFT "
+                                             f"step {first}")
 
     acc = out["sft/start_accuracy"]
     rl = [*BASE, f"init_checkpoint={sft_dir}", "train.steps=1", "train.eval_every=1"]
