@@ -106,17 +106,20 @@ def main(argv=None) -> int:
                 os.remove(os.path.join(ROOT, run_dir, "metrics.jsonl"))
             cli("train", "--config", os.path.join(HERE, f"{arm}.yaml"), *overrides)
     plot_run.main([*runs, "--out", out, "--group-by-prefix"])
-    write_table(runs, suffix.lstrip("_") or "main")
+    write_table(runs, suffix.lstrip("_") or "main", os.path.join(ROOT, sft_dir))
     print(f"ablation done in {time.time() - t0:.0f}s")
     return 0
 
 
-def write_table(runs: list[str], marker: str) -> None:
-    """The result table (tools/result_table.py) into README.md's `table:MARKER` markers, or
-    printed when the README has none for this variant."""
+def write_table(runs: list[str], marker: str, sft_dir: str) -> None:
+    """The result table (tools/result_table.py; the header names the machine and where the
+    cold start stopped) into README.md's `table:MARKER` markers, or printed when the README has
+    none for this variant."""
     loaded = plot_run.load_runs(runs, group_by_prefix=True)
     layers = [f"{key}:mean=flip rate, layer {i}" for i, key in plot_run.layer_keys(loaded)]
-    table = result_table.format_table(loaded, STATS + layers)
+    header = (f"{result_table.machine_line()} "
+              f"{cold_start_line(sft_dir).replace(ROOT + os.sep, '')}.")
+    table = result_table.format_table(loaded, STATS + layers, header=header)
     readme = os.path.join(HERE, "README.md")
     try:
         result_table.write_into(readme, table, marker)
