@@ -1,7 +1,7 @@
 """The CPU demo: cold-start SFT of qwen3-moe-tiny, then a short GSPO run; prints eval accuracy.
 
 Usage:
-    python -m tools.demo                 # what `make demo` runs (about 2 minutes on 2 cores)
+    python -m tools.demo                 # what `make demo` runs (a few minutes on 2 cores)
     python -m tools.demo --fresh         # delete runs/demo first
     python -m tools.demo train.steps=4   # overrides go to the GSPO run
 
