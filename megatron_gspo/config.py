@@ -187,6 +187,20 @@ class OptimConfig(OptimSettings):
             check(self, name, False, msg)
 
 
+def check_band(obj, name: str) -> None:
+    """Field `name` is None or an accuracy band [low, high] with 0 <= low < high <= 1 (stored
+    as a list of two floats)."""
+    band = getattr(obj, name)
+    if band is None:
+        return
+    try:
+        lo, hi = (float(x) for x in band if not isinstance(x, bool))
+    except (TypeError, ValueError):
+        check(obj, name, False, "expected [low, high], two accuracies in [0, 1]")
+    check(obj, name, 0 <= lo < hi <= 1, "expected [low, high] with 0 <= low < high <= 1")
+    object.__setattr__(obj, name, [lo, hi])
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """RL loop: iterations, minibatching, Routing Replay, instrumentation."""
@@ -224,6 +238,11 @@ class TrainConfig:
     """Alert when the mean token entropy falls below this."""
     max_skipped_steps: int = 10
     """Abort after this many consecutive steps skipped for NaN / inf loss or grad norm."""
+    start_accuracy: Optional[list] = None
+    """[low, high]: refuse to start (before any RL step) when the initial policy's held-out
+    accuracy, the iteration-0 eval, is outside this band, so that every arm of an experiment
+    starts where its recipe says (`megatron_gspo.band`); needs eval_every > 0. None = no
+    check."""
 
     def __post_init__(self):
         validate(self, ge={"steps": 1, "num_minibatches": 1, "log_every": 1, "flip_every": 0,
@@ -232,6 +251,10 @@ class TrainConfig:
                             "collapse_entropy_floor": 0})
         check(self, "collapse_reward_drop", 0 < self.collapse_reward_drop <= 1,
                "must be in (0, 1]")
+        check_band(self, "start_accuracy")
+        check(self, "start_accuracy", self.start_accuracy is None or self.eval_every > 0,
+              f"is checked on the iteration-0 eval: needs train.eval_every > 0 "
+              f"(got {self.eval_every})")
 
 
 @dataclass(frozen=True)
@@ -248,9 +271,24 @@ class SFTConfig:
     """Learning rate."""
     eval_every: int = 100
     """Evaluate every k steps (0 = never)."""
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """lr schedule (megatron's OptimizerParamScheduler): constant, or linear / cosine decay from
+    sft.lr to sft.min_lr at step sft.steps. A decaying lr slows the late rise of the accuracy,
+    so that target_accuracy's band is entered rather than jumped over."""
+    min_lr: float = 0.0
+    """Floor of the linear / cosine decay."""
+    target_accuracy: Optional[list] = None
+    """[low, high]: stop at the first eval (every sft.eval_every steps) whose held-out accuracy
+    is in [low, high] and save there; sft.steps is then a budget: exhausting it is an error
+    (the checkpoint is kept), and so is an eval that jumps past high (`megatron_gspo.band`).
+    Makes the cold start land in the same place on any machine; None = run sft.steps."""
 
     def __post_init__(self):
-        validate(self, ge={"steps": 1, "batch_size": 1, "lr": 0, "eval_every": 0})
+        validate(self, ge={"steps": 1, "batch_size": 1, "lr": 0, "eval_every": 0, "min_lr": 0})
+        check(self, "min_lr", self.min_lr <= self.lr, f"must be <= sft.lr={self.lr}")
+        check_band(self, "target_accuracy")
+        check(self, "target_accuracy", self.target_accuracy is None or self.eval_every > 0,
+              f"is checked at the evals: needs sft.eval_every > 0 (got {self.eval_every})")
 
 
 @dataclass(frozen=True)

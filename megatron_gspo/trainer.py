@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_gspo.advantages import group_advantages
+from megatron_gspo.band import check_start_accuracy
 from megatron_gspo.config import ConfigError, RunConfig
 from megatron_gspo.dist_utils import all_ranks, reduce_metrics
 from megatron_gspo.filters import overlong_filter, rollout_health, sample_rollouts
@@ -150,7 +151,8 @@ class Trainer:
                           "(raise train.steps to continue it)", flush=True)
                 return last
             if state.iteration == 0 and cfg.train.eval_every:
-                self._log(state.opt_step, self.evaluate())
+                self._log(state.opt_step, first := self.evaluate())
+                check_start_accuracy(cfg, first)  # train.start_accuracy (megatron_gspo.band)
             with Preemption() as stop:
                 while state.iteration < cfg.train.steps:
                     last = self.iteration()
