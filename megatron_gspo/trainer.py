@@ -225,7 +225,8 @@ class Trainer:
             rows_N = token_rows(self.policy, live_routing, loss_positions(batch.response_BT))
             shared.update(layer_flips(live_routing, batch.routing, "rollout/routing_mismatch/",
                                       rows_N))
-            shared.update(rollout_metrics(batch, old_logp_BT, "rollout/logprob_mismatch_r3/"))
+            if cfg.train.routing_replay == "r3":
+                shared.update(rollout_metrics(batch, old_logp_BT, "rollout/logprob_mismatch_r3/"))
         pi_old_BT = batch.sampler_logp_BT if cfg.rollout.use_sampler_logprobs else old_logp_BT
         return Minibatch(batch, pi_old_BT, adv_B, old_routing, replay, ref_logp_BT), shared
 

@@ -163,25 +163,35 @@ def figure(rs: list[dict], path: str) -> None:
 
     x = [r["flip"][0] for r in rs]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for key, label, c in (("gap_grpo_r2", "GRPO + R2 − GRPO", "tab:blue"),
-                          ("gap_gspo", "GSPO − GRPO", "tab:orange")):
+    for key, label, c, shift in (("gap_grpo_r2", "GRPO + R2 − GRPO", "tab:blue", 0.96),
+                                 ("gap_gspo", "GSPO − GRPO", "tab:orange", 1.04)):
         y = [r[key][0] for r in rs]
         err = [0 if r[key][1] != r[key][1] else r[key][1] for r in rs]
-        a.errorbar(x, y, yerr=err, marker="o", capsize=3, label=label, color=c)
+        a.errorbar([v * shift for v in x], y, yerr=err, marker="o", capsize=3, label=label,
+                   color=c)
     a.axhline(0, color="grey", lw=0.8)
     a.set_xscale("log")
     a.set_xlabel("measured per-step expert flip rate, loss positions (GRPO)")
     a.set_ylabel("final held-out accuracy gap")
     a.set_title("accuracy gap vs routing volatility (95% CI, seeds)")
     a.legend(fontsize=8)
+    floor = 1e-4
+    lr0 = [r["lr0"][0] for r in rs]
     b.plot(x, [r["clip"][0] for r in rs], "o-", color="tab:red", label="GRPO token clip frac")
-    b.plot(x, [r["lr0"][0] for r in rs], "s--", color="tab:green",
-           label="GRPO routing-induced |log-ratio| (minibatch 1)")
+    b.plot(x, [r["gspo_clip"][0] for r in rs], "^:", color="tab:orange",
+           label="GSPO token clip frac")
+    b.plot(x, [max(v, floor) for v in lr0], "s--", color="tab:green",
+           label="GRPO routing-induced |log-ratio| (first minibatch)")
+    for xi, v in zip(x, lr0):
+        if v < floor:
+            b.annotate(f"{v:.0e} (rounding)", (xi, floor), textcoords="offset points",
+                       xytext=(4, 6), fontsize=7, color="tab:green")
     b.set_xscale("log")
     b.set_yscale("log")
+    b.set_ylim(floor / 2, 300)
     b.set_xlabel("measured per-step expert flip rate, loss positions (GRPO)")
-    b.set_title("what GRPO's ratio sees")
-    b.legend(fontsize=8)
+    b.set_title("what the ratios see")
+    b.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fig.savefig(path, dpi=90)
@@ -197,6 +207,28 @@ def write_readme(readme: str, text: str) -> None:
     head, rest = doc.split(begin, 1)
     with open(readme, "w") as f:
         f.write(head + begin + "\n" + text + "\n" + end + rest.split(end, 1)[1])
+
+
+PER_ARM_STATS = ("eval/accuracy:final", "eval/accuracy:best", "reward/mean:last25%",
+                 "policy/entropy:last25%", "policy/clip_frac/token:mean",
+                 "moe/flip_rate/mean:mean", "moe/drift_vs_old/mean:mean",
+                 "rollout/logprob_mismatch/mean:mean")
+
+
+def per_arm_table(root: str, readme: str | None) -> None:
+    """tools/plot_run.py --table over every run (one column per arm and level, seeds grouped),
+    into the README's `<!-- table:dose_runs:... -->` markers when `readme` is given."""
+    from tools import plot_run
+
+    dirs = [os.path.join(root, n) for n in sorted(os.listdir(root))
+            if (RUN_RE.match(n) or MM_RE.match(n)) and os.path.isdir(os.path.join(root, n))]
+    argv = [*dirs, "--group-by-prefix", "--table"]
+    for stat in PER_ARM_STATS:
+        argv += ["--stat", stat]
+    if readme:
+        argv += ["--readme", readme, "--marker", "dose_runs"]
+    if plot_run.main(argv) != 0:
+        raise SystemExit("tools.plot_run --table failed")
 
 
 def main(root: str, calib_path: str, readme: str | None = None,
@@ -218,6 +250,7 @@ def main(root: str, calib_path: str, readme: str | None = None,
         f.write(text + "\n")
     if readme:
         write_readme(readme, text)
+    per_arm_table(root, readme)
     if figure_path:
         figure(rows(runs, calib), figure_path)
         print(f"figure: {figure_path} ({os.path.getsize(figure_path) // 1024} KB)", flush=True)

@@ -96,7 +96,7 @@ def run_one(job, root: str, extra: list[str]) -> str:
     py("megatron_gspo.cli", "train", "--config", os.path.join(HERE, "rl.yaml"),
        *{**ARMS, **MISMATCH_ARMS}[arm],
        f"train.router_noise_std={std}", f"seed={seed}", f"run_dir={run_dir}", *extra,
-       log=os.path.join(ROOT, f"{run_dir}.log"))
+       log=os.path.join(ROOT, root, "logs", os.path.basename(run_dir) + ".log"))
     print(f"done {run_dir} in {time.time() - t0:.0f}s", flush=True)
     return run_dir
 
@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     root = RUNS + ("_quick" if args.quick else "")
     extra = ["train.steps=3", "train.eval_every=3", "train.save_every=3", "task.n_eval=64"] \
         if args.quick else []
-    os.makedirs(os.path.join(ROOT, root), exist_ok=True)
+    os.makedirs(os.path.join(ROOT, root, "logs"), exist_ok=True)
     calib_path = os.path.join(ROOT, root, "calibration.json")
     t0 = time.time()
     if not args.plot_only:
