@@ -24,8 +24,9 @@ and the first minibatch is on-policy (ratio 1). It logs `rollout/routing_mismatc
 rate of the sampler's routing vs the training-side live recompute of the same weights, and
 `rollout/logprob_mismatch_r3/...`, the sampler's log-probs vs pi_old's replayed ones (what is
 left after R3: the precision). Departure: by default both sides run the same weights in the same
-framework and precision, so the mismatch is float rounding only; with a separate inference
-engine (vLLM/SGLang kernels, bf16) it is what R3 exists to remove.
+framework and precision, so the mismatch is float rounding only (`rollout.sampler_dtype=bf16`
+makes it real, `megatron_gspo.mismatch`); with a separate inference engine (vLLM/SGLang kernels,
+bf16) it is what R3 exists to remove.
 """
 
 from __future__ import annotations
@@ -290,7 +291,7 @@ class Trainer:
         resp_BT = mb.response_BT.to(entropy_BT.device)
         metrics["policy/entropy"] = float((entropy_BT.detach() * resp_BT).sum() / resp_BT.sum())
         # on a rollout batch's first minibatch pi == pi_old: any log-ratio there comes from the
-        # routing (noise, R3's sampler routing) or the sampler's precision
+        # router noise (or the sampler, with rollout.use_sampler_logprobs)
         abs_lr_BT = (logp_BT.detach() - mb.old_logp_BT.to(logp_BT.device)).abs() * resp_BT
         metrics["policy/log_ratio/abs_mean"] = float(abs_lr_BT.sum() / resp_BT.sum())
         stepped, grad_norm = False, float("nan")
