@@ -99,7 +99,7 @@ def build_ours(args, run_dir: str):
                  "train.flip_every=0",  # flip instrumentation = extra forwards TRL doesn't do
                  "train.eval_every=0", "train.save_every=0", "wandb.mode=disabled",
                  "optim.lr=1e-4", "optim.grad_clip=1.0", *args.set]
-    return Trainer(load_config(None, overrides)), overrides
+    return Trainer.from_config(load_config(None, overrides)), overrides
 
 
 def ours_iteration(trainer) -> dict:

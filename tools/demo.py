@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     print(f"== GSPO ({rl_cfg.train.steps} rollout batches x {rl_cfg.train.num_minibatches} "
           f"minibatches) -> {rl_cfg.run_dir}")
     shutil.rmtree(rl_cfg.run_dir, ignore_errors=True)
-    Trainer(rl_cfg).train()
+    Trainer.from_config(rl_cfg).train()
     evals = [r for r in read_jsonl(os.path.join(rl_cfg.run_dir, "metrics.jsonl"))
              if "eval/accuracy" in r]
     before, after = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]

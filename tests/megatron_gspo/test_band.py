@@ -120,11 +120,11 @@ def test_real_sft_stops_in_band_and_rl_checks_its_start(tmp_path):
     refused = load_config(None, [*rl, f"run_dir={tmp_path / 'refused'}",
                                  f"train.start_accuracy=[{acc + 0.01},1]"])
     with pytest.raises(AccuracyBandError, match=rf"held-out accuracy {acc:.4f}, outside the band"):
-        Trainer(refused).train()
+        Trainer.from_config(refused).train()
     rows = read_jsonl(tmp_path / "refused" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0] and not os.path.exists(tmp_path / "refused" /
                                                                    "checkpoints")
     ok = load_config(None, [*rl, f"run_dir={tmp_path / 'ok'}", "train.start_accuracy=[0.05,0.6]"])
-    Trainer(ok).train()
+    Trainer.from_config(ok).train()
     rows = read_jsonl(tmp_path / "ok" / "metrics.jsonl")
     assert rows[0]["eval/accuracy"] == acc and any("reward/mean" in r for r in rows)
