@@ -110,7 +110,7 @@ def format_table(runs: list[dict], stats=(), header: str | None = None) -> str:
         parsed.insert(0, parse_stat(START))
     seeds = sorted({len(r["seeds"]) for r in runs})
     lines = [header if header is not None else machine_line(),
-             f"Mean ± standard deviation over seeds (seeds per arm: "
+             f"Mean ± sample standard deviation over seeds (seeds per arm: "
              f"{', '.join(map(str, seeds))}); `KEY:REDUCER` as in `tools/result_table.py`.", "",
              "| | " + " | ".join(r["label"] for r in runs) + " |",
              "| --- |" + " --- |" * len(runs)]
