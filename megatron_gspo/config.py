@@ -259,8 +259,8 @@ class SFTConfig:
     """Evaluate every k steps (0 = never)."""
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
     """lr schedule (megatron's OptimizerParamScheduler): constant, or linear / cosine decay from
-    sft.lr to sft.min_lr at step sft.steps. A decaying lr slows the late rise of the accuracy,
-    so that target_accuracy's band is entered rather than jumped over."""
+    sft.lr to sft.min_lr at step sft.steps (with target_accuracy, sft.steps is the budget the
+    decay spans, not where SFT stops)."""
     min_lr: float = 0.0
     """Floor of the linear / cosine decay."""
     target_accuracy: Optional[list] = None
