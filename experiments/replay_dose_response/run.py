@@ -20,7 +20,8 @@ Usage:
    the loss positions (`moe/flip_rate/mean`), GRPO's token clip fraction and the routing-induced
    |log-ratio| (`policy/log_ratio/abs_mean` on each rollout batch's first minibatch, where
    pi == pi_old). The Markdown table goes between the README's `<!-- table:dose:... -->` markers
-   and to runs/replay_dose_response/table.md; the figure to figures/dose_response.png.
+   and to runs/replay_dose_response/table.md; the figure to figures/dose_response.png (--quick:
+   tables and figure only under runs/replay_dose_response_quick).
 """
 
 from __future__ import annotations
@@ -141,8 +142,8 @@ def main(argv=None) -> int:
 
     report.main(os.path.join(ROOT, root), calib_path,
                 readme=None if args.quick else os.path.join(HERE, "README.md"),
-                figure_path=os.path.join(HERE, "figures" + ("_quick" if args.quick else ""),
-                                    "dose_response.png"))
+                figure_path=os.path.join(ROOT, root, "dose_response.png") if args.quick
+                else os.path.join(HERE, "figures", "dose_response.png"))
     print(f"dose-response done in {time.time() - t0:.0f}s", flush=True)
     return 0
 
