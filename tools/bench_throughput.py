@@ -4,6 +4,10 @@
     python -m tools.bench_throughput --iterations 40 --threads 2   # only on an idle machine
     python -m tools.bench_throughput --skip-trl           # ours only
     python -m tools.bench_throughput --set train.flip_every=1   # extra overrides for our side
+    python -m tools.bench_throughput --force-length --max-new-tokens 128   # every response 128
+    python -m tools.bench_throughput --flip-cost --set train.routing_replay=r2
+    python -m tools.bench_throughput --sweep              # lengths x batch sizes: table + PNG
+                                                          # (tools/bench_sweep.py)
 
 Needs `pip install trl transformers accelerate datasets` for the TRL side (without them the
 script reports ours and says why TRL was skipped). Nothing is downloaded: the HF model is a
@@ -29,6 +33,12 @@ Each reported number is the median over the measured iterations of the per-itera
 Ours and TRL alternate iteration by iteration (ours runs at each TRL generation boundary, outside
 TRL's timed sections), so slow drifts of a noisy machine hit both. No timing is asserted anywhere.
 
+`--force-length`: every response is exactly max_new_tokens long on both sides (<eos> suppressed
+at sampling in TRL; our sampler gets a tokenizer with no stop ids, so <eos> is an ordinary token
+there), so both sides generate and train on equal token counts at any length.
+`--flip-cost`: a second copy of ours with the flip instrumentation on (`train.flip_every=1`, plus
+any `--set`) runs in the same alternation; the report gives its train time over ours'.
+
 Threads default to 1: with 2 threads on a 2-core machine where anything else is running, OpenMP
 oversubscription makes both frameworks ~100x slower and the ratio meaningless.
 """
@@ -36,6 +46,7 @@ oversubscription makes both frameworks ~100x slower and the ratio meaningless.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -71,7 +82,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra config override for our side (repeatable)")
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    p.add_argument("--force-length", action="store_true",
+                   help="every response exactly --max-new-tokens long on both sides")
+    p.add_argument("--flip-cost", action="store_true",
+                   help="also time ours with train.flip_every=1 (same alternation)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the summary here")
+    p.add_argument("--sweep", action="store_true",
+                   help="sweep lengths x batch sizes (tools/bench_sweep.py; other flags ignored)")
+    args, rest = p.parse_known_args(argv)
+    args.sweep_args = rest
+    if args.sweep:
+        return args
+    if rest:
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
     for name in ("iterations", "threads", "prompts", "minibatches", "max_new_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
@@ -86,10 +109,24 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------- ours
 
 
-def build_ours(args, run_dir: str):
+class NoStopTokenizer:
+    """A tokenizer with no stop ids: our sampler then always runs max_new_tokens steps."""
+
+    stop_ids = frozenset()
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def build_ours(args, run_dir: str, extra: tuple = ()):
     from megatron_gspo.trainer import Trainer
 
-    overrides = [f"run_dir={run_dir}", f"seed={args.seed}", f"model.preset={PRESET}",
+    length = [f"model.max_seq_len={args.max_new_tokens + 16}"] \
+        if args.max_new_tokens + 16 > 64 else []  # 2-digit addition prompts: <= 8 tokens
+    overrides = [f"run_dir={run_dir}", *length, f"seed={args.seed}", f"model.preset={PRESET}",
                  "task.name=addition", "task.kwargs.num_digits=2", "task.n_train=2000",
                  "task.n_eval=8", f"rollout.prompts_per_batch={args.prompts}",
                  f"rollout.group_size={args.group_size}",
@@ -98,8 +135,11 @@ def build_ours(args, run_dir: str):
                  "train.routing_replay=off",
                  "train.flip_every=0",  # flip instrumentation = extra forwards TRL doesn't do
                  "train.eval_every=0", "train.save_every=0", "wandb.mode=disabled",
-                 "optim.lr=1e-4", "optim.grad_clip=1.0", *args.set]
-    return Trainer(load_config(None, overrides)), overrides
+                 "optim.lr=1e-4", "optim.grad_clip=1.0", *args.set, *extra]
+    trainer = Trainer(load_config(None, overrides))
+    if args.force_length:
+        trainer.rt.tokenizer = NoStopTokenizer(trainer.rt.tokenizer)
+    return trainer, overrides
 
 
 def ours_iteration(trainer) -> dict:
@@ -219,6 +259,8 @@ def build_trl(args, preset, train_set, task, total_iters: int, out_dir: str, cal
     data = Dataset.from_list([{"prompt": ex.prompt, "idx": i} for i, ex in enumerate(train_set)])
     tok = hf_tokenizer(preset.vocab_size)
     unused = list(range(CharTokenizer().vocab_size, preset.vocab_size))
+    if args.force_length:
+        unused.append(CharTokenizer().eos_id)
     config = GRPOConfig(
         output_dir=out_dir, importance_sampling_level="sequence", loss_type="grpo", beta=0.0,
         epsilon=3e-4, epsilon_high=4e-4,  # GSPO paper sec. 5.1, as our loss.name=gspo
@@ -316,20 +358,25 @@ def trl_unavailable() -> str | None:
     return None
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def measure(args) -> dict:
+    """One side-by-side run: summaries of ours, TRL (None if skipped) and, with --flip-cost,
+    ours with the flip instrumentation on, plus what the report prints about the set-up."""
     torch.set_num_threads(args.threads)
     total = args.warmup + args.iterations
     skip_reason = "--skip-trl" if args.skip_trl else trl_unavailable()
     with tempfile.TemporaryDirectory(prefix="bench_throughput_") as tmp:
         ours_trainer, overrides = build_ours(args, os.path.join(tmp, "ours"))
         preset = ours_trainer.policy.preset  # vocab already padded like the trainer does
-        ours_rows: list = []
+        runs = {"ours": (ours_trainer, [])}
+        if args.flip_cost:
+            runs["flip"] = (build_ours(args, os.path.join(tmp, "flip"),
+                                       ("train.flip_every=1",))[0], [])
 
         def run_ours() -> None:
-            if len(ours_rows) < total:
-                torch.set_num_threads(args.threads)
-                ours_rows.append(ours_iteration(ours_trainer))
+            for trainer, rows in runs.values():
+                if len(rows) < total:
+                    torch.set_num_threads(args.threads)
+                    rows.append(ours_iteration(trainer))
 
         trl_trainer, attn_impl = None, None
         if skip_reason is None:
@@ -345,23 +392,62 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         if trl_trainer is not None:
             trl_trainer.train()  # calls run_ours() at every generation boundary
-        while len(ours_rows) < total:
+        while len(runs["ours"][1]) < total:
             run_ours()
         wall = time.perf_counter() - t0
-    ours = summarize(ours_rows[args.warmup:])
-    trl = summarize(trl_rows(trl_trainer.bench_records)[args.warmup:]) if trl_trainer else None
-    print_table(ours, trl, skip_reason)
+    out = {name: summarize(rows[args.warmup:]) for name, (_, rows) in runs.items()}
+    out["trl"] = summarize(trl_rows(trl_trainer.bench_records)[args.warmup:]) \
+        if trl_trainer else None
+    out.update(skip_reason=skip_reason, wall=wall, attn_impl=attn_impl,
+               overrides=overrides[1:], vocab=preset.vocab_size,
+               params=preset.num_params()["total"], cpu=cpu_model(), versions=versions())
+    return out
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo) and the core count."""
+    name = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                        name)
+    except OSError:
+        pass
+    return f"{name}, {os.cpu_count()} cores"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.sweep:
+        from tools.bench_sweep import main as sweep
+
+        return sweep(args.sweep_args)
+    res = measure(args)
+    ours, trl = res["ours"], res["trl"]
+    print_table(ours, trl, res["skip_reason"])
+    if "flip" in res:
+        flip = res["flip"]
+        print(f"flip instrumentation (train.flip_every=1): train s/iter {flip['train_s']:.3f} vs "
+              f"{ours['train_s']:.3f} without, ratio {flip['train_s'] / ours['train_s']:.2f}")
     B = args.prompts * args.group_size
     print(f"\nbatch: {args.prompts} prompts x G={args.group_size} = {B} sequences, "
           f"{args.minibatches} optimizer steps of {B // args.minibatches} per batch, "
-          f"max_new_tokens={args.max_new_tokens}, task addition(num_digits=2)")
+          f"max_new_tokens={args.max_new_tokens}"
+          + (" (forced: every response that long)" if args.force_length else "")
+          + ", task addition(num_digits=2)")
     print(f"iterations: {args.warmup} warm-up + {args.iterations} measured per framework"
-          + (", alternating ours/TRL" if trl else "") + f"; wall {wall:.1f}s")
-    print(f"model: {PRESET} (vocab {preset.vocab_size}, {preset.num_params()['total']} params"
-          + (f"; HF Qwen3MoeForCausalLM: same count, {attn_impl})" if attn_impl else ")"))
-    print(f"torch threads: {torch.get_num_threads()} (set {args.threads}), "
-          f"device: {'cuda' if torch.cuda.is_available() else 'cpu'}, {versions()}")
-    print(f"ours overrides: {' '.join(overrides[1:])}")
+          + (", alternating ours/TRL" if trl else "") + f"; wall {res['wall']:.1f}s")
+    print(f"model: {PRESET} (vocab {res['vocab']}, {res['params']} params"
+          + (f"; HF Qwen3MoeForCausalLM: same count, {res['attn_impl']})"
+             if res["attn_impl"] else ")"))
+    print(f"machine: {res['cpu']}; torch threads: {torch.get_num_threads()} (set "
+          f"{args.threads}), device: {'cuda' if torch.cuda.is_available() else 'cpu'}, "
+          f"{res['versions']}")
+    print(f"ours overrides: {' '.join(res['overrides'])}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items() if k != "sweep_args"},
+                       **res}, f, indent=1)
     return 0
 
 
