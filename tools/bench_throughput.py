@@ -88,13 +88,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also time ours with train.flip_every=1 (same alternation)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the summary here")
     p.add_argument("--sweep", action="store_true",
-                   help="sweep lengths x batch sizes (tools/bench_sweep.py; other flags ignored)")
-    args, rest = p.parse_known_args(argv)
-    args.sweep_args = rest
-    if args.sweep:
-        return args
-    if rest:
-        p.error(f"unrecognized arguments: {' '.join(rest)}")
+                   help="sweep lengths x batch sizes: the remaining flags are "
+                        "tools/bench_sweep.py's (see its --help)")
+    args = p.parse_args(argv)
     for name in ("iterations", "threads", "prompts", "minibatches", "max_new_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
@@ -417,11 +413,12 @@ def cpu_model() -> str:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.sweep:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--sweep" in argv:
         from tools.bench_sweep import main as sweep
 
-        return sweep(args.sweep_args)
+        return sweep([a for a in argv if a != "--sweep"])
+    args = parse_args(argv)
     res = measure(args)
     ours, trl = res["ours"], res["trl"]
     print_table(ours, trl, res["skip_reason"])
@@ -446,7 +443,7 @@ def main(argv=None) -> int:
     print(f"ours overrides: {' '.join(res['overrides'])}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items() if k != "sweep_args"},
+            json.dump({"args": vars(args),
                        **res}, f, indent=1)
     return 0
 
