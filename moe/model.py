@@ -170,13 +170,28 @@ def transformer_config(preset: MoEPreset, layout: ParallelLayout = ParallelLayou
     )
 
 
+def _with_grouped_experts(spec):
+    """The local layer spec with `GroupedSequentialMLP` in place of `SequentialMLP`."""
+    from dataclasses import replace
+
+    from moe.experts import GroupedSequentialMLP
+
+    mlp = spec.submodules.mlp
+    experts = replace(mlp.submodules.experts, module=GroupedSequentialMLP)
+    mlp = replace(mlp, submodules=replace(mlp.submodules, experts=experts))
+    return replace(spec, submodules=replace(spec.submodules, mlp=mlp))
+
+
 def build_gpt_moe(preset: MoEPreset, layout: ParallelLayout = ParallelLayout(), *, seed: int = 0,
                   dtype: torch.dtype = torch.float32, aux_loss_coeff: float = 0.0,
-                  routing_replay: bool = True, recompute: Recompute = Recompute()):
+                  routing_replay: bool = True, recompute: Recompute = Recompute(),
+                  grouped_experts: bool = True):
     """Build the (sharded) MoE GPTModel. Call `moe.parallel.init_parallel` first.
 
     `routing_replay=True` gives every router a megatron `RouterReplay`; idle (no action set) it
     routes normally, so it costs nothing until `moe.replay` records or replays.
+    `grouped_experts` (local spec): the experts run as `moe.experts.GroupedSequentialMLP`, same
+    parameters as megatron's `SequentialMLP`, two grouped GEMMs per layer on CPU.
     """
     apply_cpu_patches()
     if recompute.granularity is not None:
@@ -197,6 +212,8 @@ def build_gpt_moe(preset: MoEPreset, layout: ParallelLayout = ParallelLayout(), 
         spec = get_gpt_layer_local_spec(num_experts=preset.num_experts, moe_grouped_gemm=False,
                                         qk_layernorm=preset.qk_layernorm,
                                         normalization="RMSNorm")
+        if grouped_experts:
+            spec = _with_grouped_experts(spec)
     # megatron's RouterReplay matches replay data to layers through a class-level list filled in
     # construction order: a model built earlier in this process (reference model, a test) would
     # shift every layer. Start each model with an empty list (PITFALLS #9).
