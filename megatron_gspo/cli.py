@@ -83,7 +83,7 @@ def run(command: str, cfg) -> dict:
     if command == "train":
         from megatron_gspo.trainer import Trainer
 
-        return Trainer(cfg).train()
+        return Trainer.from_config(cfg).train()
     from megatron_gspo.runtime import evaluate_runtime, setup_runtime
 
     return evaluate_runtime(setup_runtime(cfg, job="eval"))

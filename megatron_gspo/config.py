@@ -24,7 +24,8 @@ import yaml
 
 from megatron_gspo.strict import (ConfigError, apply_override, build, check, describe_fields,
                                   field_docs, load_layered, validate)
-from moe.model import RECOMPUTE_MODULES
+from megatron_gspo.losses import PolicyLossConfig
+from moe.model import RECOMPUTE_MODULES, layout_problems
 from moe.optim import OptimSettings
 
 __all__ = ["ConfigError", "RunConfig", "config_from_dict", "config_to_dict", "describe_config",
@@ -91,11 +92,8 @@ class ModelConfig:
         from moe.presets import PRESETS
 
         check(self, "preset", self.preset in PRESETS, f"unknown preset; valid: {sorted(PRESETS)}")
-        check(self, "sequence_parallel", not self.sequence_parallel or self.tp > 1,
-               f"requires model.tp > 1 (got tp={self.tp})")
-        check(self, "sequence_parallel", self.sequence_parallel or self.tp == 1,
-               f"must be true with model.tp={self.tp}: megatron-core requires sequence "
-               "parallelism for MoE with tensor parallelism")
+        for name, msg in layout_problems(self):  # the rules live in moe.model
+            check(self, name, False, msg)
 
 
 @dataclass(frozen=True)
@@ -157,32 +155,21 @@ class RolloutConfig:
 
 
 @dataclass(frozen=True)
-class LossConfig:
-    """Policy loss (GSPO / GRPO) and its clipping."""
+class LossConfig(PolicyLossConfig):
+    """Policy loss (GSPO / GRPO) and its clipping: `losses.PolicyLossConfig`'s fields (one
+    definition; eps None resolves to the loss's paper default at load) plus the advantage's
+    epsilon. A new loss hyper-parameter is one field in `PolicyLossConfig`."""
     _section: ClassVar[str] = "loss"
 
-    name: str = "gspo"
-    """Policy loss name (see `megatron_gspo.losses`)."""
-    eps_low: Optional[float] = None
-    """Lower clip range, ratio >= 1 - eps_low (None = the loss's paper default: 3e-4 for GSPO,
-    0.2 for GRPO; GSPO paper sec. 5.1)."""
-    eps_high: Optional[float] = None
-    """Upper clip range, ratio <= 1 + eps_high (None = paper default: 4e-4 GSPO, 0.27 GRPO)."""
-    kl_coef: float = 0.0
-    """KL penalty to the initial (reference) policy; 0 = off, as in the GSPO paper."""
-    max_log_ratio: float = 20.0
-    """Clamp |log ratio| before exp, a numerical guard (not in the paper)."""
     adv_eps: float = 1e-6
     """Epsilon in the group advantage (r - mean) / (std + eps)."""
 
     def __post_init__(self):
-        validate(self, nonempty=("name",), ge={"eps_high": 0, "kl_coef": 0},
-                  gt={"max_log_ratio": 0, "adv_eps": 0})
-        from megatron_gspo.losses import POLICY_LOSSES
+        validate(self, nonempty=("name",), gt={"adv_eps": 0})
+        super().__post_init__()
 
-        check(self, "name", self.name in POLICY_LOSSES,
-              f"unknown policy loss; valid: {sorted(POLICY_LOSSES)}")
-        check(self, "eps_low", self.eps_low is None or 0 <= self.eps_low < 1, "must be in [0, 1)")
+    def _fail(self, field: str, why: str, error: type[Exception] = ValueError) -> None:
+        check(self, field, False, why)
 
 
 @dataclass(frozen=True)
@@ -196,13 +183,30 @@ class OptimConfig(OptimSettings):
             check(self, name, False, msg)
 
 
+def check_band(obj, name: str) -> None:
+    """Field `name` is None or an accuracy band [low, high] with 0 <= low < high <= 1 (stored
+    as a list of two floats)."""
+    band = getattr(obj, name)
+    if band is None:
+        return
+    try:
+        lo, hi = (float(x) for x in band if not isinstance(x, bool))
+    except (TypeError, ValueError):
+        check(obj, name, False, "expected [low, high], two accuracies in [0, 1]")
+    check(obj, name, 0 <= lo < hi <= 1, "expected [low, high] with 0 <= low < high <= 1")
+    object.__setattr__(obj, name, [lo, hi])
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """RL loop: iterations, minibatching, Routing Replay, instrumentation."""
     _section: ClassVar[str] = "train"
 
     steps: int = 20
-    """Rollout iterations."""
+    """Unit: rollout batches (iterations), NOT optimizer steps: each rollout batch takes
+    `num_minibatches` optimizer steps, so a run makes steps * num_minibatches of them (the
+    metrics' `step` counts optimizer steps; `train/iteration` counts rollout batches). eval_every,
+    save_every and log_every count rollout batches too."""
     num_minibatches: int = 4
     """N optimizer steps per rollout batch; must divide prompts_per_batch * group_size. N = 1
     makes GSPO plain on-policy policy gradient (every ratio is 1, nothing is clipped)."""
@@ -224,6 +228,11 @@ class TrainConfig:
     """Alert when the mean token entropy falls below this."""
     max_skipped_steps: int = 10
     """Abort after this many consecutive steps skipped for NaN / inf loss or grad norm."""
+    start_accuracy: Optional[list] = None
+    """[low, high]: refuse to start (before any RL step) when the initial policy's held-out
+    accuracy, the iteration-0 eval, is outside this band, so that every arm of an experiment
+    starts where its recipe says (`megatron_gspo.band`); needs eval_every > 0. None = no
+    check."""
 
     def __post_init__(self):
         validate(self, ge={"steps": 1, "num_minibatches": 1, "log_every": 1, "flip_every": 0,
@@ -231,6 +240,10 @@ class TrainConfig:
                             "collapse_entropy_floor": 0})
         check(self, "collapse_reward_drop", 0 < self.collapse_reward_drop <= 1,
                "must be in (0, 1]")
+        check_band(self, "start_accuracy")
+        check(self, "start_accuracy", self.start_accuracy is None or self.eval_every > 0,
+              f"is checked on the iteration-0 eval: needs train.eval_every > 0 "
+              f"(got {self.eval_every})")
 
 
 @dataclass(frozen=True)
@@ -239,16 +252,32 @@ class SFTConfig:
     _section: ClassVar[str] = "sft"
 
     steps: int = 300
-    """Optimizer steps."""
+    """Unit: optimizer steps (one batch of batch_size examples each), unlike train.steps, which
+    counts rollout batches."""
     batch_size: int = 64
     """Examples per step (over all data-parallel ranks)."""
     lr: float = 3e-3
     """Learning rate."""
     eval_every: int = 100
     """Evaluate every k steps (0 = never)."""
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """lr schedule (megatron's OptimizerParamScheduler): constant, or linear / cosine decay from
+    sft.lr to sft.min_lr at step sft.steps. A decaying lr slows the late rise of the accuracy,
+    so that target_accuracy's band is entered rather than jumped over."""
+    min_lr: float = 0.0
+    """Floor of the linear / cosine decay."""
+    target_accuracy: Optional[list] = None
+    """[low, high]: stop at the first eval (every sft.eval_every steps) whose held-out accuracy
+    is in [low, high] and save there; sft.steps is then a budget: exhausting it is an error
+    (the checkpoint is kept), and so is an eval that jumps past high (`megatron_gspo.band`).
+    Makes the cold start land in the same place on any machine; None = run sft.steps."""
 
     def __post_init__(self):
-        validate(self, ge={"steps": 1, "batch_size": 1, "lr": 0, "eval_every": 0})
+        validate(self, ge={"steps": 1, "batch_size": 1, "lr": 0, "eval_every": 0, "min_lr": 0})
+        check(self, "min_lr", self.min_lr <= self.lr, f"must be <= sft.lr={self.lr}")
+        check_band(self, "target_accuracy")
+        check(self, "target_accuracy", self.target_accuracy is None or self.eval_every > 0,
+              f"is checked at the evals: needs sft.eval_every > 0 (got {self.eval_every})")
 
 
 @dataclass(frozen=True)

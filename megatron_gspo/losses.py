@@ -102,13 +102,14 @@ class PolicyLossConfig:
     gradient is zero beyond it."""
 
     def __post_init__(self):
-        get_policy_loss(self.name)  # KeyError listing the valid names
+        if self.name not in POLICY_LOSSES:
+            self._fail("name", f"unknown policy loss; valid: {sorted(POLICY_LOSSES)}",
+                       UnknownPolicyLossError)
         default_low, default_high = _PAPER_EPS.get(self.name, (None, None))
         for field, default in (("eps_low", default_low), ("eps_high", default_high)):
             if getattr(self, field) is None:
                 if default is None:
-                    raise ValueError(f"PolicyLossConfig.{field}=None: loss {self.name!r} has "
-                                     "no paper default, set it explicitly")
+                    self._fail(field, f"loss {self.name!r} has no paper default, set it")
                 object.__setattr__(self, field, default)
         self._check("eps_low", lambda v: 0 <= v < 1, "must be in [0, 1)")
         self._check("eps_high", lambda v: v >= 0, "must be >= 0")
@@ -119,7 +120,12 @@ class PolicyLossConfig:
         v = getattr(self, field)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
                 or not ok(v):
-            raise ValueError(f"PolicyLossConfig.{field}={v!r}: {why} (a finite number)")
+            self._fail(field, f"{why} (a finite number)")
+
+    def _fail(self, field: str, why: str, error: type[Exception] = ValueError) -> None:
+        """Raise `error` naming the field; the run config (`config.LossConfig`) names it by its
+        dotted key instead."""
+        raise error(f"{type(self).__name__}.{field}={getattr(self, field)!r}: {why}")
 
 
 # ----------------------------------------------------------------------------- shared pieces

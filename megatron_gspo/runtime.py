@@ -108,14 +108,17 @@ def recompute_of(cfg: RunConfig) -> Recompute:
 
 def optim_settings(cfg: RunConfig, job: str) -> OptimSettings | None:
     """The optimizer of a job: `optim` as configured for RL ("train"; lr_decay_steps 0 = its
-    last update); for "sft" the same Adam at a constant `sft.lr`; none for "eval"."""
+    last update); for "sft" the same Adam at `sft.lr`, constant or decaying to `sft.min_lr` at
+    step `sft.steps` (`sft.lr_decay_style`); none for "eval"."""
     if job not in ("train", "sft", "eval"):
         raise ValueError(f"job={job!r}: expected 'train', 'sft' or 'eval'")
     if job == "eval":
         return None
     if job == "sft":
-        return replace(cfg.optim, lr=cfg.sft.lr, min_lr=0.0, warmup_steps=0,
-                       lr_decay_style="constant", lr_decay_steps=0)
+        decay = cfg.sft.lr_decay_style
+        return replace(cfg.optim, lr=cfg.sft.lr, min_lr=cfg.sft.min_lr, warmup_steps=0,
+                       lr_decay_style=decay, lr_decay_steps=0 if decay == "constant"
+                       else cfg.sft.steps)
     total = cfg.train.steps * cfg.train.num_minibatches
     return replace(cfg.optim, lr_decay_steps=cfg.optim.lr_decay_steps or total)
 

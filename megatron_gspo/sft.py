@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_gspo.band import AccuracyBandError, SFTBand, fmt_band
 from megatron_gspo.config import RunConfig
 from megatron_gspo.metrics import format_progress
 from megatron_gspo.rollout import encode_prompts
@@ -39,7 +40,9 @@ def sft_batch(tokenizer, examples) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 def run_sft(cfg: RunConfig) -> dict:
     """Train `cfg.sft.steps` steps, evaluating every `cfg.sft.eval_every`; save a checkpoint at
-    the end (and on SIGTERM / Ctrl-C, then raise `Preempted`); resume a stopped run."""
+    the end (and on SIGTERM / Ctrl-C, then raise `Preempted`); resume a stopped run. With
+    `sft.target_accuracy` stop (and save) at the first eval inside the band instead, and raise
+    `AccuracyBandError` past it or when sft.steps runs out (`megatron_gspo.band`)."""
     rt = setup_runtime(cfg, job="sft")
     try:
         return _sft_loop(rt)
@@ -53,12 +56,22 @@ def _sft_loop(rt) -> dict:
         raise ValueError(f"sft.batch_size={cfg.sft.batch_size} is not divisible by the "
                          f"data-parallel size {info.dp}")
     gen = torch.Generator().manual_seed(cfg.seed * 31 + info.dp_rank)
+    band = SFTBand(cfg)
     resumed = try_resume(rt)
     if resumed is not None:
         gen.set_state(resumed["gen"])
         metrics = resumed["eval"]
+        if resumed.get("band"):  # stopped in the band: done
+            if info.is_main:
+                print(f"{cfg.run_dir} entered sft.target_accuracy at step "
+                      f"{resumed['band']['sft/band_step']:.0f}; nothing to do", flush=True)
+            return {**metrics, **resumed["band"]}
+        if "eval/accuracy" in metrics:
+            band.last = (resumed["step"], metrics["eval/accuracy"])
     else:
         metrics = evaluate_runtime(rt)
+        if band.band is not None and band.update(0, reduce_metrics(metrics)["eval/accuracy"]):
+            return _stop_in_band(rt, band, 0, metrics, gen, reduce_metrics(metrics))
         rt.logger.log(0, metrics)
     start = resumed["step"] + 1 if resumed else 1
     if start > cfg.sft.steps and info.is_main:
@@ -68,12 +81,24 @@ def _sft_loop(rt) -> dict:
     with Preemption() as stop:
         for step in range(start, cfg.sft.steps + 1):
             metrics = sft_step(rt, gen)
-            if cfg.sft.eval_every and (step % cfg.sft.eval_every == 0 or step == cfg.sft.steps):
+            evaluated = cfg.sft.eval_every and (step % cfg.sft.eval_every == 0
+                                                or step == cfg.sft.steps)
+            if evaluated:
                 metrics.update(evaluate_runtime(rt))
                 if info.is_main:
                     print(format_progress(step, cfg.sft.steps, metrics,
                                           ("sft/loss", "eval/accuracy")), flush=True)
-            rt.logger.log(step, reduce_metrics(metrics))
+            reduced = reduce_metrics(metrics)
+            try:
+                done = bool(evaluated) and band.update(step, reduced["eval/accuracy"])
+            except AccuracyBandError:  # past the band: keep what was trained, then say so
+                rt.logger.log(step, reduced)
+                save_state(rt, step, {"job": "sft", "step": step, "eval": metrics,
+                                      "gen": gen.get_state()})
+                raise
+            if done:
+                return _stop_in_band(rt, band, step, metrics, gen, reduced)
+            rt.logger.log(step, reduced)
             signum = stop.requested()
             if step == cfg.sft.steps or signum:
                 save_state(rt, step, {"job": "sft", "step": step, "eval": metrics,
@@ -82,7 +107,22 @@ def _sft_loop(rt) -> dict:
                 raise Preempted(signum, f"stopped at SFT step {step} of {cfg.sft.steps}; "
                                 f"checkpoint saved in {cfg.run_dir}; run the same command "
                                 "to resume")
+    if band.band is not None:
+        raise band.exhausted()
     return metrics
+
+
+def _stop_in_band(rt, band: SFTBand, step: int, metrics: dict, gen, reduced: dict) -> dict:
+    """Log and save the step whose eval entered sft.target_accuracy (the record included)."""
+    record = band.record()
+    rt.logger.log(step, {**reduced, **record})
+    save_state(rt, step, {"job": "sft", "step": step, "eval": metrics, "band": record,
+                          "gen": gen.get_state()})
+    if rt.info.is_main:
+        print(f"SFT entered sft.target_accuracy={fmt_band(band.band)} at step {step}: "
+              f"held-out accuracy {record['sft/start_accuracy']:.4f}; saved in "
+              f"{rt.cfg.run_dir}", flush=True)
+    return {**metrics, **record}
 
 
 def sft_step(rt, gen: torch.Generator) -> dict:

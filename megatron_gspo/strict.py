@@ -17,7 +17,9 @@ import json
 import os
 import re
 import textwrap
-from typing import Any, Literal, Sequence, Union, get_args, get_origin, get_type_hints
+import types
+from typing import Any, Literal, Sequence, Union, get_args, get_type_hints
+from typing import get_origin as _typing_origin
 
 import yaml
 
@@ -35,6 +37,12 @@ def field_types(cls) -> dict[str, Any]:
     """{field name: resolved annotation} in declaration order (ClassVars excluded)."""
     hints = get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def get_origin(tp):
+    """typing.get_origin, with PEP 604 unions (`float | None`) reported as typing.Union."""
+    origin = _typing_origin(tp)
+    return Union if origin is types.UnionType else origin
 
 
 def type_name(tp) -> str:
@@ -357,7 +365,9 @@ def field_docs(cls) -> dict[str, str]:
 
 
 def describe_fields(cls, prefix: str, lines: list[str]) -> None:
-    docs, defaults = field_docs(cls), dataclasses.asdict(cls())
+    docs = field_docs(cls)
+    defaults = {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
+                for f in dataclasses.fields(cls)}  # as declared (loss.eps_* resolve at load)
     sections = []
     for name, tp in field_types(cls).items():
         if dataclasses.is_dataclass(tp):
@@ -366,5 +376,6 @@ def describe_fields(cls, prefix: str, lines: list[str]) -> None:
         lines.append(f"{prefix}{name}: {type_name(tp)} = {defaults[name]!r}")
         lines.extend("    " + ln for ln in docs.get(name, "(undocumented)").splitlines())
     for name, tp in sections:
-        lines.append(f"\n[{prefix}{name}] {inspect.cleandoc(tp.__doc__ or '')}")
+        doc = " ".join((tp.__doc__ or "").split())  # one line per section header
+        lines.append(f"\n[{prefix}{name}] {doc}")
         describe_fields(tp, f"{prefix}{name}.", lines)

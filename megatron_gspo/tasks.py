@@ -37,15 +37,36 @@ class Example:
 
 
 class Task(Protocol):
-    name: str
-    max_prompt_chars: int
-    max_answer_chars: int
-
-    def sample(self, rng: random.Random) -> Example: ...
+    """What the library reads from a task: its registry name, the reward of a completion
+    (`rewards.compute_rewards`) and a format check (`score`'s `eval/format_ok`). Dataset tasks
+    (`data.DatasetTask`) are exactly this."""
+    name: ClassVar[str]
 
     def reward(self, example: Example, completion: str) -> float: ...
 
     def format_ok(self, completion: str) -> bool: ...
+
+
+class GeneratedTask(Task, Protocol):
+    """A task that draws its own examples (`make_splits`): the toy tasks below."""
+
+    def sample(self, rng: random.Random) -> Example: ...
+
+    def num_prompts(self) -> int | None:
+        """How many distinct prompts exist (None = too many to count); bounds the splits."""
+        ...
+
+
+TASKS: dict[str, type] = {}
+
+
+def register_task(cls: type) -> type:
+    """Class decorator adding a `GeneratedTask` dataclass to TASKS under its `name`; its fields
+    are the `task.kwargs` the config accepts."""
+    if cls.name in TASKS:
+        raise ValueError(f"task {cls.name!r} is already registered")
+    TASKS[cls.name] = cls
+    return cls
 
 
 def _check_int(task: str, field: str, value, lo: int, hi: int) -> None:
@@ -62,6 +83,7 @@ def _check_completion(completion) -> str:
 _DIGITS = re.compile(r"[0-9]+")
 
 
+@register_task
 @dataclass(frozen=True)
 class Addition:
     """"a+b=" -> str(a+b); a and b have 1..num_digits digits (count uniform, then value)."""
@@ -98,6 +120,7 @@ class Addition:
         return _DIGITS.fullmatch(_check_completion(completion).strip()) is not None
 
 
+@register_task
 @dataclass(frozen=True)
 class Sort:
     """"s:3819=" -> "1389": the digits sorted ascending."""
@@ -232,6 +255,7 @@ def _distinct_permutations(multiset: Sequence[int]) -> int:
     return math.factorial(len(multiset)) // math.prod(math.factorial(c) for c in counts.values())
 
 
+@register_task
 @dataclass(frozen=True)
 class Countdown:
     """"c:3,5,7>56=" -> an expression using 3, 5, 7 once each with value 56 (e.g. "(3+5)*7").
@@ -298,6 +322,7 @@ class Countdown:
         return sum(_distinct_permutations(ms) for ms, _ in seen)
 
 
+@register_task
 @dataclass(frozen=True)
 class RunningSum:
     """"a:3,5,7,2=" -> "3+5=8,8+7=15,15+2=17": running sums written out as a scratchpad.
@@ -350,16 +375,13 @@ class RunningSum:
 
 _STEPS = re.compile(r"[0-9]+\+[0-9]+=[0-9]+(,[0-9]+\+[0-9]+=[0-9]+)*")
 
-TASKS: dict[str, type] = {"addition": Addition, "sort": Sort, "countdown": Countdown,
-                          "running_sum": RunningSum}
-
 
 def task_kwarg_names(name: str) -> list[str]:
     """The constructor arguments of registered task `name`."""
     return [f.name for f in fields(TASKS[name])]
 
 
-def make_task(name: str, **kwargs) -> Task:
+def make_task(name: str, **kwargs) -> GeneratedTask:
     if name not in TASKS:
         raise KeyError(f"unknown task {name!r}; valid tasks: {sorted(TASKS)}")
     cls = TASKS[name]
@@ -370,7 +392,7 @@ def make_task(name: str, **kwargs) -> Task:
     return cls(**kwargs)
 
 
-def _draw_distinct(task: Task, rng: random.Random, n: int, seen: set) -> list[Example]:
+def _draw_distinct(task: GeneratedTask, rng: random.Random, n: int, seen: set) -> list[Example]:
     out, max_draws = [], 50 * n + 10_000
     for _ in range(max_draws):
         if len(out) == n:
@@ -385,7 +407,7 @@ def _draw_distinct(task: Task, rng: random.Random, n: int, seen: set) -> list[Ex
                      f"{max_draws} draws; the task has too few distinct prompts for this split")
 
 
-def make_splits(task: Task, n_train: int, n_eval: int,
+def make_splits(task: GeneratedTask, n_train: int, n_eval: int,
                 seed: int) -> tuple[list[Example], list[Example]]:
     """Train and eval examples with distinct prompts, disjoint, deterministic for `seed`.
 
@@ -394,7 +416,7 @@ def make_splits(task: Task, n_train: int, n_eval: int,
     for label, n in (("n_train", n_train), ("n_eval", n_eval)):
         if not is_int(n) or n < 0:
             raise ValueError(f"make_splits: {label}={n!r} must be an int >= 0")
-    capacity = task.num_prompts() if hasattr(task, "num_prompts") else None
+    capacity = task.num_prompts()
     if capacity is not None and n_train + n_eval > capacity:
         raise ValueError(f"{task!r} has only {capacity} distinct prompts; asked for "
                          f"n_train + n_eval = {n_train} + {n_eval} = {n_train + n_eval}")

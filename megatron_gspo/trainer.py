@@ -9,9 +9,13 @@ in one no-grad forward, compute group advantages, then split the rollout batch i
 that has moved m-1 times since pi_old, which is what makes the importance ratio (and clipping)
 matter; with one minibatch GSPO reduces to on-policy policy gradient (PITFALLS #4).
 
-Per optimizer step it also measures expert flips: the top-k sets of the same tokens just before
-and just after the step (`moe/flip_rate/layer_XX`), and after the step vs pi_old
-(`moe/drift_vs_old/...`, the mismatch Routing Replay removes).
+Per optimizer step it also measures expert flips (`megatron_gspo.flips.StepFlips`): the top-k
+sets of the same tokens just before and just after the step, and after the step vs pi_old.
+
+Parts: `Trainer(rt, cfg, ref_policy=..., loss_fn=..., generate=...)` runs the loop over parts
+built elsewhere (`Trainer.from_config` is the CLI's factory). The rollout batch becomes one
+`Minibatch` (tokens, pi_old log-probs, advantages, routing caches) whose `select(rows)` gives
+each optimizer step's rows; counters live in `TrainerState`, which checkpoints carry.
 
 Routing Replay: `r2` replays pi_old's routing from the no-grad training-side forward (GSPO
 paper, sec. 5.3); `r3` replays the routing the sampler itself used (recorded step by step through
@@ -23,79 +27,137 @@ inference engine (vLLM/SGLang kernels, bf16) it is what R3 exists to remove.
 
 from __future__ import annotations
 
-
-from contextlib import nullcontext
+import dataclasses
+from dataclasses import dataclass
 
 import torch
 
 from megatron_gspo.advantages import group_advantages
+from megatron_gspo.band import check_start_accuracy
 from megatron_gspo.config import ConfigError, RunConfig
 from megatron_gspo.dist_utils import all_ranks, reduce_metrics
 from megatron_gspo.filters import overlong_filter, rollout_health, sample_rollouts
-from megatron_gspo.losses import PolicyLossConfig, get_policy_loss
+from megatron_gspo.flips import StepFlips, layer_flips
+from megatron_gspo.losses import PolicyLossFn, get_policy_loss
 from megatron_gspo.metrics import Timer, format_progress
 from megatron_gspo.preempt import Preempted, Preemption
 from megatron_gspo.rollout import RolloutBatch, generate_rollouts
 from megatron_gspo.runtime import (Runtime, build_policy, evaluate_runtime, load_init_weights,
                                    save_state, setup_runtime, try_resume)
-from moe.replay import RoutingReplayCache, current_routing, record_routing, replay_routing
-from moe.routing_stats import routing_metrics
+from moe.replay import RoutingReplayCache, current_routing, replay_routing
 
 PROGRESS_KEYS = ("reward/mean", "eval/accuracy", "policy/clip_frac/token",
                  "moe/flip_rate/mean", "train/grad_norm")
 
 
-class Trainer:
-    def __init__(self, cfg: RunConfig):
-        self.cfg = cfg
-        self.rt: Runtime = setup_runtime(cfg, job="train")
-        try:
-            self._build(cfg)
-        except BaseException:
-            self.rt.close()
-            raise
+@dataclass
+class Minibatch:
+    """Everything one optimizer step reads, row-aligned with the rollout; `select(rows)` slices
+    all of it at once (a whole rollout batch is one, and so is each minibatch of it)."""
 
-    def _build(self, cfg: RunConfig) -> None:
-        self.policy = self.rt.policy
-        self.loss_cfg = PolicyLossConfig(name=cfg.loss.name, eps_low=cfg.loss.eps_low,
-                                         eps_high=cfg.loss.eps_high, kl_coef=cfg.loss.kl_coef,
-                                         max_log_ratio=cfg.loss.max_log_ratio)
-        self.loss_fn = get_policy_loss(cfg.loss.name)
-        self.ref_policy = None
-        if cfg.loss.kl_coef > 0:  # frozen reference = the initial weights
-            self.ref_policy = build_policy(cfg, self.rt.tokenizer.vocab_size, optim=None)
-            if cfg.init_checkpoint:
-                load_init_weights(self.ref_policy, cfg.init_checkpoint)
-        self.local_prompts = local_prompts(cfg, self.rt.info.dp)
-        self.state = {"iteration": 0, "opt_step": 0, "skipped_in_a_row": 0,
-                      "reward_ema": None, "best_reward_ema": None}
-        self.state.update(try_resume(self.rt) or {})
+    rollout: RolloutBatch
+    """Tokens, masks, rewards (and the sampler's routing under R3)."""
+    old_logp_BT: torch.Tensor
+    """pi_old's log-probs of the sampled tokens (the trainer's recompute, or the sampler's)."""
+    adv_B: torch.Tensor
+    """One group advantage per sequence."""
+    old_routing: RoutingReplayCache
+    """pi_old's routing (the drift statistics compare against it)."""
+    replay: RoutingReplayCache | None = None
+    """The routing forced in the policy forward: pi_old's (R2), the sampler's (R3) or None."""
+    ref_logp_BT: torch.Tensor | None = None
+    """The frozen reference policy's log-probs (KL), or None."""
+
+    def select(self, rows: torch.Tensor) -> "Minibatch":
+        def take(value):
+            if value is None:
+                return None
+            return value[rows] if torch.is_tensor(value) else value.select(rows)
+        return Minibatch(**{f.name: take(getattr(self, f.name))
+                            for f in dataclasses.fields(self)})
+
+    def __len__(self) -> int:
+        return len(self.rollout)
+
+    tokens_BT = property(lambda self: self.rollout.tokens_BT)
+    valid_BT = property(lambda self: self.rollout.valid_BT)
+    response_BT = property(lambda self: self.rollout.response_BT)
+
+
+@dataclass
+class TrainerState:
+    """What a checkpoint carries besides the weights; resuming restores it."""
+
+    iteration: int = 0
+    """Rollout batches done (`train.steps` counts these)."""
+    opt_step: int = 0
+    """Optimizer steps done (`train.num_minibatches` per rollout batch); the metrics' step."""
+    skipped_in_a_row: int = 0
+    """Consecutive steps skipped for a non-finite loss or grad norm."""
+    reward_ema: float | None = None
+    best_reward_ema: float | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainerState":
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
+
+class Trainer:
+    """The RL loop over parts built elsewhere: `rt` (process groups, policy, tokenizer, task and
+    splits, metrics logger, run dir), the config's sections, a reference policy for the KL (or
+    None), the loss function and the rollout generator. `Trainer.from_config` builds the parts
+    the way the CLI does; tests pass their own (e.g. a generator with altered routing)."""
+
+    def __init__(self, rt: Runtime, cfg: RunConfig, *, ref_policy=None,
+                 loss_fn: PolicyLossFn | None = None, generate=generate_rollouts):
+        self.rt, self.cfg, self.policy, self.ref_policy = rt, cfg, rt.policy, ref_policy
+        self.loss_fn = loss_fn or get_policy_loss(cfg.loss.name)
+        self.generate = generate
+        self.local_prompts = local_prompts(cfg, rt.info.dp)
+        self.state = TrainerState.from_dict(try_resume(rt) or {})
         self.timer = Timer()
         self.filter_metrics: dict = {}  # dynamic sampling's, of the last rollout
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, **parts) -> "Trainer":
+        """Claim the run dir and build every part from `cfg` (the CLI's path); `parts`
+        (`loss_fn`, `generate`) replace the default ones."""
+        rt = setup_runtime(cfg, job="train")
+        try:
+            ref_policy = None
+            if cfg.loss.kl_coef > 0:  # frozen reference = the initial weights
+                ref_policy = build_policy(cfg, rt.tokenizer.vocab_size, optim=None)
+                if cfg.init_checkpoint:
+                    load_init_weights(ref_policy, cfg.init_checkpoint)
+            return cls(rt, cfg, ref_policy=ref_policy, **parts)
+        except BaseException:
+            rt.close()
+            raise
 
     # ------------------------------------------------------------------ loop
     def train(self) -> dict:
         """Run to `train.steps` rollout batches; a signal saves and raises `Preempted`."""
-        cfg, last = self.cfg, {}
+        cfg, state, last = self.cfg, self.state, {}
         try:
-            if self.state["iteration"] >= cfg.train.steps:
+            if state.iteration >= cfg.train.steps:
                 if self.rt.info.is_main:
-                    print(f"{cfg.run_dir} already finished {self.state['iteration']} of "
+                    print(f"{cfg.run_dir} already finished {state.iteration} of "
                           f"train.steps={cfg.train.steps} rollout batches; nothing to do "
                           "(raise train.steps to continue it)", flush=True)
                 return last
-            if self.state["iteration"] == 0 and cfg.train.eval_every:
-                self._log(self.state["opt_step"], self.evaluate())
+            if state.iteration == 0 and cfg.train.eval_every:
+                self._log(state.opt_step, first := self.evaluate())
+                check_start_accuracy(cfg, first)  # train.start_accuracy (megatron_gspo.band)
             with Preemption() as stop:
-                while self.state["iteration"] < cfg.train.steps:
+                while state.iteration < cfg.train.steps:
                     last = self.iteration()
-                    it = self.state["iteration"]
+                    it = state.iteration
                     if self.rt.info.is_main and it % cfg.train.log_every == 0:
                         print(format_progress(it, cfg.train.steps, last, PROGRESS_KEYS),
                               flush=True)
                     signum = stop.requested()
                     if self.should_save(it) or signum:
-                        save_state(self.rt, it, dict(self.state))
+                        save_state(self.rt, it, dataclasses.asdict(state))
                     if signum and it < cfg.train.steps:
                         raise Preempted(signum, f"stopped at rollout batch {it} of "
                                         f"{cfg.train.steps}; checkpoint saved in {cfg.run_dir}; "
@@ -109,46 +171,52 @@ class Trainer:
         return bool(every) and (iteration % every == 0 or iteration == self.cfg.train.steps)
 
     def iteration(self) -> dict:
-        cfg, it = self.cfg, self.state["iteration"]
+        """One rollout batch: sample, pi_old pass, `train.num_minibatches` optimizer steps."""
+        cfg, it = self.cfg, self.state.iteration
         self.timer.reset()
         with self.timer("rollout"):
             batch = self.rollout(it)
         with self.timer("old_forward"):
-            old_logp_BT, old_routing = current_routing(self.policy, batch.tokens_BT,
-                                                       batch.valid_BT, cfg.rollout.temperature)
-            ref_logp_BT = None if self.ref_policy is None else self.ref_policy.token_logprobs(
-                batch.tokens_BT, batch.valid_BT, cfg.rollout.temperature).detach()
-        pi_old_BT = batch.sampler_logp_BT if cfg.rollout.use_sampler_logprobs else old_logp_BT
+            full, shared = self.prepare(batch)
+        shared["train/iteration"] = it
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + it)
+        order = torch.randperm(len(batch), generator=gen)
+        metrics = {}
+        for m, rows in enumerate(order.chunk(cfg.train.num_minibatches)):
+            with self.timer("train"):
+                metrics = self.train_step(full.select(rows))
+            metrics = reduce_metrics({**metrics, **shared, "train/minibatch": m})
+            if m < cfg.train.num_minibatches - 1:
+                self._log(self.state.opt_step, metrics)
+        self.state.iteration = it + 1
+        metrics.update(self.timer.as_metrics())
+        metrics.update(throughput(batch, self.timer))
+        metrics.update(self.collapse_alerts(metrics))
+        if cfg.train.eval_every and self.state.iteration % cfg.train.eval_every == 0:
+            metrics.update(self.evaluate())
+        self._log(self.state.opt_step, metrics)
+        return metrics
+
+    def prepare(self, batch: RolloutBatch) -> tuple[Minibatch, dict]:
+        """pi_old's no-grad pass (log-probs, routing), advantages and the replay source: the
+        whole rollout batch as one `Minibatch`, plus the metrics all its steps share."""
+        cfg = self.cfg
+        old_logp_BT, old_routing = current_routing(self.policy, batch.tokens_BT, batch.valid_BT,
+                                                   cfg.rollout.temperature)
+        ref_logp_BT = None if self.ref_policy is None else self.ref_policy.token_logprobs(
+            batch.tokens_BT, batch.valid_BT, cfg.rollout.temperature).detach()
         adv_B, adv_metrics = group_advantages(batch.rewards_B, cfg.rollout.group_size,
                                               eps=cfg.loss.adv_eps)
         adv_B, overlong_metrics = overlong_filter(adv_B, batch, cfg.filter.overlong)
-        shared = {**rollout_metrics(batch, old_logp_BT), **adv_metrics, "train/iteration": it,
-                  **rollout_health(batch), **overlong_metrics, **self.filter_metrics}
+        shared = {**rollout_metrics(batch, old_logp_BT), **adv_metrics, **rollout_health(batch),
+                  **overlong_metrics, **self.filter_metrics}
         replay = {"off": None, "r2": old_routing, "r3": batch.routing}[cfg.train.routing_replay]
         if replay is not None:
             shared["replay/cache_bytes"] = replay.nbytes
         if batch.routing is not None:  # how far the sampler's routing is from pi_old's recompute
             shared.update(layer_flips(old_routing, batch.routing, "rollout/routing_mismatch/"))
-        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + it)
-        order = torch.randperm(len(batch), generator=gen)
-        metrics = {}
-        for m, rows in enumerate(order.chunk(cfg.train.num_minibatches)):
-            ref = None if ref_logp_BT is None else ref_logp_BT[rows]
-            with self.timer("train"):
-                metrics = self.train_step(batch.select(rows), pi_old_BT[rows], adv_B[rows],
-                                          old_routing.select(rows),
-                                          None if replay is None else replay.select(rows), ref)
-            metrics = reduce_metrics({**metrics, **shared, "train/minibatch": m})
-            if m < cfg.train.num_minibatches - 1:
-                self._log(self.state["opt_step"], metrics)
-        self.state["iteration"] = it + 1
-        metrics.update(self.timer.as_metrics())
-        metrics.update(throughput(batch, self.timer))
-        metrics.update(self.collapse_alerts(metrics))
-        if cfg.train.eval_every and self.state["iteration"] % cfg.train.eval_every == 0:
-            metrics.update(self.evaluate())
-        self._log(self.state["opt_step"], metrics)
-        return metrics
+        pi_old_BT = batch.sampler_logp_BT if cfg.rollout.use_sampler_logprobs else old_logp_BT
+        return Minibatch(batch, pi_old_BT, adv_B, old_routing, replay, ref_logp_BT), shared
 
     def rollout(self, it: int) -> RolloutBatch:
         cfg, info = self.cfg, self.rt.info
@@ -157,7 +225,7 @@ class Trainer:
 
         def draw() -> RolloutBatch:
             idx = torch.randint(len(self.rt.train_set), (self.local_prompts,), generator=gen)
-            return generate_rollouts(self.policy, self.rt.tokenizer, self.rt.task,
+            return self.generate(self.policy, self.rt.tokenizer, self.rt.task,
                                      [self.rt.train_set[i] for i in idx.tolist()],
                                      group_size=cfg.rollout.group_size,
                                      max_new_tokens=cfg.rollout.max_new_tokens,
@@ -172,24 +240,18 @@ class Trainer:
         return batch
 
     # ------------------------------------------------------------------ one optimizer step
-    def train_step(self, mb: RolloutBatch, old_logp_BT, adv_B, old_routing, replay=None,
-                   ref_logp_BT=None):
-        """One optimizer step on a minibatch; `replay` (R2/R3 cache rows) forces its routing."""
+    def train_step(self, mb: Minibatch) -> dict:
+        """One optimizer step on a minibatch; `mb.replay` (R2/R3 rows) forces its routing."""
         cfg, policy = self.cfg, self.policy
-        measure = cfg.train.flip_every > 0 and self.state["opt_step"] % cfg.train.flip_every == 0
-        before = None
-        if measure and replay is not None:  # the live routing the step starts from
-            _, before = current_routing(policy, mb.tokens_BT, mb.valid_BT)
+        every = cfg.train.flip_every
+        flips = StepFlips(policy, mb, active=every > 0 and self.state.opt_step % every == 0)
         policy.zero_grad()
-        record = record_routing(policy) if measure and replay is None else nullcontext()
-        with replay_routing(policy, replay), record as rec:
+        with flips.watch(), replay_routing(policy, mb.replay):
             logp_BT, entropy_BT = policy.token_logprobs(mb.tokens_BT, mb.valid_BT,
                                                         cfg.rollout.temperature, with_entropy=True)
-            loss, metrics = self.loss_fn(logp_BT, old_logp_BT, adv_B, mb.response_BT.float(),
-                                         self.loss_cfg, ref_logp_BT=ref_logp_BT)
-        if rec is not None:
-            before = RoutingReplayCache.from_recorded(rec, policy.routed_valid(mb.valid_BT),
-                                                      policy.preset.num_experts)
+            loss, metrics = self.loss_fn(logp_BT, mb.old_logp_BT, mb.adv_B,
+                                         mb.response_BT.float(), cfg.loss,
+                                         ref_logp_BT=mb.ref_logp_BT)
         resp_BT = mb.response_BT.to(entropy_BT.device)
         metrics["policy/entropy"] = float((entropy_BT.detach() * resp_BT).sum() / resp_BT.sum())
         stepped, grad_norm = False, float("nan")
@@ -198,17 +260,18 @@ class Trainer:
             stepped, grad_norm = policy.step()
         metrics.update(self.guard(stepped), **{"train/grad_norm": grad_norm,
                                                "train/lr": policy.lr})
-        if measure and stepped:
-            metrics.update(flip_metrics(policy, mb, before, old_routing))
-        self.state["opt_step"] += 1
+        if stepped:
+            metrics.update(flips.after_step())
+        self.state.opt_step += 1
         return metrics
 
     def guard(self, stepped: bool) -> dict:
         """NaN/inf guard: a bad step is skipped and counted; too many in a row aborts."""
-        self.state["skipped_in_a_row"] = 0 if stepped else self.state["skipped_in_a_row"] + 1
-        if self.state["skipped_in_a_row"] > self.cfg.train.max_skipped_steps:
+        state = self.state
+        state.skipped_in_a_row = 0 if stepped else state.skipped_in_a_row + 1
+        if state.skipped_in_a_row > self.cfg.train.max_skipped_steps:
             raise FloatingPointError(
-                f"{self.state['skipped_in_a_row']} consecutive optimizer steps had a non-finite "
+                f"{state.skipped_in_a_row} consecutive optimizer steps had a non-finite "
                 f"loss or grad norm (train.max_skipped_steps={self.cfg.train.max_skipped_steps}); "
                 f"checkpoints in {self.cfg.run_dir} are untouched")
         return {"train/skipped": float(not stepped)}
@@ -216,9 +279,10 @@ class Trainer:
     def collapse_alerts(self, metrics: dict) -> dict:
         """Flag a reward crash (EMA below best by `collapse_reward_drop`) or entropy collapse."""
         r = metrics["reward/mean"]
-        ema = r if self.state["reward_ema"] is None else 0.7 * self.state["reward_ema"] + 0.3 * r
-        best = max(ema, self.state["best_reward_ema"] or ema)
-        self.state.update(reward_ema=ema, best_reward_ema=best)
+        state = self.state
+        ema = r if state.reward_ema is None else 0.7 * state.reward_ema + 0.3 * r
+        best = max(ema, state.best_reward_ema or ema)
+        state.reward_ema, state.best_reward_ema = ema, best
         reward_crash = best > 0.05 and ema < best * (1 - self.cfg.train.collapse_reward_drop)
         entropy_crash = metrics.get("policy/entropy", 1.0) < self.cfg.train.collapse_entropy_floor
         if (reward_crash or entropy_crash) and self.rt.info.is_main:
@@ -247,25 +311,6 @@ def local_prompts(cfg: RunConfig, dp: int) -> int:
                           f"{prompts // dp * group} rollout rows (rollout.prompts_per_batch / "
                           f"dp * rollout.group_size = {prompts} / {dp} * {group})")
     return prompts // dp
-
-
-def flip_metrics(policy, mb: RolloutBatch, before, old_routing) -> dict:
-    """Expert flips caused by this step (before vs after) and drift from pi_old's routing."""
-    _, after = current_routing(policy, mb.tokens_BT, mb.valid_BT)
-    L = after.num_layers
-    out = routing_metrics([before.layer_ids(l) for l in range(L)],
-                          [after.layer_ids(l) for l in range(L)], after.num_experts)
-    out.update(layer_flips(old_routing, after, "moe/drift_vs_old/"))
-    return out
-
-
-def layer_flips(old: RoutingReplayCache, new: RoutingReplayCache, prefix: str) -> dict:
-    """Per-layer flip rate of `new` vs `old` (same tokens) as `{prefix}layer_XX` and `mean`."""
-    L = new.num_layers
-    stats = routing_metrics([old.layer_ids(l) for l in range(L)],
-                            [new.layer_ids(l) for l in range(L)], new.num_experts)
-    return {k.replace("moe/flip_rate/", prefix): v for k, v in stats.items()
-            if k.startswith("moe/flip_rate/")}
 
 
 def rollout_metrics(batch: RolloutBatch, recompute_logp_BT: torch.Tensor) -> dict:

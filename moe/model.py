@@ -35,10 +35,23 @@ class ParallelLayout:
     """MoE token dispatcher: 'alltoall' or 'allgather'."""
 
     def __post_init__(self) -> None:
-        if self.sequence_parallel and self.tp == 1:
-            raise ValueError("sequence_parallel=True needs tp > 1")
-        if self.dispatcher not in ("alltoall", "allgather"):
-            raise ValueError(f"dispatcher={self.dispatcher!r}: expected 'alltoall' or 'allgather'")
+        for name, msg in layout_problems(self):
+            raise ValueError(f"{name}={getattr(self, name)!r}: {msg}")
+
+
+def layout_problems(layout) -> list[tuple[str, str]]:
+    """(field, message) for each rule `layout` (anything with tp, sequence_parallel and
+    dispatcher, e.g. `megatron_gspo.config.ModelConfig`) breaks; the one place these rules
+    live."""
+    out = []
+    if layout.sequence_parallel and layout.tp == 1:
+        out.append(("sequence_parallel", f"requires tp > 1 (got tp={layout.tp})"))
+    if not layout.sequence_parallel and layout.tp > 1:
+        out.append(("sequence_parallel", f"must be true with tp={layout.tp}: megatron-core "
+                    "requires sequence parallelism for MoE with tensor parallelism"))
+    if layout.dispatcher not in ("alltoall", "allgather"):
+        out.append(("dispatcher", "expected 'alltoall' or 'allgather'"))
+    return out
 
 
 # megatron recompute modules this model has and the local (non-TE) spec runs

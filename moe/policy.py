@@ -197,9 +197,6 @@ class MoEPolicy:
         """The learning rate of the latest update (of the next one before any update)."""
         return self.optimizer.last_lr
 
-    def parameters(self):
-        return self.model.parameters()
-
     def state_dict(self) -> dict:
         """This rank's shard of model and optimizer state."""
         state = {"model": self.model.module.state_dict()}

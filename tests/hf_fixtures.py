@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+from tools.make_fixtures import SPECIAL as SPECIALS, train_tokenizer
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + "
     "message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
@@ -34,16 +34,9 @@ QWEN2 = dict(hidden_size=48, num_hidden_layers=2, num_attention_heads=6, num_key
 
 def make_tokenizer(folder: str, vocab_size: int = 300) -> int:
     """Save a BPE tokenizer with a chat template to `folder`; returns its size (len)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator(CORPUS, trainer)
+    tok = train_tokenizer(CORPUS, vocab_size, special_tokens=SPECIALS)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
                                    pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
     fast.save_pretrained(folder)

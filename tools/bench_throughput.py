@@ -132,7 +132,7 @@ def build_ours(args, run_dir: str, extra: tuple = ()):
                  "train.flip_every=0",  # flip instrumentation = extra forwards TRL doesn't do
                  "train.eval_every=0", "train.save_every=0", "wandb.mode=disabled",
                  "optim.lr=1e-4", "optim.grad_clip=1.0", *args.set, *extra]
-    trainer = Trainer(load_config(None, overrides))
+    trainer = Trainer.from_config(load_config(None, overrides))
     if args.force_length:
         trainer.rt.tokenizer = NoStopTokenizer(trainer.rt.tokenizer)
     return trainer, overrides

@@ -126,13 +126,14 @@ def make_rows(n: int, split: str, seed: int) -> list[dict]:
     return rows
 
 
-def train_tokenizer(texts: list[str], vocab_size: int):
+def train_tokenizer(texts: list[str], vocab_size: int, special_tokens: list[str] = SPECIAL):
+    """A byte-level BPE trained on `texts` (tests/hf_fixtures.py builds its models' with it)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(texts, trainer=trainer)

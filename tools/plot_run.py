@@ -3,6 +3,8 @@
 Usage:
     python -m tools.plot_run RUN_DIR [RUN_DIR ...] --out OUT_DIR [--labels a b ...]
                              [--group-by-prefix] [--smooth N]
+    python -m tools.plot_run RUN_DIR [RUN_DIR ...] --table [--stat KEY:REDUCER[=LABEL] ...]
+                             [--readme FILE.md [--marker NAME]] [--group-by-prefix]
 
     python -m tools.plot_run runs/gspo runs/grpo --out figs
     python -m tools.plot_run runs/gspo_s0 runs/gspo_s1 runs/grpo_s0 runs/grpo_s1 \\
@@ -24,6 +26,10 @@ Figures (each skipped, with a note, when no run has the keys it needs):
     flip_rate_mean.png    moe/flip_rate/mean vs step
     flip_vs_depth.png     mean over steps of moe/flip_rate/layer_XX vs layer index
 
+`--table` prints a Markdown table (seed mean ± std per arm of each `--stat`, plus the start
+accuracy, under a line naming the CPU, date, torch and megatron-core) and with `--readme`
+writes it between that file's `<!-- table:NAME:begin/end -->` markers (`tools/result_table.py`).
+
 Summary (stdout; also `summarize(load_runs(dirs))` from Python), per run/arm: final reward
 (mean of the last 10% of logged steps, at least one), best eval accuracy, mean token clip
 fraction, mean flip rate and per-layer mean flip rates, plus the last eval accuracy. For an arm each statistic is computed
@@ -41,6 +47,7 @@ import sys
 import numpy as np
 
 from megatron_gspo.metrics import read_jsonl
+from tools import result_table
 
 METRICS_FILE = "metrics.jsonl"
 LAYER_RE = re.compile(r"^moe/flip_rate/layer_(\d+)$")
@@ -365,7 +372,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
-    ap.add_argument("--out", required=True, metavar="OUT_DIR")
+    ap.add_argument("--out", default=None, metavar="OUT_DIR", help="figures folder")
+    ap.add_argument("--table", action="store_true", help="print a Markdown result table")
+    ap.add_argument("--stat", action="append", default=[], metavar="KEY:REDUCER[=LABEL]",
+                    help="a table row (repeatable; see tools/result_table.py)")
+    ap.add_argument("--readme", default=None, help="write the table between this file's markers")
+    ap.add_argument("--marker", default="", help="the markers' NAME: <!-- table:NAME:begin -->")
     ap.add_argument("--labels", nargs="+", default=None)
     ap.add_argument("--group-by-prefix", action="store_true")
     ap.add_argument("--smooth", type=int, default=1, metavar="N")
@@ -373,13 +385,23 @@ def main(argv=None) -> int:
     if args.smooth < 1:
         print(f"error: --smooth must be >= 1, got {args.smooth}", file=sys.stderr)
         return 2
+    if not (args.out or args.table) or (args.readme and not args.table):
+        print("error: give --out OUT_DIR (figures) and/or --table (--readme needs --table)",
+              file=sys.stderr)
+        return 2
     try:
         runs = load_runs(args.run_dirs, args.labels, args.group_by_prefix)
+        table = result_table.format_table(runs, args.stat) if args.table else None
+        if args.readme:
+            result_table.write_into(args.readme, table, args.marker)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    make_figures(runs, args.out, args.smooth)
-    print(format_summary(summarize(runs)))
+    if args.out:
+        make_figures(runs, args.out, args.smooth)
+        print(format_summary(summarize(runs)))
+    if table is not None:
+        print(table)
     return 0
 
 

@@ -14,6 +14,11 @@ into 4 minibatches (4 optimizer steps). Runs land in runs/ablation/<arm>_s<seed>
 summary table in experiments/ablation/figures (or --out). `--profile gpu-small` lays
 gpu_small.yaml over every command's config (as dotted overrides) and writes to
 runs/ablation_gpu_small and experiments/ablation/figures_gpu_small.
+
+The shared SFT stops when its held-out accuracy enters sft.yaml's band (the arms refuse a start
+outside it); the runner prints that start accuracy and SFT step, and writes the result table
+(`tools/result_table.py`, machine and versions named) into README.md between
+`<!-- table:main:begin/end -->` (`table:stress:...` for `--tag stress`, and so on).
 """
 
 from __future__ import annotations
@@ -24,12 +29,24 @@ import subprocess
 import sys
 import time
 
+from megatron_gspo.band import cold_start_line
 from megatron_gspo.strict import load_yaml, mapping_to_overrides
-from tools import plot_run
+from tools import plot_run, result_table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.dirname(os.path.abspath(__file__))
 ARMS = ("gspo", "grpo", "grpo_r2")
+# Rows of the README's result tables (tools/result_table.py: KEY:REDUCER=label).
+STATS = ["eval/accuracy:start=eval accuracy at the start (SFT checkpoint)",
+         "eval/accuracy:final=eval accuracy, final", "eval/accuracy:best=eval accuracy, best eval",
+         "reward/mean:first10%=train reward, first 10% of steps",
+         "reward/mean:last10%=train reward, last 10% of steps",
+         "policy/clip_frac/token:mean=clipped tokens",
+         "policy/clip_frac/seq:mean=clipped sequences",
+         "moe/flip_rate/mean:mean=expert flip rate per step",
+         "moe/any_flip/mean:mean=tokens with any flipped expert per step",
+         "moe/drift_vs_old/mean:mean=live routing vs pi_old's after the step",
+         "policy/entropy:mean=policy entropy"]  # + the mean flip rate of each layer
 PROFILES = {"cpu": None, "gpu-small": "gpu_small.yaml"}
 
 
@@ -74,6 +91,7 @@ def main(argv=None) -> int:
     if not os.path.exists(os.path.join(ROOT, sft_dir, "checkpoints/latest")) \
             and not args.plot_only:
         cli("sft", "--config", os.path.join(HERE, "sft.yaml"), *base, f"run_dir={sft_dir}")
+    print(cold_start_line(os.path.join(ROOT, sft_dir)), flush=True)
     for arm in args.arms:
         for seed in args.seeds:
             run_dir = f"{root}/{arm}_s{seed}"
@@ -88,8 +106,26 @@ def main(argv=None) -> int:
                 os.remove(os.path.join(ROOT, run_dir, "metrics.jsonl"))
             cli("train", "--config", os.path.join(HERE, f"{arm}.yaml"), *overrides)
     plot_run.main([*runs, "--out", out, "--group-by-prefix"])
+    write_table(runs, suffix.lstrip("_") or "main", os.path.join(ROOT, sft_dir))
     print(f"ablation done in {time.time() - t0:.0f}s")
     return 0
+
+
+def write_table(runs: list[str], marker: str, sft_dir: str) -> None:
+    """The result table (tools/result_table.py; the header names the machine and where the
+    cold start stopped) into README.md's `table:MARKER` markers, or printed when the README has
+    none for this variant."""
+    loaded = plot_run.load_runs(runs, group_by_prefix=True)
+    layers = [f"{key}:mean=flip rate, layer {i}" for i, key in plot_run.layer_keys(loaded)]
+    header = (f"{result_table.machine_line()} "
+              f"{cold_start_line(sft_dir).replace(ROOT + os.sep, '')}.")
+    table = result_table.format_table(loaded, STATS + layers, header=header)
+    readme = os.path.join(HERE, "README.md")
+    try:
+        result_table.write_into(readme, table, marker)
+    except ValueError as e:
+        print(f"note: {e}; the table:")
+    print(table)
 
 
 if __name__ == "__main__":

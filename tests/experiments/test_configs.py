@@ -83,6 +83,8 @@ def test_demo_is_the_ablation_gspo_arm():
     assert (demo.train.steps, arm.train.steps) == (60, 150)
     demo_sft, arm_sft = (load_config(os.path.join(d, "sft.yaml")) for d in (DEMO, ABL))
     assert _diff(demo_sft, arm_sft) == {"run_dir"}
+    # one accuracy band: SFT stops in it, every RL run (demo and arms) refuses a start outside
+    assert demo.train.start_accuracy == arm_sft.sft.target_accuracy == [0.25, 0.45]
 
 
 def test_profile_overlay_reads_yaml_like_the_config_loader(tmp_path, monkeypatch):

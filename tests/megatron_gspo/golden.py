@@ -45,7 +45,7 @@ def run(root: str) -> dict[str, list[dict]]:
     out = {"sft": _rows(read_jsonl(os.path.join(sft_dir, "metrics.jsonl")))}
     for arm, overrides in ARMS.items():
         d = os.path.join(root, arm)
-        Trainer(load_config(None, [*COMMON, *RL, *overrides, f"run_dir={d}",
+        Trainer.from_config(load_config(None, [*COMMON, *RL, *overrides, f"run_dir={d}",
                                    f"init_checkpoint={sft_dir}"])).train()
         out[arm] = _rows(read_jsonl(os.path.join(d, "metrics.jsonl")))
     return out

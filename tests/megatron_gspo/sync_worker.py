@@ -60,6 +60,7 @@ def rollout_and_train(trainer, prompts: list[str], adv_B: torch.Tensor,
     a non-finite loss, skipped): tensors, step metrics, the third step's local `train/skipped`
     and the final weights."""
     from megatron_gspo.rollout import RolloutBatch, sample
+    from megatron_gspo.trainer import Minibatch
     from megatron_gspo.dist_utils import reduce_metrics
     from moe.replay import current_routing
     from moe.sharding import gather_full_params
@@ -78,14 +79,14 @@ def rollout_and_train(trainer, prompts: list[str], adv_B: torch.Tensor,
     s = out["kv=True"]
     B = len(prompts)
     old_logp_BT, old_routing = current_routing(policy, s["tokens"], s["valid"])
-    mb = RolloutBatch(s["tokens"], s["valid"], s["response"], s["logp"], torch.zeros(B),
-                      torch.arange(B), [""] * B, [None] * B)
+    batch = RolloutBatch(s["tokens"], s["valid"], s["response"], s["logp"], torch.zeros(B),
+                         torch.arange(B), [""] * B, [None] * B)
     out["train"] = []
     for _ in range(2):
-        metrics = trainer.train_step(mb, old_logp_BT, adv_B, old_routing)
+        metrics = trainer.train_step(Minibatch(batch, old_logp_BT, adv_B, old_routing))
         out["train"].append(reduce_metrics({k: metrics[k] for k in TRAIN_KEYS}))
-    out["bad_step_skipped"] = trainer.train_step(mb, old_logp_BT, bad_adv_B,
-                                                 old_routing)["train/skipped"]
+    out["bad_step_skipped"] = trainer.train_step(
+        Minibatch(batch, old_logp_BT, bad_adv_B, old_routing))["train/skipped"]
     out["params_after"] = gather_full_params(policy.model.module)
     return out
 
@@ -115,7 +116,7 @@ def worker(rank: int, world: int, port: int, ref_path: str, out_dir: str, eps: l
     rows = slice(rank * half, (rank + 1) * half)
     try:
         for ep in eps:
-            trainer = Trainer(make_config(os.path.join(out_dir, f"run_ep{ep}"), ep))
+            trainer = Trainer.from_config(make_config(os.path.join(out_dir, f"run_ep{ep}"), ep))
             load_full_params(trainer.policy.model.module, ref["params"])
             out_timeouts = collective_timeouts_s()
             acc = evaluate(trainer.policy, trainer.rt.tokenizer, trainer.rt.task,

@@ -23,7 +23,10 @@ def test_defaults_construct():
     assert cfg == RunConfig()
     assert cfg.model.preset == "qwen3-moe-tiny" and cfg.model.dispatcher == "alltoall"
     assert cfg.rollout.group_size == 8 and cfg.train.num_minibatches == 4
-    assert cfg.loss.eps_low is None and cfg.optim.beta2 == 0.999 and cfg.sft.lr == 3e-3
+    # eps None resolves to the loss's paper default at load (sec. 5.1), so the saved config
+    # shows the clip range that ran
+    assert (cfg.loss.eps_low, cfg.loss.eps_high) == (3e-4, 4e-4)
+    assert cfg.optim.beta2 == 0.999 and cfg.sft.lr == 3e-3
     assert cfg.train.routing_replay == "off" and cfg.wandb.mode == "offline"
     assert cfg.task.kwargs == {} and cfg.resume is True
 
@@ -142,7 +145,7 @@ def test_overrides_coerce_types():
     assert cfg.loss.eps_low == pytest.approx(3e-4) and type(cfg.loss.eps_low) is float
     assert cfg.optim.lr == 1e-5 and cfg.train.steps == 7 and type(cfg.train.steps) is int
     assert cfg.rollout.temperature == 2.0 and type(cfg.rollout.temperature) is float
-    assert cfg.loss.eps_high is None and cfg.seed == 3
+    assert cfg.loss.eps_high == 4e-4 and cfg.seed == 3  # null = GSPO's paper default
     assert cfg.wandb.name == "2024"  # a str field keeps the literal text
     assert cfg.task.kwargs == {"num_numbers": 3, "max_number": [1, 2]}  # YAML-typed values
     assert cfg.train.routing_replay == "r3"
@@ -178,8 +181,8 @@ def test_bool_parsing(text, flag):
     ("rollout.group_size=1", "rollout.group_size=1: must be >= 2"),
     ("rollout.top_p=0", "rollout.top_p=0.0: must be in (0, 1]"),
     ("rollout.temperature=nan", "rollout.temperature=nan: must be > 0"),
-    ("model.sequence_parallel=true", "model.sequence_parallel=True: requires model.tp > 1"),
-    ("model.tp=2", "model.sequence_parallel=False: must be true with model.tp=2"),
+    ("model.sequence_parallel=true", "model.sequence_parallel=True: requires tp > 1"),
+    ("model.tp=2", "model.sequence_parallel=False: must be true with tp=2"),
     ("model.dist_timeout_min=0", "model.dist_timeout_min=0.0: must be > 0"),
     ("model.dist_timeout_min=.inf", "model.dist_timeout_min=inf: must be finite"),
 ])
@@ -251,7 +254,7 @@ def test_every_field_has_a_docstring():
         for f in dataclasses.fields(cls):
             assert docs.get(f.name, "").strip(), f"{cls.__name__}.{f.name} has no docstring"
             seen += 1
-    assert seen == 15 + 13 + 5 + 7 + 6 + 13 + 10 + 4 + 3 + 14 + 3 + 3  # every field of every section
+    assert seen == 15 + 13 + 5 + 7 + 6 + 13 + 11 + 7 + 3 + 14 + 3 + 3  # every field of every section
 
 
 def test_describe_config_lists_every_key_with_default_and_doc():
@@ -264,4 +267,18 @@ def test_describe_config_lists_every_key_with_default_and_doc():
     assert "train.num_minibatches: int = 4" in text
     assert "must divide prompts_per_batch * group_size" in text
     n_keys = sum(1 for ln in text.splitlines() if ln and not ln.startswith((" ", "[", "megat")))
-    assert n_keys == 4 + 13 + 5 + 7 + 6 + 13 + 10 + 4 + 3 + 14 + 3 + 3
+    assert n_keys == 4 + 13 + 5 + 7 + 6 + 13 + 11 + 7 + 3 + 14 + 3 + 3
+
+
+def test_loss_section_is_the_policy_loss_config():
+    """One definition: the run config's loss section is losses.PolicyLossConfig plus adv_eps,
+    and the loss functions take it as it is."""
+    from dataclasses import fields
+
+    from megatron_gspo.losses import PolicyLossConfig
+
+    assert issubclass(LossConfig, PolicyLossConfig)
+    assert [f.name for f in fields(LossConfig)] == \
+        [f.name for f in fields(PolicyLossConfig)] + ["adv_eps"]
+    cfg = load_config(None, ["loss.name=grpo", "loss.eps_high=0.3"])
+    assert (cfg.loss.eps_low, cfg.loss.eps_high) == (0.2, 0.3)  # paper default + override

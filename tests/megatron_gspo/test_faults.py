@@ -48,7 +48,7 @@ def digit_first(example, completion: str) -> float:
 def trainer(run_dir, *overrides):
     from megatron_gspo.trainer import Trainer
 
-    t = Trainer(load_config(None, [*TINY, f"run_dir={run_dir}", *overrides]))
+    t = Trainer.from_config(load_config(None, [*TINY, f"run_dir={run_dir}", *overrides]))
     object.__setattr__(t.rt.task, "reward", digit_first)  # groups with reward variance
     return t
 
@@ -143,7 +143,7 @@ def test_overwritten_floats_are_caught_and_resume_falls_back(tmp_path, capsys):
     with pytest.raises(ckpt.CheckpointError, match=r"rank_00000.pt is corrupt"):
         ckpt.load_checkpoint(root)
     resumed = trainer(run, "train.steps=2")
-    assert resumed.state["iteration"] == 1  # fell back to step 1
+    assert resumed.state.iteration == 1  # fell back to step 1
     assert "skipping checkpoint step 2" in capsys.readouterr().out
     resumed.rt.close()
 

@@ -60,5 +60,5 @@ def test_corrupt_dist_shard_is_caught_and_resume_falls_back(tmp_path, capsys):
     with pytest.raises(ckpt.CheckpointError, match=r"__0_0.distcp is corrupt"):
         ckpt.verify_file(shard)
     resumed = make_trainer(tmp_path, "train.steps=2")
-    assert resumed.state["iteration"] == 1  # fell back to step 1
+    assert resumed.state.iteration == 1  # fell back to step 1
     assert "skipping checkpoint step 2" in capsys.readouterr().out

@@ -55,7 +55,7 @@ def reference(single_process, tmp_path_factory):
     from moe.sharding import gather_full_params
 
     root = tmp_path_factory.mktemp("rank_sync")
-    trainer = Trainer(sw.make_config(str(root / "ref"), ep=1))
+    trainer = Trainer.from_config(sw.make_config(str(root / "ref"), ep=1))
     policy, tok, train_set = trainer.policy, trainer.rt.tokenizer, trainer.rt.train_set
     sw.force_early_eos(policy, tok, [ex.prompt for ex in train_set], EOS_STRENGTH)
     policy.train(False)

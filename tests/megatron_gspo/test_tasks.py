@@ -206,6 +206,39 @@ def test_registry_errors():
         make_task("countdown", shuffle=1)
 
 
+def test_register_task_decorator_adds_a_task_and_refuses_a_second_name():
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    from megatron_gspo.tasks import register_task
+
+    @dataclass(frozen=True)
+    class Echo:
+        width: int = 2
+        name: ClassVar[str] = "echo_test"
+
+        def sample(self, rng):
+            return Example("e:7=", "7")
+
+        def reward(self, example, completion):
+            return float(completion == example.answer)
+
+        def format_ok(self, completion):
+            return completion.isdigit()
+
+        def num_prompts(self):
+            return 1
+
+    try:
+        assert register_task(Echo) is Echo and make_task("echo_test", width=3).width == 3
+        with pytest.raises(ValueError, match="'echo_test' is already registered"):
+            register_task(Echo)
+        with pytest.raises(ValueError, match="only 1 distinct prompts"):  # num_prompts is read
+            make_splits(make_task("echo_test"), 1, 1, seed=0)
+    finally:
+        TASKS.pop("echo_test", None)
+
+
 def test_score_hand_values():
     task = make_task("addition")
     examples = [Example("1+2=", "3"), Example("5+5=", "10"), Example("9+9=", "18"),

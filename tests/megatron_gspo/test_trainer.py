@@ -19,11 +19,11 @@ def digit_first(example, completion: str) -> float:
     return float(completion[:1].isdigit())
 
 
-def make_trainer(tmp_path, *overrides, name="run"):
+def make_trainer(tmp_path, *overrides, name="run", **parts):
     from megatron_gspo.trainer import Trainer
 
     cfg = load_config(None, [*BASE, f"run_dir={tmp_path / name}", *overrides])
-    trainer = Trainer(cfg)
+    trainer = Trainer.from_config(cfg, **parts)
     object.__setattr__(trainer.rt.task, "reward", digit_first)  # frozen dataclass
     return trainer
 
@@ -50,7 +50,7 @@ def test_resume_gives_the_same_next_step(tmp_path):
     first = make_trainer(tmp_path, "train.steps=1", name="resumed")
     first.train()
     resumed = make_trainer(tmp_path, "train.steps=2", name="resumed")
-    assert resumed.state["iteration"] == 1 and resumed.state["opt_step"] == 4
+    assert resumed.state.iteration == 1 and resumed.state.opt_step == 4
     resumed.train()
     a, b = params(straight), params(resumed)
     for n in a:
@@ -189,28 +189,27 @@ def test_replay_source_is_pi_old_for_r2_and_the_sampler_for_r3(tmp_path, monkeyp
     """The sampler's routing is made to differ from pi_old's (on CPU they agree exactly, see
     test_rollout), so replaying the wrong one is caught."""
     from megatron_gspo import trainer as trainer_mod
-
-    trainer = make_trainer(tmp_path, "train.steps=1", f"train.routing_replay={mode}",
-                           "train.num_minibatches=2", "train.flip_every=1")
-    real_generate, real_step = trainer_mod.generate_rollouts, trainer_mod.Trainer.train_step
+    from megatron_gspo.rollout import generate_rollouts
 
     def shifted_generate(*args, **kwargs):
-        batch = real_generate(*args, **kwargs)
+        batch = generate_rollouts(*args, **kwargs)
         if batch.routing is not None:  # another valid routing: ids + 1 mod E, still unique
             r = batch.routing
             r.ids_NLK = ((r.ids_NLK.long() + 1) % r.num_experts).to(r.ids_NLK.dtype)
         return batch
 
-    seen = []
+    trainer = make_trainer(tmp_path, "train.steps=1", f"train.routing_replay={mode}",
+                           "train.num_minibatches=2", "train.flip_every=1",
+                           generate=shifted_generate)
+    real_step, seen = trainer_mod.Trainer.train_step, []
 
-    def spy(self, mb, old_logp_BT, adv_B, old_routing, replay=None, ref_logp_BT=None):
-        assert (mb.routing is None) == (mode == "r2")
-        source = mb.routing if mode == "r3" else old_routing
-        assert torch.equal(replay.ids_NLK, source.ids_NLK)
+    def spy(self, mb):
+        assert (mb.rollout.routing is None) == (mode == "r2")
+        source = mb.rollout.routing if mode == "r3" else mb.old_routing
+        assert torch.equal(mb.replay.ids_NLK, source.ids_NLK)
         seen.append(mode)
-        return real_step(self, mb, old_logp_BT, adv_B, old_routing, replay, ref_logp_BT)
+        return real_step(self, mb)
 
-    monkeypatch.setattr(trainer_mod, "generate_rollouts", shifted_generate)
     monkeypatch.setattr(trainer_mod.Trainer, "train_step", spy)
     trainer.train()
     assert seen == [mode, mode]
@@ -225,3 +224,35 @@ def test_replay_source_is_pi_old_for_r2_and_the_sampler_for_r3(tmp_path, monkeyp
 def test_r3_without_kv_cache_is_a_config_error():
     with pytest.raises(ConfigError, match="rollout.kv_cache=true"):
         load_config(None, ["train.routing_replay=r3", "rollout.kv_cache=false"])
+
+
+def test_minibatch_select_keeps_every_part_row_aligned():
+    """One `select` slices tokens, pi_old log-probs, advantages and both routing caches."""
+    from megatron_gspo.rollout import RolloutBatch
+    from megatron_gspo.trainer import Minibatch, TrainerState
+    from moe.replay import RoutingReplayCache
+
+    B, T, L, K = 4, 3, 2, 2
+    valid_BT = torch.tensor([[1, 1, 1], [0, 1, 1], [0, 0, 1], [1, 1, 1]], dtype=torch.bool)
+    N = int(valid_BT.sum())
+    ids_NLK = torch.arange(N * L * K).reshape(N, L, K) % 8
+    row_of_N = torch.arange(B).repeat_interleave(valid_BT.sum(1))
+    cache = RoutingReplayCache(ids_NLK, valid_BT, num_experts=8)
+    rollout = RolloutBatch(tokens_BT=torch.arange(B * T).reshape(B, T), valid_BT=valid_BT,
+                           response_BT=valid_BT, sampler_logp_BT=torch.zeros(B, T),
+                           rewards_B=torch.arange(B, dtype=torch.float), group_B=torch.arange(B),
+                           completions=list("abcd"), examples=list("ABCD"), routing=cache)
+    full = Minibatch(rollout, old_logp_BT=torch.arange(B * T, dtype=torch.float).reshape(B, T),
+                     adv_B=torch.arange(B, dtype=torch.float) * 10, old_routing=cache,
+                     replay=cache, ref_logp_BT=None)
+    rows = torch.tensor([3, 1])
+    mb = full.select(rows)
+    assert len(mb) == 2 and mb.rollout.completions == ["d", "b"] and mb.ref_logp_BT is None
+    assert torch.equal(mb.tokens_BT, full.tokens_BT[rows])
+    assert torch.equal(mb.old_logp_BT, full.old_logp_BT[rows])
+    assert mb.adv_B.tolist() == [30.0, 10.0]
+    want = torch.cat([ids_NLK[row_of_N == 3], ids_NLK[row_of_N == 1]])
+    for c in (mb.replay, mb.old_routing, mb.rollout.routing):
+        assert torch.equal(c.ids_NLK, want) and torch.equal(c.valid_BT, valid_BT[rows])
+    state = TrainerState.from_dict({"iteration": 2, "opt_step": 8, "unknown": 1})
+    assert (state.iteration, state.opt_step, state.reward_ema) == (2, 8, None)

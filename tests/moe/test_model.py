@@ -39,6 +39,8 @@ def test_parallel_split_checked():
         get_preset("tiny").check_parallel(tp=1, ep=3)
     with pytest.raises(ValueError, match="sequence_parallel"):
         ParallelLayout(tp=1, sequence_parallel=True)
+    with pytest.raises(ValueError, match="sequence_parallel=False: must be true with tp=2"):
+        ParallelLayout(tp=2, sequence_parallel=False)
 
 
 def test_param_count_matches_built_model(single_process):

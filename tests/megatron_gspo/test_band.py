@@ -1,0 +1,130 @@
+"""Accuracy bands: SFT stops in sft.target_accuracy, RL refuses a start outside
+train.start_accuracy, and both fields are validated (megatron_gspo.band)."""
+
+import os
+
+import pytest
+
+from megatron_gspo import checkpoint as ckpt
+from megatron_gspo.band import (AccuracyBandError, SFTBand, check_start_accuracy,
+                                cold_start_line)
+from megatron_gspo.config import ConfigError, load_config
+from megatron_gspo.metrics import read_jsonl
+
+BASE = ["model.preset=tiny", "task.name=addition", "task.kwargs.num_digits=1", "task.n_train=60",
+        "task.n_eval=40", "rollout.prompts_per_batch=4", "rollout.group_size=4",
+        "rollout.max_new_tokens=3", "train.num_minibatches=2", "train.save_every=0",
+        "wandb.mode=disabled", "sft.batch_size=16", "sft.lr=1e-2"]
+
+
+@pytest.mark.parametrize("key", ["sft.target_accuracy", "train.start_accuracy"])
+@pytest.mark.parametrize("value,fragment", [
+    ("[0.45,0.25]", "0 <= low < high <= 1"), ("[0.3,0.3]", "0 <= low < high <= 1"),
+    ("[-0.1,0.3]", "0 <= low < high <= 1"), ("[0.2,1.5]", "0 <= low < high <= 1"),
+    ("[.nan,0.3]", "0 <= low < high <= 1"), ("[0.2]", "expected [low, high]"),
+    ("[0.1,0.2,0.3]", "expected [low, high]"), ("[x,0.3]", "expected [low, high]"),
+    ("0.3", "expected list | null")])
+def test_bad_band_is_a_config_error_naming_it(key, value, fragment):
+    with pytest.raises(ConfigError, match=r"^" + key.replace(".", r"\.") + "=") as e:
+        load_config(None, [f"{key}={value}"])
+    assert fragment in str(e.value)
+
+
+def test_band_values_and_eval_interval():
+    cfg = load_config(None, ["sft.target_accuracy=[0, '0.5']", "train.start_accuracy=[0.25, 1]"])
+    assert cfg.sft.target_accuracy == [0.0, 0.5] and cfg.train.start_accuracy == [0.25, 1.0]
+    assert load_config(None, []).sft.target_accuracy is None  # default: the old fixed steps
+    with pytest.raises(ConfigError, match=r"sft\.target_accuracy=.*needs sft\.eval_every > 0"):
+        load_config(None, ["sft.target_accuracy=[0.2,0.4]", "sft.eval_every=0"])
+    with pytest.raises(ConfigError, match=r"train\.start_accuracy=.*train\.eval_every > 0"):
+        load_config(None, ["train.start_accuracy=[0.2,0.4]", "train.eval_every=0"])
+
+
+def test_start_check_names_accuracy_and_band():
+    cfg = load_config(None, ["train.start_accuracy=[0.25,0.45]", "init_checkpoint=runs/x"])
+    check_start_accuracy(cfg, {"eval/accuracy": 0.25})  # edges are inside
+    check_start_accuracy(cfg, {"eval/accuracy": 0.45})
+    check_start_accuracy(load_config(None, []), {"eval/accuracy": 0.99})  # no band: no check
+    with pytest.raises(AccuracyBandError) as e:
+        check_start_accuracy(cfg, {"eval/accuracy": 0.656})
+    assert str(e.value).startswith("train.start_accuracy=[0.25, 0.45]: init_checkpoint=runs/x "
+                                   "has held-out accuracy 0.6560, outside the band")
+    assert "\n" not in str(e.value) and isinstance(e.value, ConfigError)  # CLI: one line, exit 2
+
+
+def test_band_rule_over_a_sequence_of_evals():
+    cfg = load_config(None, ["sft.target_accuracy=[0.25,0.45]", "run_dir=r"])
+    band = SFTBand(cfg)
+    assert [band.update(s, a) for s, a in ((0, 0.0), (10, 0.24))] == [False, False]
+    assert band.update(20, 0.25) and band.record() == {"sft/start_accuracy": 0.25,
+                                                       "sft/band_step": 20.0}
+    band = SFTBand(cfg)
+    band.update(10, 0.2)
+    with pytest.raises(AccuracyBandError, match=r"jumped from 0\.2000 at step 10 to 0\.4600 at "
+                                                r"step 20, past the band"):
+        band.update(20, 0.46)
+    with pytest.raises(AccuracyBandError, match=r"before SFT already has held-out accuracy 0\.5"):
+        SFTBand(cfg).update(0, 0.5)
+
+
+def _scripted_eval(monkeypatch, accuracies):
+    import megatron_gspo.sft as sft
+
+    it = iter(accuracies)
+    monkeypatch.setattr(sft, "evaluate_runtime", lambda rt: {"eval/accuracy": next(it)})
+
+
+@pytest.mark.parametrize("accuracies,fragment", [
+    ([0.0, 0.1, 0.2], r"not reached in sft\.steps=4 \(held-out accuracy 0\.2000 at step 4; "
+                      r"checkpoint saved in .*\); raise sft\.steps"),
+    ([0.0, 0.1, 0.9], r"jumped from 0\.1000 at step 2 to 0\.9000 at step 4, past the band")])
+def test_sft_outside_the_band_fails_and_keeps_the_checkpoint(tmp_path, monkeypatch, accuracies,
+                                                              fragment):
+    from megatron_gspo.sft import run_sft
+
+    _scripted_eval(monkeypatch, accuracies)
+    cfg = load_config(None, [*BASE, f"run_dir={tmp_path}", "sft.steps=4", "sft.eval_every=2",
+                             "sft.target_accuracy=[0.3,0.6]"])
+    with pytest.raises(AccuracyBandError, match=fragment):
+        run_sft(cfg)
+    assert ckpt.latest_step(os.path.join(tmp_path, "checkpoints")) == 4
+    rows = read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))
+    assert [r["eval/accuracy"] for r in rows if "eval/accuracy" in r] == accuracies
+
+
+def test_real_sft_stops_in_band_and_rl_checks_its_start(tmp_path):
+    """Real SFT to the band; the checkpoint records where; RL from it passes the same band and
+    refuses one that excludes its accuracy before any RL step."""
+    from megatron_gspo.sft import run_sft
+    from megatron_gspo.trainer import Trainer
+
+    sft_dir = tmp_path / "sft"
+    cfg = load_config(None, [*BASE, f"run_dir={sft_dir}", "sft.steps=80", "sft.eval_every=4",
+                             "sft.lr_decay_style=linear", "sft.target_accuracy=[0.05,0.6]"])
+    out = run_sft(cfg)
+    evals = [(r["step"], r["eval/accuracy"]) for r in read_jsonl(sft_dir / "metrics.jsonl")
+             if "eval/accuracy" in r]
+    first = next(s for s, a in evals if a >= 0.05)
+    assert 0 < first < 80 and evals[-1][0] == first  # stopped at the first eval in the band
+    assert out["sft/band_step"] == first and 0.05 <= out["sft/start_accuracy"] <= 0.6
+    assert ckpt.latest_step(os.path.join(sft_dir, "checkpoints")) == first
+    extra = ckpt.load_checkpoint(os.path.join(sft_dir, "checkpoints"), rank=0)["extra"]
+    assert extra["band"] == {"sft/start_accuracy": evals[-1][1], "sft/band_step": first}
+    assert run_sft(cfg)["sft/band_step"] == first  # re-running: done, nothing trained
+    assert cold_start_line(str(sft_dir)) == (f"cold start {sft_dir}: start accuracy "
+                                             f"{evals[-1][1]:.4f}, entered the band at SFT "
+                                             f"step {first}")
+
+    acc = out["sft/start_accuracy"]
+    rl = [*BASE, f"init_checkpoint={sft_dir}", "train.steps=1", "train.eval_every=1"]
+    refused = load_config(None, [*rl, f"run_dir={tmp_path / 'refused'}",
+                                 f"train.start_accuracy=[{acc + 0.01},1]"])
+    with pytest.raises(AccuracyBandError, match=rf"held-out accuracy {acc:.4f}, outside the band"):
+        Trainer.from_config(refused).train()
+    rows = read_jsonl(tmp_path / "refused" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0] and not os.path.exists(tmp_path / "refused" /
+                                                                   "checkpoints")
+    ok = load_config(None, [*rl, f"run_dir={tmp_path / 'ok'}", "train.start_accuracy=[0.05,0.6]"])
+    Trainer.from_config(ok).train()
+    rows = read_jsonl(tmp_path / "ok" / "metrics.jsonl")
+    assert rows[0]["eval/accuracy"] == acc and any("reward/mean" in r for r in rows)

@@ -1,0 +1,94 @@
+"""tools/result_table.py (plot_run --table) on synthetic metrics.jsonl with hand-computed cells."""
+
+import json
+import os
+from importlib.metadata import version
+
+import pytest
+import torch
+
+from tools import plot_run, result_table
+
+
+def _write(d, records):
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "metrics.jsonl"), "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    return str(d)
+
+
+def _runs(tmp_path):
+    """gspo: 2 seeds; evals at 0, 10, 20 (s0 0.30 0.40 0.50, s1 0.32 0.36 0.44); reward t/10
+    (s1: +0.1, "nan" at t=5) at t = 0..9 written in reverse order. grpo: 1 seed, no reward."""
+    def seed(evals, shift, nan_at=None):
+        recs = [{"step": t, "reward/mean": "nan" if t == nan_at else t / 10 + shift}
+                for t in reversed(range(10))]
+        recs += [{"step": t, "eval/accuracy": a} for t, a in zip((0, 10, 20), evals)]
+        return recs
+
+    return [_write(tmp_path / "gspo_s0", seed((0.30, 0.40, 0.50), 0.0)),
+            _write(tmp_path / "gspo_s1", seed((0.32, 0.36, 0.44), 0.1, nan_at=5)),
+            _write(tmp_path / "grpo_s0", [{"step": 0, "eval/accuracy": 0.2},
+                                          {"step": 5, "eval/accuracy": 0.25}])]
+
+
+def test_cells_are_seed_mean_and_sample_std(tmp_path):
+    runs = plot_run.load_runs(_runs(tmp_path), group_by_prefix=True)
+    gspo, grpo = runs
+    assert result_table.cell(gspo, "eval/accuracy", "start") == pytest.approx(
+        (0.31, 0.0141421356, 2))
+    assert result_table.cell(gspo, "eval/accuracy", "final") == pytest.approx(
+        (0.47, 0.0424264069, 2))
+    assert result_table.cell(gspo, "eval/accuracy", "best")[0] == pytest.approx(0.47)
+    # reward in step order: s0 0.0..0.9; s1 0.1..1.0 without t=5 (9 values)
+    assert result_table.cell(gspo, "reward/mean", "last10%")[0] == pytest.approx(0.95)
+    assert result_table.cell(gspo, "reward/mean", "first20%")[0] == pytest.approx(0.1)
+    assert result_table.cell(gspo, "reward/mean", "mean")[0] == pytest.approx(
+        (0.45 + (5.5 - 0.6) / 9) / 2)
+    assert result_table.cell(grpo, "eval/accuracy", "final") == (0.25, None, 1)
+    assert result_table.cell(grpo, "reward/mean", "final") is None
+
+    table = result_table.format_table(runs, ["eval/accuracy:final=final acc",
+                                             "reward/mean:last10%"], header="HEADER")
+    lines = table.splitlines()
+    assert lines[0] == "HEADER" and "seeds per arm: 1, 2" in lines[1]
+    assert lines[3:] == ["| | gspo | grpo |", "| --- | --- | --- |",
+                         "| `eval/accuracy:start` | 0.31 ± 0.014 | 0.2 |",
+                         "| final acc | 0.47 ± 0.042 | 0.25 |",
+                         "| `reward/mean:last10%` | 0.95 ± 0.071 | - |"]
+
+
+@pytest.mark.parametrize("spec", ["eval/accuracy", "eval/accuracy:median", ":final",
+                                  "reward/mean:last%"])
+def test_bad_stat_is_named(spec):
+    with pytest.raises(ValueError, match="--stat " + repr(spec).replace("[", r"\[")):
+        result_table.parse_stat(spec)
+
+
+def test_machine_line_names_cpu_date_and_versions():
+    line = result_table.machine_line(date="2026-11-23")
+    with open("/proc/cpuinfo") as f:
+        cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    assert line == (f"Measured on {cpu}, 2026-11-23, torch {torch.__version__}, "
+                    f"megatron-core {version('megatron-core')}.")
+
+
+def test_readme_table_between_markers(tmp_path, capsys):
+    readme = tmp_path / "README.md"
+    readme.write_text("# X\nkeep\n<!-- table:main:begin -->\nold 0.164\n<!-- table:main:end -->"
+                      "\ntail\n<!-- table:begin -->\nother\n<!-- table:end -->\n")
+    args = [*_runs(tmp_path), "--group-by-prefix", "--table", "--readme", str(readme),
+            "--marker", "main", "--stat", "eval/accuracy:final"]
+    assert plot_run.main(args) == 0
+    text = readme.read_text()
+    printed = capsys.readouterr().out
+    table = printed[printed.index("Measured on"):].rstrip("\n")
+    assert text == ("# X\nkeep\n<!-- table:main:begin -->\n" + table +
+                    "\n<!-- table:main:end -->\ntail\n<!-- table:begin -->\nother\n"
+                    "<!-- table:end -->\n")
+    assert "| `eval/accuracy:final` | 0.47 ± 0.042 | 0.25 |" in table
+    assert plot_run.main([*args[:-4], "--marker", "nope"]) == 2
+    assert "no <!-- table:nope:begin --> ... <!-- table:nope:end -->" in capsys.readouterr().err
+    assert readme.read_text() == text  # unchanged on error
+    assert plot_run.main([args[0], "--readme", str(readme)]) == 2  # --readme needs --table
