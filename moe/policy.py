@@ -58,9 +58,11 @@ class MoEPolicy:
     def build(cls, preset: MoEPreset, layout: ParallelLayout, *, real_vocab: int, seed: int = 0,
               dtype: torch.dtype = torch.float32, aux_loss_coeff: float = 0.0,
               optim: OptimSettings | None = OptimSettings(),
-              recompute: Recompute = Recompute()) -> "MoEPolicy":
+              recompute: Recompute = Recompute(),
+              sdpa_attention: bool = False) -> "MoEPolicy":
         """The GPTModel wrapped in megatron DDP, with megatron's Adam (`moe.optim`; None: no
-        optimizer). 16-bit `dtype` trains with fp32 main grads and fp32 master weights."""
+        optimizer). 16-bit `dtype` trains with fp32 main grads and fp32 master weights.
+        `sdpa_attention`: core attention as `moe.attention.SDPAAttention` (local spec)."""
         apply_cpu_patches()
         from megatron.core.distributed import DistributedDataParallel, \
             DistributedDataParallelConfig
@@ -69,6 +71,7 @@ class MoEPolicy:
             raise ValueError(f"tokenizer vocab {real_vocab} exceeds preset {preset.name!r} "
                              f"vocab_size={preset.vocab_size}")
         gpt = build_gpt_moe(preset, layout, seed=seed, dtype=dtype, aux_loss_coeff=aux_loss_coeff,
+                            sdpa_attention=sdpa_attention,
                             recompute=recompute)
         model = DistributedDataParallel(gpt.config, DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, bucket_size=None,
