@@ -28,16 +28,21 @@ from moe.presets import MoEPreset
 from moe.replay import RoutingReplayCache, record_routing, replay_backward
 
 
-def attention_inputs(valid_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Position ids [B, T] and megatron's boolean attention mask [B, 1, T, T] (True = hidden)."""
+def attention_inputs(valid_BT: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position ids [B, T] and megatron's boolean attention mask [B, 1, T, T] (True = hidden).
+
+    With `start`, only the query rows from `start` on: ids [B, T - start], mask
+    [B, 1, T - start, T] (what a KV-cache step needs, without building the full T x T)."""
     B, T = valid_BT.shape
     valid_BT = valid_BT.bool()
     position_ids_BT = (valid_BT.long().cumsum(dim=1) - 1).clamp(min=0)
-    causal_TT = torch.ones(T, T, dtype=torch.bool, device=valid_BT.device).tril()
-    allowed_BTT = causal_TT[None] & valid_BT[:, None, :]
+    rows_S = torch.arange(start, T, device=valid_BT.device)
+    cols_T = torch.arange(T, device=valid_BT.device)
+    causal_ST = cols_T[None, :] <= rows_S[:, None]
+    allowed_BST = causal_ST[None] & valid_BT[:, None, :]
     # A padding query with no visible key would softmax over nothing: let it see itself.
-    allowed_BTT |= torch.eye(T, dtype=torch.bool, device=valid_BT.device)[None]
-    return position_ids_BT, ~allowed_BTT[:, None]
+    allowed_BST |= (cols_T[None, :] == rows_S[:, None])[None]
+    return position_ids_BT[:, start:], ~allowed_BST[:, None]
 
 
 class MoEPolicy:
@@ -255,7 +260,7 @@ class KVCacheDecoder:
         if not seen < T <= self.max_len:
             raise ValueError(f"{T} columns: the cache holds {seen} of at most {self.max_len}")
         policy = self.policy
-        position_ids_BT, mask_B1TT = attention_inputs(valid_BT.to(policy.device))
+        position_ids_BS, mask_B1ST = attention_inputs(valid_BT.to(policy.device), start=seen)
         if seen:
             self.context.enable_decode_mode()
         was_training = policy.model.training
@@ -264,7 +269,7 @@ class KVCacheDecoder:
         try:
             with recording as recorded_L:
                 logits_BSV = policy.model(tokens_BT[:, seen:].to(policy.device),
-                                          position_ids_BT[:, seen:], mask_B1TT[:, :, seen:, :],
+                                          position_ids_BS, mask_B1ST,
                                           inference_context=self.context,
                                           runtime_gather_output=True)
         finally:
