@@ -9,15 +9,20 @@ measured optimizer step `StepFlips` compares the top-k sets of the minibatch's t
 before the step with those just after it (`moe/flip_rate/layer_XX`, `moe/flip_rate/mean`, load
 statistics), and the live routing after the step with pi_old's (`moe/drift_vs_old/...`).
 
-Cost: the "before" routing is recorded from the training forward itself (no extra forward)
-unless that forward replays a cached routing (R2/R3), in which case one no-grad forward runs
-before the step; the "after" routing is one no-grad forward. Departure from the paper: it does
-not say which tokens it counts; here every valid token of the minibatch (prompt and response).
+Cost: at most one no-grad forward per measured step. The "before" routing is recorded from the
+training forward itself unless that forward replays a cached routing (R2/R3); then it is the live
+routing at the step's starting weights from elsewhere: pi_old's pass for an iteration's first
+step (the same weights), else the previous measured step's "after" forward, which then runs over
+both minibatches' rows (`next_mb`: one call, twice the rows), else one extra forward. The "after"
+routing is one no-grad forward. Departure from the paper: it does not say which tokens it
+counts; here every valid token of the minibatch (prompt and response).
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+
+import torch
 
 from moe.replay import RoutingReplayCache, current_routing, record_routing
 from moe.routing_stats import routing_metrics
@@ -31,11 +36,17 @@ class StepFlips:
             loss = ...policy forward...
         ...backward, optimizer step...
         metrics.update(flips.after_step())
+
+    `before`: the live routing of `mb` at the current weights when already known (pi_old's for
+    an iteration's first step). `next_mb`: the next step's minibatch when that step measures
+    too; `after_step` then also routes its rows and leaves them in `next_before`.
     """
 
-    def __init__(self, policy, mb, active: bool):
+    def __init__(self, policy, mb, active: bool, before: RoutingReplayCache | None = None,
+                 next_mb=None):
         self.policy, self.mb, self.active = policy, mb, active
-        self.before: RoutingReplayCache | None = None
+        self.before, self.next_mb = before, next_mb
+        self.next_before: RoutingReplayCache | None = None
 
     @contextmanager
     def watch(self):
@@ -47,7 +58,8 @@ class StepFlips:
             yield
             return
         if mb.replay is not None:
-            _, self.before = current_routing(policy, mb.tokens_BT, mb.valid_BT)
+            if self.before is None:
+                _, self.before = current_routing(policy, mb.tokens_BT, mb.valid_BT)
             yield
             return
         with record_routing(policy) as recorded:
@@ -59,12 +71,24 @@ class StepFlips:
         """Flip rates of this step and drift from pi_old (call once the optimizer stepped)."""
         if not self.active:
             return {}
-        _, after = current_routing(self.policy, self.mb.tokens_BT, self.mb.valid_BT)
+        after = self._after_routing()
         L = after.num_layers
         out = routing_metrics([self.before.layer_ids(l) for l in range(L)],
                               [after.layer_ids(l) for l in range(L)], after.num_experts)
         out.update(layer_flips(self.mb.old_routing, after, "moe/drift_vs_old/"))
         return out
+
+
+    def _after_routing(self) -> RoutingReplayCache:
+        """The live routing of `mb` now (and of `next_mb`'s rows into `next_before`)."""
+        mb, nxt = self.mb, self.next_mb
+        if nxt is None:
+            return current_routing(self.policy, mb.tokens_BT, mb.valid_BT)[1]
+        _, both = current_routing(self.policy, torch.cat([mb.tokens_BT, nxt.tokens_BT]),
+                                  torch.cat([mb.valid_BT, nxt.valid_BT]))
+        n = len(mb)
+        self.next_before = both.select(slice(n, None))
+        return both.select(slice(0, n))
 
 
 def layer_flips(old: RoutingReplayCache, new: RoutingReplayCache, prefix: str) -> dict:
