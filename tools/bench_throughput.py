@@ -160,7 +160,11 @@ def summarize(rows: list) -> dict:
             "rollout_s": med(r["rollout_s"] for r in rows), "old_s": med(r["old_s"] for r in rows),
             "train_s": med(r["train_s"] for r in rows),
             "rollout_tokens": statistics.mean(r["rollout_tokens"] for r in rows),
-            "train_tokens": statistics.mean(r["train_tokens"] for r in rows)}
+            "train_tokens": statistics.mean(r["train_tokens"] for r in rows),
+            # the least disturbed iteration (the sweep's statistic on a shared machine)
+            "best": {"rollout_tps": max(rollout), "train_tps": max(train),
+                     "old_s": min(r["old_s"] for r in rows),
+                     "train_s": min(r["train_s"] for r in rows)}}
 
 
 def print_table(ours: dict, trl: dict | None, skip_reason: str | None) -> None:
