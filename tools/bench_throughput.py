@@ -273,7 +273,8 @@ def main(argv=None) -> int:
     if "flip" in res:
         flip = res["flip"]
         print(f"flip instrumentation (train.flip_every=1): train s/iter {flip['train_s']:.3f} vs "
-              f"{ours['train_s']:.3f} without, ratio {flip['train_s'] / ours['train_s']:.2f}")
+              f"{ours['train_s']:.3f} without, ratio {flip['train_s'] / ours['train_s']:.2f} "
+              f"(best iterations: {flip['best']['train_s'] / ours['best']['train_s']:.2f})")
     B = args.prompts * args.group_size
     print(f"\nbatch: {args.prompts} prompts x G={args.group_size} = {B} sequences, "
           f"{args.minibatches} optimizer steps of {B // args.minibatches} per batch, "
