@@ -17,7 +17,8 @@ measured from it described one checkpoint.
   and one eval of 256 prompts has a standard error of about 0.03, far less than the band's
   width of 0.2.
 - `train.start_accuracy = [low, high]`: RL refuses to start when its iteration-0 eval of the
-  initial policy is outside the band (`check_start_accuracy`), before any RL step.
+  initial policy (run for this check even with train.eval_every 0) is outside the band
+  (`check_start_accuracy`), before any RL step.
 
 The band, not the step count, is what a recipe promises on another machine: the step at which
 SFT enters it may differ. Accuracies are on the run's held-out prompts (greedy), averaged over

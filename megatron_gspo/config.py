@@ -236,9 +236,9 @@ class TrainConfig:
     """Abort after this many consecutive steps skipped for NaN / inf loss or grad norm."""
     start_accuracy: Optional[list] = None
     """[low, high]: refuse to start (before any RL step) when the initial policy's held-out
-    accuracy, the iteration-0 eval, is outside this band, so that every arm of an experiment
-    starts where its recipe says (`megatron_gspo.band`); needs eval_every > 0. None = no
-    check."""
+    accuracy, the iteration-0 eval (run for this check also with eval_every 0), is outside this
+    band, so that every arm of an experiment starts where its recipe says
+    (`megatron_gspo.band`). None = no check."""
 
     def __post_init__(self):
         validate(self, ge={"steps": 1, "num_minibatches": 1, "log_every": 1, "flip_every": 0,
@@ -247,9 +247,6 @@ class TrainConfig:
         check(self, "collapse_reward_drop", 0 < self.collapse_reward_drop <= 1,
                "must be in (0, 1]")
         check_band(self, "start_accuracy")
-        check(self, "start_accuracy", self.start_accuracy is None or self.eval_every > 0,
-              f"is checked on the iteration-0 eval: needs train.eval_every > 0 "
-              f"(got {self.eval_every})")
 
 
 @dataclass(frozen=True)
@@ -268,8 +265,8 @@ class SFTConfig:
     """Evaluate every k steps (0 = never)."""
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
     """lr schedule (megatron's OptimizerParamScheduler): constant, or linear / cosine decay from
-    sft.lr to sft.min_lr at step sft.steps. A decaying lr slows the late rise of the accuracy,
-    so that target_accuracy's band is entered rather than jumped over."""
+    sft.lr to sft.min_lr at step sft.steps (with target_accuracy, sft.steps is the budget the
+    decay spans, not where SFT stops)."""
     min_lr: float = 0.0
     """Floor of the linear / cosine decay."""
     target_accuracy: Optional[list] = None

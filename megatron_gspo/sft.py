@@ -93,16 +93,14 @@ def _sft_loop(rt) -> dict:
                 done = bool(evaluated) and band.update(step, reduced["eval/accuracy"])
             except AccuracyBandError:  # past the band: keep what was trained, then say so
                 rt.logger.log(step, reduced)
-                save_state(rt, step, {"job": "sft", "step": step, "eval": metrics,
-                                      "gen": gen.get_state()})
+                _save(rt, step, metrics, gen)
                 raise
             if done:
                 return _stop_in_band(rt, band, step, metrics, gen, reduced)
             rt.logger.log(step, reduced)
             signum = stop.requested()
             if step == cfg.sft.steps or signum:
-                save_state(rt, step, {"job": "sft", "step": step, "eval": metrics,
-                                      "gen": gen.get_state()})
+                _save(rt, step, metrics, gen)
             if signum and step < cfg.sft.steps:
                 raise Preempted(signum, f"stopped at SFT step {step} of {cfg.sft.steps}; "
                                 f"checkpoint saved in {cfg.run_dir}; run the same command "
@@ -116,13 +114,17 @@ def _stop_in_band(rt, band: SFTBand, step: int, metrics: dict, gen, reduced: dic
     """Log and save the step whose eval entered sft.target_accuracy (the record included)."""
     record = band.record()
     rt.logger.log(step, {**reduced, **record})
-    save_state(rt, step, {"job": "sft", "step": step, "eval": metrics, "band": record,
-                          "gen": gen.get_state()})
+    _save(rt, step, metrics, gen, band=record)
     if rt.info.is_main:
         print(f"SFT entered sft.target_accuracy={fmt_band(band.band)} at step {step}: "
               f"held-out accuracy {record['sft/start_accuracy']:.4f}; saved in "
               f"{rt.cfg.run_dir}", flush=True)
     return {**metrics, **record}
+
+
+def _save(rt, step: int, metrics: dict, gen: torch.Generator, **extra) -> None:
+    save_state(rt, step, {"job": "sft", "step": step, "eval": metrics, **extra,
+                          "gen": gen.get_state()})
 
 
 def sft_step(rt, gen: torch.Generator) -> dict:

@@ -146,7 +146,7 @@ class Trainer:
                           f"train.steps={cfg.train.steps} rollout batches; nothing to do "
                           "(raise train.steps to continue it)", flush=True)
                 return last
-            if state.iteration == 0 and cfg.train.eval_every:
+            if state.iteration == 0 and (cfg.train.eval_every or cfg.train.start_accuracy):
                 self._log(state.opt_step, first := self.evaluate())
                 check_start_accuracy(cfg, first)  # train.start_accuracy (megatron_gspo.band)
             with Preemption() as stop:

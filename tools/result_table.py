@@ -109,9 +109,10 @@ def format_table(runs: list[dict], stats=(), header: str | None = None) -> str:
     if not any(p[:2] == ("eval/accuracy", "start") for p in parsed):
         parsed.insert(0, parse_stat(START))
     seeds = sorted({len(r["seeds"]) for r in runs})
+    spread = "One run per column (no seed spread)" if seeds == [1] else \
+        f"Mean ± sample standard deviation over seeds (seeds per arm: {', '.join(map(str, seeds))})"
     lines = [header if header is not None else machine_line(),
-             f"Mean ± standard deviation over seeds (seeds per arm: "
-             f"{', '.join(map(str, seeds))}); `KEY:REDUCER` as in `tools/result_table.py`.", "",
+             f"{spread}; `KEY:REDUCER` as in `tools/result_table.py`.", "",
              "| | " + " | ".join(r["label"] for r in runs) + " |",
              "| --- |" + " --- |" * len(runs)]
     for key, reducer, label in parsed:

@@ -46,7 +46,8 @@ STATS = ["eval/accuracy:start=eval accuracy at the start (SFT checkpoint)",
          "moe/flip_rate/mean:mean=expert flip rate per step",
          "moe/any_flip/mean:mean=tokens with any flipped expert per step",
          "moe/drift_vs_old/mean:mean=live routing vs pi_old's after the step",
-         "policy/entropy:mean=policy entropy"]  # + the mean flip rate of each layer
+         "policy/entropy:mean=policy entropy",
+         "adv/zero_std_frac:mean=groups with zero reward variance"]  # + the mean flip rate of each layer
 PROFILES = {"cpu": None, "gpu-small": "gpu_small.yaml"}
 
 
@@ -117,8 +118,8 @@ def write_table(runs: list[str], marker: str, sft_dir: str) -> None:
     none for this variant."""
     loaded = plot_run.load_runs(runs, group_by_prefix=True)
     layers = [f"{key}:mean=flip rate, layer {i}" for i, key in plot_run.layer_keys(loaded)]
-    header = (f"{result_table.machine_line()} "
-              f"{cold_start_line(sft_dir).replace(ROOT + os.sep, '')}.")
+    cold = cold_start_line(sft_dir).replace(ROOT + os.sep, "")
+    header = f"{result_table.machine_line()} {cold[0].upper()}{cold[1:]}."
     table = result_table.format_table(loaded, STATS + layers, header=header)
     readme = os.path.join(HERE, "README.md")
     try:

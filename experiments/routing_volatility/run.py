@@ -11,7 +11,9 @@ deep; its own SFT with the ablation's recipe). Flips are measured on every optim
 top-k sets of the same tokens just before vs just after the step. Sweeps the learning rate at 4
 minibatches, and the number of minibatches per rollout batch at lr 1e-4. Prints per-layer mean
 flip rates, the Spearman correlation of flip rate with depth, and the mean flip rate of the
-deepest third of layers over that of the shallowest third. Figures go to figures/<preset>/.
+deepest third of layers over that of the shallowest third. Figures go to figures/<preset>/;
+the tables (with the machine, the cold starts' accuracies, the clip fraction and the final
+reward per run) go into README.md between `<!-- table:main:begin/end -->`.
 """
 
 from __future__ import annotations
@@ -21,12 +23,16 @@ import os
 import sys
 
 from experiments.ablation.run import cli
-from tools import plot_run
+from megatron_gspo.band import cold_start_line
+from tools import plot_run, result_table
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
 PRESETS = {"qwen3-moe-tiny": "4 MoE layers", "qwen3-moe-tiny-deep": "12 MoE layers"}
+STATS = ["policy/clip_frac/token:mean=token clip fraction",
+         "reward/mean:last10%=final training reward (last 3 rollout batches)",
+         "moe/flip_rate/mean:mean=mean flip rate"]
 SWEEP = {  # name -> overrides
     "lr3e-5_n4": ["optim.lr=3e-5", "train.num_minibatches=4"],
     "lr1e-4_n4": ["optim.lr=1e-4", "train.num_minibatches=4"],
@@ -90,9 +96,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(HERE, "figures"))
     ap.add_argument("--plot-only", action="store_true")
     args = ap.parse_args(argv)
-    tables = []
+    tables, results = [], []
     for preset in args.presets:
         init = None if args.plot_only else sft_checkpoint(preset)
+        sft_dir = os.path.join(ROOT, "runs/ablation/sft" if preset == "qwen3-moe-tiny" else
+                               f"runs/routing_volatility/{preset}/sft")
         dirs = []
         for name in args.runs:
             run_dir = f"runs/routing_volatility/{preset}/{name}"
@@ -105,7 +113,17 @@ def main(argv=None) -> int:
         plot_run.main([*dirs, "--out", os.path.join(args.out, preset)])
         tables.append(f"\n{preset} ({PRESETS[preset]}), GRPO, {args.steps} rollout batches:\n"
                       + depth_table(dirs))
-    print("\n".join(tables))
+        results.append(f"{preset} ({PRESETS[preset]}); "
+                       + cold_start_line(sft_dir).replace(ROOT + os.sep, "") + ":\n\n"
+                       + result_table.format_table(plot_run.load_runs(dirs), STATS, header="")
+                       .lstrip("\n"))
+    text = "\n".join(tables)
+    print(text)
+    block = "\n\n".join([result_table.machine_line(), "```" + text + "\n```", *results])
+    try:  # generated, never hand-typed: between the README's table:main markers
+        result_table.write_into(os.path.join(HERE, "README.md"), block, "main")
+    except ValueError as e:
+        print(f"note: {e}")
     return 0
 
 

@@ -29,7 +29,7 @@ def test_write_table_into_readme_markers(tmp_path, monkeypatch, capsys):
     ablation_run.write_table(runs, "main", sft)
     text = (tmp_path / "README.md").read_text()
     assert "stale" not in text and text.startswith("a\n<!-- table:main:begin -->\nMeasured on ")
-    assert f"cold start {sft}: start accuracy 0.2578, entered the band at SFT step 870." in text
+    assert f"Cold start {sft}: start accuracy 0.2578, entered the band at SFT step 870." in text
     assert "| eval accuracy at the start (SFT checkpoint) | 0.258 ± 0 | 0.258 ± 0 |" in text
     assert "| eval accuracy, final | 0.35 ± 0.071 | 0.35 ± 0.071 |" in text
     assert "| clipped tokens | 0.205 ± 0.0071 | 0.015 ± 0.0071 |" in text

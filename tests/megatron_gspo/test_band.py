@@ -36,8 +36,6 @@ def test_band_values_and_eval_interval():
     assert load_config(None, []).sft.target_accuracy is None  # default: the old fixed steps
     with pytest.raises(ConfigError, match=r"sft\.target_accuracy=.*needs sft\.eval_every > 0"):
         load_config(None, ["sft.target_accuracy=[0.2,0.4]", "sft.eval_every=0"])
-    with pytest.raises(ConfigError, match=r"train\.start_accuracy=.*train\.eval_every > 0"):
-        load_config(None, ["train.start_accuracy=[0.2,0.4]", "train.eval_every=0"])
 
 
 def test_start_check_names_accuracy_and_band():
@@ -116,7 +114,7 @@ def test_real_sft_stops_in_band_and_rl_checks_its_start(tmp_path):
                                              f"step {first}")
 
     acc = out["sft/start_accuracy"]
-    rl = [*BASE, f"init_checkpoint={sft_dir}", "train.steps=1", "train.eval_every=1"]
+    rl = [*BASE, f"init_checkpoint={sft_dir}", "train.steps=1", "train.eval_every=0"]
     refused = load_config(None, [*rl, f"run_dir={tmp_path / 'refused'}",
                                  f"train.start_accuracy=[{acc + 0.01},1]"])
     with pytest.raises(AccuracyBandError, match=rf"held-out accuracy {acc:.4f}, outside the band"):
@@ -128,3 +126,4 @@ def test_real_sft_stops_in_band_and_rl_checks_its_start(tmp_path):
     Trainer.from_config(ok).train()
     rows = read_jsonl(tmp_path / "ok" / "metrics.jsonl")
     assert rows[0]["eval/accuracy"] == acc and any("reward/mean" in r for r in rows)
+    assert sum("eval/accuracy" in r for r in rows) == 1  # eval_every 0: only the start check

@@ -1,0 +1,40 @@
+"""experiments/routing_volatility/run.py (--plot-only) writes its generated tables into the
+README's markers: depth table, cold start, clip fraction and final reward per run."""
+
+import json
+import os
+
+from experiments.routing_volatility import run as volatility
+
+
+def _write(d, records):
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+
+
+def test_plot_only_writes_generated_tables(tmp_path, monkeypatch):
+    root = tmp_path / "root"
+    _write(root / "runs/ablation/sft", [{"step": 380, "eval/accuracy": 0.2539,
+                                         "sft/start_accuracy": 0.2539, "sft/band_step": 380.0}])
+    for name, flip in (("lr1e-4_n2", 0.001), ("lr1e-4_n8", 0.004)):
+        recs = [{"step": 0, "eval/accuracy": 0.2539}]
+        for t in range(1, 11):
+            recs.append({"step": t, "reward/mean": t / 10, "policy/clip_frac/token": flip * 10,
+                         "moe/flip_rate/mean": 2.5 * flip,
+                         **{f"moe/flip_rate/layer_{i:02d}": flip * (i + 1) for i in range(4)}})
+        _write(root / f"runs/routing_volatility/qwen3-moe-tiny/{name}", recs)
+    (tmp_path / "README.md").write_text("x\n<!-- table:main:begin -->\nold\n"
+                                        "<!-- table:main:end -->\ny\n")
+    monkeypatch.setattr(volatility, "ROOT", str(root))
+    monkeypatch.setattr(volatility, "HERE", str(tmp_path))
+    assert volatility.main(["--plot-only", "--presets", "qwen3-moe-tiny", "--runs", "lr1e-4_n2",
+                            "lr1e-4_n8", "--out", str(tmp_path / "figs")]) == 0
+    text = (tmp_path / "README.md").read_text()
+    assert "\nold\n" not in text and "One run per column (no seed spread)" in text and text.endswith("<!-- table:main:end -->\ny\n")
+    assert "lr1e-4_n2       0.0025      1.00          4.00  0.0010 0.0020 0.0030 0.0040" in text
+    assert ("qwen3-moe-tiny (4 MoE layers); cold start runs/ablation/sft: start accuracy "
+            "0.2539, entered the band at SFT step 380:") in text
+    assert "| | lr1e-4_n2 | lr1e-4_n8 |" in text
+    assert "| token clip fraction | 0.01 | 0.04 |" in text
+    assert "| final training reward (last 3 rollout batches) | 1 | 1 |" in text
