@@ -79,6 +79,10 @@ class ModelConfig:
     recompute_modules: str = "moe"
     """Comma-separated modules for 'selective': moe (the whole MoE layer: router, dispatch,
     experts), core_attn."""
+    attention: Literal["megatron", "sdpa"] = "megatron"
+    """Core attention of the local (CPU) layer spec: megatron's DotProductAttention, or the same
+    attention as one torch SDPA call (`moe.attention`; faster on CPU, equal to fp32 rounding,
+    which is enough to flip an occasional sampled token, so not the default)."""
 
     def __post_init__(self):
         validate(self, nonempty=("preset", "hf_path"),
@@ -86,6 +90,8 @@ class ModelConfig:
                      "max_seq_len": 2},
                  gt={"dist_timeout_min": 0})
         check(self, "dist_timeout_min", self.dist_timeout_min < float("inf"), "must be finite")
+        check(self, "attention", self.attention in ("megatron", "sdpa"),
+              "expected 'megatron' or 'sdpa'")
         modules = [m.strip() for m in self.recompute_modules.split(",")]
         check(self, "recompute_modules", all(m in RECOMPUTE_MODULES for m in modules),
               f"expected a comma-separated subset of {', '.join(RECOMPUTE_MODULES)}")

@@ -26,11 +26,15 @@ dividing, so it is token-weighted over the whole minibatch under DP / SP (a sequ
 shard holding only prompt positions contributes nothing to the loss-position keys). Each rank
 routes distinct tokens (its DP rows, its SP shard), so the world sum counts each token once.
 
-Cost: the "before" routing is recorded from the training forward itself (no extra forward)
-unless that forward replays a cached routing (R2/R3), in which case one no-grad forward runs
-before the step; the "after" routing is one no-grad forward. Under router noise
-(`moe.router_noise`, `train.router_noise_std`) the recorded "before" of an unreplayed step is
-the noisy routing its loss actually used, so `moe/flip_rate` counts the noise's flips too.
+Cost: at most one no-grad forward per measured step. The "before" routing is recorded from the
+training forward itself unless that forward replays a cached routing (R2/R3); then it is the live
+routing at the step's starting weights from elsewhere: pi_old's pass for an iteration's first
+step under R2 (the same weights; under R3 pi_old's pass replays the sampler's routing, so not
+there), else the previous measured step's "after" forward, which then runs over both
+minibatches' rows (`next_mb`: one call, twice the rows), else one extra forward. The "after"
+routing is one no-grad forward. Under router noise (`moe.router_noise`,
+`train.router_noise_std`) the recorded "before" of an unreplayed step is the noisy routing its
+loss actually used, so `moe/flip_rate` counts the noise's flips too.
 """
 
 from __future__ import annotations
@@ -121,11 +125,17 @@ class StepFlips:
             loss = ...policy forward...
         ...backward, optimizer step...
         metrics.update(flips.after_step())
+
+    `before`: the live routing of `mb` at the current weights when already known (pi_old's for
+    an iteration's first step). `next_mb`: the next step's minibatch when that step measures
+    too; `after_step` then also routes its rows and leaves them in `next_before`.
     """
 
-    def __init__(self, policy, mb, active: bool):
+    def __init__(self, policy, mb, active: bool, before: RoutingReplayCache | None = None,
+                 next_mb=None):
         self.policy, self.mb, self.active = policy, mb, active
-        self.before: RoutingReplayCache | None = None
+        self.before, self.next_mb = before, next_mb
+        self.next_before: RoutingReplayCache | None = None
         self.used: RoutingReplayCache | None = None  # the routing the loss's forward used
 
     @contextmanager
@@ -138,7 +148,8 @@ class StepFlips:
             yield
             return
         if mb.replay is not None:
-            _, self.before = current_routing(policy, mb.tokens_BT, mb.valid_BT)
+            if self.before is None:
+                _, self.before = current_routing(policy, mb.tokens_BT, mb.valid_BT)
             self.used = mb.replay
             yield
             return
@@ -153,7 +164,7 @@ class StepFlips:
         if not self.active:
             return {}
         mb = self.mb
-        _, after = current_routing(self.policy, mb.tokens_BT, mb.valid_BT)
+        after = self._after_routing()
         rows_N = token_rows(self.policy, after, loss_positions(mb.response_BT))
         out = _keyed(flip_counts(self.before, after, rows_N),
                      {s: f"moe/{s}/" for s in ("flip_rate", "any_flip", "jaccard",
@@ -165,3 +176,14 @@ class StepFlips:
         out.update(_keyed(flip_counts(mb.old_routing, self.used, rows_N),
                           {"flip_rate": "moe/loss_routing_vs_old/"}))
         return out
+
+    def _after_routing(self) -> RoutingReplayCache:
+        """The live routing of `mb` now (and of `next_mb`'s rows into `next_before`)."""
+        mb, nxt = self.mb, self.next_mb
+        if nxt is None:
+            return current_routing(self.policy, mb.tokens_BT, mb.valid_BT)[1]
+        _, both = current_routing(self.policy, torch.cat([mb.tokens_BT, nxt.tokens_BT]),
+                                  torch.cat([mb.valid_BT, nxt.valid_BT]))
+        n = len(mb)
+        self.next_before = both.select(slice(n, None))
+        return both.select(slice(0, n))

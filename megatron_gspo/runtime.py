@@ -132,7 +132,8 @@ def build_policy(cfg: RunConfig, vocab_size: int, optim: OptimSettings | None,
                              seed=cfg.seed if seed is None else seed,
                              dtype=_DTYPES[cfg.model.dtype],
                              aux_loss_coeff=cfg.model.aux_loss_coeff,
-                             optim=optim, recompute=recompute_of(cfg))
+                             optim=optim, recompute=recompute_of(cfg),
+                             sdpa_attention=cfg.model.attention == "sdpa")
     if cfg.model.hf_path:
         from moe.hf.weights import load_hf_weights
 

@@ -123,6 +123,7 @@ class Trainer:
         self.state = TrainerState.from_dict(try_resume(rt) or {})
         self.timer = Timer()
         self.filter_metrics: dict = {}  # dynamic sampling's, of the last rollout
+        self._flip_before = None  # live routing of the next minibatch, from the last flip pass
 
     @classmethod
     def from_config(cls, cfg: RunConfig, **parts) -> "Trainer":
@@ -188,9 +189,11 @@ class Trainer:
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + it)
         order = torch.randperm(len(batch), generator=gen)
         metrics = {}
-        for m, rows in enumerate(order.chunk(cfg.train.num_minibatches)):
+        mbs = [full.select(rows) for rows in order.chunk(cfg.train.num_minibatches)]
+        for m, mb in enumerate(mbs):
             with self.timer("train"):
-                metrics = self.train_step(full.select(rows))
+                metrics = self.train_step(mb, next_mb=mbs[m + 1] if m + 1 < len(mbs) else None,
+                                          first=m == 0)
             metrics = reduce_metrics({**metrics, **shared, "train/minibatch": m})
             if m < cfg.train.num_minibatches - 1:
                 self._log(self.state.opt_step, metrics)
@@ -269,11 +272,20 @@ class Trainer:
         return batch
 
     # ------------------------------------------------------------------ one optimizer step
-    def train_step(self, mb: Minibatch) -> dict:
-        """One optimizer step on a minibatch; `mb.replay` (R2/R3 rows) forces its routing."""
+    def train_step(self, mb: Minibatch, next_mb: Minibatch | None = None,
+                   first: bool = False) -> dict:
+        """One optimizer step on a minibatch; `mb.replay` (R2/R3 rows) forces its routing.
+        `first`: no step since pi_old's pass; `next_mb`: the iteration's next minibatch (both
+        let the flip measurement reuse routing it already has, `flips.StepFlips`)."""
         cfg, policy = self.cfg, self.policy
-        every = cfg.train.flip_every
-        flips = StepFlips(policy, mb, active=every > 0 and self.state.opt_step % every == 0)
+        every, step = cfg.train.flip_every, self.state.opt_step
+        # pi_old's routing is the live one at these weights, except under R3 (the sampler's)
+        live_old = first and cfg.train.routing_replay != "r3"
+        before, self._flip_before = (mb.old_routing if live_old else self._flip_before), None
+        measures_next = next_mb is not None and next_mb.replay is not None and every > 0 \
+            and (step + 1) % every == 0
+        flips = StepFlips(policy, mb, active=every > 0 and step % every == 0, before=before,
+                          next_mb=next_mb if measures_next else None)
         policy.zero_grad()
         with flips.watch(), replay_routing(policy, mb.replay), self.router_noise(mb):
             logp_BT, entropy_BT = policy.token_logprobs(mb.tokens_BT, mb.valid_BT,
@@ -302,6 +314,7 @@ class Trainer:
                                                "train/lr": policy.lr})
         if stepped:
             metrics.update(flips.after_step())
+            self._flip_before = flips.next_before
         self.state.opt_step += 1
         return metrics
 

@@ -183,13 +183,35 @@ def transformer_config(preset: MoEPreset, layout: ParallelLayout = ParallelLayou
     )
 
 
+def _with_cpu_modules(spec, grouped_experts: bool, sdpa_attention: bool):
+    """The local layer spec with `GroupedSequentialMLP` in place of `SequentialMLP` and/or
+    `SDPAAttention` in place of `DotProductAttention`."""
+    from dataclasses import replace
+
+    from moe.attention import SDPAAttention
+    from moe.experts import GroupedSequentialMLP
+
+    mlp, attn = spec.submodules.mlp, spec.submodules.self_attention
+    if grouped_experts:
+        experts = replace(mlp.submodules.experts, module=GroupedSequentialMLP)
+        mlp = replace(mlp, submodules=replace(mlp.submodules, experts=experts))
+    if sdpa_attention:
+        attn = replace(attn, submodules=replace(attn.submodules, core_attention=SDPAAttention))
+    return replace(spec, submodules=replace(spec.submodules, mlp=mlp, self_attention=attn))
+
+
 def build_gpt_moe(preset: MoEPreset, layout: ParallelLayout = ParallelLayout(), *, seed: int = 0,
                   dtype: torch.dtype = torch.float32, aux_loss_coeff: float = 0.0,
-                  routing_replay: bool = True, recompute: Recompute = Recompute()):
+                  routing_replay: bool = True, recompute: Recompute = Recompute(),
+                  grouped_experts: bool = True, sdpa_attention: bool = False):
     """Build the (sharded) MoE GPTModel. Call `moe.parallel.init_parallel` first.
 
     `routing_replay=True` gives every router a megatron `RouterReplay`; idle (no action set) it
     routes normally, so it costs nothing until `moe.replay` records or replays.
+    Local spec: `grouped_experts` runs the experts as `moe.experts.GroupedSequentialMLP` (two
+    grouped GEMMs per layer instead of a loop over experts; same results); `sdpa_attention` core
+    attention as `moe.attention.SDPAAttention` (one SDPA call; equal to fp32 rounding). Same
+    parameters as megatron's `SequentialMLP` / `DotProductAttention`.
     """
     apply_cpu_patches()
     if recompute.granularity is not None:
@@ -210,6 +232,7 @@ def build_gpt_moe(preset: MoEPreset, layout: ParallelLayout = ParallelLayout(), 
         spec = get_gpt_layer_local_spec(num_experts=preset.num_experts, moe_grouped_gemm=False,
                                         qk_layernorm=preset.qk_layernorm,
                                         normalization="RMSNorm")
+        spec = _with_cpu_modules(spec, grouped_experts, sdpa_attention)
     # megatron's RouterReplay matches replay data to layers through a class-level list filled in
     # construction order: a model built earlier in this process (reference model, a test) would
     # shift every layer. Start each model with an empty list (PITFALLS #9).

@@ -134,6 +134,7 @@ class PolicyOptimizer:
         self.settings = settings
         self.config = megatron_optimizer_config(settings, dtype)
         self.optimizer = get_megatron_optimizer(self.config, [ddp_model])
+        use_foreach(self.optimizer)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0, max_lr=settings.lr, min_lr=settings.min_lr,
             lr_warmup_steps=settings.warmup_steps, lr_decay_steps=decay_steps,
@@ -220,10 +221,27 @@ class PolicyOptimizer:
     @torch.no_grad()  # fp32 params are their own masters (views under the distributed optimizer)
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
+        use_foreach(self.optimizer)  # the loaded param groups carry the saved flags
         if self.settings.distributed:
             _restore_adam_steps(self.optimizer.chained_optimizers)
         self.scheduler.load_state_dict(state["scheduler"])
         self.last_lr = self.lr_at(max(self.scheduler.num_steps, 1))
+
+
+def use_foreach(chained) -> None:
+    """Run torch's Adam/AdamW on its multi-tensor (foreach) path on CPU too.
+
+    Without TE / Apex megatron builds `torch.optim.AdamW` with `foreach=None`, which torch
+    resolves to the single-tensor loop unless every parameter is on CUDA: one Python iteration
+    and about ten ops per parameter tensor (159 tensors for qwen3-moe-tiny: per-expert weights).
+    The foreach path does the same arithmetic in multi-tensor ops; on CPU the updates are bitwise
+    equal (tests/moe/test_optim.py). A group that chose `fused` or `foreach` itself is kept."""
+    for sub in getattr(chained, "chained_optimizers", [chained]):
+        opt = getattr(sub, "optimizer", None)
+        if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+            for group in opt.param_groups:
+                if group.get("foreach") is None and not group.get("fused"):
+                    group["foreach"] = True
 
 
 def _restore_adam_steps(distributed_optimizers) -> None:

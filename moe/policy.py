@@ -28,16 +28,21 @@ from moe.presets import MoEPreset
 from moe.replay import RoutingReplayCache, record_routing, replay_backward
 
 
-def attention_inputs(valid_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Position ids [B, T] and megatron's boolean attention mask [B, 1, T, T] (True = hidden)."""
+def attention_inputs(valid_BT: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position ids [B, T] and megatron's boolean attention mask [B, 1, T, T] (True = hidden).
+
+    With `start`, only the query rows from `start` on: ids [B, T - start], mask
+    [B, 1, T - start, T] (what a KV-cache step needs, without building the full T x T)."""
     B, T = valid_BT.shape
     valid_BT = valid_BT.bool()
     position_ids_BT = (valid_BT.long().cumsum(dim=1) - 1).clamp(min=0)
-    causal_TT = torch.ones(T, T, dtype=torch.bool, device=valid_BT.device).tril()
-    allowed_BTT = causal_TT[None] & valid_BT[:, None, :]
+    rows_S = torch.arange(start, T, device=valid_BT.device)
+    cols_T = torch.arange(T, device=valid_BT.device)
+    causal_ST = cols_T[None, :] <= rows_S[:, None]
+    allowed_BST = causal_ST[None] & valid_BT[:, None, :]
     # A padding query with no visible key would softmax over nothing: let it see itself.
-    allowed_BTT |= torch.eye(T, dtype=torch.bool, device=valid_BT.device)[None]
-    return position_ids_BT, ~allowed_BTT[:, None]
+    allowed_BST |= (cols_T[None, :] == rows_S[:, None])[None]
+    return position_ids_BT[:, start:], ~allowed_BST[:, None]
 
 
 class MoEPolicy:
@@ -58,9 +63,11 @@ class MoEPolicy:
     def build(cls, preset: MoEPreset, layout: ParallelLayout, *, real_vocab: int, seed: int = 0,
               dtype: torch.dtype = torch.float32, aux_loss_coeff: float = 0.0,
               optim: OptimSettings | None = OptimSettings(),
-              recompute: Recompute = Recompute()) -> "MoEPolicy":
+              recompute: Recompute = Recompute(),
+              sdpa_attention: bool = False) -> "MoEPolicy":
         """The GPTModel wrapped in megatron DDP, with megatron's Adam (`moe.optim`; None: no
-        optimizer). 16-bit `dtype` trains with fp32 main grads and fp32 master weights."""
+        optimizer). 16-bit `dtype` trains with fp32 main grads and fp32 master weights.
+        `sdpa_attention`: core attention as `moe.attention.SDPAAttention` (local spec)."""
         apply_cpu_patches()
         from megatron.core.distributed import DistributedDataParallel, \
             DistributedDataParallelConfig
@@ -69,6 +76,7 @@ class MoEPolicy:
             raise ValueError(f"tokenizer vocab {real_vocab} exceeds preset {preset.name!r} "
                              f"vocab_size={preset.vocab_size}")
         gpt = build_gpt_moe(preset, layout, seed=seed, dtype=dtype, aux_loss_coeff=aux_loss_coeff,
+                            sdpa_attention=sdpa_attention,
                             recompute=recompute)
         model = DistributedDataParallel(gpt.config, DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, bucket_size=None,
@@ -252,7 +260,7 @@ class KVCacheDecoder:
         if not seen < T <= self.max_len:
             raise ValueError(f"{T} columns: the cache holds {seen} of at most {self.max_len}")
         policy = self.policy
-        position_ids_BT, mask_B1TT = attention_inputs(valid_BT.to(policy.device))
+        position_ids_BS, mask_B1ST = attention_inputs(valid_BT.to(policy.device), start=seen)
         if seen:
             self.context.enable_decode_mode()
         was_training = policy.model.training
@@ -261,7 +269,7 @@ class KVCacheDecoder:
         try:
             with recording as recorded_L:
                 logits_BSV = policy.model(tokens_BT[:, seen:].to(policy.device),
-                                          position_ids_BT[:, seen:], mask_B1TT[:, :, seen:, :],
+                                          position_ids_BS, mask_B1ST,
                                           inference_context=self.context,
                                           runtime_gather_output=True)
         finally:

@@ -4,6 +4,10 @@
     python -m tools.bench_throughput --iterations 40 --threads 2   # only on an idle machine
     python -m tools.bench_throughput --skip-trl           # ours only
     python -m tools.bench_throughput --set train.flip_every=1   # extra overrides for our side
+    python -m tools.bench_throughput --force-length --max-new-tokens 128   # every response 128
+    python -m tools.bench_throughput --flip-cost --set train.routing_replay=r2
+    python -m tools.bench_throughput --sweep              # lengths x batch sizes: table + PNG
+                                                          # (tools/bench_sweep.py)
 
 Needs `pip install trl transformers accelerate datasets` for the TRL side (without them the
 script reports ours and says why TRL was skipped). Nothing is downloaded: the HF model is a
@@ -29,6 +33,12 @@ Each reported number is the median over the measured iterations of the per-itera
 Ours and TRL alternate iteration by iteration (ours runs at each TRL generation boundary, outside
 TRL's timed sections), so slow drifts of a noisy machine hit both. No timing is asserted anywhere.
 
+`--force-length`: every response is exactly max_new_tokens long on both sides (<eos> suppressed
+at sampling in TRL; our sampler gets a tokenizer with no stop ids, so <eos> is an ordinary token
+there), so both sides generate and train on equal token counts at any length.
+`--flip-cost`: a second copy of ours with the flip instrumentation on (`train.flip_every=1`, plus
+any `--set`) runs in the same alternation; the report gives its train time over ours'.
+
 Threads default to 1: with 2 threads on a 2-core machine where anything else is running, OpenMP
 oversubscription makes both frameworks ~100x slower and the ratio meaningless.
 """
@@ -36,6 +46,7 @@ oversubscription makes both frameworks ~100x slower and the ratio meaningless.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -49,7 +60,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import torch  # noqa: E402
 
 from megatron_gspo.config import load_config  # noqa: E402
-from megatron_gspo.tasks import CharTokenizer  # noqa: E402
+from tools.bench_trl import build_trl, step_timer_callback, trl_rows, trl_unavailable  # noqa: E402
 
 PRESET = "qwen3-moe-tiny"
 
@@ -71,6 +82,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra config override for our side (repeatable)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force-length", action="store_true",
+                   help="every response exactly --max-new-tokens long on both sides")
+    p.add_argument("--flip-cost", action="store_true",
+                   help="also time ours with train.flip_every=1 (same alternation)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the summary here")
+    p.add_argument("--sweep", action="store_true",
+                   help="sweep lengths x batch sizes: the remaining flags are "
+                        "tools/bench_sweep.py's (see its --help)")
     args = p.parse_args(argv)
     for name in ("iterations", "threads", "prompts", "minibatches", "max_new_tokens"):
         if getattr(args, name) < 1:
@@ -86,10 +105,24 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------- ours
 
 
-def build_ours(args, run_dir: str):
+class NoStopTokenizer:
+    """A tokenizer with no stop ids: our sampler then always runs max_new_tokens steps."""
+
+    stop_ids = frozenset()
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def build_ours(args, run_dir: str, extra: tuple = ()):
     from megatron_gspo.trainer import Trainer
 
-    overrides = [f"run_dir={run_dir}", f"seed={args.seed}", f"model.preset={PRESET}",
+    length = [f"model.max_seq_len={args.max_new_tokens + 16}"] \
+        if args.max_new_tokens + 16 > 64 else []  # 2-digit addition prompts: <= 8 tokens
+    overrides = [f"run_dir={run_dir}", *length, f"seed={args.seed}", f"model.preset={PRESET}",
                  "task.name=addition", "task.kwargs.num_digits=2", "task.n_train=2000",
                  "task.n_eval=8", f"rollout.prompts_per_batch={args.prompts}",
                  f"rollout.group_size={args.group_size}",
@@ -98,8 +131,11 @@ def build_ours(args, run_dir: str):
                  "train.routing_replay=off",
                  "train.flip_every=0",  # flip instrumentation = extra forwards TRL doesn't do
                  "train.eval_every=0", "train.save_every=0", "wandb.mode=disabled",
-                 "optim.lr=1e-4", "optim.grad_clip=1.0", *args.set]
-    return Trainer.from_config(load_config(None, overrides)), overrides
+                 "optim.lr=1e-4", "optim.grad_clip=1.0", *args.set, *extra]
+    trainer = Trainer.from_config(load_config(None, overrides))
+    if args.force_length:
+        trainer.rt.tokenizer = NoStopTokenizer(trainer.rt.tokenizer)
+    return trainer, overrides
 
 
 def ours_iteration(trainer) -> dict:
@@ -108,148 +144,6 @@ def ours_iteration(trainer) -> dict:
     return {"rollout_s": rollout_s, "old_s": m.get("time/old_forward", float("nan")),
             "train_s": train_s, "rollout_tokens": m["perf/rollout_tokens_per_s"] * rollout_s,
             "train_tokens": m["perf/train_tokens_per_s"] * train_s}
-
-
-# ----------------------------------------------------------------------------- TRL side
-
-
-def hf_tokenizer(vocab_size: int):
-    """`PreTrainedTokenizerFast` with CharTokenizer's ids (<bos> prepended), padded to
-    `vocab_size` with unused tokens so every id the model can emit decodes."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    ct = CharTokenizer()
-    vocab = {"<pad>": ct.pad_id, "<bos>": ct.bos_id, "<eos>": ct.eos_id}
-    vocab.update({ch: ct.encode(ch)[0] for ch in ct.chars})
-    vocab.update({f"<unused{i}>": i for i in range(ct.vocab_size, vocab_size)})
-    tk = Tokenizer(models.WordLevel(vocab, unk_token=None))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tk.decoder = decoders.Fuse()
-    tk.post_processor = processors.TemplateProcessing(single="<bos> $A",
-                                                      special_tokens=[("<bos>", ct.bos_id)])
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>", eos_token="<eos>",
-                                  pad_token="<pad>", padding_side="left")
-    for text in ("12+34=", "c:3,5>8="):
-        if tok(text)["input_ids"] != [ct.bos_id] + ct.encode(text):
-            raise RuntimeError(f"HF tokenizer disagrees with CharTokenizer on {text!r}")
-    return tok
-
-
-def hf_model(preset, experts_impl: str | None):
-    """Random-init Qwen3MoeForCausalLM with the preset's exact shape."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    extra = {"experts_implementation": experts_impl} if experts_impl else {}
-    cfg = Qwen3MoeConfig(
-        vocab_size=preset.vocab_size, hidden_size=preset.hidden_size,
-        intermediate_size=preset.moe_ffn_hidden_size, num_hidden_layers=preset.num_layers,
-        num_attention_heads=preset.num_attention_heads,
-        num_key_value_heads=preset.num_query_groups, head_dim=preset.kv_channels,
-        num_experts=preset.num_experts, num_experts_per_tok=preset.topk,
-        moe_intermediate_size=preset.moe_ffn_hidden_size, norm_topk_prob=True,
-        decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
-        rope_theta=preset.rotary_base, max_position_embeddings=preset.max_seq_len,
-        rms_norm_eps=preset.norm_epsilon, router_aux_loss_coef=0.0,
-        output_router_logits=False, **extra)
-    model = Qwen3MoeForCausalLM(cfg)
-    n_hf, n_ours = sum(p.numel() for p in model.parameters()), preset.num_params()["total"]
-    if n_hf != n_ours:
-        raise RuntimeError(f"HF Qwen3-MoE has {n_hf} parameters, {preset.name} has {n_ours}")
-    return model
-
-
-def timed_trainer_class():
-    from trl import GRPOTrainer
-
-    class TimedGRPOTrainer(GRPOTrainer):
-        """GRPOTrainer that records per-generation-batch timings and token counts."""
-
-        bench_records: list
-
-        def _generate(self, prompts):
-            t0 = time.perf_counter()
-            out = super()._generate(prompts)
-            self.bench_records[-1]["rollout_s"] += time.perf_counter() - t0
-            return out
-
-        def _generate_and_score_completions(self, inputs):
-            self.bench_records.append({"rollout_s": 0.0, "score_s": 0.0, "steps_s": 0.0})
-            t0 = time.perf_counter()
-            out = super()._generate_and_score_completions(inputs)
-            rec = self.bench_records[-1]
-            rec["score_s"] = time.perf_counter() - t0
-            rec["rollout_tokens"] = float(out["completion_mask"].sum())
-            rec["train_tokens"] = float(out["prompt_mask"].sum()) + rec["rollout_tokens"]
-            return out
-
-    return TimedGRPOTrainer
-
-
-def step_timer_callback(threads: int, steps_per_gen: int, between_batches):
-    """Times on_step_begin -> on_step_end; at each generation boundary first calls
-    `between_batches()` (our iteration), outside TRL's timed section."""
-    from transformers import TrainerCallback
-
-    class StepTimer(TrainerCallback):
-        trainer = None
-
-        def on_step_begin(self, args, state, control, **kw):
-            if state.global_step % steps_per_gen == 0:
-                between_batches()
-            torch.set_num_threads(threads)
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            self.trainer.bench_records[-1]["steps_s"] += time.perf_counter() - self.t0
-
-    return StepTimer()
-
-
-def build_trl(args, preset, train_set, task, total_iters: int, out_dir: str, callback):
-    """TRL GRPOTrainer (GSPO settings) on the same prompts, model shape and batch split."""
-    from datasets import Dataset
-    from trl import GRPOConfig
-
-    B = args.prompts * args.group_size
-
-    def reward(completions, idx, **_):
-        return [task.reward(train_set[i], c) for i, c in zip(idx, completions)]
-
-    data = Dataset.from_list([{"prompt": ex.prompt, "idx": i} for i, ex in enumerate(train_set)])
-    tok = hf_tokenizer(preset.vocab_size)
-    unused = list(range(CharTokenizer().vocab_size, preset.vocab_size))
-    config = GRPOConfig(
-        output_dir=out_dir, importance_sampling_level="sequence", loss_type="grpo", beta=0.0,
-        epsilon=3e-4, epsilon_high=4e-4,  # GSPO paper sec. 5.1, as our loss.name=gspo
-        num_generations=args.group_size, per_device_train_batch_size=B // args.minibatches,
-        gradient_accumulation_steps=1, steps_per_generation=args.minibatches, num_iterations=1,
-        max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
-        generation_kwargs={"suppress_tokens": unused} if unused else None,  # = our vocab mask
-        use_vllm=False, gradient_checkpointing=False, bf16=False, fp16=False,
-        use_cpu=not torch.cuda.is_available(), learning_rate=1e-4, lr_scheduler_type="constant",
-        warmup_steps=0, max_grad_norm=1.0, optim="adamw_torch", weight_decay=0.0,
-        max_steps=total_iters * args.minibatches, logging_steps=1, report_to="none",
-        eval_strategy="no", save_strategy="no", disable_tqdm=True, seed=args.seed,
-        dataloader_num_workers=0, log_completions=False)
-    trainer = timed_trainer_class()(
-        model=hf_model(preset, args.hf_experts), reward_funcs=reward, args=config,
-        train_dataset=data, processing_class=tok, callbacks=[callback])
-    from transformers.trainer_callback import PrinterCallback
-
-    trainer.remove_callback(PrinterCallback)  # logs are still computed every step, not printed
-    trainer.bench_records = []
-    callback.trainer = trainer
-    return trainer
-
-
-def trl_rows(records: list) -> list:
-    rows = []
-    for r in records:
-        rows.append({"rollout_s": r["rollout_s"], "old_s": r["score_s"] - r["rollout_s"],
-                     "train_s": r["steps_s"] - r["score_s"],
-                     "rollout_tokens": r["rollout_tokens"], "train_tokens": r["train_tokens"]})
-    return rows
 
 
 # ----------------------------------------------------------------------------- report
@@ -266,7 +160,11 @@ def summarize(rows: list) -> dict:
             "rollout_s": med(r["rollout_s"] for r in rows), "old_s": med(r["old_s"] for r in rows),
             "train_s": med(r["train_s"] for r in rows),
             "rollout_tokens": statistics.mean(r["rollout_tokens"] for r in rows),
-            "train_tokens": statistics.mean(r["train_tokens"] for r in rows)}
+            "train_tokens": statistics.mean(r["train_tokens"] for r in rows),
+            # the least disturbed iteration (the sweep's statistic on a shared machine)
+            "best": {"rollout_tps": max(rollout), "train_tps": max(train),
+                     "old_s": min(r["old_s"] for r in rows),
+                     "train_s": min(r["train_s"] for r in rows)}}
 
 
 def print_table(ours: dict, trl: dict | None, skip_reason: str | None) -> None:
@@ -304,32 +202,25 @@ def versions() -> str:
     return ", ".join(out)
 
 
-def trl_unavailable() -> str | None:
-    try:
-        import datasets  # noqa: F401
-        import transformers  # noqa: F401
-        import trl  # noqa: F401
-        from transformers import Qwen3MoeConfig  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - report any import failure verbatim
-        return (f"{type(e).__name__}: {e} (pip install trl transformers accelerate datasets, "
-                "keeping torch pinned)")
-    return None
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def measure(args) -> dict:
+    """One side-by-side run: summaries of ours, TRL (None if skipped) and, with --flip-cost,
+    ours with the flip instrumentation on, plus what the report prints about the set-up."""
     torch.set_num_threads(args.threads)
     total = args.warmup + args.iterations
     skip_reason = "--skip-trl" if args.skip_trl else trl_unavailable()
     with tempfile.TemporaryDirectory(prefix="bench_throughput_") as tmp:
         ours_trainer, overrides = build_ours(args, os.path.join(tmp, "ours"))
         preset = ours_trainer.policy.preset  # vocab already padded like the trainer does
-        ours_rows: list = []
+        runs = {"ours": (ours_trainer, [])}
+        if args.flip_cost:
+            runs["flip"] = (build_ours(args, os.path.join(tmp, "flip"),
+                                       ("train.flip_every=1",))[0], [])
 
         def run_ours() -> None:
-            if len(ours_rows) < total:
-                torch.set_num_threads(args.threads)
-                ours_rows.append(ours_iteration(ours_trainer))
+            for trainer, rows in runs.values():
+                if len(rows) < total:
+                    torch.set_num_threads(args.threads)
+                    rows.append(ours_iteration(trainer))
 
         trl_trainer, attn_impl = None, None
         if skip_reason is None:
@@ -345,23 +236,64 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         if trl_trainer is not None:
             trl_trainer.train()  # calls run_ours() at every generation boundary
-        while len(ours_rows) < total:
+        while len(runs["ours"][1]) < total:
             run_ours()
         wall = time.perf_counter() - t0
-    ours = summarize(ours_rows[args.warmup:])
-    trl = summarize(trl_rows(trl_trainer.bench_records)[args.warmup:]) if trl_trainer else None
-    print_table(ours, trl, skip_reason)
+    out = {name: summarize(rows[args.warmup:]) for name, (_, rows) in runs.items()}
+    out["trl"] = summarize(trl_rows(trl_trainer.bench_records)[args.warmup:]) \
+        if trl_trainer else None
+    out.update(skip_reason=skip_reason, wall=wall, attn_impl=attn_impl,
+               overrides=overrides[1:], vocab=preset.vocab_size,
+               params=preset.num_params()["total"], cpu=cpu_model(), versions=versions())
+    return out
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo) and the core count."""
+    name = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                        name)
+    except OSError:
+        pass
+    return f"{name}, {os.cpu_count()} cores"
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--sweep" in argv:
+        from tools.bench_sweep import main as sweep
+
+        return sweep([a for a in argv if a != "--sweep"])
+    args = parse_args(argv)
+    res = measure(args)
+    ours, trl = res["ours"], res["trl"]
+    print_table(ours, trl, res["skip_reason"])
+    if "flip" in res:
+        flip = res["flip"]
+        print(f"flip instrumentation (train.flip_every=1): train s/iter {flip['train_s']:.3f} vs "
+              f"{ours['train_s']:.3f} without, ratio {flip['train_s'] / ours['train_s']:.2f} "
+              f"(best iterations: {flip['best']['train_s'] / ours['best']['train_s']:.2f})")
     B = args.prompts * args.group_size
     print(f"\nbatch: {args.prompts} prompts x G={args.group_size} = {B} sequences, "
           f"{args.minibatches} optimizer steps of {B // args.minibatches} per batch, "
-          f"max_new_tokens={args.max_new_tokens}, task addition(num_digits=2)")
+          f"max_new_tokens={args.max_new_tokens}"
+          + (" (forced: every response that long)" if args.force_length else "")
+          + ", task addition(num_digits=2)")
     print(f"iterations: {args.warmup} warm-up + {args.iterations} measured per framework"
-          + (", alternating ours/TRL" if trl else "") + f"; wall {wall:.1f}s")
-    print(f"model: {PRESET} (vocab {preset.vocab_size}, {preset.num_params()['total']} params"
-          + (f"; HF Qwen3MoeForCausalLM: same count, {attn_impl})" if attn_impl else ")"))
-    print(f"torch threads: {torch.get_num_threads()} (set {args.threads}), "
-          f"device: {'cuda' if torch.cuda.is_available() else 'cpu'}, {versions()}")
-    print(f"ours overrides: {' '.join(overrides[1:])}")
+          + (", alternating ours/TRL" if trl else "") + f"; wall {res['wall']:.1f}s")
+    print(f"model: {PRESET} (vocab {res['vocab']}, {res['params']} params"
+          + (f"; HF Qwen3MoeForCausalLM: same count, {res['attn_impl']})"
+             if res["attn_impl"] else ")"))
+    print(f"machine: {res['cpu']}; torch threads: {torch.get_num_threads()} (set "
+          f"{args.threads}), device: {'cuda' if torch.cuda.is_available() else 'cpu'}, "
+          f"{res['versions']}")
+    print(f"ours overrides: {' '.join(res['overrides'])}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args),
+                       **res}, f, indent=1)
     return 0
 
 

@@ -184,6 +184,36 @@ def test_cli_bad_config_exits_2_naming_the_problem(capsys, argv, fragment):
     assert fragment in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+def test_flips_under_replay_take_one_forward_per_step_and_equal_separate_passes(tmp_path,
+                                                                                monkeypatch):
+    """R2, flip_every=1, 4 minibatches: the "before" routing comes from pi_old's pass (first
+    step) or the previous step's "after" pass over both minibatches, so 4 no-grad routing
+    passes instead of 8, with the same flip and drift metrics as separate passes."""
+    from megatron_gspo import flips
+    from megatron_gspo import trainer as trainer_mod
+
+    rows_per_pass, real_routing = [], flips.current_routing
+    monkeypatch.setattr(flips, "current_routing", lambda policy, tokens_BT, *a, **k: (
+        rows_per_pass.append(tokens_BT.shape[0]) or real_routing(policy, tokens_BT, *a, **k)))
+    run = ["train.steps=1", "train.routing_replay=r2", "train.num_minibatches=4",
+           "train.flip_every=1", "optim.lr=0.05"]
+    shared = make_trainer(tmp_path, *run, name="shared")
+    B = shared.local_prompts * shared.cfg.rollout.group_size
+    shared.train()
+    assert rows_per_pass == [B // 2] * 3 + [B // 4]  # 3 passes over 2 minibatches, then 1
+    rows_per_pass.clear()
+    real_step = trainer_mod.Trainer.train_step
+    monkeypatch.setattr(trainer_mod.Trainer, "train_step", lambda self, mb, **_: real_step(self, mb))
+    separate = make_trainer(tmp_path, *run, name="separate")
+    separate.train()
+    assert rows_per_pass == [B // 4] * 8  # before + after for each step
+    got, want = (read_jsonl(os.path.join(t.cfg.run_dir, "metrics.jsonl"))
+                 for t in (shared, separate))
+    keys = [k for k in want[0] if k.startswith(("moe/flip_rate/", "moe/drift_vs_old/"))]
+    assert keys and max(r["moe/flip_rate/mean"] for r in want) > 0
+    assert [[r[k] for k in keys] for r in got] == [[r[k] for k in keys] for r in want]
+
+
 @pytest.mark.parametrize("mode", ["r2", "r3"])
 def test_replay_source_is_pi_old_for_r2_and_the_sampler_for_r3(tmp_path, monkeypatch, mode):
     """The sampler's routing is made to differ from pi_old's (on CPU they agree exactly, see
@@ -203,16 +233,27 @@ def test_replay_source_is_pi_old_for_r2_and_the_sampler_for_r3(tmp_path, monkeyp
                            generate=shifted_generate)
     real_step, seen = trainer_mod.Trainer.train_step, []
 
-    def spy(self, mb):
+    def spy(self, mb, **kwargs):
         assert (mb.rollout.routing is None) == (mode == "r2")
         source = mb.rollout.routing if mode == "r3" else mb.old_routing
         assert torch.equal(mb.replay.ids_NLK, source.ids_NLK)
         seen.append(mode)
-        return real_step(self, mb)
+        return real_step(self, mb, **kwargs)
 
     monkeypatch.setattr(trainer_mod.Trainer, "train_step", spy)
+    befores = []
+
+    class SpyFlips(trainer_mod.StepFlips):
+        def __init__(self, *args, before=None, **kwargs):
+            befores.append(before)
+            super().__init__(*args, before=before, **kwargs)
+
+    monkeypatch.setattr(trainer_mod, "StepFlips", SpyFlips)
     trainer.train()
     assert seen == [mode, mode]
+    # flips compare the live routing before and after a step: pi_old's routing stands in for
+    # "before" on the first step under R2 only; under R3 it is the (shifted) sampler's
+    assert (befores[0] is not None) == (mode == "r2")
     last = read_jsonl(os.path.join(trainer.cfg.run_dir, "metrics.jsonl"))[-1]
     assert last["replay/cache_bytes"] > 0
     if mode == "r3":

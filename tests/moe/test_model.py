@@ -57,6 +57,17 @@ def test_attention_inputs_left_padding():
     # row 0, query 3 sees keys 2,3 only (True = hidden)
     assert mask_B1TT[0, 0, 3].tolist() == [True, True, False, False]
     assert mask_B1TT[1, 0, 1].tolist() == [False, False, True, True]
+    assert mask_B1TT[0, 0, 1].tolist() == [True, False, True, True]  # padding query: itself
+
+
+def test_attention_inputs_from_a_start_row_are_the_full_rows():
+    valid_BT = torch.tensor([[0, 0, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1]],
+                            dtype=torch.bool)
+    pos_BT, mask_B1TT = attention_inputs(valid_BT)
+    for start in range(6):
+        pos_BS, mask_B1ST = attention_inputs(valid_BT, start=start)
+        assert torch.equal(pos_BS, pos_BT[:, start:]) and torch.equal(
+            mask_B1ST, mask_B1TT[:, :, start:]), start
 
 
 def test_forward_backward_step_learns_and_masks_vocab(single_process):

@@ -203,3 +203,22 @@ def test_policy_state_dict_round_trip_continues_exactly(single_process, distribu
     train(fresh, 1)
     for a, b in zip(policy.optimizer.master_params(), fresh.optimizer.master_params()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adam_runs_foreach_on_cpu_with_the_single_tensor_updates(single_process, dtype):
+    """moe.optim.use_foreach: torch's AdamW on its multi-tensor path (it would pick the
+    single-tensor loop for CPU params), bitwise the same weights after 3 updates."""
+    fast, slow = build(dtype, preset="qwen3-moe-tiny"), build(dtype, preset="qwen3-moe-tiny")
+    groups = [g for sub in slow.optimizer.optimizer.chained_optimizers
+              for g in sub.optimizer.param_groups]
+    assert groups and all(g["foreach"] is True for g in groups)
+    for g in groups:
+        g["foreach"] = None  # torch's default: the single-tensor loop for CPU params
+    assert train(fast, 3) == train(slow, 3)
+    for (name, a), b in zip(fast.model.module.named_parameters(),
+                            slow.model.module.parameters()):
+        assert torch.equal(a, b), name
+    fast.optimizer.load_state_dict(slow.optimizer.state_dict())  # saved None: foreach again
+    assert all(g["foreach"] is True for sub in fast.optimizer.optimizer.chained_optimizers
+               for g in sub.optimizer.param_groups)

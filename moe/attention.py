@@ -1,0 +1,55 @@
+"""Core attention as one `F.scaled_dot_product_attention` call: megatron's `DotProductAttention`
+for the local (non-TE) layer spec, fused on CPU.
+
+Shape legend: S query positions, K key positions (the KV cache's under static inference),
+B sequences, H query heads, G key/value groups, D head dim.
+
+megatron-core's local `DotProductAttention` expands the K/V groups to all heads
+(`repeat_interleave`), runs `baddbmm` into a [B*H, S, K] score buffer, fills masked scores with
+-10000 (`attention_mask_func`), softmaxes, forks the CUDA RNG tracker for dropout and `bmm`s with
+the values: half a dozen full-size ops per layer, plus their backward. `SDPAAttention` keeps its
+construction and parameters (it has none here) and computes the same attention with torch's
+SDPA (`enable_gqa`, the boolean mask inverted: megatron's True = hidden, SDPA's True = kept).
+Departure: hidden scores get -inf instead of -10000. For any row with a visible key, exp(-10000 -
+max) is exactly 0 in float32 either way; `moe.policy.attention_inputs` always leaves each query
+one visible key. Equal to `DotProductAttention` to fp32 rounding, forward and grads
+(tests/moe/test_attention.py), and with the KV cache. Opt-in (`model.attention=sdpa`): rounding
+differences of ~1e-6 are enough to flip an occasional multinomial draw, so a run's sampled tokens
+(and the pinned golden run) are not reproduced bit for bit.
+
+Falls back to `DotProductAttention.forward` outside what it reproduces: non-float32 inputs
+(megatron's softmax-in-fp32 handling of 16-bit scores), dropout while training, softmax offsets,
+attention bias, packed sequences, query-key layer scaling, and no mask with a causal mask type
+(SDPA's `is_causal` aligns top-left, megatron's mask bottom-right under a KV cache).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+
+class SDPAAttention(DotProductAttention):
+    """`DotProductAttention` computed by `F.scaled_dot_product_attention`."""
+
+    def _sdpa_ok(self, query, attention_mask, attention_bias, packed_seq_params) -> bool:
+        cfg = self.config
+        return (query.dtype == torch.float32 and attention_mask is not None
+                and attention_bias is None and packed_seq_params is None
+                and self.softmax_offset is None and not cfg.apply_query_key_layer_scaling
+                and (self.attention_dropout.p == 0.0 or not self.training))
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        if not self._sdpa_ok(query, attention_mask, attention_bias, packed_seq_params):
+            return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                   attention_bias=attention_bias,
+                                   packed_seq_params=packed_seq_params)
+        S, B = query.shape[:2]
+        q_BHSD = query.permute(1, 2, 0, 3)
+        k_BGKD, v_BGKD = key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)
+        out_BHSD = F.scaled_dot_product_attention(
+            q_BHSD, k_BGKD, v_BGKD, attn_mask=~attention_mask, scale=self.softmax_scale,
+            enable_gqa=k_BGKD.shape[1] != q_BHSD.shape[1])
+        return out_BHSD.permute(2, 0, 1, 3).reshape(S, B, self.hidden_size_per_partition)

@@ -1,0 +1,80 @@
+"""Experts of a MoE layer as two grouped GEMMs: megatron's `SequentialMLP`, batched on CPU.
+
+Shape legend: N tokens routed to this rank's experts (sorted by expert, as the token dispatcher
+hands them over), H hidden, F expert FFN width, E local experts.
+
+megatron-core's local layer spec runs the experts as `SequentialMLP`: a Python loop that calls
+each expert's `MLP` (two megatron linears, the gated activation, the prob scaling) on its slice
+of tokens, so a layer costs ~8 module calls per expert whatever the token count. Its grouped
+alternatives need TransformerEngine (`TEGroupedMLP`) or the `grouped_gemm` package
+(`GroupedMLP`, with a different parameter layout). `GroupedSequentialMLP` keeps `SequentialMLP`'s
+modules and parameters (`local_experts.{i}.linear_fc{1,2}.weight`: checkpoints, HF import /
+export, sharding and the distributed optimizer see no change) and replaces only its forward by
+torch's `_grouped_mm` over the stacked expert weights: fc1 of all experts in one call, the gated
+activation and the prob scaling once over all N tokens, fc2 in one call. The per-expert
+arithmetic is the same (tests/moe/test_experts.py: equal to `SequentialMLP` to fp32 rounding,
+forward and grads, also under EP=2); the weights are stacked (copied) once per forward, and the
+stack's backward hands each expert weight its own grad, so megatron DDP's grad hooks run as usual.
+
+Falls back to `SequentialMLP.forward` where the batched path does not apply: CUDA tensors (the GPU
+path is TE's grouped GEMM), biases, fp8/fp4, probs applied on the input, expert tensor
+parallelism, row strides that `_grouped_mm` rejects (not a multiple of 16 bytes), or a torch
+without `_grouped_mm`.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.moe.experts import SequentialMLP
+
+
+class GroupedSequentialMLP(SequentialMLP):
+    """`SequentialMLP` with a grouped-GEMM forward on CPU (same parameters, same math)."""
+
+    def _grouped_ok(self, hidden_NH: torch.Tensor) -> bool:
+        cfg = self.config
+        fc1 = self.local_experts[0].linear_fc1.weight
+        align = 16 // hidden_NH.element_size()
+        return (hasattr(torch, "_grouped_mm") and hidden_NH.device.type == "cpu"
+                and self.num_local_experts > 1 and not cfg.add_bias_linear
+                and not (cfg.fp8 or cfg.fp4) and not cfg.moe_apply_probs_on_input
+                and self.tp_group.size() == 1 and hidden_NH.dim() == 2
+                and hidden_NH.dtype == fc1.dtype
+                and all(d % align == 0 for d in (*fc1.shape, hidden_NH.shape[1])))
+
+    def forward(self, permuted_local_hidden_states: torch.Tensor,
+                tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor):
+        x_NH = permuted_local_hidden_states
+        if not self._grouped_ok(x_NH):
+            return super().forward(permuted_local_hidden_states, tokens_per_expert,
+                                   permuted_probs)
+        experts = self.local_experts
+        offs_E = torch.as_tensor(tokens_per_expert).to(torch.int64).cumsum(0).to(torch.int32)
+        w1_EHF = torch.stack([e.linear_fc1.weight for e in experts]).transpose(1, 2)
+        w2_EFH = torch.stack([e.linear_fc2.weight for e in experts]).transpose(1, 2)
+        h_NF = torch._grouped_mm(x_NH.contiguous(), w1_EHF, offs=offs_E)
+        h_NF = _contiguous_grad(self._activation(h_NF, permuted_probs))
+        out_NH = torch._grouped_mm(h_NF, w2_EFH, offs=offs_E)
+        return _contiguous_grad(out_NH), None
+
+    def _activation(self, h_NF: torch.Tensor, probs_N: torch.Tensor) -> torch.Tensor:
+        """megatron `MLP.forward`'s unfused activation: (gated) activation, then the per-token
+        prob scale computed in the probs' dtype and cast back."""
+        cfg = self.config
+        if cfg.gated_linear_unit:
+            glu_NF, linear_NF = torch.chunk(h_NF, 2, dim=-1)
+            if (val := cfg.activation_func_clamp_value) is not None:
+                glu_NF = glu_NF.clamp(min=None, max=val)
+                linear_NF = linear_NF.clamp(min=-val, max=val)
+            h_NF = cfg.activation_func(glu_NF) * (linear_NF + cfg.glu_linear_offset)
+        else:
+            h_NF = cfg.activation_func(h_NF)
+        dtype = h_NF.dtype
+        return (h_NF * probs_N.unsqueeze(-1)).to(dtype).contiguous()
+
+
+def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:
+    """`_grouped_mm`'s CPU backward rejects stride-0 (expanded) grads; make them dense."""
+    if t.requires_grad:
+        t.register_hook(lambda g: g.contiguous())
+    return t

@@ -1,0 +1,122 @@
+"""`moe.experts.GroupedSequentialMLP` (grouped-GEMM experts) equals megatron's `SequentialMLP`.
+
+The reference is the same model with its experts' class set back to megatron's `SequentialMLP`
+(same modules and parameters; only `forward` differs), so logits and grads compare one to one.
+"""
+
+import pytest
+import torch
+from megatron.core.transformer.moe.experts import SequentialMLP
+
+from moe.experts import GroupedSequentialMLP
+from tests.moe import parallel_worker as pw
+
+TIMEOUT_S = 600
+
+
+def expert_modules(policy) -> list:
+    return [m for m in policy.model.module.modules() if isinstance(m, SequentialMLP)]
+
+
+def as_sequential(policy) -> None:
+    for m in expert_modules(policy):
+        m.__class__ = SequentialMLP
+
+
+def build(preset_name: str, seed: int = 3, dtype=torch.float32, **kwargs):
+    from moe.model import ParallelLayout
+    from moe.policy import MoEPolicy
+    from moe.presets import get_preset
+
+    preset = get_preset(preset_name)
+    return MoEPolicy.build(preset, ParallelLayout(), real_vocab=preset.vocab_size, seed=seed,
+                           optim=None, dtype=dtype, **kwargs)
+
+
+def grads(policy) -> dict:
+    """The reduced grads, then `.grad` detached from them (`reduce_grads` aliases `.grad` to
+    `main_grad`; a second backward would otherwise add into it twice)."""
+    out = {n: p.main_grad.clone() for n, p in policy.model.module.named_parameters()}
+    for p in policy.model.module.parameters():
+        p.grad = None
+    return out
+
+
+@pytest.mark.parametrize("preset_name", ["tiny", "qwen3-moe-tiny"])
+def test_grouped_experts_match_sequential_mlp(single_process, preset_name, monkeypatch):
+    policy = build(preset_name)
+    assert expert_modules(policy) and all(type(m) is GroupedSequentialMLP
+                                          for m in expert_modules(policy))
+    calls = []
+    grouped_mm = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or
+                        grouped_mm(*a, **k))
+    tokens_BT, valid_BT, readout_BTV = pw.batch(policy.preset.vocab_size, B=6, T=16)
+    logits, norm = pw.run_model(policy, tokens_BT, valid_BT, readout_BTV)
+    got = grads(policy)
+    assert len(calls) == 2 * policy.preset.num_layers  # fc1 + fc2 per layer: the batched path ran
+    as_sequential(policy)
+    ref_logits, ref_norm = pw.run_model(policy, tokens_BT, valid_BT, readout_BTV)
+    assert len(calls) == 2 * policy.preset.num_layers  # the reference did not use it
+    torch.testing.assert_close(logits, ref_logits, atol=1e-6, rtol=1e-5)
+    for name, g in grads(policy).items():
+        torch.testing.assert_close(got[name], g, atol=1e-7, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    expert_grads = [n for n, g in got.items() if ".experts." in n and g.abs().sum() > 0]
+    assert len(expert_grads) >= policy.preset.num_experts  # routed experts received grads
+    assert abs(norm - ref_norm) <= 1e-6 * ref_norm
+
+
+def test_grouped_experts_bf16_match_sequential_mlp(single_process):
+    policy = build("tiny", dtype=torch.bfloat16)
+    tokens_BT, valid_BT, readout_BTV = pw.batch(policy.preset.vocab_size)
+
+    def run():  # bf16: the fp32 main grads as DDP's hooks accumulate them
+        policy.zero_grad()
+        logits = policy.logits(tokens_BT, valid_BT)
+        pw.loss_fn(logits, valid_BT, readout_BTV).backward()
+        return logits.detach(), {n: p.main_grad.clone()
+                                 for n, p in policy.model.module.named_parameters()}
+
+    logits, got = run()
+    as_sequential(policy)
+    ref_logits, ref = run()
+    torch.testing.assert_close(logits, ref_logits, atol=0, rtol=0)  # same bf16 GEMMs, same order
+    for name, g in ref.items():
+        torch.testing.assert_close(got[name], g, atol=1e-6, rtol=1e-3, msg=lambda m: f"{name}: {m}")
+
+
+def test_unsupported_shapes_fall_back_to_the_loop(single_process):
+    policy = build("tiny")
+    experts = expert_modules(policy)[0]
+    x_NH = torch.randn(5, policy.preset.hidden_size)
+    assert experts._grouped_ok(x_NH)
+    assert not experts._grouped_ok(torch.randn(5, 30))  # 120-byte rows: _grouped_mm rejects
+    assert not experts._grouped_ok(x_NH.double())
+
+
+@pytest.fixture(scope="module")
+def sequential_reference(single_process, tmp_path_factory):
+    """test_parallel's 1-process reference, computed with megatron's SequentialMLP experts."""
+    from moe.sharding import gather_full_params
+    from tests.moe.test_parallel import replay_reference
+
+    policy = build("tiny")
+    as_sequential(policy)
+    tokens_BT, valid_BT, readout_BTV = pw.batch(policy.preset.vocab_size)
+    logits, grad_norm = pw.run_model(policy, tokens_BT, valid_BT, readout_BTV)
+    ref = {"preset": "tiny", "params": gather_full_params(policy.model.module),
+           "grads": gather_full_params(policy.model.module, grads=True), "logits": logits,
+           "grad_norm": grad_norm}
+    ref.update(replay_reference(policy, policy.preset, tokens_BT, valid_BT))
+    path = tmp_path_factory.mktemp("experts") / "ref.pt"
+    torch.save(ref, path)
+    return str(path)
+
+
+@pytest.mark.slow
+def test_grouped_experts_under_ep2_match_sequential_single_process(sequential_reference):
+    """EP=2 on 2 gloo processes (4 local experts per rank, both dispatchers): the grouped
+    experts' logits, gathered grads, replay and KV decode equal the 1-process SequentialMLP."""
+    layouts = [(1, 2, False, "alltoall"), (1, 2, False, "allgather")]
+    pw.spawn(pw.worker, (2, pw.free_port(), sequential_reference, layouts), nprocs=2,
+             timeout_s=TIMEOUT_S)

@@ -1,0 +1,52 @@
+"""tools/bench_sweep.py: ratios, table and figure from side-by-side summaries (no model runs)."""
+
+import os
+
+import pytest
+
+from tools import bench_sweep
+from tools.bench_throughput import NoStopTokenizer, parse_args
+
+
+def summary(rollout_tps, train_tps, old_s, train_s):
+    best = {"rollout_tps": rollout_tps, "train_tps": train_tps, "old_s": old_s,
+            "train_s": train_s}
+    return {"best": best, "rollout_tps": 0.0}  # the sweep reads only the best iteration
+
+
+def point(length, ours_rollout):
+    res = {"ours": summary(ours_rollout, 300.0, 0.5, 2.0), "trl": summary(200.0, 150.0, 1.0, 4.0),
+           "flip": summary(ours_rollout, 250.0, 0.5, 3.0)}
+    return {"prompts": 4, "group": 4, "length": length, "res": res,
+            "ratios": bench_sweep.ratios(res)}
+
+
+def test_ratios_are_ours_over_trl_and_flip_over_plain():
+    r = point(8, 100.0)["ratios"]
+    assert r == {"rollout": 0.5, "train": 2.0, "pi_old": 2.0, "flip_cost": 1.5}
+
+
+def test_table_and_small_png(tmp_path):
+    points = [point(8, 100.0), point(32, 400.0)]
+    text = bench_sweep.table(points)
+    assert "| 4x4 (16) | 8 | 0.50 | 2.00 | 2.00 | 1.50 | 100 | 200 | 300 | 150 |" in text
+    assert "| 4x4 (16) | 32 | 2.00 |" in text
+    path = tmp_path / "sweep.png"
+    bench_sweep.plot(points, str(path))
+    assert 0 < os.path.getsize(path) < 200_000
+
+
+@pytest.mark.parametrize("argv", [["--batches", "3x3"], ["--lengths", "8,x"],
+                                  ["--lengths", "0"]])
+def test_bad_sweep_arguments_exit_naming_the_flag(argv, capsys):
+    with pytest.raises(SystemExit):
+        bench_sweep.parse_args(argv)
+    assert "--" in capsys.readouterr().err
+
+
+def test_forced_length_tokenizer_has_no_stop_ids():
+    from megatron_gspo.tasks import CharTokenizer
+
+    tok = NoStopTokenizer(CharTokenizer())
+    assert tok.stop_ids == frozenset() and tok.eos_id == CharTokenizer().eos_id
+    assert parse_args(["--force-length", "--flip-cost"]).force_length
