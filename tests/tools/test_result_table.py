@@ -1,21 +1,12 @@
 """tools/result_table.py (plot_run --table) on synthetic metrics.jsonl with hand-computed cells."""
 
-import json
-import os
 from importlib.metadata import version
 
 import pytest
 import torch
 
+from tests.tools.test_plot_run import _write  # a run dir with these metrics.jsonl records
 from tools import plot_run, result_table
-
-
-def _write(d, records):
-    os.makedirs(d, exist_ok=True)
-    with open(os.path.join(d, "metrics.jsonl"), "w") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
-    return str(d)
 
 
 def _runs(tmp_path):
