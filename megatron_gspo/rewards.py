@@ -9,7 +9,7 @@ format check `format_ok(completion) -> bool` (`get_format_check`):
   exact      completion.strip() == str(ground_truth).strip() (the toy tasks addition / sort /
              running_sum; format: non-empty).
   countdown  the completion is an expression over + - * ( ) using the given numbers once each
-             and hitting the target (`tasks.parse_expression`); ground truth (numbers, target) or
+             and hitting the target (`expression.parse_expression`); ground truth (numbers, target) or
              verl/TinyZero's {"numbers": [...], "target": n}.
   math       the `math-verify` package (pip install -e .[math]): extracts the last answer of the
              completion (`\\boxed{...}`, `#### 72`, a final number or LaTeX expression), parses it
@@ -45,6 +45,8 @@ import threading
 import time
 import warnings
 from typing import Any, Callable, Sequence
+
+from megatron_gspo.expression import parse_expression
 
 RewardFn = Callable[[str, Any], float]
 REWARDS: dict[str, RewardFn] = {}
@@ -112,8 +114,6 @@ def exact_reward(completion: str, ground_truth) -> float:
 
 
 def _countdown_format(completion: str) -> bool:
-    from megatron_gspo.tasks import parse_expression
-
     return parse_expression(_check_completion(completion)) is not None
 
 
@@ -136,8 +136,6 @@ def countdown_truth(ground_truth) -> tuple[tuple[int, ...], int]:
 def countdown_reward(completion: str, ground_truth) -> float:
     """1.0 iff the completion's expression uses each given number exactly once and hits the
     target (the toy task's verifier, `tasks.Countdown`)."""
-    from megatron_gspo.tasks import parse_expression
-
     parsed = parse_expression(_check_completion(completion))
     if parsed is None:
         return 0.0

@@ -1,0 +1,132 @@
+"""Run configuration sections for files of prompts: `data`, `reward`, `filter` (`task.name=dataset`
+and DAPO's rollout filters). Part of the schema in `megatron_gspo.config`, which re-exports them;
+the same conventions hold (a docstring under every field, checks in `__post_init__`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal, Optional
+
+from megatron_gspo.strict import ConfigError, check, validate
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Prompts from files (task.name=dataset; task.n_train / n_eval / seed do not apply)."""
+    _section: ClassVar[str] = "data"
+
+    train_files: list = field(default_factory=list)
+    """Training files (.jsonl, or .parquet with pyarrow installed); a string is one file. Set
+    exactly when task.name=dataset."""
+    eval_files: list = field(default_factory=list)
+    """Held-out files; empty = split data.eval_fraction of the (shuffled) train rows off."""
+    format: Literal["verl", "plain"] = "verl"
+    """Row schema. verl: `prompt` = list of chat messages ({role, content}),
+    `reward_model.ground_truth`, `data_source`. plain: `question`, `answer` (a GSM8K answer's
+    text after '####' is its ground truth)."""
+    prompt_key: Optional[str] = None
+    """Dotted field holding the prompt; None = the format's (verl: prompt; plain: question)."""
+    answer_key: Optional[str] = None
+    """Dotted field holding the ground truth; None = the format's (verl:
+    reward_model.ground_truth; plain: answer)."""
+    sft_key: Optional[str] = None
+    """Dotted field holding the SFT target (a worked solution), e.g. extra_info.answer;
+    None = the answer field."""
+    template: Optional[str] = None
+    """None = the tokenizer's chat template (apply_chat_template, generation prompt on; an
+    error if it has none). A string with {prompt} = a plain template for base models, e.g.
+    'Question: {prompt}\\nAnswer:' ({prompt} = the message contents joined by blank lines)."""
+    eval_fraction: float = 0.1
+    """Fraction of the train rows held out for eval when data.eval_files is empty."""
+    max_eval: Optional[int] = None
+    """Cap on the eval examples (the first ones after the seeded shuffle); None = all."""
+    shuffle: bool = True
+    """Shuffle rows with data.seed before splitting (and the eval rows before max_eval)."""
+    seed: int = 1234
+    """Seed of the shuffle and train / eval split."""
+    max_prompt_tokens: Optional[int] = None
+    """Longest prompt in tokens (with <bos>); None = the model's max_seq_len minus
+    rollout.max_new_tokens. Longer prompts are an error naming file, row and field, or skipped
+    and counted with data.skip_overlong_prompts."""
+    skip_overlong_prompts: bool = False
+    """Skip (and count) prompts longer than max_prompt_tokens instead of failing."""
+    tokenizer_path: Optional[str] = None
+    """Local tokenizer folder (tokenizer.json + tokenizer_config.json). Precedence:
+    data.tokenizer_path, else model.hf_path (the model's folder), else the toy character
+    tokenizer."""
+
+    def __post_init__(self):
+        for name in ("train_files", "eval_files"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                object.__setattr__(self, name, [value])
+        validate(self, nonempty=("prompt_key", "answer_key", "sft_key", "tokenizer_path"),
+                 ge={"max_eval": 1, "max_prompt_tokens": 1})
+        for name in ("train_files", "eval_files"):
+            check(self, name, all(isinstance(p, str) and p for p in getattr(self, name)),
+                  "must be a list of non-empty paths")
+        check(self, "eval_fraction", 0 < self.eval_fraction < 1 or bool(self.eval_files),
+              "must be in (0, 1) (or give data.eval_files)")
+        check(self, "template", self.template is None or "{prompt}" in self.template,
+              "must contain {prompt} (or be null for the tokenizer's chat template)")
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """Verifier of dataset tasks (registry in `megatron_gspo.rewards`)."""
+    _section: ClassVar[str] = "reward"
+
+    name: Optional[str] = None
+    """Reward: exact, countdown or math (math-verify, pip install -e .[math]). None = the
+    task's own verifier (toy tasks; task.name=dataset uses math). Toy tasks take no name."""
+    timeout_s: float = 5.0
+    """Per-answer time limit in seconds of a dataset task's reward (0 = none); a reward that
+    raises or runs out of time scores 0 and is counted in reward/errors."""
+    format_weight: float = 0.0
+    """Reward of a wrong answer in the right format (the reward's format check, e.g. a
+    \\boxed{} or '#### ' answer for math); 0 = off. In [0, 1): a correct answer scores 1."""
+
+    def __post_init__(self):
+        validate(self, nonempty=("name",), ge={"timeout_s": 0})
+        check(self, "format_weight", 0 <= self.format_weight < 1, "must be in [0, 1)")
+        if self.name is not None:
+            from megatron_gspo.rewards import REWARDS
+
+            check(self, "name", self.name in REWARDS, f"valid names: {sorted(REWARDS)}")
+
+
+@dataclass(frozen=True)
+class FilterConfig:
+    """DAPO's rollout filters (arXiv 2503.14476, sec. 3.2 and 3.4)."""
+    _section: ClassVar[str] = "filter"
+
+    overlong: bool = False
+    """Overlong filtering: responses that hit rollout.max_new_tokens without a stop token get
+    advantage 0 (no policy-gradient signal). response/truncated_frac is logged either way."""
+    dynamic_sampling: bool = False
+    """Dynamic sampling: drop prompt groups whose G rewards are all equal and draw more prompts,
+    up to filter.max_rounds rollout rounds; the batch keeps its size (equal-reward groups fill
+    it when too few varied ones were found). Logs filter/zero_std_frac/{before,after}."""
+    max_rounds: int = 4
+    """Most rollout rounds per iteration under dynamic sampling (1 = no extra draws)."""
+
+    def __post_init__(self):
+        validate(self, ge={"max_rounds": 1})
+
+
+def check_data_sections(cfg) -> None:
+    """Cross-section rules of DataConfig / RewardConfig / FilterConfig (RunConfig calls it)."""
+    dataset = cfg.task.name == "dataset"
+    if dataset != bool(cfg.data.train_files):
+        raise ConfigError(
+            f"task.name={cfg.task.name} with data.train_files={cfg.data.train_files}: set "
+            "task.name=dataset together with data.train_files (and neither for a toy task)")
+    if dataset and cfg.task.kwargs:
+        raise ConfigError(f"task.kwargs={cfg.task.kwargs}: task.name=dataset is configured by "
+                          "the data section")
+    if not dataset and cfg.reward.name is not None:
+        raise ConfigError(f"reward.name={cfg.reward.name}: toy task {cfg.task.name} has its "
+                          "own verifier (reward.name applies to task.name=dataset)")
+    if cfg.filter.dynamic_sampling and cfg.train.routing_replay == "r3":
+        raise ConfigError("filter.dynamic_sampling=true with train.routing_replay=r3: the "
+                          "sampler's routing of several rollout rounds is not merged; use r2")
