@@ -210,9 +210,9 @@ class Trainer:
         """pi_old's no-grad pass (log-probs, routing), advantages and the replay source: the
         whole rollout batch as one `Minibatch`, plus the metrics all its steps share."""
         cfg = self.cfg
-        live_logp_BT, old_routing = current_routing(self.policy, batch.tokens_BT,
-                                                    batch.valid_BT, cfg.rollout.temperature)
-        old_logp_BT, live_routing = live_logp_BT, old_routing
+        live_logp_BT, live_routing = current_routing(self.policy, batch.tokens_BT,
+                                                     batch.valid_BT, cfg.rollout.temperature)
+        old_logp_BT, old_routing = live_logp_BT, live_routing
         if cfg.train.routing_replay == "r3":  # pi_old routes as the sampler did (on-policy)
             old_logp_BT, old_routing = self.replayed_logprobs(batch), batch.routing
         ref_logp_BT = None if self.ref_policy is None else self.ref_policy.token_logprobs(
@@ -286,20 +286,19 @@ class Trainer:
             and (step + 1) % every == 0
         flips = StepFlips(policy, mb, active=every > 0 and step % every == 0, before=before,
                           next_mb=next_mb if measures_next else None)
+        tis, tis_metrics = {}, {}
+        if cfg.loss.tis_cap is not None:  # pi_old (trainer) / pi_sampler, truncated; no forward
+            weight_BT, tis_metrics = tis_weights(mb.old_logp_BT, mb.rollout.sampler_logp_BT,
+                                                 mb.response_BT, cfg.loss.tis_cap)
+            tis = {"is_weight_BT": weight_BT}
         policy.zero_grad()
         with flips.watch(), replay_routing(policy, mb.replay), self.router_noise(mb):
             logp_BT, entropy_BT = policy.token_logprobs(mb.tokens_BT, mb.valid_BT,
                                                         cfg.rollout.temperature, with_entropy=True)
-            tis = {}
-            if cfg.loss.tis_cap is not None:  # pi_old (trainer) / pi_sampler, truncated
-                weight_BT, tis_metrics = tis_weights(mb.old_logp_BT, mb.rollout.sampler_logp_BT,
-                                                     mb.response_BT, cfg.loss.tis_cap)
-                tis = {"is_weight_BT": weight_BT}
             loss, metrics = self.loss_fn(logp_BT, mb.old_logp_BT, mb.adv_B,
                                          mb.response_BT.float(), cfg.loss,
                                          ref_logp_BT=mb.ref_logp_BT, **tis)
-            if tis:
-                metrics.update(tis_metrics)
+        metrics.update(tis_metrics)
         resp_BT = mb.response_BT.to(entropy_BT.device)
         metrics["policy/entropy"] = float((entropy_BT.detach() * resp_BT).sum() / resp_BT.sum())
         # on a rollout batch's first minibatch pi == pi_old: any log-ratio there comes from the
