@@ -61,6 +61,7 @@ import torch  # noqa: E402
 
 from megatron_gspo.config import load_config  # noqa: E402
 from tools.bench_trl import build_trl, step_timer_callback, trl_rows, trl_unavailable  # noqa: E402
+from tools.result_table import cpu_name  # noqa: E402
 
 PRESET = "qwen3-moe-tiny"
 
@@ -250,14 +251,7 @@ def measure(args) -> dict:
 
 def cpu_model() -> str:
     """The CPU's model name (/proc/cpuinfo) and the core count."""
-    name = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
-                        name)
-    except OSError:
-        pass
-    return f"{name}, {os.cpu_count()} cores"
+    return f"{cpu_name('unknown CPU')}, {os.cpu_count()} cores"
 
 
 def main(argv=None) -> int:

@@ -82,17 +82,21 @@ def fmt_cell(c, digits: int = 3) -> str:
     return f"{mean:.{digits}g}" + ("" if std is None else f" ± {std:.2g}")
 
 
+def cpu_name(default: str) -> str:
+    """The CPU's model name from /proc/cpuinfo, else `default` (also the benchmarks' label)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                        default)
+    except OSError:
+        return default
+
+
 def machine_line(date: str | None = None) -> str:
     """CPU model, UTC date, torch and megatron-core versions, as one Markdown line."""
     from importlib.metadata import PackageNotFoundError, version
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
-        cpu = names[0] if names else cpu
-    except OSError:
-        pass
+    cpu = cpu_name(platform.processor() or platform.machine())
     versions = []
     for pkg in ("torch", "megatron-core"):
         try:
