@@ -60,21 +60,45 @@ def token_rows(policy, cache: RoutingReplayCache, mask_BT: torch.Tensor) -> torc
     return policy.routed_valid(mask_BT.bool())[cache.valid_BT]
 
 
-def _layer_counts(old: RoutingReplayCache, new: RoutingReplayCache, rows_N: torch.Tensor
-                  ) -> torch.Tensor:
-    """float64 [L, 4 + E] over the rows: flipped activations, tokens, tokens with any flip,
-    sum of per-token Jaccard, then the new routing's load per expert."""
+def _layer_counts(old: RoutingReplayCache, new: RoutingReplayCache,
+                  row_sets: list[torch.Tensor]) -> torch.Tensor:
+    """float64 [R, L, 4 + E], for each row set: flipped activations, tokens, tokens with any
+    flip, sum of per-token Jaccard, then the new routing's load per expert (each layer's top-k
+    masks are built once for all row sets)."""
     K, E = new.topk, new.num_experts
-    out = []
+    out = [[] for _ in row_sets]
     for layer in range(new.num_layers):
-        old_NE = topk_mask(old.layer_ids(layer), E)[rows_N]
-        new_NE = topk_mask(new.layer_ids(layer).to(old_NE.device), E)[rows_N]
-        inter_N = (old_NE & new_NE).sum(1).double()
-        head = torch.stack([(K - inter_N).sum(), torch.tensor(float(inter_N.numel()),
-                            dtype=torch.float64), (inter_N < K).double().sum(),
-                            (inter_N / (2 * K - inter_N)).sum()])
-        out.append(torch.cat([head, new_NE.sum(0).double()]))
-    return torch.stack(out)
+        old_all_NE = topk_mask(old.layer_ids(layer), E)
+        new_all_NE = topk_mask(new.layer_ids(layer).to(old_all_NE.device), E)
+        for r, rows_N in enumerate(row_sets):
+            old_NE, new_NE = old_all_NE[rows_N], new_all_NE[rows_N]
+            inter_N = (old_NE & new_NE).sum(1).double()
+            head = torch.stack([(K - inter_N).sum(), torch.tensor(float(inter_N.numel()),
+                                dtype=torch.float64), (inter_N < K).double().sum(),
+                                (inter_N / (2 * K - inter_N)).sum()])
+            out[r].append(torch.cat([head, new_NE.sum(0).double()]))
+    return torch.stack([torch.stack(layers) for layers in out])
+
+
+def flip_counts_over(old: RoutingReplayCache, new: RoutingReplayCache,
+                     row_sets: list[torch.Tensor]) -> list[dict[str, list[float]]]:
+    """`flip_counts` for several row sets of the same pair of routings, with one collective."""
+    for rows_N in row_sets:
+        if old.ids_NLK.shape != new.ids_NLK.shape or rows_N.shape != (new.ids_NLK.shape[0],):
+            raise ValueError(f"routings {tuple(old.ids_NLK.shape)} / "
+                             f"{tuple(new.ids_NLK.shape)} and rows {tuple(rows_N.shape)} must "
+                             "cover the same [N] tokens")
+    counts_RLC = sum_over_ranks(_layer_counts(old, new, [r.bool() for r in row_sets]))
+    out = []
+    for counts_LC in counts_RLC:
+        flipped_L, tokens_L, any_L, jaccard_L = counts_LC[:, :4].T
+        tokens_L = torch.where(tokens_L > 0, tokens_L, torch.full_like(tokens_L, float("nan")))
+        load_LE = counts_LC[:, 4:]
+        out.append({"flip_rate": (flipped_L / (new.topk * tokens_L)).tolist(),
+                    "any_flip": (any_L / tokens_L).tolist(),
+                    "jaccard": (jaccard_L / tokens_L).tolist(),
+                    "load_imbalance": (load_LE.max(1).values / load_LE.mean(1)).tolist()})
+    return out
 
 
 def flip_counts(old: RoutingReplayCache, new: RoutingReplayCache, rows_N: torch.Tensor
@@ -82,16 +106,7 @@ def flip_counts(old: RoutingReplayCache, new: RoutingReplayCache, rows_N: torch.
     """Per-layer `flip_rate`, `any_flip`, `jaccard` of `new` vs `old` and `load_imbalance`
     (max / mean load) of `new`, over the rows `rows_N` of every rank (collective). NaN where
     no rank has a row."""
-    if old.ids_NLK.shape != new.ids_NLK.shape or rows_N.shape != (new.ids_NLK.shape[0],):
-        raise ValueError(f"routings {tuple(old.ids_NLK.shape)} / {tuple(new.ids_NLK.shape)} "
-                         f"and rows {tuple(rows_N.shape)} must cover the same [N] tokens")
-    counts_LC = sum_over_ranks(_layer_counts(old, new, rows_N.bool()))
-    flipped_L, tokens_L, any_L, jaccard_L = counts_LC[:, :4].T
-    tokens_L = torch.where(tokens_L > 0, tokens_L, torch.full_like(tokens_L, float("nan")))
-    load_LE = counts_LC[:, 4:]
-    return {"flip_rate": (flipped_L / (new.topk * tokens_L)).tolist(),
-            "any_flip": (any_L / tokens_L).tolist(), "jaccard": (jaccard_L / tokens_L).tolist(),
-            "load_imbalance": (load_LE.max(1).values / load_LE.mean(1)).tolist()}
+    return flip_counts_over(old, new, [rows_N])[0]
 
 
 def _keyed(per_layer: dict[str, list[float]], stats: dict[str, str]) -> dict[str, float]:
@@ -110,10 +125,10 @@ def layer_flips(old: RoutingReplayCache, new: RoutingReplayCache, prefix: str,
                 rows_N: torch.Tensor) -> dict:
     """Flip rate of `new` vs `old` per layer, `mean` and `max`: on the rows `rows_N` (the loss
     positions) as `{prefix}...`, on every token as `{prefix without /}_all/...` (collective)."""
-    all_prefix = prefix.rstrip("/") + "_all/"
-    out = _keyed(flip_counts(old, new, rows_N), {"flip_rate": prefix})
-    out.update(_keyed(flip_counts(old, new, torch.ones_like(rows_N, dtype=torch.bool)),
-                      {"flip_rate": all_prefix}))
+    every_N = torch.ones_like(rows_N, dtype=torch.bool)
+    on_rows, on_all = flip_counts_over(old, new, [rows_N, every_N])
+    out = _keyed(on_rows, {"flip_rate": prefix})
+    out.update(_keyed(on_all, {"flip_rate": prefix.rstrip("/") + "_all/"}))
     return out
 
 
@@ -166,12 +181,10 @@ class StepFlips:
         mb = self.mb
         after = self._after_routing()
         rows_N = token_rows(self.policy, after, loss_positions(mb.response_BT))
-        out = _keyed(flip_counts(self.before, after, rows_N),
-                     {s: f"moe/{s}/" for s in ("flip_rate", "any_flip", "jaccard",
-                                                "load_imbalance")})
-        all_N = torch.ones_like(rows_N)
-        out.update(_keyed(flip_counts(self.before, after, all_N),
-                          {"flip_rate": "moe/flip_rate_all/"}))
+        on_rows, on_all = flip_counts_over(self.before, after, [rows_N, torch.ones_like(rows_N)])
+        out = _keyed(on_rows, {s: f"moe/{s}/" for s in ("flip_rate", "any_flip", "jaccard",
+                                                          "load_imbalance")})
+        out.update(_keyed(on_all, {"flip_rate": "moe/flip_rate_all/"}))
         out.update(layer_flips(mb.old_routing, after, "moe/drift_vs_old/", rows_N))
         out.update(_keyed(flip_counts(mb.old_routing, self.used, rows_N),
                           {"flip_rate": "moe/loss_routing_vs_old/"}))
