@@ -200,3 +200,46 @@ class StepFlips:
         n = len(mb)
         self.next_before = both.select(slice(n, None))
         return both.select(slice(0, n))
+
+
+class FlipSchedule:
+    """Which steps measure flips (`every`-th optimizer step; 0 = never) and which routing each
+    measured step can reuse instead of a forward of its own (`StepFlips`' `before`/`next_mb`):
+
+    - an iteration's first step starts from pi_old's weights, so pi_old's routing is the live
+      "before", unless pi_old's pass replayed another routing (`old_is_live=False`: R3, where it
+      is the sampler's);
+    - a measured step whose successor is measured too and replays (R2/R3: its forward records
+      nothing live) routes the successor's rows in its own "after" pass and hands them over.
+
+        schedule = FlipSchedule(every=1, old_is_live=True)
+        flips = schedule.start(policy, mb, step, next_mb=..., first=...)
+        ...forward under flips.watch(), backward, optimizer step...
+        metrics.update(schedule.finish(flips, stepped))
+    """
+
+    def __init__(self, every: int, old_is_live: bool):
+        self.every, self.old_is_live = every, old_is_live
+        self._carried: RoutingReplayCache | None = None  # next minibatch's live routing
+
+    def measures(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    def start(self, policy, mb, step: int, next_mb=None, first: bool = False) -> StepFlips:
+        """The `StepFlips` of optimizer step `step` on `mb` (`next_mb`: the iteration's next
+        minibatch or None; `first`: no optimizer step since pi_old's pass)."""
+        before = mb.old_routing if first and self.old_is_live else self._carried
+        self._carried = None
+        hand_over = next_mb is not None and next_mb.replay is not None \
+            and self.measures(step + 1)
+        return StepFlips(policy, mb, active=self.measures(step), before=before,
+                         next_mb=next_mb if hand_over else None)
+
+    def finish(self, flips: StepFlips, stepped: bool) -> dict:
+        """The step's flip metrics (none if the optimizer skipped the step)."""
+        if not stepped:
+            return {}
+        out = flips.after_step()
+        self._carried = flips.next_before
+        return out
+

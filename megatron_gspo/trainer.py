@@ -9,7 +9,7 @@ in one no-grad forward, compute group advantages, then split the rollout batch i
 that has moved m-1 times since pi_old, which is what makes the importance ratio (and clipping)
 matter; with one minibatch GSPO reduces to on-policy policy gradient (PITFALLS #4).
 
-Per optimizer step it also measures expert flips (`megatron_gspo.flips.StepFlips`): the top-k
+Per optimizer step it also measures expert flips (`megatron_gspo.flips.FlipSchedule`): the top-k
 sets of the same tokens just before and just after the step, and after the step vs pi_old.
 
 Parts: `Trainer(rt, cfg, ref_policy=..., loss_fn=..., generate=...)` runs the loop over parts
@@ -41,7 +41,7 @@ from megatron_gspo.band import check_start_accuracy
 from megatron_gspo.config import ConfigError, RunConfig
 from megatron_gspo.dist_utils import all_ranks, reduce_metrics
 from megatron_gspo.filters import overlong_filter, rollout_health, sample_rollouts
-from megatron_gspo.flips import StepFlips, layer_flips, loss_positions, token_rows
+from megatron_gspo.flips import FlipSchedule, layer_flips, loss_positions, token_rows
 from megatron_gspo.losses import PolicyLossFn, get_policy_loss, tis_weights
 from megatron_gspo.metrics import Timer, format_progress
 from megatron_gspo.mismatch import sampler_precision
@@ -123,7 +123,9 @@ class Trainer:
         self.state = TrainerState.from_dict(try_resume(rt) or {})
         self.timer = Timer()
         self.filter_metrics: dict = {}  # dynamic sampling's, of the last rollout
-        self._flip_before = None  # live routing of the next minibatch, from the last flip pass
+        # pi_old's routing is the live one at its weights, except under R3 (the sampler's)
+        self.flips = FlipSchedule(cfg.train.flip_every,
+                                  old_is_live=cfg.train.routing_replay != "r3")
 
     @classmethod
     def from_config(cls, cfg: RunConfig, **parts) -> "Trainer":
@@ -276,21 +278,10 @@ class Trainer:
                    first: bool = False) -> dict:
         """One optimizer step on a minibatch; `mb.replay` (R2/R3 rows) forces its routing.
         `first`: no step since pi_old's pass; `next_mb`: the iteration's next minibatch (both
-        let the flip measurement reuse routing it already has, `flips.StepFlips`)."""
+        let the flip measurement reuse routing it already has, `flips.FlipSchedule`)."""
         cfg, policy = self.cfg, self.policy
-        every, step = cfg.train.flip_every, self.state.opt_step
-        # pi_old's routing is the live one at these weights, except under R3 (the sampler's)
-        live_old = first and cfg.train.routing_replay != "r3"
-        before, self._flip_before = (mb.old_routing if live_old else self._flip_before), None
-        measures_next = next_mb is not None and next_mb.replay is not None and every > 0 \
-            and (step + 1) % every == 0
-        flips = StepFlips(policy, mb, active=every > 0 and step % every == 0, before=before,
-                          next_mb=next_mb if measures_next else None)
-        tis, tis_metrics = {}, {}
-        if cfg.loss.tis_cap is not None:  # pi_old (trainer) / pi_sampler, truncated; no forward
-            weight_BT, tis_metrics = tis_weights(mb.old_logp_BT, mb.rollout.sampler_logp_BT,
-                                                 mb.response_BT, cfg.loss.tis_cap)
-            tis = {"is_weight_BT": weight_BT}
+        flips = self.flips.start(policy, mb, self.state.opt_step, next_mb, first)
+        tis, tis_metrics = self.tis(mb)
         policy.zero_grad()
         with flips.watch(), replay_routing(policy, mb.replay), self.router_noise(mb):
             logp_BT, entropy_BT = policy.token_logprobs(mb.tokens_BT, mb.valid_BT,
@@ -298,24 +289,25 @@ class Trainer:
             loss, metrics = self.loss_fn(logp_BT, mb.old_logp_BT, mb.adv_B,
                                          mb.response_BT.float(), cfg.loss,
                                          ref_logp_BT=mb.ref_logp_BT, **tis)
-        metrics.update(tis_metrics)
-        resp_BT = mb.response_BT.to(entropy_BT.device)
-        metrics["policy/entropy"] = float((entropy_BT.detach() * resp_BT).sum() / resp_BT.sum())
-        # on a rollout batch's first minibatch pi == pi_old: any log-ratio there comes from the
-        # router noise (or the sampler, with rollout.use_sampler_logprobs)
-        abs_lr_BT = (logp_BT.detach() - mb.old_logp_BT.to(logp_BT.device)).abs() * resp_BT
-        metrics["policy/log_ratio/abs_mean"] = float(abs_lr_BT.sum() / resp_BT.sum())
+        metrics.update(tis_metrics, **response_metrics(mb, logp_BT, entropy_BT))
         stepped, grad_norm = False, float("nan")
         if all_ranks(bool(torch.isfinite(loss))):  # skip on every rank or none (PITFALLS #13)
             policy.backward(loss)
             stepped, grad_norm = policy.step()
         metrics.update(self.guard(stepped), **{"train/grad_norm": grad_norm,
                                                "train/lr": policy.lr})
-        if stepped:
-            metrics.update(flips.after_step())
-            self._flip_before = flips.next_before
+        metrics.update(self.flips.finish(flips, stepped))
         self.state.opt_step += 1
         return metrics
+
+    def tis(self, mb: Minibatch) -> tuple[dict, dict]:
+        """Truncated importance weights pi_old (trainer) / pi_sampler as the loss's keyword
+        argument, and their metrics; both empty unless `loss.tis_cap` (no forward)."""
+        if self.cfg.loss.tis_cap is None:
+            return {}, {}
+        weight_BT, metrics = tis_weights(mb.old_logp_BT, mb.rollout.sampler_logp_BT,
+                                         mb.response_BT, self.cfg.loss.tis_cap)
+        return {"is_weight_BT": weight_BT}, metrics
 
     def router_noise(self, mb: Minibatch):
         """`train.router_noise_std` on the loss's forward when it is not replayed; one seeded
@@ -393,6 +385,16 @@ def rollout_metrics(batch: RolloutBatch, recompute_logp_BT: torch.Tensor,
             "response/length/max": float(lengths_B.max()),
             "rollout/logprob_mismatch/mean": float(diff_BT.sum() / resp_BT.sum()),
             "rollout/logprob_mismatch/max": float(diff_BT.max())}
+
+
+def response_metrics(mb: Minibatch, logp_BT: torch.Tensor, entropy_BT: torch.Tensor) -> dict:
+    """Token-mean entropy and |log pi - log pi_old| over the response tokens. On a rollout
+    batch's first minibatch pi == pi_old, so a log-ratio there comes from the router noise (or
+    the sampler, with `rollout.use_sampler_logprobs`)."""
+    resp_BT = mb.response_BT.to(entropy_BT.device)
+    abs_lr_BT = (logp_BT.detach() - mb.old_logp_BT.to(logp_BT.device)).abs() * resp_BT
+    return {"policy/entropy": float((entropy_BT.detach() * resp_BT).sum() / resp_BT.sum()),
+            "policy/log_ratio/abs_mean": float(abs_lr_BT.sum() / resp_BT.sum())}
 
 
 def throughput(batch: RolloutBatch, timer: Timer) -> dict:

@@ -70,3 +70,33 @@ def test_mismatched_shapes_are_an_error():
     old, new, _, _ = constructed()
     with pytest.raises(ValueError, match="same"):
         flip_counts(old, new, torch.ones(3, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("old_is_live", [True, False])
+def test_flip_schedule_reuses_pi_old_and_hands_over_only_where_valid(old_is_live):
+    """every=2: steps 0, 2 measure; step 0 starts from pi_old's routing only if that routing is
+    live (R2, not R3); a measured step's successor is routed in its pass only if the successor
+    is measured and replays (its own forward records nothing live then)."""
+    from types import SimpleNamespace
+
+    from megatron_gspo.flips import FlipSchedule
+
+    old = object()
+    replayed = SimpleNamespace(replay=object(), old_routing=old)
+    unreplayed = SimpleNamespace(replay=None, old_routing=old)
+    schedule = FlipSchedule(every=2, old_is_live=old_is_live)
+    first = schedule.start(None, replayed, step=0, next_mb=replayed, first=True)
+    assert first.active and first.next_mb is None  # step 1 is not measured
+    assert first.before is (old if old_is_live else None)
+    carried = object()
+    first.next_before = carried  # what after_step of a hand-over pass leaves
+    first.after_step = lambda: {"moe/flip_rate/mean": 0.5}
+    assert schedule.finish(first, stepped=True) == {"moe/flip_rate/mean": 0.5}
+    second = schedule.start(None, replayed, step=1, next_mb=replayed)
+    assert not second.active and second.before is carried  # handed over, then dropped
+    assert schedule.finish(second, stepped=False) == {}
+    third = schedule.start(None, replayed, step=1, next_mb=replayed)
+    assert third.before is None and third.next_mb is replayed  # step 2 measured + replays
+    fourth = schedule.start(None, replayed, step=1, next_mb=unreplayed)
+    assert fourth.next_mb is None  # the unreplayed step records its own "before"
+    assert not FlipSchedule(every=0, old_is_live=True).start(None, replayed, 0).active

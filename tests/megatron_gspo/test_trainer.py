@@ -218,7 +218,7 @@ def test_flips_under_replay_take_one_forward_per_step_and_equal_separate_passes(
 def test_replay_source_is_pi_old_for_r2_and_the_sampler_for_r3(tmp_path, monkeypatch, mode):
     """The sampler's routing is made to differ from pi_old's (on CPU they agree exactly, see
     test_rollout), so replaying the wrong one is caught."""
-    from megatron_gspo import trainer as trainer_mod
+    from megatron_gspo import flips as flips_mod, trainer as trainer_mod
     from megatron_gspo.rollout import generate_rollouts
 
     def shifted_generate(*args, **kwargs):
@@ -243,12 +243,12 @@ def test_replay_source_is_pi_old_for_r2_and_the_sampler_for_r3(tmp_path, monkeyp
     monkeypatch.setattr(trainer_mod.Trainer, "train_step", spy)
     befores = []
 
-    class SpyFlips(trainer_mod.StepFlips):
+    class SpyFlips(flips_mod.StepFlips):
         def __init__(self, *args, before=None, **kwargs):
             befores.append(before)
             super().__init__(*args, before=before, **kwargs)
 
-    monkeypatch.setattr(trainer_mod, "StepFlips", SpyFlips)
+    monkeypatch.setattr(flips_mod, "StepFlips", SpyFlips)
     trainer.train()
     assert seen == [mode, mode]
     # flips compare the live routing before and after a step: pi_old's routing stands in for
