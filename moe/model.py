@@ -217,22 +217,11 @@ def build_gpt_moe(preset: MoEPreset, layout: ParallelLayout = ParallelLayout(), 
     if recompute.granularity is not None:
         apply_cpu_training_patches()
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     config = transformer_config(preset, layout, dtype=dtype, aux_loss_coeff=aux_loss_coeff,
                                 routing_replay=routing_replay, recompute=recompute)
-    if have_transformer_engine():
-        spec = get_gpt_layer_with_transformer_engine_spec(
-            num_experts=preset.num_experts, moe_grouped_gemm=False,
-            qk_layernorm=preset.qk_layernorm)
-    else:
-        _notice_local_spec_on_gpu()
-        spec = get_gpt_layer_local_spec(num_experts=preset.num_experts, moe_grouped_gemm=False,
-                                        qk_layernorm=preset.qk_layernorm,
-                                        normalization="RMSNorm")
-        spec = _with_cpu_modules(spec, grouped_experts, sdpa_attention)
+    spec = _layer_spec(preset, grouped_experts, sdpa_attention)
     # megatron's RouterReplay matches replay data to layers through a class-level list filled in
     # construction order: a model built earlier in this process (reference model, a test) would
     # shift every layer. Start each model with an empty list (PITFALLS #9).
@@ -253,6 +242,29 @@ def build_gpt_moe(preset: MoEPreset, layout: ParallelLayout = ParallelLayout(), 
     )
     if cuda_available():
         model = model.cuda()
+    _finish_params(model, dtype)
+    model.router_replays = list(RouterReplay.global_router_replay_instances)
+    return model
+
+
+def _layer_spec(preset: MoEPreset, grouped_experts: bool, sdpa_attention: bool):
+    """TransformerEngine's layer spec where TE is installed, else megatron's local spec with
+    the CPU modules (`_with_cpu_modules`)."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
+
+    if have_transformer_engine():
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=preset.num_experts, moe_grouped_gemm=False,
+            qk_layernorm=preset.qk_layernorm)
+    _notice_local_spec_on_gpu()
+    spec = get_gpt_layer_local_spec(num_experts=preset.num_experts, moe_grouped_gemm=False,
+                                    qk_layernorm=preset.qk_layernorm, normalization="RMSNorm")
+    return _with_cpu_modules(spec, grouped_experts, sdpa_attention)
+
+
+def _finish_params(model, dtype: torch.dtype) -> None:
+    """Every parameter in `dtype`, expert weights tagged for their gradient reduction."""
     # megatron's torch RMSNorm (local spec) creates fp32 weights whatever params_dtype says; TE's
     # norms, and Megatron-LM's Float16Module for any spec, make every parameter 16-bit in a
     # 16-bit run. Do the same: the Float16 optimizer then holds an fp32 master for every
@@ -261,7 +273,6 @@ def build_gpt_moe(preset: MoEPreset, layout: ParallelLayout = ParallelLayout(), 
         for param in model.parameters():
             if param.dtype != dtype:
                 param.data = param.data.to(dtype)
-    model.router_replays = list(RouterReplay.global_router_replay_instances)
     # megatron marks expert weights `allreduce=False` (reduce over the expert-data-parallel group)
     # only when ep > 1. With ep == 1 and tp > 1 (expert TP = 1), each TP rank's experts see only
     # its sequence shard, so their grads must still be summed over the expert-DP group (which
@@ -271,4 +282,3 @@ def build_gpt_moe(preset: MoEPreset, layout: ParallelLayout = ParallelLayout(), 
         param.is_moe_expert = ".mlp.experts." in name
         if param.is_moe_expert:
             param.allreduce = False
-    return model
