@@ -112,16 +112,19 @@ def main(argv=None) -> int:
     return 0
 
 
-def write_table(runs: list[str], marker: str, sft_dir: str) -> None:
+def write_table(runs: list[str], marker: str, sft_dir: str, stats: list[str] | None = None,
+                readme: str | None = None) -> None:
     """The result table (tools/result_table.py; the header names the machine and where the
-    cold start stopped) into README.md's `table:MARKER` markers, or printed when the README has
-    none for this variant."""
+    cold start stopped; rows `stats`, default this experiment's, plus each layer's flip rate)
+    into `readme`'s (default this folder's README.md) `table:MARKER` markers, or printed when it
+    has none for this variant."""
     loaded = plot_run.load_runs(runs, group_by_prefix=True)
     layers = [f"{key}:mean=flip rate, layer {i}" for i, key in plot_run.layer_keys(loaded)]
     cold = cold_start_line(sft_dir).replace(ROOT + os.sep, "")
     header = f"{result_table.machine_line()} {cold[0].upper()}{cold[1:]}."
-    table = result_table.format_table(loaded, STATS + layers, header=header)
-    readme = os.path.join(HERE, "README.md")
+    table = result_table.format_table(loaded, (STATS if stats is None else stats) + layers,
+                                      header=header)
+    readme = readme or os.path.join(HERE, "README.md")
     try:
         result_table.write_into(readme, table, marker)
     except ValueError as e:

@@ -1,0 +1,41 @@
+"""experiments/long_response/run.py --plot-only: the README table from the runs' metrics, one
+column per arm, every row's reducer valid, headed by where the cold start stopped."""
+
+import json
+import os
+
+from experiments.long_response import run as long_run
+
+
+def _write(d, records):
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+
+
+def test_plot_only_writes_the_table_into_the_readme(tmp_path, monkeypatch):
+    runs = tmp_path / "runs" / "long_response"
+    _write(runs / "sft", [{"step": 0, "eval/accuracy": 0.0},
+                          {"step": 460, "eval/accuracy": 0.297, "sft/start_accuracy": 0.297,
+                           "sft/band_step": 460.0}])
+    for arm, clip in (("gspo", 0.4), ("grpo", 0.005)):
+        _write(runs / f"{arm}_s0", [
+            {"step": 0, "eval/accuracy": 0.297},
+            {"step": 4, "policy/clip_frac/token": clip, "reward/mean": 0.3,
+             "response/truncated_frac": 0.02, "moe/flip_rate/layer_00": 0.002},
+            {"step": 8, "policy/clip_frac/token": clip / 2, "reward/mean": 0.5,
+             "response/truncated_frac": 0.05, "moe/flip_rate/layer_00": 0.004},
+            {"step": 8, "eval/accuracy": 0.5 if arm == "gspo" else 0.45}])
+    (tmp_path / "README.md").write_text("x\n<!-- table:main:begin -->\nSTALE-ROW\n"
+                                        "<!-- table:main:end -->\n")
+    monkeypatch.setattr(long_run, "ROOT", str(tmp_path))
+    monkeypatch.setattr(long_run, "HERE", str(tmp_path))
+    assert long_run.main(["--plot-only", "--seeds", "0"]) == 0
+    text = (tmp_path / "README.md").read_text()
+    assert "STALE-ROW" not in text and "start accuracy 0.2970, entered the band at SFT step 460" in text
+    assert "| | gspo | grpo |" in text
+    assert "| eval accuracy, final (after 20 rollout batches) | 0.5 | 0.45 |" in text
+    assert "| clipped tokens | 0.3 | 0.00375 |" in text
+    assert "| truncated responses, worst batch | 0.05 | 0.05 |" in text
+    assert "| train reward, last 10% of steps | 0.5 | 0.5 |" in text
+    assert "| flip rate, layer 0 | 0.003 | 0.003 |" in text
