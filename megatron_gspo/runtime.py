@@ -133,7 +133,8 @@ def build_policy(cfg: RunConfig, vocab_size: int, optim: OptimSettings | None,
                              dtype=_DTYPES[cfg.model.dtype],
                              aux_loss_coeff=cfg.model.aux_loss_coeff,
                              optim=optim, recompute=recompute_of(cfg),
-                             sdpa_attention=cfg.model.attention == "sdpa")
+                             sdpa_attention=cfg.model.attention == "sdpa",
+                             decoder=cfg.rollout.decoder)
     if cfg.model.hf_path:
         from moe.hf.weights import load_hf_weights
 

@@ -7,7 +7,8 @@ real tokens. The attention mask is causal and hides padding keys; position ids c
 only, so a left-padded prompt sees the same positions as an unpadded one. Under sequence
 parallel T is padded up to a multiple of tp. Logits beyond the tokenizer's vocabulary (the preset
 vocab is padded) are masked to -inf, so they are never sampled and carry no probability.
-`KVCacheDecoder` gives next-token logits from megatron-core's static KV cache for sampling.
+`KVCacheDecoder` gives next-token logits from megatron-core's static KV cache for sampling;
+`moe.decode.LeanKVDecoder` the same logits from a leaner walk over the same modules (default).
 
 This is the RL package's only door into megatron: `megatron_gspo` calls these methods and never
 imports megatron.core itself.
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from moe.compat import apply_cpu_patches
+from moe.decode import LeanKVDecoder
 from moe.grads import global_grad_norm
 from moe.model import ParallelLayout, Recompute, build_gpt_moe
 from moe.optim import OptimSettings, PolicyOptimizer
@@ -50,7 +52,10 @@ class MoEPolicy:
 
     def __init__(self, model, optimizer: PolicyOptimizer | None, preset: MoEPreset,
                  layout: ParallelLayout, real_vocab: int, device: torch.device,
-                 recompute: Recompute = Recompute()):
+                 recompute: Recompute = Recompute(), decoder: str = "lean"):
+        if decoder not in ("lean", "megatron"):
+            raise ValueError(f"decoder={decoder!r}: expected 'lean' or 'megatron'")
+        self.decoder = decoder  # which KV-cache decode step `kv_decoder` builds
         self.model, self.optimizer = model, optimizer
         self.preset, self.layout = preset, layout
         self.real_vocab, self.device, self.recompute = real_vocab, device, recompute
@@ -64,10 +69,11 @@ class MoEPolicy:
               dtype: torch.dtype = torch.float32, aux_loss_coeff: float = 0.0,
               optim: OptimSettings | None = OptimSettings(),
               recompute: Recompute = Recompute(),
-              sdpa_attention: bool = False) -> "MoEPolicy":
+              sdpa_attention: bool = False, decoder: str = "lean") -> "MoEPolicy":
         """The GPTModel wrapped in megatron DDP, with megatron's Adam (`moe.optim`; None: no
         optimizer). 16-bit `dtype` trains with fp32 main grads and fp32 master weights.
-        `sdpa_attention`: core attention as `moe.attention.SDPAAttention` (local spec)."""
+        `sdpa_attention`: core attention as `moe.attention.SDPAAttention` (local spec);
+        `decoder`: the sampler's KV-cache step, "lean" (`moe.decode`) or "megatron"."""
         apply_cpu_patches()
         from megatron.core.distributed import DistributedDataParallel, \
             DistributedDataParallelConfig
@@ -83,7 +89,7 @@ class MoEPolicy:
             use_distributed_optimizer=optim is not None and optim.distributed), gpt)
         optimizer = None if optim is None else PolicyOptimizer(model, optim)
         device = next(gpt.parameters()).device
-        return cls(model, optimizer, preset, layout, real_vocab, device, recompute)
+        return cls(model, optimizer, preset, layout, real_vocab, device, recompute, decoder)
 
     # ---------------------------------------------------------------- forward
     def _pad_for_sp(self, *tensors_BT):
@@ -116,14 +122,16 @@ class MoEPolicy:
             float("-inf"))
 
     def kv_decoder(self, batch_size: int, max_len: int,
-                   record_routing: bool = False) -> "KVCacheDecoder | None":
-        """A KV-cached next-token decoder, or None under sequence parallelism (a single new
-        column cannot be split over the TP ranks; callers fall back to full recompute). As
-        megatron-core requires sequence parallelism for MoE with TP > 1, the cache serves TP=1
-        layouts (any EP and DP: tested on 2 processes with EP=2 and DP=2)."""
+                   record_routing: bool = False) -> "KVCacheDecoder | LeanKVDecoder | None":
+        """A KV-cached next-token decoder (`self.decoder`: `moe.decode.LeanKVDecoder` or
+        megatron's static-inference `KVCacheDecoder`, same results), or None under sequence
+        parallelism (a single new column cannot be split over the TP ranks; callers fall back to
+        full recompute). As megatron-core requires sequence parallelism for MoE with TP > 1, the
+        cache serves TP=1 layouts (any EP and DP: tested on 2 processes with EP=2 and DP=2)."""
         if self.layout.sequence_parallel:
             return None
-        return KVCacheDecoder(self, batch_size, max_len, record_routing)
+        kind = LeanKVDecoder if self.decoder == "lean" else KVCacheDecoder
+        return kind(self, batch_size, max_len, record_routing)
 
     def token_logprobs(self, tokens_BT: torch.Tensor, valid_BT: torch.Tensor,
                        temperature: float = 1.0, with_entropy: bool = False):
@@ -263,8 +271,9 @@ class KVCacheDecoder:
         position_ids_BS, mask_B1ST = attention_inputs(valid_BT.to(policy.device), start=seen)
         if seen:
             self.context.enable_decode_mode()
-        was_training = policy.model.training
-        policy.model.train(False)
+        was_training = policy.model.training  # the sampler sets eval mode once per rollout;
+        if was_training:                      # each train() call walks every module
+            policy.model.train(False)
         recording = record_routing(policy) if self.recorded is not None else nullcontext()
         try:
             with recording as recorded_L:
@@ -273,7 +282,8 @@ class KVCacheDecoder:
                                           inference_context=self.context,
                                           runtime_gather_output=True)
         finally:
-            policy.model.train(was_training)
+            if was_training:
+                policy.model.train(True)
         if recorded_L is not None:
             self.recorded.append(recorded_L)
         self.context.sequence_len_offset = T

@@ -96,8 +96,16 @@ def check_replay(policy, info, ref, rows, tokens_BT, valid_BT, what) -> None:
 
 
 def check_kv_decode(policy, ref, rows, tokens_BT, valid_BT, what) -> None:
-    """The KV-cache decoder (prefill 8 columns, then one at a time) gives the 1-process
-    full-forward logits at each step and records the 1-process routing (none under SP)."""
+    """Both KV-cache decoders (lean and megatron's; prefill 8 columns, then one at a time) give
+    the 1-process full-forward logits at each step and record the 1-process routing (none
+    under SP)."""
+    for kind in ("lean", "megatron"):
+        policy.decoder = kind
+        _check_kv_decoder(policy, ref, rows, tokens_BT, valid_BT, f"{what}, {kind} decoder")
+    policy.decoder = "lean"
+
+
+def _check_kv_decoder(policy, ref, rows, tokens_BT, valid_BT, what) -> None:
     B, T = tokens_BT.shape
     decoder = policy.kv_decoder(B, T, record_routing=True)
     if decoder is None:
