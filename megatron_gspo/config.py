@@ -160,10 +160,10 @@ class RolloutConfig:
     """Sample with megatron-core's static KV cache (one new column per step); False recomputes
     the full forward each step. Sequence parallelism always recomputes."""
     decoder: Literal["lean", "megatron"] = "lean"
-    """KV-cache decode step: "lean" walks megatron's layers itself and caches rotated keys
-    (`moe.decode`; the same logits and routing, tested bitwise), "megatron" runs
-    `GPTModel.forward` with megatron-core's `StaticInferenceContext` (re-applies RoPE to every
-    cached key at every step)."""
+    """KV-cache decode step: "lean" walks megatron's layers itself, caches rotated keys and
+    attends per K/V group (`moe.decode`; the same routing and logits to fp32 rounding, tested),
+    "megatron" runs `GPTModel.forward` with megatron-core's `StaticInferenceContext` (re-applies
+    RoPE to every cached key and expands K/V to every head at every step)."""
 
     def __post_init__(self):
         validate(self, ge={"prompts_per_batch": 1, "group_size": 2, "max_new_tokens": 1},

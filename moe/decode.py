@@ -15,15 +15,22 @@ layers itself instead of `GPTModel.forward(..., inference_context=StaticInferenc
 - the layer walk skips megatron's per-call framework work (inference-context bookkeeping,
   offload and NVTX wrappers, config checks) that the profile of a 128-token rollout showed.
 
-What it reuses unchanged, so results equal the megatron path's: the embedding, each layer's
-norms, `get_query_key_value_tensors` (QKV projection, q/k norms, TP head split), the core
-attention module (megatron's `DotProductAttention` or `moe.attention.SDPAAttention`; new query
-rows over the first T cached keys, the mask of `moe.policy.attention_inputs(valid, start)`),
-`linear_proj`, each layer's bias-dropout-add (eval mode: the residual add, in the output's
-dtype under autocast), the MoE layer (router, RouterReplay RECORD for R3, token dispatcher,
-experts, EP), the final norm and the output layer (vocab gathered). Departures: none in the math; it serves the
-layouts `KVCacheDecoder` serves (no sequence or pipeline parallelism; standard RoPE, no MLA,
-no output gate; checked at construction).
+- megatron's `DotProductAttention` expands K/V to every query head (`repeat_interleave` over
+  the whole cache, per layer per step); `grouped_attention` computes the same math with each
+  K/V group's query heads in one batched matmul instead.
+
+What it reuses unchanged: the embedding, each layer's norms, `get_query_key_value_tensors`
+(QKV projection, q/k norms, TP head split), the core attention's scale and masked softmax (any
+other core attention module, e.g. `moe.attention.SDPAAttention`, is called as is over the first
+T cached keys with the mask of `moe.policy.attention_inputs(valid, start)`), `linear_proj`, each
+layer's bias-dropout-add (eval mode: the residual add, in the output's dtype under autocast),
+the MoE layer (router, RouterReplay RECORD for R3, token dispatcher, experts, EP), the final
+norm and the output layer (vocab gathered), on the last column only.
+
+Departures: none in the math. The grouped matmuls round differently from megatron's expanded
+ones (logits within ~1e-7 on the tiny presets; with SDPA bitwise equal; routing equal:
+tests/moe/test_decode.py). It serves the layouts `KVCacheDecoder` serves (no sequence or
+pipeline parallelism; standard RoPE, no MLA, no output gate; checked at construction).
 """
 
 from __future__ import annotations
@@ -121,8 +128,12 @@ class LeanKVDecoder:
         self.cache_v[i][seen:T] = v_SBGD
         # megatron's decode calls core attention with no_mask and the explicit padding mask
         mask_type = AttnMaskType.no_mask if seen else attn.attn_mask_type
-        core_SBX = attn.core_attention(q_SBHD, self.cache_k[i][:T], self.cache_v[i][:T],
-                                       mask_B1ST, attn_mask_type=mask_type)
+        core = attn.core_attention
+        k_TBGD, v_TBGD = self.cache_k[i][:T], self.cache_v[i][:T]
+        if type(core) is DotProductAttention():
+            core_SBX = grouped_attention(core, q_SBHD, k_TBGD, v_TBGD, mask_B1ST)
+        else:
+            core_SBX = core(q_SBHD, k_TBGD, v_TBGD, mask_B1ST, attn_mask_type=mask_type)
         fused = layer.config.bias_dropout_fusion
         hidden_SBH = layer.self_attn_bda(False, fused)(attn.linear_proj(core_SBX), hidden_SBH,
                                                       layer.hidden_dropout)
@@ -141,6 +152,32 @@ class LeanKVDecoder:
         layers = [torch.cat([call[layer] for call in self.recorded])
                   for layer in range(len(self.recorded[0]))]
         return RoutingReplayCache.from_recorded(layers, valid_BT, self.policy.preset.num_experts)
+
+
+def DotProductAttention():  # noqa: N802 (megatron's class, imported late)
+    from megatron.core.transformer.dot_product_attention import DotProductAttention as cls
+
+    return cls
+
+
+def grouped_attention(core, q_SBHD, k_TBGD, v_TBGD, mask_B1ST):
+    """megatron `DotProductAttention.forward`'s math (eval mode) without expanding K/V to every
+    query head: each K/V group's r = Hq / G query heads share one batched matmul (query heads
+    h = g * r + j use group g, as `repeat_interleave` pairs them). Same scale
+    (`core.softmax_scale` inside `baddbmm`), the module's own masked softmax, no dropout (eval).
+    Returns [S, B, Hq * D]."""
+    S, B, Hq, D = q_SBHD.shape
+    T, G = k_TBGD.shape[0], k_TBGD.shape[2]
+    r = Hq // G
+    q_XMD = q_SBHD.permute(1, 2, 0, 3).reshape(B * G, r * S, D)  # X = B * G rows, M = r * S
+    k_XDT = k_TBGD.permute(1, 2, 3, 0).reshape(B * G, D, T)
+    scores_XMT = torch.baddbmm(q_XMD.new_empty(B * G, r * S, T), q_XMD, k_XDT, beta=0.0,
+                               alpha=core.softmax_scale)
+    probs_BHST = core.scale_mask_softmax(scores_XMT.view(B, Hq, S, T), mask_B1ST,
+                                         core.softmax_offset)
+    v_XTD = v_TBGD.permute(1, 2, 0, 3).reshape(B * G, T, D)
+    out_XMD = torch.bmm(probs_BHST.reshape(B * G, r * S, T), v_XTD)
+    return out_XMD.view(B, Hq, S, D).permute(2, 0, 1, 3).reshape(S, B, Hq * D)
 
 
 def unsupported(gpt) -> str:

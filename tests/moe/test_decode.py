@@ -1,11 +1,13 @@
-"""moe.decode.LeanKVDecoder == megatron's static-inference KVCacheDecoder, bitwise: logits at
-every step and the recorded routing, with left padding, a row that stopped early, bf16 autocast
-and SDPA attention (EP=2 / DP=2 against the 1-process reference: tests/moe/test_parallel.py)."""
+"""moe.decode.LeanKVDecoder == megatron's static-inference KVCacheDecoder: logits at every step
+(to fp32 rounding: the grouped attention's matmuls are shaped differently from megatron's
+expanded ones; bitwise where the core attention module is called as is) and the recorded
+routing, with left padding, a row that stopped early, bf16 autocast and SDPA attention (EP=2 /
+DP=2 against the 1-process reference: tests/moe/test_parallel.py)."""
 
 import pytest
 import torch
 
-from moe.decode import LeanKVDecoder, unsupported
+from moe.decode import LeanKVDecoder, grouped_attention, unsupported
 from moe.model import ParallelLayout
 from moe.policy import KVCacheDecoder, MoEPolicy
 from moe.presets import get_preset
@@ -43,8 +45,40 @@ def test_lean_decoder_equals_megatron_static_inference(single_process, preset_na
         want_logits, want_ids = _decode(KVCacheDecoder(policy, B, T, True), tokens, valid, P)
         got_logits, got_ids = _decode(LeanKVDecoder(policy, B, T, True), tokens, valid, P)
     assert torch.isinf(got_logits[..., 26:]).all() and torch.isfinite(got_logits[..., :26]).all()
-    assert torch.equal(got_logits, want_logits) and torch.equal(got_ids, want_ids)
+    assert torch.equal(got_ids, want_ids)
+    if sdpa:  # SDPAAttention is called as is: the same floats
+        assert torch.equal(got_logits, want_logits)
+    tol = 2e-2 if autocast else 1e-5
+    torch.testing.assert_close(got_logits, want_logits, atol=tol, rtol=tol)
     assert policy.model.training  # eval mode inside the decoder only
+
+
+def test_grouped_attention_equals_dot_product_attention_with_gqa(single_process):
+    """4 query heads over 2 K/V groups (heads 0, 1 -> group 0), 3 new rows over 7 keys with a
+    padding key hidden: megatron's expanded computation to fp32 rounding."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from moe.model import transformer_config
+    from moe.policy import attention_inputs
+
+    preset = get_preset("tiny")
+    cfg = transformer_config(preset, ParallelLayout())
+    cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels = 4, 2, 8
+    core = DotProductAttention(cfg, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                               attention_type="self").eval()
+    g = torch.Generator().manual_seed(1)
+    S, B, T = 3, 2, 7
+    q = torch.randn(S, B, 4, 8, generator=g)
+    k, v = torch.randn(T, B, 2, 8, generator=g), torch.randn(T, B, 2, 8, generator=g)
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[1, 0] = False
+    _, mask = attention_inputs(valid, start=T - S)
+    want = core(q, k, v, mask, attn_mask_type=AttnMaskType.no_mask)
+    got = grouped_attention(core, q, k, v, mask)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    swapped = grouped_attention(core, q[:, :, [1, 0, 2, 3]], k, v, mask)
+    assert not torch.allclose(swapped, want, atol=1e-3)  # head order matters: the check bites
 
 
 def test_policy_picks_the_configured_decoder_and_checks_bad_input(single_process):
