@@ -130,15 +130,18 @@ class LeanKVDecoder:
         mask_type = AttnMaskType.no_mask if seen else attn.attn_mask_type
         core = attn.core_attention
         k_TBGD, v_TBGD = self.cache_k[i][:T], self.cache_v[i][:T]
-        if type(core) is DotProductAttention():
-            core_SBX = grouped_attention(core, q_SBHD, k_TBGD, v_TBGD, mask_B1ST)
-        else:
+        if not isinstance(core, DotProductAttention()):  # e.g. TE's: called as is
             core_SBX = core(q_SBHD, k_TBGD, v_TBGD, mask_B1ST, attn_mask_type=mask_type)
+        elif sdpa_ok(core, q_SBHD):
+            core_SBX = sdpa_attention(core, q_SBHD, k_TBGD, v_TBGD, mask_B1ST)
+        else:
+            core_SBX = grouped_attention(core, q_SBHD, k_TBGD, v_TBGD, mask_B1ST)
         fused = layer.config.bias_dropout_fusion
         hidden_SBH = layer.self_attn_bda(False, fused)(attn.linear_proj(core_SBX), hidden_SBH,
                                                       layer.hidden_dropout)
-        return layer.mlp_bda(False, fused)(layer.mlp(layer.pre_mlp_layernorm(hidden_SBH)),
-                                           hidden_SBH, layer.hidden_dropout)
+        mlp, x_SBH = layer.mlp, layer.pre_mlp_layernorm(hidden_SBH)
+        out = lean_moe(mlp, x_SBH) if lean_moe_ok(mlp) else mlp(x_SBH)
+        return layer.mlp_bda(False, fused)(out, hidden_SBH, layer.hidden_dropout)
 
     def routing(self, valid_BT: torch.Tensor):
         """The recorded routing of all `seen` columns as a replay cache (as KVCacheDecoder)."""
@@ -160,6 +163,25 @@ def DotProductAttention():  # noqa: N802 (megatron's class, imported late)
     return cls
 
 
+def sdpa_ok(core, q_SBHD) -> bool:
+    """Whether one `F.scaled_dot_product_attention` computes `core`'s math (fp32 queries, no
+    learnable softmax offset, no query-key layer scaling; eval mode, so no dropout)."""
+    return (q_SBHD.dtype == torch.float32 and core.softmax_offset is None
+            and not core.config.apply_query_key_layer_scaling)
+
+
+def sdpa_attention(core, q_SBHD, k_TBGD, v_TBGD, mask_B1ST):
+    """megatron attention of the new query rows over the cached keys as one fused SDPA call
+    (K/V groups shared through `enable_gqa`, megatron's boolean mask inverted: True = attend;
+    the call `moe.attention.SDPAAttention` makes). Returns [S, B, Hq * D]."""
+    S, B, Hq, D = q_SBHD.shape
+    out_BHSD = torch.nn.functional.scaled_dot_product_attention(
+        q_SBHD.permute(1, 2, 0, 3), k_TBGD.permute(1, 2, 0, 3), v_TBGD.permute(1, 2, 0, 3),
+        attn_mask=~mask_B1ST, scale=core.softmax_scale,
+        enable_gqa=k_TBGD.shape[2] != Hq)
+    return out_BHSD.permute(2, 0, 1, 3).reshape(S, B, Hq * D)
+
+
 def grouped_attention(core, q_SBHD, k_TBGD, v_TBGD, mask_B1ST):
     """megatron `DotProductAttention.forward`'s math (eval mode) without expanding K/V to every
     query head: each K/V group's r = Hq / G query heads share one batched matmul (query heads
@@ -178,6 +200,38 @@ def grouped_attention(core, q_SBHD, k_TBGD, v_TBGD, mask_B1ST):
     v_XTD = v_TBGD.permute(1, 2, 0, 3).reshape(B * G, T, D)
     out_XMD = torch.bmm(probs_BHST.reshape(B * G, r * S, T), v_XTD)
     return out_XMD.view(B, Hq, S, D).permute(2, 0, 1, 3).reshape(S, B, Hq * D)
+
+
+def lean_moe_ok(mlp) -> bool:
+    """Whether `lean_moe` computes this MoE layer: one expert-parallel rank and no expert TP
+    (the dispatcher's collectives are identities there), no token dropping or padding, no
+    latent projection, no fused (TE) permutation, no shared experts."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    cfg = getattr(mlp, "config", None)
+    return (isinstance(mlp, MoELayer) and mlp.ep_group.size() == 1
+            and mlp.tp_group.size() == 1 and mlp.experts.tp_group.size() == 1
+            and cfg.moe_expert_capacity_factor is None
+            and not cfg.moe_router_padding_for_quantization and not cfg.moe_latent_size
+            and not cfg.moe_permute_fusion and not mlp.use_shared_expert)
+
+
+def lean_moe(mlp, x_SBH):
+    """megatron `MoELayer.forward` on one rank, without the token dispatcher's machinery: the
+    router module (top-k, gate probs, RouterReplay record / replay), megatron's `permute`
+    (tokens grouped by expert), the experts module, megatron's `unpermute` (scatter-add back
+    to token order): the ops the all-to-all / all-gather dispatchers run at world size 1.
+    Returns (output [S, B, H], None)."""
+    from megatron.core.transformer.moe.moe_utils import permute, unpermute
+
+    x_NH = x_SBH.reshape(-1, x_SBH.shape[-1])
+    probs_NE, routing_map_NE = mlp.router(x_SBH)
+    tokens_per_expert_E = routing_map_NE.sum(dim=0).long()
+    x_MH, probs_M, sorted_M = permute(x_NH, routing_map_NE, probs=probs_NE,
+                                      num_out_tokens=x_NH.shape[0] * mlp.config.moe_router_topk)
+    out_MH, _ = mlp.experts(x_MH, tokens_per_expert_E, probs_M)
+    out_NH = unpermute(out_MH, sorted_M, restore_shape=x_NH.shape, routing_map=routing_map_NE)
+    return out_NH.view(x_SBH.shape), None
 
 
 def unsupported(gpt) -> str:

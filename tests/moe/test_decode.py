@@ -114,3 +114,20 @@ def test_unsupported_layouts_are_named(single_process):
             LeanKVDecoder(policy, 2, 8)
     finally:
         gpt.config.sequence_parallel, gpt.config.flash_decode = False, False
+
+
+@pytest.mark.parametrize("preset_name", ["qwen3-moe-tiny", "tiny"])
+def test_lean_moe_equals_the_moe_layer(single_process, preset_name):
+    """One rank: router + permute + experts + unpermute == MoELayer.forward, bitwise."""
+    from moe.decode import lean_moe, lean_moe_ok
+
+    preset = get_preset(preset_name)
+    policy = MoEPolicy.build(preset, ParallelLayout(), real_vocab=26, optim=None)
+    policy.train(False)
+    mlp = policy.model.module.decoder.layers[1].mlp
+    assert lean_moe_ok(mlp)
+    x = torch.randn(5, 3, preset.hidden_size, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want, got = mlp(x)[0], lean_moe(mlp, x)[0]
+    assert got.shape == x.shape and torch.equal(got, want)
+    assert not torch.equal(lean_moe(mlp, x.flip(0))[0], want)  # token order matters
