@@ -11,7 +11,9 @@ layers itself instead of `GPTModel.forward(..., inference_context=StaticInferenc
   layer at every decode step (`Attention._adjust_key_value_for_inference` then
   `apply_rotary_pos_emb` over `[:sequence_end]`): O(T) work per step that the cached values
   make unnecessary. Rotating a key at position p gives the same floats whenever it is done.
-- the rotary table is built once per decoder, not once per step;
+- the rotary table is built once per decoder, not once per step, and so are the experts'
+  stacked weights for their grouped GEMMs (`moe.experts`; megatron's path restacks them in
+  every layer at every step);
 - the layer walk skips megatron's per-call framework work (inference-context bookkeeping,
   offload and NVTX wrappers, config checks) that the profile of a 128-token rollout showed.
 
@@ -40,7 +42,8 @@ import torch
 
 class LeanKVDecoder:
     """Next-token logits with a KV cache; see the module docstring. `policy`: a
-    `moe.policy.MoEPolicy` (the model runs in eval mode for each call)."""
+    `moe.policy.MoEPolicy` (the model runs in eval mode for each call). One decoder serves one
+    generation at fixed weights: it caches keys, values and the experts' stacked weights."""
 
     def __init__(self, policy, batch_size: int, max_len: int, record_routing: bool = False):
         from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
@@ -60,6 +63,7 @@ class LeanKVDecoder:
         self.cache_k: list[torch.Tensor] = []  # per layer [max_len, B, G, D], rotated keys
         self.cache_v: list[torch.Tensor] = []
         self._seen = 0
+        self.stacked: dict[int, tuple] = {}  # layer -> its experts' stacked weights
         self.recorded: list[list[torch.Tensor]] | None = [] if record_routing else None
 
     @property
@@ -140,7 +144,12 @@ class LeanKVDecoder:
         hidden_SBH = layer.self_attn_bda(False, fused)(attn.linear_proj(core_SBX), hidden_SBH,
                                                       layer.hidden_dropout)
         mlp, x_SBH = layer.mlp, layer.pre_mlp_layernorm(hidden_SBH)
-        out = lean_moe(mlp, x_SBH) if lean_moe_ok(mlp) else mlp(x_SBH)
+        if lean_moe_ok(mlp):
+            if i not in self.stacked and isinstance(mlp.experts, GroupedSequentialMLP()):
+                self.stacked[i] = mlp.experts.stacked_weights()  # weights fixed for a rollout
+            out = lean_moe(mlp, x_SBH, self.stacked.get(i))
+        else:
+            out = mlp(x_SBH)
         return layer.mlp_bda(False, fused)(out, hidden_SBH, layer.hidden_dropout)
 
     def routing(self, valid_BT: torch.Tensor):
@@ -202,6 +211,12 @@ def grouped_attention(core, q_SBHD, k_TBGD, v_TBGD, mask_B1ST):
     return out_XMD.view(B, Hq, S, D).permute(2, 0, 1, 3).reshape(S, B, Hq * D)
 
 
+def GroupedSequentialMLP():  # noqa: N802 (imported late: moe.experts imports megatron)
+    from moe.experts import GroupedSequentialMLP as cls
+
+    return cls
+
+
 def lean_moe_ok(mlp) -> bool:
     """Whether `lean_moe` computes this MoE layer: one expert-parallel rank and no expert TP
     (the dispatcher's collectives are identities there), no token dropping or padding, no
@@ -216,11 +231,12 @@ def lean_moe_ok(mlp) -> bool:
             and not cfg.moe_permute_fusion and not mlp.use_shared_expert)
 
 
-def lean_moe(mlp, x_SBH):
+def lean_moe(mlp, x_SBH, stacked=None):
     """megatron `MoELayer.forward` on one rank, without the token dispatcher's machinery: the
     router module (top-k, gate probs, RouterReplay record / replay), megatron's `permute`
     (tokens grouped by expert), the experts module, megatron's `unpermute` (scatter-add back
     to token order): the ops the all-to-all / all-gather dispatchers run at world size 1.
+    `stacked`: the experts' `GroupedSequentialMLP.stacked_weights()` if taken already.
     Returns (output [S, B, H], None)."""
     from megatron.core.transformer.moe.moe_utils import permute, unpermute
 
@@ -229,7 +245,8 @@ def lean_moe(mlp, x_SBH):
     tokens_per_expert_E = routing_map_NE.sum(dim=0).long()
     x_MH, probs_M, sorted_M = permute(x_NH, routing_map_NE, probs=probs_NE,
                                       num_out_tokens=x_NH.shape[0] * mlp.config.moe_router_topk)
-    out_MH, _ = mlp.experts(x_MH, tokens_per_expert_E, probs_M)
+    extra = {} if stacked is None else {"stacked": stacked}
+    out_MH, _ = mlp.experts(x_MH, tokens_per_expert_E, probs_M, **extra)
     out_NH = unpermute(out_MH, sorted_M, restore_shape=x_NH.shape, routing_map=routing_map_NE)
     return out_NH.view(x_SBH.shape), None
 

@@ -13,8 +13,8 @@ export, sharding and the distributed optimizer see no change) and replaces only 
 torch's `_grouped_mm` over the stacked expert weights: fc1 of all experts in one call, the gated
 activation and the prob scaling once over all N tokens, fc2 in one call. The per-expert
 arithmetic is the same (tests/moe/test_experts.py: equal to `SequentialMLP` to fp32 rounding,
-forward and grads, also under EP=2); the weights are stacked (copied) once per forward, and the
-stack's backward hands each expert weight its own grad, so megatron DDP's grad hooks run as usual.
+forward and grads, also under EP=2); the weights are stacked (copied) once per forward (once per
+rollout in the sampler, `moe.decode`, where the weights cannot change), and the stack's backward hands each expert weight its own grad, so megatron DDP's grad hooks run as usual.
 
 Falls back to `SequentialMLP.forward` where the batched path does not apply: CUDA tensors (the GPU
 path is TE's grouped GEMM), biases, fp8/fp4, probs applied on the input, expert tensor
@@ -42,16 +42,24 @@ class GroupedSequentialMLP(SequentialMLP):
                 and hidden_NH.dtype == fc1.dtype
                 and all(d % align == 0 for d in (*fc1.shape, hidden_NH.shape[1])))
 
+    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fc1 [E, H, F'], fc2 [E, F, H]): the expert weights stacked for `_grouped_mm` (a
+        copy; under autograd the stack's backward hands each expert its grad)."""
+        experts = self.local_experts
+        return (torch.stack([e.linear_fc1.weight for e in experts]).transpose(1, 2),
+                torch.stack([e.linear_fc2.weight for e in experts]).transpose(1, 2))
+
     def forward(self, permuted_local_hidden_states: torch.Tensor,
-                tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor):
+                tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor,
+                stacked: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """`stacked`: `stacked_weights()` taken earlier at the same weights (the sampler stacks
+        once per rollout, `moe.decode`); None stacks them now."""
         x_NH = permuted_local_hidden_states
         if not self._grouped_ok(x_NH):
             return super().forward(permuted_local_hidden_states, tokens_per_expert,
                                    permuted_probs)
-        experts = self.local_experts
         offs_E = torch.as_tensor(tokens_per_expert).to(torch.int64).cumsum(0).to(torch.int32)
-        w1_EHF = torch.stack([e.linear_fc1.weight for e in experts]).transpose(1, 2)
-        w2_EFH = torch.stack([e.linear_fc2.weight for e in experts]).transpose(1, 2)
+        w1_EHF, w2_EFH = stacked if stacked is not None else self.stacked_weights()
         h_NF = torch._grouped_mm(x_NH.contiguous(), w1_EHF, offs=offs_E)
         h_NF = _contiguous_grad(self._activation(h_NF, permuted_probs))
         out_NH = torch._grouped_mm(h_NF, w2_EFH, offs=offs_E)

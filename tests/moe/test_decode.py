@@ -130,4 +130,6 @@ def test_lean_moe_equals_the_moe_layer(single_process, preset_name):
     with torch.no_grad():
         want, got = mlp(x)[0], lean_moe(mlp, x)[0]
     assert got.shape == x.shape and torch.equal(got, want)
+    stacked = mlp.experts.stacked_weights()  # what the decoder caches for a rollout
+    assert torch.equal(lean_moe(mlp, x, stacked)[0], want)
     assert not torch.equal(lean_moe(mlp, x.flip(0))[0], want)  # token order matters
