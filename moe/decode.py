@@ -71,7 +71,7 @@ class LeanKVDecoder:
         """Columns already run through the model (and in the cache)."""
         return self._seen
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def next_logits(self, tokens_BT: torch.Tensor, valid_BT: torch.Tensor) -> torch.Tensor:
         """Float32 logits [B, V] for the token after column T-1; T grows between calls."""
         from contextlib import nullcontext
@@ -117,8 +117,7 @@ class LeanKVDecoder:
         from megatron.core.transformer.enums import AttnMaskType
 
         attn, seen = layer.self_attention, self._seen
-        q_SBHD, k_SBGD, v_SBGD = attn.get_query_key_value_tensors(
-            layer.input_layernorm(hidden_SBH), None)
+        q_SBHD, k_SBGD, v_SBGD = qkv(attn, layer.input_layernorm(hidden_SBH))
         cp = attn.pg_collection.cp
         q_SBHD = apply_rotary_pos_emb(q_SBHD, freqs_S11D, config=attn.config,
                                       mscale=self.mscale, cp_group=cp)
@@ -141,8 +140,8 @@ class LeanKVDecoder:
         else:
             core_SBX = grouped_attention(core, q_SBHD, k_TBGD, v_TBGD, mask_B1ST)
         fused = layer.config.bias_dropout_fusion
-        hidden_SBH = layer.self_attn_bda(False, fused)(attn.linear_proj(core_SBX), hidden_SBH,
-                                                      layer.hidden_dropout)
+        hidden_SBH = layer.self_attn_bda(False, fused)(linear(attn.linear_proj, core_SBX),
+                                                      hidden_SBH, layer.hidden_dropout)
         mlp, x_SBH = layer.mlp, layer.pre_mlp_layernorm(hidden_SBH)
         if lean_moe_ok(mlp):
             if i not in self.stacked and isinstance(mlp.experts, GroupedSequentialMLP()):
@@ -170,6 +169,37 @@ def DotProductAttention():  # noqa: N802 (megatron's class, imported late)
     from megatron.core.transformer.dot_product_attention import DotProductAttention as cls
 
     return cls
+
+
+def linear(module, x):
+    """`module(x)`: (output, bias). A megatron Column/RowParallelLinear on one TP rank without
+    bias or sequence parallelism runs `x @ W^T` (what its autograd function's forward
+    computes, without the Function and region-mapping calls around it); others are called."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    if (type(module) in (ColumnParallelLinear, RowParallelLinear) and module.bias is None
+            and not module.sequence_parallel and module.tp_group.size() == 1):
+        return torch.matmul(x, module.weight.t()), None
+    return module(x)
+
+
+def qkv(attn, x_SBH):
+    """`attn.get_query_key_value_tensors(x)` ([S, B, Hq, D], [S, B, G, D] x 2) with the QKV
+    projection through `linear`: the fused projection viewed per K/V group as
+    [q heads of the group | k | v], split, q/k norms applied."""
+    D, G = attn.hidden_size_per_attention_head, attn.num_query_groups_per_partition
+    r = attn.num_attention_heads_per_partition // G
+    if attn.config.num_query_groups < attn.world_size:  # groups split over TP: megatron's path
+        return attn.get_query_key_value_tensors(x_SBH, None)
+    mixed_SBX, _ = linear(attn.linear_qkv, x_SBH)
+    mixed_SBGX = mixed_SBX.view(*mixed_SBX.shape[:2], G, (r + 2) * D)
+    q_SBGX, k_SBGD, v_SBGD = torch.split(mixed_SBGX, [r * D, D, D], dim=3)
+    q_SBHD = q_SBGX.reshape(q_SBGX.size(0), q_SBGX.size(1), -1, D)
+    if attn.q_layernorm is not None:
+        q_SBHD = attn.q_layernorm(q_SBHD)
+    if attn.k_layernorm is not None:
+        k_SBGD = attn.k_layernorm(k_SBGD)
+    return q_SBHD, k_SBGD, v_SBGD
 
 
 def sdpa_ok(core, q_SBHD) -> bool:

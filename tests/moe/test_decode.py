@@ -7,7 +7,7 @@ DP=2 against the 1-process reference: tests/moe/test_parallel.py)."""
 import pytest
 import torch
 
-from moe.decode import LeanKVDecoder, grouped_attention, unsupported
+from moe.decode import LeanKVDecoder, grouped_attention, linear, qkv, unsupported
 from moe.model import ParallelLayout
 from moe.policy import KVCacheDecoder, MoEPolicy
 from moe.presets import get_preset
@@ -133,3 +133,18 @@ def test_lean_moe_equals_the_moe_layer(single_process, preset_name):
     stacked = mlp.experts.stacked_weights()  # what the decoder caches for a rollout
     assert torch.equal(lean_moe(mlp, x, stacked)[0], want)
     assert not torch.equal(lean_moe(mlp, x.flip(0))[0], want)  # token order matters
+
+
+@pytest.mark.parametrize("preset_name", ["qwen3-moe-tiny", "tiny"])
+def test_qkv_and_linear_equal_megatrons_modules(single_process, preset_name):
+    """The projection as `x @ W^T` and the per-group split: megatron's floats, bitwise (GQA and
+    q/k norms in qwen3-moe-tiny)."""
+    preset = get_preset(preset_name)
+    policy = MoEPolicy.build(preset, ParallelLayout(), real_vocab=26, optim=None)
+    attn = policy.model.module.decoder.layers[0].self_attention
+    x = torch.randn(3, 2, preset.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        for got, want in zip(qkv(attn, x), attn.get_query_key_value_tensors(x, None)):
+            assert got.shape == want.shape and torch.equal(got, want)
+        core = torch.randn(3, 2, attn.linear_proj.weight.shape[1])
+        assert torch.equal(linear(attn.linear_proj, core)[0], attn.linear_proj(core)[0])
