@@ -60,7 +60,8 @@ class LeanKVDecoder:
         self.policy, self.gpt, self.batch_size, self.max_len = policy, gpt, batch_size, max_len
         self.freqs_T11D = gpt.rotary_pos_emb(max_len)  # [max_len, 1, 1, D], built once
         self.mscale = _yarn_get_concentration_factor_from_config(gpt.config)
-        self.cache_k: list[torch.Tensor] = []  # per layer [max_len, B, G, D], rotated keys
+        self.cos_sin: dict[torch.dtype, tuple] = {}  # dtype -> RoPE cos, sin [max_len, 1, 1, D]
+        self.cache_k: list[torch.Tensor] = []  # per layer [B, G, max_len, D], rotated keys
         self.cache_v: list[torch.Tensor] = []
         self._seen = 0
         self.stacked: dict[int, tuple] = {}  # layer -> its experts' stacked weights
@@ -111,34 +112,52 @@ class LeanKVDecoder:
         self._seen = T
         return policy.mask_vocab(logits_1BV[0].float())
 
+    def _rope(self, attn, t_SBXD, freqs_S11D):
+        """megatron's unfused RoPE (`_apply_rotary_pos_emb_bshd`) of the new columns, with its
+        cos / sin tables (x mscale, in the input's dtype) computed once per decoder; megatron's
+        `apply_rotary_pos_emb` where RoPE fusion is configured."""
+        from megatron.core.models.common.embeddings.rope_utils import (_rotate_half,
+                                                                        apply_rotary_pos_emb)
+
+        cfg = attn.config
+        if cfg.apply_rope_fusion:
+            return apply_rotary_pos_emb(t_SBXD, freqs_S11D, config=cfg, mscale=self.mscale,
+                                        cp_group=attn.pg_collection.cp)
+        if t_SBXD.dtype not in self.cos_sin:
+            self.cos_sin[t_SBXD.dtype] = tuple((f(self.freqs_T11D) * self.mscale).to(t_SBXD.dtype)
+                                               for f in (torch.cos, torch.sin))
+        cos_T11D, sin_T11D = self.cos_sin[t_SBXD.dtype]
+        seen, S, rot = self._seen, t_SBXD.shape[0], freqs_S11D.shape[-1]
+        t, t_pass = t_SBXD[..., :rot], t_SBXD[..., rot:]
+        t = t * cos_T11D[seen:seen + S] + _rotate_half(t, cfg.rotary_interleaved) \
+            * sin_T11D[seen:seen + S]
+        return torch.cat((t, t_pass), dim=-1) if t_pass.shape[-1] else t
+
     def _layer(self, i: int, layer, hidden_SBH, freqs_S11D, mask_B1ST, T: int):
         """One TransformerLayer on the new columns, its K/V appended to the cache."""
-        from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
         from megatron.core.transformer.enums import AttnMaskType
 
         attn, seen = layer.self_attention, self._seen
         q_SBHD, k_SBGD, v_SBGD = qkv(attn, layer.input_layernorm(hidden_SBH))
-        cp = attn.pg_collection.cp
-        q_SBHD = apply_rotary_pos_emb(q_SBHD, freqs_S11D, config=attn.config,
-                                      mscale=self.mscale, cp_group=cp)
-        k_SBGD = apply_rotary_pos_emb(k_SBGD, freqs_S11D, config=attn.config,
-                                      mscale=self.mscale, cp_group=cp)
-        if i == len(self.cache_k):
-            shape = (self.max_len, *k_SBGD.shape[1:])
-            self.cache_k.append(k_SBGD.new_empty(shape))
-            self.cache_v.append(v_SBGD.new_empty(shape))
-        self.cache_k[i][seen:T] = k_SBGD
-        self.cache_v[i][seen:T] = v_SBGD
+        q_SBHD = self._rope(attn, q_SBHD, freqs_S11D)
+        k_SBGD = self._rope(attn, k_SBGD, freqs_S11D)
+        if i == len(self.cache_k):  # keys of one (sequence, group) contiguous: read per step
+            S, B, G, D = k_SBGD.shape
+            self.cache_k.append(k_SBGD.new_empty(B, G, self.max_len, D))
+            self.cache_v.append(v_SBGD.new_empty(B, G, self.max_len, D))
+        self.cache_k[i][:, :, seen:T] = k_SBGD.permute(1, 2, 0, 3)
+        self.cache_v[i][:, :, seen:T] = v_SBGD.permute(1, 2, 0, 3)
         # megatron's decode calls core attention with no_mask and the explicit padding mask
         mask_type = AttnMaskType.no_mask if seen else attn.attn_mask_type
         core = attn.core_attention
-        k_TBGD, v_TBGD = self.cache_k[i][:T], self.cache_v[i][:T]
+        k_BGTD, v_BGTD = self.cache_k[i][:, :, :T], self.cache_v[i][:, :, :T]
         if not isinstance(core, DotProductAttention()):  # e.g. TE's: called as is
+            k_TBGD, v_TBGD = (t.permute(2, 0, 1, 3).contiguous() for t in (k_BGTD, v_BGTD))
             core_SBX = core(q_SBHD, k_TBGD, v_TBGD, mask_B1ST, attn_mask_type=mask_type)
         elif sdpa_ok(core, q_SBHD):
-            core_SBX = sdpa_attention(core, q_SBHD, k_TBGD, v_TBGD, mask_B1ST)
+            core_SBX = sdpa_attention(core, q_SBHD, k_BGTD, v_BGTD, mask_B1ST)
         else:
-            core_SBX = grouped_attention(core, q_SBHD, k_TBGD, v_TBGD, mask_B1ST)
+            core_SBX = grouped_attention(core, q_SBHD, k_BGTD, v_BGTD, mask_B1ST)
         fused = layer.config.bias_dropout_fusion
         hidden_SBH = layer.self_attn_bda(False, fused)(linear(attn.linear_proj, core_SBX),
                                                       hidden_SBH, layer.hidden_dropout)
@@ -209,34 +228,33 @@ def sdpa_ok(core, q_SBHD) -> bool:
             and not core.config.apply_query_key_layer_scaling)
 
 
-def sdpa_attention(core, q_SBHD, k_TBGD, v_TBGD, mask_B1ST):
+def sdpa_attention(core, q_SBHD, k_BGTD, v_BGTD, mask_B1ST):
     """megatron attention of the new query rows over the cached keys as one fused SDPA call
     (K/V groups shared through `enable_gqa`, megatron's boolean mask inverted: True = attend;
     the call `moe.attention.SDPAAttention` makes). Returns [S, B, Hq * D]."""
     S, B, Hq, D = q_SBHD.shape
     out_BHSD = torch.nn.functional.scaled_dot_product_attention(
-        q_SBHD.permute(1, 2, 0, 3), k_TBGD.permute(1, 2, 0, 3), v_TBGD.permute(1, 2, 0, 3),
-        attn_mask=~mask_B1ST, scale=core.softmax_scale,
-        enable_gqa=k_TBGD.shape[2] != Hq)
+        q_SBHD.permute(1, 2, 0, 3), k_BGTD, v_BGTD, attn_mask=~mask_B1ST,
+        scale=core.softmax_scale, enable_gqa=k_BGTD.shape[1] != Hq)
     return out_BHSD.permute(2, 0, 1, 3).reshape(S, B, Hq * D)
 
 
-def grouped_attention(core, q_SBHD, k_TBGD, v_TBGD, mask_B1ST):
+def grouped_attention(core, q_SBHD, k_BGTD, v_BGTD, mask_B1ST):
     """megatron `DotProductAttention.forward`'s math (eval mode) without expanding K/V to every
     query head: each K/V group's r = Hq / G query heads share one batched matmul (query heads
     h = g * r + j use group g, as `repeat_interleave` pairs them). Same scale
     (`core.softmax_scale` inside `baddbmm`), the module's own masked softmax, no dropout (eval).
     Returns [S, B, Hq * D]."""
     S, B, Hq, D = q_SBHD.shape
-    T, G = k_TBGD.shape[0], k_TBGD.shape[2]
+    G, T = k_BGTD.shape[1], k_BGTD.shape[2]
     r = Hq // G
     q_XMD = q_SBHD.permute(1, 2, 0, 3).reshape(B * G, r * S, D)  # X = B * G rows, M = r * S
-    k_XDT = k_TBGD.permute(1, 2, 3, 0).reshape(B * G, D, T)
+    k_XDT = k_BGTD.reshape(B * G, T, D).transpose(1, 2)
     scores_XMT = torch.baddbmm(q_XMD.new_empty(B * G, r * S, T), q_XMD, k_XDT, beta=0.0,
                                alpha=core.softmax_scale)
     probs_BHST = core.scale_mask_softmax(scores_XMT.view(B, Hq, S, T), mask_B1ST,
                                          core.softmax_offset)
-    v_XTD = v_TBGD.permute(1, 2, 0, 3).reshape(B * G, T, D)
+    v_XTD = v_BGTD.reshape(B * G, T, D)
     out_XMD = torch.bmm(probs_BHST.reshape(B * G, r * S, T), v_XTD)
     return out_XMD.view(B, Hq, S, D).permute(2, 0, 1, 3).reshape(S, B, Hq * D)
 

@@ -75,9 +75,10 @@ def test_grouped_attention_equals_dot_product_attention_with_gqa(single_process)
     valid[1, 0] = False
     _, mask = attention_inputs(valid, start=T - S)
     want = core(q, k, v, mask, attn_mask_type=AttnMaskType.no_mask)
-    got = grouped_attention(core, q, k, v, mask)
+    k_BGTD, v_BGTD = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # the decoder's cache layout
+    got = grouped_attention(core, q, k_BGTD, v_BGTD, mask)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
-    swapped = grouped_attention(core, q[:, :, [1, 0, 2, 3]], k, v, mask)
+    swapped = grouped_attention(core, q[:, :, [1, 0, 2, 3]], k_BGTD, v_BGTD, mask)
     assert not torch.allclose(swapped, want, atol=1e-3)  # head order matters: the check bites
 
 
