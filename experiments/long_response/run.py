@@ -29,7 +29,7 @@ from tools import plot_run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ARMS = {"gspo": [], "grpo": ["loss.name=grpo"]}
-STATS = ["eval/accuracy:final=eval accuracy, final (after 20 rollout batches)",
+STATS = ["eval/accuracy:final=eval accuracy, final (after 40 rollout batches)",
          "eval/accuracy:best=eval accuracy, best eval",
          "reward/mean:first10%=train reward, first 10% of steps",
          "reward/mean:last10%=train reward, last 10% of steps",
@@ -51,8 +51,6 @@ def train(arm: str, seed: int, sft_dir: str, root: str, steps: int | None) -> st
                  f"seed={seed}", "resume=false"] + ([f"train.steps={steps}"] if steps else [])
     path = os.path.join(ROOT, run_dir)
     os.makedirs(path, exist_ok=True)
-    if os.path.exists(os.path.join(path, "metrics.jsonl")):
-        os.remove(os.path.join(path, "metrics.jsonl"))
     cmd = [sys.executable, "-m", "megatron_gspo.cli", "train", "--config",
            os.path.join(HERE, "gspo.yaml"), *overrides]
     print("$", " ".join(cmd[1:]), flush=True)
@@ -76,6 +74,10 @@ def main(argv=None) -> int:
         cli("sft", "--config", os.path.join(HERE, "sft.yaml"), f"run_dir={sft_dir}")
     print(cold_start_line(os.path.join(ROOT, sft_dir)), flush=True)
     grid = [(arm, seed) for arm in args.arms for seed in args.seeds]
+    taken = [f"{root}/{a}_s{s}" for a, s in grid if os.path.exists(os.path.join(ROOT, root,
+                                                                                 f"{a}_s{s}"))]
+    if taken and not args.plot_only:  # fail before any run, not after the first
+        ap.error(f"run dirs exist: {' '.join(taken)}; remove them to re-run, or --plot-only")
     if args.plot_only:
         runs = [os.path.join(ROOT, f"{root}/{arm}_s{seed}") for arm, seed in grid]
     else:

@@ -34,8 +34,21 @@ def test_plot_only_writes_the_table_into_the_readme(tmp_path, monkeypatch):
     text = (tmp_path / "README.md").read_text()
     assert "STALE-ROW" not in text and "start accuracy 0.2970, entered the band at SFT step 460" in text
     assert "| | gspo | grpo |" in text
-    assert "| eval accuracy, final (after 20 rollout batches) | 0.5 | 0.45 |" in text
+    assert "| eval accuracy, final (after 40 rollout batches) | 0.5 | 0.45 |" in text
     assert "| clipped tokens | 0.3 | 0.00375 |" in text
     assert "| truncated responses, worst batch | 0.05 | 0.05 |" in text
     assert "| train reward, last 10% of steps | 0.5 | 0.5 |" in text
     assert "| flip rate, layer 0 | 0.003 | 0.003 |" in text
+
+
+def test_rerun_refuses_existing_run_dirs_before_running(tmp_path, monkeypatch, capsys):
+    import pytest
+
+    _write(tmp_path / "runs" / "long_response" / "sft", [{"step": 0, "eval/accuracy": 0.3}])
+    (tmp_path / "runs" / "long_response" / "sft" / "checkpoints" / "latest").mkdir(parents=True)
+    (tmp_path / "runs" / "long_response" / "grpo_s1").mkdir()
+    monkeypatch.setattr(long_run, "ROOT", str(tmp_path))
+    monkeypatch.setattr(long_run, "train", lambda *a: pytest.fail("a run started"))
+    with pytest.raises(SystemExit):
+        long_run.main(["--seeds", "0", "1"])
+    assert "run dirs exist: runs/long_response/grpo_s1;" in capsys.readouterr().err
