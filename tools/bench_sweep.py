@@ -3,6 +3,7 @@
     python -m tools.bench_throughput --sweep                       # 8,32,128,256 x 16,64 seqs
     python -m tools.bench_throughput --sweep --lengths 8,128 --batches 8x8 --iterations 3
     python -m tools.bench_sweep --out runs/bench_sweep             # the same, directly
+    python -m tools.bench_throughput --sweep --readme experiments/throughput/README.md
 
 Each point is one `tools.bench_throughput` run in a fresh process with `--force-length` (every
 response exactly L tokens on both sides, so both generate and train on the same token counts)
@@ -41,6 +42,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="runs/bench_sweep", help="output folder")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra override for our side (repeatable)")
+    p.add_argument("--readme", default=None, metavar="PATH",
+                   help="also write the table between PATH's <!-- table:sweep:begin/end --> "
+                        "markers (tools/result_table.py), e.g. experiments/throughput/README.md")
     args = p.parse_args(argv)
     try:
         args.lengths = [int(x) for x in args.lengths.split(",")]
@@ -149,6 +153,10 @@ def main(argv=None) -> int:
         json.dump(points, f, indent=1)
     plot(points, os.path.join(args.out, "sweep.png"))
     print(f"wrote {args.out}/sweep.md, sweep.json, sweep.png")
+    if args.readme:
+        from tools.result_table import write_into
+
+        write_into(args.readme, text.rstrip("\n"), "sweep")
     return 0
 
 
