@@ -37,10 +37,74 @@ pipeline parallelism; standard RoPE, no MLA, no output gate; checked at construc
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
+
 import torch
 
+from moe import replay
 
-class LeanKVDecoder:
+
+class DecoderBase:
+    """What both KV-cache decoders share (`LeanKVDecoder`, `moe.policy.KVCacheDecoder`): the
+    argument checks, eval mode around each model call (toggled only if the model is training:
+    each `train()` walks every module), and with `record_routing` each call's top-k ids per
+    MoE layer (megatron's RECORD action, `moe.replay.record_routing`), stitched by `routing`
+    into the routing of the whole sequence: what R3 replays."""
+
+    def __init__(self, policy, batch_size: int, max_len: int, record_routing: bool):
+        if max_len > policy.preset.max_seq_len:
+            raise ValueError(f"KV cache length {max_len} exceeds preset max_seq_len="
+                             f"{policy.preset.max_seq_len}")
+        self.policy, self.batch_size, self.max_len = policy, batch_size, max_len
+        self.recorded: list[list[torch.Tensor]] | None = [] if record_routing else None
+
+    def columns(self, tokens_BT: torch.Tensor, valid_BT: torch.Tensor) -> tuple[int, int]:
+        """(columns already cached, columns now): ValueError naming the shapes if they do not
+        continue this decoder's sequence."""
+        seen, T = self.seen, tokens_BT.shape[1]
+        if tokens_BT.shape != valid_BT.shape or tokens_BT.shape[0] != self.batch_size:
+            raise ValueError(f"tokens {tuple(tokens_BT.shape)} / valid {tuple(valid_BT.shape)}: "
+                             f"expected [{self.batch_size}, T]")
+        if not seen < T <= self.max_len:
+            raise ValueError(f"{T} columns: the cache holds {seen} of at most {self.max_len}")
+        return seen, T
+
+    @contextmanager
+    def model_call(self):
+        """Eval mode for one model call, its routing recorded when asked."""
+        model = self.policy.model
+        was_training = model.training
+        if was_training:
+            model.train(False)
+        recording = replay.record_routing(self.policy) if self.recorded is not None \
+            else nullcontext()
+        try:
+            with recording as recorded_L:
+                yield
+        finally:
+            if was_training:
+                model.train(True)
+        if recorded_L is not None:
+            self.recorded.append(recorded_L)
+
+    def routing(self, valid_BT: torch.Tensor):
+        """The recorded routing of all `seen` columns as a replay cache for `valid_BT`.
+
+        Each call's ids are sequence-first over its own columns ([S_call * B, K]); concatenated
+        in call order they are sequence-first over all columns, the layout of one full forward.
+        """
+        if self.recorded is None:
+            raise RuntimeError("this decoder was built without record_routing=True")
+        if valid_BT.shape != (self.batch_size, self.seen):
+            raise ValueError(f"valid {tuple(valid_BT.shape)} must be [{self.batch_size}, "
+                             f"{self.seen}] (the columns run so far)")
+        layers = [torch.cat([call[layer] for call in self.recorded])
+                  for layer in range(len(self.recorded[0]))]
+        return replay.RoutingReplayCache.from_recorded(layers, valid_BT,
+                                                       self.policy.preset.num_experts)
+
+
+class LeanKVDecoder(DecoderBase):
     """Next-token logits with a KV cache; see the module docstring. `policy`: a
     `moe.policy.MoEPolicy` (the model runs in eval mode for each call). One decoder serves one
     generation at fixed weights: it caches keys, values and the experts' stacked weights."""
@@ -54,10 +118,8 @@ class LeanKVDecoder:
         if problems:
             raise ValueError(f"rollout.decoder=lean does not support {problems}; use "
                              "rollout.decoder=megatron")
-        if max_len > policy.preset.max_seq_len:
-            raise ValueError(f"KV cache length {max_len} exceeds preset max_seq_len="
-                             f"{policy.preset.max_seq_len}")
-        self.policy, self.gpt, self.batch_size, self.max_len = policy, gpt, batch_size, max_len
+        super().__init__(policy, batch_size, max_len, record_routing)
+        self.gpt = gpt
         self.freqs_T11D = gpt.rotary_pos_emb(max_len)  # [max_len, 1, 1, D], built once
         self.mscale = _yarn_get_concentration_factor_from_config(gpt.config)
         self.cos_sin: dict[torch.dtype, tuple] = {}  # dtype -> RoPE cos, sin [max_len, 1, 1, D]
@@ -65,7 +127,6 @@ class LeanKVDecoder:
         self.cache_v: list[torch.Tensor] = []
         self._seen = 0
         self.stacked: dict[int, tuple] = {}  # layer -> its experts' stacked weights
-        self.recorded: list[list[torch.Tensor]] | None = [] if record_routing else None
 
     @property
     def seen(self) -> int:
@@ -75,40 +136,22 @@ class LeanKVDecoder:
     @torch.inference_mode()
     def next_logits(self, tokens_BT: torch.Tensor, valid_BT: torch.Tensor) -> torch.Tensor:
         """Float32 logits [B, V] for the token after column T-1; T grows between calls."""
-        from contextlib import nullcontext
-
         from moe.policy import attention_inputs
-        from moe.replay import record_routing
 
-        seen, T = self._seen, tokens_BT.shape[1]
-        if tokens_BT.shape != valid_BT.shape or tokens_BT.shape[0] != self.batch_size:
-            raise ValueError(f"tokens {tuple(tokens_BT.shape)} / valid {tuple(valid_BT.shape)}: "
-                             f"expected [{self.batch_size}, T]")
-        if not seen < T <= self.max_len:
-            raise ValueError(f"{T} columns: the cache holds {seen} of at most {self.max_len}")
+        seen, T = self.columns(tokens_BT, valid_BT)
         policy, gpt = self.policy, self.gpt
         position_ids_BS, mask_B1ST = attention_inputs(valid_BT.to(policy.device), start=seen)
-        was_training = policy.model.training
-        if was_training:
-            policy.model.train(False)
-        recording = record_routing(policy) if self.recorded is not None else nullcontext()
-        try:
-            with recording as recorded_L:
-                hidden_SBH = gpt.embedding(input_ids=tokens_BT[:, seen:].to(policy.device),
-                                           position_ids=position_ids_BS)
-                freqs_S11D = self.freqs_T11D[seen:T]
-                for i, layer in enumerate(gpt.decoder.layers):
-                    hidden_SBH = self._layer(i, layer, hidden_SBH, freqs_S11D, mask_B1ST, T)
-                hidden_SBH = gpt.decoder.final_layernorm(hidden_SBH[-1:])
-                weight = gpt.shared_embedding_or_output_weight() \
-                    if gpt.share_embeddings_and_output_weights else None
-                logits_1BV, _ = gpt.output_layer(hidden_SBH, weight=weight,
-                                                 runtime_gather_output=True)
-        finally:
-            if was_training:
-                policy.model.train(True)
-        if recorded_L is not None:
-            self.recorded.append(recorded_L)
+        with self.model_call():
+            hidden_SBH = gpt.embedding(input_ids=tokens_BT[:, seen:].to(policy.device),
+                                       position_ids=position_ids_BS)
+            freqs_S11D = self.freqs_T11D[seen:T]
+            for i, layer in enumerate(gpt.decoder.layers):
+                hidden_SBH = self._layer(i, layer, hidden_SBH, freqs_S11D, mask_B1ST, T)
+            hidden_SBH = gpt.decoder.final_layernorm(hidden_SBH[-1:])
+            weight = gpt.shared_embedding_or_output_weight() \
+                if gpt.share_embeddings_and_output_weights else None
+            logits_1BV, _ = gpt.output_layer(hidden_SBH, weight=weight,
+                                             runtime_gather_output=True)
         self._seen = T
         return policy.mask_vocab(logits_1BV[0].float())
 
@@ -169,19 +212,6 @@ class LeanKVDecoder:
         else:
             out = mlp(x_SBH)
         return layer.mlp_bda(False, fused)(out, hidden_SBH, layer.hidden_dropout)
-
-    def routing(self, valid_BT: torch.Tensor):
-        """The recorded routing of all `seen` columns as a replay cache (as KVCacheDecoder)."""
-        from moe.replay import RoutingReplayCache
-
-        if self.recorded is None:
-            raise RuntimeError("this decoder was built without record_routing=True")
-        if valid_BT.shape != (self.batch_size, self.seen):
-            raise ValueError(f"valid {tuple(valid_BT.shape)} must be [{self.batch_size}, "
-                             f"{self.seen}] (the columns run so far)")
-        layers = [torch.cat([call[layer] for call in self.recorded])
-                  for layer in range(len(self.recorded[0]))]
-        return RoutingReplayCache.from_recorded(layers, valid_BT, self.policy.preset.num_experts)
 
 
 def DotProductAttention():  # noqa: N802 (megatron's class, imported late)

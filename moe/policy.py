@@ -16,18 +16,17 @@ imports megatron.core itself.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 
 from moe.compat import apply_cpu_patches
-from moe.decode import LeanKVDecoder
+from moe.decode import DecoderBase, LeanKVDecoder
 from moe.grads import global_grad_norm
 from moe.model import ParallelLayout, Recompute, build_gpt_moe
 from moe.optim import OptimSettings, PolicyOptimizer
 from moe.presets import MoEPreset
-from moe.replay import RoutingReplayCache, record_routing, replay_backward
+from moe.replay import replay_backward
 
 
 def attention_inputs(valid_BT: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,7 +225,7 @@ class MoEPolicy:
             self.optimizer.load_state_dict(state["optimizer"])
 
 
-class KVCacheDecoder:
+class KVCacheDecoder(DecoderBase):
     """Next-token logits for sampling, feeding each column through the model only once.
 
     Built on megatron-core's `StaticInferenceContext` (the per-layer K/V buffers its static-batch
@@ -246,12 +245,8 @@ class KVCacheDecoder:
                  record_routing: bool = False):
         from megatron.core.inference.contexts import StaticInferenceContext
 
-        if max_len > policy.preset.max_seq_len:
-            raise ValueError(f"KV cache length {max_len} exceeds preset max_seq_len="
-                             f"{policy.preset.max_seq_len}")
-        self.policy, self.batch_size, self.max_len = policy, batch_size, max_len
+        super().__init__(policy, batch_size, max_len, record_routing)
         self.context = StaticInferenceContext(batch_size, max_len)
-        self.recorded: list[list[torch.Tensor]] | None = [] if record_routing else None
 
     @property
     def seen(self) -> int:
@@ -261,45 +256,14 @@ class KVCacheDecoder:
     @torch.no_grad()
     def next_logits(self, tokens_BT: torch.Tensor, valid_BT: torch.Tensor) -> torch.Tensor:
         """Float32 logits [B, V] for the token after column T-1; T grows between calls."""
-        seen, T = self.seen, tokens_BT.shape[1]
-        if tokens_BT.shape != valid_BT.shape or tokens_BT.shape[0] != self.batch_size:
-            raise ValueError(f"tokens {tuple(tokens_BT.shape)} / valid {tuple(valid_BT.shape)}: "
-                             f"expected [{self.batch_size}, T]")
-        if not seen < T <= self.max_len:
-            raise ValueError(f"{T} columns: the cache holds {seen} of at most {self.max_len}")
+        seen, T = self.columns(tokens_BT, valid_BT)
         policy = self.policy
         position_ids_BS, mask_B1ST = attention_inputs(valid_BT.to(policy.device), start=seen)
         if seen:
             self.context.enable_decode_mode()
-        was_training = policy.model.training  # the sampler sets eval mode once per rollout;
-        if was_training:                      # each train() call walks every module
-            policy.model.train(False)
-        recording = record_routing(policy) if self.recorded is not None else nullcontext()
-        try:
-            with recording as recorded_L:
-                logits_BSV = policy.model(tokens_BT[:, seen:].to(policy.device),
-                                          position_ids_BS, mask_B1ST,
-                                          inference_context=self.context,
-                                          runtime_gather_output=True)
-        finally:
-            if was_training:
-                policy.model.train(True)
-        if recorded_L is not None:
-            self.recorded.append(recorded_L)
+        with self.model_call():
+            logits_BSV = policy.model(tokens_BT[:, seen:].to(policy.device), position_ids_BS,
+                                      mask_B1ST, inference_context=self.context,
+                                      runtime_gather_output=True)
         self.context.sequence_len_offset = T
         return policy.mask_vocab(logits_BSV[:, -1].float())
-
-    def routing(self, valid_BT: torch.Tensor) -> RoutingReplayCache:
-        """The recorded routing of all `seen` columns as a replay cache for `valid_BT`.
-
-        Each call's ids are sequence-first over its own columns ([S_call * B, K]); concatenated
-        in call order they are sequence-first over all columns, the layout of one full forward.
-        """
-        if self.recorded is None:
-            raise RuntimeError("this decoder was built without record_routing=True")
-        if valid_BT.shape != (self.batch_size, self.seen):
-            raise ValueError(f"valid {tuple(valid_BT.shape)} must be [{self.batch_size}, "
-                             f"{self.seen}] (the columns run so far)")
-        layers = [torch.cat([call[layer] for call in self.recorded])
-                  for layer in range(len(self.recorded[0]))]
-        return RoutingReplayCache.from_recorded(layers, valid_BT, self.policy.preset.num_experts)
