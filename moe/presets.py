@@ -151,6 +151,10 @@ PRESETS: dict[str, MoEPreset] = {
         _QWEN3_MOE_TINY,
         # The same layer, 12 deep: flip rate vs depth (experiments/routing_volatility).
         dataclasses.replace(_QWEN3_MOE_TINY, name="qwen3-moe-tiny-deep", num_layers=12),
+        # More, narrower experts per token budget, 12 deep (issue 13's volatile regime:
+        # experiments/replay_dose_response measures its cost).
+        dataclasses.replace(_QWEN3_MOE_TINY, name="qwen3-moe-tiny-wide", num_layers=12,
+                            num_experts=64, moe_ffn_hidden_size=32),
         # One GPU.
         MoEPreset(name="small", num_layers=12, hidden_size=512, num_attention_heads=8,
                   num_query_groups=4, kv_channels=64, num_experts=64, topk=8,

@@ -45,6 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--readme", default=None, metavar="PATH",
                    help="also write the table between PATH's <!-- table:sweep:begin/end --> "
                         "markers (tools/result_table.py), e.g. experiments/throughput/README.md")
+    p.add_argument("--marker", default="sweep",
+                   help="with --readme: the table:MARKER markers to write between")
     args = p.parse_args(argv)
     try:
         args.lengths = [int(x) for x in args.lengths.split(",")]
@@ -156,7 +158,7 @@ def main(argv=None) -> int:
     if args.readme:
         from tools.result_table import write_into
 
-        write_into(args.readme, text.rstrip("\n"), "sweep")
+        write_into(args.readme, text.rstrip("\n"), args.marker)
     return 0
 
 

@@ -50,3 +50,16 @@ def test_forced_length_tokenizer_has_no_stop_ids():
     tok = NoStopTokenizer(CharTokenizer())
     assert tok.stop_ids == frozenset() and tok.eos_id == CharTokenizer().eos_id
     assert parse_args(["--force-length", "--flip-cost"]).force_length
+
+
+def test_main_writes_the_table_between_the_readme_markers(tmp_path, monkeypatch):
+    res = point(8, 100.0)["res"]
+    res.update(cpu="Test CPU", versions="torch x")
+    monkeypatch.setattr(bench_sweep, "run_point", lambda *a: res)
+    readme = tmp_path / "README.md"
+    readme.write_text("a\n<!-- table:sweep_x:begin -->\nOLD\n<!-- table:sweep_x:end -->\nb\n")
+    assert bench_sweep.main(["--lengths", "8", "--batches", "4x4", "--out", str(tmp_path),
+                             "--readme", str(readme), "--marker", "sweep_x"]) == 0
+    text = readme.read_text()
+    assert "OLD" not in text and "machine: Test CPU; torch threads 1; torch x;" in text
+    assert "| 4x4 (16) | 8 | 0.50 | 2.00 | 2.00 | 1.50 |" in text and text.endswith("end -->\nb\n")
