@@ -41,6 +41,8 @@ STATS = ["eval/accuracy:final=eval accuracy, final (after 40 rollout batches)",
          "response/length/mean:mean=response length (tokens)",
          "response/truncated_frac:best=truncated responses, worst batch",
          "train/grad_norm:best=gradient norm, largest step",
+         "alert/reward_collapse:mean=rollout batches with a reward-collapse alert (fraction)",
+         "alert/entropy_collapse:mean=rollout batches with an entropy-collapse alert (fraction)",
          "policy/entropy:mean=policy entropy"]
 
 
