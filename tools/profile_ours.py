@@ -2,6 +2,7 @@
 
     python -m tools.profile_ours                           # 64 x 128-token responses
     python -m tools.profile_ours --max-new-tokens 32 --iterations 1 --top 15
+    python -m tools.profile_ours --readme experiments/throughput/README.md --marker profile_after
 
 Same trainer and overrides as `tools.bench_throughput --force-length --skip-trl` (qwen3-moe-tiny,
 8 prompts x G=8, 4 minibatches, flip_every=0, 1 thread). After `--warmup` iterations, two
@@ -31,6 +32,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top", type=int, default=10, help="rows per table")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra config override (repeatable)")
+    p.add_argument("--readme", default=None, metavar="PATH",
+                   help="also write the output between PATH's <!-- table:MARKER:begin/end --> "
+                        "markers (tools/result_table.py)")
+    p.add_argument("--marker", default="profile", help="with --readme: the markers' name")
     return p.parse_args(argv)
 
 
@@ -67,16 +72,22 @@ def main(argv=None) -> int:
         with profile(activities=[ProfilerActivity.CPU]) as train_prof:
             timings = [trainer.iteration() for _ in range(args.iterations)]
         trainer.rt.close()
-    print(f"machine: {cpu_model()}; torch {torch.__version__}, 1 thread; {len(batches[0])} "
-          f"sequences x {args.max_new_tokens} new tokens; overrides: {' '.join(overrides[1:])}")
-    print(f"\nrollout ({args.iterations} batches), top {args.top} by self CPU time:\n")
-    print(top_table(rollout_prof, args.top))
-    print(f"\npi_old pass + 4 optimizer steps ({args.iterations} iterations), top {args.top} "
-          "by self CPU time:\n")
-    print(top_table(train_prof, args.top))
-    print(f"\nprofiled seconds per iteration: rollout {rollout_s:.3f}; " + "; ".join(
-        f"{k} {sum(t[f'time/{k}'] for t in timings) / len(timings):.3f}"
-        for k in ("old_forward", "train")))
+    text = "\n".join([
+        f"machine: {cpu_model()}; torch {torch.__version__}, 1 thread; {len(batches[0])} "
+        f"sequences x {args.max_new_tokens} new tokens; overrides: {' '.join(overrides[1:])}",
+        f"\nrollout ({args.iterations} batches), top {args.top} by self CPU time:\n",
+        top_table(rollout_prof, args.top),
+        f"\npi_old pass + 4 optimizer steps ({args.iterations} iterations), top {args.top} "
+        "by self CPU time:\n",
+        top_table(train_prof, args.top),
+        f"\nprofiled seconds per iteration: rollout {rollout_s:.3f}; " + "; ".join(
+            f"{k} {sum(t[f'time/{k}'] for t in timings) / len(timings):.3f}"
+            for k in ("old_forward", "train"))])
+    print(text)
+    if args.readme:
+        from tools.result_table import write_into
+
+        write_into(args.readme, text, args.marker)
     return 0
 
 
