@@ -178,30 +178,9 @@ class LeanKVDecoder(DecoderBase):
 
     def _layer(self, i: int, layer, hidden_SBH, freqs_S11D, mask_B1ST, T: int):
         """One TransformerLayer on the new columns, its K/V appended to the cache."""
-        from megatron.core.transformer.enums import AttnMaskType
-
-        attn, seen = layer.self_attention, self._seen
-        q_SBHD, k_SBGD, v_SBGD = qkv(attn, layer.input_layernorm(hidden_SBH))
-        q_SBHD = self._rope(attn, q_SBHD, freqs_S11D)
-        k_SBGD = self._rope(attn, k_SBGD, freqs_S11D)
-        if i == len(self.cache_k):  # keys of one (sequence, group) contiguous: read per step
-            S, B, G, D = k_SBGD.shape
-            self.cache_k.append(k_SBGD.new_empty(B, G, self.max_len, D))
-            self.cache_v.append(v_SBGD.new_empty(B, G, self.max_len, D))
-        self.cache_k[i][:, :, seen:T] = k_SBGD.permute(1, 2, 0, 3)
-        self.cache_v[i][:, :, seen:T] = v_SBGD.permute(1, 2, 0, 3)
-        # megatron's decode calls core attention with no_mask and the explicit padding mask
-        mask_type = AttnMaskType.no_mask if seen else attn.attn_mask_type
-        core = attn.core_attention
-        k_BGTD, v_BGTD = self.cache_k[i][:, :, :T], self.cache_v[i][:, :, :T]
-        if not isinstance(core, DotProductAttention()):  # e.g. TE's: called as is
-            k_TBGD, v_TBGD = (t.permute(2, 0, 1, 3).contiguous() for t in (k_BGTD, v_BGTD))
-            core_SBX = core(q_SBHD, k_TBGD, v_TBGD, mask_B1ST, attn_mask_type=mask_type)
-        elif sdpa_ok(core, q_SBHD):
-            core_SBX = sdpa_attention(core, q_SBHD, k_BGTD, v_BGTD, mask_B1ST)
-        else:
-            core_SBX = grouped_attention(core, q_SBHD, k_BGTD, v_BGTD, mask_B1ST)
-        fused = layer.config.bias_dropout_fusion
+        attn, fused = layer.self_attention, layer.config.bias_dropout_fusion
+        core_SBX = self._attention(i, attn, layer.input_layernorm(hidden_SBH), freqs_S11D,
+                                   mask_B1ST, T)
         hidden_SBH = layer.self_attn_bda(False, fused)(linear(attn.linear_proj, core_SBX),
                                                       hidden_SBH, layer.hidden_dropout)
         mlp, x_SBH = layer.mlp, layer.pre_mlp_layernorm(hidden_SBH)
@@ -212,6 +191,32 @@ class LeanKVDecoder(DecoderBase):
         else:
             out = mlp(x_SBH)
         return layer.mlp_bda(False, fused)(out, hidden_SBH, layer.hidden_dropout)
+
+    def _attention(self, i: int, attn, x_SBH, freqs_S11D, mask_B1ST, T: int):
+        """Layer i's core attention output [S, B, Hq * D] for the new columns: q, k, v, RoPE,
+        the new keys and values into the cache, the new rows over all T cached columns."""
+        from megatron.core.transformer.enums import AttnMaskType
+
+        seen = self._seen
+        q_SBHD, k_SBGD, v_SBGD = qkv(attn, x_SBH)
+        q_SBHD = self._rope(attn, q_SBHD, freqs_S11D)
+        k_SBGD = self._rope(attn, k_SBGD, freqs_S11D)
+        if i == len(self.cache_k):  # keys of one (sequence, group) contiguous: read per step
+            S, B, G, D = k_SBGD.shape
+            self.cache_k.append(k_SBGD.new_empty(B, G, self.max_len, D))
+            self.cache_v.append(v_SBGD.new_empty(B, G, self.max_len, D))
+        self.cache_k[i][:, :, seen:T] = k_SBGD.permute(1, 2, 0, 3)
+        self.cache_v[i][:, :, seen:T] = v_SBGD.permute(1, 2, 0, 3)
+        core = attn.core_attention
+        k_BGTD, v_BGTD = self.cache_k[i][:, :, :T], self.cache_v[i][:, :, :T]
+        if not isinstance(core, DotProductAttention()):  # e.g. TE's: called as is, with
+            # megatron's decode arguments (no_mask after the prefill, the explicit padding mask)
+            mask_type = AttnMaskType.no_mask if seen else attn.attn_mask_type
+            k_TBGD, v_TBGD = (t.permute(2, 0, 1, 3).contiguous() for t in (k_BGTD, v_BGTD))
+            return core(q_SBHD, k_TBGD, v_TBGD, mask_B1ST, attn_mask_type=mask_type)
+        if sdpa_ok(core, q_SBHD):
+            return sdpa_attention(core, q_SBHD, k_BGTD, v_BGTD, mask_B1ST)
+        return grouped_attention(core, q_SBHD, k_BGTD, v_BGTD, mask_B1ST)
 
 
 def DotProductAttention():  # noqa: N802 (megatron's class, imported late)
