@@ -128,11 +128,24 @@ def main(argv=None) -> int:
     ap.add_argument("--dp", type=int, default=64, help="data-parallel ranks sharing the batch")
     ap.add_argument("--measure-only", action="store_true")
     ap.add_argument("--no-measure", action="store_true")
+    ap.add_argument("--readme", default=None, metavar="PATH",
+                    help="also write the report between PATH's <!-- table:replay_memory:begin/end "
+                         "--> markers (tools/result_table.py)")
     args = ap.parse_args(argv)
+    from tools.result_table import output_into
+
+    with output_into(args.readme, "replay_memory"):
+        ok = report(args)
+    return 0 if ok else 1
+
+
+def report(args) -> bool:
+    """Print the table and the tiny-scale measurement; False if the cache disagrees with the
+    formula."""
     if not args.measure_only:
         print(table(args.preset, args.prompts, args.group, args.tokens, args.dp))
     if args.no_measure:
-        return 0
+        return True
     m = measure()
     ok = m["measured_bytes"] == m["formula_bytes"]
     print(f"\nmeasured at tiny scale (qwen3-moe-tiny, {m['valid_tokens']} valid tokens): "
@@ -142,7 +155,7 @@ def main(argv=None) -> int:
     print(f"time, measured side by side: train fwd+bwd {m['train_step_s'] * 1e3:.1f} ms; "
           f"with replay x{m['replay_time_ratio']:.2f}; flip measurement (1 no-grad fwd) "
           f"x{m['flip_time_ratio']:.2f} of a train fwd+bwd")
-    return 0 if ok else 1
+    return ok
 
 
 if __name__ == "__main__":

@@ -24,10 +24,13 @@ no `--marker`: `<!-- table:begin -->` / `<!-- table:end -->`), so no number ther
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import io
 import math
 import platform
 import re
+import sys
 
 import numpy as np
 
@@ -147,3 +150,31 @@ def write_into(path: str, table: str, marker: str = "") -> None:
     with open(path, "w") as f:
         f.write(text)
     print(f"wrote the table into {path}")
+
+
+class _Tee(io.TextIOBase):
+    def __init__(self, *streams):
+        self.streams = streams
+
+    def write(self, text: str) -> int:
+        for stream in self.streams:
+            stream.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        for stream in self.streams:
+            stream.flush()
+
+
+@contextlib.contextmanager
+def output_into(readme: str | None, marker: str):
+    """Print as usual; with `readme`, also write everything printed inside the block, headed by
+    `machine_line()`, as a code block between the file's `table:MARKER` markers (a tool's whole
+    report, so a README quotes it without hand copying)."""
+    if readme is None:
+        yield
+        return
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(_Tee(sys.stdout, buffer)):
+        yield
+    write_into(readme, f"{machine_line()}\n\n```\n{buffer.getvalue().strip()}\n```", marker)

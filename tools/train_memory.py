@@ -215,6 +215,9 @@ def main(argv=None) -> int:
     ap.add_argument("--recompute", default="off", choices=["off", "selective", "full"],
                     help=argparse.SUPPRESS)
     ap.add_argument("--child", choices=["fp32", "bf16"], help=argparse.SUPPRESS)
+    ap.add_argument("--readme", default=None, metavar="PATH",
+                    help="also write the report between PATH's <!-- table:train_memory:begin/end "
+                         "--> markers (tools/result_table.py)")
     args = ap.parse_args(argv)
     if min(args.dp) < 1 or args.batch < 1 or args.seq < 2:
         ap.error(f"--dp {args.dp} must be >= 1, --batch {args.batch} >= 1, --seq {args.seq} >= 2")
@@ -222,11 +225,14 @@ def main(argv=None) -> int:
         print(json.dumps(measure_one(args.preset, args.child, args.batch, args.seq,
                                      args.onednn, args.recompute)))
         return 0
-    print(table(args.table_preset, args.dp))
-    if not args.no_measure:
-        print()
-        print(report(measure(args.preset, args.batch, args.seq, args.onednn,
-                             args.with_recompute), args.preset, args.batch, args.seq))
+    from tools.result_table import output_into
+
+    with output_into(args.readme, "train_memory"):
+        print(table(args.table_preset, args.dp))
+        if not args.no_measure:
+            print()
+            print(report(measure(args.preset, args.batch, args.seq, args.onednn,
+                                 args.with_recompute), args.preset, args.batch, args.seq))
     return 0
 
 

@@ -83,3 +83,20 @@ def test_readme_table_between_markers(tmp_path, capsys):
     assert "no <!-- table:nope:begin --> ... <!-- table:nope:end -->" in capsys.readouterr().err
     assert readme.read_text() == text  # unchanged on error
     assert plot_run.main([args[0], "--readme", str(readme)]) == 2  # --readme needs --table
+
+
+def test_output_into_prints_and_writes_the_report_between_markers(tmp_path, capsys):
+    from tools.result_table import output_into
+
+    readme = tmp_path / "README.md"
+    readme.write_text("x\n<!-- table:mem:begin -->\nOLD\n<!-- table:mem:end -->\ny\n")
+    with output_into(str(readme), "mem"):
+        print("line 1")
+        print("line 2")
+    assert capsys.readouterr().out.startswith("line 1\nline 2\n")
+    text = readme.read_text()
+    assert "OLD" not in text and "Measured on " in text
+    assert "```\nline 1\nline 2\n```\n<!-- table:mem:end -->\ny\n" in text
+    with output_into(None, "mem"):  # no README: printing only
+        print("line 3")
+    assert readme.read_text() == text and capsys.readouterr().out == "line 3\n"
