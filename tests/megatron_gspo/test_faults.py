@@ -231,12 +231,20 @@ def test_sigterm_saves_then_resume_matches_the_uninterrupted_run(tmp_path, capsy
 def test_first_signal_arms_the_default_action_for_the_second():
     from megatron_gspo.preempt import Preemption
 
-    with Preemption() as stop:
-        os.kill(os.getpid(), signal.SIGINT)
-        assert stop.signum == signal.SIGINT and stop.requested() == signal.SIGINT
-        assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL  # a 2nd Ctrl-C kills
-        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # the handlers in force before (pytest's default_int_handler, or SIG_IGN when the suite
+    # runs in the background under nohup) come back on exit
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the process must see the kill
+    try:
+        with Preemption() as stop:
+            os.kill(os.getpid(), signal.SIGINT)
+            assert stop.signum == signal.SIGINT and stop.requested() == signal.SIGINT
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL  # a 2nd Ctrl-C kills
+            assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGTERM) is before[1]
+    finally:
+        signal.signal(signal.SIGINT, before[0])
 
 
 # ----------------------------------------------------------------------------- CLI errors
