@@ -198,8 +198,8 @@ def figure(rs: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def write_readme(readme: str, text: str) -> None:
-    begin, end = f"<!-- table:{MARKER}:begin -->", f"<!-- table:{MARKER}:end -->"
+def write_readme(readme: str, text: str, marker: str = MARKER) -> None:
+    begin, end = f"<!-- table:{marker}:begin -->", f"<!-- table:{marker}:end -->"
     with open(readme) as f:
         doc = f.read()
     if begin not in doc or end not in doc:
@@ -215,9 +215,9 @@ PER_ARM_STATS = ("eval/accuracy:final", "eval/accuracy:best", "reward/mean:last2
                  "rollout/logprob_mismatch/mean:mean")
 
 
-def per_arm_table(root: str, readme: str | None) -> None:
+def per_arm_table(root: str, readme: str | None, marker: str = MARKER) -> None:
     """tools/plot_run.py --table over every run (one column per arm and level, seeds grouped),
-    into the README's `<!-- table:dose_runs:... -->` markers when `readme` is given."""
+    into the README's `<!-- table:MARKER_runs:... -->` markers when `readme` is given."""
     from tools import plot_run
 
     dirs = [os.path.join(root, n) for n in sorted(os.listdir(root))
@@ -226,13 +226,14 @@ def per_arm_table(root: str, readme: str | None) -> None:
     for stat in PER_ARM_STATS:
         argv += ["--stat", stat]
     if readme:
-        argv += ["--readme", readme, "--marker", "dose_runs"]
+        argv += ["--readme", readme, "--marker", f"{marker}_runs"]
     if plot_run.main(argv) != 0:
         raise SystemExit("tools.plot_run --table failed")
 
 
 def main(root: str, calib_path: str, readme: str | None = None,
-         figure_path: str | None = None) -> str:
+         figure_path: str | None = None, marker: str = MARKER) -> str:
+    """Tables (into `readme`'s `table:MARKER` and `table:MARKER_runs` markers) and figure."""
     with open(calib_path) as f:
         calib = json.load(f)
     runs = collect(root)
@@ -249,8 +250,8 @@ def main(root: str, calib_path: str, readme: str | None = None,
     with open(os.path.join(root, "table.md"), "w") as f:
         f.write(text + "\n")
     if readme:
-        write_readme(readme, text)
-    per_arm_table(root, readme)
+        write_readme(readme, text, marker)
+    per_arm_table(root, readme, marker)
     if figure_path:
         figure(rows(runs, calib), figure_path)
         print(f"figure: {figure_path} ({os.path.getsize(figure_path) // 1024} KB)", flush=True)

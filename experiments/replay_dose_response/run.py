@@ -62,10 +62,10 @@ def py(*args: str, log: str | None = None) -> None:
         subprocess.run(cmd, cwd=ROOT, check=True, env=env, stdout=f, stderr=subprocess.STDOUT)
 
 
-def levels(calib: dict, quick: bool) -> dict[str, float]:
-    """{level label: noise std}: 0 and each calibrated target."""
+def levels(calib: dict, quick: bool, targets=None) -> dict[str, float]:
+    """{level label: noise std}: 0 and each calibrated target (of `targets`, default all)."""
     out = {"n0": 0.0}
-    for t in TARGETS[-1:] if quick else TARGETS:
+    for t in TARGETS[-1:] if quick else (targets or TARGETS):
         out[f"f{round(t * 100):02d}"] = calib["targets"][str(t)]
     return out
 
@@ -84,7 +84,7 @@ def jobs(lv: dict[str, float], seeds, mismatch: bool) -> list[tuple[str, str, fl
     return out
 
 
-def run_one(job, root: str, extra: list[str]) -> str:
+def run_one(job, root: str, extra: list[str], config: str = os.path.join(HERE, "rl.yaml")) -> str:
     arm, level, std, seed = job
     run_dir = f"{root}/{arm}_{level}_s{seed}" if level != "mm" else f"{root}/{arm}_s{seed}"
     if os.path.exists(os.path.join(ROOT, run_dir, "checkpoints", "latest")):
@@ -94,7 +94,7 @@ def run_one(job, root: str, extra: list[str]) -> str:
 
         shutil.rmtree(os.path.join(ROOT, run_dir))  # an interrupted run restarts clean
     t0 = time.time()
-    py("megatron_gspo.cli", "train", "--config", os.path.join(HERE, "rl.yaml"),
+    py("megatron_gspo.cli", "train", "--config", config,
        *{**ARMS, **MISMATCH_ARMS}[arm],
        f"train.router_noise_std={std}", f"seed={seed}", f"run_dir={run_dir}", *extra,
        log=os.path.join(ROOT, root, "logs", os.path.basename(run_dir) + ".log"))
@@ -115,9 +115,17 @@ def main(argv=None) -> int:
     ap.add_argument("--sft-dir", default=SFT_DIR,
                     help="cold-start checkpoint (built with experiments/ablation/sft.yaml if "
                          "absent)")
+    ap.add_argument("--config", default=os.path.join(HERE, "rl.yaml"),
+                    help="the RL recipe (rl_long.yaml: running_sum's 61-71-token answers)")
+    ap.add_argument("--tag", default="",
+                    help="variant: runs/replay_dose_response_TAG, README markers dose_TAG, "
+                         "figure dose_response_TAG.png")
+    ap.add_argument("--targets", nargs="+", type=float, default=None,
+                    help=f"flip-rate targets to calibrate and run (default {TARGETS})")
     args = ap.parse_args(argv)
     seeds = args.seeds or ([0] if args.quick else [0, 1, 2])
-    root = RUNS + ("_quick" if args.quick else "")
+    tag = f"_{args.tag}" if args.tag else ""
+    root = RUNS + tag + ("_quick" if args.quick else "")
     # the smoke test's 64-prompt eval is not the one the band is defined on: no band check
     extra = ["train.steps=3", "train.eval_every=3", "train.save_every=3", "task.n_eval=64",
              "train.start_accuracy=null"] if args.quick else []
@@ -129,22 +137,22 @@ def main(argv=None) -> int:
             py("megatron_gspo.cli", "sft", "--config",
                os.path.join(ROOT, "experiments/ablation/sft.yaml"), f"run_dir={args.sft_dir}")
         if not os.path.exists(calib_path):
-            py("experiments.replay_dose_response.calibrate", "--config",
-               os.path.join(HERE, "rl.yaml"), "--out", calib_path,
-               f"init_checkpoint={args.sft_dir}")
+            py("experiments.replay_dose_response.calibrate", "--config", args.config,
+               "--out", calib_path, f"init_checkpoint={args.sft_dir}")
         with open(calib_path) as f:
             calib = json.load(f)
-        grid = jobs(levels(calib, args.quick), seeds, not args.no_mismatch)
+        grid = jobs(levels(calib, args.quick, args.targets), seeds, not args.no_mismatch)
         print(f"{len(grid)} runs, {args.workers} at a time", flush=True)
         with ThreadPoolExecutor(args.workers) as pool:
             list(pool.map(lambda j: run_one(j, root, [f"init_checkpoint={args.sft_dir}",
-                                                      *extra]), grid))
+                                                      *extra], args.config), grid))
     from experiments.replay_dose_response import report
 
     report.main(os.path.join(ROOT, root), calib_path,
                 readme=None if args.quick else os.path.join(HERE, "README.md"),
                 figure_path=os.path.join(ROOT, root, "dose_response.png") if args.quick
-                else os.path.join(HERE, "figures", "dose_response.png"))
+                else os.path.join(HERE, "figures", f"dose_response{tag}.png"),
+                marker="dose" + tag)
     print(f"dose-response done in {time.time() - t0:.0f}s", flush=True)
     return 0
 

@@ -17,6 +17,14 @@ def test_grid_runs_r2_once_per_seed_and_the_mismatch_arms_at_noise_0():
     assert len(set(grid)) == len(grid)
 
 
+def test_levels_take_the_chosen_targets_of_the_calibration():
+    calib = {"targets": {"0.01": 0.015, "0.03": 0.044, "0.1": 0.155}}
+    assert run.levels(calib, quick=False) == {"n0": 0.0, "f01": 0.015, "f03": 0.044,
+                                              "f10": 0.155}
+    assert run.levels(calib, quick=False, targets=[0.1]) == {"n0": 0.0, "f10": 0.155}
+    assert run.levels(calib, quick=True) == {"n0": 0.0, "f10": 0.155}
+
+
 def write_run(root, name, final_acc, flip, clip=0.01, lr0=0.002):
     d = root / name
     d.mkdir()
