@@ -306,9 +306,11 @@ def lean_moe_ok(mlp) -> bool:
     latent projection, no fused (TE) permutation, no shared experts."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    cfg = getattr(mlp, "config", None)
-    return (isinstance(mlp, MoELayer) and mlp.ep_group.size() == 1
-            and mlp.tp_group.size() == 1 and mlp.experts.tp_group.size() == 1
+    if not isinstance(mlp, MoELayer):
+        return False
+    cfg, expert_tp = mlp.config, getattr(mlp.experts, "tp_group", None)
+    return (mlp.ep_group.size() == 1 and mlp.tp_group.size() == 1
+            and expert_tp is not None and expert_tp.size() == 1
             and cfg.moe_expert_capacity_factor is None
             and not cfg.moe_router_padding_for_quantization and not cfg.moe_latent_size
             and not cfg.moe_permute_fusion and not mlp.use_shared_expert)
