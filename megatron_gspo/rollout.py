@@ -7,7 +7,8 @@ row's prompt ends in the same column, so each sampling step appends one column t
 `valid_BT` marks real tokens, `response_BT` the response tokens (including <eos>) that carry
 the policy loss.
 
-Sampling uses megatron-core's static KV cache (`MoEPolicy.kv_decoder`): the prompt columns are
+Sampling uses a KV cache (`MoEPolicy.kv_decoder`: `moe.decode.LeanKVDecoder` by default,
+megatron-core's static inference path with `rollout.decoder=megatron`): the prompt columns are
 prefilled once, then each step runs the model on one new column. With `kv_cache=False`, or under
 sequence parallelism (which megatron-core requires for MoE with TP > 1), each step recomputes the
 full forward instead (same logits up to float rounding). With `record_routing` (R3) the decoder
