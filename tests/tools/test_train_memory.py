@@ -34,11 +34,12 @@ def test_measured_state_is_near_the_analytic_bytes_and_bf16_peaks_lower():
     shared pytest process skews; CUDA: the allocator's). Persistent state is the analytic
     bytes/param plus buffers and Python objects (measured ~+4.6 B/param here)."""
     import json
+    import os
     import subprocess
     import sys
 
     out = subprocess.run([sys.executable, "-c", _MEASURE], capture_output=True, text=True,
-                         check=True, timeout=600).stdout
+                         check=True, timeout=600, env={**os.environ, **tm.CHILD_ENV}).stdout
     fp32, bf16 = json.loads(out.strip().splitlines()[-1])
     for r, analytic in ((fp32, 16), (bf16, 18)):
         assert analytic <= r["persistent_bytes"] / r["params"] <= analytic + 8, r
