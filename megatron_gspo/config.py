@@ -27,7 +27,7 @@ from megatron_gspo.strict import (ConfigError, apply_override, build, check, des
 from megatron_gspo.config_data import (DataConfig, FilterConfig, RewardConfig,  # noqa: F401
                                        check_data_sections)
 from megatron_gspo.losses import PolicyLossConfig
-from moe.model import RECOMPUTE_MODULES, layout_problems
+from moe.model import RECOMPUTE_MODULES, layout_problems, resolve_dispatcher
 from moe.optim import OptimSettings
 
 __all__ = ["ConfigError", "RunConfig", "config_from_dict", "config_to_dict", "describe_config",
@@ -51,8 +51,10 @@ class ModelConfig:
     sequence_parallel: bool = False
     """Megatron sequence parallelism: required when tp > 1 (megatron-core's rule for MoE),
     invalid when tp == 1."""
-    dispatcher: Literal["alltoall", "allgather"] = "alltoall"
-    """MoE token dispatcher."""
+    dispatcher: Literal["auto", "alltoall", "allgather"] = "auto"
+    """MoE token dispatcher; 'auto' resolves at load to 'alltoall' when ep > 1, else
+    'allgather' (same numbers on one EP rank, without the all-to-all's identity sort copies;
+    `moe.model.resolve_dispatcher`)."""
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Parameter / compute dtype. bf16 / fp16 train with fp32 main grads and fp32 master weights
     (megatron's Float16 optimizer); fp16 adds loss scaling (optim.loss_scale)."""
@@ -81,16 +83,17 @@ class ModelConfig:
     recompute_modules: str = "moe"
     """Comma-separated modules for 'selective': moe (the whole MoE layer: router, dispatch,
     experts), core_attn."""
-    attention: Literal["megatron", "sdpa"] = "megatron"
-    """Core attention of the local (CPU) layer spec: megatron's DotProductAttention, or the same
-    attention as one torch SDPA call (`moe.attention`; faster on CPU, equal to fp32 rounding,
-    which is enough to flip an occasional sampled token, so not the default)."""
+    attention: Literal["megatron", "sdpa"] = "sdpa"
+    """Core attention of the local (CPU) layer spec: one torch SDPA call (`moe.attention`), or
+    megatron's unfused DotProductAttention (the experiments up to issue 16 ran with it and pin
+    it; equal to fp32 rounding, which can flip an occasional sampled token)."""
 
     def __post_init__(self):
         validate(self, nonempty=("preset", "hf_path"),
                  ge={"tp": 1, "ep": 1, "aux_loss_coeff": 0, "vocab_multiple": 1,
                      "max_seq_len": 2},
                  gt={"dist_timeout_min": 0})
+        object.__setattr__(self, "dispatcher", resolve_dispatcher(self.dispatcher, self.ep))
         check(self, "dist_timeout_min", self.dist_timeout_min < float("inf"), "must be finite")
         check(self, "attention", self.attention in ("megatron", "sdpa"),
               "expected 'megatron' or 'sdpa'")

@@ -164,7 +164,7 @@ class StepFlips:
             return
         if mb.replay is not None:
             if self.before is None:
-                _, self.before = current_routing(policy, mb.tokens_BT, mb.valid_BT)
+                self.before = routing_of(policy, mb.tokens_BT, mb.valid_BT)
             self.used = mb.replay
             yield
             return
@@ -194,9 +194,9 @@ class StepFlips:
         """The live routing of `mb` now (and of `next_mb`'s rows into `next_before`)."""
         mb, nxt = self.mb, self.next_mb
         if nxt is None:
-            return current_routing(self.policy, mb.tokens_BT, mb.valid_BT)[1]
-        _, both = current_routing(self.policy, torch.cat([mb.tokens_BT, nxt.tokens_BT]),
-                                  torch.cat([mb.valid_BT, nxt.valid_BT]))
+            return routing_of(self.policy, mb.tokens_BT, mb.valid_BT)
+        both = routing_of(self.policy, torch.cat([mb.tokens_BT, nxt.tokens_BT]),
+                          torch.cat([mb.valid_BT, nxt.valid_BT]))
         n = len(mb)
         self.next_before = both.select(slice(n, None))
         return both.select(slice(0, n))
@@ -243,3 +243,8 @@ class FlipSchedule:
         self._carried = flips.next_before
         return out
 
+
+def routing_of(policy, tokens_BT: torch.Tensor, valid_BT: torch.Tensor) -> RoutingReplayCache:
+    """The live routing of every token, from a no-grad forward whose output layer runs on the
+    last two positions only (the flip statistics need no log-probs)."""
+    return current_routing(policy, tokens_BT, valid_BT, start=tokens_BT.shape[1] - 1)[1]

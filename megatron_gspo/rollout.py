@@ -74,6 +74,13 @@ class RolloutBatch:
     def response_lengths_B(self) -> torch.Tensor:
         return self.response_BT.sum(1)
 
+    @property
+    def response_start(self) -> int:
+        """The first column holding a response token (>= 1): where log-probs must begin
+        (prompts are left-padded, so every response starts in the same column)."""
+        cols = self.response_BT.any(0).nonzero()
+        return max(1, int(cols[0])) if len(cols) else 1
+
 
 def encode_prompts(tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded `<bos> prompt` token ids [B, P] (no <bos> when the tokenizer has none) and

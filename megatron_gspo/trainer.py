@@ -213,12 +213,14 @@ class Trainer:
         whole rollout batch as one `Minibatch`, plus the metrics all its steps share."""
         cfg = self.cfg
         live_logp_BT, live_routing = current_routing(self.policy, batch.tokens_BT,
-                                                     batch.valid_BT, cfg.rollout.temperature)
+                                                     batch.valid_BT, cfg.rollout.temperature,
+                                                     start=batch.response_start)
         old_logp_BT, old_routing = live_logp_BT, live_routing
         if cfg.train.routing_replay == "r3":  # pi_old routes as the sampler did (on-policy)
             old_logp_BT, old_routing = self.replayed_logprobs(batch), batch.routing
         ref_logp_BT = None if self.ref_policy is None else self.ref_policy.token_logprobs(
-            batch.tokens_BT, batch.valid_BT, cfg.rollout.temperature).detach()
+            batch.tokens_BT, batch.valid_BT, cfg.rollout.temperature,
+            start=batch.response_start).detach()
         adv_B, adv_metrics = group_advantages(batch.rewards_B, cfg.rollout.group_size,
                                               eps=cfg.loss.adv_eps)
         adv_B, overlong_metrics = overlong_filter(adv_B, batch, cfg.filter.overlong)
@@ -241,7 +243,8 @@ class Trainer:
         """pi_old's log-probs under the sampler's recorded routing (R3's pi_old forward)."""
         with replay_routing(self.policy, batch.routing):
             return self.policy.token_logprobs(batch.tokens_BT, batch.valid_BT,
-                                              self.cfg.rollout.temperature)
+                                              self.cfg.rollout.temperature,
+                                              start=batch.response_start)
 
     def records_sampler_routing(self) -> bool:
         """Record the sampler's routing: for R3, and to measure a bf16 sampler's routing
@@ -284,8 +287,9 @@ class Trainer:
         tis, tis_metrics = self.tis(mb)
         policy.zero_grad()
         with flips.watch(), replay_routing(policy, mb.replay), self.router_noise(mb):
-            logp_BT, entropy_BT = policy.token_logprobs(mb.tokens_BT, mb.valid_BT,
-                                                        cfg.rollout.temperature, with_entropy=True)
+            logp_BT, entropy_BT = policy.token_logprobs(
+                mb.tokens_BT, mb.valid_BT, cfg.rollout.temperature, with_entropy=True,
+                start=mb.rollout.response_start)
             loss, metrics = self.loss_fn(logp_BT, mb.old_logp_BT, mb.adv_B,
                                          mb.response_BT.float(), cfg.loss,
                                          ref_logp_BT=mb.ref_logp_BT, **tis)

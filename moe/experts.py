@@ -74,7 +74,9 @@ class GroupedSequentialMLP(SequentialMLP):
             if (val := cfg.activation_func_clamp_value) is not None:
                 glu_NF = glu_NF.clamp(min=None, max=val)
                 linear_NF = linear_NF.clamp(min=-val, max=val)
-            h_NF = cfg.activation_func(glu_NF) * (linear_NF + cfg.glu_linear_offset)
+            if cfg.glu_linear_offset:  # megatron adds it unconditionally: a copy for + 0.0
+                linear_NF = linear_NF + cfg.glu_linear_offset
+            h_NF = cfg.activation_func(glu_NF) * linear_NF
         else:
             h_NF = cfg.activation_func(h_NF)
         dtype = h_NF.dtype

@@ -31,12 +31,28 @@ class ParallelLayout:
     """Expert parallel size (experts split across ranks)."""
     sequence_parallel: bool = False
     """Split LayerNorm/dropout activations along the sequence over the TP group (needs tp>1)."""
-    dispatcher: str = "alltoall"
-    """MoE token dispatcher: 'alltoall' or 'allgather'."""
+    dispatcher: str = "auto"
+    """MoE token dispatcher: 'alltoall', 'allgather', or 'auto' (resolved here,
+    `resolve_dispatcher`)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "dispatcher", resolve_dispatcher(self.dispatcher, self.ep))
         for name, msg in layout_problems(self):
             raise ValueError(f"{name}={getattr(self, name)!r}: {msg}")
+
+
+DISPATCHERS = ("auto", "alltoall", "allgather")
+
+
+def resolve_dispatcher(dispatcher: str, ep: int) -> str:
+    """'auto' -> 'alltoall' with expert parallelism, else 'allgather'. On one EP rank both give
+    bitwise-equal outputs and grads (`tests/moe/test_model.py`), but the all-to-all dispatcher
+    still splits and re-concatenates every layer's permuted tokens (and their grads) to sort
+    them by local expert, an identity copy there: ~9% of a CPU train step of qwen3-moe-tiny at
+    16 x 135 tokens (`tools/bench_throughput.py`). Other values pass through."""
+    if dispatcher != "auto":
+        return dispatcher
+    return "alltoall" if ep > 1 else "allgather"
 
 
 def layout_problems(layout) -> list[tuple[str, str]]:
@@ -49,8 +65,8 @@ def layout_problems(layout) -> list[tuple[str, str]]:
     if not layout.sequence_parallel and layout.tp > 1:
         out.append(("sequence_parallel", f"must be true with tp={layout.tp}: megatron-core "
                     "requires sequence parallelism for MoE with tensor parallelism"))
-    if layout.dispatcher not in ("alltoall", "allgather"):
-        out.append(("dispatcher", "expected 'alltoall' or 'allgather'"))
+    if layout.dispatcher not in DISPATCHERS:
+        out.append(("dispatcher", f"expected one of {', '.join(DISPATCHERS)}"))
     return out
 
 
@@ -203,7 +219,7 @@ def _with_cpu_modules(spec, grouped_experts: bool, sdpa_attention: bool):
 def build_gpt_moe(preset: MoEPreset, layout: ParallelLayout = ParallelLayout(), *, seed: int = 0,
                   dtype: torch.dtype = torch.float32, aux_loss_coeff: float = 0.0,
                   routing_replay: bool = True, recompute: Recompute = Recompute(),
-                  grouped_experts: bool = True, sdpa_attention: bool = False):
+                  grouped_experts: bool = True, sdpa_attention: bool = True):
     """Build the (sharded) MoE GPTModel. Call `moe.parallel.init_parallel` first.
 
     `routing_replay=True` gives every router a megatron `RouterReplay`; idle (no action set) it

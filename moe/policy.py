@@ -16,6 +16,7 @@ imports megatron.core itself.
 
 from __future__ import annotations
 
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -68,7 +69,7 @@ class MoEPolicy:
               dtype: torch.dtype = torch.float32, aux_loss_coeff: float = 0.0,
               optim: OptimSettings | None = OptimSettings(),
               recompute: Recompute = Recompute(),
-              sdpa_attention: bool = False, decoder: str = "lean") -> "MoEPolicy":
+              sdpa_attention: bool = True, decoder: str = "lean") -> "MoEPolicy":
         """The GPTModel wrapped in megatron DDP, with megatron's Adam (`moe.optim`; None: no
         optimizer). 16-bit `dtype` trains with fp32 main grads and fp32 master weights.
         `sdpa_attention`: core attention as `moe.attention.SDPAAttention` (local spec);
@@ -98,8 +99,19 @@ class MoEPolicy:
             return tensors_BT, 0
         return tuple(F.pad(t, (0, pad)) for t in tensors_BT), pad
 
-    def logits(self, tokens_BT: torch.Tensor, valid_BT: torch.Tensor) -> torch.Tensor:
-        """Float32 logits [B, T, V] for next-token prediction at every position."""
+    def logits(self, tokens_BT: torch.Tensor, valid_BT: torch.Tensor,
+               first: int = 0) -> torch.Tensor:
+        """Float32 logits [B, T - first, V] for next-token prediction at positions first..T-1
+        (the output layer runs on those positions only; `_raw_logits`)."""
+        return self.mask_vocab(self._raw_logits(tokens_BT, valid_BT, first).float())
+
+    def _raw_logits(self, tokens_BT: torch.Tensor, valid_BT: torch.Tensor,
+                    first: int) -> torch.Tensor:
+        """The model's logits [B, T - first, V_preset] in its dtype, vocab padding unmasked.
+        The whole sequence runs through the decoder; with `first` > 0 the output layer projects
+        only positions first..T-1 (a pre-hook slices its [T, B, H] input), except under
+        sequence parallelism, where its input is split over the sequence: there every position
+        is projected, then sliced."""
         if tokens_BT.shape != valid_BT.shape or tokens_BT.dim() != 2:
             raise ValueError(f"tokens {tuple(tokens_BT.shape)} and valid "
                              f"{tuple(valid_BT.shape)} must be equal [B, T] shapes")
@@ -107,10 +119,35 @@ class MoEPolicy:
         if T > self.preset.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds preset max_seq_len="
                              f"{self.preset.max_seq_len}")
+        if not 0 <= first < T:
+            raise ValueError(f"first={first}: expected a position in [0, {T})")
         (tokens_BT, valid_BT), _ = self._pad_for_sp(tokens_BT.to(self.device),
                                                     valid_BT.to(self.device))
         position_ids_BT, mask_B1TT = attention_inputs(valid_BT)
-        return self.mask_vocab(self.model(tokens_BT, position_ids_BT, mask_B1TT)[:, :T].float())
+        with self._output_rows(first) as sliced:
+            logits_BSV = self.model(tokens_BT, position_ids_BT, mask_B1TT)
+        return logits_BSV[:, :T - first] if sliced else logits_BSV[:, first:T]
+
+    @contextlib.contextmanager
+    def _output_rows(self, first: int):
+        """Within: the output layer sees only sequence rows first.. (yields whether it does)."""
+        if first == 0 or self.layout.sequence_parallel:
+            yield False
+            return
+        gpt = self.model
+        while not hasattr(gpt, "output_layer"):  # DDP (and Float16Module) wrappers
+            gpt = gpt.module
+
+        def rows(module, args, kwargs):
+            if args:
+                return (args[0][first:], *args[1:]), kwargs
+            return args, {**kwargs, "input_": kwargs["input_"][first:]}
+
+        handle = gpt.output_layer.register_forward_pre_hook(rows, with_kwargs=True)
+        try:
+            yield True
+        finally:
+            handle.remove()
 
     def mask_vocab(self, logits_BxV: torch.Tensor) -> torch.Tensor:
         """-inf on the preset's padding entries beyond the tokenizer's vocabulary."""
@@ -133,21 +170,32 @@ class MoEPolicy:
         return kind(self, batch_size, max_len, record_routing)
 
     def token_logprobs(self, tokens_BT: torch.Tensor, valid_BT: torch.Tensor,
-                       temperature: float = 1.0, with_entropy: bool = False):
-        """log pi(tokens[t] | tokens[<t]) at each position t >= 1 ([B, T], column 0 is 0).
+                       temperature: float = 1.0, with_entropy: bool = False, start: int = 1):
+        """log pi(tokens[t] | tokens[<t]) at each position t >= start ([B, T]; columns before
+        `start` are 0). Only positions start-1..T-2 go through the output layer and the
+        log-softmax (the loss needs the response: pass its first column), over the tokenizer's
+        vocabulary (the preset's padding entries are sliced off, not masked).
 
-        With `with_entropy`, also the entropy of the predictive distribution at each position.
+        With `with_entropy`, also the entropy of the predictive distribution at each position
+        (a metric: computed without grad, so no [B, T, V] tensor is kept for the backward).
         """
-        logits_BTV = self.logits(tokens_BT, valid_BT)[:, :-1] / temperature
-        logp_BTV = torch.log_softmax(logits_BTV, dim=-1)
-        target_BT = tokens_BT[:, 1:].to(logp_BTV.device)
-        logp_BT = logp_BTV.gather(-1, target_BT[..., None]).squeeze(-1)
-        logp_BT = F.pad(logp_BT, (1, 0))
+        T = tokens_BT.shape[-1]
+        if not 1 <= start < T:
+            raise ValueError(f"start={start}: expected a position in [1, {T})")
+        logits_BSV = self._raw_logits(tokens_BT, valid_BT, start - 1)[:, :-1, :self.real_vocab]
+        logits_BSV = logits_BSV.float()
+        if temperature != 1.0:
+            logits_BSV = logits_BSV / temperature
+        logp_BSV = torch.log_softmax(logits_BSV, dim=-1)
+        target_BS = tokens_BT[:, start:].to(logp_BSV.device)
+        logp_BT = F.pad(logp_BSV.gather(-1, target_BS[..., None]).squeeze(-1), (start, 0))
         if not with_entropy:
             return logp_BT
-        p_BTV = logp_BTV.exp()
-        entropy_BT = -(p_BTV * logp_BTV.masked_fill(p_BTV == 0, 0.0)).sum(-1)
-        return logp_BT, F.pad(entropy_BT, (1, 0))
+        with torch.no_grad():
+            logp_BSV = logp_BSV.detach()
+            p_BSV = logp_BSV.exp()
+            entropy_BS = -(p_BSV * logp_BSV.masked_fill(p_BSV == 0, 0.0)).sum(-1)
+        return logp_BT, F.pad(entropy_BS, (start, 0))
 
     def routed_valid(self, valid_BT: torch.Tensor) -> torch.Tensor:
         """The part of `valid_BT` this rank's routers see (its sequence shard under SP)."""

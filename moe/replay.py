@@ -222,10 +222,12 @@ def replay_backward(policy, replays: list[list[torch.Tensor]]):
 
 @torch.no_grad()
 def current_routing(policy, tokens_BT: torch.Tensor, valid_BT: torch.Tensor,
-                    temperature: float = 1.0):
-    """One no-grad forward that records routing: (token log-probs [B, T], routing cache)."""
+                    temperature: float = 1.0, start: int = 1):
+    """One no-grad forward that records routing: (token log-probs [B, T] from column `start`
+    on, routing cache of every token)."""
     with record_routing(policy) as recorded:
-        logp_BT = policy.token_logprobs(tokens_BT, valid_BT, temperature=temperature)
+        logp_BT = policy.token_logprobs(tokens_BT, valid_BT, temperature=temperature,
+                                        start=start)
     cache = RoutingReplayCache.from_recorded(recorded, policy.routed_valid(valid_BT),
                                              policy.preset.num_experts)
     return logp_BT, cache

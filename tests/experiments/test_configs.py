@@ -103,3 +103,17 @@ def test_profile_overlay_reads_yaml_like_the_config_loader(tmp_path, monkeypatch
     cfg = load_config(os.path.join(ABL, "grpo_r2.yaml"), overrides[:3])
     assert cfg.train.routing_replay == "off" and cfg.optim.lr == 3e-4
     assert cfg.task.kwargs == {"num_digits": 3}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: os.path.relpath(p, ROOT))
+def test_published_experiments_pin_the_kernels_they_ran_with(path):
+    """Every experiment README's tables were generated with megatron's DotProductAttention and
+    Adam's foreach path; the defaults became SDPA and fused afterwards (issue 16). Their
+    rounding can flip a sampled token, so the configs pin what their numbers came from."""
+    cfg = load_config(path)
+    assert (cfg.model.attention, cfg.optim.adam_kernel) == ("megatron", "foreach")
+
+
+def test_gpu_profile_uses_sdpa():
+    base = ablation_run.profile_overrides("gpu-small")
+    assert load_config(os.path.join(ABL, "gspo.yaml"), base).model.attention == "sdpa"

@@ -21,7 +21,12 @@ def _write(tmp_path, text: str) -> str:
 def test_defaults_construct():
     cfg = load_config(None)
     assert cfg == RunConfig()
-    assert cfg.model.preset == "qwen3-moe-tiny" and cfg.model.dispatcher == "alltoall"
+    assert cfg.model.preset == "qwen3-moe-tiny" and cfg.model.attention == "sdpa"
+    # dispatcher 'auto' resolves at load (saved resolved): all-to-all only with EP
+    assert cfg.model.dispatcher == "allgather"
+    assert load_config(None, ["model.ep=2"]).model.dispatcher == "alltoall"
+    assert load_config(None, ["model.ep=2", "model.dispatcher=allgather"]).model.dispatcher \
+        == "allgather"
     assert cfg.rollout.group_size == 8 and cfg.train.num_minibatches == 4
     # eps None resolves to the loss's paper default at load (sec. 5.1), so the saved config
     # shows the clip range that ran
@@ -254,7 +259,7 @@ def test_every_field_has_a_docstring():
         for f in dataclasses.fields(cls):
             assert docs.get(f.name, "").strip(), f"{cls.__name__}.{f.name} has no docstring"
             seen += 1
-    assert seen == 15 + 14 + 5 + 9 + 7 + 13 + 12 + 7 + 3 + 14 + 3 + 3  # every field of every section
+    assert seen == 15 + 14 + 5 + 9 + 7 + 14 + 12 + 7 + 3 + 14 + 3 + 3  # every field of every section
 
 
 def test_describe_config_lists_every_key_with_default_and_doc():
@@ -267,7 +272,7 @@ def test_describe_config_lists_every_key_with_default_and_doc():
     assert "train.num_minibatches: int = 4" in text
     assert "must divide prompts_per_batch * group_size" in text
     n_keys = sum(1 for ln in text.splitlines() if ln and not ln.startswith((" ", "[", "megat")))
-    assert n_keys == 4 + 14 + 5 + 9 + 7 + 13 + 12 + 7 + 3 + 14 + 3 + 3
+    assert n_keys == 4 + 14 + 5 + 9 + 7 + 14 + 12 + 7 + 3 + 14 + 3 + 3
 
 
 def test_loss_section_is_the_policy_loss_config():

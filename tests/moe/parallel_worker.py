@@ -163,6 +163,10 @@ def worker(rank: int, world: int, port: int, ref_path: str, layouts: list) -> No
                 f"{what}: optimizer grad norm {clip_norm} != {ref['grad_norm']}"
             check_replay(policy, info, ref, rows, tokens_BT[rows], valid_BT[rows], what)
             check_kv_decode(policy, ref, rows, tokens_BT[rows], valid_BT[rows], what)
+            with torch.no_grad():  # the output layer on positions 5.. only (sliced under SP)
+                part = policy.logits(tokens_BT[rows], valid_BT[rows], first=5)
+            torch.testing.assert_close(part, ref["logits"][rows][:, 5:], atol=ATOL, rtol=RTOL,
+                                       msg=lambda m: f"{what}: logits from position 5: {m}")
     finally:
         destroy_parallel()
 

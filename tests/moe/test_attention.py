@@ -1,8 +1,8 @@
 """`moe.attention.SDPAAttention` equals megatron's `DotProductAttention`: logits, grads, KV cache.
 
 The reference is the same model with its core attention's class set back to megatron's
-`DotProductAttention` (same modules, no parameters; only `forward` differs). Opt-in
-(`model.attention=sdpa`): the default model keeps megatron's attention.
+`DotProductAttention` (same modules, no parameters; only `forward` differs). The default
+(`model.attention=sdpa`); `model.attention=megatron` keeps megatron's attention.
 """
 
 import pytest
@@ -72,14 +72,17 @@ def test_sdpa_kv_cache_decode_matches_dot_product_attention(single_process, sdpa
     torch.testing.assert_close(got[live], full[live], atol=2e-5, rtol=1e-4)
 
 
-def test_default_model_keeps_megatron_attention(single_process):
-    assert all(type(m) is DotProductAttention for m in attention_modules(build("tiny")))
+def test_default_model_uses_sdpa_and_megatron_attention_is_kept_on_request(single_process):
+    assert all(type(m) is SDPAAttention for m in attention_modules(build("tiny")))
+    kept = attention_modules(build("tiny", sdpa_attention=False))
+    assert kept and all(type(m) is DotProductAttention for m in kept)
 
 
-def test_config_selects_sdpa():
+def test_config_selects_attention():
     from megatron_gspo.config import ConfigError, load_config
 
-    assert load_config(None, ["model.attention=sdpa"]).model.attention == "sdpa"
+    assert load_config(None, []).model.attention == "sdpa"
+    assert load_config(None, ["model.attention=megatron"]).model.attention == "megatron"
     with pytest.raises(ConfigError, match="attention"):
         load_config(None, ["model.attention=flash"])
 

@@ -161,3 +161,18 @@ def test_no_local_spec_notice_on_cpu(monkeypatch, capsys):
     monkeypatch.setattr(moe.model, "_LOCAL_SPEC_NOTICE_SHOWN", False)
     moe.model._notice_local_spec_on_gpu()
     assert capsys.readouterr().err == ""
+
+
+def test_cpu_l2_norm_is_the_float64_norm_of_all_tensors():
+    """`_local_l2_norm` (megatron's grad-norm kernel on CPU): the float64 norm of every tensor
+    of every list (fp32 sums would be ~1e-7 off), a 1-element tensor; 0 for no tensors."""
+    from moe.compat import _local_l2_norm
+
+    g = torch.Generator().manual_seed(0)
+    lists = [[torch.randn(300, 7, generator=g) * 1e-3, torch.randn(5, generator=g)],
+             [torch.randn(64, 64, generator=g) * 10]]
+    want = math.sqrt(sum(float((t.double() ** 2).sum()) for tl in lists for t in tl))
+    got, _ = _local_l2_norm(2048, None, lists, False)
+    assert got.shape == (1,) and got.dtype == torch.float64
+    assert math.isclose(float(got), want, rel_tol=1e-14)
+    assert float(_local_l2_norm(2048, None, [[]], False)[0]) == 0.0

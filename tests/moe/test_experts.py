@@ -23,14 +23,14 @@ def as_sequential(policy) -> None:
         m.__class__ = SequentialMLP
 
 
-def build(preset_name: str, seed: int = 3, dtype=torch.float32, **kwargs):
+def build(preset_name: str, seed: int = 3, dtype=torch.float32, layout=None, **kwargs):
     from moe.model import ParallelLayout
     from moe.policy import MoEPolicy
     from moe.presets import get_preset
 
     preset = get_preset(preset_name)
-    return MoEPolicy.build(preset, ParallelLayout(), real_vocab=preset.vocab_size, seed=seed,
-                           optim=None, dtype=dtype, **kwargs)
+    return MoEPolicy.build(preset, layout or ParallelLayout(), real_vocab=preset.vocab_size,
+                           seed=seed, optim=None, dtype=dtype, **kwargs)
 
 
 def grads(policy) -> dict:

@@ -154,3 +154,93 @@ def test_kv_cache_decoder_matches_full_forward(single_process):
         decoder.next_logits(tokens, valid)  # all columns already seen
     with pytest.raises(ValueError, match="max_seq_len"):
         policy.kv_decoder(B, preset.max_seq_len + 1)
+
+
+def test_auto_dispatcher_resolves_by_ep():
+    from moe.model import resolve_dispatcher
+
+    assert ParallelLayout().dispatcher == "allgather"
+    assert ParallelLayout(ep=2).dispatcher == "alltoall"
+    assert resolve_dispatcher("alltoall", 1) == "alltoall"
+    assert resolve_dispatcher("allgather", 4) == "allgather"
+    with pytest.raises(ValueError, match="dispatcher='a2a'"):
+        ParallelLayout(dispatcher="a2a")
+
+
+def test_allgather_equals_alltoall_bitwise_on_one_ep_rank(single_process):
+    """Why 'auto' picks allgather at EP=1: the same logits and grads, bit for bit, without the
+    all-to-all's identity sort copies (left padding and a readout mixing every position)."""
+    from tests.moe import parallel_worker as pw
+    from tests.moe.test_experts import build, grads
+
+    out = {}
+    for dispatcher in ("alltoall", "allgather"):
+        policy = build("qwen3-moe-tiny", layout=ParallelLayout(dispatcher=dispatcher))
+        assert policy.model.module.config.moe_token_dispatcher_type == dispatcher
+        tokens_BT, valid_BT, readout_BTV = pw.batch(policy.preset.vocab_size, B=6, T=16)
+        logits, _ = pw.run_model(policy, tokens_BT, valid_BT, readout_BTV)
+        out[dispatcher] = logits, grads(policy)
+    (a_logits, a_grads), (b_logits, b_grads) = out.values()
+    assert torch.equal(a_logits, b_logits)
+    assert all(torch.equal(a_grads[n], b_grads[n]) for n in a_grads)
+
+
+def _output_rows_seen(policy) -> list[int]:
+    """Sequence rows the output layer projects, per call (a forward hook on it)."""
+    seen = []
+    policy.model.module.output_layer.register_forward_hook(
+        lambda m, args, out: seen.append(out[0].shape[0]))
+    return seen
+
+
+def test_logprobs_from_start_project_only_those_positions(single_process):
+    """`token_logprobs(start=s)`: the float64 log-softmax over the tokenizer's vocabulary at
+    columns >= s, 0 before; the output layer sees T - s + 1 rows; the entropy keeps no graph;
+    grads flow to the same parameters as the full computation."""
+    preset = get_preset("tiny")
+    policy = MoEPolicy.build(preset, ParallelLayout(), real_vocab=40, seed=0, optim=None)
+    g = torch.Generator().manual_seed(1)
+    tokens_BT = torch.randint(0, 40, (5, 12), generator=g)
+    valid_BT = torch.ones(5, 12, dtype=torch.bool)
+    valid_BT[:2, :3] = False
+    seen = _output_rows_seen(policy)
+    full_BTV = policy.logits(tokens_BT, valid_BT).double()[:, :-1, :40] / 0.7
+    want_BT = torch.log_softmax(full_BTV, -1).gather(-1, tokens_BT[:, 1:, None]).squeeze(-1)
+    for start in (1, 4, 11):
+        logp_BT, entropy_BT = policy.token_logprobs(tokens_BT, valid_BT, 0.7,
+                                                    with_entropy=True, start=start)
+        assert seen[-1] == 12 - start + 1
+        assert (logp_BT[:, :start] == 0).all() and (entropy_BT[:, :start] == 0).all()
+        torch.testing.assert_close(logp_BT[:, start:].double(), want_BT[:, start - 1:],
+                                   atol=1e-5, rtol=1e-5)
+        assert logp_BT.requires_grad and not entropy_BT.requires_grad
+        p_BTV = torch.softmax(full_BTV[:, start - 1:], -1)
+        torch.testing.assert_close(entropy_BT[:, start:].double(),
+                                   -(p_BTV * p_BTV.log()).sum(-1), atol=1e-5, rtol=1e-5)
+    for bad in (0, 12):
+        with pytest.raises(ValueError, match=f"start={bad}"):
+            policy.token_logprobs(tokens_BT, valid_BT, start=bad)
+
+
+def test_trainer_logprobs_start_at_the_response(tmp_path):
+    """pi_old's pass and every train step run the output layer from the last prompt column
+    on; the flip forwards (routing only) on the last two."""
+    from megatron_gspo.config import load_config
+    from megatron_gspo.trainer import Trainer
+
+    trainer = Trainer.from_config(load_config(None, [
+        "task.name=addition", "task.n_train=40", "task.n_eval=4", "rollout.prompts_per_batch=2",
+        "rollout.group_size=2", "rollout.max_new_tokens=3", "train.num_minibatches=2",
+        "train.steps=1", "train.eval_every=0", "train.save_every=0", "train.flip_every=1",
+        "wandb.mode=disabled", f"run_dir={tmp_path}"]))
+    seen = _output_rows_seen(trainer.policy)
+    batch = trainer.rollout(0)
+    trainer.rollout = lambda it: batch
+    seen.clear()
+    trainer.iteration()
+    trainer.rt.close()
+    T, start = batch.tokens_BT.shape[1], batch.response_start
+    assert 1 < start < T and not batch.response_BT[:, :start].any()
+    assert batch.response_BT[:, start].all()
+    # pi_old, then per minibatch: train forward, flip forward (its first "before" is pi_old's)
+    assert seen == [T - start + 1, T - start + 1, 2, T - start + 1, 2], seen

@@ -206,19 +206,30 @@ def test_policy_state_dict_round_trip_continues_exactly(single_process, distribu
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_adam_runs_foreach_on_cpu_with_the_single_tensor_updates(single_process, dtype):
-    """moe.optim.use_foreach: torch's AdamW on its multi-tensor path (it would pick the
-    single-tensor loop for CPU params), bitwise the same weights after 3 updates."""
-    fast, slow = build(dtype, preset="qwen3-moe-tiny"), build(dtype, preset="qwen3-moe-tiny")
-    groups = [g for sub in slow.optimizer.optimizer.chained_optimizers
-              for g in sub.optimizer.param_groups]
-    assert groups and all(g["foreach"] is True for g in groups)
-    for g in groups:
-        g["foreach"] = None  # torch's default: the single-tensor loop for CPU params
-    assert train(fast, 3) == train(slow, 3)
-    for (name, a), b in zip(fast.model.module.named_parameters(),
-                            slow.model.module.parameters()):
-        assert torch.equal(a, b), name
-    fast.optimizer.load_state_dict(slow.optimizer.state_dict())  # saved None: foreach again
-    assert all(g["foreach"] is True for sub in fast.optimizer.optimizer.chained_optimizers
-               for g in sub.optimizer.param_groups)
+def test_adam_kernels_on_cpu_match_the_single_tensor_updates(single_process, dtype):
+    """moe.optim.use_adam_kernel: torch's AdamW fused (the default) or multi-tensor (it would
+    pick the single-tensor loop for CPU params): foreach bitwise the same weights after 3
+    updates, fused equal to rounding; a loaded checkpoint's flags follow the settings."""
+    fused, slow = build(dtype, preset="qwen3-moe-tiny"), build(dtype, preset="qwen3-moe-tiny")
+    foreach = build(dtype, preset="qwen3-moe-tiny",
+                    optim=OptimSettings(lr=LR, adam_kernel="foreach"))
+
+    def groups(policy):
+        return [g for sub in policy.optimizer.optimizer.chained_optimizers
+                for g in sub.optimizer.param_groups]
+
+    assert groups(fused) and all(g["fused"] and not g["foreach"] for g in groups(fused))
+    assert all(g["foreach"] and not g["fused"] for g in groups(foreach))
+    for g in groups(slow):
+        g["foreach"] = g["fused"] = None  # torch's default: the single-tensor loop on CPU
+    losses = [train(p, 3) for p in (fused, foreach, slow)]
+    assert losses[1] == losses[2]
+    assert all(math.isclose(a, c, rel_tol=1e-5) for a, c in zip(losses[0], losses[2]))
+    for (name, a), b, c in zip(fused.model.module.named_parameters(),
+                               foreach.model.module.parameters(), slow.model.module.parameters()):
+        assert torch.equal(b, c), name
+        torch.testing.assert_close(a, c, atol=1e-5 if dtype == torch.float32 else 1e-2,
+                                   rtol=1e-4, msg=lambda m: f"{name}: {m}")
+    fused.optimizer.load_state_dict(foreach.optimizer.state_dict())  # saved foreach -> fused
+    assert all(g["fused"] and not g["foreach"] for g in groups(fused))
+    train(fused, 1)  # the fused kernel accepts the loaded step tensors
