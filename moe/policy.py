@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from moe.compat import apply_cpu_patches
 from moe.decode import DecoderBase, LeanKVDecoder
 from moe.grads import global_grad_norm
+from moe.logprobs import chunked_token_logprobs
 from moe.model import ParallelLayout, Recompute, build_gpt_moe
 from moe.optim import OptimSettings, PolicyOptimizer
 from moe.presets import MoEPreset
@@ -174,7 +175,8 @@ class MoEPolicy:
         """log pi(tokens[t] | tokens[<t]) at each position t >= start ([B, T]; columns before
         `start` are 0). Only positions start-1..T-2 go through the output layer and the
         log-softmax (the loss needs the response: pass its first column), over the tokenizer's
-        vocabulary (the preset's padding entries are sliced off, not masked).
+        vocabulary (the preset's padding entries are sliced off, not masked). 16-bit logits go
+        through `moe.logprobs` (float32 math in chunks, no float32 copy of the logits kept).
 
         With `with_entropy`, also the entropy of the predictive distribution at each position
         (a metric: computed without grad, so no [B, T, V] tensor is kept for the backward).
@@ -182,12 +184,18 @@ class MoEPolicy:
         T = tokens_BT.shape[-1]
         if not 1 <= start < T:
             raise ValueError(f"start={start}: expected a position in [1, {T})")
-        logits_BSV = self._raw_logits(tokens_BT, valid_BT, start - 1)[:, :-1, :self.real_vocab]
-        logits_BSV = logits_BSV.float()
+        logits_BSV = self._raw_logits(tokens_BT, valid_BT, start - 1)[:, :-1]
+        target_BS = tokens_BT[:, start:]
+        if logits_BSV.dtype in (torch.bfloat16, torch.float16):
+            out = chunked_token_logprobs(logits_BSV, target_BS, self.real_vocab, temperature,
+                                         with_entropy)
+            return tuple(F.pad(t, (start, 0)) for t in out) if with_entropy \
+                else F.pad(out, (start, 0))
+        logits_BSV = logits_BSV[..., :self.real_vocab].float()
         if temperature != 1.0:
             logits_BSV = logits_BSV / temperature
         logp_BSV = torch.log_softmax(logits_BSV, dim=-1)
-        target_BS = tokens_BT[:, start:].to(logp_BSV.device)
+        target_BS = target_BS.to(logp_BSV.device)
         logp_BT = F.pad(logp_BSV.gather(-1, target_BS[..., None]).squeeze(-1), (start, 0))
         if not with_entropy:
             return logp_BT

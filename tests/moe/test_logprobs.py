@@ -1,0 +1,105 @@
+"""`moe.logprobs`: chunked float32 token log-probs of 16-bit logits against float64 references."""
+
+import pytest
+import torch
+
+import moe.logprobs
+from moe.logprobs import chunked_token_logprobs
+
+
+def _reference(x_BSV, target_BS, vocab, tau):
+    """float64 log-probs, entropy and d(sum w * logp)/dx of the same logits."""
+    x64 = x_BSV.detach().double().requires_grad_(True)
+    logp_BSU = torch.log_softmax(x64[..., :vocab] / tau, dim=-1)
+    logp_BS = logp_BSU.gather(-1, target_BS[..., None]).squeeze(-1)
+    p = logp_BSU.exp()
+    entropy_BS = -(p * logp_BSU).sum(-1)
+    weights_BS = torch.linspace(-1, 2, logp_BS.numel(), dtype=torch.float64).view_as(logp_BS)
+    (logp_BS * weights_BS).sum().backward()
+    return logp_BS.detach(), entropy_BS.detach(), x64.grad, weights_BS
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("tau,chunk", [(1.0, 1 << 24), (0.7, 40)])
+def test_matches_float64_log_softmax_values_entropy_and_grads(dtype, tau, chunk, monkeypatch):
+    """Padded vocabulary (V=48, U=41) excluded; several chunks (chunk=40 elements: one row of
+    41 -> 1 sequence per chunk); the grad is zero on the padded columns."""
+    monkeypatch.setattr(moe.logprobs, "CHUNK_ELEMENTS", chunk)
+    g = torch.Generator().manual_seed(0)
+    x_BSV = (torch.randn(3, 5, 48, generator=g) * 3).to(dtype).requires_grad_(True)
+    target_BS = torch.randint(0, 41, (3, 5), generator=g)
+    want_logp, want_entropy, want_grad, w_BS = _reference(x_BSV, target_BS, 41, tau)
+    logp_BS, entropy_BS = chunked_token_logprobs(x_BSV, target_BS, 41, tau, with_entropy=True)
+    assert logp_BS.dtype == entropy_BS.dtype == torch.float32
+    assert not entropy_BS.requires_grad
+    torch.testing.assert_close(logp_BS.double(), want_logp, atol=2e-6, rtol=1e-6)
+    torch.testing.assert_close(entropy_BS.double(), want_entropy, atol=2e-6, rtol=1e-6)
+    (logp_BS * w_BS.float()).sum().backward()
+    assert x_BSV.grad.dtype == dtype and (x_BSV.grad[..., 41:] == 0).all()
+    tol = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(x_BSV.grad.double(), want_grad, atol=tol, rtol=tol)
+
+
+def test_masked_logits_get_no_probability():
+    x_BSV = torch.randn(2, 3, 8).bfloat16()
+    x_BSV[..., 6:] = float("-inf")
+    target_BS = torch.randint(0, 6, (2, 3))
+    logp_BS, entropy_BS = chunked_token_logprobs(x_BSV, target_BS, 8, with_entropy=True)
+    want_logp, want_entropy, _, _ = _reference(x_BSV[..., :6], target_BS, 6, 1.0)
+    torch.testing.assert_close(logp_BS.double(), want_logp, atol=2e-6, rtol=1e-6)
+    torch.testing.assert_close(entropy_BS.double(), want_entropy, atol=2e-6, rtol=1e-6)
+
+
+def test_keeps_no_float32_copy_of_the_logits_for_the_backward():
+    """What autograd saves: the bf16 logits themselves and [B, S] vectors; the plain path
+    saves a float32 [B, S, V] log-softmax on top."""
+    x_BSV = torch.randn(2, 16, 1000).bfloat16().requires_grad_(True)
+    target_BS = torch.randint(0, 1000, (2, 16))
+
+    def saved_bytes(fn) -> int:
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(
+                lambda t: saved.append(t) or t, lambda t: t):
+            fn()
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in saved if t.data_ptr() != x_BSV.data_ptr()}
+        return sum(storages.values())
+
+    ours = saved_bytes(lambda: chunked_token_logprobs(x_BSV, target_BS, 1000))
+    plain = saved_bytes(lambda: torch.log_softmax(x_BSV.float(), -1).gather(
+        -1, target_BS[..., None]))
+    assert ours <= 2 * 16 * (4 + 8)  # the float32 log-partition and the int64 targets
+    assert plain >= 2 * 16 * 1000 * 4
+
+
+def test_bad_shapes_raise():
+    with pytest.raises(ValueError, match="targets"):
+        chunked_token_logprobs(torch.zeros(2, 3, 8), torch.zeros(2, 4, dtype=torch.long), 8)
+    with pytest.raises(ValueError, match="vocab 9"):
+        chunked_token_logprobs(torch.zeros(2, 3, 8), torch.zeros(2, 3, dtype=torch.long), 9)
+
+
+def test_bf16_policy_logprobs_take_the_chunked_path(single_process, monkeypatch):
+    """A bf16 policy's token_logprobs (and entropy) equal float64 log-softmax of its own logits;
+    the fp32 policy keeps the plain path."""
+    from tests.moe.test_experts import build
+
+    calls = []
+    real = moe.logprobs.ChunkedTokenLogProb.apply
+    monkeypatch.setattr(moe.logprobs.ChunkedTokenLogProb, "apply",
+                        lambda *a: calls.append(1) or real(*a))
+    policy = build("qwen3-moe-tiny", dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(2)
+    tokens_BT = torch.randint(0, 26, (3, 10), generator=g)
+    valid_BT = torch.ones(3, 10, dtype=torch.bool)
+    with torch.no_grad():
+        logits_BTV = policy._raw_logits(tokens_BT, valid_BT, 3)[:, :-1]
+        logp_BT, entropy_BT = policy.token_logprobs(tokens_BT, valid_BT, 0.9, True, start=4)
+    assert calls == [1]
+    want_logp, want_entropy, _, _ = _reference(logits_BTV, tokens_BT[:, 4:],
+                                               policy.real_vocab, 0.9)
+    assert (logp_BT[:, :4] == 0).all() and (entropy_BT[:, :4] == 0).all()
+    torch.testing.assert_close(logp_BT[:, 4:].double(), want_logp, atol=2e-6, rtol=1e-6)
+    torch.testing.assert_close(entropy_BT[:, 4:].double(), want_entropy, atol=2e-6, rtol=1e-6)
+    build("qwen3-moe-tiny").token_logprobs(tokens_BT, valid_BT)
+    assert calls == [1]
