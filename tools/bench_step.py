@@ -1,0 +1,105 @@
+"""Forward and backward of one training minibatch: our policy vs HF's Qwen3-MoE, side by side.
+
+    python -m tools.bench_step                        # 4 x 135 and 16 x 135 tokens, 20 rounds
+    python -m tools.bench_step --shapes 4x135 --rounds 40
+    python -m tools.bench_step --set model.attention=megatron   # ours with other settings
+    python -m tools.bench_step --readme experiments/throughput/README.md   # + between markers
+
+Isolates the part of a train step that is the model (`tools.bench_throughput` times whole
+iterations): token log-probs of a fixed random batch (no padding), their sum, backward. Ours is
+the trainer's policy (`MoEPolicy.token_logprobs`, megatron DDP's grad hooks included); HF is the
+same-shaped random `Qwen3MoeForCausalLM` the throughput bench gives TRL (SDPA attention, grouped
+experts), log-softmax and gather on its logits. The two alternate round by round, one torch
+thread; the table reports each side's best round (other jobs only slow a round down) and ours/HF.
+No optimizer step: see `tools.bench_throughput` for whole iterations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+
+import torch
+
+from tools.bench_throughput import build_ours, cpu_model, parse_args as bench_args
+from tools.bench_trl import hf_model
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="4x135,16x135", help="BxT minibatches (comma list)")
+    p.add_argument("--rounds", type=int, default=20, help="timed rounds per side and shape")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra override for our side (repeatable)")
+    p.add_argument("--readme", default=None, metavar="PATH",
+                   help="also write the report between PATH's <!-- table:MARKER:begin/end --> "
+                        "markers (tools/result_table.py)")
+    p.add_argument("--marker", default="bench_step", help="with --readme: the markers' name")
+    args = p.parse_args(argv)
+    try:
+        args.shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    except ValueError:
+        p.error(f"--shapes={args.shapes!r}: expected e.g. 4x135,16x135")
+    if any(len(s) != 2 or s[0] < 1 or not 2 <= s[1] <= 272 for s in args.shapes):
+        p.error(f"--shapes={args.shapes}: B >= 1 and 2 <= T <= 272")
+    return args
+
+
+def timed(fn) -> tuple[float, float]:
+    """(forward s, backward s) of one round."""
+    t0 = time.perf_counter()
+    loss = fn()
+    t1 = time.perf_counter()
+    loss.backward()
+    return t1 - t0, time.perf_counter() - t1
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    longest = max(t for _, t in args.shapes)
+    with tempfile.TemporaryDirectory(prefix="bench_step_") as tmp:
+        trainer, _ = build_ours(bench_args(["--skip-trl", "--max-new-tokens", str(longest - 8)]
+                                           + [f"--set={s}" for s in args.set]), tmp + "/run")
+        policy = trainer.policy
+        hf = hf_model(policy.preset, "grouped_mm")
+        hf.config._attn_implementation = "sdpa"
+        hf.train()
+        rows = ["| B x T | ours fwd ms | ours bwd ms | HF fwd ms | HF bwd ms | ours/HF time |",
+                "|---|---|---|---|---|---|"]
+        for B, T in args.shapes:
+            g = torch.Generator().manual_seed(0)
+            tokens_BT = torch.randint(3, policy.real_vocab, (B, T), generator=g)
+            valid_BT = torch.ones(B, T, dtype=torch.bool)
+
+            def ours():
+                policy.zero_grad()
+                return policy.token_logprobs(tokens_BT, valid_BT).sum()
+
+            def theirs():
+                hf.zero_grad()
+                logits = hf(input_ids=tokens_BT).logits[:, :-1].float()
+                return torch.log_softmax(logits, -1).gather(-1, tokens_BT[:, 1:, None]).sum()
+
+            best = {"ours": (1e9, 1e9), "hf": (1e9, 1e9)}
+            for _ in range(args.rounds + 2):  # the first two rounds warm up
+                for name, fn in (("ours", ours), ("hf", theirs)):
+                    f, b = timed(fn)
+                    best[name] = (min(best[name][0], f), min(best[name][1], b))
+            (of, ob), (hf_f, hf_b) = best["ours"], best["hf"]
+            rows.append(f"| {B} x {T} | {of * 1e3:.1f} | {ob * 1e3:.1f} | {hf_f * 1e3:.1f} | "
+                        f"{hf_b * 1e3:.1f} | {(of + ob) / (hf_f + hf_b):.2f} |")
+        trainer.rt.close()
+    from tools.result_table import output_into
+
+    with output_into(args.readme, args.marker):
+        print(f"machine: {cpu_model()}, 1 torch thread; best of {args.rounds} alternating "
+              f"rounds; ours overrides: {' '.join(args.set) or 'none'}\n")
+        print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
