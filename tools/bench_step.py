@@ -25,6 +25,7 @@ import torch
 
 from tools.bench_throughput import build_ours, cpu_model, parse_args as bench_args
 from tools.bench_trl import hf_model
+from tools.result_table import add_readme_args
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -33,10 +34,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=20, help="timed rounds per side and shape")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra override for our side (repeatable)")
-    p.add_argument("--readme", default=None, metavar="PATH",
-                   help="also write the report between PATH's <!-- table:MARKER:begin/end --> "
-                        "markers (tools/result_table.py)")
-    p.add_argument("--marker", default="bench_step", help="with --readme: the markers' name")
+    add_readme_args(p, "bench_step")
     args = p.parse_args(argv)
     try:
         args.shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]

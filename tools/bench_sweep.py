@@ -31,6 +31,8 @@ import os
 import subprocess
 import sys
 
+from tools.result_table import add_readme_args
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -42,11 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="runs/bench_sweep", help="output folder")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra override for our side (repeatable)")
-    p.add_argument("--readme", default=None, metavar="PATH",
-                   help="also write the table between PATH's <!-- table:sweep:begin/end --> "
-                        "markers (tools/result_table.py), e.g. experiments/throughput/README.md")
-    p.add_argument("--marker", default="sweep",
-                   help="with --readme: the table:MARKER markers to write between")
+    add_readme_args(p, "sweep")  # e.g. --readme experiments/throughput/README.md
     args = p.parse_args(argv)
     try:
         args.lengths = [int(x) for x in args.lengths.split(",")]

@@ -22,6 +22,7 @@ import time
 import torch
 
 from tools.bench_throughput import build_ours, cpu_model, parse_args as bench_args
+from tools.result_table import add_readme_args
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -32,10 +33,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top", type=int, default=10, help="rows per table")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra config override (repeatable)")
-    p.add_argument("--readme", default=None, metavar="PATH",
-                   help="also write the output between PATH's <!-- table:MARKER:begin/end --> "
-                        "markers (tools/result_table.py)")
-    p.add_argument("--marker", default="profile", help="with --readme: the markers' name")
+    add_readme_args(p, "profile")
     return p.parse_args(argv)
 
 

@@ -166,6 +166,15 @@ class _Tee(io.TextIOBase):
             stream.flush()
 
 
+def add_readme_args(parser, marker: str) -> None:
+    """`--readme PATH` and `--marker NAME` (default `marker`): a tool that also writes its
+    report between PATH's `<!-- table:NAME:begin/end -->` markers."""
+    parser.add_argument("--readme", default=None, metavar="PATH",
+                        help="also write the report between PATH's <!-- table:MARKER:begin/end "
+                             "--> markers (tools/result_table.py)")
+    parser.add_argument("--marker", default=marker, help="with --readme: the markers' name")
+
+
 @contextlib.contextmanager
 def output_into(readme: str | None, marker: str):
     """Print as usual; with `readme`, also write everything printed inside the block, headed by
