@@ -1,6 +1,8 @@
 """The MoE policy: a megatron-core GPTModel in megatron DDP with megatron's optimizer.
 
-Shape legend: B sequences, T tokens per sequence, S new columns of one KV-cache call, V vocab.
+Shape legend: B sequences, T tokens per sequence, S the columns a call returns (a KV-cache
+step's new columns; the positions from `first` / `start` on, which are all the output layer
+projects), V vocab.
 
 Sequences are left-padded prompts followed by responses and right padding; `valid_BT` marks the
 real tokens. The attention mask is causal and hides padding keys; position ids count real tokens
