@@ -328,8 +328,10 @@ def lean_moe(mlp, x_SBH, stacked=None):
     x_NH = x_SBH.reshape(-1, x_SBH.shape[-1])
     probs_NE, routing_map_NE = mlp.router(x_SBH)
     tokens_per_expert_E = routing_map_NE.sum(dim=0).long()
-    x_MH, probs_M, sorted_M = permute(x_NH, routing_map_NE, probs=probs_NE,
-                                      num_out_tokens=x_NH.shape[0] * mlp.config.moe_router_topk)
+    # megatron-core 0.16-0.18 return 3 values, 0.19 adds pad offsets and tokens per expert
+    x_MH, probs_M, sorted_M = permute(
+        x_NH, routing_map_NE, probs=probs_NE,
+        num_out_tokens=x_NH.shape[0] * mlp.config.moe_router_topk)[:3]
     extra = {} if stacked is None else {"stacked": stacked}
     out_MH, _ = mlp.experts(x_MH, tokens_per_expert_E, probs_M, **extra)
     out_NH = unpermute(out_MH, sorted_M, restore_shape=x_NH.shape, routing_map=routing_map_NE)

@@ -11,6 +11,7 @@ TP/EP-sharded model holds exactly the slices of the 1-process model built with t
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
 
@@ -207,13 +208,34 @@ def _with_cpu_modules(spec, grouped_experts: bool, sdpa_attention: bool):
     from moe.attention import SDPAAttention
     from moe.experts import GroupedSequentialMLP
 
-    mlp, attn = spec.submodules.mlp, spec.submodules.self_attention
+    mlp, attn = _submodules(spec).mlp, _submodules(spec).self_attention
     if grouped_experts:
-        experts = replace(mlp.submodules.experts, module=GroupedSequentialMLP)
-        mlp = replace(mlp, submodules=replace(mlp.submodules, experts=experts))
+        experts = _respec(_submodules(mlp).experts, module=GroupedSequentialMLP)
+        mlp = _respec(mlp, submodules=replace(_submodules(mlp), experts=experts))
     if sdpa_attention:
-        attn = replace(attn, submodules=replace(attn.submodules, core_attention=SDPAAttention))
-    return replace(spec, submodules=replace(spec.submodules, mlp=mlp, self_attention=attn))
+        attn = _respec(attn, submodules=replace(_submodules(attn),
+                                                core_attention=SDPAAttention))
+    return _respec(spec, submodules=replace(_submodules(spec), mlp=mlp, self_attention=attn))
+
+
+def _submodules(spec):
+    """A spec's submodules: a `ModuleSpec`'s field, or (megatron-core 0.19 builds some specs as
+    `functools.partial(Module, submodules=...)`) the partial's keyword."""
+    return spec.keywords["submodules"] if isinstance(spec, functools.partial) \
+        else spec.submodules
+
+
+def _respec(spec, module=None, submodules=None):
+    """`spec` with another module class and/or submodules, in the spec's own form."""
+    if isinstance(spec, functools.partial):
+        keywords = dict(spec.keywords)
+        if submodules is not None:
+            keywords["submodules"] = submodules
+        return functools.partial(module or spec.func, *spec.args, **keywords)
+    from dataclasses import replace
+
+    changes = {k: v for k, v in (("module", module), ("submodules", submodules)) if v is not None}
+    return replace(spec, **changes)
 
 
 def build_gpt_moe(preset: MoEPreset, layout: ParallelLayout = ParallelLayout(), *, seed: int = 0,

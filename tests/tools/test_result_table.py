@@ -3,7 +3,6 @@
 from importlib.metadata import version
 
 import pytest
-import torch
 
 from tests.tools.test_plot_run import _write  # a run dir with these metrics.jsonl records
 from tools import plot_run, result_table
@@ -61,7 +60,7 @@ def test_machine_line_names_cpu_date_and_versions():
     line = result_table.machine_line(date="2026-11-23")
     with open("/proc/cpuinfo") as f:
         cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    assert line == (f"Measured on {cpu}, 2026-11-23, torch {torch.__version__}, "
+    assert line == (f"Measured on {cpu}, 2026-11-23, torch {version('torch')}, "
                     f"megatron-core {version('megatron-core')}.")
 
 
