@@ -49,7 +49,7 @@ from megatron_gspo.preempt import Preempted, Preemption
 from megatron_gspo.rollout import RolloutBatch, generate_rollouts
 from megatron_gspo.runtime import (Runtime, build_policy, evaluate_runtime, load_init_weights,
                                    save_state, setup_runtime, try_resume)
-from moe.replay import RoutingReplayCache, current_routing, replay_routing
+from moe.replay import RoutingReplayCache, current_routing, replay_routing, row_chunks
 from moe.router_noise import router_noise
 
 PROGRESS_KEYS = ("reward/mean", "eval/accuracy", "policy/clip_frac/token",
@@ -212,15 +212,15 @@ class Trainer:
         """pi_old's no-grad pass (log-probs, routing), advantages and the replay source: the
         whole rollout batch as one `Minibatch`, plus the metrics all its steps share."""
         cfg = self.cfg
-        live_logp_BT, live_routing = current_routing(self.policy, batch.tokens_BT,
-                                                     batch.valid_BT, cfg.rollout.temperature,
-                                                     start=batch.response_start)
+        live_logp_BT, live_routing = current_routing(
+            self.policy, batch.tokens_BT, batch.valid_BT, cfg.rollout.temperature,
+            start=batch.response_start, micro_batch=cfg.train.logprob_micro_batch)
         old_logp_BT, old_routing = live_logp_BT, live_routing
         if cfg.train.routing_replay == "r3":  # pi_old routes as the sampler did (on-policy)
-            old_logp_BT, old_routing = self.replayed_logprobs(batch), batch.routing
-        ref_logp_BT = None if self.ref_policy is None else self.ref_policy.token_logprobs(
-            batch.tokens_BT, batch.valid_BT, cfg.rollout.temperature,
-            start=batch.response_start).detach()
+            old_logp_BT, old_routing = self.batch_logprobs(self.policy, batch,
+                                                           batch.routing), batch.routing
+        ref_logp_BT = None if self.ref_policy is None else \
+            self.batch_logprobs(self.ref_policy, batch)
         adv_B, adv_metrics = group_advantages(batch.rewards_B, cfg.rollout.group_size,
                                               eps=cfg.loss.adv_eps)
         adv_B, overlong_metrics = overlong_filter(adv_B, batch, cfg.filter.overlong)
@@ -239,12 +239,17 @@ class Trainer:
         return Minibatch(batch, pi_old_BT, adv_B, old_routing, replay, ref_logp_BT), shared
 
     @torch.no_grad()
-    def replayed_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
-        """pi_old's log-probs under the sampler's recorded routing (R3's pi_old forward)."""
-        with replay_routing(self.policy, batch.routing):
-            return self.policy.token_logprobs(batch.tokens_BT, batch.valid_BT,
-                                              self.cfg.rollout.temperature,
-                                              start=batch.response_start)
+    def batch_logprobs(self, policy, batch: RolloutBatch, routing=None) -> torch.Tensor:
+        """`policy`'s log-probs of a whole rollout batch, in forwards of at most
+        train.logprob_micro_batch sequences; with `routing`, replaying it (R3's pi_old pass
+        under the sampler's routing)."""
+        cfg, out = self.cfg, []
+        for rows in row_chunks(len(batch), cfg.train.logprob_micro_batch):
+            with replay_routing(policy, None if routing is None else routing.select(rows)):
+                out.append(policy.token_logprobs(batch.tokens_BT[rows], batch.valid_BT[rows],
+                                                 cfg.rollout.temperature,
+                                                 start=batch.response_start))
+        return torch.cat(out)
 
     def records_sampler_routing(self) -> bool:
         """Record the sampler's routing: for R3, and to measure a bf16 sampler's routing

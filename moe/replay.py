@@ -101,6 +101,14 @@ class RoutingReplayCache:
         ids_NLK = ids_BTLK[valid_BT.bool()]
         return cls(ids_NLK.to(ids_dtype(num_experts)), valid_BT.bool(), num_experts)
 
+    @classmethod
+    def cat(cls, caches: list["RoutingReplayCache"]) -> "RoutingReplayCache":
+        """The caches of consecutive row blocks as one (sequence order kept)."""
+        if len(caches) == 1:
+            return caches[0]
+        return cls(torch.cat([c.ids_NLK for c in caches]),
+                   torch.cat([c.valid_BT for c in caches]), caches[0].num_experts)
+
     def select(self, rows: torch.Tensor | slice) -> "RoutingReplayCache":
         """The cache restricted to some sequences (a minibatch), in the given row order."""
         rows = torch.arange(self.valid_BT.shape[0])[rows]
@@ -220,14 +228,23 @@ def replay_backward(policy, replays: list[list[torch.Tensor]]):
         _release(routers)
 
 
+def row_chunks(B: int, micro_batch: int) -> list[slice]:
+    """Consecutive row slices of at most `micro_batch` sequences (0: one slice of all B). Every
+    rank of a layout holds the same B, so all run the same number of forwards."""
+    step = micro_batch or max(B, 1)
+    return [slice(i, i + step) for i in range(0, B, step)]
+
+
 @torch.no_grad()
 def current_routing(policy, tokens_BT: torch.Tensor, valid_BT: torch.Tensor,
-                    temperature: float = 1.0, start: int = 1):
-    """One no-grad forward that records routing: (token log-probs [B, T] from column `start`
-    on, routing cache of every token)."""
-    with record_routing(policy) as recorded:
-        logp_BT = policy.token_logprobs(tokens_BT, valid_BT, temperature=temperature,
-                                        start=start)
-    cache = RoutingReplayCache.from_recorded(recorded, policy.routed_valid(valid_BT),
-                                             policy.preset.num_experts)
-    return logp_BT, cache
+                    temperature: float = 1.0, start: int = 1, micro_batch: int = 0):
+    """No-grad forwards (of at most `micro_batch` sequences; 0 = one) that record routing:
+    (token log-probs [B, T] from column `start` on, routing cache of every token)."""
+    logps, caches = [], []
+    for rows in row_chunks(tokens_BT.shape[0], micro_batch):
+        with record_routing(policy) as recorded:
+            logps.append(policy.token_logprobs(tokens_BT[rows], valid_BT[rows],
+                                               temperature=temperature, start=start))
+        caches.append(RoutingReplayCache.from_recorded(
+            recorded, policy.routed_valid(valid_BT[rows]), policy.preset.num_experts))
+    return torch.cat(logps), RoutingReplayCache.cat(caches)

@@ -297,3 +297,30 @@ def test_minibatch_select_keeps_every_part_row_aligned():
         assert torch.equal(c.ids_NLK, want) and torch.equal(c.valid_BT, valid_BT[rows])
     state = TrainerState.from_dict({"iteration": 2, "opt_step": 8, "unknown": 1})
     assert (state.iteration, state.opt_step, state.reward_ema) == (2, 8, None)
+
+
+def test_batch_passes_in_micro_batches_equal_one_pass(tmp_path):
+    """train.logprob_micro_batch: pi_old's pass, R3's replayed pi_old pass and the reference
+    policy's run in forwards of at most that many sequences, with the numbers of one pass."""
+    over = ["train.routing_replay=r3", "loss.kl_coef=0.1"]
+    one = make_trainer(tmp_path, *over, "train.logprob_micro_batch=0", name="one")
+    chunked = make_trainer(tmp_path, *over, "train.logprob_micro_batch=3", name="chunked")
+    batch = one.rollout(0)
+    assert len(batch) > 3 and len(batch) % 3  # several chunks, a short last one
+    forwards = []
+    for t in (one, chunked):
+        for policy in (t.policy, t.ref_policy):
+            policy.model.module.output_layer.register_forward_hook(
+                lambda m, args, out: forwards.append(out[0].shape[1]))
+    (mb_one, shared_one), (mb, shared) = one.prepare(batch), chunked.prepare(batch)
+    n = len(batch)
+    assert forwards[:3] == [n] * 3  # pi_old, R3 pi_old, reference: one forward each
+    assert sorted(set(forwards[3:])) == [n % 3, 3] and len(forwards[3:]) == 3 * -(-n // 3)
+    for name in ("old_logp_BT", "ref_logp_BT"):
+        torch.testing.assert_close(getattr(mb, name), getattr(mb_one, name), atol=1e-6,
+                                   rtol=1e-6)
+    assert torch.equal(mb.old_routing.ids_NLK, mb_one.old_routing.ids_NLK)
+    assert shared["rollout/logprob_mismatch/mean"] == pytest.approx(
+        shared_one["rollout/logprob_mismatch/mean"], rel=1e-5, abs=1e-7)
+    for t in (one, chunked):
+        t.rt.close()
