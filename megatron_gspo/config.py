@@ -239,8 +239,9 @@ class TrainConfig:
     logprob_micro_batch: int = 16
     """Sequences per forward of the no-grad passes over a whole rollout batch (pi_old, R3's
     replayed pi_old, the reference policy); 0 = all at once. Bounds their activation and logits
-    memory (verl's log_prob_micro_batch_size_per_gpu); on CPU also faster (1.29x at 64 x 270
-    tokens). Same numbers as one pass."""
+    memory (verl's log_prob_micro_batch_size_per_gpu); on CPU about as fast as one pass
+    (`tools/bench_step.py --pi-old`: a little slower at 135 tokens, faster at 270). Same
+    numbers as one pass."""
     router_noise_std: float = 0.0
     """Routing-volatility knob (0 = off): Gaussian noise of this std on the router logits picks
     the top-k experts in the loss's forward only (gate weights stay those of the clean logits;

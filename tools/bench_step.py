@@ -4,6 +4,7 @@
     python -m tools.bench_step --shapes 4x135 --rounds 40
     python -m tools.bench_step --set model.attention=megatron   # ours with other settings
     python -m tools.bench_step --readme experiments/throughput/README.md   # + between markers
+    python -m tools.bench_step --pi-old 16 --shapes 64x135,64x270 --skip-hf
 
 Isolates the part of a train step that is the model (`tools.bench_throughput` times whole
 iterations): token log-probs of a fixed random batch (no padding), their sum, backward. Ours is
@@ -12,6 +13,10 @@ same-shaped random `Qwen3MoeForCausalLM` the throughput bench gives TRL (SDPA at
 experts), log-softmax and gather on its logits. The two alternate round by round, one torch
 thread; the table reports each side's best round (other jobs only slow a round down) and ours/HF.
 No optimizer step: see `tools.bench_throughput` for whole iterations.
+
+`--pi-old M`: also pi_old's no-grad pass over the B sequences (`moe.replay.current_routing`,
+routing recorded) in one forward against forwards of M sequences (`train.logprob_micro_batch`),
+alternating, best round each.
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=20, help="timed rounds per side and shape")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra override for our side (repeatable)")
+    p.add_argument("--pi-old", type=int, default=0, metavar="M",
+                   help="also time pi_old's pass in one forward vs micro-batches of M")
+    p.add_argument("--skip-hf", action="store_true", help="no forward + backward table")
     add_readme_args(p, "bench_step")
     args = p.parse_args(argv)
     try:
@@ -42,7 +50,39 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--shapes={args.shapes!r}: expected e.g. 4x135,16x135")
     if any(len(s) != 2 or s[0] < 1 or not 2 <= s[1] <= 272 for s in args.shapes):
         p.error(f"--shapes={args.shapes}: B >= 1 and 2 <= T <= 272")
+    if args.pi_old < 0 or (args.skip_hf and not args.pi_old):
+        p.error(f"--pi-old={args.pi_old}: expected M >= 1 (or 0 = off, then without --skip-hf)")
     return args
+
+
+def best_of(rounds: int, fns: dict) -> dict:
+    """{name: best seconds} of the zero-argument `fns`, alternating, after one warm-up round."""
+    best = {name: float("inf") for name in fns}
+    for r in range(rounds + 1):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            if r:
+                best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+def pi_old_rows(policy, shapes, micro: int, rounds: int) -> list[str]:
+    """Markdown rows: pi_old's pass in one forward vs in micro-batches of `micro`."""
+    from moe.replay import current_routing
+
+    rows = [f"| B x T | one forward ms | micro-batches of {micro} ms | one / micro |",
+            "|---|---|---|---|"]
+    for B, T in shapes:
+        tokens_BT = torch.randint(3, policy.real_vocab, (B, T),
+                                  generator=torch.Generator().manual_seed(1))
+        valid_BT = torch.ones(B, T, dtype=torch.bool)
+        best = best_of(rounds, {m: lambda m=m: current_routing(policy, tokens_BT, valid_BT,
+                                                                micro_batch=m)
+                                for m in (0, micro)})
+        rows.append(f"| {B} x {T} | {best[0] * 1e3:.1f} | {best[micro] * 1e3:.1f} | "
+                    f"{best[0] / best[micro]:.2f} |")
+    return rows
 
 
 def timed(fn) -> tuple[float, float]:
@@ -54,48 +94,58 @@ def timed(fn) -> tuple[float, float]:
     return t1 - t0, time.perf_counter() - t1
 
 
+def hf_rows(policy, shapes, rounds: int) -> list[str]:
+    """Markdown rows: forward and backward of ours vs HF's model per BxT shape."""
+    hf = hf_model(policy.preset, "grouped_mm")
+    hf.config._attn_implementation = "sdpa"
+    hf.train()
+    rows = ["| B x T | ours fwd ms | ours bwd ms | HF fwd ms | HF bwd ms | ours/HF time |",
+            "|---|---|---|---|---|---|"]
+    for B, T in shapes:
+        g = torch.Generator().manual_seed(0)
+        tokens_BT = torch.randint(3, policy.real_vocab, (B, T), generator=g)
+        valid_BT = torch.ones(B, T, dtype=torch.bool)
+
+        def ours():
+            policy.zero_grad()
+            return policy.token_logprobs(tokens_BT, valid_BT).sum()
+
+        def theirs():
+            hf.zero_grad()
+            logits = hf(input_ids=tokens_BT).logits[:, :-1].float()
+            return torch.log_softmax(logits, -1).gather(-1, tokens_BT[:, 1:, None]).sum()
+
+        best = {"ours": (1e9, 1e9), "hf": (1e9, 1e9)}
+        for _ in range(rounds + 2):  # the first two rounds warm up
+            for name, fn in (("ours", ours), ("hf", theirs)):
+                f, b = timed(fn)
+                best[name] = (min(best[name][0], f), min(best[name][1], b))
+        (of, ob), (hf_f, hf_b) = best["ours"], best["hf"]
+        rows.append(f"| {B} x {T} | {of * 1e3:.1f} | {ob * 1e3:.1f} | {hf_f * 1e3:.1f} | "
+                    f"{hf_b * 1e3:.1f} | {(of + ob) / (hf_f + hf_b):.2f} |")
+    return rows
+
+
 def main(argv=None) -> int:
+    from tools.result_table import output_into
+
     args = parse_args(argv)
     torch.set_num_threads(1)
     longest = max(t for _, t in args.shapes)
+    tables = []
     with tempfile.TemporaryDirectory(prefix="bench_step_") as tmp:
         trainer, _ = build_ours(bench_args(["--skip-trl", "--max-new-tokens", str(longest - 8)]
                                            + [f"--set={s}" for s in args.set]), tmp + "/run")
-        policy = trainer.policy
-        hf = hf_model(policy.preset, "grouped_mm")
-        hf.config._attn_implementation = "sdpa"
-        hf.train()
-        rows = ["| B x T | ours fwd ms | ours bwd ms | HF fwd ms | HF bwd ms | ours/HF time |",
-                "|---|---|---|---|---|---|"]
-        for B, T in args.shapes:
-            g = torch.Generator().manual_seed(0)
-            tokens_BT = torch.randint(3, policy.real_vocab, (B, T), generator=g)
-            valid_BT = torch.ones(B, T, dtype=torch.bool)
-
-            def ours():
-                policy.zero_grad()
-                return policy.token_logprobs(tokens_BT, valid_BT).sum()
-
-            def theirs():
-                hf.zero_grad()
-                logits = hf(input_ids=tokens_BT).logits[:, :-1].float()
-                return torch.log_softmax(logits, -1).gather(-1, tokens_BT[:, 1:, None]).sum()
-
-            best = {"ours": (1e9, 1e9), "hf": (1e9, 1e9)}
-            for _ in range(args.rounds + 2):  # the first two rounds warm up
-                for name, fn in (("ours", ours), ("hf", theirs)):
-                    f, b = timed(fn)
-                    best[name] = (min(best[name][0], f), min(best[name][1], b))
-            (of, ob), (hf_f, hf_b) = best["ours"], best["hf"]
-            rows.append(f"| {B} x {T} | {of * 1e3:.1f} | {ob * 1e3:.1f} | {hf_f * 1e3:.1f} | "
-                        f"{hf_b * 1e3:.1f} | {(of + ob) / (hf_f + hf_b):.2f} |")
+        if not args.skip_hf:
+            tables.append(hf_rows(trainer.policy, args.shapes, args.rounds))
+        if args.pi_old:
+            tables.append(pi_old_rows(trainer.policy, args.shapes, args.pi_old, args.rounds))
         trainer.rt.close()
-    from tools.result_table import output_into
-
     with output_into(args.readme, args.marker):
         print(f"machine: {cpu_model()}, 1 torch thread; best of {args.rounds} alternating "
-              f"rounds; ours overrides: {' '.join(args.set) or 'none'}\n")
-        print("\n".join(rows))
+              f"rounds; ours overrides: {' '.join(args.set) or 'none'}")
+        for rows in tables:
+            print("\n" + "\n".join(rows))
     return 0
 
 

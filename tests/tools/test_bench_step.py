@@ -24,3 +24,21 @@ def test_bad_shapes_are_refused():
         bench_step.parse_args(["--shapes", "4by135"])
     with pytest.raises(SystemExit):
         bench_step.parse_args(["--shapes", "4x1"])
+    with pytest.raises(SystemExit):
+        bench_step.parse_args(["--skip-hf"])
+
+
+def test_pi_old_table_times_one_forward_against_micro_batches(capsys, monkeypatch):
+    from moe import replay
+
+    micro = []
+    real = replay.current_routing
+    monkeypatch.setattr(replay, "current_routing",
+                        lambda *a, micro_batch=0, **k: micro.append(micro_batch) or
+                        real(*a, micro_batch=micro_batch, **k))
+    assert bench_step.main(["--shapes", "5x12", "--rounds", "1", "--pi-old", "2",
+                            "--skip-hf"]) == 0
+    assert micro == [0, 2] * 2  # warm-up round + 1
+    out = capsys.readouterr().out
+    assert "ours fwd ms" not in out
+    assert re.search(r"\| 5 x 12 \| \d+\.\d \| \d+\.\d \| \d+\.\d\d \|", out)
