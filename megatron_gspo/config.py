@@ -236,12 +236,13 @@ class TrainConfig:
     (needs rollout.kv_cache, no sequence parallelism)."""
     flip_every: int = 1
     """Measure per-layer expert flips every k optimizer steps (0 = never)."""
-    logprob_micro_batch: int = 16
-    """Sequences per forward of the no-grad passes over a whole rollout batch (pi_old, R3's
-    replayed pi_old, the reference policy); 0 = all at once. Bounds their activation and logits
-    memory (verl's log_prob_micro_batch_size_per_gpu); on CPU about as fast as one pass
-    (`tools/bench_step.py --pi-old`: a little slower at 135 tokens, faster at 270). Same
-    numbers as one pass."""
+    logprob_max_tokens: int = 4096
+    """Token budget (sequences x padded length, at least one sequence) per forward of the
+    no-grad passes over a whole rollout batch: pi_old, R3's replayed pi_old, the reference
+    policy; 0 = all at once. Bounds their activation and logits memory (verl's
+    log_prob_max_token_len_per_gpu; raise it on a GPU); short batches stay one forward, as
+    per-forward overhead dominates there on CPU (`tools/bench_step.py --pi-old`). Same numbers
+    as one pass."""
     router_noise_std: float = 0.0
     """Routing-volatility knob (0 = off): Gaussian noise of this std on the router logits picks
     the top-k experts in the loss's forward only (gate weights stay those of the clean logits;
@@ -268,7 +269,7 @@ class TrainConfig:
 
     def __post_init__(self):
         validate(self, ge={"steps": 1, "num_minibatches": 1, "log_every": 1, "flip_every": 0,
-                            "logprob_micro_batch": 0, "router_noise_std": 0,
+                            "logprob_max_tokens": 0, "router_noise_std": 0,
                             "eval_every": 0, "save_every": 0, "max_skipped_steps": 0,
                             "collapse_entropy_floor": 0})
         check(self, "collapse_reward_drop", 0 < self.collapse_reward_drop <= 1,

@@ -214,7 +214,7 @@ class Trainer:
         cfg = self.cfg
         live_logp_BT, live_routing = current_routing(
             self.policy, batch.tokens_BT, batch.valid_BT, cfg.rollout.temperature,
-            start=batch.response_start, micro_batch=cfg.train.logprob_micro_batch)
+            start=batch.response_start, max_tokens=cfg.train.logprob_max_tokens)
         old_logp_BT, old_routing = live_logp_BT, live_routing
         if cfg.train.routing_replay == "r3":  # pi_old routes as the sampler did (on-policy)
             old_logp_BT, old_routing = self.batch_logprobs(self.policy, batch,
@@ -241,10 +241,10 @@ class Trainer:
     @torch.no_grad()
     def batch_logprobs(self, policy, batch: RolloutBatch, routing=None) -> torch.Tensor:
         """`policy`'s log-probs of a whole rollout batch, in forwards of at most
-        train.logprob_micro_batch sequences; with `routing`, replaying it (R3's pi_old pass
-        under the sampler's routing)."""
+        train.logprob_max_tokens tokens; with `routing`, replaying it (R3's pi_old pass under
+        the sampler's routing)."""
         cfg, out = self.cfg, []
-        for rows in row_chunks(len(batch), cfg.train.logprob_micro_batch):
+        for rows in row_chunks(*batch.tokens_BT.shape, cfg.train.logprob_max_tokens):
             with replay_routing(policy, None if routing is None else routing.select(rows)):
                 out.append(policy.token_logprobs(batch.tokens_BT[rows], batch.valid_BT[rows],
                                                  cfg.rollout.temperature,

@@ -228,20 +228,22 @@ def replay_backward(policy, replays: list[list[torch.Tensor]]):
         _release(routers)
 
 
-def row_chunks(B: int, micro_batch: int) -> list[slice]:
-    """Consecutive row slices of at most `micro_batch` sequences (0: one slice of all B). Every
-    rank of a layout holds the same B, so all run the same number of forwards."""
-    step = micro_batch or max(B, 1)
+def row_chunks(B: int, T: int, max_tokens: int) -> list[slice]:
+    """Consecutive row slices of a [B, T] batch, each at most `max_tokens` tokens (and at least
+    one row; 0: one slice of all B). Every rank of a layout holds the same [B, T], so all run
+    the same number of forwards."""
+    step = max(1, max_tokens // max(T, 1)) if max_tokens else max(B, 1)
     return [slice(i, i + step) for i in range(0, B, step)]
 
 
 @torch.no_grad()
 def current_routing(policy, tokens_BT: torch.Tensor, valid_BT: torch.Tensor,
-                    temperature: float = 1.0, start: int = 1, micro_batch: int = 0):
-    """No-grad forwards (of at most `micro_batch` sequences; 0 = one) that record routing:
-    (token log-probs [B, T] from column `start` on, routing cache of every token)."""
+                    temperature: float = 1.0, start: int = 1, max_tokens: int = 0):
+    """No-grad forwards (of at most `max_tokens` tokens each, `row_chunks`; 0 = one) that
+    record routing: (token log-probs [B, T] from column `start` on, routing cache of every
+    token)."""
     logps, caches = [], []
-    for rows in row_chunks(tokens_BT.shape[0], micro_batch):
+    for rows in row_chunks(*tokens_BT.shape, max_tokens):
         with record_routing(policy) as recorded:
             logps.append(policy.token_logprobs(tokens_BT[rows], valid_BT[rows],
                                                temperature=temperature, start=start))

@@ -4,7 +4,7 @@
     python -m tools.bench_step --shapes 4x135 --rounds 40
     python -m tools.bench_step --set model.attention=megatron   # ours with other settings
     python -m tools.bench_step --readme experiments/throughput/README.md   # + between markers
-    python -m tools.bench_step --pi-old 16 --shapes 64x135,64x270 --skip-hf
+    python -m tools.bench_step --pi-old 4096 --shapes 64x24,64x135,64x270 --skip-hf
 
 Isolates the part of a train step that is the model (`tools.bench_throughput` times whole
 iterations): token log-probs of a fixed random batch (no padding), their sum, backward. Ours is
@@ -14,9 +14,9 @@ experts), log-softmax and gather on its logits. The two alternate round by round
 thread; the table reports each side's best round (other jobs only slow a round down) and ours/HF.
 No optimizer step: see `tools.bench_throughput` for whole iterations.
 
-`--pi-old M`: also pi_old's no-grad pass over the B sequences (`moe.replay.current_routing`,
-routing recorded) in one forward against forwards of M sequences (`train.logprob_micro_batch`),
-alternating, best round each.
+`--pi-old N`: also pi_old's no-grad pass over the B sequences (`moe.replay.current_routing`,
+routing recorded) in one forward against forwards of at most N tokens
+(`train.logprob_max_tokens`), alternating, best round each.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=20, help="timed rounds per side and shape")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra override for our side (repeatable)")
-    p.add_argument("--pi-old", type=int, default=0, metavar="M",
-                   help="also time pi_old's pass in one forward vs micro-batches of M")
+    p.add_argument("--pi-old", type=int, default=0, metavar="N",
+                   help="also time pi_old's pass in one forward vs forwards of <= N tokens")
     p.add_argument("--skip-hf", action="store_true", help="no forward + backward table")
     add_readme_args(p, "bench_step")
     args = p.parse_args(argv)
@@ -51,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if any(len(s) != 2 or s[0] < 1 or not 2 <= s[1] <= 272 for s in args.shapes):
         p.error(f"--shapes={args.shapes}: B >= 1 and 2 <= T <= 272")
     if args.pi_old < 0 or (args.skip_hf and not args.pi_old):
-        p.error(f"--pi-old={args.pi_old}: expected M >= 1 (or 0 = off, then without --skip-hf)")
+        p.error(f"--pi-old={args.pi_old}: expected N >= 1 (or 0 = off, then without --skip-hf)")
     return args
 
 
@@ -67,21 +67,21 @@ def best_of(rounds: int, fns: dict) -> dict:
     return best
 
 
-def pi_old_rows(policy, shapes, micro: int, rounds: int) -> list[str]:
-    """Markdown rows: pi_old's pass in one forward vs in micro-batches of `micro`."""
-    from moe.replay import current_routing
+def pi_old_rows(policy, shapes, budget: int, rounds: int) -> list[str]:
+    """Markdown rows: pi_old's pass in one forward vs in forwards of <= `budget` tokens."""
+    from moe.replay import current_routing, row_chunks
 
-    rows = [f"| B x T | one forward ms | micro-batches of {micro} ms | one / micro |",
-            "|---|---|---|---|"]
+    rows = [f"| B x T | one forward ms | forwards of <= {budget} tokens ms | forwards | "
+            "one / chunked |", "|---|---|---|---|---|"]
     for B, T in shapes:
         tokens_BT = torch.randint(3, policy.real_vocab, (B, T),
                                   generator=torch.Generator().manual_seed(1))
         valid_BT = torch.ones(B, T, dtype=torch.bool)
-        best = best_of(rounds, {m: lambda m=m: current_routing(policy, tokens_BT, valid_BT,
-                                                                micro_batch=m)
-                                for m in (0, micro)})
-        rows.append(f"| {B} x {T} | {best[0] * 1e3:.1f} | {best[micro] * 1e3:.1f} | "
-                    f"{best[0] / best[micro]:.2f} |")
+        best = best_of(rounds, {n: lambda n=n: current_routing(policy, tokens_BT, valid_BT,
+                                                                max_tokens=n)
+                                for n in (0, budget)})
+        rows.append(f"| {B} x {T} | {best[0] * 1e3:.1f} | {best[budget] * 1e3:.1f} | "
+                    f"{len(row_chunks(B, T, budget))} | {best[0] / best[budget]:.2f} |")
     return rows
 
 

@@ -299,13 +299,15 @@ def test_minibatch_select_keeps_every_part_row_aligned():
     assert (state.iteration, state.opt_step, state.reward_ema) == (2, 8, None)
 
 
-def test_batch_passes_in_micro_batches_equal_one_pass(tmp_path):
-    """train.logprob_micro_batch: pi_old's pass, R3's replayed pi_old pass and the reference
-    policy's run in forwards of at most that many sequences, with the numbers of one pass."""
+def test_batch_passes_in_token_budgeted_forwards_equal_one_pass(tmp_path):
+    """train.logprob_max_tokens: pi_old's pass, R3's replayed pi_old pass and the reference
+    policy's run in forwards of at most that many tokens, with the numbers of one pass."""
     over = ["train.routing_replay=r3", "loss.kl_coef=0.1"]
-    one = make_trainer(tmp_path, *over, "train.logprob_micro_batch=0", name="one")
-    chunked = make_trainer(tmp_path, *over, "train.logprob_micro_batch=3", name="chunked")
+    one = make_trainer(tmp_path, *over, "train.logprob_max_tokens=0", name="one")
     batch = one.rollout(0)
+    T = batch.tokens_BT.shape[1]
+    chunked = make_trainer(tmp_path, *over, f"train.logprob_max_tokens={3 * T + 1}",
+                           name="chunked")
     assert len(batch) > 3 and len(batch) % 3  # several chunks, a short last one
     forwards = []
     for t in (one, chunked):

@@ -160,9 +160,9 @@ def test_second_model_does_not_break_first_models_replay(policy):
     torch.testing.assert_close(replayed[valid_BT], logits[valid_BT], atol=1e-6, rtol=1e-6)
 
 
-def test_micro_batched_pass_equals_one_pass(policy):
-    """`current_routing(micro_batch=3)` over 7 sequences (chunks of 3, 3, 1, padding in the
-    first and last): the same log-probs and routing cache as one forward, from 3 forwards;
+def test_token_budgeted_pass_equals_one_pass(policy):
+    """`current_routing(max_tokens=35)` over 7 sequences of 10 (chunks of 3, 3, 1, padding in
+    the first and last): the same log-probs and routing cache as one forward, from 3 forwards;
     `RoutingReplayCache.cat` undoes `select` over consecutive blocks."""
     from moe.replay import current_routing, row_chunks
 
@@ -170,13 +170,14 @@ def test_micro_batched_pass_equals_one_pass(policy):
     valid_BT[6, :2] = False
     logp_one, cache_one = current_routing(policy, tokens_BT, valid_BT, start=2)
     seen = routed_maps(policy)
-    logp, cache = current_routing(policy, tokens_BT, valid_BT, start=2, micro_batch=3)
+    logp, cache = current_routing(policy, tokens_BT, valid_BT, start=2, max_tokens=35)
     assert len(seen) == 3 * PRESET.num_layers
     torch.testing.assert_close(logp, logp_one, atol=1e-6, rtol=1e-6)
     assert torch.equal(cache.valid_BT, cache_one.valid_BT)
     assert torch.equal(cache.ids_NLK, cache_one.ids_NLK)
-    blocks = [cache_one.select(rows) for rows in row_chunks(7, 3)]
+    blocks = [cache_one.select(rows) for rows in row_chunks(7, 10, 35)]
     assert [b.valid_BT.shape[0] for b in blocks] == [3, 3, 1]
     again = RoutingReplayCache.cat(blocks)
     assert torch.equal(again.ids_NLK, cache_one.ids_NLK)
-    assert row_chunks(5, 0) == [slice(0, 5)]
+    assert row_chunks(5, 10, 0) == [slice(0, 5)]
+    assert row_chunks(2, 10, 4) == [slice(0, 1), slice(1, 2)]  # at least one sequence

@@ -28,17 +28,17 @@ def test_bad_shapes_are_refused():
         bench_step.parse_args(["--skip-hf"])
 
 
-def test_pi_old_table_times_one_forward_against_micro_batches(capsys, monkeypatch):
+def test_pi_old_table_times_one_forward_against_token_budgeted_ones(capsys, monkeypatch):
     from moe import replay
 
-    micro = []
+    budgets = []
     real = replay.current_routing
     monkeypatch.setattr(replay, "current_routing",
-                        lambda *a, micro_batch=0, **k: micro.append(micro_batch) or
-                        real(*a, micro_batch=micro_batch, **k))
-    assert bench_step.main(["--shapes", "5x12", "--rounds", "1", "--pi-old", "2",
+                        lambda *a, max_tokens=0, **k: budgets.append(max_tokens) or
+                        real(*a, max_tokens=max_tokens, **k))
+    assert bench_step.main(["--shapes", "5x12", "--rounds", "1", "--pi-old", "24",
                             "--skip-hf"]) == 0
-    assert micro == [0, 2] * 2  # warm-up round + 1
+    assert budgets == [0, 24] * 2  # warm-up round + 1
     out = capsys.readouterr().out
     assert "ours fwd ms" not in out
-    assert re.search(r"\| 5 x 12 \| \d+\.\d \| \d+\.\d \| \d+\.\d\d \|", out)
+    assert re.search(r"\| 5 x 12 \| \d+\.\d \| \d+\.\d \| 3 \| \d+\.\d\d \|", out)
