@@ -76,8 +76,10 @@ class RolloutBatch:
 
     @property
     def response_start(self) -> int:
-        """The first column holding a response token (>= 1): where log-probs must begin
-        (prompts are left-padded, so every response starts in the same column)."""
+        """The first column holding a response token of any row (>= 1): where log-probs must
+        begin. One sampling round left-pads its prompts, so its responses share this column;
+        dynamic sampling's concatenated rounds may start later in some rows, which then get
+        (unused) log-probs of a few prompt columns too."""
         cols = self.response_BT.any(0).nonzero()
         return max(1, int(cols[0])) if len(cols) else 1
 

@@ -31,7 +31,7 @@ LOCK_FILE = ".lock"
 NON_SEMANTIC = ("run_dir", "resume", "wandb", "train.steps", "train.eval_every",
                 "train.save_every", "train.log_every", "train.flip_every", "sft.steps",
                 "sft.eval_every", "sft.target_accuracy", "train.start_accuracy",
-                "model.dist_timeout_min")
+                "model.dist_timeout_min", "train.logprob_max_tokens")
 # Sections a job does not read, so they may differ too.
 UNUSED_BY_JOB = {"train": ("sft",), "sft": ("train", "loss", "rollout")}
 

@@ -39,7 +39,7 @@ import torch
 from megatron_gspo.advantages import group_advantages
 from megatron_gspo.band import check_start_accuracy
 from megatron_gspo.config import ConfigError, RunConfig
-from megatron_gspo.dist_utils import all_ranks, reduce_metrics
+from megatron_gspo.dist_utils import all_ranks, max_over_ranks, reduce_metrics
 from megatron_gspo.filters import overlong_filter, rollout_health, sample_rollouts
 from megatron_gspo.flips import FlipSchedule, layer_flips, loss_positions, token_rows
 from megatron_gspo.losses import PolicyLossFn, get_policy_loss, tis_weights
@@ -49,7 +49,8 @@ from megatron_gspo.preempt import Preempted, Preemption
 from megatron_gspo.rollout import RolloutBatch, generate_rollouts
 from megatron_gspo.runtime import (Runtime, build_policy, evaluate_runtime, load_init_weights,
                                    save_state, setup_runtime, try_resume)
-from moe.replay import RoutingReplayCache, current_routing, replay_routing, row_chunks
+from moe.replay import (RoutingReplayCache, chunk_count, current_routing, replay_routing,
+                        row_chunks)
 from moe.router_noise import router_noise
 
 PROGRESS_KEYS = ("reward/mean", "eval/accuracy", "policy/clip_frac/token",
@@ -212,15 +213,17 @@ class Trainer:
         """pi_old's no-grad pass (log-probs, routing), advantages and the replay source: the
         whole rollout batch as one `Minibatch`, plus the metrics all its steps share."""
         cfg = self.cfg
+        # forwards of <= logprob_max_tokens; prompt widths differ by rank: agree on the count
+        n = max_over_ranks(chunk_count(*batch.tokens_BT.shape, cfg.train.logprob_max_tokens))
         live_logp_BT, live_routing = current_routing(
             self.policy, batch.tokens_BT, batch.valid_BT, cfg.rollout.temperature,
-            start=batch.response_start, max_tokens=cfg.train.logprob_max_tokens)
+            start=batch.response_start, n_chunks=n)
         old_logp_BT, old_routing = live_logp_BT, live_routing
         if cfg.train.routing_replay == "r3":  # pi_old routes as the sampler did (on-policy)
-            old_logp_BT, old_routing = self.batch_logprobs(self.policy, batch,
+            old_logp_BT, old_routing = self.batch_logprobs(self.policy, batch, n,
                                                            batch.routing), batch.routing
         ref_logp_BT = None if self.ref_policy is None else \
-            self.batch_logprobs(self.ref_policy, batch)
+            self.batch_logprobs(self.ref_policy, batch, n)
         adv_B, adv_metrics = group_advantages(batch.rewards_B, cfg.rollout.group_size,
                                               eps=cfg.loss.adv_eps)
         adv_B, overlong_metrics = overlong_filter(adv_B, batch, cfg.filter.overlong)
@@ -239,12 +242,12 @@ class Trainer:
         return Minibatch(batch, pi_old_BT, adv_B, old_routing, replay, ref_logp_BT), shared
 
     @torch.no_grad()
-    def batch_logprobs(self, policy, batch: RolloutBatch, routing=None) -> torch.Tensor:
-        """`policy`'s log-probs of a whole rollout batch, in forwards of at most
-        train.logprob_max_tokens tokens; with `routing`, replaying it (R3's pi_old pass under
-        the sampler's routing)."""
+    def batch_logprobs(self, policy, batch: RolloutBatch, n_chunks: int,
+                       routing=None) -> torch.Tensor:
+        """`policy`'s log-probs of a whole rollout batch in `n_chunks` forwards; with
+        `routing`, replaying it (R3's pi_old pass under the sampler's routing)."""
         cfg, out = self.cfg, []
-        for rows in row_chunks(*batch.tokens_BT.shape, cfg.train.logprob_max_tokens):
+        for rows in row_chunks(len(batch), n_chunks):
             with replay_routing(policy, None if routing is None else routing.select(rows)):
                 out.append(policy.token_logprobs(batch.tokens_BT[rows], batch.valid_BT[rows],
                                                  cfg.rollout.temperature,

@@ -13,9 +13,10 @@ SDPA (`enable_gqa`, the boolean mask inverted: megatron's True = hidden, SDPA's 
 Departure: hidden scores get -inf instead of -10000. For any row with a visible key, exp(-10000 -
 max) is exactly 0 in float32 either way; `moe.policy.attention_inputs` always leaves each query
 one visible key. Equal to `DotProductAttention` to fp32 rounding, forward and grads
-(tests/moe/test_attention.py), and with the KV cache. Opt-in (`model.attention=sdpa`): rounding
-differences of ~1e-6 are enough to flip an occasional multinomial draw, so a run's sampled tokens
-(and the pinned golden run) are not reproduced bit for bit.
+(tests/moe/test_attention.py), and with the KV cache. The default since issue 16
+(`model.attention=sdpa`; `megatron` keeps `DotProductAttention`): rounding differences of ~1e-6
+are enough to flip an occasional multinomial draw, so runs of the two do not sample the same
+tokens bit for bit (the experiment configs pin the attention their tables ran with).
 
 Falls back to `DotProductAttention.forward` outside what it reproduces: non-float32 inputs
 (megatron's softmax-in-fp32 handling of 16-bit scores), dropout while training, softmax offsets,

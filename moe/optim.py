@@ -245,16 +245,18 @@ def use_adam_kernel(chained, kernel: str = "fused") -> None:
     The foreach path does the same arithmetic in multi-tensor ops (bitwise equal updates on CPU);
     the fused one runs one kernel per tensor (equal to rounding). Tested in
     tests/moe/test_optim.py. Also after loading a checkpoint, whose param groups carry the flags
-    it was saved with: the fused kernel wants each `step` on its parameter's device."""
+    it was saved with: the fused kernel wants each `step` on its parameter's device, the
+    foreach one on the host (else one device sync per tensor and update)."""
     for sub in getattr(chained, "chained_optimizers", [chained]):
         opt = getattr(sub, "optimizer", None)
         if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
             for group in opt.param_groups:
                 group["fused"], group["foreach"] = kernel == "fused", kernel == "foreach"
-                for param in group["params"]:
+                for param in group["params"]:  # where each kernel keeps `step` (torch's rule)
                     step = opt.state.get(param, {}).get("step")
-                    if kernel == "fused" and torch.is_tensor(step):
-                        opt.state[param]["step"] = step.to(param.device, torch.float32)
+                    if torch.is_tensor(step):
+                        opt.state[param]["step"] = step.to(
+                            param.device if kernel == "fused" else "cpu", torch.float32)
 
 
 def _restore_adam_steps(distributed_optimizers) -> None:

@@ -228,22 +228,32 @@ def replay_backward(policy, replays: list[list[torch.Tensor]]):
         _release(routers)
 
 
-def row_chunks(B: int, T: int, max_tokens: int) -> list[slice]:
-    """Consecutive row slices of a [B, T] batch, each at most `max_tokens` tokens (and at least
-    one row; 0: one slice of all B). Every rank of a layout holds the same [B, T], so all run
-    the same number of forwards."""
-    step = max(1, max_tokens // max(T, 1)) if max_tokens else max(B, 1)
-    return [slice(i, i + step) for i in range(0, B, step)]
+def chunk_count(B: int, T: int, max_tokens: int) -> int:
+    """Forwards needed for a [B, T] batch at most `max_tokens` tokens each (at least one row
+    each; 0 = no limit: 1). Ranks whose forwards meet in collectives (TP, EP) must run the same
+    number: agree on the largest count first (`megatron_gspo.dist_utils.max_over_ranks`), as
+    their prompts, and so T, differ."""
+    return -(-B // max(1, max_tokens // max(T, 1))) if max_tokens and B else 1
+
+
+def row_chunks(B: int, n_chunks: int) -> list[slice]:
+    """`n_chunks` (1..B) consecutive row slices of near-equal size covering B rows."""
+    if not 1 <= n_chunks <= max(B, 1):
+        raise ValueError(f"n_chunks={n_chunks}: expected 1..{B} for {B} rows")
+    step, extra = divmod(B, n_chunks)
+    bounds = [0]
+    for i in range(n_chunks):
+        bounds.append(bounds[-1] + step + (i < extra))
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
 @torch.no_grad()
 def current_routing(policy, tokens_BT: torch.Tensor, valid_BT: torch.Tensor,
-                    temperature: float = 1.0, start: int = 1, max_tokens: int = 0):
-    """No-grad forwards (of at most `max_tokens` tokens each, `row_chunks`; 0 = one) that
-    record routing: (token log-probs [B, T] from column `start` on, routing cache of every
-    token)."""
+                    temperature: float = 1.0, start: int = 1, n_chunks: int = 1):
+    """No-grad forwards (`n_chunks` of them over consecutive rows, `row_chunks`) that record
+    routing: (token log-probs [B, T] from column `start` on, routing cache of every token)."""
     logps, caches = [], []
-    for rows in row_chunks(*tokens_BT.shape, max_tokens):
+    for rows in row_chunks(tokens_BT.shape[0], n_chunks):
         with record_routing(policy) as recorded:
             logps.append(policy.token_logprobs(tokens_BT[rows], valid_BT[rows],
                                                temperature=temperature, start=start))

@@ -69,7 +69,7 @@ def best_of(rounds: int, fns: dict) -> dict:
 
 def pi_old_rows(policy, shapes, budget: int, rounds: int) -> list[str]:
     """Markdown rows: pi_old's pass in one forward vs in forwards of <= `budget` tokens."""
-    from moe.replay import current_routing, row_chunks
+    from moe.replay import chunk_count, current_routing
 
     rows = [f"| B x T | one forward ms | forwards of <= {budget} tokens ms | forwards | "
             "one / chunked |", "|---|---|---|---|---|"]
@@ -77,11 +77,12 @@ def pi_old_rows(policy, shapes, budget: int, rounds: int) -> list[str]:
         tokens_BT = torch.randint(3, policy.real_vocab, (B, T),
                                   generator=torch.Generator().manual_seed(1))
         valid_BT = torch.ones(B, T, dtype=torch.bool)
-        best = best_of(rounds, {n: lambda n=n: current_routing(policy, tokens_BT, valid_BT,
-                                                                max_tokens=n)
-                                for n in (0, budget)})
-        rows.append(f"| {B} x {T} | {best[0] * 1e3:.1f} | {best[budget] * 1e3:.1f} | "
-                    f"{len(row_chunks(B, T, budget))} | {best[0] / best[budget]:.2f} |")
+        n = chunk_count(B, T, budget)
+        best = best_of(rounds, {k: lambda k=k: current_routing(policy, tokens_BT, valid_BT,
+                                                                n_chunks=k)
+                                for k in sorted({1, n})})
+        rows.append(f"| {B} x {T} | {best[1] * 1e3:.1f} | {best[n] * 1e3:.1f} | {n} | "
+                    f"{best[1] / best[n]:.2f} |")
     return rows
 
 

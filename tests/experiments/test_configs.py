@@ -107,11 +107,13 @@ def test_profile_overlay_reads_yaml_like_the_config_loader(tmp_path, monkeypatch
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: os.path.relpath(p, ROOT))
 def test_published_experiments_pin_the_kernels_they_ran_with(path):
-    """Every experiment README's tables were generated with megatron's DotProductAttention and
-    Adam's foreach path; the defaults became SDPA and fused afterwards (issue 16). Their
-    rounding can flip a sampled token, so the configs pin what their numbers came from."""
+    """Every experiment README's tables were generated with megatron's DotProductAttention,
+    Adam's foreach path and one pi_old forward per rollout batch; the defaults changed
+    afterwards (issue 16). Their rounding can flip a sampled token, so the configs pin what
+    their numbers came from."""
     cfg = load_config(path)
-    assert (cfg.model.attention, cfg.optim.adam_kernel) == ("megatron", "foreach")
+    assert (cfg.model.attention, cfg.optim.adam_kernel, cfg.train.logprob_max_tokens) == \
+        ("megatron", "foreach", 0)
 
 
 def test_gpu_profile_uses_sdpa():

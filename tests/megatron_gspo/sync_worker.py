@@ -22,7 +22,7 @@ TRAIN_KEYS = ("policy/loss", "policy/clip_frac/seq", "train/grad_norm")
 e.g. policy/entropy, are per-rank ratios and do not)."""
 OVERRIDES = ("wandb.mode=disabled", "task.n_train=64", "task.n_eval=4", "train.flip_every=1",
              f"rollout.max_new_tokens={MAX_NEW}", "optim.lr=1e-3", "loss.name=gspo",
-             "model.dist_timeout_min=1")
+             "model.dist_timeout_min=1", "rollout.group_size=4")
 
 
 def make_config(run_dir: str, ep: int):
@@ -55,14 +55,14 @@ def force_early_eos(policy, tokenizer, prompts: list[str], strength: float) -> N
 
 def rollout_and_train(trainer, prompts: list[str], adv_B: torch.Tensor,
                       bad_adv_B: torch.Tensor) -> dict:
-    """Greedy samples (KV cache with R3 routing, and full recompute), then two optimizer steps
-    on the KV samples with advantages `adv_B` and a third with `bad_adv_B` (inf on some rows:
-    a non-finite loss, skipped): tensors, step metrics, the third step's local `train/skipped`
-    and the final weights."""
+    """Greedy samples (KV cache with R3 routing, and full recompute), pi_old's pass
+    (`Trainer.prepare`, its forwards counted), then two optimizer steps on the KV samples with
+    advantages `adv_B` and a third with `bad_adv_B` (inf on some rows: a non-finite loss,
+    skipped): tensors, step metrics, the third step's local `train/skipped` and the final
+    weights."""
     from megatron_gspo.rollout import RolloutBatch, sample
     from megatron_gspo.trainer import Minibatch
     from megatron_gspo.dist_utils import reduce_metrics
-    from moe.replay import current_routing
     from moe.sharding import gather_full_params
 
     policy, tok = trainer.policy, trainer.rt.tokenizer
@@ -78,9 +78,15 @@ def rollout_and_train(trainer, prompts: list[str], adv_B: torch.Tensor,
     policy.train(True)
     s = out["kv=True"]
     B = len(prompts)
-    old_logp_BT, old_routing = current_routing(policy, s["tokens"], s["valid"])
     batch = RolloutBatch(s["tokens"], s["valid"], s["response"], s["logp"], torch.zeros(B),
                          torch.arange(B), [""] * B, [None] * B)
+    forwards = []
+    hook = policy.model.module.output_layer.register_forward_hook(
+        lambda *args: forwards.append(1))
+    prepared, _ = trainer.prepare(batch)
+    hook.remove()
+    out["pi_old_forwards"] = len(forwards)
+    old_logp_BT, old_routing = prepared.old_logp_BT, prepared.old_routing
     out["train"] = []
     for _ in range(2):
         metrics = trainer.train_step(Minibatch(batch, old_logp_BT, adv_B, old_routing))
@@ -109,7 +115,12 @@ def worker(rank: int, world: int, port: int, ref_path: str, out_dir: str, eps: l
     from moe.parallel import destroy_parallel
     from moe.sharding import load_full_params
 
+    from megatron_gspo import trainer as trainer_module
     from megatron_gspo.dist_utils import all_ranks, max_over_ranks, reduce_metrics
+
+    # pi_old's pass in 1 forward on rank 0 and 2 on rank 1 (as when prompt widths differ): the
+    # trainer must agree on 2, or rank 0 leaves its peer waiting in the MoE all-to-all
+    trainer_module.chunk_count = lambda B, T, max_tokens: 1 + rank
 
     ref = torch.load(ref_path, weights_only=False)
     half = len(ref["prompts"]) // world

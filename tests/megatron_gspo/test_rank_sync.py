@@ -6,7 +6,8 @@ lifted (`sync_worker.force_early_eos`) so that greedy responses end after 1 to 6
 gets the 4 prompts that end soonest, rank 1 the 4 that run longest: stopping on its own rows, rank
 0 would leave the decode loop first and its peer would wait in the MoE all-to-all (EP) until the
 process-group timeout. `evaluate` gets 1 example on rank 0 and 3 on rank 1 (one per chunk). A
-train step whose loss is infinite on rank 1 only must be skipped on both ranks.
+train step whose loss is infinite on rank 1 only must be skipped on both ranks, and pi_old's
+pass, split into forwards by a token budget, runs as many forwards on each rank.
 Workers run with a 60 s collective timeout under a hard deadline, so a regression fails, never
 hangs. The last test runs the user's command (`torchrun ... train ... model.ep=2`) end to end.
 """
@@ -124,6 +125,8 @@ def test_pitfall13_ranks_finishing_at_different_lengths_decode_in_step(reference
         # inf loss on rank 1 only: both ranks skip the step (rank 0 alone stepping would wait
         # in the backward all-to-all / gradient all-reduce its peer never joins)
         assert got["bad_step_skipped"] == 1.0 == ref["bad_step_skipped"], (layout, rank)
+        # pi_old's pass: 1 forward wanted on rank 0, 2 on rank 1: both run 2
+        assert (ref["pi_old_forwards"], got["pi_old_forwards"]) == (1, 2), (layout, rank)
 
 
 @pytest.mark.slow

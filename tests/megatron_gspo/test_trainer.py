@@ -317,7 +317,8 @@ def test_batch_passes_in_token_budgeted_forwards_equal_one_pass(tmp_path):
     (mb_one, shared_one), (mb, shared) = one.prepare(batch), chunked.prepare(batch)
     n = len(batch)
     assert forwards[:3] == [n] * 3  # pi_old, R3 pi_old, reference: one forward each
-    assert sorted(set(forwards[3:])) == [n % 3, 3] and len(forwards[3:]) == 3 * -(-n // 3)
+    k = -(-n // 3)  # forwards of <= 3 sequences, near-equal
+    assert len(forwards[3:]) == 3 * k and max(forwards[3:]) <= 3 and sum(forwards[3:]) == 3 * n
     for name in ("old_logp_BT", "ref_logp_BT"):
         torch.testing.assert_close(getattr(mb, name), getattr(mb_one, name), atol=1e-6,
                                    rtol=1e-6)

@@ -232,4 +232,4 @@ def test_adam_kernels_on_cpu_match_the_single_tensor_updates(single_process, dty
                                    rtol=1e-4, msg=lambda m: f"{name}: {m}")
     fused.optimizer.load_state_dict(foreach.optimizer.state_dict())  # saved foreach -> fused
     assert all(g["fused"] and not g["foreach"] for g in groups(fused))
-    train(fused, 1)  # the fused kernel accepts the loaded step tensors
+    train(fused, 1)  # the fused kernel accepts the loaded step tensors (moved: a no-op on CPU)

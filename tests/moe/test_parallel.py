@@ -65,6 +65,7 @@ LAYOUTS = [
     (2, 2, True, "alltoall"),
     (2, 2, True, "allgather"),
     (1, 1, False, "alltoall"),  # pure DP=2: per-rank seq-mean losses average to the global one
+    (2, 1, True, "allgather"),  # the default dispatcher without EP ('auto'), TP=2 + SP
 ]
 
 

@@ -161,23 +161,25 @@ def test_second_model_does_not_break_first_models_replay(policy):
 
 
 def test_token_budgeted_pass_equals_one_pass(policy):
-    """`current_routing(max_tokens=35)` over 7 sequences of 10 (chunks of 3, 3, 1, padding in
-    the first and last): the same log-probs and routing cache as one forward, from 3 forwards;
+    """`current_routing(n_chunks=3)` over 7 sequences (chunks of 3, 2, 2, padding in the first
+    and last): the same log-probs and routing cache as one forward, from 3 forwards;
     `RoutingReplayCache.cat` undoes `select` over consecutive blocks."""
-    from moe.replay import current_routing, row_chunks
+    from moe.replay import chunk_count, current_routing, row_chunks
 
     tokens_BT, valid_BT = make_batch(B=7, T=10, seed=4)
     valid_BT[6, :2] = False
     logp_one, cache_one = current_routing(policy, tokens_BT, valid_BT, start=2)
     seen = routed_maps(policy)
-    logp, cache = current_routing(policy, tokens_BT, valid_BT, start=2, max_tokens=35)
+    logp, cache = current_routing(policy, tokens_BT, valid_BT, start=2, n_chunks=3)
     assert len(seen) == 3 * PRESET.num_layers
     torch.testing.assert_close(logp, logp_one, atol=1e-6, rtol=1e-6)
     assert torch.equal(cache.valid_BT, cache_one.valid_BT)
     assert torch.equal(cache.ids_NLK, cache_one.ids_NLK)
-    blocks = [cache_one.select(rows) for rows in row_chunks(7, 10, 35)]
-    assert [b.valid_BT.shape[0] for b in blocks] == [3, 3, 1]
+    blocks = [cache_one.select(rows) for rows in row_chunks(7, 3)]
+    assert [b.valid_BT.shape[0] for b in blocks] == [3, 2, 2]
     again = RoutingReplayCache.cat(blocks)
     assert torch.equal(again.ids_NLK, cache_one.ids_NLK)
-    assert row_chunks(5, 10, 0) == [slice(0, 5)]
-    assert row_chunks(2, 10, 4) == [slice(0, 1), slice(1, 2)]  # at least one sequence
+    # token budget -> forwards: 35 tokens of 10-token rows = 3 rows each; at least one row each
+    assert (chunk_count(7, 10, 35), chunk_count(7, 10, 0), chunk_count(2, 10, 4)) == (3, 1, 2)
+    with pytest.raises(ValueError, match="n_chunks=8"):
+        row_chunks(7, 8)

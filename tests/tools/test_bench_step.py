@@ -31,14 +31,14 @@ def test_bad_shapes_are_refused():
 def test_pi_old_table_times_one_forward_against_token_budgeted_ones(capsys, monkeypatch):
     from moe import replay
 
-    budgets = []
+    chunks = []
     real = replay.current_routing
     monkeypatch.setattr(replay, "current_routing",
-                        lambda *a, max_tokens=0, **k: budgets.append(max_tokens) or
-                        real(*a, max_tokens=max_tokens, **k))
+                        lambda *a, n_chunks=1, **k: chunks.append(n_chunks) or
+                        real(*a, n_chunks=n_chunks, **k))
     assert bench_step.main(["--shapes", "5x12", "--rounds", "1", "--pi-old", "24",
                             "--skip-hf"]) == 0
-    assert budgets == [0, 24] * 2  # warm-up round + 1
+    assert chunks == [1, 3] * 2  # warm-up round + 1; 24 tokens = 2 rows of 12 per forward
     out = capsys.readouterr().out
     assert "ours fwd ms" not in out
     assert re.search(r"\| 5 x 12 \| \d+\.\d \| \d+\.\d \| 3 \| \d+\.\d\d \|", out)
