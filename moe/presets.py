@@ -134,6 +134,22 @@ class MoEPreset:
         return {"total": self.num_layers * per_layer_total + emb,
                 "active": self.num_layers * per_layer_active + emb}
 
+    def flops_per_token(self, context: int) -> int:
+        """Matmul FLOPs of one token's forward pass that attends to `context` keys: the
+        projections, router, top-k (and shared) experts and output layer (2 per multiply-add
+        of the activated weights), plus QK^T and AV over the context (4 q d per key). Training
+        is 3x (backward = 2 forwards), the usual MFU accounting (Megatron-LM, PaLM); norms,
+        activations and softmax are not counted. A full-sequence forward of T tokens attends
+        to T keys per token as the kernels compute it (the causal mask hides, not skips);
+        a KV-cache step to the cached length."""
+        h, q, kv, d = self.hidden_size, self.num_attention_heads, self.num_query_groups, \
+            self.kv_channels
+        per_layer = (2 * h * d * (q + 2 * kv) + 2 * q * d * h + 2 * h * self.num_experts
+                     + self.topk * 6 * h * self.moe_ffn_hidden_size
+                     + 6 * h * self.shared_expert_ffn_hidden_size
+                     + (2 * h if self.shared_expert_gate else 0) + 4 * q * d * context)
+        return self.num_layers * per_layer + 2 * h * self.vocab_size
+
 
 # Qwen3-30B-A3B structure scaled down: the CPU RL experiments' policy.
 _QWEN3_MOE_TINY = MoEPreset(name="qwen3-moe-tiny", num_layers=4, hidden_size=64,

@@ -8,6 +8,8 @@
     python -m tools.bench_throughput --flip-cost --set train.routing_replay=r2
     python -m tools.bench_throughput --sweep              # lengths x batch sizes: table + PNG
                                                           # (tools/bench_sweep.py)
+    python -m tools.bench_throughput --skip-trl --peak-tflops 989 --set model.dtype=bf16 \
+        --set model.preset=small --force-length --max-new-tokens 128   # a GPU: ours, MFU
 
 Needs `pip install trl transformers accelerate datasets` for the TRL side (without them the
 script reports ours and says why TRL was skipped). Nothing is downloaded: the HF model is a
@@ -38,6 +40,10 @@ at sampling in TRL; our sampler gets a tokenizer with no stop ids, so <eos> is a
 there), so both sides generate and train on equal token counts at any length.
 `--flip-cost`: a second copy of ours with the flip instrumentation on (`train.flip_every=1`, plus
 any `--set`) runs in the same alternation; the report gives its train time over ours'.
+Model FLOPs: ours' train tokens/s x 3 x `MoEPreset.flops_per_token(mean sequence length)`
+(matmuls of the activated weights and attention; the count torch's FlopCounterMode gives,
+tests/moe/test_model.py); `--peak-tflops` (the device's dense peak for the run's dtype, e.g.
+989 for an H100 SXM in bf16) turns it into MFU.
 
 Threads default to 1: with 2 threads on a 2-core machine where anything else is running, OpenMP
 oversubscription makes both frameworks ~100x slower and the ratio meaningless.
@@ -88,6 +94,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--flip-cost", action="store_true",
                    help="also time ours with train.flip_every=1 (same alternation)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the summary here")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="the device's dense peak TFLOP/s for the run's dtype: report MFU")
     p.add_argument("--sweep", action="store_true",
                    help="sweep lengths x batch sizes: the remaining flags are "
                         "tools/bench_sweep.py's (see its --help)")
@@ -95,6 +103,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("iterations", "threads", "prompts", "minibatches", "max_new_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    if args.peak_tflops is not None and not args.peak_tflops > 0:
+        p.error(f"--peak-tflops={args.peak_tflops} must be > 0")
     if args.warmup < 0 or args.group_size < 2:
         p.error(f"--warmup={args.warmup} must be >= 0 and --group-size={args.group_size} >= 2")
     if (args.prompts * args.group_size) % args.minibatches:
@@ -193,6 +203,15 @@ def print_table(ours: dict, trl: dict | None, skip_reason: str | None) -> None:
         print(f"TRL skipped: {skip_reason}")
 
 
+def model_flops_line(train_tps: float, flops_per_token: int, peak_tflops: float | None) -> str:
+    """ours' train model TFLOP/s (and MFU against `peak_tflops`), one line."""
+    tflops = train_tps * flops_per_token / 1e12
+    mfu = f"; MFU {100 * tflops / peak_tflops:.2f}% of {peak_tflops:g} TFLOP/s" \
+        if peak_tflops else ""
+    return (f"ours train: {tflops:.4g} model TFLOP/s ({flops_per_token:,} FLOPs per token, "
+            f"3 x moe.presets.flops_per_token){mfu}")
+
+
 def versions() -> str:
     out = [f"torch {torch.__version__}"]
     for mod in ("megatron.core", "transformers", "trl", "accelerate"):
@@ -243,6 +262,9 @@ def measure(args) -> dict:
     out = {name: summarize(rows[args.warmup:]) for name, (_, rows) in runs.items()}
     out["trl"] = summarize(trl_rows(trl_trainer.bench_records)[args.warmup:]) \
         if trl_trainer else None
+    seq_len = round(out["ours"]["train_tokens"] / (args.prompts * args.group_size))
+    out.update(train_flops_per_token=3 * preset.flops_per_token(seq_len),
+               device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
     out.update(skip_reason=skip_reason, wall=wall, attn_impl=attn_impl,
                overrides=overrides[1:], vocab=preset.vocab_size,
                params=preset.num_params()["total"], cpu=cpu_model(), versions=versions())
@@ -269,6 +291,7 @@ def main(argv=None) -> int:
         print(f"flip instrumentation (train.flip_every=1): train s/iter {flip['train_s']:.3f} vs "
               f"{ours['train_s']:.3f} without, ratio {flip['train_s'] / ours['train_s']:.2f} "
               f"(best iterations: {flip['best']['train_s'] / ours['best']['train_s']:.2f})")
+    print(model_flops_line(ours["train_tps"], res["train_flops_per_token"], args.peak_tflops))
     B = args.prompts * args.group_size
     print(f"\nbatch: {args.prompts} prompts x G={args.group_size} = {B} sequences, "
           f"{args.minibatches} optimizer steps of {B // args.minibatches} per batch, "

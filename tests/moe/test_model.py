@@ -244,3 +244,30 @@ def test_trainer_logprobs_start_at_the_response(tmp_path):
     assert batch.response_BT[:, start].all()
     # pi_old, then per minibatch: train forward, flip forward (its first "before" is pi_old's)
     assert seen == [T - start + 1, T - start + 1, 2, T - start + 1, 2], seen
+
+
+def test_flops_per_token_match_torchs_flop_counter(single_process):
+    """The analytic forward FLOPs per token (`MoEPreset.flops_per_token`, for MFU) equal what
+    torch's FlopCounterMode counts for a full-sequence forward (megatron's SequentialMLP
+    experts and DotProductAttention: every matmul is an op it counts) and its backward (2x)."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from torch.utils.flop_counter import FlopCounterMode
+
+    preset = get_preset("qwen3-moe-tiny")
+    policy = MoEPolicy.build(preset, ParallelLayout(), real_vocab=preset.vocab_size, optim=None,
+                             sdpa_attention=False)
+    for layer in policy.model.module.decoder.layers:  # the same experts, as megatron's loop
+        layer.mlp.experts.__class__ = SequentialMLP
+    B, T = 3, 20
+    tokens_BT = torch.randint(0, preset.vocab_size, (B, T))
+    valid_BT = torch.ones(B, T, dtype=torch.bool)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        logits = policy.logits(tokens_BT, valid_BT)
+    forward = counter.get_total_flops()
+    assert forward == pytest.approx(B * T * preset.flops_per_token(T), rel=1e-3), \
+        (forward, B * T * preset.flops_per_token(T))
+    with counter:
+        logits.float().sum().backward()
+    assert counter.get_total_flops() == pytest.approx(2 * forward, rel=0.02)
+    assert B * T * preset.flops_per_token(T) > B * T * preset.flops_per_token(0)  # attention

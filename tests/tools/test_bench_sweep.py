@@ -61,5 +61,25 @@ def test_main_writes_the_table_between_the_readme_markers(tmp_path, monkeypatch)
     assert bench_sweep.main(["--lengths", "8", "--batches", "4x4", "--out", str(tmp_path),
                              "--readme", str(readme), "--marker", "sweep_x"]) == 0
     text = readme.read_text()
-    assert "OLD" not in text and "machine: Test CPU; torch threads 1; torch x;" in text
+    assert "OLD" not in text and "machine: Test CPU, device cpu; torch threads 1; torch x;" in text
     assert "| 4x4 (16) | 8 | 0.50 | 2.00 | 2.00 | 1.50 |" in text and text.endswith("end -->\nb\n")
+
+
+def test_ours_alone_gives_model_tflops_and_mfu():
+    """--skip-trl (a GPU sweep): no TRL ratios; train model TFLOP/s = best train tokens/s x
+    FLOPs per token, MFU against --peak-tflops."""
+    from tools.bench_throughput import model_flops_line
+
+    res = {"ours": summary(100.0, 2000.0, 0.5, 2.0), "trl": None,
+           "flip": summary(100.0, 1500.0, 0.5, 3.0), "train_flops_per_token": 3_000_000_000}
+    p = {"prompts": 8, "group": 8, "length": 128, "res": res, "ratios": bench_sweep.ratios(res)}
+    assert p["ratios"] == {"flip_cost": 1.5}
+    text = bench_sweep.ours_table([p], peak_tflops=12.0)
+    assert "| 8x8 (64) | 128 | 100 | 2000 | 6 | 50.00 | 1.50 |" in text
+    assert "| 6 | - |" in bench_sweep.ours_table([p], peak_tflops=None)
+    line = model_flops_line(2000.0, 3_000_000_000, 12.0)
+    assert "6 model TFLOP/s" in line and "MFU 50.00% of 12 TFLOP/s" in line
+    assert "MFU" not in model_flops_line(2000.0, 3_000_000_000, None)
+    with pytest.raises(SystemExit):
+        parse_args(["--peak-tflops", "0"])
+    assert bench_sweep.parse_args(["--skip-trl", "--peak-tflops", "989"]).skip_trl
