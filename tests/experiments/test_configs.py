@@ -116,6 +116,7 @@ def test_published_experiments_pin_the_kernels_they_ran_with(path):
         ("megatron", "foreach", 0)
 
 
-def test_gpu_profile_uses_sdpa():
-    base = ablation_run.profile_overrides("gpu-small")
-    assert load_config(os.path.join(ABL, "gspo.yaml"), base).model.attention == "sdpa"
+def test_gpu_profile_uses_the_fast_kernels():
+    cfg = load_config(os.path.join(ABL, "gspo.yaml"), ablation_run.profile_overrides("gpu-small"))
+    assert (cfg.model.attention, cfg.optim.adam_kernel) == ("sdpa", "fused")
+    assert cfg.train.logprob_max_tokens == 16384
