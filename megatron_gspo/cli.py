@@ -53,6 +53,7 @@ def main(argv=None) -> int:
     from megatron_gspo.checkpoint import CheckpointError
     from megatron_gspo.config import ConfigError, describe_config, load_config
     from megatron_gspo.preempt import Preempted
+    from megatron_gspo.data import DataError
     from megatron_gspo.rundir import RunDirError
 
     if args.command == "config":
@@ -64,7 +65,7 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         result = run(args.command, cfg)
-    except (ConfigError, FileNotFoundError, RunDirError, CheckpointError) as e:
+    except (ConfigError, DataError, FileNotFoundError, RunDirError, CheckpointError) as e:
         return _fail(str(e))  # nothing already written is lost
     except Preempted as e:
         if os.environ.get("RANK", "0") == "0":

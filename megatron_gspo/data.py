@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Iterator
 
 from megatron_gspo.rewards import check_math_available, get_format_check, get_reward
+from megatron_gspo.strict import ConfigError
 from megatron_gspo.tasks import Example, make_splits, make_task
 
 _DEFAULT_KEYS = {"verl": ("prompt", "reward_model.ground_truth", "data_source"),
@@ -253,7 +254,10 @@ def build_task(cfg, tokenizer, model_max_len: int, verbose: bool = False):
     """(task, train_set, eval_set): a toy task's seeded splits, or the dataset's."""
     if cfg.task.name != "dataset":
         task = make_task(cfg.task.name, **dict(cfg.task.kwargs))
-        train, evals = make_splits(task, cfg.task.n_train, cfg.task.n_eval, cfg.task.seed)
+        try:
+            train, evals = make_splits(task, cfg.task.n_train, cfg.task.n_eval, cfg.task.seed)
+        except ValueError as e:  # more prompts asked for than the task has
+            raise ConfigError(f"task.n_train / task.n_eval: {e}") from None
         return task, train, evals
     task = DatasetTask(reward_name=cfg.reward.name or "math",
                        reward_timeout_s=cfg.reward.timeout_s,

@@ -175,9 +175,17 @@ def test_missing_init_checkpoint_is_a_clear_error(tmp_path):
     (["train", "train.stepz=3"], "unknown config key 'train.stepz'"),
     (["train", "--config", "nope.yaml"], "config file not found: nope.yaml"),
     (["train", "train.routing_replay=r3", "rollout.kv_cache=false"], "rollout.kv_cache=true"),
+    (["train", "task.kwargs.num_digits=1", "wandb.mode=disabled", "run_dir=RUN"],
+     "task.n_train / task.n_eval: Addition(num_digits=1) has only 100 distinct prompts"),
+    (["train", "task.name=dataset", "data.train_files=[BAD]", "wandb.mode=disabled",
+      "run_dir=RUN"], "bad.jsonl:1: not valid JSON"),
 ])
-def test_cli_bad_config_exits_2_naming_the_problem(capsys, argv, fragment):
+def test_cli_bad_config_exits_2_naming_the_problem(capsys, tmp_path, argv, fragment):
     from megatron_gspo.cli import main
+
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    argv = [a.replace("RUN", str(tmp_path / "run")).replace("BAD", str(tmp_path / "bad.jsonl"))
+            for a in argv]
 
     assert main(argv) == 2
     err = capsys.readouterr().err
