@@ -55,16 +55,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def best_of(rounds: int, fns: dict) -> dict:
-    """{name: best seconds} of the zero-argument `fns`, alternating, after one warm-up round."""
-    best = {name: float("inf") for name in fns}
-    for r in range(rounds + 1):
+def best_of(rounds: int, fns: dict, warmup: int = 1) -> dict:
+    """{name: best seconds per phase} of the zero-argument `fns` (each returns its phases'
+    seconds, `wall` / `timed`), alternating, after `warmup` unmeasured rounds."""
+    best = {}
+    for r in range(warmup + rounds):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            if r:
-                best[name] = min(best[name], time.perf_counter() - t0)
+            seconds = fn()
+            if r >= warmup:
+                best[name] = tuple(map(min, best.get(name, seconds), seconds))
     return best
+
+
+def wall(fn) -> tuple[float]:
+    """(seconds,) of one call."""
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0,)
 
 
 def pi_old_rows(policy, shapes, budget: int, rounds: int) -> list[str]:
@@ -78,11 +85,11 @@ def pi_old_rows(policy, shapes, budget: int, rounds: int) -> list[str]:
                                   generator=torch.Generator().manual_seed(1))
         valid_BT = torch.ones(B, T, dtype=torch.bool)
         n = chunk_count(B, T, budget)
-        best = best_of(rounds, {k: lambda k=k: current_routing(policy, tokens_BT, valid_BT,
-                                                                n_chunks=k)
-                                for k in sorted({1, n})})
-        rows.append(f"| {B} x {T} | {best[1] * 1e3:.1f} | {best[n] * 1e3:.1f} | {n} | "
-                    f"{best[1] / best[n]:.2f} |")
+        best = best_of(rounds, {k: lambda k=k: wall(lambda: current_routing(
+            policy, tokens_BT, valid_BT, n_chunks=k)) for k in sorted({1, n})})
+        (one,), (chunked,) = best[1], best[n]
+        rows.append(f"| {B} x {T} | {one * 1e3:.1f} | {chunked * 1e3:.1f} | {n} | "
+                    f"{one / chunked:.2f} |")
     return rows
 
 
@@ -116,11 +123,8 @@ def hf_rows(policy, shapes, rounds: int) -> list[str]:
             logits = hf(input_ids=tokens_BT).logits[:, :-1].float()
             return torch.log_softmax(logits, -1).gather(-1, tokens_BT[:, 1:, None]).sum()
 
-        best = {"ours": (1e9, 1e9), "hf": (1e9, 1e9)}
-        for _ in range(rounds + 2):  # the first two rounds warm up
-            for name, fn in (("ours", ours), ("hf", theirs)):
-                f, b = timed(fn)
-                best[name] = (min(best[name][0], f), min(best[name][1], b))
+        best = best_of(rounds, {"ours": lambda: timed(ours), "hf": lambda: timed(theirs)},
+                       warmup=2)
         (of, ob), (hf_f, hf_b) = best["ours"], best["hf"]
         rows.append(f"| {B} x {T} | {of * 1e3:.1f} | {ob * 1e3:.1f} | {hf_f * 1e3:.1f} | "
                     f"{hf_b * 1e3:.1f} | {(of + ob) / (hf_f + hf_b):.2f} |")
