@@ -96,13 +96,16 @@ def ratios(res: dict) -> dict:
 
 def ours_table(points: list, peak_tflops: float | None) -> str:
     """Ours alone (`--skip-trl`): best-iteration rates, train model TFLOP/s, MFU, flip cost."""
+    from tools.bench_throughput import model_tflops  # torch: not at the driver's start-up
+
     head = ["batch (seqs)", "length", "rollout tok/s", "train tok/s", "train model TFLOP/s",
             "MFU %", "flip cost"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for p in points:
         best = p["res"]["ours"]["best"]
-        tflops = best["train_tps"] * p["res"]["train_flops_per_token"] / 1e12
-        mfu = f"{100 * tflops / peak_tflops:.2f}" if peak_tflops else "-"
+        tflops, mfu = model_tflops(best["train_tps"], p["res"]["train_flops_per_token"],
+                                   peak_tflops)
+        mfu = "-" if mfu is None else f"{mfu:.2f}"
         lines.append(f"| {p['prompts']}x{p['group']} ({p['prompts'] * p['group']}) | "
                      f"{p['length']} | {best['rollout_tps']:.0f} | {best['train_tps']:.0f} | "
                      f"{tflops:.4g} | {mfu} | {p['ratios']['flip_cost']:.2f} |")

@@ -203,11 +203,17 @@ def print_table(ours: dict, trl: dict | None, skip_reason: str | None) -> None:
         print(f"TRL skipped: {skip_reason}")
 
 
+def model_tflops(train_tps: float, flops_per_token: int,
+                 peak_tflops: float | None) -> tuple[float, float | None]:
+    """(train model TFLOP/s, MFU in % of `peak_tflops` or None)."""
+    tflops = train_tps * flops_per_token / 1e12
+    return tflops, (100 * tflops / peak_tflops if peak_tflops else None)
+
+
 def model_flops_line(train_tps: float, flops_per_token: int, peak_tflops: float | None) -> str:
     """ours' train model TFLOP/s (and MFU against `peak_tflops`), one line."""
-    tflops = train_tps * flops_per_token / 1e12
-    mfu = f"; MFU {100 * tflops / peak_tflops:.2f}% of {peak_tflops:g} TFLOP/s" \
-        if peak_tflops else ""
+    tflops, mfu = model_tflops(train_tps, flops_per_token, peak_tflops)
+    mfu = f"; MFU {mfu:.2f}% of {peak_tflops:g} TFLOP/s" if mfu is not None else ""
     return (f"ours train: {tflops:.4g} model TFLOP/s ({flops_per_token:,} FLOPs per token, "
             f"3 x moe.presets.flops_per_token){mfu}")
 
