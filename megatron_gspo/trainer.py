@@ -246,12 +246,11 @@ class Trainer:
                        routing=None) -> torch.Tensor:
         """`policy`'s log-probs of a whole rollout batch in `n_chunks` forwards; with
         `routing`, replaying it (R3's pi_old pass under the sampler's routing)."""
-        cfg, out = self.cfg, []
+        cfg, start, out = self.cfg, batch.response_start, []
         for rows in row_chunks(len(batch), n_chunks):
             with replay_routing(policy, None if routing is None else routing.select(rows)):
                 out.append(policy.token_logprobs(batch.tokens_BT[rows], batch.valid_BT[rows],
-                                                 cfg.rollout.temperature,
-                                                 start=batch.response_start))
+                                                 cfg.rollout.temperature, start=start))
         return torch.cat(out)
 
     def records_sampler_routing(self) -> bool:
