@@ -1,4 +1,4 @@
-"""Experts of a MoE layer as two grouped GEMMs: megatron's `SequentialMLP`, batched on CPU.
+"""Experts of a MoE layer as two grouped GEMMs: megatron's `SequentialMLP`, batched.
 
 Shape legend: N tokens routed to this rank's experts (sorted by expert, as the token dispatcher
 hands them over), H hidden, F expert FFN width, E local experts.
@@ -16,31 +16,51 @@ arithmetic is the same (tests/moe/test_experts.py: equal to `SequentialMLP` to f
 forward and grads, also under EP=2); the weights are stacked (copied) once per forward (once per
 rollout in the sampler, `moe.decode`, where the weights cannot change), and the stack's backward hands each expert weight its own grad, so megatron DDP's grad hooks run as usual.
 
-Falls back to `SequentialMLP.forward` where the batched path does not apply: CUDA tensors (the GPU
-path is TE's grouped GEMM), biases, fp8/fp4, probs applied on the input, expert tensor
-parallelism, row strides that `_grouped_mm` rejects (not a multiple of 16 bytes), or a torch
-without `_grouped_mm`.
+Falls back to `SequentialMLP.forward` where the batched path does not apply: a device and dtype
+where the installed torch's `_grouped_mm` does not run (`grouped_mm_runs` probes it once: CUDA's
+kernel wants bf16 on sm90+ in torch 2.8-2.11), biases, fp8/fp4, probs applied on the input,
+expert tensor parallelism, row strides that `_grouped_mm` rejects (not a multiple of 16 bytes).
+With TransformerEngine installed the layer spec is TE's and this class is not used.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 
+@functools.cache
+def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether torch's `_grouped_mm` runs forward and backward on this device type and dtype,
+    with the weight layout `stacked_weights` gives: one tiny probe call, cached per process."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        x = torch.ones(16, 16, dtype=dtype, device=device_type, requires_grad=True)
+        w = torch.ones(2, 16, 16, dtype=dtype, device=device_type, requires_grad=True)
+        offs = torch.tensor([8, 16], dtype=torch.int32, device=device_type)
+        out = torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+        out.backward(torch.ones_like(out))  # a dense grad (`_contiguous_grad`)
+        return True
+    except (RuntimeError, NotImplementedError):  # no kernel for this device, dtype or arch
+        return False
+
+
 class GroupedSequentialMLP(SequentialMLP):
-    """`SequentialMLP` with a grouped-GEMM forward on CPU (same parameters, same math)."""
+    """`SequentialMLP` with a grouped-GEMM forward (same parameters, same math)."""
 
     def _grouped_ok(self, hidden_NH: torch.Tensor) -> bool:
         cfg = self.config
         fc1 = self.local_experts[0].linear_fc1.weight
         align = 16 // hidden_NH.element_size()
-        return (hasattr(torch, "_grouped_mm") and hidden_NH.device.type == "cpu"
-                and self.num_local_experts > 1 and not cfg.add_bias_linear
+        return (self.num_local_experts > 1 and not cfg.add_bias_linear
                 and not (cfg.fp8 or cfg.fp4) and not cfg.moe_apply_probs_on_input
                 and self.tp_group.size() == 1 and hidden_NH.dim() == 2
                 and hidden_NH.dtype == fc1.dtype
-                and all(d % align == 0 for d in (*fc1.shape, hidden_NH.shape[1])))
+                and all(d % align == 0 for d in (*fc1.shape, hidden_NH.shape[1]))
+                and grouped_mm_runs(hidden_NH.device.type, hidden_NH.dtype))
 
     def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(fc1 [E, H, F'], fc2 [E, F, H]): the expert weights stacked for `_grouped_mm` (a
@@ -58,7 +78,8 @@ class GroupedSequentialMLP(SequentialMLP):
         if not self._grouped_ok(x_NH):
             return super().forward(permuted_local_hidden_states, tokens_per_expert,
                                    permuted_probs)
-        offs_E = torch.as_tensor(tokens_per_expert).to(torch.int64).cumsum(0).to(torch.int32)
+        offs_E = torch.as_tensor(tokens_per_expert).to(x_NH.device, torch.int64).cumsum(0)
+        offs_E = offs_E.to(torch.int32)
         w1_EHF, w2_EFH = stacked if stacked is not None else self.stacked_weights()
         h_NF = torch._grouped_mm(x_NH.contiguous(), w1_EHF, offs=offs_E)
         h_NF = _contiguous_grad(self._activation(h_NF, permuted_probs))

@@ -48,7 +48,9 @@ def batch(vocab: int, B: int = 4, T: int = 12, seed: int = 7):
 
 
 def loss_fn(logits_BTV, valid_BT, readout_BTV):
-    """Mean over sequences of a per-sequence sum: DP-averaged grads equal the global ones."""
+    """Mean over sequences of a per-sequence sum: DP-averaged grads equal the global ones.
+    The batch's CPU tensors move to the logits' device (CUDA in `pytest -m gpu`)."""
+    readout_BTV, valid_BT = readout_BTV.to(logits_BTV.device), valid_BT.to(logits_BTV.device)
     per_seq_B = (logits_BTV * readout_BTV * valid_BT[..., None]).sum(dim=(1, 2)) / 100
     return per_seq_B.mean()
 
