@@ -272,7 +272,7 @@ def measure(args) -> dict:
     out.update(train_flops_per_token=3 * preset.flops_per_token(seq_len),
                device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
     out.update(skip_reason=skip_reason, wall=wall, attn_impl=attn_impl,
-               overrides=overrides[1:], vocab=preset.vocab_size,
+               overrides=overrides[1:], preset=preset.name, vocab=preset.vocab_size,
                params=preset.num_params()["total"], cpu=cpu_model(), versions=versions())
     return out
 
@@ -306,7 +306,7 @@ def main(argv=None) -> int:
           + ", task addition(num_digits=2)")
     print(f"iterations: {args.warmup} warm-up + {args.iterations} measured per framework"
           + (", alternating ours/TRL" if trl else "") + f"; wall {res['wall']:.1f}s")
-    print(f"model: {PRESET} (vocab {res['vocab']}, {res['params']} params"
+    print(f"model: {res['preset']} (vocab {res['vocab']}, {res['params']} params"
           + (f"; HF Qwen3MoeForCausalLM: same count, {res['attn_impl']})"
              if res["attn_impl"] else ")"))
     print(f"machine: {res['cpu']}; torch threads: {torch.get_num_threads()} (set "
