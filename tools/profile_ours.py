@@ -37,14 +37,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def top_table(prof, n: int) -> str:
-    """Markdown: the n operators with the largest self CPU time."""
-    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:n]
-    total = sum(e.self_cpu_time_total for e in prof.key_averages()) or 1.0
-    out = ["| operator | self CPU ms | % | calls |", "|---|---|---|---|"]
+def top_table(prof, n: int, where: str = "CPU") -> str:
+    """Markdown: the n operators with the largest self time on the CPU (host) or the GPU."""
+    def self_us(e) -> float:
+        return e.self_cpu_time_total if where == "CPU" else e.self_device_time_total
+
+    rows = sorted(prof.key_averages(), key=self_us, reverse=True)[:n]
+    total = sum(self_us(e) for e in prof.key_averages()) or 1.0
+    out = [f"| operator | self {where} ms | % | calls |", "|---|---|---|---|"]
     for e in rows:
-        out.append(f"| `{e.key}` | {e.self_cpu_time_total / 1e3:.1f} | "
-                   f"{100 * e.self_cpu_time_total / total:.1f} | {e.count} |")
+        out.append(f"| `{e.key}` | {self_us(e) / 1e3:.1f} | {100 * self_us(e) / total:.1f} | "
+                   f"{e.count} |")
     out.append(f"| total | {total / 1e3:.1f} | 100 | "
                f"{sum(e.count for e in prof.key_averages())} |")
     return "\n".join(out)
@@ -57,27 +60,32 @@ def main(argv=None) -> int:
     bargs = bench_args(["--force-length", "--skip-trl", "--max-new-tokens",
                         str(args.max_new_tokens)] + [f"--set={s}" for s in args.set])
     torch.set_num_threads(1)
+    gpu = torch.cuda.is_available()
     with tempfile.TemporaryDirectory(prefix="profile_ours_") as tmp:
         trainer, overrides = build_ours(bargs, tmp + "/run")
         for _ in range(args.warmup):
             trainer.iteration()
         it = trainer.state.iteration
         t0 = time.perf_counter()
-        with profile(activities=[ProfilerActivity.CPU]) as rollout_prof:
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+        with profile(activities=activities) as rollout_prof:
             batches = [trainer.rollout(it + i) for i in range(args.iterations)]
         rollout_s = (time.perf_counter() - t0) / args.iterations
         trainer.rollout = lambda i: batches[0]
-        with profile(activities=[ProfilerActivity.CPU]) as train_prof:
+        with profile(activities=activities) as train_prof:
             timings = [trainer.iteration() for _ in range(args.iterations)]
         trainer.rt.close()
+    device = f", {torch.cuda.get_device_name()}" if gpu else ""
+    tables = []
+    for where in ["CPU"] + (["GPU"] if gpu else []):
+        tables += [f"\nrollout ({args.iterations} batches), top {args.top} by self {where} "
+                   "time:\n", top_table(rollout_prof, args.top, where),
+                   f"\npi_old pass + 4 optimizer steps ({args.iterations} iterations), top "
+                   f"{args.top} by self {where} time:\n", top_table(train_prof, args.top, where)]
     text = "\n".join([
-        f"machine: {cpu_model()}; torch {torch.__version__}, 1 thread; {len(batches[0])} "
-        f"sequences x {args.max_new_tokens} new tokens; overrides: {' '.join(overrides[1:])}",
-        f"\nrollout ({args.iterations} batches), top {args.top} by self CPU time:\n",
-        top_table(rollout_prof, args.top),
-        f"\npi_old pass + 4 optimizer steps ({args.iterations} iterations), top {args.top} "
-        "by self CPU time:\n",
-        top_table(train_prof, args.top),
+        f"machine: {cpu_model()}{device}; torch {torch.__version__}, 1 thread; "
+        f"{len(batches[0])} sequences x {args.max_new_tokens} new tokens; overrides: "
+        f"{' '.join(overrides[1:])}", *tables,
         f"\nprofiled seconds per iteration: rollout {rollout_s:.3f}; " + "; ".join(
             f"{k} {sum(t[f'time/{k}'] for t in timings) / len(timings):.3f}"
             for k in ("old_forward", "train"))])
