@@ -64,6 +64,7 @@ class MoEPolicy:
         self.real_vocab, self.device, self.recompute = real_vocab, device, recompute
         # per replayed forward, the routing its recompute must replay (`moe.replay`)
         self.backward_replays: list[list[torch.Tensor]] = []
+        self._grads_exposed = False  # `reduce_grads` set `.grad` = `main_grad`
         self.router_replays = model.module.router_replays if hasattr(model, "module") \
             else model.router_replays
 
@@ -224,6 +225,10 @@ class MoEPolicy:
 
     def zero_grad(self) -> None:
         self.backward_replays.clear()
+        if self._grads_exposed:  # `.grad` aliases `main_grad` (`reduce_grads`): drop the alias,
+            for p in self.model.module.parameters():  # or the next backward adds twice
+                p.grad = None
+            self._grads_exposed = False
         self.model.zero_grad_buffer()
         if self.optimizer is not None:
             self.optimizer.zero_grad()
@@ -245,6 +250,7 @@ class MoEPolicy:
         params = [p for p in self.model.module.parameters() if p.requires_grad]
         for p in params:
             p.grad = p.main_grad
+        self._grads_exposed = True
         return global_grad_norm(params)
 
     def step(self) -> tuple[bool, float]:

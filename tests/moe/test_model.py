@@ -185,6 +185,20 @@ def test_allgather_equals_alltoall_bitwise_on_one_ep_rank(single_process):
     assert all(torch.equal(a_grads[n], b_grads[n]) for n in a_grads)
 
 
+def test_zero_grad_after_reduce_grads_starts_from_zero(single_process):
+    """`reduce_grads` exposes the reduced grads as `.grad` (aliasing `main_grad`); the next
+    `zero_grad` must drop that alias, or the next backward adds into `.grad` and DDP's hook
+    adds it again: the same backward twice gave 2x the grads."""
+    from tests.moe import parallel_worker as pw
+
+    policy = MoEPolicy.build(get_preset("tiny"), ParallelLayout(), real_vocab=32, seed=3,
+                             optim=None)
+    tokens_BT, valid_BT, readout_BTV = pw.batch(policy.preset.vocab_size)
+    _, first = pw.run_model(policy, tokens_BT, valid_BT, readout_BTV)
+    _, second = pw.run_model(policy, tokens_BT, valid_BT, readout_BTV)
+    assert first > 0 and second == pytest.approx(first, rel=1e-6)
+
+
 def _output_rows_seen(policy) -> list[int]:
     """Sequence rows the output layer projects, per call (a forward hook on it)."""
     seen = []
