@@ -113,9 +113,7 @@ class MoEPolicy:
                     first: int) -> torch.Tensor:
         """The model's logits [B, T - first, V_preset] in its dtype, vocab padding unmasked.
         The whole sequence runs through the decoder; with `first` > 0 the output layer projects
-        only positions first..T-1 (a pre-hook slices its [T, B, H] input), except under
-        sequence parallelism, where its input is split over the sequence: there every position
-        is projected, then sliced."""
+        only positions first..T-1 (a pre-hook slices its [T, B, H] input; `_output_rows`)."""
         if tokens_BT.shape != valid_BT.shape or tokens_BT.dim() != 2:
             raise ValueError(f"tokens {tuple(tokens_BT.shape)} and valid "
                              f"{tuple(valid_BT.shape)} must be equal [B, T] shapes")
@@ -134,24 +132,45 @@ class MoEPolicy:
 
     @contextlib.contextmanager
     def _output_rows(self, first: int):
-        """Within: the output layer sees only sequence rows first.. (yields whether it does)."""
-        if first == 0 or self.layout.sequence_parallel:
+        """Within: the output layer sees only sequence rows first.. (yields whether it does).
+
+        Under sequence parallelism its input is this rank's sequence shard, which megatron's
+        layer all-gathers inside its matmul (reduce-scattering the input grad in the backward).
+        Here the pre-hook does that all-gather itself, slices, and the layer runs for this
+        call as a plain column-parallel projection with no input-grad reduction of its own:
+        the gather's reduce-scatter sums the TP ranks' partial input grads, as before. (megatron's
+        `GPTModel` does the same gather-then-project for the last token's logits in dynamic-batch
+        inference, where no grad flows.)"""
+        if first == 0:
             yield False
             return
         gpt = self.model
         while not hasattr(gpt, "output_layer"):  # DDP (and Float16Module) wrappers
             gpt = gpt.module
+        layer, sp = gpt.output_layer, self.layout.sequence_parallel
 
         def rows(module, args, kwargs):
-            if args:
-                return (args[0][first:], *args[1:]), kwargs
-            return args, {**kwargs, "input_": kwargs["input_"][first:]}
+            x_TBH = args[0] if args else kwargs["input_"]
+            if sp:
+                from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
-        handle = gpt.output_layer.register_forward_pre_hook(rows, with_kwargs=True)
+                x_TBH = gather_from_sequence_parallel_region(x_TBH, group=layer.tp_group)
+            if args:
+                return (x_TBH[first:], *args[1:]), kwargs
+            return args, {**kwargs, "input_": x_TBH[first:]}
+
+        flags = {"sequence_parallel": False, "allreduce_dgrad": False,
+                 "disable_grad_reduce": True} if sp else {}
+        saved = {k: getattr(layer, k) for k in flags}
+        handle = layer.register_forward_pre_hook(rows, with_kwargs=True)
         try:
+            for k, v in flags.items():
+                setattr(layer, k, v)
             yield True
         finally:
             handle.remove()
+            for k, v in saved.items():
+                setattr(layer, k, v)
 
     def mask_vocab(self, logits_BxV: torch.Tensor) -> torch.Tensor:
         """-inf on the preset's padding entries beyond the tokenizer's vocabulary."""

@@ -36,6 +36,9 @@ def spawn(fn, args: tuple, nprocs: int, timeout_s: float) -> None:
                                f"running after {timeout_s:.0f} s (a collective hang?)")
 
 
+FIRST = 5  # the first position the output layer projects in the sliced-output checks
+
+
 def batch(vocab: int, B: int = 4, T: int = 12, seed: int = 7):
     """Fixed batch with ragged left padding and a fixed readout for a scalar loss."""
     g = torch.Generator().manual_seed(seed)
@@ -55,10 +58,11 @@ def loss_fn(logits_BTV, valid_BT, readout_BTV):
     return per_seq_B.mean()
 
 
-def run_model(policy, tokens_BT, valid_BT, readout_BTV):
+def run_model(policy, tokens_BT, valid_BT, readout_BTV, first: int = 0):
+    """Logits (from position `first`) and the grad norm of `loss_fn` on them."""
     policy.zero_grad()
-    logits_BTV = policy.logits(tokens_BT, valid_BT)
-    loss_fn(logits_BTV, valid_BT, readout_BTV).backward()
+    logits_BTV = policy.logits(tokens_BT, valid_BT, first=first)
+    loss_fn(logits_BTV, valid_BT[:, first:], readout_BTV[:, first:]).backward()
     grad_norm = policy.reduce_grads()
     return logits_BTV.detach(), grad_norm
 
@@ -165,10 +169,19 @@ def worker(rank: int, world: int, port: int, ref_path: str, layouts: list) -> No
                 f"{what}: optimizer grad norm {clip_norm} != {ref['grad_norm']}"
             check_replay(policy, info, ref, rows, tokens_BT[rows], valid_BT[rows], what)
             check_kv_decode(policy, ref, rows, tokens_BT[rows], valid_BT[rows], what)
-            with torch.no_grad():  # the output layer on positions 5.. only (sliced under SP)
-                part = policy.logits(tokens_BT[rows], valid_BT[rows], first=5)
-            torch.testing.assert_close(part, ref["logits"][rows][:, 5:], atol=ATOL, rtol=RTOL,
-                                       msg=lambda m: f"{what}: logits from position 5: {m}")
+            # the output layer on positions 5.. only (under SP: gathered, then sliced)
+            seen = []
+            hook = policy.model.module.output_layer.register_forward_hook(
+                lambda m, args, out: seen.append(out[0].shape[0]))
+            part, _ = run_model(policy, tokens_BT[rows], valid_BT[rows], readout_BTV[rows],
+                                first=FIRST)
+            hook.remove()
+            assert seen == [tokens_BT.shape[1] - FIRST], f"{what}: output layer rows {seen}"
+            torch.testing.assert_close(part, ref["logits"][rows][:, FIRST:], atol=ATOL,
+                                       rtol=RTOL, msg=lambda m: f"{what}: logits from {FIRST}: {m}")
+            for name, g in gather_full_params(policy.model.module, grads=True).items():
+                torch.testing.assert_close(g, ref["grads_from_first"][name], atol=ATOL, rtol=RTOL,
+                                           msg=lambda m: f"{what}: grad {name} from {FIRST}: {m}")
     finally:
         destroy_parallel()
 

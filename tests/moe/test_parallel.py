@@ -32,6 +32,8 @@ def reference(single_process, tmp_path_factory):
     ref = {"preset": preset.name, "params": gather_full_params(policy.model.module),
            "grads": gather_full_params(policy.model.module, grads=True), "logits": logits,
            "grad_norm": grad_norm}
+    pw.run_model(policy, tokens_BT, valid_BT, readout_BTV, first=pw.FIRST)
+    ref["grads_from_first"] = gather_full_params(policy.model.module, grads=True)
     ref.update(replay_reference(policy, preset, tokens_BT, valid_BT))
     ref["trained"] = gather_full_params(pw.build_trained(preset, ref["params"], slice(None),
                                                          pw.STEPS).model.module)
