@@ -67,7 +67,7 @@ import torch  # noqa: E402
 
 from megatron_gspo.config import load_config  # noqa: E402
 from tools.bench_trl import build_trl, step_timer_callback, trl_rows, trl_unavailable  # noqa: E402
-from tools.result_table import cpu_name  # noqa: E402
+from tools.result_table import add_readme_args, cpu_name, output_into  # noqa: E402
 
 PRESET = "qwen3-moe-tiny"
 
@@ -99,6 +99,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sweep", action="store_true",
                    help="sweep lengths x batch sizes: the remaining flags are "
                         "tools/bench_sweep.py's (see its --help)")
+    add_readme_args(p, "point")  # e.g. a GPU run: --readme experiments/throughput/README.md
     args = p.parse_args(argv)
     for name in ("iterations", "threads", "prompts", "minibatches", "max_new_tokens"):
         if getattr(args, name) < 1:
@@ -290,6 +291,17 @@ def main(argv=None) -> int:
         return sweep([a for a in argv if a != "--sweep"])
     args = parse_args(argv)
     res = measure(args)
+    with output_into(args.readme, args.marker):
+        report(args, res)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args),
+                       **res}, f, indent=1)
+    return 0
+
+
+def report(args, res: dict) -> None:
+    """Print the side-by-side table and the run's set-up (batch, model, machine, overrides)."""
     ours, trl = res["ours"], res["trl"]
     print_table(ours, trl, res["skip_reason"])
     if "flip" in res:
@@ -310,14 +322,8 @@ def main(argv=None) -> int:
           + (f"; HF Qwen3MoeForCausalLM: same count, {res['attn_impl']})"
              if res["attn_impl"] else ")"))
     print(f"machine: {res['cpu']}; torch threads: {torch.get_num_threads()} (set "
-          f"{args.threads}), device: {'cuda' if torch.cuda.is_available() else 'cpu'}, "
-          f"{res['versions']}")
+          f"{args.threads}), device: {res['device']}, {res['versions']}")
     print(f"ours overrides: {' '.join(res['overrides'])}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args),
-                       **res}, f, indent=1)
-    return 0
 
 
 if __name__ == "__main__":
