@@ -136,17 +136,11 @@ def test_a_device_without_grouped_mm_kernels_falls_back(single_process, monkeypa
 @pytest.fixture(scope="module")
 def sequential_reference(single_process, tmp_path_factory):
     """test_parallel's 1-process reference, computed with megatron's SequentialMLP experts."""
-    from moe.sharding import gather_full_params
-    from tests.moe.test_parallel import replay_reference
+    from tests.moe.test_parallel import single_process_reference
 
     policy = build("tiny")
     as_sequential(policy)
-    tokens_BT, valid_BT, readout_BTV = pw.batch(policy.preset.vocab_size)
-    logits, grad_norm = pw.run_model(policy, tokens_BT, valid_BT, readout_BTV)
-    ref = {"preset": "tiny", "params": gather_full_params(policy.model.module),
-           "grads": gather_full_params(policy.model.module, grads=True), "logits": logits,
-           "grad_norm": grad_norm}
-    ref.update(replay_reference(policy, policy.preset, tokens_BT, valid_BT))
+    ref = single_process_reference(policy)
     path = tmp_path_factory.mktemp("experts") / "ref.pt"
     torch.save(ref, path)
     return str(path)

@@ -26,20 +26,29 @@ def reference(single_process, tmp_path_factory):
     preset = get_preset("tiny")
     policy = MoEPolicy.build(preset, ParallelLayout(), real_vocab=preset.vocab_size, seed=3,
                              optim=None)
-    tokens_BT, valid_BT, readout_BTV = pw.batch(preset.vocab_size)
-    logits, grad_norm = pw.run_model(policy, tokens_BT, valid_BT, readout_BTV)
-    assert grad_norm > 0
-    ref = {"preset": preset.name, "params": gather_full_params(policy.model.module),
-           "grads": gather_full_params(policy.model.module, grads=True), "logits": logits,
-           "grad_norm": grad_norm}
-    pw.run_model(policy, tokens_BT, valid_BT, readout_BTV, first=pw.FIRST)
-    ref["grads_from_first"] = gather_full_params(policy.model.module, grads=True)
-    ref.update(replay_reference(policy, preset, tokens_BT, valid_BT))
+    ref = single_process_reference(policy)
     ref["trained"] = gather_full_params(pw.build_trained(preset, ref["params"], slice(None),
                                                          pw.STEPS).model.module)
     path = tmp_path_factory.mktemp("parallel") / "ref.pt"
     torch.save(ref, path)
     return str(path)
+
+
+def single_process_reference(policy) -> dict:
+    """What `pw.worker` compares each layout with: the 1-process logits, grads and grad norm of
+    the fixed batch, the grads from position `pw.FIRST`, and the routing references."""
+    from moe.sharding import gather_full_params
+
+    tokens_BT, valid_BT, readout_BTV = pw.batch(policy.preset.vocab_size)
+    logits, grad_norm = pw.run_model(policy, tokens_BT, valid_BT, readout_BTV)
+    assert grad_norm > 0
+    ref = {"preset": policy.preset.name, "params": gather_full_params(policy.model.module),
+           "grads": gather_full_params(policy.model.module, grads=True), "logits": logits,
+           "grad_norm": grad_norm}
+    pw.run_model(policy, tokens_BT, valid_BT, readout_BTV, first=pw.FIRST)
+    ref["grads_from_first"] = gather_full_params(policy.model.module, grads=True)
+    ref.update(replay_reference(policy, policy.preset, tokens_BT, valid_BT))
+    return ref
 
 
 def replay_reference(policy, preset, tokens_BT, valid_BT) -> dict:
