@@ -37,15 +37,20 @@ def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
     with the weight layout `stacked_weights` gives: one tiny probe call, cached per process."""
     if not hasattr(torch, "_grouped_mm"):
         return False
-    try:
-        x = torch.ones(16, 16, dtype=dtype, device=device_type, requires_grad=True)
-        w = torch.ones(2, 16, 16, dtype=dtype, device=device_type, requires_grad=True)
-        offs = torch.tensor([8, 16], dtype=torch.int32, device=device_type)
-        out = torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
-        out.backward(torch.ones_like(out))  # a dense grad (`_contiguous_grad`)
-        return True
+    try:  # the first caller is usually the sampler, under inference mode: probe with grad
+        with torch.inference_mode(False), torch.enable_grad():
+            return _probe_grouped_mm(device_type, dtype)
     except (RuntimeError, NotImplementedError):  # no kernel for this device, dtype or arch
         return False
+
+
+def _probe_grouped_mm(device_type: str, dtype: torch.dtype) -> bool:
+    x = torch.ones(16, 16, dtype=dtype, device=device_type, requires_grad=True)
+    w = torch.ones(2, 16, 16, dtype=dtype, device=device_type, requires_grad=True)
+    offs = torch.tensor([8, 16], dtype=torch.int32, device=device_type)
+    out = torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+    out.backward(torch.ones_like(out))  # a dense grad (`_contiguous_grad`)
+    return True
 
 
 class GroupedSequentialMLP(SequentialMLP):

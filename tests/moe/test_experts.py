@@ -109,6 +109,37 @@ def test_unsupported_shapes_fall_back_to_the_loop(single_process):
     assert not experts._grouped_ok(x_NH.double())
 
 
+@pytest.mark.parametrize("mode", [torch.inference_mode, torch.no_grad])
+def test_grouped_mm_probe_answers_the_same_under_no_grad(single_process, mode):
+    """The first expert call of a run is the sampler's, under inference mode: the probe's
+    backward must not fail there (it did, and cached False: the trainer's experts all ran
+    megatron's loop)."""
+    grouped_mm_runs.cache_clear()
+    try:
+        with mode():
+            assert grouped_mm_runs("cpu", torch.float32)
+    finally:
+        grouped_mm_runs.cache_clear()
+
+
+def test_the_trainer_runs_the_grouped_experts(tmp_path, monkeypatch):
+    """End to end: one iteration (rollout, pi_old's pass, optimizer steps) calls `_grouped_mm`
+    in every MoE layer forward, the sampler's included (the probe's cache starts empty)."""
+    from tests.megatron_gspo.test_trainer import make_trainer
+
+    grouped_mm_runs.cache_clear()
+    calls = []
+    grouped_mm = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(
+        torch.is_grad_enabled()) or grouped_mm(*a, **k))
+    loops, loop = [], SequentialMLP.forward
+    monkeypatch.setattr(SequentialMLP, "forward", lambda *a, **k: loops.append(1) or loop(*a, **k))
+    trainer = make_trainer(tmp_path)
+    trainer.iteration()
+    assert not loops, "megatron's per-expert loop ran"
+    assert True in calls and False in calls  # optimizer steps and no-grad passes both grouped
+
+
 def test_a_device_without_grouped_mm_kernels_falls_back(single_process, monkeypatch):
     """Where `_grouped_mm` has no kernel (CUDA before sm90, fp32 on some torch builds) the probe
     says so once and the experts run megatron's loop, with the same logits."""
