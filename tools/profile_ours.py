@@ -9,12 +9,16 @@ Same trainer and overrides as `tools.bench_throughput --force-length --skip-trl`
 profiler sessions: (1) `--iterations` rollouts (KV-cache sampling + reward), (2) as many
 iterations on a fixed, already sampled batch (pi_old pass + 4 optimizer steps). Prints for each
 the operators with the largest self CPU time (markdown, as experiments/throughput/README.md
-shows them) and the trainer's own phase timings (slower than unprofiled runs).
+shows them; with a GPU, also by self GPU time) and the trainer's own phase timings (slower than
+unprofiled runs). Then, unprofiled, `--iterations` more on the same batch with wall-clock timers
+around the parts of each optimizer step (`step_breakdown`: forward, loss, backward, optimizer;
+on a GPU each timer synchronizes, which costs the overlap of host and device).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import tempfile
 import time
@@ -53,6 +57,66 @@ def top_table(prof, n: int, where: str = "CPU") -> str:
     return "\n".join(out)
 
 
+STEP_PARTS = (("forward", "policy", "token_logprobs"), ("loss", "trainer", "loss_fn"),
+              ("backward", "policy", "backward"), ("optimizer", "policy", "step"))
+
+
+@contextlib.contextmanager
+def shadowed(obj, attr: str, value):
+    """Within: `obj.attr` is `value` (an instance attribute); after: what it was before (an
+    instance attribute set back, or none: the class's again)."""
+    had, old = attr in vars(obj), vars(obj).get(attr)
+    setattr(obj, attr, value)
+    try:
+        yield
+    finally:
+        if had:
+            setattr(obj, attr, old)
+        else:
+            delattr(obj, attr)
+
+
+def step_breakdown(trainer, iterations: int) -> str:
+    """Markdown: wall ms per optimizer step of each part of `Trainer.train_step`, over
+    `iterations` iterations (the parts are timed only inside `train_step`)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    spent = {name: 0.0 for name, _, _ in STEP_PARTS} | {"train_step": 0.0}
+    owners = {"policy": trainer.policy, "trainer": trainer}
+
+    def timed(name, fn):
+        def call(*a, **k):
+            sync()
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                sync()
+                spent[name] += time.perf_counter() - t0
+        return call
+
+    step = trainer.train_step
+
+    def train_step(*a, **k):
+        with contextlib.ExitStack() as stack:
+            for name, who, attr in STEP_PARTS:
+                obj = owners[who]
+                stack.enter_context(shadowed(obj, attr, timed(name, getattr(obj, attr))))
+            return timed("train_step", step)(*a, **k)
+
+    steps_before = trainer.state.opt_step
+    with shadowed(trainer, "train_step", train_step):
+        for _ in range(iterations):
+            trainer.iteration()
+    n = trainer.state.opt_step - steps_before
+    total = spent["train_step"] or 1.0
+    rows = ["| part of an optimizer step | ms per step | % of the step |", "|---|---|---|"]
+    rest = total - sum(spent[name] for name, _, _ in STEP_PARTS)
+    for name, t in [(name, spent[name]) for name, _, _ in STEP_PARTS] + [
+            ("rest (metrics, flips, replay set-up)", rest), ("train_step", total)]:
+        rows.append(f"| {name} | {1e3 * t / n:.1f} | {100 * t / total:.0f} |")
+    return "\n".join(rows)
+
+
 def main(argv=None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
@@ -74,6 +138,7 @@ def main(argv=None) -> int:
         trainer.rollout = lambda i: batches[0]
         with profile(activities=activities) as train_prof:
             timings = [trainer.iteration() for _ in range(args.iterations)]
+        breakdown = step_breakdown(trainer, args.iterations)
         trainer.rt.close()
     device = f", {torch.cuda.get_device_name()}" if gpu else ""
     tables = []
@@ -88,7 +153,9 @@ def main(argv=None) -> int:
         f"{' '.join(overrides[1:])}", *tables,
         f"\nprofiled seconds per iteration: rollout {rollout_s:.3f}; " + "; ".join(
             f"{k} {sum(t[f'time/{k}'] for t in timings) / len(timings):.3f}"
-            for k in ("old_forward", "train"))])
+            for k in ("old_forward", "train")),
+        f"\nunprofiled, {args.iterations} iterations of {len(batches[0])} sequences in 4 "
+        "optimizer steps each, wall time of the parts of a step:\n", breakdown])
     print(text)
     if args.readme:
         from tools.result_table import write_into
