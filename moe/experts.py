@@ -34,13 +34,19 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 @functools.cache
 def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
     """Whether torch's `_grouped_mm` runs forward and backward on this device type and dtype,
-    with the weight layout `stacked_weights` gives: one tiny probe call, cached per process."""
-    if not hasattr(torch, "_grouped_mm"):
+    with the weight layout `stacked_weights` gives: one tiny probe call (on the current device
+    of that type), cached per process. Out-of-memory and CUDA errors propagate uncached."""
+    if not hasattr(torch, "_grouped_mm") or (device_type == "cuda"
+                                             and not torch.cuda.is_available()):
         return False
     try:  # the first caller is usually the sampler, under inference mode: probe with grad
         with torch.inference_mode(False), torch.enable_grad():
             return _probe_grouped_mm(device_type, dtype)
-    except (RuntimeError, NotImplementedError):  # no kernel for this device, dtype or arch
+    except torch.OutOfMemoryError:  # not an answer about kernels: not cached
+        raise
+    except (RuntimeError, NotImplementedError) as e:  # no kernel for this device, dtype or arch
+        if "CUDA error" in str(e):  # a broken CUDA context, not a missing kernel
+            raise
         return False
 
 

@@ -255,6 +255,7 @@ class MoEPolicy:
     def backward(self, loss: torch.Tensor) -> None:
         """`loss.backward()`, times the fp16 loss scale when there is one. Under activation
         recompute, routers re-run in the backward replay what the forward replayed."""
+        self._check_not_reduced("backward")
         replays, self.backward_replays = self.backward_replays, []
         with replay_backward(self, replays):
             (loss if self.optimizer is None else self.optimizer.scale_loss(loss)).backward()
@@ -280,8 +281,16 @@ class MoEPolicy:
         """
         from megatron.core.distributed import finalize_model_grads
 
+        self._check_not_reduced("step")
         finalize_model_grads([self.model])
         return self.optimizer.step()
+
+    def _check_not_reduced(self, what: str) -> None:
+        """After `reduce_grads` the grads are reduced and aliased as `.grad`: a backward would
+        add into them twice, a step reduce them again (tp x the layernorm grads under SP)."""
+        if self._grads_exposed:
+            raise RuntimeError(f"{what}() after reduce_grads(): call zero_grad() first (the "
+                               "grads were already reduced and exposed as .grad)")
 
     def weights_changed(self) -> None:
         """Call after writing the model's weights outside the optimizer (init checkpoint, HF

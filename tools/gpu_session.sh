@@ -16,7 +16,7 @@ mkdir -p "$OUT"
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
+  export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 README="$OUT/README.md"
@@ -35,10 +35,10 @@ timeout 240 python3 -m pytest -q -p no:cacheprovider -m "gpu or not slow" tests/
   tests/moe/test_experts.py > "$OUT/tests.log" 2>&1
 tail -3 "$OUT/tests.log"
 
-BENCH="python3 -m tools.bench_throughput --skip-trl --peak-tflops 989 --force-length
-  --iterations 3 --warmup 1 --set model.dtype=bf16 --set model.preset=small --readme $README"
-timeout 180 $BENCH --prompts 8 --group-size 8 --max-new-tokens 128 --marker gpu_small_grouped \
-  2>&1 | tail -4
+BENCH=(python3 -m tools.bench_throughput --skip-trl --peak-tflops 989 --force-length
+  --iterations 3 --warmup 1 --set model.dtype=bf16 --set model.preset=small --readme "$README")
+timeout 180 "${BENCH[@]}" --prompts 8 --group-size 8 --max-new-tokens 128 \
+  --marker gpu_small_grouped 2>&1 | tail -4
 timeout 240 python3 -m tools.profile_ours --set model.dtype=bf16 --set model.preset=small \
   --max-new-tokens 32 --warmup 1 --iterations 1 --top 15 --readme "$README" \
   --marker gpu_profile_small 2>&1 | tail -3

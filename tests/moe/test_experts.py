@@ -122,6 +122,27 @@ def test_grouped_mm_probe_answers_the_same_under_no_grad(single_process, mode):
         grouped_mm_runs.cache_clear()
 
 
+def test_grouped_mm_probe_errors_that_are_not_about_kernels(single_process, monkeypatch):
+    """No CUDA in this torch: "no" without an error. Out of memory or a broken CUDA context:
+    raised, not cached as "no kernel" (which would make the rest of the run take the loop)."""
+    import moe.experts as experts
+
+    grouped_mm_runs.cache_clear()
+    try:
+        if not torch.cuda.is_available():
+            assert not grouped_mm_runs("cuda", torch.float32)
+        for error in (torch.OutOfMemoryError("probe"), RuntimeError("CUDA error: launch failure")):
+            def fail(*a, error=error):
+                raise error
+            monkeypatch.setattr(experts, "_probe_grouped_mm", fail)
+            with pytest.raises(type(error)):
+                grouped_mm_runs("cpu", torch.float32)
+        monkeypatch.undo()
+        assert grouped_mm_runs("cpu", torch.float32)  # the errors were not cached
+    finally:
+        grouped_mm_runs.cache_clear()
+
+
 def test_the_trainer_runs_the_grouped_experts(tmp_path, monkeypatch):
     """End to end: one iteration (rollout, pi_old's pass, optimizer steps) calls `_grouped_mm`
     in every MoE layer forward, the sampler's included (the probe's cache starts empty)."""
@@ -134,10 +155,14 @@ def test_the_trainer_runs_the_grouped_experts(tmp_path, monkeypatch):
         torch.is_grad_enabled()) or grouped_mm(*a, **k))
     loops, loop = [], SequentialMLP.forward
     monkeypatch.setattr(SequentialMLP, "forward", lambda *a, **k: loops.append(1) or loop(*a, **k))
-    trainer = make_trainer(tmp_path)
-    trainer.iteration()
+    try:
+        trainer = make_trainer(tmp_path)
+        trainer.iteration()
+    finally:
+        grouped_mm_runs.cache_clear()
     assert not loops, "megatron's per-expert loop ran"
-    assert True in calls and False in calls  # optimizer steps and no-grad passes both grouped
+    # the probe made one call with grad (fp32 only); the optimizer steps made the others
+    assert calls.count(True) > 1 and False in calls
 
 
 def test_a_device_without_grouped_mm_kernels_falls_back(single_process, monkeypatch):

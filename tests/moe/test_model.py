@@ -197,6 +197,9 @@ def test_zero_grad_after_reduce_grads_starts_from_zero(single_process):
     _, first = pw.run_model(policy, tokens_BT, valid_BT, readout_BTV)
     _, second = pw.run_model(policy, tokens_BT, valid_BT, readout_BTV)
     assert first > 0 and second == pytest.approx(first, rel=1e-6)
+    loss = pw.loss_fn(policy.logits(tokens_BT, valid_BT), valid_BT, readout_BTV)
+    with pytest.raises(RuntimeError, match=r"backward\(\) after reduce_grads\(\)"):
+        policy.backward(loss)  # without zero_grad: it would add into the reduced grads
 
 
 def _output_rows_seen(policy) -> list[int]:
