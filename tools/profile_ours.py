@@ -12,16 +12,20 @@ the operators with the largest self CPU time (markdown, as experiments/throughpu
 shows them; with a GPU, also by self GPU time) and the trainer's own phase timings (slower than
 unprofiled runs). Then, unprofiled, `--iterations` more on the same batch with wall-clock timers
 around the parts of each optimizer step (`step_breakdown`: forward, loss, backward, optimizer;
-on a GPU each timer synchronizes, which costs the overlap of host and device).
+on a GPU each timer synchronizes, which costs the overlap of host and device). On a GPU, last,
+the Python lines that synchronized host and device during one rollout and one iteration
+(`sync_sites`).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import sys
 import tempfile
 import time
+import warnings
 
 import torch
 
@@ -117,6 +121,36 @@ def step_breakdown(trainer, iterations: int) -> str:
     return "\n".join(rows)
 
 
+def sync_sites(run, top: int) -> str:
+    """CUDA: markdown of the Python lines that made the host wait for the GPU while `run()` ran
+    (`torch.cuda.set_sync_debug_mode("warn")`: a warning per synchronizing call), most first."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sites_table([w for w in caught if "synchroniz" in str(w.message)], top)
+
+
+def sites_table(records, top: int) -> str:
+    """Markdown: warning records counted per call site (path from the package root)."""
+    def site(r) -> str:
+        path = r.filename.replace("\\", "/")
+        for root in ("site-packages/", "/megatron_gspo/", "/moe/", "/tools/"):
+            if root in path:
+                path = ("" if root == "site-packages/" else root.strip("/") + "/") \
+                    + path.split(root, 1)[1]
+                break
+        return f"{path}:{r.lineno}"
+
+    counts = collections.Counter(site(r) for r in records)
+    rows = ["| call site | host-device syncs |", "|---|---|"]
+    rows += [f"| `{k}` | {n} |" for k, n in counts.most_common(top)]
+    return "\n".join(rows + [f"| total ({len(counts)} sites) | {sum(counts.values())} |"])
+
+
 def main(argv=None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
@@ -135,10 +169,12 @@ def main(argv=None) -> int:
         with profile(activities=activities) as rollout_prof:
             batches = [trainer.rollout(it + i) for i in range(args.iterations)]
         rollout_s = (time.perf_counter() - t0) / args.iterations
+        sample = trainer.rollout
         trainer.rollout = lambda i: batches[0]
         with profile(activities=activities) as train_prof:
             timings = [trainer.iteration() for _ in range(args.iterations)]
         breakdown = step_breakdown(trainer, args.iterations)
+        syncs = sync_sites(lambda: (sample(it), trainer.iteration()), args.top) if gpu else None
         trainer.rt.close()
     device = f", {torch.cuda.get_device_name()}" if gpu else ""
     tables = []
@@ -155,7 +191,9 @@ def main(argv=None) -> int:
             f"{k} {sum(t[f'time/{k}'] for t in timings) / len(timings):.3f}"
             for k in ("old_forward", "train")),
         f"\nunprofiled, {args.iterations} iterations of {len(batches[0])} sequences in 4 "
-        "optimizer steps each, wall time of the parts of a step:\n", breakdown])
+        "optimizer steps each, wall time of the parts of a step:\n", breakdown]
+        + ([] if syncs is None else ["\nhost-device synchronizations over one rollout and one "
+                                     "iteration, by call site:\n", syncs]))
     print(text)
     if args.readme:
         from tools.result_table import write_into

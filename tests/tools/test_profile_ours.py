@@ -1,5 +1,7 @@
 """tools.profile_ours.step_breakdown: the parts of a train step, timed without leaving a trace."""
 
+import pytest
+
 from tests.megatron_gspo.test_trainer import make_trainer
 from tools.profile_ours import STEP_PARTS, step_breakdown
 
@@ -20,3 +22,35 @@ def test_step_breakdown_times_each_part_and_restores_the_methods(tmp_path):
     assert sum(ms[name] for name, _, _ in STEP_PARTS) <= ms["train_step"] + 0.1
     assert "train_step" not in trainer.__dict__ and "loss_fn" in trainer.__dict__
     assert "token_logprobs" not in trainer.policy.__dict__ and "backward" not in trainer.policy.__dict__
+
+
+def test_sync_sites_counts_each_synchronizing_line(monkeypatch):
+    """`sync_sites` turns torch's per-call sync warnings into a table by call site, and leaves
+    the debug mode back at default even when the run raises."""
+    import warnings
+
+    import torch
+
+    from tools.profile_ours import sync_sites
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def run():
+        for _ in range(3):
+            warnings.warn("called a synchronizing CUDA operation")  # this line: 3 syncs
+        warnings.warn("called a synchronizing CUDA operation")
+        warnings.warn("an unrelated warning")
+
+    table = sync_sites(run, top=5)
+    lines = table.splitlines()
+    assert modes == ["warn", "default"]
+    assert lines[2].startswith("| `") and lines[2].endswith(" | 3 |") and "test_profile_ours" in lines[2]
+    assert lines[-1] == "| total (2 sites) | 4 |"
+
+    def broken():
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError):
+        sync_sites(broken, top=5)
+    assert modes[-1] == "default"
