@@ -127,6 +127,28 @@ def _check_kv_decoder(policy, ref, rows, tokens_BT, valid_BT, what) -> None:
     assert torch.equal(got.sort(-1).values, want.sort(-1).values), f"{what}: KV routing"
 
 
+def check_sliced_output(policy, ref, rows, tokens_BT, valid_BT, readout_BTV, what) -> None:
+    """The output layer projects positions FIRST.. only (under SP: gathered, then sliced), with
+    the 1-process logits and grads; also at T - 1 columns, which SP pads to a multiple of TP."""
+    from moe.sharding import gather_full_params
+
+    for T, key in ((tokens_BT.shape[1], "from_first"), (tokens_BT.shape[1] - 1, "odd")):
+        seen = []
+        hook = policy.model.module.output_layer.register_forward_hook(
+            lambda m, args, out: seen.append(out[0].shape[0]))
+        part, _ = run_model(policy, tokens_BT[:, :T], valid_BT[:, :T], readout_BTV[:, :T],
+                            first=FIRST)
+        hook.remove()
+        at = f"{what}, T={T}"
+        assert seen == [T + (-T) % (policy.layout.tp if policy.layout.sequence_parallel else 1)
+                        - FIRST], f"{at}: output layer rows {seen}"
+        torch.testing.assert_close(part, ref["logits"][rows][:, FIRST:T], atol=ATOL, rtol=RTOL,
+                                   msg=lambda m: f"{at}: logits from {FIRST}: {m}")
+        for name, g in gather_full_params(policy.model.module, grads=True).items():
+            torch.testing.assert_close(g, ref[f"grads_{key}"][name], atol=ATOL, rtol=RTOL,
+                                       msg=lambda m: f"{at}: grad {name} from {FIRST}: {m}")
+
+
 def worker(rank: int, world: int, port: int, ref_path: str, layouts: list) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
@@ -134,11 +156,10 @@ def worker(rank: int, world: int, port: int, ref_path: str, layouts: list) -> No
     from moe.optim import OptimSettings
     from moe.parallel import destroy_parallel, init_parallel
     from moe.policy import MoEPolicy
-    from moe.presets import get_preset
     from moe.sharding import gather_full_params, load_full_params
 
     ref = torch.load(ref_path, weights_only=False)
-    preset = get_preset(ref["preset"])
+    preset = ref["preset"]  # a MoEPreset (variants of the named ones included)
     tokens_BT, valid_BT, readout_BTV = batch(preset.vocab_size)
     try:
         for tp, ep, sp, dispatcher in layouts:
@@ -169,19 +190,8 @@ def worker(rank: int, world: int, port: int, ref_path: str, layouts: list) -> No
                 f"{what}: optimizer grad norm {clip_norm} != {ref['grad_norm']}"
             check_replay(policy, info, ref, rows, tokens_BT[rows], valid_BT[rows], what)
             check_kv_decode(policy, ref, rows, tokens_BT[rows], valid_BT[rows], what)
-            # the output layer on positions 5.. only (under SP: gathered, then sliced)
-            seen = []
-            hook = policy.model.module.output_layer.register_forward_hook(
-                lambda m, args, out: seen.append(out[0].shape[0]))
-            part, _ = run_model(policy, tokens_BT[rows], valid_BT[rows], readout_BTV[rows],
-                                first=FIRST)
-            hook.remove()
-            assert seen == [tokens_BT.shape[1] - FIRST], f"{what}: output layer rows {seen}"
-            torch.testing.assert_close(part, ref["logits"][rows][:, FIRST:], atol=ATOL,
-                                       rtol=RTOL, msg=lambda m: f"{what}: logits from {FIRST}: {m}")
-            for name, g in gather_full_params(policy.model.module, grads=True).items():
-                torch.testing.assert_close(g, ref["grads_from_first"][name], atol=ATOL, rtol=RTOL,
-                                           msg=lambda m: f"{what}: grad {name} from {FIRST}: {m}")
+            check_sliced_output(policy, ref, rows, tokens_BT[rows], valid_BT[rows],
+                                readout_BTV[rows], what)
     finally:
         destroy_parallel()
 
@@ -251,10 +261,9 @@ def training_worker(rank: int, world: int, port: int, ref_path: str, tmp_dir: st
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     from moe.parallel import destroy_parallel
-    from moe.presets import get_preset
 
     ref = torch.load(ref_path, weights_only=False)
-    preset = get_preset(ref["preset"])
+    preset = ref["preset"]
     try:
         out = optimizer_checks(rank, preset, ref, os.path.join(tmp_dir, "dp2"))
         out.update(checkpoint_checks(rank, preset, ref, os.path.join(tmp_dir, "tp2_step_2")))

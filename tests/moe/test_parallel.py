@@ -42,11 +42,14 @@ def single_process_reference(policy) -> dict:
     tokens_BT, valid_BT, readout_BTV = pw.batch(policy.preset.vocab_size)
     logits, grad_norm = pw.run_model(policy, tokens_BT, valid_BT, readout_BTV)
     assert grad_norm > 0
-    ref = {"preset": policy.preset.name, "params": gather_full_params(policy.model.module),
+    ref = {"preset": policy.preset, "params": gather_full_params(policy.model.module),
            "grads": gather_full_params(policy.model.module, grads=True), "logits": logits,
            "grad_norm": grad_norm}
     pw.run_model(policy, tokens_BT, valid_BT, readout_BTV, first=pw.FIRST)
     ref["grads_from_first"] = gather_full_params(policy.model.module, grads=True)
+    T = tokens_BT.shape[1] - 1  # an odd length: padded under SP
+    pw.run_model(policy, tokens_BT[:, :T], valid_BT[:, :T], readout_BTV[:, :T], first=pw.FIRST)
+    ref["grads_odd"] = gather_full_params(policy.model.module, grads=True)
     ref.update(replay_reference(policy, policy.preset, tokens_BT, valid_BT))
     return ref
 
@@ -95,3 +98,23 @@ def test_worker_detects_a_wrong_weight(single_process, reference, tmp_path):
     with pytest.raises(Exception, match="differ|grad"):
         pw.spawn(pw.worker, (1, pw.free_port(), str(bad), [(1, 1, False, "alltoall")]), nprocs=1,
                  timeout_s=TIMEOUT_S)
+
+
+@pytest.mark.slow
+def test_tied_embeddings_under_tp_and_sp_match_single_process(single_process, tmp_path):
+    """Tied input / output embeddings: under TP=2 + SP the sliced output layer's grads reach the
+    shared (vocab-parallel) embedding weight as in 1 process."""
+    import dataclasses
+
+    from moe.model import ParallelLayout
+    from moe.policy import MoEPolicy
+    from moe.presets import get_preset
+
+    preset = dataclasses.replace(get_preset("tiny"), name="tiny-tied", tie_word_embeddings=True)
+    policy = MoEPolicy.build(preset, ParallelLayout(), real_vocab=preset.vocab_size, seed=3,
+                             optim=None)
+    assert policy.model.module.share_embeddings_and_output_weights
+    path = tmp_path / "ref.pt"
+    torch.save(single_process_reference(policy), path)
+    pw.spawn(pw.worker, (2, pw.free_port(), str(path), [(2, 1, True, "allgather")]), nprocs=2,
+             timeout_s=TIMEOUT_S)
