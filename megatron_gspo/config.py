@@ -76,6 +76,11 @@ class ModelConfig:
     """Maximum sequence length (prompt + response tokens) the model is built for; None = the
     preset's (64 for the tiny presets; long-response tasks and datasets need more), or
     config.json's with hf_path. RoPE has no length-bound parameters, so this changes no weight."""
+    num_layers: Optional[int] = None
+    """The preset's architecture with this many decoder layers (random init): a real model's
+    layer shapes (e.g. qwen3-30b-a3b's 128 experts of hidden 2048) at a depth one device holds,
+    for throughput and memory measurements. None = the preset's depth. Not with hf_path (a
+    checkpoint's depth is its config.json's)."""
     recompute_granularity: Literal["off", "selective", "full"] = "off"
     """megatron's activation recompute for long responses: 'selective' re-runs
     recompute_modules in the backward, 'full' every transformer layer. Same grads (routing
@@ -91,7 +96,7 @@ class ModelConfig:
     def __post_init__(self):
         validate(self, nonempty=("preset", "hf_path"),
                  ge={"tp": 1, "ep": 1, "aux_loss_coeff": 0, "vocab_multiple": 1,
-                     "max_seq_len": 2},
+                     "max_seq_len": 2, "num_layers": 1},
                  gt={"dist_timeout_min": 0})
         object.__setattr__(self, "dispatcher", resolve_dispatcher(self.dispatcher, self.ep))
         check(self, "dist_timeout_min", self.dist_timeout_min < float("inf"), "must be finite")
@@ -103,6 +108,8 @@ class ModelConfig:
         from moe.presets import PRESETS
 
         check(self, "preset", self.preset in PRESETS, f"unknown preset; valid: {sorted(PRESETS)}")
+        check(self, "num_layers", self.num_layers is None or self.hf_path is None,
+              "only with model.preset (model.hf_path's depth comes from its config.json)")
         for name, msg in layout_problems(self):  # the rules live in moe.model
             check(self, name, False, msg)
 

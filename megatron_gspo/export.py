@@ -60,6 +60,8 @@ def export_run(run_dir: str, out: str, hf_path: str | None = None,
             hf_path
     else:
         base, preset, vocab, tokenizer_src = None, get_preset(model_cfg["preset"]), None, None
+        if model_cfg.get("num_layers"):  # model.num_layers: the preset at that depth
+            preset = dataclasses.replace(preset, num_layers=model_cfg["num_layers"])
     if dist_ckpt.is_dist_checkpoint(os.path.join(step_dir, "dist")):  # any layout
         full = dist_ckpt.full_params(os.path.join(step_dir, "dist"), preset)
     elif "full_params" in state:  # written before dist checkpoints

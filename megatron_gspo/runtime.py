@@ -73,8 +73,8 @@ def layout_of(cfg: RunConfig) -> ParallelLayout:
 
 def resolve_preset(cfg: RunConfig, vocab_size: int) -> MoEPreset:
     """model.hf_path's config.json (vocab padded to vocab_multiple * tp), else model.preset with
-    the tokenizer's vocab padded to 16 * tp (the toy path, unchanged); model.max_seq_len if
-    set."""
+    the tokenizer's vocab padded to 16 * tp (the toy path, unchanged), model.num_layers deep if
+    set; model.max_seq_len if set."""
     tp = cfg.model.tp
     if cfg.model.hf_path:
         from moe.hf.config import preset_from_hf
@@ -84,6 +84,8 @@ def resolve_preset(cfg: RunConfig, vocab_size: int) -> MoEPreset:
                                    multiple=cfg.model.vocab_multiple * tp)
     else:
         preset = get_preset(cfg.model.preset).with_vocab(vocab_size, multiple=16 * tp)
+        if cfg.model.num_layers:
+            preset = dataclasses.replace(preset, num_layers=cfg.model.num_layers)
     if cfg.model.max_seq_len:
         preset = dataclasses.replace(preset, max_seq_len=cfg.model.max_seq_len)
     return preset

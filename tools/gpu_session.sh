@@ -5,6 +5,7 @@
 #   bash tools/gpu_session.sh env tests point    # about 6 minutes: versions, GPU tests, one point
 #   bash tools/gpu_session.sh profile            # about 4: torch.profiler tables by GPU time
 #   bash tools/gpu_session.sh sweep              # about 8: ours over lengths x batch sizes
+#   bash tools/gpu_session.sh real               # about 4: 2 layers of Qwen3-30B-A3B's shapes
 #   bash tools/gpu_session.sh                    # all stages (outside the device tool's limit)
 #
 # Outputs under $OUT (the device tool's; default runs/gpu_session): env.txt, tests.log, and
@@ -15,7 +16,7 @@
 # carried with the device tool's `carry`); they are installed into /tmp/site once per machine.
 set -u
 OUT=${OUT:-runs/gpu_session}
-STAGES=${*:-env tests point profile sweep}
+STAGES=${*:-env tests point profile sweep real}
 mkdir -p "$OUT"
 if compgen -G ".whl/*.whl" > /dev/null; then
   if [ ! -d /tmp/site/megatron ]; then
@@ -55,8 +56,13 @@ EOF
       timeout 540 python3 -m tools.bench_throughput --sweep --skip-trl --peak-tflops 989 \
         --lengths 32,128 --batches 8x8,16x16 --out "$OUT/sweep" "${SMALL[@]}" \
         --marker gpu_sweep 2>&1 | tail -3 ;;
+    real)  # a real model's layer shapes (128 experts of hidden 2048, top-8) at a depth that fits
+      timeout 420 python3 -m tools.bench_throughput --skip-trl --peak-tflops 989 --force-length \
+        --iterations 3 --warmup 1 --prompts 8 --group-size 8 --max-new-tokens 128 \
+        --set model.dtype=bf16 --set model.preset=qwen3-30b-a3b --set model.num_layers=2 \
+        --readme "$README" --marker gpu_qwen3_layers 2>&1 | tail -4 ;;
     *)
-      echo "unknown stage '$stage': expected env, tests, point, profile or sweep" >&2
+      echo "unknown stage '$stage': expected env, tests, point, profile, sweep or real" >&2
       exit 2 ;;
   esac
 done

@@ -190,11 +190,17 @@ def test_bool_parsing(text, flag):
     ("model.tp=2", "model.sequence_parallel=False: must be true with tp=2"),
     ("model.dist_timeout_min=0", "model.dist_timeout_min=0.0: must be > 0"),
     ("model.dist_timeout_min=.inf", "model.dist_timeout_min=inf: must be finite"),
+    ("model.num_layers=0", "model.num_layers=0: must be >= 1"),
 ])
 def test_bad_overrides_raise_naming_key(override, fragment):
     with pytest.raises(ConfigError) as e:
         load_config(None, [override])
     assert fragment in str(e.value)
+
+
+def test_num_layers_is_for_presets_only():
+    with pytest.raises(ConfigError, match=r"model.num_layers=3: only with model.preset"):
+        load_config(None, ["model.num_layers=3", "model.hf_path=/some/folder"])
 
 
 def test_routing_replay_error_lists_valid_literals():
@@ -259,7 +265,7 @@ def test_every_field_has_a_docstring():
         for f in dataclasses.fields(cls):
             assert docs.get(f.name, "").strip(), f"{cls.__name__}.{f.name} has no docstring"
             seen += 1
-    assert seen == 15 + 14 + 5 + 9 + 7 + 14 + 13 + 7 + 3 + 14 + 3 + 3  # every field of every section
+    assert seen == 15 + 15 + 5 + 9 + 7 + 14 + 13 + 7 + 3 + 14 + 3 + 3  # every field of every section
 
 
 def test_describe_config_lists_every_key_with_default_and_doc():
@@ -272,7 +278,7 @@ def test_describe_config_lists_every_key_with_default_and_doc():
     assert "train.num_minibatches: int = 4" in text
     assert "must divide prompts_per_batch * group_size" in text
     n_keys = sum(1 for ln in text.splitlines() if ln and not ln.startswith((" ", "[", "megat")))
-    assert n_keys == 4 + 14 + 5 + 9 + 7 + 14 + 13 + 7 + 3 + 14 + 3 + 3
+    assert n_keys == 4 + 15 + 5 + 9 + 7 + 14 + 13 + 7 + 3 + 14 + 3 + 3
 
 
 def test_loss_section_is_the_policy_loss_config():

@@ -122,18 +122,24 @@ def test_export_round_trip_and_greedy_generation_match(single_process, hf_dir, t
         assert torch.equal(p, before[n]), n
 
 
-@pytest.mark.parametrize("legacy", [False, True], ids=["dist", "full_params"])
-def test_export_of_a_toy_run_is_a_qwen3_moe_model(single_process, tmp_path, capsys, legacy):
+@pytest.mark.parametrize("legacy,layers", [(False, None), (True, None), (False, 3)],
+                         ids=["dist", "full_params", "num_layers"])
+def test_export_of_a_toy_run_is_a_qwen3_moe_model(single_process, tmp_path, capsys, legacy,
+                                                  layers):
     """A run without hf_path exports its preset's shape (no tokenizer files), from a dist
-    checkpoint or an older one's full_params."""
+    checkpoint or an older one's full_params; with model.num_layers, at that depth."""
     from megatron_gspo.runtime import build_policy
 
-    cfg = load_config(None, [f"run_dir={tmp_path / 'toy'}", "model.preset=tiny"])
+    cfg = load_config(None, [f"run_dir={tmp_path / 'toy'}", "model.preset=tiny"]
+                      + ([f"model.num_layers={layers}"] if layers else []))
     policy = build_policy(cfg, 26, optim=None)
+    assert policy.preset.num_layers == (layers or 2)
     save_run(policy, cfg, cfg.run_dir, legacy=legacy)
     out = str(tmp_path / "toy_hf")
     assert cli_main(["export", "--run-dir", cfg.run_dir, "--to-hf", out]) == 0
     assert not json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokenizer"]
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["num_hidden_layers"] == (layers or 2)
     tokens_BT = torch.randint(0, 26, (2, 9), generator=torch.Generator().manual_seed(0))
     valid_BT = torch.ones_like(tokens_BT, dtype=torch.bool)
     with torch.no_grad():
