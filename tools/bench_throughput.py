@@ -273,7 +273,8 @@ def measure(args) -> dict:
     out.update(train_flops_per_token=3 * preset.flops_per_token(seq_len),
                device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
     out.update(skip_reason=skip_reason, wall=wall, attn_impl=attn_impl,
-               overrides=overrides[1:], preset=f"{preset.name}, {preset.num_layers} layer" + "s" * (preset.num_layers != 1),
+               overrides=overrides[1:],
+               preset=f"{preset.name}, {preset.num_layers} layer" + "s" * (preset.num_layers > 1),
                vocab=preset.vocab_size,
                params=preset.num_params()["total"], cpu=cpu_model(), versions=versions())
     return out
