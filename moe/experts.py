@@ -14,7 +14,8 @@ torch's `_grouped_mm` over the stacked expert weights: fc1 of all experts in one
 activation and the prob scaling once over all N tokens, fc2 in one call. The per-expert
 arithmetic is the same (tests/moe/test_experts.py: equal to `SequentialMLP` to fp32 rounding,
 forward and grads, also under EP=2); the weights are stacked (copied) once per forward (once per
-rollout in the sampler, `moe.decode`, where the weights cannot change), and the stack's backward hands each expert weight its own grad, so megatron DDP's grad hooks run as usual.
+rollout in the sampler, `moe.decode`, where the weights cannot change), and the stack's backward
+hands each expert weight its own grad, so megatron DDP's grad hooks run as usual.
 
 Falls back to `SequentialMLP.forward` where the batched path does not apply: a device and dtype
 where the installed torch's `_grouped_mm` does not run (`grouped_mm_runs` probes it once: CUDA's

@@ -265,7 +265,8 @@ def test_every_field_has_a_docstring():
         for f in dataclasses.fields(cls):
             assert docs.get(f.name, "").strip(), f"{cls.__name__}.{f.name} has no docstring"
             seen += 1
-    assert seen == 15 + 15 + 5 + 9 + 7 + 14 + 13 + 7 + 3 + 14 + 3 + 3  # every field of every section
+    # every field of every section
+    assert seen == 15 + 15 + 5 + 9 + 7 + 14 + 13 + 7 + 3 + 14 + 3 + 3
 
 
 def test_describe_config_lists_every_key_with_default_and_doc():
