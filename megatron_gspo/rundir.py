@@ -65,9 +65,27 @@ def fingerprint(semantic: dict) -> str:
     return hashlib.sha256(json.dumps(semantic, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def differing_keys(old: dict, new: dict) -> list[str]:
-    return [f"{k}: {old.get(k, '<unset>')!r} -> {new.get(k, '<unset>')!r}"
-            for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+def differing_keys(old: dict, new: dict, defaults: dict | None = None) -> list[str]:
+    """`key: old -> new` for each key whose value differs ('<unset>' where a side lacks it). A
+    key the old record lacks while the new config holds its `defaults` value does not count: a
+    field added to the config since that run started, at the value it implicitly ran with."""
+    unset = object()
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k, unset), new.get(k, unset)
+        if a is unset and defaults is not None and k in defaults and b == defaults[k]:
+            continue
+        if a is unset or b is unset or a != b:
+            out.append(f"{k}: {'<unset>' if a is unset else repr(a)} -> "
+                       f"{'<unset>' if b is unset else repr(b)}")
+    return out
+
+
+def default_semantic_config(job: str) -> dict:
+    """`semantic_config` of the default RunConfig: the values of fields added since a run."""
+    from megatron_gspo.config import RunConfig, config_to_dict
+
+    return semantic_config(config_to_dict(RunConfig()), job)
 
 
 # Locks this process holds, by real path: a second Trainer in one process (tests, a notebook)
@@ -133,9 +151,10 @@ def _verdict(run_dir: str, job: str, config: dict, resume) -> str:
                 "checkpoints: choose another run_dir")
     new = semantic_config(config, job)
     if fingerprint(new) != record["fingerprint"] and resume != "force":
-        diff = differing_keys(record["config"], new)
-        return (f"run_dir={run_dir} was started with another config ({'; '.join(diff)}); "
-                "use a new run_dir, or resume=force to continue with this one")
+        diff = differing_keys(record["config"], new, default_semantic_config(job))
+        if diff:
+            return (f"run_dir={run_dir} was started with another config ({'; '.join(diff)}); "
+                    "use a new run_dir, or resume=force to continue with this one")
     if resume is False and os.path.isdir(os.path.join(run_dir, "checkpoints")):
         return (f"run_dir={run_dir} holds checkpoints and resume=false would overwrite them; "
                 "use a new run_dir, or resume=true")

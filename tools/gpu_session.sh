@@ -4,7 +4,7 @@
 #
 #   bash tools/gpu_session.sh env tests point    # about 6 minutes: versions, GPU tests, one point
 #   bash tools/gpu_session.sh profile            # about 4: torch.profiler tables by GPU time
-#   bash tools/gpu_session.sh sweep              # about 8: ours over lengths x batch sizes
+#   bash tools/gpu_session.sh sweep              # at most 8: ours over lengths x batch sizes
 #   bash tools/gpu_session.sh real               # about 4: 2 layers of Qwen3-30B-A3B's shapes
 #   bash tools/gpu_session.sh                    # all stages (outside the device tool's limit)
 #
@@ -13,10 +13,19 @@
 # (`--readme`). Copy it back over the original after each call, so that the next call's copy
 # keeps what the previous one filled in.
 # Wheels for packages the machine lacks (megatron-core for its Python) go in .whl/ (gitignored,
-# carried with the device tool's `carry`); they are installed into /tmp/site once per machine.
-set -u
+# carried with the device tool's `carry`); they are installed into /tmp/site once per machine
+# (delete /tmp/site to reinstall changed ones). Exits 1 if a stage failed (the others still ran).
+set -u -o pipefail
 OUT=${OUT:-runs/gpu_session}
 STAGES=${*:-env tests point profile sweep real}
+for stage in $STAGES; do
+  case $stage in
+    env|tests|point|profile|sweep|real) ;;
+    *) echo "unknown stage '$stage': expected env, tests, point, profile, sweep or real" >&2
+       exit 2 ;;
+  esac
+done
+status=0
 mkdir -p "$OUT"
 if compgen -G ".whl/*.whl" > /dev/null; then
   if [ ! -d /tmp/site/megatron ]; then
@@ -40,11 +49,11 @@ print(sys.version.split()[0], torch.__version__, torch.version.cuda, m.__version
       torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")
 print("grouped_mm fp32/bf16:", *(grouped_mm_runs("cuda", d) for d in (torch.float32, torch.bfloat16)))
 EOF
-      cat "$OUT/env.txt" ;;
+      rc=$?; cat "$OUT/env.txt"; [ $rc -eq 0 ] ;;
     tests)
       timeout 240 python3 -m pytest -q -p no:cacheprovider -m "gpu or not slow" \
         tests/moe/test_gpu.py tests/moe/test_experts.py > "$OUT/tests.log" 2>&1
-      tail -3 "$OUT/tests.log" ;;
+      rc=$?; tail -3 "$OUT/tests.log"; [ $rc -eq 0 ] ;;
     point)
       timeout 180 python3 -m tools.bench_throughput --skip-trl --peak-tflops 989 --force-length \
         --iterations 3 --warmup 1 --prompts 8 --group-size 8 --max-new-tokens 128 "${SMALL[@]}" \
@@ -53,7 +62,7 @@ EOF
       timeout 240 python3 -m tools.profile_ours --max-new-tokens 32 --warmup 1 --iterations 1 \
         --top 15 "${SMALL[@]}" --marker gpu_profile_small 2>&1 | tail -3 ;;
     sweep)
-      timeout 540 python3 -m tools.bench_throughput --sweep --skip-trl --peak-tflops 989 \
+      timeout 480 python3 -m tools.bench_throughput --sweep --skip-trl --peak-tflops 989 \
         --lengths 32,128 --batches 8x8,16x16 --out "$OUT/sweep" "${SMALL[@]}" \
         --marker gpu_sweep 2>&1 | tail -3 ;;
     real)  # a real model's layer shapes (128 experts of hidden 2048, top-8) at a depth that fits
@@ -61,8 +70,6 @@ EOF
         --iterations 3 --warmup 1 --prompts 8 --group-size 8 --max-new-tokens 128 \
         --set model.dtype=bf16 --set model.preset=qwen3-30b-a3b --set model.num_layers=2 \
         --readme "$README" --marker gpu_qwen3_layers 2>&1 | tail -4 ;;
-    *)
-      echo "unknown stage '$stage': expected env, tests, point, profile, sweep or real" >&2
-      exit 2 ;;
-  esac
+  esac || { echo "stage $stage failed (exit $?)" >&2; status=1; }
 done
+exit $status

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import os
 import sys
 import tempfile
 import time
@@ -124,28 +125,36 @@ def step_breakdown(trainer, iterations: int) -> str:
 def sync_sites(run, top: int) -> str:
     """CUDA: markdown of the Python lines that made the host wait for the GPU while `run()` ran
     (`torch.cuda.set_sync_debug_mode("warn")`: a warning per synchronizing call), most first."""
+    before = torch.cuda.get_sync_debug_mode()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
             run()
         finally:
-            torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.set_sync_debug_mode(before)
     return sites_table([w for w in caught if "synchroniz" in str(w.message)], top)
 
 
-def sites_table(records, top: int) -> str:
-    """Markdown: warning records counted per call site (path from the package root)."""
-    def site(r) -> str:
-        path = r.filename.replace("\\", "/")
-        for root in ("site-packages/", "/megatron_gspo/", "/moe/", "/tools/"):
-            if root in path:
-                path = ("" if root == "site-packages/" else root.strip("/") + "/") \
-                    + path.split(root, 1)[1]
-                break
-        return f"{path}:{r.lineno}"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-    counts = collections.Counter(site(r) for r in records)
+
+def site(path: str, lineno: int) -> str:
+    """`path:lineno` from the package root: a file of this repository relative to it, an
+    installed package's after its site-packages / dist-packages / --target folder."""
+    path = os.path.abspath(path)
+    if path.startswith(REPO + os.sep):
+        return f"{os.path.relpath(path, REPO)}:{lineno}"
+    for root in ("site-packages", "dist-packages", os.path.join("tmp", "site")):
+        marker = os.sep + root + os.sep
+        if marker in path:
+            return f"{path.split(marker, 1)[1]}:{lineno}"
+    return f"{path}:{lineno}"
+
+
+def sites_table(records, top: int) -> str:
+    """Markdown: warning records counted per call site (`site`), most first."""
+    counts = collections.Counter(site(r.filename, r.lineno) for r in records)
     rows = ["| call site | host-device syncs |", "|---|---|"]
     rows += [f"| `{k}` | {n} |" for k, n in counts.most_common(top)]
     return "\n".join(rows + [f"| total ({len(counts)} sites) | {sum(counts.values())} |"])

@@ -76,6 +76,26 @@ def test_resume_with_another_config_is_refused_naming_the_keys(tmp_path):
     claim(tmp_path, "train", "optim.lr=1e-3", resume="force").release()
 
 
+def test_a_run_recorded_before_a_config_field_existed_resumes(tmp_path):
+    """A field added since the run started (absent from its run.json) at its default is the
+    config it ran with; at another value, or a key set to null that was not, is a change."""
+    import json
+
+    claim(tmp_path, "train").release()
+    record_path = tmp_path / "run.json"
+    record = json.loads(record_path.read_text())
+    del record["config"]["model.num_layers"]  # as written before model.num_layers existed
+    record["fingerprint"] = "recorded-before"
+    record_path.write_text(json.dumps(record))
+    claim(tmp_path, "train").release()
+    with pytest.raises(RunDirError, match=r"model.num_layers: <unset> -> 3"):
+        claim(tmp_path, "train", "model.num_layers=3")
+    record["config"]["model.max_seq_len"] = 96  # recorded 96, now the default (null)
+    record_path.write_text(json.dumps(record))
+    with pytest.raises(RunDirError, match=r"model.max_seq_len: 96 -> None"):
+        claim(tmp_path, "train")
+
+
 def test_another_job_is_refused(tmp_path):
     claim(tmp_path, "train").release()
     with pytest.raises(RunDirError, match="holds a 'train' run; `sft` would replace"):

@@ -123,8 +123,8 @@ def test_grouped_mm_probe_answers_the_same_under_no_grad(single_process, mode):
 
 
 def test_grouped_mm_probe_errors_that_are_not_about_kernels(single_process, monkeypatch):
-    """No CUDA in this torch: "no" without an error. Out of memory or a broken CUDA context:
-    raised, not cached as "no kernel" (which would make the rest of the run take the loop)."""
+    """No CUDA in this torch, or no kernel image for this GPU: "no". Out of memory or a broken
+    CUDA context: raised, not cached as "no kernel" (the rest of the run would take the loop)."""
     import moe.experts as experts
 
     grouped_mm_runs.cache_clear()
@@ -137,6 +137,10 @@ def test_grouped_mm_probe_errors_that_are_not_about_kernels(single_process, monk
             monkeypatch.setattr(experts, "_probe_grouped_mm", fail)
             with pytest.raises(type(error)):
                 grouped_mm_runs("cpu", torch.float32)
+        monkeypatch.setattr(experts, "_probe_grouped_mm", lambda *a: (_ for _ in ()).throw(
+            RuntimeError("CUDA error: no kernel image is available for execution on the device")))
+        assert not grouped_mm_runs("cpu", torch.float32)  # an arch without the kernel: "no"
+        grouped_mm_runs.cache_clear()
         monkeypatch.undo()
         assert grouped_mm_runs("cpu", torch.float32)  # the errors were not cached
     finally:

@@ -35,6 +35,7 @@ def test_sync_sites_counts_each_synchronizing_line(monkeypatch):
 
     modes = []
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
 
     def run():
         for _ in range(3):
@@ -44,9 +45,9 @@ def test_sync_sites_counts_each_synchronizing_line(monkeypatch):
 
     table = sync_sites(run, top=5)
     lines = table.splitlines()
-    assert modes == ["warn", "default"]
+    assert modes == ["warn", 0]  # back to what it was
     assert lines[2].startswith("| `") and lines[2].endswith(" | 3 |")
-    assert "test_profile_ours" in lines[2]
+    assert "`tests/tools/test_profile_ours.py:" in lines[2]
     assert lines[-1] == "| total (2 sites) | 4 |"
 
     def broken():
@@ -54,4 +55,16 @@ def test_sync_sites_counts_each_synchronizing_line(monkeypatch):
 
     with pytest.raises(ValueError):
         sync_sites(broken, top=5)
-    assert modes[-1] == "default"
+    assert modes[-1] == 0
+
+
+def test_call_sites_are_named_from_their_package_root():
+    from tools.profile_ours import REPO, site
+
+    assert site(f"{REPO}/moe/policy.py", 3) == "moe/policy.py:3"
+    assert site("/usr/lib/python3/dist-packages/torch/a.py", 1) == "torch/a.py:1"
+    assert site("/x/.venv/lib/python3.11/site-packages/megatron/core/b.py", 2) == \
+        "megatron/core/b.py:2"
+    assert site("/tmp/site/megatron/core/transformer/moe/c.py", 9) == \
+        "megatron/core/transformer/moe/c.py:9"  # gpu_session.sh's --target folder
+    assert site("/elsewhere/d.py", 4) == "/elsewhere/d.py:4"
