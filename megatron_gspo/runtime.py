@@ -249,9 +249,8 @@ def load_init_weights(policy: MoEPolicy, path: str) -> None:
         except (Exception, CheckpointException) as e:  # shape / key mismatch: another model
             saved = ckpt.load_checkpoint(step_dir, rank=0).get("config", {}).get("model", {})
             lines = [ln for ln in str(e).splitlines() if "mismatch" in ln] or [str(e)]
-            raise ConfigError(f"init_checkpoint={path} holds preset {saved.get('preset')!r}, "
-                              f"this run builds {policy.preset.name!r}: "
-                              f"{lines[-1].strip()}") from None
+            raise ConfigError(f"init_checkpoint={path} holds {_saved_model(saved)}, this run "
+                              f"builds {_this_model(policy)}: {lines[-1].strip()}") from None
         return
     state = ckpt.load_checkpoint(step_dir, rank=0)
     if "full_params" not in state:
@@ -260,10 +259,20 @@ def load_init_weights(policy: MoEPolicy, path: str) -> None:
     try:
         load_full_params(policy.model.module, state["full_params"])
     except (KeyError, ValueError) as e:
-        saved = state.get("config", {}).get("model", {}).get("preset")
-        raise ConfigError(f"init_checkpoint={path} holds preset {saved!r}, this run builds "
-                          f"{policy.preset.name!r}: {str(e).strip(chr(34) + chr(39))}") from None
+        saved = state.get("config", {}).get("model", {})
+        raise ConfigError(f"init_checkpoint={path} holds {_saved_model(saved)}, this run builds "
+                          f"{_this_model(policy)}: {str(e).strip(chr(34) + chr(39))}") from None
     policy.weights_changed()
+
+
+def _saved_model(model_cfg: dict) -> str:
+    """A checkpoint's model in words, from its saved `model` config section."""
+    layers = model_cfg.get("num_layers")
+    return f"preset {model_cfg.get('preset')!r}" + (f" at {layers} layers" if layers else "")
+
+
+def _this_model(policy: MoEPolicy) -> str:
+    return f"{policy.preset.name!r} ({policy.preset.num_layers} layers)"
 
 
 def try_resume(rt: Runtime) -> dict | None:

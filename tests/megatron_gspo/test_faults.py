@@ -303,8 +303,12 @@ def test_init_checkpoint_errors_name_the_problem(tmp_path, capsys):
     assert "missing: no such directory" in err
     err = one_line_error(capsys, "train", *TINY, f"run_dir={tmp_path}/c",
                          f"init_checkpoint={sft}", "model.preset=qwen3-moe-tiny")
-    assert "holds preset 'tiny', this run builds 'qwen3-moe-tiny'" in err and "shape" in err
+    assert "holds preset 'tiny', this run builds 'qwen3-moe-tiny' (4 layers)" in err
+    assert "shape" in err
     assert not (tmp_path / "c" / "run.json").exists()  # a refused start records nothing
+    err = one_line_error(capsys, "train", *TINY, f"run_dir={tmp_path}/d",
+                         f"init_checkpoint={sft}", "model.num_layers=3")
+    assert "holds preset 'tiny', this run builds 'tiny' (3 layers)" in err
 
 
 # ----------------------------------------------------------------------------- wandb
