@@ -18,10 +18,17 @@ one visible key. Equal to `DotProductAttention` to fp32 rounding, forward and gr
 are enough to flip an occasional multinomial draw, so runs of the two do not sample the same
 tokens bit for bit (the experiment configs pin the attention their tables ran with).
 
-Falls back to `DotProductAttention.forward` outside what it reproduces: non-float32 inputs
-(megatron's softmax-in-fp32 handling of 16-bit scores), dropout while training, softmax offsets,
-attention bias, packed sequences, query-key layer scaling, and no mask with a causal mask type
-(SDPA's `is_causal` aligns top-left, megatron's mask bottom-right under a KV cache).
+16-bit inputs (bf16 / fp16, the GPU runs without TransformerEngine) also take SDPA: its kernels
+keep the scores and the softmax in fp32 and round only the probabilities fed to the value
+product, where megatron's unfused path rounds the [B*H, S, K] scores to 16 bits before its fp32
+softmax; SDPA is closer to a float64 reference (tests/moe/test_attention.py), and it
+does not materialise the scores (flash / memory-efficient kernels), which is what makes long
+sequences fit without TE. Departure: not bitwise megatron's 16-bit numbers.
+
+Falls back to `DotProductAttention.forward` outside what it reproduces: other dtypes, dropout
+while training, softmax offsets, attention bias, packed sequences, query-key layer scaling, and
+no mask with a causal mask type (SDPA's `is_causal` aligns top-left, megatron's mask bottom-right
+under a KV cache).
 """
 
 from __future__ import annotations
@@ -31,12 +38,15 @@ import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 
+SDPA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 class SDPAAttention(DotProductAttention):
     """`DotProductAttention` computed by `F.scaled_dot_product_attention`."""
 
     def _sdpa_ok(self, query, attention_mask, attention_bias, packed_seq_params) -> bool:
         cfg = self.config
-        return (query.dtype == torch.float32 and attention_mask is not None
+        return (query.dtype in SDPA_DTYPES and attention_mask is not None
                 and attention_bias is None and packed_seq_params is None
                 and self.softmax_offset is None and not cfg.apply_query_key_layer_scaling
                 and (self.attention_dropout.p == 0.0 or not self.training))

@@ -257,9 +257,16 @@ def qkv(attn, x_SBH):
 
 
 def sdpa_ok(core, q_SBHD) -> bool:
-    """Whether one `F.scaled_dot_product_attention` computes `core`'s math (fp32 queries, no
-    learnable softmax offset, no query-key layer scaling; eval mode, so no dropout)."""
-    return (q_SBHD.dtype == torch.float32 and core.softmax_offset is None
+    """Whether one `F.scaled_dot_product_attention` computes what `core` computes in a full
+    forward: fp32 queries (megatron's `DotProductAttention` to rounding), or 16-bit ones where
+    `core` is `moe.attention.SDPAAttention` (the same SDPA; megatron's unfused 16-bit path rounds
+    its scores differently); no learnable softmax offset, no query-key layer scaling (eval mode:
+    no dropout)."""
+    from moe.attention import SDPA_DTYPES, SDPAAttention
+
+    dtype_ok = q_SBHD.dtype == torch.float32 or (
+        q_SBHD.dtype in SDPA_DTYPES and isinstance(core, SDPAAttention))
+    return (dtype_ok and core.softmax_offset is None
             and not core.config.apply_query_key_layer_scaling)
 
 

@@ -94,5 +94,68 @@ def test_falls_back_where_sdpa_would_differ(single_process):
     mask = torch.zeros(2, 1, 4, 4, dtype=torch.bool)
     assert attn._sdpa_ok(q, mask, None, None)
     assert not attn._sdpa_ok(q, None, None, None)  # megatron would build its own causal mask
-    assert not attn._sdpa_ok(q.bfloat16(), mask, None, None)  # megatron's fp32-softmax rules
+    assert attn._sdpa_ok(q.bfloat16(), mask, None, None)  # 16-bit: SDPA (see below)
+    assert not attn._sdpa_ok(q.double(), mask, None, None)
     assert not attn._sdpa_ok(q, mask, torch.zeros(1), None)
+
+
+def float64_attention(q_SBHD, k_SBGD, v_SBGD, mask_B1SK, scale):
+    """Exact-ish reference: float64 scores, softmax and value product, K/V groups expanded."""
+    q, k, v = (t.double().permute(1, 2, 0, 3) for t in (q_SBHD, k_SBGD, v_SBGD))
+    r = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(mask_B1SK, float("-inf"))
+    out = scores.softmax(-1) @ v
+    S, B = q_SBHD.shape[:2]
+    return out.permute(2, 0, 1, 3).reshape(S, B, -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_sdpa_is_closer_to_float64_than_megatrons_unfused_path(single_process, dtype,
+                                                                      sdpa_calls):
+    """bf16 / fp16 SDPA keeps scores and softmax in fp32; megatron's unfused path rounds the
+    scores to 16 bits first. Over random inputs with causal + left-padding masks, SDPA's error
+    against float64 is clearly smaller than megatron's (and small)."""
+    from moe.policy import attention_inputs
+
+    policy = build("qwen3-moe-tiny", sdpa_attention=True)
+    attn = attention_modules(policy)[0]
+    p = policy.preset
+    g = torch.Generator().manual_seed(5)
+    errors = {"sdpa": [], "megatron": []}
+    for trial in range(4):
+        S, B, H, G, D = 24, 3, p.num_attention_heads, p.num_query_groups, p.kv_channels
+        q = (3 * torch.randn(S, B, H, D, generator=g)).to(dtype)  # spread scores: rounding shows
+        k = (3 * torch.randn(S, B, G, D, generator=g)).to(dtype)
+        v = torch.randn(S, B, G, D, generator=g).to(dtype)
+        valid = torch.ones(B, S, dtype=torch.bool)
+        valid[1, :trial + 1] = False
+        _, mask = attention_inputs(valid)
+        want = float64_attention(q, k, v, mask, attn.softmax_scale)
+        for kind in ("sdpa", "megatron"):
+            attn.__class__ = SDPAAttention if kind == "sdpa" else DotProductAttention
+            with torch.no_grad():
+                got = attn(q, k, v, mask).double()
+            rows = valid.T[:, :, None].expand_as(got)  # padded query rows: any value
+            errors[kind].append(((got - want)[rows].norm() / want[rows].norm()).item())
+        attn.__class__ = SDPAAttention
+    assert len(sdpa_calls) == 4
+    assert max(errors["sdpa"]) < 1e-2, errors
+    assert sum(errors["sdpa"]) <= 0.7 * sum(errors["megatron"]), errors  # ~1/3 here
+
+
+def test_bf16_kv_decode_uses_sdpa_and_matches_the_full_forward(single_process, sdpa_calls):
+    """bf16 weights: the lean decoder's attention is the same SDPA as the full forward's, so
+    the decoded next-token logits match the full forward to bf16 rounding."""
+    policy = build("qwen3-moe-tiny", dtype=torch.bfloat16, sdpa_attention=True)
+    tokens_BT, valid_BT, _ = pw.batch(policy.preset.vocab_size, B=5, T=14)
+    decoder = policy.kv_decoder(5, 14)
+    got = torch.stack([decoder.next_logits(tokens_BT[:, :t], valid_BT[:, :t])
+                       for t in range(6, 15)])
+    L = policy.preset.num_layers
+    assert len(sdpa_calls) == 9 * L  # one SDPA per layer and step, not megatron's grouped math
+    with torch.no_grad():
+        full = policy.logits(tokens_BT, valid_BT)[:, 5:].transpose(0, 1)
+    assert len(sdpa_calls) == 10 * L
+    live = valid_BT[:, 5:].T
+    torch.testing.assert_close(got[live], full[live], atol=5e-2, rtol=5e-2)
