@@ -13,9 +13,11 @@ export, sharding and the distributed optimizer see no change) and replaces only 
 torch's `_grouped_mm` over the stacked expert weights: fc1 of all experts in one call, the gated
 activation and the prob scaling once over all N tokens, fc2 in one call. The per-expert
 arithmetic is the same (tests/moe/test_experts.py: equal to `SequentialMLP` to fp32 rounding,
-forward and grads, also under EP=2); the weights are stacked (copied) once per forward (once per
-rollout in the sampler, `moe.decode`, where the weights cannot change), and the stack's backward
-hands each expert weight its own grad, so megatron DDP's grad hooks run as usual.
+forward and grads, also under EP=2). Training forwards go through `GroupedLinear`, which stacks
+the weights for the GEMM and again in its backward rather than keeping the stacked copy alive
+in between, and hands each expert weight its own grad, so megatron DDP's grad hooks run as
+usual; no-grad forwards stack once per forward (once per rollout in the sampler, `moe.decode`,
+where the weights cannot change).
 
 Falls back to `SequentialMLP.forward` where the batched path does not apply: a device and dtype
 where the installed torch's `_grouped_mm` does not run (`grouped_mm_runs` probes it once: CUDA's
@@ -93,11 +95,16 @@ class GroupedSequentialMLP(SequentialMLP):
                                    permuted_probs)
         offs_E = torch.as_tensor(tokens_per_expert).to(x_NH.device, torch.int64).cumsum(0)
         offs_E = offs_E.to(torch.int32)
+        if stacked is None and torch.is_grad_enabled():  # training: no stacked copy saved
+            fc1 = [e.linear_fc1.weight for e in self.local_experts]
+            fc2 = [e.linear_fc2.weight for e in self.local_experts]
+            h_NF = GroupedLinear.apply(x_NH.contiguous(), offs_E, *fc1)
+            h_NF = _contiguous_grad(self._activation(h_NF, permuted_probs))
+            return GroupedLinear.apply(h_NF, offs_E, *fc2), None
         w1_EHF, w2_EFH = stacked if stacked is not None else self.stacked_weights()
         h_NF = torch._grouped_mm(x_NH.contiguous(), w1_EHF, offs=offs_E)
-        h_NF = _contiguous_grad(self._activation(h_NF, permuted_probs))
-        out_NH = torch._grouped_mm(h_NF, w2_EFH, offs=offs_E)
-        return _contiguous_grad(out_NH), None
+        h_NF = self._activation(h_NF, permuted_probs)
+        return torch._grouped_mm(h_NF, w2_EFH, offs=offs_E), None
 
     def _activation(self, h_NF: torch.Tensor, probs_N: torch.Tensor) -> torch.Tensor:
         """megatron `MLP.forward`'s unfused activation: (gated) activation, then the per-token
@@ -115,6 +122,33 @@ class GroupedSequentialMLP(SequentialMLP):
             h_NF = cfg.activation_func(h_NF)
         dtype = h_NF.dtype
         return (h_NF * probs_N.unsqueeze(-1)).to(dtype).contiguous()
+
+
+class GroupedLinear(torch.autograd.Function):
+    """`_grouped_mm(x, stack(W_e)^T)` over the experts' own weights (megatron's [out, in] each),
+    the stack rebuilt in the backward instead of saved: autograd through `torch.stack` would
+    keep an E x in x out copy of every layer's expert weights alive until the backward (for
+    Qwen3-30B-A3B, 1.2 GB per layer in bf16), on top of the weights themselves. Saved here: the
+    input, the group offsets and references to the weights. Same arithmetic as autograd's
+    `_grouped_mm` formulas (tests/moe/test_experts.py)."""
+
+    @staticmethod
+    def forward(ctx, x_NI: torch.Tensor, offs_E: torch.Tensor, *weights_OI: torch.Tensor):
+        ctx.save_for_backward(x_NI, offs_E, *weights_OI)
+        return torch._grouped_mm(x_NI, torch.stack(weights_OI).transpose(1, 2), offs=offs_E)
+
+    @staticmethod
+    def backward(ctx, grad_NO: torch.Tensor):
+        x_NI, offs_E, *weights_OI = ctx.saved_tensors
+        grad_NO = grad_NO.contiguous()  # `_grouped_mm` rejects stride-0 (expanded) grads
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch._grouped_mm(grad_NO, torch.stack(weights_OI), offs=offs_E)
+        grads_w: list = [None] * len(weights_OI)
+        if any(ctx.needs_input_grad[2:]):
+            grad_EIO = torch._grouped_mm(x_NI.t(), grad_NO, offs=offs_E)  # x_e^T @ grad_e
+            grads_w = list(grad_EIO.transpose(1, 2).unbind(0))
+        return grad_x, None, *grads_w
 
 
 def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
 
-from moe.experts import GroupedSequentialMLP, grouped_mm_runs
+from moe.experts import GroupedSequentialMLP, _contiguous_grad, grouped_mm_runs
 from tests.moe import parallel_worker as pw
 
 TIMEOUT_S = 600
@@ -63,10 +63,11 @@ def test_grouped_experts_match_sequential_mlp(single_process, preset_name, monke
     tokens_BT, valid_BT, readout_BTV = pw.batch(policy.preset.vocab_size, B=6, T=16)
     logits, norm = pw.run_model(policy, tokens_BT, valid_BT, readout_BTV)
     got = grads(policy)
-    assert len(calls) == 2 * policy.preset.num_layers  # fc1 + fc2 per layer: the batched path ran
+    # per layer fc1 + fc2 forward, and each one's input grad and weight grad (`GroupedLinear`)
+    assert len(calls) == 6 * policy.preset.num_layers  # the batched path ran
     as_sequential(policy)
     ref_logits, ref_norm = pw.run_model(policy, tokens_BT, valid_BT, readout_BTV)
-    assert len(calls) == 2 * policy.preset.num_layers  # the reference did not use it
+    assert len(calls) == 6 * policy.preset.num_layers  # the reference did not use it
     torch.testing.assert_close(logits, ref_logits, **tol(policy, torch.float32,
                                                          dict(atol=1e-6, rtol=1e-5)))
     for name, g in grads(policy).items():
@@ -148,15 +149,18 @@ def test_grouped_mm_probe_errors_that_are_not_about_kernels(single_process, monk
 
 
 def test_the_trainer_runs_the_grouped_experts(tmp_path, monkeypatch):
-    """End to end: one iteration (rollout, pi_old's pass, optimizer steps) calls `_grouped_mm`
-    in every MoE layer forward, the sampler's included (the probe's cache starts empty)."""
+    """End to end: one iteration (rollout, pi_old's pass, optimizer steps) runs every MoE layer
+    grouped: `GroupedLinear` in the optimizer steps, stacked weights in the no-grad passes and
+    the sampler (the probe's cache starts empty, so the sampler probes under inference mode)."""
+    from moe.experts import GroupedLinear
     from tests.megatron_gspo.test_trainer import make_trainer
 
     grouped_mm_runs.cache_clear()
-    calls = []
-    grouped_mm = torch._grouped_mm
-    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(
-        torch.is_grad_enabled()) or grouped_mm(*a, **k))
+    trained, stacked = [], []
+    apply, stack = GroupedLinear.apply, GroupedSequentialMLP.stacked_weights
+    monkeypatch.setattr(GroupedLinear, "apply", lambda *a: trained.append(1) or apply(*a))
+    monkeypatch.setattr(GroupedSequentialMLP, "stacked_weights",
+                        lambda self: stacked.append(1) or stack(self))
     loops, loop = [], SequentialMLP.forward
     monkeypatch.setattr(SequentialMLP, "forward", lambda *a, **k: loops.append(1) or loop(*a, **k))
     try:
@@ -165,8 +169,7 @@ def test_the_trainer_runs_the_grouped_experts(tmp_path, monkeypatch):
     finally:
         grouped_mm_runs.cache_clear()
     assert not loops, "megatron's per-expert loop ran"
-    # the probe made one call with grad (fp32 only); the optimizer steps made the others
-    assert calls.count(True) > 1 and False in calls
+    assert trained and stacked
 
 
 def test_a_device_without_grouped_mm_kernels_falls_back(single_process, monkeypatch):
@@ -213,3 +216,47 @@ def test_grouped_experts_under_ep2_match_sequential_single_process(sequential_re
     layouts = [(1, 2, False, "alltoall"), (1, 2, False, "allgather")]
     pw.spawn(pw.worker, (2, pw.free_port(), sequential_reference, layouts), nprocs=2,
              timeout_s=TIMEOUT_S)
+
+
+def test_training_forward_keeps_no_stacked_copy_of_the_expert_weights(single_process):
+    """What the experts' forward saves for the backward, beyond the parameters themselves: with
+    `GroupedLinear` no E x H x F stack (autograd through `torch.stack` kept one per GEMM); the
+    grads are the same as the stack-and-autograd path's."""
+    policy = build("qwen3-moe-tiny")
+    experts = expert_modules(policy)[0]
+    param_ptrs = {p.untyped_storage().data_ptr() for p in policy.model.module.parameters()}
+    stack_bytes = sum(e.linear_fc1.weight.nbytes + e.linear_fc2.weight.nbytes
+                      for e in experts.local_experts)
+    g = torch.Generator().manual_seed(0)
+    E, H = experts.num_local_experts, policy.preset.hidden_size
+    counts = torch.full((E,), 3, dtype=torch.int64)
+    x = torch.randn(3 * E, H, generator=g, requires_grad=True)
+    probs = torch.rand(3 * E, generator=g)
+
+    def saved_bytes(fn):
+        seen = {}
+
+        def pack(t):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in param_ptrs:
+                seen[ptr] = t.untyped_storage().nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = fn()
+        return sum(seen.values()), out
+
+    def stacked_path():  # the autograd-through-stack forward this class replaced
+        w1, w2 = experts.stacked_weights()
+        offs = counts.cumsum(0).to(torch.int32)
+        h = _contiguous_grad(experts._activation(torch._grouped_mm(x, w1, offs=offs), probs))
+        return torch._grouped_mm(h, w2, offs=offs)
+
+    assert experts._grouped_ok(x)  # the probe runs (and saves its own tensors) before measuring
+    new_bytes, out = saved_bytes(lambda: experts(x, counts, probs)[0])
+    old_bytes, ref = saved_bytes(stacked_path)
+    assert old_bytes - new_bytes == stack_bytes  # both stacks no longer saved, nothing else new
+    readout = torch.randn(out.shape, generator=g)
+    got = torch.autograd.grad((out * readout).sum(), [x, *experts.parameters()])
+    want = torch.autograd.grad((ref * readout).sum(), [x, *experts.parameters()])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
