@@ -128,7 +128,7 @@ class GroupedLinear(torch.autograd.Function):
     """`_grouped_mm(x, stack(W_e)^T)` over the experts' own weights (megatron's [out, in] each),
     the stack rebuilt in the backward instead of saved: autograd through `torch.stack` would
     keep an E x in x out copy of every layer's expert weights alive until the backward (for
-    Qwen3-30B-A3B, 1.2 GB per layer in bf16), on top of the weights themselves. Saved here: the
+    Qwen3-30B-A3B: all 128 experts' weights again, per layer), on top of the weights themselves. Saved here: the
     input, the group offsets and references to the weights. Same arithmetic as autograd's
     `_grouped_mm` formulas (tests/moe/test_experts.py)."""
 
