@@ -59,7 +59,7 @@ def _probe_grouped_mm(device_type: str, dtype: torch.dtype) -> bool:
     w = torch.ones(2, 16, 16, dtype=dtype, device=device_type, requires_grad=True)
     offs = torch.tensor([8, 16], dtype=torch.int32, device=device_type)
     out = torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
-    out.backward(torch.ones_like(out))  # a dense grad (`_contiguous_grad`)
+    out.backward(torch.ones_like(out))  # a dense grad (`GroupedLinear.backward`)
     return True
 
 
@@ -99,7 +99,7 @@ class GroupedSequentialMLP(SequentialMLP):
             fc1 = [e.linear_fc1.weight for e in self.local_experts]
             fc2 = [e.linear_fc2.weight for e in self.local_experts]
             h_NF = GroupedLinear.apply(x_NH.contiguous(), offs_E, *fc1)
-            h_NF = _contiguous_grad(self._activation(h_NF, permuted_probs))
+            h_NF = self._activation(h_NF, permuted_probs)
             return GroupedLinear.apply(h_NF, offs_E, *fc2), None
         w1_EHF, w2_EFH = stacked if stacked is not None else self.stacked_weights()
         h_NF = torch._grouped_mm(x_NH.contiguous(), w1_EHF, offs=offs_E)
@@ -128,9 +128,10 @@ class GroupedLinear(torch.autograd.Function):
     """`_grouped_mm(x, stack(W_e)^T)` over the experts' own weights (megatron's [out, in] each),
     the stack rebuilt in the backward instead of saved: autograd through `torch.stack` would
     keep an E x in x out copy of every layer's expert weights alive until the backward (for
-    Qwen3-30B-A3B: all 128 experts' weights again, per layer), on top of the weights themselves. Saved here: the
-    input, the group offsets and references to the weights. Same arithmetic as autograd's
-    `_grouped_mm` formulas (tests/moe/test_experts.py)."""
+    Qwen3-30B-A3B: all 128 experts' weights again, per layer), on top of the weights
+    themselves. Saved here: the input, the group offsets and references to the weights. Same
+    arithmetic as autograd's `_grouped_mm` formulas (tests/moe/test_experts.py). Incoming grads
+    are made dense first: `_grouped_mm` rejects stride-0 (expanded) ones."""
 
     @staticmethod
     def forward(ctx, x_NI: torch.Tensor, offs_E: torch.Tensor, *weights_OI: torch.Tensor):
@@ -140,7 +141,7 @@ class GroupedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_NO: torch.Tensor):
         x_NI, offs_E, *weights_OI = ctx.saved_tensors
-        grad_NO = grad_NO.contiguous()  # `_grouped_mm` rejects stride-0 (expanded) grads
+        grad_NO = grad_NO.contiguous()
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = torch._grouped_mm(grad_NO, torch.stack(weights_OI), offs=offs_E)
@@ -149,10 +150,3 @@ class GroupedLinear(torch.autograd.Function):
             grad_EIO = torch._grouped_mm(x_NI.t(), grad_NO, offs=offs_E)  # x_e^T @ grad_e
             grads_w = list(grad_EIO.transpose(1, 2).unbind(0))
         return grad_x, None, *grads_w
-
-
-def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:
-    """`_grouped_mm`'s CPU backward rejects stride-0 (expanded) grads; make them dense."""
-    if t.requires_grad:
-        t.register_hook(lambda g: g.contiguous())
-    return t
