@@ -28,6 +28,7 @@ from megatron_gspo import checkpoint as ckpt
 from megatron_gspo.dist_utils import all_ranks
 from megatron_gspo.config import ConfigError, RunConfig, config_to_dict, save_config
 from megatron_gspo.data import build_task, tokenizer_folder
+from megatron_gspo.host import tune_malloc
 from megatron_gspo.rundir import RunDirLock, claim_run_dir, record_run
 from megatron_gspo.metrics import MetricsLogger
 from megatron_gspo.rollout import evaluate
@@ -150,7 +151,9 @@ def build_policy(cfg: RunConfig, vocab_size: int, optim: OptimSettings | None,
 
 def setup_runtime(cfg: RunConfig, job: str) -> Runtime:
     """Process groups, run-dir claim, task splits, policy (+ init weights), metrics logger,
-    recorded config. `job` is "sft", "train" or "eval" (eval writes nothing)."""
+    recorded config. `job` is "sft", "train" or "eval" (eval writes nothing). Tunes the host
+    allocator first (`megatron_gspo.host`)."""
+    tune_malloc()
     info = init_parallel(cfg.model.tp, cfg.model.ep, seed=cfg.seed,
                          timeout_min=cfg.model.dist_timeout_min)
     if cfg.init_checkpoint:

@@ -276,8 +276,17 @@ def measure(args) -> dict:
                overrides=overrides[1:],
                preset=f"{preset.name}, {preset.num_layers} layer" + "s" * (preset.num_layers > 1),
                vocab=preset.vocab_size,
-               params=preset.num_params()["total"], cpu=cpu_model(), versions=versions())
+               params=preset.num_params()["total"], cpu=cpu_model(), versions=versions(),
+               malloc=host_malloc())
     return out
+
+
+def host_malloc() -> str:
+    """How this process's glibc malloc runs (`megatron_gspo.host`; ours and TRL share it)."""
+    from megatron_gspo.host import malloc_tuning_skipped
+
+    reason = malloc_tuning_skipped()
+    return "tuned thresholds" if reason is None else f"untuned: {reason}"
 
 
 def cpu_model() -> str:
@@ -324,7 +333,8 @@ def report(args, res: dict) -> None:
           + (f"; HF Qwen3MoeForCausalLM: same count, {res['attn_impl']})"
              if res["attn_impl"] else ")"))
     print(f"machine: {res['cpu']}; torch threads: {torch.get_num_threads()} (set "
-          f"{args.threads}), device: {res['device']}, {res['versions']}")
+          f"{args.threads}), device: {res['device']}, {res['versions']}; host malloc "
+          f"(both sides, one process): {res.get('malloc', 'untuned')}")
     print(f"ours overrides: {' '.join(res['overrides'])}")
 
 

@@ -1,0 +1,62 @@
+"""Host memory allocator settings for a training process (glibc's malloc).
+
+A training step allocates and frees activations of a few MB each, thousands of times per
+iteration (on CPU all of them; on a GPU the host side's staging buffers). glibc serves blocks
+above its mmap threshold with fresh `mmap`ed pages and gives the top of its heap back to the
+kernel once more than the trim threshold is free there; both thresholds start small (128 KiB)
+and the mmap one only grows as such blocks are freed. Either way a freed block comes back as
+new pages, and every first touch of a page is a page fault served by the kernel: measured on
+the throughput bench's 64-sequence CPU iteration, ~14,000 minor faults per iteration and 6-8% of
+its wall time (`experiments/throughput/README.md`, "Host allocator").
+
+`tune_malloc` fixes the mmap threshold at glibc's largest (32 MiB on 64-bit) and the trim
+threshold at 1 GiB: freed blocks stay in the heap for the next step. The cost is resident
+memory: up to 1 GiB freed memory kept mapped instead of returned (peak use is unchanged). The
+same setting PyTorch's CPU tuning guides reach with jemalloc / tcmalloc, without a preload.
+
+Left alone when the user chose for themselves: `MEGATRON_GSPO_MALLOC=system` (glibc's own
+behaviour, e.g. to measure the difference), any `MALLOC_*_` threshold variable in the
+environment (glibc read it at start-up) or another allocator in `LD_PRELOAD`; and where the C
+library is not glibc.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import platform
+
+M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD = 32 << 20  # glibc's maximum on 64-bit (HEAP_MAX_SIZE / 2); larger is refused
+TRIM_THRESHOLD = 1 << 30
+USER_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+
+
+def malloc_tuning_skipped(environ=os.environ, libc_name: str | None = None) -> str | None:
+    """Why `tune_malloc` leaves the allocator alone (a sentence), or None when it applies."""
+    libc_name = platform.libc_ver()[0] if libc_name is None else libc_name
+    if libc_name != "glibc":
+        return f"C library {libc_name or 'unknown'!r}, not glibc"
+    if environ.get("MEGATRON_GSPO_MALLOC", "tuned") == "system":
+        return "MEGATRON_GSPO_MALLOC=system"
+    chosen = [name for name in USER_VARIABLES if name in environ]
+    if chosen:
+        return f"set by the environment ({', '.join(chosen)})"
+    preload = environ.get("LD_PRELOAD", "")
+    if any(name in preload for name in ("jemalloc", "tcmalloc", "mimalloc")):
+        return f"another allocator preloaded (LD_PRELOAD={preload})"
+    return None
+
+
+def tune_malloc() -> bool:
+    """Apply the thresholds above to this process (idempotent). Returns whether they are in
+    force: False where `malloc_tuning_skipped` gives a reason or glibc refused a value."""
+    if malloc_tuning_skipped() is not None:
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    mallopt = libc.mallopt
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) \
+        and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))

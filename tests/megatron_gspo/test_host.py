@@ -1,0 +1,63 @@
+"""megatron_gspo.host: when the malloc thresholds are tuned, and that tuned, freed blocks stay."""
+
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from megatron_gspo.host import malloc_tuning_skipped
+
+GLIBC = malloc_tuning_skipped({}) is None
+GLIBC_VERSION = tuple(int(v) for v in (platform.libc_ver()[1] or "0").split(".")[:2])
+
+# One 20 MiB malloc and free in a fresh interpreter (no torch: nothing else large was freed
+# before), read through glibc's mallinfo2: with glibc's thresholds the block is mmap'ed (hblkhd)
+# and unmapped on free; tuned, it comes from the heap (arena) and stays mapped after the free.
+PROBE = """
+import ctypes
+from megatron_gspo.host import tune_malloc
+applied = tune_malloc()
+fields = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+          "fordblks", "keepcost")
+class Info(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in fields]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype, libc.malloc.restype = Info, ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+block = libc.malloc(20 << 20)
+ctypes.memset(block, 1, 20 << 20)
+live = libc.mallinfo2()
+libc.free(block)
+freed = libc.mallinfo2()
+print(applied, live.hblkhd >= 20 << 20, freed.arena >= 20 << 20)
+"""
+
+
+def probe(**env) -> list[str]:
+    """(tuning applied, the live block is mmap'ed, the heap keeps it after the free) in a fresh
+    process, the user's own malloc choices removed from its environment."""
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith("MALLOC_") and k not in ("LD_PRELOAD", "MEGATRON_GSPO_MALLOC")}
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
+                         check=True, env={**clean, **env},
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    return out.stdout.split()
+
+
+def test_skipped_reasons_name_the_choice():
+    assert malloc_tuning_skipped({}, libc_name="glibc") is None
+    assert "musl" in malloc_tuning_skipped({}, libc_name="musl")
+    assert "MALLOC_TRIM_THRESHOLD_" in malloc_tuning_skipped(
+        {"MALLOC_TRIM_THRESHOLD_": "0"}, libc_name="glibc")
+    assert "system" in malloc_tuning_skipped({"MEGATRON_GSPO_MALLOC": "system"},
+                                             libc_name="glibc")
+    assert "jemalloc" in malloc_tuning_skipped({"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"},
+                                               libc_name="glibc")
+
+
+@pytest.mark.skipif(not GLIBC or GLIBC_VERSION < (2, 33), reason="glibc >= 2.33 (mallinfo2)")
+def test_tuned_malloc_keeps_freed_blocks_in_the_heap():
+    assert probe(MEGATRON_GSPO_MALLOC="system") == ["False", "True", "False"]
+    assert probe() == ["True", "False", "True"]
