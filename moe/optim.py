@@ -190,7 +190,9 @@ class PolicyOptimizer:
         if found_inf or not math.isfinite(grad_norm):
             self.scheduler.step(-1)
             return False, grad_norm
-        if self.settings.grad_clip > 0:
+        # megatron's `clip_grad_by_total_norm_fp32` scales only below this coefficient, after a
+        # Python pass over every grad: skip the pass where it would not scale
+        if self.settings.grad_clip > 0 and self.settings.grad_clip / (grad_norm + 1.0e-6) < 1.0:
             for sub in opt.chained_optimizers:
                 params = [] if sub.is_stub_optimizer else sub.get_parameters()
                 if params:

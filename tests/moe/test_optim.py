@@ -122,6 +122,29 @@ def test_bf16_clipping_scales_master_grads_to_the_clip(single_process):
     assert clipped == pytest.approx(0.05, rel=1e-4)
 
 
+@pytest.mark.parametrize("clip,scaled", [(0.05, True), (1e6, False)])
+def test_clipping_pass_runs_only_where_it_scales(single_process, monkeypatch, clip, scaled):
+    """megatron's clip function walks every grad even when it does not scale (clip above the
+    norm): `PolicyOptimizer.step` calls it only below its coefficient; grads unscaled above."""
+    from megatron.core.optimizer import clip_grads
+
+    calls = []
+    clip_fn = clip_grads.clip_grad_by_total_norm_fp32
+    monkeypatch.setattr(clip_grads, "clip_grad_by_total_norm_fp32",
+                        lambda *a, **k: calls.append(1) or clip_fn(*a, **k))
+    policy = build(dtype=torch.float32, optim=OptimSettings(lr=LR, grad_clip=clip))
+    tokens_BT, valid_BT = fixed_batch(policy.preset.vocab_size)
+    policy.zero_grad()
+    policy.backward(lm_loss(policy, tokens_BT, valid_BT))
+    monkeypatch.setattr(policy.optimizer.optimizer, "step_with_ready_grads", lambda: True)
+    stepped, grad_norm = policy.step()  # grads reduced and clipped, Adam not applied
+    norm_after = math.sqrt(sum(float(p.grad.double().pow(2).sum())
+                               for p in policy.optimizer.master_params()))
+    assert stepped and 0.05 < grad_norm < 1e6
+    assert bool(calls) is scaled
+    assert norm_after == pytest.approx(0.05 if scaled else grad_norm, rel=1e-6)
+
+
 def test_bf16_nan_grad_skips_the_update_and_the_schedule(single_process):
     policy = build(optim=OptimSettings(lr=LR, warmup_steps=4))
     train(policy, 1)
