@@ -64,7 +64,16 @@ def _probe_grouped_mm(device_type: str, dtype: torch.dtype) -> bool:
 
 
 class GroupedSequentialMLP(SequentialMLP):
-    """`SequentialMLP` with a grouped-GEMM forward (same parameters, same math)."""
+    """`SequentialMLP` with a grouped-GEMM forward (same parameters, same math).
+
+    `grads_into_main_grad` (set by `moe.policy.MoEPolicy.build` under megatron DDP without
+    overlapped grad reduction): the training backward adds the expert weight grads into their
+    `main_grad` buffers itself, in one multi-tensor add, where DDP's per-parameter hook would
+    (one autograd accumulation node and one Python hook per expert weight: 128 of
+    qwen3-moe-tiny's 159 parameters). Same sums; the weights are then not autograd inputs of
+    the layer (`.grad` never set, no hooks), so `torch.autograd.grad` on them needs it False."""
+
+    grads_into_main_grad: bool = False
 
     def _grouped_ok(self, hidden_NH: torch.Tensor) -> bool:
         cfg = self.config
@@ -98,9 +107,13 @@ class GroupedSequentialMLP(SequentialMLP):
         if stacked is None and torch.is_grad_enabled():  # training: no stacked copy saved
             fc1 = [e.linear_fc1.weight for e in self.local_experts]
             fc2 = [e.linear_fc2.weight for e in self.local_experts]
-            h_NF = GroupedLinear.apply(x_NH.contiguous(), offs_E, *fc1)
+            if self.grads_into_main_grad and x_NH.requires_grad:  # no autograd node per weight
+                h_NF = GroupedLinear.apply(x_NH.contiguous(), offs_E, tuple(fc1))
+                h_NF = self._activation(h_NF, permuted_probs)
+                return GroupedLinear.apply(h_NF, offs_E, tuple(fc2)), None
+            h_NF = GroupedLinear.apply(x_NH.contiguous(), offs_E, None, *fc1)
             h_NF = self._activation(h_NF, permuted_probs)
-            return GroupedLinear.apply(h_NF, offs_E, *fc2), None
+            return GroupedLinear.apply(h_NF, offs_E, None, *fc2), None
         w1_EHF, w2_EFH = stacked if stacked is not None else self.stacked_weights()
         h_NF = torch._grouped_mm(x_NH.contiguous(), w1_EHF, offs=offs_E)
         h_NF = self._activation(h_NF, permuted_probs)
@@ -131,22 +144,36 @@ class GroupedLinear(torch.autograd.Function):
     Qwen3-30B-A3B: all 128 experts' weights again, per layer), on top of the weights
     themselves. Saved here: the input, the group offsets and references to the weights. Same
     arithmetic as autograd's `_grouped_mm` formulas (tests/moe/test_experts.py). Incoming grads
-    are made dense first: `_grouped_mm` rejects stride-0 (expanded) ones."""
+    are made dense first: `_grouped_mm` rejects stride-0 (expanded) ones.
+
+    Call as `apply(x, offs, None, *weights)` (weight grads through autograd) or
+    `apply(x, offs, weights)`: the weights (a tuple, untracked by autograd) get their grads
+    added into their `main_grad` (megatron DDP's buffers, in their dtype, as DDP's hook adds
+    them) and autograd runs no node or hook for them; the output then needs `x` to need grad."""
 
     @staticmethod
-    def forward(ctx, x_NI: torch.Tensor, offs_E: torch.Tensor, *weights_OI: torch.Tensor):
+    def forward(ctx, x_NI: torch.Tensor, offs_E: torch.Tensor,
+                untracked_OI: tuple | None, *weights_OI: torch.Tensor):
+        ctx.untracked = untracked_OI
         ctx.save_for_backward(x_NI, offs_E, *weights_OI)
+        weights_OI = untracked_OI or weights_OI
         return torch._grouped_mm(x_NI, torch.stack(weights_OI).transpose(1, 2), offs=offs_E)
 
     @staticmethod
     def backward(ctx, grad_NO: torch.Tensor):
         x_NI, offs_E, *weights_OI = ctx.saved_tensors
+        into_main_grad = ctx.untracked is not None
+        weights_OI = ctx.untracked or weights_OI
         grad_NO = grad_NO.contiguous()
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = torch._grouped_mm(grad_NO, torch.stack(weights_OI), offs=offs_E)
         grads_w: list = [None] * len(weights_OI)
-        if any(ctx.needs_input_grad[2:]):
+        if into_main_grad or any(ctx.needs_input_grad[3:]):
             grad_EIO = torch._grouped_mm(x_NI.t(), grad_NO, offs=offs_E)  # x_e^T @ grad_e
             grads_w = list(grad_EIO.transpose(1, 2).unbind(0))
-        return grad_x, None, *grads_w
+        if into_main_grad:
+            main_grads = [w.main_grad for w in weights_OI]
+            torch._foreach_add_(main_grads, [g.to(m.dtype) for g, m in zip(grads_w, main_grads)])
+            return grad_x, None, None
+        return grad_x, None, None, *grads_w

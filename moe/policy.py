@@ -91,6 +91,10 @@ class MoEPolicy:
         model = DistributedDataParallel(gpt.config, DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, bucket_size=None,
             use_distributed_optimizer=optim is not None and optim.distributed), gpt)
+        if not model.ddp_config.overlap_grad_reduce:  # DDP's hooks only add into main_grad
+            for module in gpt.modules():
+                if hasattr(module, "grads_into_main_grad"):
+                    module.grads_into_main_grad = True
         optimizer = None if optim is None else PolicyOptimizer(model, optim)
         device = next(gpt.parameters()).device
         return cls(model, optimizer, preset, layout, real_vocab, device, recompute, decoder)

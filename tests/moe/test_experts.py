@@ -220,6 +220,7 @@ def test_training_forward_keeps_no_stacked_copy_of_the_expert_weights(single_pro
     grads are the same as the stack-and-autograd path's."""
     policy = build("qwen3-moe-tiny")
     experts = expert_modules(policy)[0]
+    experts.grads_into_main_grad = False  # weight grads through autograd, for autograd.grad
     param_ptrs = {p.untyped_storage().data_ptr() for p in policy.model.module.parameters()}
     stack_bytes = sum(e.linear_fc1.weight.nbytes + e.linear_fc2.weight.nbytes
                       for e in experts.local_experts)
@@ -257,3 +258,32 @@ def test_training_forward_keeps_no_stacked_copy_of_the_expert_weights(single_pro
     want = torch.autograd.grad((ref * readout).sum(), [x, *experts.parameters()])
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expert_grads_go_into_main_grad_without_ddp_hooks(single_process, dtype):
+    """Under DDP the backward adds the expert weight grads into `main_grad` itself: no autograd
+    accumulation (and so no DDP hook) per expert weight; the same sums as through DDP's hooks."""
+    policy = build("qwen3-moe-tiny", dtype=dtype)
+    experts = expert_modules(policy)
+    assert experts and all(m.grads_into_main_grad for m in experts)  # set by MoEPolicy.build
+    weights = [p for m in experts for p in m.parameters()]
+    accumulated = []
+    for p in weights:
+        p.register_post_accumulate_grad_hook(lambda p: accumulated.append(p))
+    tokens_BT, valid_BT, readout_BTV = pw.batch(policy.preset.vocab_size, B=6, T=16)
+
+    def run():
+        policy.zero_grad()
+        pw.loss_fn(policy.logits(tokens_BT, valid_BT), valid_BT, readout_BTV).backward()
+        return grads(policy)
+
+    direct = run()
+    assert not accumulated
+    for m in experts:
+        m.grads_into_main_grad = False
+    hooked = run()
+    assert len(accumulated) == len(weights)  # DDP's path: every expert weight accumulated
+    assert sum(bool(direct[n].any()) for n in direct if ".experts." in n) >= len(weights) // 2
+    for name, g in hooked.items():
+        assert torch.equal(direct[name], g), name
