@@ -9,7 +9,7 @@ megatron-core's local `DotProductAttention` expands the K/V groups to all heads
 -10000 (`attention_mask_func`), softmaxes, forks the CUDA RNG tracker for dropout and `bmm`s with
 the values: half a dozen full-size ops per layer, plus their backward. `SDPAAttention` keeps its
 construction and parameters (it has none here) and computes the same attention with torch's
-SDPA (`enable_gqa`, the boolean mask inverted: megatron's True = hidden, SDPA's True = kept).
+SDPA (`enable_gqa`, the boolean mask as SDPA's additive one: `additive_mask`).
 Departure: hidden scores get -inf instead of -10000. For any row with a visible key, exp(-10000 -
 max) is exactly 0 in float32 either way; `moe.policy.attention_inputs` always leaves each query
 one visible key. Equal to `DotProductAttention` to fp32 rounding, forward and grads
@@ -41,6 +41,24 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 SDPA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def additive_mask(mask_B1ST: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """SDPA's float mask for megatron's boolean one (True = hidden): -inf where hidden, 0 where
+    visible, in `dtype`; the values SDPA itself derives from the inverted boolean mask. Built once
+    per mask tensor and kept on it: every layer of a forward (and of its recompute) gets the same
+    mask object, so the layers share one conversion, and SDPA's CPU kernel saves that one
+    tensor for the backward instead of a converted copy per layer. A mask changed in place since
+    (its version counter moved) is converted again; an inference-mode mask, which has no version
+    counter, each call (the sampler's: one small mask per decode step)."""
+    version = None if mask_B1ST.is_inference() else mask_B1ST._version
+    cached_version, cached = getattr(mask_B1ST, "_sdpa_additive", (None, None))
+    if version is None or cached is None or cached.dtype != dtype or cached_version != version:
+        cached = torch.zeros(mask_B1ST.shape, dtype=dtype, device=mask_B1ST.device)
+        cached.masked_fill_(mask_B1ST, float("-inf"))
+        if version is not None:
+            mask_B1ST._sdpa_additive = (version, cached)
+    return cached
+
+
 class SDPAAttention(DotProductAttention):
     """`DotProductAttention` computed by `F.scaled_dot_product_attention`."""
 
@@ -61,6 +79,7 @@ class SDPAAttention(DotProductAttention):
         q_BHSD = query.permute(1, 2, 0, 3)
         k_BGKD, v_BGKD = key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)
         out_BHSD = F.scaled_dot_product_attention(
-            q_BHSD, k_BGKD, v_BGKD, attn_mask=~attention_mask, scale=self.softmax_scale,
+            q_BHSD, k_BGKD, v_BGKD, attn_mask=additive_mask(attention_mask, query.dtype),
+            scale=self.softmax_scale,
             enable_gqa=k_BGKD.shape[1] != q_BHSD.shape[1])
         return out_BHSD.permute(2, 0, 1, 3).reshape(S, B, self.hidden_size_per_partition)

@@ -272,11 +272,15 @@ def sdpa_ok(core, q_SBHD) -> bool:
 
 def sdpa_attention(core, q_SBHD, k_BGTD, v_BGTD, mask_B1ST):
     """megatron attention of the new query rows over the cached keys as one fused SDPA call
-    (K/V groups shared through `enable_gqa`, megatron's boolean mask inverted: True = attend;
-    the call `moe.attention.SDPAAttention` makes). Returns [S, B, Hq * D]."""
+    (K/V groups shared through `enable_gqa`, megatron's boolean mask as SDPA's additive one;
+    the call `moe.attention.SDPAAttention` makes).
+    Returns [S, B, Hq * D]."""
+    from moe.attention import additive_mask
+
     S, B, Hq, D = q_SBHD.shape
     out_BHSD = torch.nn.functional.scaled_dot_product_attention(
-        q_SBHD.permute(1, 2, 0, 3), k_BGTD, v_BGTD, attn_mask=~mask_B1ST,
+        q_SBHD.permute(1, 2, 0, 3), k_BGTD, v_BGTD,
+        attn_mask=additive_mask(mask_B1ST, q_SBHD.dtype),
         scale=core.softmax_scale, enable_gqa=k_BGTD.shape[1] != Hq)
     return out_BHSD.permute(2, 0, 1, 3).reshape(S, B, Hq * D)
 

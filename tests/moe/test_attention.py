@@ -159,3 +159,35 @@ def test_bf16_kv_decode_uses_sdpa_and_matches_the_full_forward(single_process, s
     assert len(sdpa_calls) == 10 * L
     live = valid_BT[:, 5:].T
     torch.testing.assert_close(got[live], full[live], atol=5e-2, rtol=5e-2)
+
+
+def test_layers_share_one_additive_mask_equal_to_sdpas_own(single_process, monkeypatch):
+    """One float mask per forward for all layers (`moe.attention.additive_mask`), with the values
+    SDPA derives from the inverted boolean mask (outputs bitwise equal); a mask changed in place
+    is converted again."""
+    from moe.attention import additive_mask
+    from moe.policy import attention_inputs
+
+    masks = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(moe.attention.F, "scaled_dot_product_attention",
+                        lambda *a, **k: masks.append(k["attn_mask"]) or sdpa(*a, **k))
+    policy = build("qwen3-moe-tiny", sdpa_attention=True)
+    tokens_BT, valid_BT, _ = pw.batch(policy.preset.vocab_size, B=5, T=14)
+    assert not valid_BT.all()  # padding in the mask
+    policy.logits(tokens_BT, valid_BT)
+    assert len(masks) == policy.preset.num_layers and all(m is masks[0] for m in masks)
+    _, mask_B1ST = attention_inputs(valid_BT)
+    assert masks[0].dtype == torch.float32
+    assert torch.equal(masks[0] == float("-inf"), mask_B1ST) and not masks[0][~mask_B1ST].any()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(5, 2, 14, 8, generator=g) for _ in range(3))
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        assert torch.equal(sdpa(q, k, v, attn_mask=additive_mask(mask_B1ST, dtype)),
+                           sdpa(q, k, v, attn_mask=~mask_B1ST))
+    before = additive_mask(mask_B1ST, torch.float32)
+    assert additive_mask(mask_B1ST, torch.float32) is before  # cached
+    mask_B1ST[0, 0, -1, 0] = True
+    after = additive_mask(mask_B1ST, torch.float32)
+    assert after is not before and after[0, 0, -1, 0] == float("-inf")
