@@ -5,9 +5,9 @@ iteration (on CPU all of them; on a GPU the host side's staging buffers). glibc 
 above its mmap threshold with fresh `mmap`ed pages and gives the top of its heap back to the
 kernel once more than the trim threshold is free there; both thresholds start small (128 KiB)
 and the mmap one only grows as such blocks are freed. Either way a freed block comes back as
-new pages, and every first touch of a page is a page fault served by the kernel: measured on
-the throughput bench's 64-sequence CPU iteration, ~14,000 minor faults per iteration and 6-8% of
-its wall time (`experiments/throughput/README.md`, "Host allocator").
+new pages, and every first touch of a page is a page fault served by the kernel (thousands
+per CPU training iteration of the throughput bench; its tokens/s with and without this module's
+setting: experiments/throughput/README.md, "the host allocator").
 
 `tune_malloc` fixes the mmap threshold at glibc's largest (32 MiB on 64-bit) and the trim
 threshold at 1 GiB: freed blocks stay in the heap for the next step. The cost is resident
