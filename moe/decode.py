@@ -329,20 +329,21 @@ def lean_moe_ok(mlp) -> bool:
 
 def lean_moe(mlp, x_SBH, stacked=None):
     """megatron `MoELayer.forward` on one rank, without the token dispatcher's machinery: the
-    router module (top-k, gate probs, RouterReplay record / replay), megatron's `permute`
-    (tokens grouped by expert), the experts module, megatron's `unpermute` (scatter-add back
-    to token order): the ops the all-to-all / all-gather dispatchers run at world size 1.
+    router module (top-k, gate probs, RouterReplay record / replay), megatron's permutation
+    (tokens grouped by expert; `moe.dispatch.permute_by_expert`: the same rows, without host
+    syncs), the experts module, megatron's `unpermute` (scatter-add back to token order): the
+    ops the all-to-all / all-gather dispatchers run at world size 1.
     `stacked`: the experts' `GroupedSequentialMLP.stacked_weights()` if taken already.
     Returns (output [S, B, H], None)."""
-    from megatron.core.transformer.moe.moe_utils import permute, unpermute
+    from megatron.core.transformer.moe.moe_utils import unpermute
+
+    from moe.dispatch import permute_by_expert
 
     x_NH = x_SBH.reshape(-1, x_SBH.shape[-1])
     probs_NE, routing_map_NE = mlp.router(x_SBH)
     tokens_per_expert_E = routing_map_NE.sum(dim=0).long()
-    # megatron-core 0.16-0.18 return 3 values, 0.19 adds pad offsets and tokens per expert
-    x_MH, probs_M, sorted_M = permute(
-        x_NH, routing_map_NE, probs=probs_NE,
-        num_out_tokens=x_NH.shape[0] * mlp.config.moe_router_topk)[:3]
+    x_MH, probs_M, sorted_M = permute_by_expert(x_NH, probs_NE, routing_map_NE,
+                                                mlp.config.moe_router_topk)
     extra = {} if stacked is None else {"stacked": stacked}
     out_MH, _ = mlp.experts(x_MH, tokens_per_expert_E, probs_M, **extra)
     out_NH = unpermute(out_MH, sorted_M, restore_shape=x_NH.shape, routing_map=routing_map_NE)

@@ -249,13 +249,17 @@ def build_gpt_moe(preset: MoEPreset, layout: ParallelLayout = ParallelLayout(), 
     Local spec: `grouped_experts` runs the experts as `moe.experts.GroupedSequentialMLP` (two
     grouped GEMMs per layer instead of a loop over experts; same results); `sdpa_attention` core
     attention as `moe.attention.SDPAAttention` (one SDPA call; equal to fp32 rounding). Same
-    parameters as megatron's `SequentialMLP` / `DotProductAttention`.
+    parameters as megatron's `SequentialMLP` / `DotProductAttention`. On one expert-parallel
+    rank, MoE layers dispatch through `moe.dispatch.SyncFreeDispatcher` (megatron's
+    permutation without host syncs; the same rows).
     """
     apply_cpu_patches()
     if recompute.granularity is not None:
         apply_cpu_training_patches()
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    from moe.dispatch import install_sync_free_dispatch
 
     config = transformer_config(preset, layout, dtype=dtype, aux_loss_coeff=aux_loss_coeff,
                                 routing_replay=routing_replay, recompute=recompute)
@@ -282,6 +286,7 @@ def build_gpt_moe(preset: MoEPreset, layout: ParallelLayout = ParallelLayout(), 
         model = model.cuda()
     _finish_params(model, dtype)
     model.router_replays = list(RouterReplay.global_router_replay_instances)
+    install_sync_free_dispatch(model)  # one rank: tokens to experts without host syncs
     return model
 
 

@@ -1,0 +1,75 @@
+"""Tokens grouped by expert on one rank, without a host-device synchronization.
+
+Shape legend: N tokens, E experts, K top-k, M = N * K routed rows, H hidden.
+
+megatron-core's `moe_utils.permute` (what the all-gather and all-to-all dispatchers run on one
+expert-parallel rank) finds the routed rows with `masked_select` over the [E, N] routing map,
+twice (token ids, probs), and the all-gather dispatcher copies the tokens per expert to the host
+(`.cpu()`) for the experts' split sizes. Each is a host-device synchronization on a GPU: the
+host waits for the router's kernels before it can queue the rest of the layer, three times per
+MoE layer and forward (and per decode step in the sampler). Under dropless top-k routing every
+token has exactly K experts (also when Routing Replay forces them), so M = N * K is known
+without looking at the data: `permute_by_expert` sorts the N * K (token, expert) pairs by
+expert, stably, which is megatron's order (expert-major, tokens ascending within an expert),
+and returns the same three tensors as `permute` without leaving the device. The experts take
+the tokens per expert as a device tensor (`moe.experts.GroupedSequentialMLP` turns it into the
+grouped GEMM's offsets there).
+
+`SyncFreeDispatcher` is megatron's all-gather dispatcher with this permutation, installed by
+`moe.model.build_gpt_moe` on the MoE layers `moe.decode.lean_moe_ok` accepts (one rank, no
+expert TP, no capacity / padding, no TE permute fusion, no shared experts) whose experts run
+grouped; the sampler's lean decode step (`moe.decode.lean_moe`) uses `permute_by_expert` too.
+Departure from megatron: none in the numbers (the same rows in the same order; tests/moe/
+test_dispatch.py compares bitwise, and counts the synchronizing calls).
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+
+def permute_by_expert(x_NH: torch.Tensor, probs_NE: torch.Tensor, routing_map_NE: torch.Tensor,
+                      topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """megatron `permute(x, routing_map, probs)` for exactly `topk` experts per token: (rows
+    grouped by expert [M, H], their probs [M], their token ids [M]), computed on the device."""
+    # the K chosen expert ids of each token (any order within a row: they are distinct)
+    ids_NK = torch.sort(routing_map_NE.to(torch.uint8), dim=1, descending=True,
+                        stable=True).indices[:, :topk]
+    order_M = ids_NK.reshape(-1).argsort(stable=True)  # by expert; ties keep token order
+    token_M = torch.div(order_M, topk, rounding_mode="floor")
+    probs_M = probs_NE.gather(1, ids_NK).reshape(-1)[order_M]
+    return x_NH.index_select(0, token_M), probs_M, token_M
+
+
+class SyncFreeDispatcher(MoEAllGatherTokenDispatcher):
+    """megatron's all-gather dispatcher on one rank with `permute_by_expert`: the tokens per
+    expert stay on the device. Only for layers `moe.decode.lean_moe_ok` accepts."""
+
+    def dispatch_postprocess(self, hidden_states, probs):
+        self.hidden_shape_before_permute = hidden_states.shape
+        self.local_map = self.routing_map  # one rank: every expert is local
+        x_MH, self.local_probs, self.reversed_local_input_permutation_mapping = \
+            permute_by_expert(hidden_states, probs, self.routing_map, self.router_topk)
+        tokens_per_expert_E = self.routing_map.sum(dim=0).long()
+        self.routing_map = None
+        return x_MH, tokens_per_expert_E, self.local_probs
+
+
+def install_sync_free_dispatch(model) -> int:
+    """Give every MoE layer of `model` that qualifies a `SyncFreeDispatcher`; returns how many.
+    A layer qualifies under `moe.decode.lean_moe_ok` with megatron's all-gather dispatcher and
+    grouped experts (whose forward takes the device tensor; megatron's expert loop would copy it
+    to the host anyway)."""
+    from moe.decode import lean_moe_ok
+    from moe.experts import GroupedSequentialMLP
+
+    count = 0
+    for module in model.modules():
+        dispatcher = getattr(module, "token_dispatcher", None)
+        if (type(dispatcher) is MoEAllGatherTokenDispatcher and lean_moe_ok(module)
+                and isinstance(module.experts, GroupedSequentialMLP)
+                and dispatcher.local_expert_indices == list(range(module.config.num_moe_experts))):
+            dispatcher.__class__ = SyncFreeDispatcher  # same state, one method differs
+            count += 1
+    return count

@@ -1,0 +1,121 @@
+"""`moe.dispatch`: megatron's permutation without host syncs; the same rows, bitwise."""
+
+import pytest
+import torch
+from megatron.core.transformer.moe.moe_utils import permute
+from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+from torch.overrides import TorchFunctionMode
+
+from moe.dispatch import SyncFreeDispatcher, permute_by_expert
+from tests.moe import parallel_worker as pw
+from tests.moe.test_experts import build, grads
+
+# Calls whose result size or value the host must read from the device: on a GPU each waits for
+# the kernels queued before it.
+SYNCING = {torch.Tensor.cpu, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.masked_select,
+           torch.masked_select, torch.Tensor.nonzero, torch.nonzero, torch.Tensor.__bool__}
+
+
+class SyncCounter(TorchFunctionMode):
+    """Counts SYNCING calls made while `active` (set by the MoE layers' hooks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.active, self.calls = False, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.active and func in SYNCING:
+            self.calls.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def moe_layers(policy) -> list:
+    return [m for m in policy.model.module.modules() if hasattr(m, "token_dispatcher")]
+
+
+def count_moe_syncs(policy, fn) -> list[str]:
+    """The SYNCING calls made inside the MoE layers' forwards while `fn()` runs."""
+    counter = SyncCounter()
+    handles = []
+    for layer in moe_layers(policy):
+        handles.append(layer.register_forward_pre_hook(
+            lambda *_: setattr(counter, "active", True)))
+        handles.append(layer.register_forward_hook(lambda *_: setattr(counter, "active", False)))
+    try:
+        with counter:
+            fn()
+    finally:
+        for h in handles:
+            h.remove()
+    return counter.calls
+
+
+def routing(N: int, E: int, K: int, seed: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    ids_NK = torch.rand(N, E, generator=g).topk(K, dim=1).indices
+    routing_map_NE = torch.zeros(N, E, dtype=torch.bool).scatter(1, ids_NK, True)
+    probs_NE = torch.rand(N, E, generator=g).mul(routing_map_NE).to(dtype)
+    return torch.randn(N, 8, generator=g).to(dtype), probs_NE, routing_map_NE
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N,E,K", [(37, 16, 4), (5, 128, 8), (64, 8, 1), (3, 4, 4)])
+def test_permute_by_expert_equals_megatrons_permute(N, E, K, dtype):
+    x_NH, probs_NE, routing_map_NE = routing(N, E, K, seed=N + E + K, dtype=dtype)
+    want_x, want_probs, want_idx = permute(x_NH, routing_map_NE, probs=probs_NE,
+                                           num_out_tokens=N * K)[:3]
+    got_x, got_probs, got_idx = permute_by_expert(x_NH, probs_NE, routing_map_NE, K)
+    assert torch.equal(got_idx, want_idx)
+    assert torch.equal(got_x, want_x) and torch.equal(got_probs, want_probs)
+
+
+def test_model_dispatches_without_host_syncs_and_the_same_numbers(single_process):
+    policy = build("qwen3-moe-tiny")
+    layers = moe_layers(policy)
+    assert layers and all(type(m.token_dispatcher) is SyncFreeDispatcher for m in layers)
+    tokens_BT, valid_BT, readout_BTV = pw.batch(policy.preset.vocab_size, B=6, T=16)
+
+    def run():
+        policy.zero_grad()
+        logits = policy.logits(tokens_BT, valid_BT)
+        pw.loss_fn(logits, valid_BT, readout_BTV).backward()
+        return logits.detach(), grads(policy)
+
+    assert count_moe_syncs(policy, lambda: policy.logits(tokens_BT, valid_BT)) == []
+    logits, got = run()
+    for m in layers:
+        m.token_dispatcher.__class__ = MoEAllGatherTokenDispatcher  # megatron's own
+    megatron_syncs = count_moe_syncs(policy, lambda: policy.logits(tokens_BT, valid_BT))
+    assert len(megatron_syncs) >= 3 * len(layers)  # .cpu() and two masked_select per layer
+    ref_logits, ref = run()
+    assert torch.equal(logits, ref_logits)
+    for name, g in ref.items():
+        assert torch.equal(got[name], g), name
+
+
+def test_lean_decode_step_routes_without_host_syncs(single_process):
+    policy = build("qwen3-moe-tiny")
+    tokens_BT, valid_BT, _ = pw.batch(policy.preset.vocab_size, B=5, T=14)
+    decoder = policy.kv_decoder(5, 14)
+    decoder.next_logits(tokens_BT[:, :6], valid_BT[:, :6])  # prefill
+
+    counter = SyncCounter()
+    from moe import decode
+
+    lean_moe, entered = decode.lean_moe, []
+
+    def counted(*args, **kwargs):
+        counter.active = True
+        entered.append(1)
+        try:
+            return lean_moe(*args, **kwargs)
+        finally:
+            counter.active = False
+    decode.lean_moe = counted
+    try:
+        with counter:
+            decoder.next_logits(tokens_BT[:, :7], valid_BT[:, :7])
+    finally:
+        decode.lean_moe = lean_moe
+    assert len(entered) == policy.preset.num_layers  # every layer's MoE went through it
+    assert counter.calls == [] and counter.active is False
