@@ -12,9 +12,9 @@ the operators with the largest self CPU time (markdown, as experiments/throughpu
 shows them; with a GPU, also by self GPU time) and the trainer's own phase timings (slower than
 unprofiled runs). Then, unprofiled, `--iterations` more on the same batch with wall-clock timers
 around the parts of each optimizer step (`step_breakdown`: forward, loss, backward, optimizer;
-on a GPU each timer synchronizes, which costs the overlap of host and device). On a GPU, last,
-the Python lines that synchronized host and device during one rollout and one iteration
-(`sync_sites`).
+on a GPU each timer synchronizes, which costs the overlap of host and device). Last, the Python
+lines that synchronize host and device during one rollout and one iteration: on a GPU as CUDA
+reports them (`sync_sites`), on CPU the calls that would (`would_sync_sites`).
 """
 
 from __future__ import annotations
@@ -26,9 +26,11 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from tools.bench_throughput import build_ours, cpu_model, parse_args as bench_args
 from tools.result_table import add_readme_args
@@ -136,6 +138,41 @@ def sync_sites(run, top: int) -> str:
     return sites_table([w for w in caught if "synchroniz" in str(w.message)], top)
 
 
+# Calls whose result the host must read from the device: on a GPU each one waits for every
+# kernel queued before it (item / bool / float / int / tolist / cpu read values, masked_select /
+# nonzero size their output by the data).
+SYNCING = frozenset({
+    torch.Tensor.cpu, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__,
+    torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__index__,
+    torch.Tensor.masked_select, torch.masked_select, torch.Tensor.nonzero, torch.nonzero})
+
+
+class WouldSync(TorchFunctionMode):
+    """Within: records each `SYNCING` call made while `active`, as the first stack frame
+    outside torch (`records`: FrameSummary with filename, lineno). Device-independent: on CPU,
+    the calls that would make the host wait for a GPU, plus those on tensors a GPU run keeps on
+    the host anyway (it cannot tell them apart: e.g. the sampler's per-row done flags)."""
+
+    def __init__(self):
+        super().__init__()
+        self.active, self.records = True, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.active and func in SYNCING:
+            inside_torch = f"{os.sep}torch{os.sep}"
+            self.records.append(next(f for f in reversed(traceback.extract_stack()[:-1])
+                                     if inside_torch not in f.filename))
+        return func(*args, **(kwargs or {}))
+
+
+def would_sync_sites(run, top: int) -> str:
+    """Markdown of the Python lines whose calls would synchronize host and device on a GPU
+    while `run()` ran (`WouldSync`; any device), most first."""
+    with WouldSync() as mode:
+        run()
+    return sites_table(mode.records, top)
+
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -143,17 +180,17 @@ def site(path: str, lineno: int) -> str:
     """`path:lineno` from the package root: a file of this repository relative to it, an
     installed package's after its site-packages / dist-packages / --target folder."""
     path = os.path.abspath(path)
-    if path.startswith(REPO + os.sep):
-        return f"{os.path.relpath(path, REPO)}:{lineno}"
     for root in ("site-packages", "dist-packages", os.path.join("tmp", "site")):
-        marker = os.sep + root + os.sep
+        marker = os.sep + root + os.sep  # first: a venv may live inside the repository
         if marker in path:
             return f"{path.split(marker, 1)[1]}:{lineno}"
+    if path.startswith(REPO + os.sep):
+        return f"{os.path.relpath(path, REPO)}:{lineno}"
     return f"{path}:{lineno}"
 
 
 def sites_table(records, top: int) -> str:
-    """Markdown: warning records counted per call site (`site`), most first."""
+    """Markdown: records (warnings, stack frames) counted per call site (`site`), most first."""
     counts = collections.Counter(site(r.filename, r.lineno) for r in records)
     rows = ["| call site | host-device syncs |", "|---|---|"]
     rows += [f"| `{k}` | {n} |" for k, n in counts.most_common(top)]
@@ -183,7 +220,9 @@ def main(argv=None) -> int:
         with profile(activities=activities) as train_prof:
             timings = [trainer.iteration() for _ in range(args.iterations)]
         breakdown = step_breakdown(trainer, args.iterations)
-        syncs = sync_sites(lambda: (sample(it), trainer.iteration()), args.top) if gpu else None
+        one_of_each = lambda: (sample(it), trainer.iteration())  # noqa: E731
+        syncs = sync_sites(one_of_each, args.top) if gpu else would_sync_sites(one_of_each,
+                                                                                args.top)
         trainer.rt.close()
     device = f", {torch.cuda.get_device_name()}" if gpu else ""
     tables = []
@@ -201,8 +240,9 @@ def main(argv=None) -> int:
             for k in ("old_forward", "train")),
         f"\nunprofiled, {args.iterations} iterations of {len(batches[0])} sequences in 4 "
         "optimizer steps each, wall time of the parts of a step:\n", breakdown]
-        + ([] if syncs is None else ["\nhost-device synchronizations over one rollout and one "
-                                     "iteration, by call site:\n", syncs]))
+        + ["\nhost-device synchronizations over one rollout and one iteration, by call site"
+           + ("" if gpu else " (counted on CPU: the calls that synchronize on a GPU)")
+           + ":\n", syncs])
     print(text)
     if args.readme:
         from tools.result_table import write_into

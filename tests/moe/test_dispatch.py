@@ -4,38 +4,21 @@ import pytest
 import torch
 from megatron.core.transformer.moe.moe_utils import permute
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
-from torch.overrides import TorchFunctionMode
 
 from moe.dispatch import SyncFreeDispatcher, permute_by_expert
 from tests.moe import parallel_worker as pw
 from tests.moe.test_experts import build, grads
-
-# Calls whose result size or value the host must read from the device: on a GPU each waits for
-# the kernels queued before it.
-SYNCING = {torch.Tensor.cpu, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.masked_select,
-           torch.masked_select, torch.Tensor.nonzero, torch.nonzero, torch.Tensor.__bool__}
-
-
-class SyncCounter(TorchFunctionMode):
-    """Counts SYNCING calls made while `active` (set by the MoE layers' hooks)."""
-
-    def __init__(self):
-        super().__init__()
-        self.active, self.calls = False, []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if self.active and func in SYNCING:
-            self.calls.append(func.__name__)
-        return func(*args, **(kwargs or {}))
-
+from tools.profile_ours import WouldSync
 
 def moe_layers(policy) -> list:
     return [m for m in policy.model.module.modules() if hasattr(m, "token_dispatcher")]
 
 
 def count_moe_syncs(policy, fn) -> list[str]:
-    """The SYNCING calls made inside the MoE layers' forwards while `fn()` runs."""
-    counter = SyncCounter()
+    """The host-syncing calls (`tools.profile_ours.WouldSync`) made inside the MoE layers'
+    forwards while `fn()` runs."""
+    counter = WouldSync()
+    counter.active = False
     handles = []
     for layer in moe_layers(policy):
         handles.append(layer.register_forward_pre_hook(
@@ -47,7 +30,7 @@ def count_moe_syncs(policy, fn) -> list[str]:
     finally:
         for h in handles:
             h.remove()
-    return counter.calls
+    return counter.records
 
 
 def routing(N: int, E: int, K: int, seed: int, dtype=torch.float32):
@@ -99,7 +82,8 @@ def test_lean_decode_step_routes_without_host_syncs(single_process):
     decoder = policy.kv_decoder(5, 14)
     decoder.next_logits(tokens_BT[:, :6], valid_BT[:, :6])  # prefill
 
-    counter = SyncCounter()
+    counter = WouldSync()
+    counter.active = False
     from moe import decode
 
     lean_moe, entered = decode.lean_moe, []
@@ -118,4 +102,4 @@ def test_lean_decode_step_routes_without_host_syncs(single_process):
     finally:
         decode.lean_moe = lean_moe
     assert len(entered) == policy.preset.num_layers  # every layer's MoE went through it
-    assert counter.calls == [] and counter.active is False
+    assert counter.records == [] and counter.active is False

@@ -68,3 +68,26 @@ def test_call_sites_are_named_from_their_package_root():
     assert site("/tmp/site/megatron/core/transformer/moe/c.py", 9) == \
         "megatron/core/transformer/moe/c.py:9"  # gpu_session.sh's --target folder
     assert site("/elsewhere/d.py", 4) == "/elsewhere/d.py:4"
+    assert site(f"{REPO}/.venv/lib/python3.11/site-packages/megatron/e.py", 5) == \
+        "megatron/e.py:5"  # a venv inside the repository: still the package's path
+
+
+def test_would_sync_sites_count_the_calls_that_read_device_values():
+    """On any device: item / bool / masked_select count at the line that called them; plain
+    ops, and calls made inside torch's own functions, at their caller's line or not at all."""
+    import torch
+
+    from tools.profile_ours import would_sync_sites
+
+    def run():
+        x = torch.arange(6.0)
+        for _ in range(2):
+            x.item() if x.numel() == 1 else float(x.sum())  # this line: 2 syncs
+        y = x * 2 + 1  # no sync
+        if y.max() > 3:  # 1 sync (bool)
+            x.masked_select(x > 2)  # 1 sync
+        torch.nn.functional.relu(y)
+
+    lines = would_sync_sites(run, top=5).splitlines()
+    assert lines[2].endswith(" | 2 |") and "test_profile_ours.py:" in lines[2]
+    assert lines[-1] == "| total (3 sites) | 4 |"
