@@ -107,7 +107,8 @@ class GroupedSequentialMLP(SequentialMLP):
         if stacked is None and torch.is_grad_enabled():  # training: no stacked copy saved
             fc1 = [e.linear_fc1.weight for e in self.local_experts]
             fc2 = [e.linear_fc2.weight for e in self.local_experts]
-            if self.grads_into_main_grad and x_NH.requires_grad:  # no autograd node per weight
+            if self.grads_into_main_grad and x_NH.requires_grad and all(
+                    w.requires_grad for w in fc1 + fc2):  # no autograd node per weight
                 h_NF = GroupedLinear.apply(x_NH.contiguous(), offs_E, tuple(fc1))
                 h_NF = self._activation(h_NF, permuted_probs)
                 return GroupedLinear.apply(h_NF, offs_E, tuple(fc2)), None

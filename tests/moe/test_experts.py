@@ -287,3 +287,18 @@ def test_expert_grads_go_into_main_grad_without_ddp_hooks(single_process, dtype)
     assert sum(bool(direct[n].any()) for n in direct if ".experts." in n) >= len(weights) // 2
     for name, g in hooked.items():
         assert torch.equal(direct[name], g), name
+
+
+def test_frozen_expert_weights_get_no_grad_through_main_grad(single_process):
+    """Experts frozen after the build take the autograd path (no grads for frozen weights);
+    the direct main_grad path is only for weights that train."""
+    policy = build("qwen3-moe-tiny")
+    frozen = expert_modules(policy)[0]
+    for p in frozen.parameters():
+        p.requires_grad_(False)
+    tokens_BT, valid_BT, readout_BTV = pw.batch(policy.preset.vocab_size, B=6, T=16)
+    policy.zero_grad()
+    pw.loss_fn(policy.logits(tokens_BT, valid_BT), valid_BT, readout_BTV).backward()
+    assert not any(p.main_grad.any() for p in frozen.parameters())
+    trained = expert_modules(policy)[1]
+    assert any(p.main_grad.any() for p in trained.parameters())
