@@ -7,13 +7,17 @@ expert-parallel rank) finds the routed rows with `masked_select` over the [E, N]
 twice (token ids, probs), and the all-gather dispatcher copies the tokens per expert to the host
 (`.cpu()`) for the experts' split sizes. Each is a host-device synchronization on a GPU: the
 host waits for the router's kernels before it can queue the rest of the layer, three times per
-MoE layer and forward (and per decode step in the sampler). Under dropless top-k routing every
+MoE layer and forward (twice per layer in the sampler's lean decode step, which knew the row
+count and had no `.cpu()`). Under dropless top-k routing every
 token has exactly K experts (also when Routing Replay forces them), so M = N * K is known
 without looking at the data: `permute_by_expert` sorts the N * K (token, expert) pairs by
 expert, stably, which is megatron's order (expert-major, tokens ascending within an expert),
 and returns the same three tensors as `permute` without leaving the device. The experts take
 the tokens per expert as a device tensor (`moe.experts.GroupedSequentialMLP` turns it into the
-grouped GEMM's offsets there).
+grouped GEMM's offsets there). The layer is then free of host syncs only where the grouped GEMM
+runs (`moe.experts.grouped_mm_runs`); megatron's per-expert loop, its fallback, reads the counts
+on the host (`.tolist()`). The exactly-K premise is checked on the device
+(`torch._assert_async`: raises at once on CPU, at a later kernel launch on a GPU).
 
 `SyncFreeDispatcher` is megatron's all-gather dispatcher with this permutation, installed by
 `moe.model.build_gpt_moe` on the MoE layers `moe.decode.lean_moe_ok` accepts (one rank, no
@@ -32,13 +36,18 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDisp
 def permute_by_expert(x_NH: torch.Tensor, probs_NE: torch.Tensor, routing_map_NE: torch.Tensor,
                       topk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """megatron `permute(x, routing_map, probs)` for exactly `topk` experts per token: (rows
-    grouped by expert [M, H], their probs [M], their token ids [M]), computed on the device."""
+    grouped by expert [M, H], their probs [M], their token ids [M]), computed on the device.
+    A token with another number of experts (capacity drops, a malformed replayed routing) fails
+    the device-side assertion."""
+    torch._assert_async((routing_map_NE.sum(dim=1) == topk).all(),
+                        f"permute_by_expert: a token's routing map row does not hold exactly "
+                        f"topk={topk} experts")
     # the K chosen expert ids of each token (any order within a row: they are distinct)
     ids_NK = torch.sort(routing_map_NE.to(torch.uint8), dim=1, descending=True,
                         stable=True).indices[:, :topk]
     order_M = ids_NK.reshape(-1).argsort(stable=True)  # by expert; ties keep token order
     token_M = torch.div(order_M, topk, rounding_mode="floor")
-    probs_M = probs_NE.gather(1, ids_NK).reshape(-1)[order_M]
+    probs_M = probs_NE.gather(1, ids_NK).reshape(-1).index_select(0, order_M)
     return x_NH.index_select(0, token_M), probs_M, token_M
 
 

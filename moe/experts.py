@@ -15,8 +15,9 @@ activation and the prob scaling once over all N tokens, fc2 in one call. The per
 arithmetic is the same (tests/moe/test_experts.py: equal to `SequentialMLP` to fp32 rounding,
 forward and grads, also under EP=2). Training forwards go through `GroupedLinear`, which stacks
 the weights for the GEMM and again in its backward rather than keeping the stacked copy alive
-in between, and hands each expert weight its own grad, so megatron DDP's grad hooks run as
-usual; no-grad forwards stack once per forward (once per rollout in the sampler, `moe.decode`,
+in between; it hands each expert weight its own grad (megatron DDP's grad hooks run as usual)
+or, under DDP without overlapped reduction (`grads_into_main_grad`), adds the grads into the
+weights' `main_grad` itself with no per-weight hook; no-grad forwards stack once per forward (once per rollout in the sampler, `moe.decode`,
 where the weights cannot change).
 
 Falls back to `SequentialMLP.forward` where the batched path does not apply: a device and dtype
@@ -108,7 +109,8 @@ class GroupedSequentialMLP(SequentialMLP):
             fc1 = [e.linear_fc1.weight for e in self.local_experts]
             fc2 = [e.linear_fc2.weight for e in self.local_experts]
             if self.grads_into_main_grad and x_NH.requires_grad and all(
-                    w.requires_grad for w in fc1 + fc2):  # no autograd node per weight
+                    w.requires_grad and hasattr(w, "main_grad")
+                    for w in fc1 + fc2):  # no autograd node per weight
                 h_NF = GroupedLinear.apply(x_NH.contiguous(), offs_E, tuple(fc1))
                 h_NF = self._activation(h_NF, permuted_probs)
                 return GroupedLinear.apply(h_NF, offs_E, tuple(fc2)), None
@@ -156,6 +158,8 @@ class GroupedLinear(torch.autograd.Function):
     def forward(ctx, x_NI: torch.Tensor, offs_E: torch.Tensor,
                 untracked_OI: tuple | None, *weights_OI: torch.Tensor):
         ctx.untracked = untracked_OI
+        if untracked_OI is not None:  # autograd's saved-tensor version check, by hand
+            ctx.versions = [w._version for w in untracked_OI]
         ctx.save_for_backward(x_NI, offs_E, *weights_OI)
         weights_OI = untracked_OI or weights_OI
         return torch._grouped_mm(x_NI, torch.stack(weights_OI).transpose(1, 2), offs=offs_E)
@@ -164,6 +168,9 @@ class GroupedLinear(torch.autograd.Function):
     def backward(ctx, grad_NO: torch.Tensor):
         x_NI, offs_E, *weights_OI = ctx.saved_tensors
         into_main_grad = ctx.untracked is not None
+        if into_main_grad and [w._version for w in ctx.untracked] != ctx.versions:
+            raise RuntimeError("GroupedLinear: an expert weight needed for gradient computation "
+                               "has been modified by an inplace operation since the forward")
         weights_OI = ctx.untracked or weights_OI
         grad_NO = grad_NO.contiguous()
         grad_x = None

@@ -52,6 +52,20 @@ def test_permute_by_expert_equals_megatrons_permute(N, E, K, dtype):
     assert torch.equal(got_x, want_x) and torch.equal(got_probs, want_probs)
 
 
+@pytest.mark.parametrize("row_change", [-1, +1])
+def test_a_token_without_exactly_k_experts_is_an_error(row_change):
+    """The premise (exactly K experts per token, so M = N * K) is asserted on the device: a
+    row with one expert fewer or more fails instead of returning shifted rows."""
+    x_NH, probs_NE, routing_map_NE = routing(9, 8, 2, seed=3)
+    row = routing_map_NE[4]
+    if row_change < 0:
+        row[row.nonzero()[0]] = False
+    else:
+        row[(~row).nonzero()[0]] = True
+    with pytest.raises(RuntimeError, match="exactly topk=2"):
+        permute_by_expert(x_NH, probs_NE, routing_map_NE, 2)
+
+
 def test_model_dispatches_without_host_syncs_and_the_same_numbers(single_process):
     policy = build("qwen3-moe-tiny")
     layers = moe_layers(policy)

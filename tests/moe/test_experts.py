@@ -302,3 +302,17 @@ def test_frozen_expert_weights_get_no_grad_through_main_grad(single_process):
     assert not any(p.main_grad.any() for p in frozen.parameters())
     trained = expert_modules(policy)[1]
     assert any(p.main_grad.any() for p in trained.parameters())
+
+
+def test_expert_weight_changed_in_place_before_the_backward_raises(single_process):
+    """The direct main_grad path saves no autograd references to the weights, so it checks their
+    versions itself, as autograd does for saved tensors: a weight written in place between the
+    forward and the backward (the grads would belong to other weights) is an error."""
+    policy = build("qwen3-moe-tiny")
+    tokens_BT, valid_BT, readout_BTV = pw.batch(policy.preset.vocab_size, B=6, T=16)
+    policy.zero_grad()
+    loss = pw.loss_fn(policy.logits(tokens_BT, valid_BT), valid_BT, readout_BTV)
+    with torch.no_grad():
+        expert_modules(policy)[0].local_experts[1].linear_fc2.weight.mul_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
