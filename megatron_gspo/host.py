@@ -4,20 +4,23 @@ A training step allocates and frees activations of a few MB each, thousands of t
 iteration (on CPU all of them; on a GPU the host side's staging buffers). glibc serves blocks
 above its mmap threshold with fresh `mmap`ed pages and gives the top of its heap back to the
 kernel once more than the trim threshold is free there; both thresholds start small (128 KiB)
-and the mmap one only grows as such blocks are freed. Either way a freed block comes back as
+and the mmap one only grows as such blocks are freed (glibc's dynamic rule, which then sets
+the trim threshold to twice it). Either way a freed block comes back as
 new pages, and every first touch of a page is a page fault served by the kernel (thousands
 per CPU training iteration of the throughput bench; its tokens/s with and without this module's
 setting: experiments/throughput/README.md, "the host allocator").
 
 `tune_malloc` fixes the mmap threshold at glibc's largest (32 MiB on 64-bit) and the trim
 threshold at 1 GiB: freed blocks stay in the heap for the next step. The cost is resident
-memory: up to 1 GiB freed memory kept mapped instead of returned (peak use is unchanged). The
+memory: up to 1 GiB of freed memory per malloc arena kept mapped instead of returned, so the
+resident size tends to stay at its high-water mark (peak use is unchanged). The
 same setting PyTorch's CPU tuning guides reach with jemalloc / tcmalloc, without a preload.
 
 Left alone when the user chose for themselves: `MEGATRON_GSPO_MALLOC=system` (glibc's own
-behaviour, e.g. to measure the difference), any `MALLOC_*_` threshold variable in the
-environment (glibc read it at start-up) or another allocator in `LD_PRELOAD`; and where the C
-library is not glibc.
+behaviour, e.g. to measure the difference), one of glibc's threshold variables
+(`USER_VARIABLES`) or a `glibc.malloc` tunable in `GLIBC_TUNABLES` (glibc read them at start-up)
+or another allocator in `LD_PRELOAD`; and where the C library is not glibc. Other `MALLOC_*`
+variables (`MALLOC_ARENA_MAX`, `MALLOC_PERTURB_`) do not touch the thresholds and are kept.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 << 20  # glibc's maximum on 64-bit (HEAP_MAX_SIZE / 2); larger is refused
 TRIM_THRESHOLD = 1 << 30
-USER_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+USER_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
+                  "MALLOC_MMAP_MAX_")
 
 
 def malloc_tuning_skipped(environ=os.environ, libc_name: str | None = None) -> str | None:
@@ -44,19 +48,39 @@ def malloc_tuning_skipped(environ=os.environ, libc_name: str | None = None) -> s
     chosen = [name for name in USER_VARIABLES if name in environ]
     if chosen:
         return f"set by the environment ({', '.join(chosen)})"
+    if "glibc.malloc." in environ.get("GLIBC_TUNABLES", ""):
+        return f"set by the environment (GLIBC_TUNABLES={environ['GLIBC_TUNABLES']})"
     preload = environ.get("LD_PRELOAD", "")
     if any(name in preload for name in ("jemalloc", "tcmalloc", "mimalloc")):
         return f"another allocator preloaded (LD_PRELOAD={preload})"
     return None
 
 
+# what the last `tune_malloc` call in this process did: None before any call, else a sentence
+# (`malloc_state` reads it, e.g. for a benchmark's report)
+_last_outcome: str | None = None
+
+
 def tune_malloc() -> bool:
     """Apply the thresholds above to this process (idempotent). Returns whether they are in
     force: False where `malloc_tuning_skipped` gives a reason or glibc refused a value."""
-    if malloc_tuning_skipped() is not None:
+    global _last_outcome
+    reason = malloc_tuning_skipped()
+    if reason is not None:
+        _last_outcome = f"untuned: {reason}"
         return False
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     mallopt = libc.mallopt
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) \
+    applied = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) \
         and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    _last_outcome = (f"tuned (mmap threshold {MMAP_THRESHOLD >> 20} MiB, trim threshold "
+                     f"{TRIM_THRESHOLD >> 30} GiB)" if applied else "untuned: glibc refused mallopt")
+    return applied
+
+
+def malloc_state() -> str:
+    """This process's host allocator setting as `tune_malloc` left it (a sentence for
+    reports): tuned, untuned with the reason, or not tuned by this process yet."""
+    return _last_outcome or "glibc defaults (tune_malloc not called in this process)"
+

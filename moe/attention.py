@@ -44,11 +44,14 @@ SDPA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def additive_mask(mask_B1ST: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """SDPA's float mask for megatron's boolean one (True = hidden): -inf where hidden, 0 where
     visible, in `dtype`; the values SDPA itself derives from the inverted boolean mask. Built once
-    per mask tensor and kept on it: every layer of a forward (and of its recompute) gets the same
-    mask object, so the layers share one conversion, and SDPA's CPU kernel saves that one
-    tensor for the backward instead of a converted copy per layer. A mask changed in place since
-    (its version counter moved) is converted again; an inference-mode mask, which has no version
-    counter, each call (the sampler's: one small mask per decode step)."""
+    per mask tensor and kept on it: every layer of a forward gets the same mask object, so the
+    layers share one conversion, and SDPA's CPU kernel saves that one tensor for the backward
+    instead of a converted copy per layer (megatron's activation recompute detaches its inputs,
+    a new mask object: one more conversion per recomputed chunk). A mask changed in place since
+    (its version counter moved) is converted again; writes through `.data` do not move the
+    counter and are not seen, as for autograd's saved tensors. An inference-mode mask, which has
+    no version counter, is converted each call (the sampler's: one small mask per decode
+    step)."""
     version = None if mask_B1ST.is_inference() else mask_B1ST._version
     cached_version, cached = getattr(mask_B1ST, "_sdpa_additive", (None, None))
     if version is None or cached is None or cached.dtype != dtype or cached_version != version:

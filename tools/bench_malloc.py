@@ -26,7 +26,7 @@ from tools.result_table import add_readme_args
 CHILD = """
 import json, resource, sys, tempfile, time
 import torch
-from megatron_gspo.host import malloc_tuning_skipped
+from megatron_gspo.host import malloc_state
 from tools.bench_throughput import build_ours, parse_args
 torch.set_num_threads(1)
 args = json.loads(sys.argv[1])
@@ -46,7 +46,7 @@ with tempfile.TemporaryDirectory(prefix="bench_malloc_") as tmp:
         faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
     trainer.rt.close()
 print(json.dumps({"seconds": seconds, "faults": faults / args["iterations"],
-                  "tuned": malloc_tuning_skipped() is None}))
+                  "tuned": malloc_state().startswith("tuned")}))
 """
 
 

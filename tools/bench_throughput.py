@@ -282,11 +282,11 @@ def measure(args) -> dict:
 
 
 def host_malloc() -> str:
-    """How this process's glibc malloc runs (`megatron_gspo.host`; ours and TRL share it)."""
-    from megatron_gspo.host import malloc_tuning_skipped
+    """How this process's glibc malloc runs, as ours' start-up left it (`megatron_gspo.host`;
+    ours and TRL share the process)."""
+    from megatron_gspo.host import malloc_state
 
-    reason = malloc_tuning_skipped()
-    return "tuned thresholds" if reason is None else f"untuned: {reason}"
+    return malloc_state()
 
 
 def cpu_model() -> str:

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from megatron_gspo import host
 from megatron_gspo.host import malloc_tuning_skipped
 
 GLIBC = malloc_tuning_skipped({}) is None
@@ -55,6 +56,24 @@ def test_skipped_reasons_name_the_choice():
                                              libc_name="glibc")
     assert "jemalloc" in malloc_tuning_skipped({"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"},
                                                libc_name="glibc")
+    assert "MALLOC_MMAP_MAX_" in malloc_tuning_skipped({"MALLOC_MMAP_MAX_": "0"},
+                                                       libc_name="glibc")
+    tunables = "glibc.malloc.trim_threshold=0:glibc.rtld.nns=4"
+    assert tunables in malloc_tuning_skipped({"GLIBC_TUNABLES": tunables}, libc_name="glibc")
+    # variables that leave the thresholds alone do not stop the tuning
+    assert malloc_tuning_skipped({"MALLOC_ARENA_MAX": "2", "GLIBC_TUNABLES": "glibc.rtld.nns=4"},
+                                 libc_name="glibc") is None
+
+
+def test_malloc_state_reports_what_tune_malloc_did(monkeypatch):
+    """Reports read the outcome of the process's own call, not the environment now."""
+    monkeypatch.setattr(host, "_last_outcome", None)
+    assert "not called" in host.malloc_state()
+    monkeypatch.setenv("MEGATRON_GSPO_MALLOC", "system")
+    assert host.tune_malloc() is False
+    assert host.malloc_state() == "untuned: MEGATRON_GSPO_MALLOC=system"
+    monkeypatch.delenv("MEGATRON_GSPO_MALLOC")
+    assert host.malloc_state() == "untuned: MEGATRON_GSPO_MALLOC=system"  # until the next call
 
 
 @pytest.mark.skipif(not GLIBC or GLIBC_VERSION < (2, 33), reason="glibc >= 2.33 (mallinfo2)")
