@@ -139,30 +139,57 @@ def sync_sites(run, top: int) -> str:
 
 
 # Calls whose result the host must read from the device: on a GPU each one waits for every
-# kernel queued before it (item / bool / float / int / tolist / cpu read values, masked_select /
-# nonzero size their output by the data).
+# kernel queued before it (item / bool / float / int / tolist / cpu / numpy / equal / allclose
+# read values; masked_select / nonzero / unique / bincount size their output by the data).
 SYNCING = frozenset({
     torch.Tensor.cpu, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__,
-    torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__index__,
-    torch.Tensor.masked_select, torch.masked_select, torch.Tensor.nonzero, torch.nonzero})
+    torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__index__, torch.Tensor.numpy,
+    torch.Tensor.masked_select, torch.masked_select, torch.Tensor.nonzero, torch.nonzero,
+    torch.equal, torch.Tensor.equal, torch.allclose, torch.Tensor.allclose,
+    torch.unique, torch.Tensor.unique, torch.unique_consecutive, torch.Tensor.unique_consecutive,
+    torch.bincount, torch.Tensor.bincount})
+
+
+def syncs(func, args: tuple, kwargs: dict) -> bool:
+    """Whether this call would make the host wait for a GPU: a `SYNCING` function, or one that
+    does depending on its arguments: one-argument `where` (= nonzero), indexing with a boolean
+    mask, `repeat_interleave` by a tensor of repeats without `output_size`. Not seen: `.to` /
+    `copy_` onto the host (on CPU every tensor is there already, and megatron's router moves its
+    weights with `.to(device)` each forward on CPU, which a GPU run skips) and syncs made inside
+    C++ ops."""
+    if func in SYNCING:
+        return True
+    if func is torch.where:
+        return len(args) + len(kwargs) == 1
+    if func is torch.Tensor.__getitem__:
+        index = args[1] if isinstance(args[1], tuple) else (args[1],)
+        return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+                   for i in index)
+    if func in (torch.repeat_interleave, torch.Tensor.repeat_interleave):
+        repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+        return (isinstance(repeats, torch.Tensor) and repeats.numel() > 1
+                and kwargs.get("output_size") is None)
+    return False
 
 
 class WouldSync(TorchFunctionMode):
-    """Within: records each `SYNCING` call made while `active`, as the first stack frame
-    outside torch (`records`: FrameSummary with filename, lineno). Device-independent: on CPU,
-    the calls that would make the host wait for a GPU, plus those on tensors a GPU run keeps on
-    the host anyway (it cannot tell them apart: e.g. the sampler's per-row done flags)."""
+    """Within: records each call made while `active` that would synchronize host and device
+    (`syncs`), as the first stack frame outside torch (`records`: FrameSummary with filename,
+    lineno). Device-independent: on CPU, the calls that would make the host wait for a GPU, plus
+    those on tensors a GPU run keeps on the host anyway (it cannot tell them apart: e.g. the
+    sampler's per-row done flags)."""
 
     def __init__(self):
         super().__init__()
         self.active, self.records = True, []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if self.active and func in SYNCING:
+        kwargs = kwargs or {}
+        if self.active and syncs(func, args, kwargs):
             inside_torch = f"{os.sep}torch{os.sep}"
             self.records.append(next(f for f in reversed(traceback.extract_stack()[:-1])
                                      if inside_torch not in f.filename))
-        return func(*args, **(kwargs or {}))
+        return func(*args, **kwargs)
 
 
 def would_sync_sites(run, top: int) -> str:

@@ -91,3 +91,24 @@ def test_would_sync_sites_count_the_calls_that_read_device_values():
     lines = would_sync_sites(run, top=5).splitlines()
     assert lines[2].endswith(" | 2 |") and "test_profile_ours.py:" in lines[2]
     assert lines[-1] == "| total (3 sites) | 4 |"
+
+
+def test_would_sync_sees_the_calls_that_sync_by_their_arguments():
+    """One-argument where, boolean-mask indexing, repeat_interleave by a repeats tensor without
+    output_size count; their non-syncing forms do not."""
+    import torch
+
+    from tools.profile_ours import WouldSync
+
+    x, mask = torch.arange(6.0), torch.arange(6) > 2
+    repeats = torch.tensor([1, 2, 0, 1, 1, 1])
+    syncing = [lambda: torch.where(mask), lambda: x[mask], lambda: x.view(2, 3)[:, mask[:3]],
+               lambda: x.repeat_interleave(repeats), lambda: torch.repeat_interleave(x, repeats),
+               lambda: torch.equal(x, x), lambda: x.unique(), lambda: x.numpy()]
+    silent = [lambda: torch.where(mask, x, 0.0), lambda: x[torch.tensor([0, 2])], lambda: x[1:],
+              lambda: x.repeat_interleave(repeats, output_size=6), lambda: x.repeat_interleave(2),
+              lambda: x.to(torch.float64), lambda: x.index_select(0, repeats)]
+    for i, fn in enumerate(syncing + silent):
+        with WouldSync() as mode:
+            fn()
+        assert len(mode.records) == (1 if i < len(syncing) else 0), i
