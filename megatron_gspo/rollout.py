@@ -14,6 +14,11 @@ sequence parallelism (which megatron-core requires for MoE with TP > 1), each st
 full forward instead (same logits up to float rounding). With `record_routing` (R3) the decoder
 also records every MoE layer's top-k ids as it goes, plus one last decode step for the final
 sampled column, giving `RolloutBatch.routing`: the routing the sampler itself used.
+Each step's temperature, log-softmax, top-p and draw run where the logits are (on a GPU: no
+[B, V] copy to the host per token, 39 MB at B=64 and Qwen3's 151,936-token vocabulary); only the
+B drawn ids and their log-probs come back. On a GPU the draws use a device generator seeded by
+one draw from the host `generator` (`device_generator`): reproducible per seed, not the CPU
+run's tokens (its logits differ anyway). On CPU nothing changes: the same ops, same stream.
 `sampler_logp_BT` is log pi(y_t) under the temperature-scaled distribution the tokens were drawn
 from (before top-p filtering, as vLLM reports it), so it is directly comparable with the trainer's
 recompute and usable as pi_old (`rollout.use_sampler_logprobs`, the GSPO paper's claim that
@@ -109,6 +114,17 @@ def top_p_filter(logits_BV: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits_BV.masked_fill(drop_BV.scatter(1, order_BV, drop_BV), float("-inf"))
 
 
+def device_generator(generator: torch.Generator | None,
+                     device: torch.device) -> torch.Generator | None:
+    """The generator for draws on `device`: `generator` itself where it lives there (CPU runs:
+    their streams unchanged), else a generator of that device seeded by one 63-bit draw from
+    `generator` (None: torch's default generator of that device)."""
+    if generator is None or generator.device.type == torch.device(device).type:
+        return generator
+    seed = int(torch.randint(2 ** 63 - 1, (1,), generator=generator))
+    return torch.Generator(device).manual_seed(seed)
+
+
 @torch.no_grad()
 def sample(policy, tokenizer, prompts: list[str], *, max_new_tokens: int,
            temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
@@ -130,22 +146,20 @@ def sample(policy, tokenizer, prompts: list[str], *, max_new_tokens: int,
     if record_routing and decoder is None:
         raise ValueError("recording rollout routing (R3) needs the KV-cache sampler, which "
                          "sequence parallelism does not support")
+    draw_gen = generator
     for _ in range(max_new_tokens):
         logits_BV = decoder.next_logits(tokens_BT, valid_BT) if decoder is not None \
             else policy.logits(tokens_BT, valid_BT)[:, -1]
-        logits_BV = logits_BV.cpu() / temperature
-        logp_BV = torch.log_softmax(logits_BV, dim=-1)
-        if greedy:
-            next_B = logits_BV.argmax(-1)
-        else:
-            probs_BV = top_p_filter(logits_BV, top_p).softmax(-1)
-            next_B = torch.multinomial(probs_BV, 1, generator=generator).squeeze(1)
+        if draw_gen is generator and not greedy:  # once: a device generator on a GPU
+            draw_gen = device_generator(generator, logits_BV.device)
         live_B = ~done_B
-        next_B = torch.where(live_B, next_B, torch.full_like(next_B, tokenizer.pad_id))
+        next_B, step_logp_B = draw(logits_BV, live_B.to(logits_BV.device), temperature=temperature,
+                                   top_p=top_p, greedy=greedy, pad_id=tokenizer.pad_id,
+                                   generator=draw_gen)
+        next_B, step_logp_B = next_B.cpu(), step_logp_B.cpu()  # B values, not B x V
         tokens_BT = torch.cat([tokens_BT, next_B[:, None]], dim=1)
         valid_BT = torch.cat([valid_BT, live_B[:, None]], dim=1)
         response_BT = torch.cat([response_BT, live_B[:, None]], dim=1)
-        step_logp_B = logp_BV.gather(1, next_B[:, None]).squeeze(1) * live_B
         logp_BT = torch.cat([logp_BT, step_logp_B[:, None]], dim=1)
         done_B |= torch.isin(next_B, stop_ids)
         if all_ranks(bool(done_B.all())):  # never a per-rank break (PITFALLS #13)
@@ -155,6 +169,21 @@ def sample(policy, tokenizer, prompts: list[str], *, max_new_tokens: int,
         decoder.next_logits(tokens_BT, valid_BT)  # route the last sampled column too
         routing = decoder.routing(valid_BT)
     return tokens_BT, valid_BT, response_BT, logp_BT, routing
+
+
+def draw(logits_BV: torch.Tensor, live_B: torch.Tensor, *, temperature: float, top_p: float,
+         greedy: bool, pad_id: int, generator: torch.Generator | None):
+    """One sampling step on the logits' device: (next token ids [B], their log-probs under the
+    temperature-scaled distribution [B]); rows no longer live get `pad_id` and log-prob 0."""
+    logits_BV = logits_BV / temperature
+    logp_BV = torch.log_softmax(logits_BV, dim=-1)
+    if greedy:
+        next_B = logits_BV.argmax(-1)
+    else:
+        probs_BV = top_p_filter(logits_BV, top_p).softmax(-1)
+        next_B = torch.multinomial(probs_BV, 1, generator=generator).squeeze(1)
+    next_B = torch.where(live_B, next_B, torch.full_like(next_B, pad_id))
+    return next_B, logp_BV.gather(1, next_B[:, None]).squeeze(1) * live_B
 
 
 def decode_responses(tokenizer, tokens_BT: torch.Tensor, response_BT: torch.Tensor) -> list[str]:

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from megatron_gspo.rollout import encode_prompts, sample, top_p_filter
+from megatron_gspo.rollout import device_generator, encode_prompts, sample, top_p_filter
 from megatron_gspo.tasks import CharTokenizer
 
 PROMPTS = ["12+345=", "7+8=", "99+1=", "3+40="]
@@ -37,6 +37,45 @@ def test_top_p_filter_hand_case():
     assert kept == [True, True, False, False]  # 0.5 < 0.7 <= 0.8
     assert torch.isfinite(top_p_filter(logits, 1e-9)).sum() == 1  # never empty
     assert torch.equal(top_p_filter(logits, 1.0), logits)
+
+
+class HostCopies(torch.overrides.TorchFunctionMode):
+    """Records the shape of every tensor copied to the host (`.cpu()` / `.to("cpu")`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cpu or (func is torch.Tensor.to and "cpu" in map(str, args[1:])):
+            self.shapes.append(tuple(args[0].shape))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_sampling_steps_copy_ids_and_logprobs_to_the_host_not_logits(policy, greedy):
+    """Temperature, log-softmax, top-p and the draw run where the logits are: each step copies
+    the B drawn ids and their log-probs, never a [B, V] row of logits (on a GPU that copy was
+    39 MB per token at Qwen3's vocabulary)."""
+    B, steps = 8, 4
+    with HostCopies() as copies:
+        sample(policy, CharTokenizer(), PROMPTS * 2, max_new_tokens=steps, temperature=0.8,
+               top_p=0.9, greedy=greedy, generator=torch.Generator().manual_seed(1))
+    assert copies.shapes.count((B,)) >= 2 * steps  # ids and log-probs, each step
+    assert not [s for s in copies.shapes if len(s) > 1 and s[-1] >= policy.preset.vocab_size]
+
+
+def test_device_generator_keeps_a_generator_of_the_device_and_seeds_others():
+    cpu = torch.Generator().manual_seed(3)
+    assert device_generator(cpu, torch.device("cpu")) is cpu  # CPU runs: the stream unchanged
+    assert device_generator(None, torch.device("cpu")) is None
+    state = cpu.get_state()
+    if torch.cuda.is_available():
+        first = device_generator(cpu, torch.device("cuda"))
+        assert first.device.type == "cuda" and not torch.equal(cpu.get_state(), state)
+        cpu.set_state(state)
+        assert device_generator(cpu, torch.device("cuda")).initial_seed() == first.initial_seed()
 
 
 @pytest.mark.parametrize("greedy", [True, False])

@@ -66,3 +66,26 @@ def test_kv_cache_decoder_matches_full_forward_on_gpu(single_process):
     got = decoder.routing(valid).ids_NLK.long()  # same experts as the full forward, per token
     _, want = current_routing(policy, tokens, valid)
     assert torch.equal(got.sort(-1).values.cpu(), want.ids_NLK.long().sort(-1).values.cpu())
+
+
+def test_sampler_draws_on_the_gpu_reproducibly(single_process):
+    """The sampler's draws run on the GPU (a device generator seeded from the host one): host
+    tensors come back, the same seed gives the same tokens, the log-probs match the trainer's
+    recompute."""
+    from megatron_gspo.rollout import sample
+    from megatron_gspo.tasks import CharTokenizer
+    from moe.model import ParallelLayout
+    from moe.policy import MoEPolicy
+    from moe.presets import get_preset
+
+    policy = MoEPolicy.build(get_preset("qwen3-moe-tiny"), ParallelLayout(), real_vocab=26,
+                             optim=None)
+    runs = [sample(policy, CharTokenizer(), ["12+34=", "7+8="] * 4, max_new_tokens=6,
+                   temperature=0.8, top_p=0.9, generator=torch.Generator().manual_seed(s))
+            for s in (4, 4, 5)]
+    tokens_BT, valid_BT, response_BT, logp_BT, _ = runs[0]
+    assert all(t.device.type == "cpu" for t in runs[0][:4])
+    assert torch.equal(runs[1][0], tokens_BT) and not torch.equal(runs[2][0], tokens_BT)
+    recompute_BT = policy.token_logprobs(tokens_BT, valid_BT, temperature=0.8).cpu()
+    torch.testing.assert_close(logp_BT[response_BT], recompute_BT[response_BT], atol=2e-4,
+                               rtol=2e-4)
