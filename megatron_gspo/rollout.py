@@ -152,11 +152,11 @@ def sample(policy, tokenizer, prompts: list[str], *, max_new_tokens: int,
             else policy.logits(tokens_BT, valid_BT)[:, -1]
         if draw_gen is generator and not greedy:  # once: a device generator on a GPU
             draw_gen = device_generator(generator, logits_BV.device)
-        live_B = ~done_B
-        next_B, step_logp_B = draw(logits_BV, live_B.to(logits_BV.device), temperature=temperature,
-                                   top_p=top_p, greedy=greedy, pad_id=tokenizer.pad_id,
-                                   generator=draw_gen)
-        next_B, step_logp_B = next_B.cpu(), step_logp_B.cpu()  # B values, not B x V
+        next_B, step_logp_B = (t.cpu() for t in draw(  # B values to the host, not B x V
+            logits_BV, temperature=temperature, top_p=top_p, greedy=greedy, generator=draw_gen))
+        live_B = ~done_B  # finished rows decode padding, log-prob 0
+        next_B = torch.where(live_B, next_B, torch.full_like(next_B, tokenizer.pad_id))
+        step_logp_B = step_logp_B * live_B
         tokens_BT = torch.cat([tokens_BT, next_B[:, None]], dim=1)
         valid_BT = torch.cat([valid_BT, live_B[:, None]], dim=1)
         response_BT = torch.cat([response_BT, live_B[:, None]], dim=1)
@@ -171,10 +171,10 @@ def sample(policy, tokenizer, prompts: list[str], *, max_new_tokens: int,
     return tokens_BT, valid_BT, response_BT, logp_BT, routing
 
 
-def draw(logits_BV: torch.Tensor, live_B: torch.Tensor, *, temperature: float, top_p: float,
-         greedy: bool, pad_id: int, generator: torch.Generator | None):
+def draw(logits_BV: torch.Tensor, *, temperature: float, top_p: float, greedy: bool,
+         generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """One sampling step on the logits' device: (next token ids [B], their log-probs under the
-    temperature-scaled distribution [B]); rows no longer live get `pad_id` and log-prob 0."""
+    temperature-scaled distribution, before top-p [B])."""
     logits_BV = logits_BV / temperature
     logp_BV = torch.log_softmax(logits_BV, dim=-1)
     if greedy:
@@ -182,8 +182,7 @@ def draw(logits_BV: torch.Tensor, live_B: torch.Tensor, *, temperature: float, t
     else:
         probs_BV = top_p_filter(logits_BV, top_p).softmax(-1)
         next_B = torch.multinomial(probs_BV, 1, generator=generator).squeeze(1)
-    next_B = torch.where(live_B, next_B, torch.full_like(next_B, pad_id))
-    return next_B, logp_BV.gather(1, next_B[:, None]).squeeze(1) * live_B
+    return next_B, logp_BV.gather(1, next_B[:, None]).squeeze(1)
 
 
 def decode_responses(tokenizer, tokens_BT: torch.Tensor, response_BT: torch.Tensor) -> list[str]:
