@@ -52,7 +52,8 @@ EOF
       rc=$?; cat "$OUT/env.txt"; [ $rc -eq 0 ] ;;
     tests)
       timeout 240 python3 -m pytest -q -p no:cacheprovider -m "gpu or not slow" \
-        tests/moe/test_gpu.py tests/moe/test_experts.py > "$OUT/tests.log" 2>&1
+        tests/moe/test_gpu.py tests/moe/test_experts.py tests/moe/test_dispatch.py \
+        > "$OUT/tests.log" 2>&1
       rc=$?; tail -3 "$OUT/tests.log"; [ $rc -eq 0 ] ;;
     point)
       timeout 180 python3 -m tools.bench_throughput --skip-trl --peak-tflops 989 --force-length \

@@ -1,11 +1,14 @@
 """`moe.dispatch`: megatron's permutation without host syncs; the same rows, bitwise."""
 
+import os
+
 import pytest
 import torch
 from megatron.core.transformer.moe.moe_utils import permute
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
 from moe.dispatch import SyncFreeDispatcher, permute_by_expert
+from moe.experts import grouped_mm_runs
 from tests.moe import parallel_worker as pw
 from tests.moe.test_experts import build, grads
 from tools.profile_ours import WouldSync
@@ -31,6 +34,16 @@ def count_moe_syncs(policy, fn) -> list[str]:
         for h in handles:
             h.remove()
     return counter.records
+
+
+def syncs_of_the_dispatch(policy, records: list) -> list:
+    """The recorded syncs, less those of megatron's per-expert loop where it is the experts'
+    fallback (the grouped GEMM does not run on this device and dtype, e.g. fp32 on some CUDA
+    builds): it reads the tokens per expert on the host whatever the dispatcher does."""
+    if grouped_mm_runs(policy.device.type, next(policy.model.parameters()).dtype):
+        return records
+    loop = os.path.join("megatron", "core", "transformer", "moe", "experts.py")
+    return [r for r in records if not r.filename.endswith(loop)]
 
 
 def routing(N: int, E: int, K: int, seed: int, dtype=torch.float32):
@@ -78,7 +91,8 @@ def test_model_dispatches_without_host_syncs_and_the_same_numbers(single_process
         pw.loss_fn(logits, valid_BT, readout_BTV).backward()
         return logits.detach(), grads(policy)
 
-    assert count_moe_syncs(policy, lambda: policy.logits(tokens_BT, valid_BT)) == []
+    assert syncs_of_the_dispatch(
+        policy, count_moe_syncs(policy, lambda: policy.logits(tokens_BT, valid_BT))) == []
     logits, got = run()
     for m in layers:
         m.token_dispatcher.__class__ = MoEAllGatherTokenDispatcher  # megatron's own
@@ -116,4 +130,4 @@ def test_lean_decode_step_routes_without_host_syncs(single_process):
     finally:
         decode.lean_moe = lean_moe
     assert len(entered) == policy.preset.num_layers  # every layer's MoE went through it
-    assert counter.records == [] and counter.active is False
+    assert syncs_of_the_dispatch(policy, counter.records) == [] and counter.active is False
