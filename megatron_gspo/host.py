@@ -18,9 +18,10 @@ same setting PyTorch's CPU tuning guides reach with jemalloc / tcmalloc, without
 
 Left alone when the user chose for themselves: `MEGATRON_GSPO_MALLOC=system` (glibc's own
 behaviour, e.g. to measure the difference), one of glibc's threshold variables
-(`USER_VARIABLES`) or a `glibc.malloc` tunable in `GLIBC_TUNABLES` (glibc read them at start-up)
-or another allocator in `LD_PRELOAD`; and where the C library is not glibc. Other `MALLOC_*`
-variables (`MALLOC_ARENA_MAX`, `MALLOC_PERTURB_`) do not touch the thresholds and are kept.
+(`USER_VARIABLES`) or their `glibc.malloc.*` tunables in `GLIBC_TUNABLES` (`USER_TUNABLES`;
+glibc read them at start-up) or another allocator in `LD_PRELOAD`; and where the C library is
+not glibc. Other variables and tunables (`MALLOC_ARENA_MAX`, `glibc.malloc.hugetlb`) do not
+touch the thresholds: the tuning applies with them.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ MMAP_THRESHOLD = 32 << 20  # glibc's maximum on 64-bit (HEAP_MAX_SIZE / 2); larg
 TRIM_THRESHOLD = 1 << 30
 USER_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
                   "MALLOC_MMAP_MAX_")
+USER_TUNABLES = ("mmap_threshold", "trim_threshold", "top_pad", "mmap_max")  # glibc.malloc.*
 
 
 def malloc_tuning_skipped(environ=os.environ, libc_name: str | None = None) -> str | None:
@@ -48,8 +50,9 @@ def malloc_tuning_skipped(environ=os.environ, libc_name: str | None = None) -> s
     chosen = [name for name in USER_VARIABLES if name in environ]
     if chosen:
         return f"set by the environment ({', '.join(chosen)})"
-    if "glibc.malloc." in environ.get("GLIBC_TUNABLES", ""):
-        return f"set by the environment (GLIBC_TUNABLES={environ['GLIBC_TUNABLES']})"
+    tunables = environ.get("GLIBC_TUNABLES", "")
+    if any(f"glibc.malloc.{name}=" in tunables for name in USER_TUNABLES):
+        return f"set by the environment (GLIBC_TUNABLES={tunables})"
     preload = environ.get("LD_PRELOAD", "")
     if any(name in preload for name in ("jemalloc", "tcmalloc", "mimalloc")):
         return f"another allocator preloaded (LD_PRELOAD={preload})"
@@ -75,7 +78,8 @@ def tune_malloc() -> bool:
     applied = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) \
         and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     _last_outcome = (f"tuned (mmap threshold {MMAP_THRESHOLD >> 20} MiB, trim threshold "
-                     f"{TRIM_THRESHOLD >> 30} GiB)" if applied else "untuned: glibc refused mallopt")
+                     f"{TRIM_THRESHOLD >> 30} GiB)") if applied \
+        else "untuned: glibc refused mallopt"
     return applied
 
 

@@ -17,8 +17,8 @@ forward and grads, also under EP=2). Training forwards go through `GroupedLinear
 the weights for the GEMM and again in its backward rather than keeping the stacked copy alive
 in between; it hands each expert weight its own grad (megatron DDP's grad hooks run as usual)
 or, under DDP without overlapped reduction (`grads_into_main_grad`), adds the grads into the
-weights' `main_grad` itself with no per-weight hook; no-grad forwards stack once per forward (once per rollout in the sampler, `moe.decode`,
-where the weights cannot change).
+weights' `main_grad` itself with no per-weight hook; no-grad forwards stack once per forward
+(once per rollout in the sampler, `moe.decode`, where the weights cannot change).
 
 Falls back to `SequentialMLP.forward` where the batched path does not apply: a device and dtype
 where the installed torch's `_grouped_mm` does not run (`grouped_mm_runs` probes it once: CUDA's
