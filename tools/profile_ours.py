@@ -145,7 +145,8 @@ SYNCING = frozenset({
     torch.Tensor.cpu, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__,
     torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__index__, torch.Tensor.numpy,
     torch.Tensor.masked_select, torch.masked_select, torch.Tensor.nonzero, torch.nonzero,
-    torch.equal, torch.Tensor.equal, torch.allclose, torch.Tensor.allclose,
+    torch.equal, torch.Tensor.equal, torch.allclose, torch.Tensor.allclose, torch.argwhere,
+    torch.Tensor.argwhere,
     torch.unique, torch.Tensor.unique, torch.unique_consecutive, torch.Tensor.unique_consecutive,
     torch.bincount, torch.Tensor.bincount})
 
@@ -153,7 +154,8 @@ SYNCING = frozenset({
 def syncs(func, args: tuple, kwargs: dict) -> bool:
     """Whether this call would make the host wait for a GPU: a `SYNCING` function, or one that
     does depending on its arguments: one-argument `where` (= nonzero), indexing with a boolean
-    mask, `repeat_interleave` by a tensor of repeats without `output_size`. Not seen: `.to` /
+    mask, `repeat_interleave` by a tensor of repeats (or of the repeats alone) without
+    `output_size`. Not seen: `.to` /
     `copy_` onto the host (on CPU every tensor is there already, and megatron's router moves its
     weights with `.to(device)` each forward on CPU, which a GPU run skips) and syncs made inside
     C++ ops."""
@@ -166,9 +168,9 @@ def syncs(func, args: tuple, kwargs: dict) -> bool:
         return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
                    for i in index)
     if func in (torch.repeat_interleave, torch.Tensor.repeat_interleave):
-        repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
-        return (isinstance(repeats, torch.Tensor) and repeats.numel() > 1
-                and kwargs.get("output_size") is None)
+        # repeat_interleave(repeats) alone, or by a repeats tensor: the output size is the data's
+        repeats = args[1] if len(args) > 1 else kwargs.get("repeats", args[0] if args else None)
+        return isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
     return False
 
 

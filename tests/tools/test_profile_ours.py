@@ -104,6 +104,8 @@ def test_would_sync_sees_the_calls_that_sync_by_their_arguments():
     repeats = torch.tensor([1, 2, 0, 1, 1, 1])
     syncing = [lambda: torch.where(mask), lambda: x[mask], lambda: x.view(2, 3)[:, mask[:3]],
                lambda: x.repeat_interleave(repeats), lambda: torch.repeat_interleave(x, repeats),
+               lambda: torch.repeat_interleave(repeats), lambda: x.repeat_interleave(repeats[:1]),
+               lambda: torch.argwhere(mask),
                lambda: torch.equal(x, x), lambda: x.unique(), lambda: x.numpy()]
     silent = [lambda: torch.where(mask, x, 0.0), lambda: x[torch.tensor([0, 2])], lambda: x[1:],
               lambda: x.repeat_interleave(repeats, output_size=6), lambda: x.repeat_interleave(2),
