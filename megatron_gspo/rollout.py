@@ -116,10 +116,11 @@ def top_p_filter(logits_BV: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def device_generator(generator: torch.Generator | None,
                      device: torch.device) -> torch.Generator | None:
-    """The generator for draws on `device`: `generator` itself where it lives there (CPU runs:
+    """The generator for draws on `device` (with its index, as `logits.device` gives it):
+    `generator` itself where it lives there (CPU runs:
     their streams unchanged), else a generator of that device seeded by one 63-bit draw from
     `generator` (None: torch's default generator of that device)."""
-    if generator is None or generator.device.type == torch.device(device).type:
+    if generator is None or generator.device == torch.device(device):
         return generator
     seed = int(torch.randint(2 ** 63 - 1, (1,), generator=generator))
     return torch.Generator(device).manual_seed(seed)

@@ -69,13 +69,7 @@ def test_sampling_steps_copy_ids_and_logprobs_to_the_host_not_logits(policy, gre
 def test_device_generator_keeps_a_generator_of_the_device_and_seeds_others():
     cpu = torch.Generator().manual_seed(3)
     assert device_generator(cpu, torch.device("cpu")) is cpu  # CPU runs: the stream unchanged
-    assert device_generator(None, torch.device("cpu")) is None
-    state = cpu.get_state()
-    if torch.cuda.is_available():
-        first = device_generator(cpu, torch.device("cuda"))
-        assert first.device.type == "cuda" and not torch.equal(cpu.get_state(), state)
-        cpu.set_state(state)
-        assert device_generator(cpu, torch.device("cuda")).initial_seed() == first.initial_seed()
+    assert device_generator(None, torch.device("cpu")) is None  # (CUDA: tests/moe/test_gpu.py)
 
 
 @pytest.mark.parametrize("greedy", [True, False])

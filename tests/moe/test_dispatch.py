@@ -99,9 +99,13 @@ def test_model_dispatches_without_host_syncs_and_the_same_numbers(single_process
     megatron_syncs = count_moe_syncs(policy, lambda: policy.logits(tokens_BT, valid_BT))
     assert len(megatron_syncs) >= 3 * len(layers)  # .cpu() and two masked_select per layer
     ref_logits, ref = run()
-    assert torch.equal(logits, ref_logits)
+    # bitwise on CPU; CUDA's scatter-add (megatron's unpermute) and index_select backward add
+    # in a nondeterministic order: equal to its rounding there
+    same = torch.equal if policy.device.type == "cpu" else \
+        lambda a, b: torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+    assert same(logits, ref_logits)
     for name, g in ref.items():
-        assert torch.equal(got[name], g), name
+        assert same(got[name], g), name
 
 
 def test_lean_decode_step_routes_without_host_syncs(single_process):

@@ -89,3 +89,15 @@ def test_sampler_draws_on_the_gpu_reproducibly(single_process):
     recompute_BT = policy.token_logprobs(tokens_BT, valid_BT, temperature=0.8).cpu()
     torch.testing.assert_close(logp_BT[response_BT], recompute_BT[response_BT], atol=2e-4,
                                rtol=2e-4)
+
+
+def test_device_generator_seeds_a_cuda_generator_from_the_host_one():
+    from megatron_gspo.rollout import device_generator
+
+    host = torch.Generator().manual_seed(3)
+    state = host.get_state()
+    first = device_generator(host, torch.device("cuda", 0))
+    assert first.device == torch.device("cuda", 0) and not torch.equal(host.get_state(), state)
+    host.set_state(state)  # the same host state gives the same device seed
+    assert device_generator(host, torch.device("cuda", 0)).initial_seed() == first.initial_seed()
+    assert device_generator(first, torch.device("cuda", 0)) is first
