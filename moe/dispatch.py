@@ -17,11 +17,11 @@ the tokens per expert as a device tensor (`moe.experts.GroupedSequentialMLP` tur
 grouped GEMM's offsets there). The layer is then free of host syncs only where the grouped GEMM
 runs (`moe.experts.grouped_mm_runs`); megatron's per-expert loop, its fallback, reads the counts
 on the host (`.tolist()`). The exactly-K premise is checked on the device
-(`torch._assert_async`): on CPU in every forward, raising at once with its message; on a GPU in
-forwards that record grads (where replayed routing enters training), as a device-side assert
-that surfaces at a later kernel launch without the message and leaves the CUDA context
-unusable; not in a GPU's no-grad forwards (decode steps are launch-bound: 4 more kernels per
-layer).
+(`torch._assert_async`) in forwards that record grads, where replayed routing enters training
+(no-grad forwards route by the router's own top-k, or replay what a training forward then
+checks; decode steps on a GPU are launch-bound, and the check is 4 more kernels per layer).
+On CPU it raises at once with its message; on a GPU it is a device-side assert that surfaces
+at a later kernel launch without the message and leaves the CUDA context unusable.
 
 `SyncFreeDispatcher` is megatron's all-gather dispatcher with this permutation, installed by
 `moe.model.build_gpt_moe` on the MoE layers `moe.decode.lean_moe_ok` accepts (one rank, no
@@ -43,7 +43,7 @@ def permute_by_expert(x_NH: torch.Tensor, probs_NE: torch.Tensor, routing_map_NE
     grouped by expert [M, H], their probs [M], their token ids [M]), computed on the device.
     A token with another number of experts (capacity drops, a malformed replayed routing) fails
     the device-side assertion (see the module docstring for where it runs)."""
-    if routing_map_NE.device.type == "cpu" or torch.is_grad_enabled():
+    if torch.is_grad_enabled():
         torch._assert_async((routing_map_NE.sum(dim=1) == topk).all(),
                             f"permute_by_expert: a token's routing map row does not hold "
                             f"exactly topk={topk} experts")
