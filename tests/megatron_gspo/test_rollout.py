@@ -66,6 +66,40 @@ def test_sampling_steps_copy_ids_and_logprobs_to_the_host_not_logits(policy, gre
     assert not [s for s in copies.shapes if len(s) > 1 and s[-1] >= policy.preset.vocab_size]
 
 
+def host_sampler(policy, tok, prompts, steps, temperature, top_p, greedy, generator):
+    """The sampler as it was before the draws moved to the logits' device (full recompute):
+    the [B, V] logits on the host, the live mask applied before the log-prob gather."""
+    tokens_BT, valid_BT = encode_prompts(tok, prompts)
+    logp_BT = torch.zeros(tokens_BT.shape)
+    done_B = torch.zeros(len(prompts), dtype=torch.bool)
+    for _ in range(steps):
+        logits_BV = policy.logits(tokens_BT, valid_BT)[:, -1].cpu() / temperature
+        logp_BV = torch.log_softmax(logits_BV, dim=-1)
+        next_B = logits_BV.argmax(-1) if greedy else torch.multinomial(
+            top_p_filter(logits_BV, top_p).softmax(-1), 1, generator=generator).squeeze(1)
+        live_B = ~done_B
+        next_B = torch.where(live_B, next_B, torch.full_like(next_B, tok.pad_id))
+        tokens_BT = torch.cat([tokens_BT, next_B[:, None]], dim=1)
+        valid_BT = torch.cat([valid_BT, live_B[:, None]], dim=1)
+        step_logp_B = logp_BV.gather(1, next_B[:, None]).squeeze(1) * live_B
+        logp_BT = torch.cat([logp_BT, step_logp_B[:, None]], dim=1)
+        done_B |= torch.isin(next_B, torch.tensor(sorted(tok.stop_ids)))
+    return tokens_BT, logp_BT
+
+
+@pytest.mark.parametrize("top_p,greedy", [(1.0, False), (0.9, False), (1.0, True)])
+def test_cpu_sampling_is_bitwise_the_host_sampler(policy, top_p, greedy):
+    """On CPU the device-side draws are the same ops on the same generator stream: the same
+    tokens and log-probs, bitwise, rows finishing early included."""
+    tok, steps = CharTokenizer(), 10
+    got = sample(policy, tok, PROMPTS * 4, max_new_tokens=steps, temperature=0.8, top_p=top_p,
+                 greedy=greedy, generator=torch.Generator().manual_seed(5), kv_cache=False)
+    want_tokens, want_logp = host_sampler(policy, tok, PROMPTS * 4, steps, 0.8, top_p, greedy,
+                                          torch.Generator().manual_seed(5))
+    T = got[0].shape[1]  # sample stops once every row is done
+    assert torch.equal(got[0], want_tokens[:, :T]) and torch.equal(got[3], want_logp[:, :T])
+
+
 def test_device_generator_keeps_a_generator_of_the_device_and_seeds_others():
     cpu = torch.Generator().manual_seed(3)
     assert device_generator(cpu, torch.device("cpu")) is cpu  # CPU runs: the stream unchanged
