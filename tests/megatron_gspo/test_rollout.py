@@ -66,6 +66,7 @@ def test_sampling_steps_copy_ids_and_logprobs_to_the_host_not_logits(policy, gre
     assert not [s for s in copies.shapes if len(s) > 1 and s[-1] >= policy.preset.vocab_size]
 
 
+@torch.no_grad()  # as `sample`
 def host_sampler(policy, tok, prompts, steps, temperature, top_p, greedy, generator):
     """The sampler as it was before the draws moved to the logits' device (full recompute):
     the [B, V] logits on the host, the live mask applied before the log-prob gather."""
