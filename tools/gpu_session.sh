@@ -2,7 +2,8 @@
 # One GPU lease's measurements, in stages that each fit one device call (10 minutes at most),
 # most valuable first, each under its own time limit. Ours alone (no TRL), bf16.
 #
-#   bash tools/gpu_session.sh env tests point    # about 6 minutes: versions, GPU tests, one point
+#   bash tools/gpu_session.sh env tests point sampling  # about 7 minutes: versions, GPU tests,
+#                                                # one point, the sampler at Qwen3's vocabulary
 #   bash tools/gpu_session.sh profile            # about 4: torch.profiler tables by GPU time
 #   bash tools/gpu_session.sh sweep              # at most 8: ours over lengths x batch sizes
 #   bash tools/gpu_session.sh real               # about 4: 2 layers of Qwen3-30B-A3B's shapes
@@ -17,11 +18,12 @@
 # (delete /tmp/site to reinstall changed ones). Exits 1 if a stage failed (the others still ran).
 set -u -o pipefail
 OUT=${OUT:-runs/gpu_session}
-STAGES=${*:-env tests point profile sweep real}
+STAGES=${*:-env tests point sampling profile sweep real}
 for stage in $STAGES; do
   case $stage in
-    env|tests|point|profile|sweep|real) ;;
-    *) echo "unknown stage '$stage': expected env, tests, point, profile, sweep or real" >&2
+    env|tests|point|sampling|profile|sweep|real) ;;
+    *) echo "unknown stage '$stage': expected env, tests, point, sampling, profile, sweep" \
+            "or real" >&2
        exit 2 ;;
   esac
 done
@@ -59,6 +61,9 @@ EOF
       timeout 180 python3 -m tools.bench_throughput --skip-trl --peak-tflops 989 --force-length \
         --iterations 3 --warmup 1 --prompts 8 --group-size 8 --max-new-tokens 128 "${SMALL[@]}" \
         --marker gpu_small_grouped 2>&1 | tail -4 ;;
+    sampling)  # one decode step's draws at B=64 x V=151,936: on the GPU vs on the host
+      timeout 120 python3 -m tools.bench_sampling --readme "$README" --marker gpu_sampling \
+        2>&1 | tail -2 ;;
     profile)
       timeout 240 python3 -m tools.profile_ours --max-new-tokens 32 --warmup 1 --iterations 1 \
         --top 15 "${SMALL[@]}" --marker gpu_profile_small 2>&1 | tail -3 ;;
