@@ -117,9 +117,9 @@ def top_p_filter(logits_BV: torch.Tensor, top_p: float) -> torch.Tensor:
 def device_generator(generator: torch.Generator | None,
                      device: torch.device) -> torch.Generator | None:
     """The generator for draws on `device` (with its index, as `logits.device` gives it):
-    `generator` itself where it lives there (CPU runs:
-    their streams unchanged), else a generator of that device seeded by one 63-bit draw from
-    `generator` (None: torch's default generator of that device)."""
+    `generator` itself where it lives there (CPU runs: their streams unchanged), else a
+    generator of that device seeded by one 63-bit draw from `generator` (None: torch's default
+    generator of that device)."""
     if generator is None or generator.device == torch.device(device):
         return generator
     seed = int(torch.randint(2 ** 63 - 1, (1,), generator=generator))
@@ -148,10 +148,10 @@ def sample(policy, tokenizer, prompts: list[str], *, max_new_tokens: int,
         raise ValueError("recording rollout routing (R3) needs the KV-cache sampler, which "
                          "sequence parallelism does not support")
     draw_gen = generator
-    for _ in range(max_new_tokens):
+    for step in range(max_new_tokens):
         logits_BV = decoder.next_logits(tokens_BT, valid_BT) if decoder is not None \
             else policy.logits(tokens_BT, valid_BT)[:, -1]
-        if draw_gen is generator and not greedy:  # once: a device generator on a GPU
+        if step == 0 and not greedy:  # where the logits are: a device generator on a GPU
             draw_gen = device_generator(generator, logits_BV.device)
         next_B, step_logp_B = (t.cpu() for t in draw(  # B values to the host, not B x V
             logits_BV, temperature=temperature, top_p=top_p, greedy=greedy, generator=draw_gen))

@@ -26,7 +26,8 @@ import time
 
 import torch
 
-from tools.result_table import add_readme_args
+from megatron_gspo.rollout import device_generator, draw
+from tools.result_table import add_readme_args, output_into
 
 QWEN3_VOCAB = 151_936
 
@@ -49,8 +50,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 def timed_step(logits_BV: torch.Tensor, where: str, generators: dict, top_p: float) -> float:
     """Seconds for one sampling step in placement `where` ('device' or 'host'), ending with the
     ids and log-probs on the host (on a GPU the copy waits for the kernels)."""
-    from megatron_gspo.rollout import draw
-
     if logits_BV.is_cuda:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -62,9 +61,7 @@ def timed_step(logits_BV: torch.Tensor, where: str, generators: dict, top_p: flo
 
 
 def main(argv=None) -> int:
-    from megatron_gspo.rollout import device_generator
     from tools.bench_throughput import cpu_model
-    from tools.result_table import output_into
 
     args = parse_args(argv)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \

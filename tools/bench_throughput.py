@@ -66,6 +66,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import torch  # noqa: E402
 
 from megatron_gspo.config import load_config  # noqa: E402
+from megatron_gspo.host import malloc_state  # noqa: E402
 from tools.bench_trl import build_trl, step_timer_callback, trl_rows, trl_unavailable  # noqa: E402
 from tools.result_table import add_readme_args, cpu_name, output_into  # noqa: E402
 
@@ -277,16 +278,8 @@ def measure(args) -> dict:
                preset=f"{preset.name}, {preset.num_layers} layer" + "s" * (preset.num_layers > 1),
                vocab=preset.vocab_size,
                params=preset.num_params()["total"], cpu=cpu_model(), versions=versions(),
-               malloc=host_malloc())
+               malloc=malloc_state())
     return out
-
-
-def host_malloc() -> str:
-    """How this process's glibc malloc runs, as ours' start-up left it (`megatron_gspo.host`;
-    ours and TRL share the process)."""
-    from megatron_gspo.host import malloc_state
-
-    return malloc_state()
 
 
 def cpu_model() -> str:

@@ -155,10 +155,9 @@ def syncs(func, args: tuple, kwargs: dict) -> bool:
     """Whether this call would make the host wait for a GPU: a `SYNCING` function, or one that
     does depending on its arguments: one-argument `where` (= nonzero), indexing with a boolean
     mask, `repeat_interleave` by a tensor of repeats (or of the repeats alone) without
-    `output_size`. Not seen: `.to` /
-    `copy_` onto the host (on CPU every tensor is there already, and megatron's router moves its
-    weights with `.to(device)` each forward on CPU, which a GPU run skips) and syncs made inside
-    C++ ops."""
+    `output_size`. Not seen: `.to` / `copy_` onto the host (on CPU every tensor is there
+    already, and megatron's router moves its weights with `.to(device)` each forward on CPU,
+    which a GPU run skips) and syncs made inside C++ ops."""
     if func in SYNCING:
         return True
     if func is torch.where:
