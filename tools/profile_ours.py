@@ -11,8 +11,9 @@ iterations on a fixed, already sampled batch (pi_old pass + 4 optimizer steps). 
 the operators with the largest self CPU time (markdown, as experiments/throughput/README.md
 shows them; with a GPU, also by self GPU time) and the trainer's own phase timings (slower than
 unprofiled runs). Then, unprofiled, `--iterations` more on the same batch with wall-clock timers
-around the parts of each optimizer step (`step_breakdown`: forward, loss, backward, optimizer;
-on a GPU each timer synchronizes, which costs the overlap of host and device). Last, the Python
+around the parts of each optimizer step (`step_breakdown`: forward, loss, backward, optimizer,
+and inside the optimizer megatron's grads-to-masters, grad norm and Adam; on a GPU each timer
+synchronizes, which costs the overlap of host and device). Last, the Python
 lines that synchronize host and device during one rollout and one iteration: on a GPU as CUDA
 reports them (`sync_sites`), on CPU the calls that would (`would_sync_sites`).
 """
@@ -66,6 +67,11 @@ def top_table(prof, n: int, where: str = "CPU") -> str:
 
 STEP_PARTS = (("forward", "policy", "token_logprobs"), ("loss", "trainer", "loss_fn"),
               ("backward", "policy", "backward"), ("optimizer", "policy", "step"))
+# inside "optimizer": megatron's ChainedOptimizer pieces that `moe.optim.PolicyOptimizer.step`
+# calls (the clip pass, when it runs, and the schedule are the rest of "optimizer")
+OPTIMIZER_PARTS = (("of which: main grads to masters", "megatron", "prepare_grads"),
+                   ("of which: grad norm", "megatron", "get_grad_norm"),
+                   ("of which: Adam", "megatron", "step_with_ready_grads"))
 
 
 @contextlib.contextmanager
@@ -87,8 +93,10 @@ def step_breakdown(trainer, iterations: int) -> str:
     """Markdown: wall ms per optimizer step of each part of `Trainer.train_step`, over
     `iterations` iterations (the parts are timed only inside `train_step`)."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    spent = {name: 0.0 for name, _, _ in STEP_PARTS} | {"train_step": 0.0}
-    owners = {"policy": trainer.policy, "trainer": trainer}
+    parts = STEP_PARTS + OPTIMIZER_PARTS
+    spent = {name: 0.0 for name, _, _ in parts} | {"train_step": 0.0}
+    owners = {"policy": trainer.policy, "trainer": trainer,
+              "megatron": trainer.policy.optimizer.optimizer}
 
     def timed(name, fn):
         def call(*a, **k):
@@ -105,7 +113,7 @@ def step_breakdown(trainer, iterations: int) -> str:
 
     def train_step(*a, **k):
         with contextlib.ExitStack() as stack:
-            for name, who, attr in STEP_PARTS:
+            for name, who, attr in parts:
                 obj = owners[who]
                 stack.enter_context(shadowed(obj, attr, timed(name, getattr(obj, attr))))
             return timed("train_step", step)(*a, **k)
@@ -118,7 +126,7 @@ def step_breakdown(trainer, iterations: int) -> str:
     total = spent["train_step"] or 1.0
     rows = ["| part of an optimizer step | ms per step | % of the step |", "|---|---|---|"]
     rest = total - sum(spent[name] for name, _, _ in STEP_PARTS)
-    for name, t in [(name, spent[name]) for name, _, _ in STEP_PARTS] + [
+    for name, t in [(name, spent[name]) for name, _, _ in parts] + [
             ("rest (metrics, flips, replay set-up)", rest), ("train_step", total)]:
         rows.append(f"| {name} | {1e3 * t / n:.1f} | {100 * t / total:.0f} |")
     return "\n".join(rows)

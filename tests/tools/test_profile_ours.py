@@ -3,7 +3,7 @@
 import pytest
 
 from tests.megatron_gspo.test_trainer import make_trainer
-from tools.profile_ours import STEP_PARTS, step_breakdown
+from tools.profile_ours import OPTIMIZER_PARTS, STEP_PARTS, step_breakdown
 
 
 def test_step_breakdown_times_each_part_and_restores_the_methods(tmp_path):
@@ -15,13 +15,17 @@ def test_step_breakdown_times_each_part_and_restores_the_methods(tmp_path):
     table = step_breakdown(trainer, 1)
     assert trainer.state.opt_step - steps_before == 2 and len(calls) == 2  # the run's own hook ran
     rows = {line.split(" | ")[0].lstrip("| "): line for line in table.splitlines()[2:]}
-    assert list(rows) == [name for name, _, _ in STEP_PARTS] + [
+    assert list(rows) == [name for name, _, _ in STEP_PARTS + OPTIMIZER_PARTS] + [
         "rest (metrics, flips, replay set-up)", "train_step"]
     ms = {name: float(line.split(" | ")[1]) for name, line in rows.items()}
     assert ms["forward"] > 0 and ms["backward"] > 0 and ms["optimizer"] > 0
     assert sum(ms[name] for name, _, _ in STEP_PARTS) <= ms["train_step"] + 0.1
+    inside = [ms[name] for name, _, _ in OPTIMIZER_PARTS]  # timed inside "optimizer"
+    assert all(t > 0 for t in inside[1:]) and sum(inside) <= ms["optimizer"] + 0.1
     assert "train_step" not in trainer.__dict__ and "loss_fn" in trainer.__dict__
     assert not {"token_logprobs", "backward"} & set(trainer.policy.__dict__)
+    assert not {"prepare_grads", "get_grad_norm", "step_with_ready_grads"} & set(
+        trainer.policy.optimizer.optimizer.__dict__)
 
 
 def test_sync_sites_counts_each_synchronizing_line(monkeypatch):
