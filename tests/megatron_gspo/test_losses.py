@@ -344,3 +344,77 @@ def test_clipped_surrogate_branches():
     torch.testing.assert_close(term, torch.tensor([1.25, -1.5, 0.5, -0.75, 2.2, 0.0, 1.25, -0.75]))
     assert low.tolist() == [False, False, False, True, False, False, False, False]
     assert high.tolist() == [True, False, False, False, False, False, False, False]
+
+
+def test_zero_advantage_is_never_clipped():
+    """Guards `adv < 0` / `adv > 0` in clipped_surrogate: with A = 0 both branches of the min are
+    0, so no branch is "active" (verl's count); counting them would inflate the clip fractions
+    with every zero-variance group."""
+    ratio = torch.tensor([0.1, 10.0, 1.0], dtype=D)
+    term, low, high = clipped_surrogate(ratio, torch.zeros(3, dtype=D), 0.2, 0.27)
+    assert term.tolist() == [0.0, 0.0, 0.0]
+    assert not low.any() and not high.any()
+    # through the losses: row 0 has A = 0 and ratios far outside both clip bounds
+    lr = torch.tensor([[math.log(0.1), math.log(10.0)], [0.0, 0.0]], dtype=D)
+    adv = torch.tensor([0.0, 1.0], dtype=D)
+    for name in NAMES:
+        _, _, m = run(name, lr, torch.zeros(2, 2, dtype=D), adv, torch.ones(2, 2))
+        for k in ("token", "seq", "token_low", "seq_low", "token_high", "seq_high"):
+            assert m[f"policy/clip_frac/{k}"] == 0.0, (name, k)
+
+
+def test_log_ratio_abs_max_is_per_sequence_for_gspo():
+    """Guards the abs_max metric of gspo / gspo_token: it is the largest |sequence mean
+    log-ratio| (the quantity the clamp acts on), not the largest token log-ratio (grpo's)."""
+    lr = torch.tensor([[0.5, -0.5], [0.1, 0.3]], dtype=D)  # means 0 and 0.2 (tokens up to 0.5)
+    adv = torch.tensor([1.0, -1.0], dtype=D)
+    for name, want in (("gspo", 0.2), ("gspo_token", 0.2), ("grpo", 0.5)):
+        _, _, m = run(name, lr, torch.zeros(2, 2, dtype=D), adv, torch.ones(2, 2))
+        assert m["policy/log_ratio/abs_max"] == pytest.approx(want, abs=1e-15), name
+
+
+def test_gspo_token_equals_gspo_exactly_at_the_clamp_bound():
+    """Guards `inside_B = |mean lr| <= max_log_ratio` (not <): torch.clamp passes the gradient
+    at the bound itself, so gspo_token must too, or the two differ there."""
+    lr = torch.tensor([[0.5, 0.5], [0.1, -0.3]], dtype=D)  # row 0: mean exactly 0.5
+    adv = torch.tensor([-1.0, 0.5], dtype=D)  # A < 0, s > 1: the unclipped branch is active
+    lg, gg, _ = run("gspo", lr, torch.zeros(2, 2, dtype=D), adv, torch.ones(2, 2),
+                    max_log_ratio=0.5)
+    lt, gt, _ = run("gspo_token", lr, torch.zeros(2, 2, dtype=D), adv, torch.ones(2, 2),
+                    max_log_ratio=0.5)
+    # d/dlogp of -(1/B) A s / |y| per token, s = e^0.5
+    torch.testing.assert_close(gg[0], torch.full((2,), math.exp(0.5) / 4, dtype=D),
+                               rtol=1e-12, atol=0)
+    assert lt.item() == pytest.approx(lg.item(), abs=1e-15)
+    torch.testing.assert_close(gt, gg, rtol=1e-12, atol=1e-15)
+
+
+def test_gspo_token_with_a_minus_inf_token_logp_stays_finite():
+    """Guards gspo_token's isfinite() on the token factor: logp = -inf on a response token
+    (the trainer gives a sampled token probability 0) makes logp - sg[logp] NaN; the sequence
+    ratio is clamped there, so the loss and gradient are gspo's, finite."""
+    logp = torch.tensor([[-0.1, -float("inf"), -0.2], [-0.5, -0.4, 0.0]], dtype=D)
+    old = torch.full((2, 3), -0.3, dtype=D)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    adv = torch.tensor([0.5, -1.0], dtype=D)
+    lg, gg, mg = run("gspo", logp, old, adv, mask)
+    lt, gt, mt = run("gspo_token", logp, old, adv, mask)
+    assert math.isfinite(lt.item()) and torch.isfinite(gt).all()
+    assert lt.item() == pytest.approx(lg.item(), abs=1e-15)
+    torch.testing.assert_close(gt, gg, rtol=1e-12, atol=1e-15)
+    assert mt["policy/ratio/min"] == pytest.approx(math.exp(-20.0))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_low_precision_inputs_are_computed_in_float32(name):
+    """Guards _prepare's promotion to >= float32: bf16 log-probs give the loss of their float32
+    values (bf16 arithmetic would round mean log-ratios of ~1e-3 and the ratios to 1)."""
+    logp, old, adv, mask = random_batch(8, scale=0.3 if name == "grpo" else 1e-2)
+    lp16 = logp.to(torch.bfloat16).requires_grad_(True)
+    loss16, m16 = policy_loss(lp16, old.to(torch.bfloat16), adv.to(torch.bfloat16), mask,
+                              PolicyLossConfig(name))
+    loss32, m32 = policy_loss(lp16.detach().float(), old.to(torch.bfloat16).float(),
+                              adv.to(torch.bfloat16).float(), mask, PolicyLossConfig(name))
+    assert loss16.dtype == torch.float32
+    assert loss16.item() == pytest.approx(loss32.item(), rel=1e-6)
+    assert m16 == pytest.approx(m32, rel=1e-6)
