@@ -84,3 +84,17 @@ def test_weights_are_one_off_the_mask_and_detached():
 def test_bad_cap_is_an_error(cap):
     with pytest.raises(ValueError, match="tis_cap"):
         PolicyLossConfig(name="grpo", tis_cap=cap)
+
+
+def test_tis_stats_count_masked_tokens_and_only_weights_above_the_cap():
+    """Guards policy/tis/mean (the mean weight over the masked tokens, not over [B, T]) and
+    policy/tis/clip_frac (raw > cap strictly: a weight equal to the cap is not truncated)."""
+    old = torch.zeros(2, 3, dtype=D)
+    # masked raw weights: 1 (= cap), 2 (truncated), 0.5, 1 (= cap); off the mask: 1
+    sampler = torch.tensor([[0.0, -math.log(2.0), 0.0], [math.log(2.0), 0.0, 0.0]], dtype=D)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]], dtype=torch.bool)
+    w, stats = tis_weights(old, sampler, mask, cap=1.0)
+    torch.testing.assert_close(w, torch.tensor([[1.0, 1.0, 1.0], [0.5, 1.0, 1.0]], dtype=D))
+    assert stats["policy/tis/mean"] == pytest.approx(3.5 / 4)
+    assert stats["policy/tis/clip_frac"] == pytest.approx(1 / 4)
+    assert stats["policy/tis/max_raw"] == pytest.approx(2.0)
