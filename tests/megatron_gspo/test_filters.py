@@ -172,3 +172,16 @@ def test_dynamic_sampling_ranks_agree_on_the_number_of_rounds(tmp_path):
     assert r0["examples"] == ["e1_0", "e1_0", "e1_1", "e1_1"]  # its first draw sufficed
     assert r1["examples"] == ["e2_0", "e2_0", "e2_1", "e2_1"]
     assert r1["metrics"]["filter/zero_std_frac/before"] == 0.5
+
+
+def test_group_has_signal_agrees_with_group_advantages_at_the_tolerance():
+    """Guards the population std in group_has_signal: it must be the test group_advantages
+    uses, or dynamic sampling keeps a group whose advantages are all 0. Group 0: population std
+    0.8e-12 < 1e-12 (the Bessel std, 1.13e-12, would pass); group 1: 1.2e-12."""
+    from megatron_gspo.advantages import group_advantages
+
+    r = torch.tensor([1.0, 1.0 + 1.6e-12, 1.0, 1.0 + 2.4e-12], dtype=torch.float64)
+    adv, m = group_advantages(r, 2)
+    assert adv[:2].tolist() == [0.0, 0.0] and (adv[2:] != 0).all()
+    assert m["adv/zero_std_frac"] == 0.5
+    assert group_has_signal(r, 2).tolist() == [False, True]
