@@ -127,3 +127,13 @@ def test_real_sft_stops_in_band_and_rl_checks_its_start(tmp_path):
     rows = read_jsonl(tmp_path / "ok" / "metrics.jsonl")
     assert rows[0]["eval/accuracy"] == acc and any("reward/mean" in r for r in rows)
     assert sum("eval/accuracy" in r for r in rows) == 1  # eval_every 0: only the start check
+
+
+def test_band_edges_are_inside_for_sft():
+    """Guards SFTBand.update's `accuracy > high` (not >=): an eval exactly at the upper edge is
+    in the band (SFT stops there), as check_start_accuracy treats it."""
+    cfg = load_config(None, ["sft.target_accuracy=[0.25,0.5]", "run_dir=r"])
+    band = SFTBand(cfg)
+    assert band.update(0, 0.0) is False
+    assert band.update(10, 0.5) is True
+    assert band.record() == {"sft/start_accuracy": 0.5, "sft/band_step": 10.0}
