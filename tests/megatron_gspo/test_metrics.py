@@ -150,3 +150,17 @@ def test_format_progress():
     assert line == ("[  3/20] reward/mean=0.41 policy/clip_frac/token=0.012 "
                     "train/grad_norm=1.235 train/minibatch=2")
     assert format_progress(12, 1000, {"x": float("nan")}, ["x"]) == "[  12/1000] x=nan"
+
+
+def test_drop_after_keeps_rows_up_to_the_step(tmp_path):
+    """Guards drop_after: rows with step <= the resumed step stay, later ones and a malformed
+    (half-written) row go, the count is returned, and logging appends after the kept rows."""
+    path = os.path.join(tmp_path, "metrics.jsonl")
+    with open(path, "w") as f:
+        f.write('{"step": 1, "r": 1.0}\n{"step": 2, "r": 2.0}\n\n{"step": 3, "r": 3.0}\n'
+                '{"step": 4, "r"\n')
+    with MetricsLogger(str(tmp_path)) as logger:
+        assert logger.drop_after(2) == 2
+        assert logger.drop_after(2) == 0
+        logger.log(3, {"r": 30.0})
+    assert [(r["step"], r["r"]) for r in read_jsonl(path)] == [(1, 1.0), (2, 2.0), (3, 30.0)]
