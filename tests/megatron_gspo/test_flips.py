@@ -70,6 +70,80 @@ def test_mismatched_shapes_are_an_error():
     old, new, _, _ = constructed()
     with pytest.raises(ValueError, match="same"):
         flip_counts(old, new, torch.ones(3, dtype=torch.bool))
+    # same tokens, fewer layers in `new`: not silently compared over new's layers only
+    one_layer = RoutingReplayCache(new.ids_NLK[:, :1].clone(), new.valid_BT, E)
+    with pytest.raises(ValueError, match="same"):
+        flip_counts(old, one_layer, torch.ones(9, dtype=torch.bool))
+
+
+def test_load_imbalance_is_the_new_routings():
+    """Loads are counted on `new` (the routing after the step), not on `old`: old routes
+    every token to {0, 1} (max / mean 2), new alternates {0, 1} / {2, 3} (balanced, 1)."""
+    valid_BT = torch.ones(1, 4, dtype=torch.bool)
+    old_BTLK = torch.tensor([0, 1]).expand(1, 4, 1, 2).clone()
+    new_BTLK = torch.tensor([[0, 1], [2, 3]]).repeat(2, 1).reshape(1, 4, 1, 2)
+    old = RoutingReplayCache.from_dense(old_BTLK, valid_BT, E)
+    new = RoutingReplayCache.from_dense(new_BTLK, valid_BT, E)
+    every_N = torch.ones(4, dtype=torch.bool)
+    assert flip_counts(old, new, every_N)["load_imbalance"] == [1.0]
+    assert flip_counts(new, old, every_N)["load_imbalance"] == [2.0]
+
+
+def step_flips_case(monkeypatch):
+    """A replayed step (R2: "before" is pi_old's routing, handed in) whose "after" routing is
+    served by a stubbed `routing_of`. 2 sequences x 4 columns, 1 layer, top-2 of 4; loss
+    positions (0, 1), (0, 2), (1, 2). Before: every token on {0, 1}. After: loss positions
+    (0, 1) and (1, 2) move to {2, 3}, prompt token (1, 0) to {0, 2}."""
+    from types import SimpleNamespace
+
+    from megatron_gspo import flips
+
+    valid_BT = torch.ones(2, 4, dtype=torch.bool)
+    response_BT = torch.zeros(2, 4, dtype=torch.bool)
+    response_BT[0, 2:] = True
+    response_BT[1, 3] = True
+    before_BTLK = torch.tensor([0, 1]).expand(2, 4, 1, 2).clone()
+    after_BTLK = before_BTLK.clone()
+    after_BTLK[0, 1, 0] = torch.tensor([2, 3])
+    after_BTLK[1, 2, 0] = torch.tensor([3, 2])
+    after_BTLK[1, 0, 0] = torch.tensor([0, 2])
+    before = RoutingReplayCache.from_dense(before_BTLK, valid_BT, E)
+    after = RoutingReplayCache.from_dense(after_BTLK, valid_BT, E)
+    monkeypatch.setattr(flips, "routing_of", lambda policy, tokens_BT, valid_BT: after)
+    mb = SimpleNamespace(replay=before, old_routing=before, valid_BT=valid_BT,
+                         tokens_BT=torch.zeros(2, 4, dtype=torch.long), response_BT=response_BT)
+    return flips.StepFlips(OneRank(), mb, active=True, before=before)
+
+
+def test_step_flips_count_the_loss_positions_and_the_after_routings_load(monkeypatch):
+    """`StepFlips.after_step` on the constructed step: headline keys over the loss positions
+    (not the response tokens themselves), `_all` over every token, loads of the routing after
+    the step (after: loads 1, 1, 2, 2 on the loss positions -> 4 / 3; before's would be 2)."""
+    step = step_flips_case(monkeypatch)
+    with step.watch():
+        pass
+    out = step.after_step()
+    want = {"moe/flip_rate/layer_00": 4 / 6, "moe/any_flip/layer_00": 2 / 3,
+            "moe/jaccard/layer_00": 1 / 3, "moe/load_imbalance/layer_00": 4 / 3,
+            "moe/flip_rate_all/layer_00": 5 / 16, "moe/drift_vs_old/layer_00": 4 / 6,
+            "moe/drift_vs_old_all/layer_00": 5 / 16, "moe/loss_routing_vs_old/layer_00": 0.0}
+    for key, value in want.items():
+        assert out[key] == pytest.approx(value, abs=1e-15), key
+
+
+def test_a_skipped_step_measures_and_carries_nothing(monkeypatch):
+    """`FlipSchedule.finish(stepped=False)`: no metrics (the weights did not move) and no
+    routing handed to the next step, even from an active measurement."""
+    from megatron_gspo.flips import FlipSchedule
+
+    schedule = FlipSchedule(every=1, old_is_live=True)
+    step = step_flips_case(monkeypatch)
+    with step.watch():
+        pass
+    step.next_before = object()
+    assert step.active and step.after_step()  # it would measure
+    assert schedule.finish(step, stepped=False) == {}
+    assert schedule._carried is None
 
 
 @pytest.mark.parametrize("old_is_live", [True, False])

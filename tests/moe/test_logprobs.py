@@ -77,6 +77,17 @@ def test_bad_shapes_raise():
         chunked_token_logprobs(torch.zeros(2, 3, 8), torch.zeros(2, 4, dtype=torch.long), 8)
     with pytest.raises(ValueError, match="vocab 9"):
         chunked_token_logprobs(torch.zeros(2, 3, 8), torch.zeros(2, 3, dtype=torch.long), 9)
+    with pytest.raises(ValueError, match="vocab 0"):
+        chunked_token_logprobs(torch.zeros(2, 3, 8), torch.zeros(2, 3, dtype=torch.long), 0)
+
+
+def test_chunks_bound_the_float32_scratch(monkeypatch):
+    """Each chunk's float32 [b, S, U] scratch stays within CHUNK_ELEMENTS (whole sequences,
+    at least one): 100 elements, S=4, U=10 -> 2 sequences per chunk."""
+    monkeypatch.setattr(moe.logprobs, "CHUNK_ELEMENTS", 100)
+    x_BSV = torch.zeros(5, 4, 12)
+    assert moe.logprobs._chunks(x_BSV, 10) == [slice(0, 2), slice(2, 4), slice(4, 6)]
+    assert moe.logprobs._chunks(torch.zeros(2, 4, 40), 40) == [slice(0, 1), slice(1, 2)]
 
 
 def test_bf16_policy_logprobs_take_the_chunked_path(single_process, monkeypatch):

@@ -60,3 +60,32 @@ def test_recompute_replays_the_forward_routing_in_the_backward(single_process, r
     assert not torch.allclose(ref[router], live_grads[router])  # the replay matters
     for name in ref:
         assert torch.equal(got[name], ref[name]), name
+
+
+def grads_after(recompute: Recompute, forwards) -> dict:
+    """Grads of one backward through the summed losses of `forwards(policy)` (a list)."""
+    preset = get_preset("tiny")
+    policy = MoEPolicy.build(preset, ParallelLayout(), real_vocab=preset.vocab_size, seed=3,
+                             optim=None, recompute=recompute)
+    policy.zero_grad()
+    policy.backward(sum(forwards(policy)))
+    policy.reduce_grads()
+    assert_routing_idle(policy)
+    return {n: p.grad.clone() for n, p in policy.model.module.named_parameters()}
+
+
+def test_a_no_grad_replayed_forward_queues_nothing_for_the_backward(single_process):
+    """A replayed no-grad forward (pi_old's pass under R3, eval) has no backward: queueing its
+    routing would make the next backward's recompute replay it instead of the live routing."""
+    tokens_BT, valid_BT, readout_BTV = batch(get_preset("tiny").vocab_size)
+
+    def forwards(policy):
+        with torch.no_grad(), replay_routing(policy, forced_routing(policy)):
+            policy.logits(tokens_BT, valid_BT)
+        assert policy.backward_replays == []
+        return [loss_fn(policy.logits(tokens_BT, valid_BT), valid_BT, readout_BTV)]
+
+    ref = grads_after(Recompute(), forwards)
+    got = grads_after(Recompute("full"), forwards)
+    for name in ref:
+        assert torch.equal(got[name], ref[name]), name

@@ -122,12 +122,63 @@ def test_cache_bytes_dtype_and_padding_excluded(policy):
     assert cache.ids_NLK.dtype == torch.uint8
     assert cache.nbytes == n_valid * PRESET.num_layers * PRESET.topk * 1
     assert ids_dtype(256) == torch.uint8 and ids_dtype(257) == torch.int16
+    assert ids_dtype(32768) == torch.int16  # ids 0..32767 fit
+    with pytest.raises(ValueError, match="too large"):
+        ids_dtype(32769)
     # padding rows get a balanced, duplicate-free filler, never all expert 0
     dense = cache.dense_layers()[0]
     B, T = valid_BT.shape
     pad_rows = dense.reshape(T, B, -1).transpose(0, 1)[~valid_BT]
     assert pad_rows.unique().numel() > 1
     assert all(len(set(r.tolist())) == PRESET.topk for r in pad_rows)
+
+
+def test_filler_spreads_padding_over_all_experts():
+    """An all-padding cache: every row is filler, so the filler alone sets the loads; megatron
+    row n gets experts (n*K + j) mod E, i.e. every expert equally often (here 5 times), not
+    experts 0..K-1 for every pad row."""
+    B, T, L, K, E = 2, 5, 2, 2, 4
+    cache = RoutingReplayCache(torch.zeros(0, L, K, dtype=torch.uint8),
+                               torch.zeros(B, T, dtype=torch.bool), E)
+    for ids_NK in cache.dense_layers():
+        assert ids_NK.shape == (T * B, K)
+        assert torch.bincount(ids_NK.flatten(), minlength=E).tolist() == [5] * E
+        assert ids_NK[:2].tolist() == [[0, 1], [2, 3]]
+
+
+def test_cache_shapes_are_checked():
+    """ids must cover exactly the valid tokens; megatron's recording must hold T*B rows (a
+    multiple of them would otherwise reshape silently into a wider K)."""
+    valid_BT = torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"N=6"):
+        RoutingReplayCache(torch.zeros(5, 1, 2, dtype=torch.uint8), valid_BT, 4)
+    two_rows = torch.tensor([[0, 1], [2, 3]]).repeat(6, 1)  # [2*T*B, K]
+    with pytest.raises(ValueError, match="recorded 12 tokens"):
+        RoutingReplayCache.from_recorded([two_rows], valid_BT, 4)
+    with pytest.raises(RuntimeError, match="recorded nothing"):
+        RoutingReplayCache.from_recorded([two_rows[:6], None], valid_BT, 4)
+
+
+def test_replay_cache_must_cover_every_layer(policy):
+    tokens_BT, valid_BT = make_batch()
+    cache, _ = record(policy, tokens_BT, valid_BT)
+    short = RoutingReplayCache(cache.ids_NLK[:, :-1].clone(), cache.valid_BT, cache.num_experts)
+    with pytest.raises(ValueError, match="layers"):
+        with replay_routing(policy, short):
+            pass
+    assert_routing_idle(policy)
+
+
+def test_current_routing_log_probs_use_the_temperature(policy):
+    """pi_old's pass (`current_routing`) scores at the sampling temperature."""
+    from moe.replay import current_routing
+
+    tokens_BT, valid_BT = make_batch()
+    logp, _ = current_routing(policy, tokens_BT, valid_BT, temperature=0.7, start=2)
+    with torch.no_grad():
+        want = policy.token_logprobs(tokens_BT, valid_BT, temperature=0.7, start=2)
+    torch.testing.assert_close(logp, want, atol=1e-6, rtol=1e-6)
+    assert (logp - current_routing(policy, tokens_BT, valid_BT, start=2)[0]).abs().max() > 1e-3
 
 
 def test_invalid_replay_ids_raise_and_state_is_cleared(policy):

@@ -103,3 +103,42 @@ def test_bad_std_is_an_error(single_process):
     with pytest.raises(ValueError, match="std=-1"):
         with router_noise(build(), -1.0, torch.Generator()):
             pass
+
+
+def test_a_no_grad_noisy_forward_queues_nothing_for_the_backward(single_process):
+    """A noisy forward without grad has no backward to replay into: its selection must not be
+    queued, or the next backward's recompute would route as that forward did."""
+    tokens_BT, valid_BT, readout_BTV = batch(PRESET.vocab_size)
+    out = []
+    for recompute in (Recompute(), Recompute("full")):
+        policy = build(recompute)
+        policy.zero_grad()
+        with torch.no_grad(), router_noise(policy, 1.0, torch.Generator().manual_seed(2)):
+            policy.logits(tokens_BT, valid_BT)
+        assert policy.backward_replays == []
+        policy.backward(loss_fn(policy.logits(tokens_BT, valid_BT), valid_BT, readout_BTV))
+        policy.reduce_grads()
+        out.append({n: p.grad.clone() for n, p in policy.model.module.named_parameters()})
+    for name in out[0]:
+        assert torch.equal(out[1][name], out[0][name]), name
+
+
+def test_noise_leaves_a_replayed_backward_alone(single_process):
+    """A backward run inside `router_noise` (here after a replayed forward): the recomputed
+    routers replay the cached routing (REPLAY_BACKWARD) and draw no noise."""
+    tokens_BT, valid_BT, readout_BTV = batch(PRESET.vocab_size)
+    out = []
+    for recompute in (Recompute(), Recompute("full")):
+        policy = build(recompute)
+        _, cache = current_routing(policy, tokens_BT, valid_BT)
+        cache.ids_NLK = ((cache.ids_NLK.long() + 1) % PRESET.num_experts).to(torch.uint8)
+        policy.zero_grad()
+        with router_noise(policy, 1.0, torch.Generator().manual_seed(4)):
+            with replay_routing(policy, cache):
+                loss = loss_fn(policy.logits(tokens_BT, valid_BT), valid_BT, readout_BTV)
+            policy.backward(loss)
+        policy.reduce_grads()
+        assert_routing_idle(policy)
+        out.append({n: p.grad.clone() for n, p in policy.model.module.named_parameters()})
+    for name in out[0]:
+        assert torch.equal(out[1][name], out[0][name]), name

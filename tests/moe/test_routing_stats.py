@@ -21,6 +21,10 @@ def ids(rows, dtype=torch.int64):
 def test_topk_mask_hand_case():
     mask = topk_mask(ids([[2, 0], [3, 1]]), 4)
     assert mask.tolist() == [[True, False, True, False], [False, True, False, True]]
+    # K = E (every expert active) is a valid routing; K > E is not
+    assert topk_mask(ids([[1, 0]]), 2).tolist() == [[True, True]]
+    with pytest.raises(ValueError, match="K=3"):
+        topk_mask(ids([[0, 1, 2]]), 2)
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int32, torch.int64])
@@ -53,6 +57,8 @@ def test_padding_excluded():
         flip_stats(ids(OLD), ids(NEW), 4, torch.zeros(3, dtype=torch.bool))
     with pytest.raises(ValueError, match="valid_N"):
         flip_stats(ids(OLD), ids(NEW), 4, torch.ones(3))
+    with pytest.raises(ValueError, match=r"valid_N .*\(3,\)"):  # a bool mask of the wrong length
+        flip_stats(ids(OLD), ids(NEW), 4, torch.ones(4, dtype=torch.bool))
 
 
 def test_random_against_python_sets():
@@ -123,7 +129,10 @@ def test_routing_metrics_two_layers():
     for key, value in expected.items():
         assert out[key] == pytest.approx(value), key
     valid = torch.tensor([True, True, False])
-    assert routing_metrics(old, new, 4, valid)["moe/flip_rate/layer_00"] == pytest.approx(0.25)
+    masked = routing_metrics(old, new, 4, valid)
+    assert masked["moe/flip_rate/layer_00"] == pytest.approx(0.25)
+    # the loads skip the invalid token too: new layer 1 on tokens 0, 1 is [1, 1, 1, 1]
+    assert masked["moe/load_imbalance/layer_01"] == pytest.approx(1.0)
 
 
 def test_routing_metrics_layer_count_mismatch():
