@@ -209,7 +209,9 @@ def _release(routers) -> None:
 @contextlib.contextmanager
 def replay_backward(policy, replays: list[list[torch.Tensor]]):
     """During a backward: recomputed routers replay `replays` (per replayed forward, per layer
-    ids) in forward order with megatron's REPLAY_BACKWARD (no-op when empty)."""
+    ids, in forward order) with megatron's REPLAY_BACKWARD (no-op when empty). One backward
+    through several forwards recomputes the last forward first (autograd runs later nodes
+    first) and megatron pops its queue from the front, so the queue is set last forward first."""
     if not replays:
         yield
         return
@@ -219,7 +221,7 @@ def replay_backward(policy, replays: list[list[torch.Tensor]]):
     assert_routing_idle(policy)
     for layer, r in enumerate(routers):
         r.clear_indices()
-        for ids_L in replays:
+        for ids_L in reversed(replays):
             r.set_target_indices(ids_L[layer])
         r.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
     try:

@@ -89,3 +89,28 @@ def test_a_no_grad_replayed_forward_queues_nothing_for_the_backward(single_proce
     got = grads_after(Recompute("full"), forwards)
     for name in ref:
         assert torch.equal(got[name], ref[name]), name
+
+
+@pytest.mark.parametrize("recompute", [SETTINGS[0], SETTINGS[2]],
+                         ids=lambda r: f"{r.granularity}")
+def test_two_replayed_forwards_then_one_backward(single_process, recompute):
+    """Two forwards under different replayed routings, one backward: autograd recomputes the
+    later forward first, so each recompute must still replay its own forward's routing."""
+    preset = get_preset("tiny")
+    first, second = batch(preset.vocab_size), batch(preset.vocab_size, seed=8)
+
+    def forwards(policy):
+        losses = []
+        for shift, (tokens_BT, valid_BT, readout_BTV) in ((1, first), (2, second)):
+            _, live = current_routing(policy, tokens_BT, valid_BT)
+            ids = (live.ids_NLK.long() + shift) % preset.num_experts
+            forced = RoutingReplayCache(ids.to(torch.uint8), live.valid_BT, live.num_experts)
+            with replay_routing(policy, forced):
+                losses.append(loss_fn(policy.logits(tokens_BT, valid_BT), valid_BT,
+                                      readout_BTV))
+        return losses
+
+    ref = grads_after(Recompute(), forwards)
+    got = grads_after(recompute, forwards)
+    for name in ref:
+        assert torch.equal(got[name], ref[name]), name

@@ -142,3 +142,21 @@ def test_noise_leaves_a_replayed_backward_alone(single_process):
         out.append({n: p.grad.clone() for n, p in policy.model.module.named_parameters()})
     for name in out[0]:
         assert torch.equal(out[1][name], out[0][name]), name
+
+
+def test_recompute_replays_each_of_several_noisy_forwards(single_process):
+    """Two noisy forwards (two draws) inside one `router_noise`, one backward: each recomputed
+    forward routes as it did (autograd recomputes the later one first)."""
+    first, second = batch(PRESET.vocab_size), batch(PRESET.vocab_size, seed=8)
+    out = []
+    for recompute in (Recompute(), Recompute("full")):
+        policy = build(recompute)
+        policy.zero_grad()
+        with router_noise(policy, 1.0, torch.Generator().manual_seed(5)):
+            loss = sum(loss_fn(policy.logits(t, v), v, r) for t, v, r in (first, second))
+        assert len(policy.backward_replays) == (2 if recompute.routing else 0)
+        policy.backward(loss)
+        policy.reduce_grads()
+        out.append({n: p.grad.clone() for n, p in policy.model.module.named_parameters()})
+    for name in out[0]:
+        assert torch.equal(out[1][name], out[0][name]), name
