@@ -219,7 +219,9 @@ def check_band(obj, name: str) -> None:
     if band is None:
         return
     try:
-        lo, hi = (float(x) for x in band if not isinstance(x, bool))
+        if any(isinstance(x, bool) for x in band):  # not dropped: [true, 0.2, 0.4] is no band
+            raise TypeError(band)
+        lo, hi = (float(x) for x in band)
     except (TypeError, ValueError):
         check(obj, name, False, "expected [low, high], two accuracies in [0, 1]")
     check(obj, name, 0 <= lo < hi <= 1, "expected [low, high] with 0 <= low < high <= 1")
