@@ -77,6 +77,22 @@ def test_section_must_be_a_mapping(tmp_path):
         load_config(_write(tmp_path, "train: 5\n"))
 
 
+def test_wrong_type_in_a_file_names_the_key(tmp_path):
+    """A str field given a YAML number or list in a file is refused, not stored as is (an
+    override's text stays a string; a file's value keeps its YAML type)."""
+    for text, fragment in [("wandb: {project: 5}\n", "wandb.project=5: expected str"),
+                           ("run_dir: [a, b]\n", "run_dir=['a', 'b']: expected str")]:
+        with pytest.raises(ConfigError) as e:
+            load_config(_write(tmp_path, text))
+        assert str(e.value) == fragment
+
+
+def test_override_into_a_section_left_empty_in_the_file(tmp_path):
+    """`wandb:` with nothing under it (YAML null) is an empty section an override can fill."""
+    cfg = load_config(_write(tmp_path, "wandb:\nrun_dir: runs/x\n"), ["wandb.mode=disabled"])
+    assert cfg.wandb.mode == "disabled" and cfg.run_dir == "runs/x"
+
+
 def test_missing_file_names_it(tmp_path):
     path = os.path.join(tmp_path, "nope.yaml")
     with pytest.raises(FileNotFoundError, match="nope.yaml"):
@@ -124,6 +140,14 @@ def test_base_replaces_lists_and_scalars():
     top = {"a": [9], "b": {"d": [4, 5]}, "e": None}
     assert deep_merge(base, top) == {"a": [9], "b": {"c": 1, "d": [4, 5]}, "e": None}
     assert base == {"a": [1, 2], "b": {"c": 1, "d": [3]}, "e": {"f": 1}}  # not modified
+
+
+def test_empty_file_and_empty_base_are_all_defaults(tmp_path):
+    """A file with no keys (empty, or comments only) is the defaults, also as a base."""
+    _files(tmp_path, {"empty.yaml": "# nothing set yet\n",
+                      "exp.yaml": "base: empty.yaml\nseed: 3\n"})
+    assert load_config(os.path.join(tmp_path, "empty.yaml")) == RunConfig()
+    assert load_config(os.path.join(tmp_path, "exp.yaml")) == RunConfig(seed=3)
 
 
 @pytest.mark.parametrize("files, match", [
@@ -191,6 +215,15 @@ def test_bool_parsing(text, flag):
     ("model.dist_timeout_min=0", "model.dist_timeout_min=0.0: must be > 0"),
     ("model.dist_timeout_min=.inf", "model.dist_timeout_min=inf: must be finite"),
     ("model.num_layers=0", "model.num_layers=0: must be >= 1"),
+    ("train.steps=true", "train.steps=True: expected int"),  # a bool is not a number
+    ("rollout.temperature=true", "rollout.temperature=True: expected float"),
+    ("rollout.kv_cache=2", "rollout.kv_cache=2: expected bool"),  # no truthiness
+    ("run_dir=", "run_dir=: must be non-empty"),
+    ("model.recompute_modules=moe,bogus", "model.recompute_modules=moe,bogus: expected a comma"),
+    ("task.n_train=0", "task.n_train=0: must be >= 1"),
+    ("rollout.top_p=1.5", "rollout.top_p=1.5: must be in (0, 1]"),
+    ("train.collapse_reward_drop=0", "train.collapse_reward_drop=0.0: must be in (0, 1]"),
+    ("sft.min_lr=0.01", "sft.min_lr=0.01: must be <= sft.lr=0.003"),
 ])
 def test_bad_overrides_raise_naming_key(override, fragment):
     with pytest.raises(ConfigError) as e:
@@ -219,6 +252,13 @@ def test_num_minibatches_must_divide_batch():
     cfg = load_config(None, ["rollout.prompts_per_batch=5", "rollout.group_size=6",
                              "train.num_minibatches=6"])
     assert cfg.train.num_minibatches == 6
+
+
+def test_r3_needs_the_kv_cache_sampler_without_sequence_parallel():
+    """R3 records routing through the KV-cache sampler, which sequence parallelism bypasses."""
+    with pytest.raises(ConfigError, match=r"model.sequence_parallel=false \(got True\)"):
+        load_config(None, ["train.routing_replay=r3", "model.tp=2", "model.sequence_parallel=true"])
+    assert load_config(None, ["train.routing_replay=r3"]).train.routing_replay == "r3"
 
 
 def test_sequence_parallel_ok_with_tp2():

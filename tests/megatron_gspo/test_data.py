@@ -256,6 +256,7 @@ def test_config_rules():
         ([*base, "data.train_files=[a.jsonl, '']"], "must be a list of non-empty paths"),
         ([*base, "task.kwargs.num_digits=2"], "configured by the data section"),
         (["filter.dynamic_sampling=true", "train.routing_replay=r3"], "use r2"),
+        (["filter.max_rounds=0"], "filter.max_rounds=0: must be >= 1"),
     ]:
         with pytest.raises(ConfigError) as e:
             load_config(None, bad)
