@@ -118,6 +118,56 @@ def test_second_process_is_refused_while_the_first_writes(tmp_path):
     claim(tmp_path).release()  # the lock dies with its process: no stale lock
 
 
+def test_a_job_may_change_the_sections_it_does_not_read(tmp_path):
+    """sft reads no train / loss / rollout keys and train no sft keys: changing them is no
+    config change for that job's run dir (a changed key it reads still is)."""
+    claim(tmp_path / "sft", "sft").release()
+    claim(tmp_path / "sft", "sft", "loss.name=grpo", "rollout.temperature=0.5",
+          "train.routing_replay=r2").release()
+    with pytest.raises(RunDirError, match=r"sft.lr: 0.003 -> 0.1"):
+        claim(tmp_path / "sft", "sft", "sft.lr=0.1")
+    claim(tmp_path / "rl", "train").release()
+    claim(tmp_path / "rl", "train", "sft.lr=0.1", "sft.batch_size=8").release()
+
+
+def test_resume_false_refuses_a_run_dir_holding_checkpoints(tmp_path):
+    claim(tmp_path, resume=False).release()  # nothing to overwrite yet
+    (tmp_path / "checkpoints").mkdir()
+    with pytest.raises(RunDirError, match="holds checkpoints and resume=false would overwrite"):
+        claim(tmp_path, resume=False)
+    claim(tmp_path).release()  # resume=true continues it
+
+
+def test_a_run_dir_from_before_run_json(tmp_path):
+    """A run dir written before run.json existed is known by its `{job}_config.yaml`: another
+    job is refused; its own job resumes, and the config it recorded is never replaced."""
+    (tmp_path / "sft_config.yaml").write_text("as the sft run started")
+    with pytest.raises(RunDirError, match="holds a 'sft' run; `train` would replace"):
+        claim(tmp_path, "train")
+    claim(tmp_path, "sft").release()
+    assert (tmp_path / "run.json").exists()
+    assert (tmp_path / "sft_config.yaml").read_text() == "as the sft run started"
+
+
+def _lock_elsewhere(run_dir) -> str:
+    """Try the run dir's lock from another process: 'locked', or its error."""
+    p = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        from megatron_gspo.rundir import _lock
+        _lock({str(run_dir)!r}, "train"); print("locked")""")],
+        capture_output=True, text=True, cwd=os.getcwd())
+    return p.stdout.strip() or p.stderr.strip().splitlines()[-1]
+
+
+def test_released_or_refused_claims_free_the_lock(tmp_path):
+    """A released claim, and a refused one, drop the flock: another process may then start
+    (a kept lock would refuse every later job while this process lives)."""
+    claim(tmp_path, "train").release()
+    assert _lock_elsewhere(tmp_path) == "locked"
+    with pytest.raises(RunDirError, match="holds a 'train' run"):
+        claim(tmp_path, "sft")
+    assert _lock_elsewhere(tmp_path) == "locked"
+
+
 def test_unwritable_run_dir_is_one_line(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("x")
@@ -211,6 +261,26 @@ def test_disk_full_names_the_file_and_keeps_the_previous_step(tmp_path, monkeypa
     monkeypatch.undo()
     assert ckpt.latest_step(root) == 1 and ckpt.load_checkpoint(root)["w"].shape == (3,)
     assert not [n for n in os.listdir(ckpt.step_dir(root, 2)) if n.endswith(".tmp")]
+
+
+def test_disk_filling_mid_save_names_the_file(tmp_path):
+    """The disk fills after part of a shard is written (a file size limit here): torch turns
+    the OSError into its own RuntimeError, the error still names the file and the OS reason."""
+    import resource
+
+    root = str(tmp_path)
+    ckpt.save_checkpoint(root, 1, {"w": torch.zeros(3)})
+    ckpt.mark_latest(root, 1)
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    sigxfsz = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of the signal
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, limit[1]))
+    try:
+        with pytest.raises(ckpt.CheckpointError, match=r"cannot write .*rank_00000.pt: File too"):
+            ckpt.save_checkpoint(root, 2, {"w": torch.zeros(100_000)})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, sigxfsz)
+    assert ckpt.latest_step(root) == 1 and os.listdir(ckpt.step_dir(root, 2)) == []
 
 
 # ----------------------------------------------------------------------------- preemption
