@@ -2,6 +2,7 @@
 
 import os
 import random
+import re
 
 import numpy as np
 import pytest
@@ -101,6 +102,36 @@ def test_missing_checkpoint_errors_name_the_path(tmp_path):
         ckpt.load_checkpoint(root, step=7)
 
 
+def test_mark_latest_refuses_a_step_without_rank_0(tmp_path):
+    """A step dir that a killed save left without rank 0's file is never marked complete or
+    latest: the previous step stays the one to resume."""
+    root = str(tmp_path)
+    ckpt.save_checkpoint(root, 1, _state(1))
+    ckpt.mark_latest(root, 1)
+    ckpt.save_checkpoint(root, 2, _state(2), rank=1)  # rank 0 died before its file
+    with pytest.raises(FileNotFoundError, match=r"cannot mark step 2 latest: .*rank_00000.pt"):
+        ckpt.mark_latest(root, 2)
+    assert ckpt.latest_step(root) == 1
+    assert not os.path.exists(os.path.join(ckpt.step_dir(root, 2), "complete"))
+
+
+def test_bad_latest_pointer_names_the_file(tmp_path):
+    """A `latest` that holds no number, or points to a missing step, is an error naming it."""
+    root = str(tmp_path)
+    ckpt.save_checkpoint(root, 1, _state(1))
+    ckpt.mark_latest(root, 1)
+    latest = os.path.join(root, "latest")
+    with open(latest, "w") as f:
+        f.write("ten\n")
+    with pytest.raises(ValueError, match=re.escape(f"{latest}: expected a step number, got 'ten'")):
+        ckpt.latest_step(root)
+    with open(latest, "w") as f:
+        f.write("7\n")
+    with pytest.raises(FileNotFoundError, match=r"points to step 7, but .*step_000007 does not "
+                                                r"exist; .* holds \[latest, step_000001\]"):
+        ckpt.resume_candidates(root)
+
+
 def test_resume_candidates_are_latest_then_older_complete_steps(tmp_path):
     root = str(tmp_path)
     for s in (1, 2, 3, 4, 5):
@@ -141,3 +172,12 @@ def test_bad_step_and_rank(tmp_path):
         ckpt.save_checkpoint(str(tmp_path), -1, {})
     with pytest.raises(ValueError, match="rank='0'"):
         ckpt.save_checkpoint(str(tmp_path), 1, {}, rank="0")
+    with pytest.raises(ValueError, match="step=True"):  # a bool is not step 1
+        ckpt.save_checkpoint(str(tmp_path), True, {})
+
+
+def test_step_with_a_step_dir_is_refused(tmp_path):
+    """A step dir names its step: another `step` beside it is an error, not ignored."""
+    d = ckpt.save_checkpoint(str(tmp_path), 1, _state(1))
+    with pytest.raises(ValueError, match="step=2 given with a step dir"):
+        ckpt.load_checkpoint(d, step=2)
