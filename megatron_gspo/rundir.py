@@ -143,7 +143,7 @@ def _verdict(run_dir: str, job: str, config: dict, resume) -> str:
         if other:  # written before run.json existed
             return (f"run_dir={run_dir} holds a '{other[0]}' run; `{job}` would replace its "
                     "checkpoints: choose another run_dir")
-        return ""
+        return _overwrites(run_dir, resume)  # checkpoints of a run from before run.json
     with open(record_path) as f:
         record = json.load(f)
     if record["job"] != job:
@@ -155,6 +155,11 @@ def _verdict(run_dir: str, job: str, config: dict, resume) -> str:
         if diff:
             return (f"run_dir={run_dir} was started with another config ({'; '.join(diff)}); "
                     "use a new run_dir, or resume=force to continue with this one")
+    return _overwrites(run_dir, resume)
+
+
+def _overwrites(run_dir: str, resume) -> str:
+    """The reason `resume=false` may not start in `run_dir` (it holds checkpoints), or ""."""
     if resume is False and os.path.isdir(os.path.join(run_dir, "checkpoints")):
         return (f"run_dir={run_dir} holds checkpoints and resume=false would overwrite them; "
                 "use a new run_dir, or resume=true")

@@ -136,6 +136,11 @@ def test_resume_false_refuses_a_run_dir_holding_checkpoints(tmp_path):
     with pytest.raises(RunDirError, match="holds checkpoints and resume=false would overwrite"):
         claim(tmp_path, resume=False)
     claim(tmp_path).release()  # resume=true continues it
+    old = tmp_path / "from_before_run_json"  # checkpoints, no run.json: refused all the same
+    (old / "checkpoints").mkdir(parents=True)
+    with pytest.raises(RunDirError, match="holds checkpoints and resume=false would overwrite"):
+        claim(old, resume=False)
+    assert not (old / "run.json").exists()
 
 
 def test_a_run_dir_from_before_run_json(tmp_path):
