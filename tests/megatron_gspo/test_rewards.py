@@ -2,12 +2,15 @@
 
 import signal
 import threading
+import time
 
 import pytest
 
-from megatron_gspo.rewards import (OK, RAISED, REWARDS, TIMED_OUT, UnknownRewardError,
-                                   compute_rewards, countdown_reward, exact_reward,
-                                   get_format_check, get_reward, math_gold_text)
+import megatron_gspo.rewards as rewards_mod
+from megatron_gspo.rewards import (FORMAT_CHECKS, OK, RAISED, REWARDS, TIMED_OUT,
+                                   UnknownRewardError, compute_rewards, countdown_reward,
+                                   exact_reward, get_format_check, get_reward, math_gold_text,
+                                   register_reward)
 from megatron_gspo.tasks import Example, make_task
 
 
@@ -21,11 +24,23 @@ def test_registry_names_and_unknown_name_lists_valid_ones():
     assert issubclass(UnknownRewardError, ValueError)
 
 
+def test_register_reward_refuses_a_second_reward_under_a_taken_name():
+    """A second `register_reward("exact")` must not silently replace the exact verifier."""
+    saved = REWARDS["exact"], FORMAT_CHECKS["exact"]
+    try:
+        with pytest.raises(ValueError, match="reward 'exact' is already registered"):
+            register_reward("exact", format_check=bool)(lambda completion, truth: 1.0)
+        assert REWARDS["exact"] is exact_reward and FORMAT_CHECKS["exact"] is saved[1]
+    finally:
+        REWARDS["exact"], FORMAT_CHECKS["exact"] = saved
+
+
 def test_exact():
     assert exact_reward("357", "357") == 1.0
     assert exact_reward(" 357\n", "357") == 1.0
     assert exact_reward("358", "357") == 0.0
     assert exact_reward("72", 72) == 1.0  # a numeric ground truth compares as text
+    assert exact_reward("72", " 72\n") == 1.0  # the ground truth is stripped too
     assert exact_reward("", "0") == 0.0
     with pytest.raises(TypeError, match="completion must be a str"):
         exact_reward(None, "1")
@@ -45,6 +60,14 @@ def test_countdown_accepts_tuple_dict_and_frozen_dict():
         countdown_reward("1+2", {"target": 3})
 
 
+def test_countdown_two_number_pair_is_not_taken_for_frozen_dict_items():
+    """((3, 5), 8) is (numbers, target), though its first item is a pair like a frozen
+    ("numbers", ...) item; only pairs keyed by a string are read as a mapping."""
+    assert countdown_reward("3+5", ((3, 5), 8)) == 1.0
+    assert countdown_reward("5*3", ((3, 5), 8)) == 0.0
+    assert countdown_reward("3+5", (("numbers", (3, 5)), ("target", 8))) == 1.0
+
+
 def test_toy_tasks_use_the_registry_verifiers():
     add = make_task("addition")
     ex = Example("12+345=", "357")
@@ -59,6 +82,16 @@ def test_math_gold_text():
     assert math_gold_text(72) == "\\boxed{72}"
     assert math_gold_text("Natalia sold 48/2 = 24 clips.\n#### 72") == "\\boxed{72}"
     assert math_gold_text("\\boxed{\\frac{1}{2}}") == "\\boxed{\\frac{1}{2}}"
+    # the text after the *last* '####' is the answer
+    assert math_gold_text("first #### 5\nthen #### 72") == "\\boxed{72}"
+
+
+def test_unparseable_math_ground_truth_raises_instead_of_scoring_zero():
+    """A ground truth math-verify cannot parse is a data error (counted by compute_rewards),
+    not a silent 0.0 for every answer."""
+    pytest.importorskip("math_verify")
+    with pytest.raises(ValueError, match="cannot parse the ground truth"):
+        get_reward("math")("#### 1", "")
 
 
 # Hand-checked: (completion, ground truth, verdict).
@@ -149,6 +182,10 @@ def test_outer_alarm_survives_a_reward_time_limit():
         compute_rewards(_Task(lambda ex, c: 1.0), [Example("p", "a")], ["x"])
         left, _ = signal.getitimer(signal.ITIMER_REAL)
         assert 0.0 < left <= 30.0 and not fired
+        # the time the reward took is charged to the outer alarm
+        compute_rewards(_Task(lambda ex, c: time.sleep(0.2) or 1.0), [Example("p", "a")], ["x"])
+        left, _ = signal.getitimer(signal.ITIMER_REAL)
+        assert 29.0 < left < 29.85 and not fired
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
@@ -165,3 +202,21 @@ def test_outside_the_main_thread_rewards_run_without_a_limit():
         t.start()
         t.join()
     assert out["result"] == ([1.0], [OK])
+
+
+def test_first_three_reward_errors_are_printed_then_only_counted(monkeypatch, capsys):
+    """Errors name the dataset row (meta[2], 'file:line') or else the prompt; after the third
+    the process only counts them."""
+    monkeypatch.setattr(rewards_mod, "_errors_seen", 0)
+
+    def boom(ex, c):
+        raise RuntimeError(f"bug {c}")
+
+    examples = [Example("p", "a", ("7", "src", "f.jsonl:7")), Example("12+3=", "15"),
+                Example("c:1,2>3=", "1+2", ((1, 2), 3)), Example("q", "a")]
+    rewards, status = compute_rewards(_Task(boom), examples, ["1", "2", "3", "4"])
+    assert rewards == [0.0] * 4 and status == [RAISED] * 4
+    head = "reward error, scored 0 and counted in reward/errors: RuntimeError: "
+    assert capsys.readouterr().out.splitlines() == [
+        head + "bug 1 [f.jsonl:7]", head + "bug 2 [prompt '12+3=']",
+        head + "bug 3 [prompt 'c:1,2>3='] (further errors are only counted)"]
