@@ -84,6 +84,17 @@ def test_parse_expression_hand_cases():
         assert parse_expression(bad) is None, bad
 
 
+def test_parse_expression_bounds_are_inclusive_and_depth_is_per_nesting():
+    """256 characters and 32 nested parentheses are allowed, one more is not; depth counts
+    nesting, not how many parenthesized groups there are; a lone 0 is a number."""
+    assert parse_expression(" " + "1+" * 127 + "11 ") == (138, [1] * 127 + [11])  # 256 chars
+    assert parse_expression("1+" * 127 + "111") is None  # 257
+    assert parse_expression("(" * 32 + "1" + ")" * 32) == (1, [1])
+    assert parse_expression("(" * 33 + "1" + ")" * 33) is None
+    assert parse_expression("+".join(["(1)"] * 40)) == (40, [1] * 40)
+    assert parse_expression("0+10*0") == (0, [0, 10, 0])
+
+
 def test_countdown_reward():
     task = make_task("countdown")
     ex = Example("c:3,5,7>56=", "(3+5)*7", ((3, 5, 7), 56))
@@ -190,13 +201,30 @@ def test_make_splits_capacity_errors():
         make_splits(small, 8, 3, seed=0)
     with pytest.raises(ValueError, match="n_eval=-1"):
         make_splits(small, 1, -1, seed=0)
+    train, ev = make_splits(small, 3, 0, seed=0)  # task.n_eval=0 is a valid config
+    assert len(train) == 3 and ev == []
+
+
+def test_countdown_samples_reach_every_counted_prompt():
+    """Targets of 0 are drawn (resampling is only for negative targets), and num_prompts with
+    shuffle counts each distinct listing order of a multiset once (hand-enumerated)."""
+    small = make_task("countdown", num_numbers=2, max_number=2)
+    train, ev = make_splits(small, 7, 3, seed=0)
+    assert {ex.prompt for ex in train + ev} == {
+        "c:1,1>2=", "c:1,1>0=", "c:1,1>1=", "c:1,2>3=", "c:1,2>2=", "c:2,1>3=", "c:2,1>1=",
+        "c:2,1>2=", "c:2,2>4=", "c:2,2>0="}
+    # shuffle: {1,1} x {2,0,1} -> 3, {1,2} x {3,2,1} in 2 orders -> 6, {2,2} x {4,0} -> 2
+    shuffled, rng = make_task("countdown", num_numbers=2, max_number=2, shuffle=True), \
+        random.Random(0)
+    assert shuffled.num_prompts() == 11
+    assert len({shuffled.sample(rng).prompt for _ in range(2000)}) == 11
 
 
 def test_registry_errors():
     assert set(TASKS) == {"addition", "sort", "countdown", "running_sum"}
     with pytest.raises(KeyError, match="addition.*countdown.*sort"):
         make_task("multiply")
-    with pytest.raises(TypeError, match="digits"):
+    with pytest.raises(TypeError, match=r"kwarg\(s\) \['digits'\]; valid: \['num_digits'\]"):
         make_task("addition", digits=2)
     with pytest.raises(ValueError, match="num_digits=0"):
         make_task("addition", num_digits=0)
@@ -249,6 +277,22 @@ def test_score_hand_values():
         score(task, examples, ["3", "10", "18"])
 
 
+def test_score_accuracy_counts_only_full_rewards():
+    """A partial reward (a format bonus) adds to eval/reward_mean, not to eval/accuracy."""
+
+    class Partial:
+        name, reward_timeout_s = "partial", 0.0
+
+        def reward(self, example, completion):
+            return 0.25 if completion == "~" else float(completion == example.answer)
+
+        def format_ok(self, completion):
+            return True
+
+    out = score(Partial(), [Example("1+2=", "3")] * 2, ["3", "~"])
+    assert out == {"eval/accuracy": 0.5, "eval/reward_mean": 0.625, "eval/format_ok": 1.0}
+
+
 def test_running_sum_hand_values_and_lengths(tok):
     task = make_task("running_sum")
     ex = Example("a:3,5,7,2=", "3+5=8,8+7=15,15+2=17")
@@ -257,6 +301,7 @@ def test_running_sum_hand_values_and_lengths(tok):
     assert task.reward(ex, " 3+5=8,8+7=15,15+2=17 ") == 1.0
     assert task.reward(ex, "3+5=8,8+7=15,15+2=18") == 0.0  # last partial sum wrong
     assert task.reward(ex, "3+5=8,8+7=16,16+2=18") == 0.0  # consistent, but wrong from step 2
+    assert task.format_ok("3+5=8,8+7=15,15+2=17")  # any number of steps
     assert task.format_ok("3+5=8,8+7=15") and not task.format_ok("3+5=8,") \
         and not task.format_ok("17")
     # "a:9,9,9,9,9,9,9,9,9,9=" and "9+9=18,18+9=27,...,81+9=90": 6 + 8 * 7 + 8 commas
