@@ -84,6 +84,18 @@ def test_sft_key_and_plain_format_with_gsm8k_answers(tmp_path):
     assert [ex.meta[0] for ex in train] == ["5", "6", "8"]
 
 
+def test_plain_ground_truth_is_the_text_after_the_last_marker(tmp_path):
+    """A plain answer with '####' twice: the ground truth follows the last one (as
+    rewards.math_gold_text reads it); the SFT target keeps the whole text."""
+    plain = write_jsonl(tmp_path / "plain.jsonl", [
+        {"question": f"q{i}", "answer": f"write #### then {i}.\n#### {i} "} for i in range(4)])
+    train, evals, _ = dataset_splits(data_cfg(train_files=[plain], format="plain",
+                                              template="{prompt}", shuffle=False),
+                                     ByteTok(chat=False), 100)
+    assert [ex.meta[0] for ex in evals + train] == ["0", "1", "2", "3"]
+    assert evals[0].answer == "write #### then 0.\n#### 0"
+
+
 def test_custom_dotted_keys_and_structured_ground_truth(tmp_path):
     rows = [{"q": f"n{i}", "sol": {"final": {"numbers": [1, i], "target": i + 1}}}
             for i in range(4)]
@@ -139,6 +151,10 @@ def test_parquet_gives_the_same_examples_as_jsonl(tmp_path):
     ([verl_row(0, truth="  ")], "t.jsonl:1: field 'reward_model.ground_truth' (the ground truth)"
                                 " must be a non-empty string"),
     ([verl_row(0, truth=True)], "must be a non-empty string"),
+    ([{**verl_row(0), "reward_model": {"style": "rule", "ground_truth": None}}],
+     "t.jsonl:1: missing field 'reward_model.ground_truth' (data.answer_key)"),  # JSON null
+    ([{**verl_row(0), "prompt": []}],
+     "t.jsonl:1: field 'prompt' must be a string or a non-empty list of {role, content}"),
     ([{**verl_row(0), "prompt": [{"role": "user"}]}],
      "t.jsonl:1: field 'prompt' must be a string or a non-empty list of {role, content}"),
     ([verl_row(0), "{not json"], "t.jsonl:2: not valid JSON"),
@@ -186,6 +202,25 @@ def test_overlong_prompts_error_or_are_skipped_and_counted(tmp_path):
     assert counts["data/skipped_overlong_prompts"] == 1 and len(train) + len(evals) == 6
     with pytest.raises(DataError, match="is 21 tokens"):  # a <bos> counts
         dataset_splits(data_cfg(train_files=[path]), ByteTok(bos=2), 20)
+    with pytest.raises(DataError, match="no room for a prompt: max_prompt_tokens=0"):
+        dataset_splits(data_cfg(train_files=[path]), ByteTok(), 0)
+
+
+def test_eval_files_are_seeded_shuffled_and_their_skips_counted(tmp_path):
+    """data.shuffle also shuffles data.eval_files (with data.seed), so max_eval takes a seeded
+    sample; overlong eval prompts skipped count in data/skipped_overlong_prompts."""
+    path = write_jsonl(tmp_path / "t.jsonl", [verl_row(i) for i in range(4)])
+    ev = write_jsonl(tmp_path / "e.jsonl", [verl_row(i) for i in range(100, 108)]
+                     + [verl_row(9, question="x" * 50)])
+    split = lambda **kw: dataset_splits(data_cfg(train_files=[path], eval_files=[ev],
+                                                 skip_overlong_prompts=True, **kw), ByteTok(), 30)
+    _, in_order, counts = split(shuffle=False)
+    truths = [str(2 * i) for i in range(100, 108)]
+    assert [e.meta[0] for e in in_order] == truths
+    assert counts["data/skipped_overlong_prompts"] == 1 and counts["data/eval_size"] == 8
+    (_, a, _), (_, a2, _), (_, b, _) = split(seed=1), split(seed=1), split(seed=2)
+    assert a == a2 and a != in_order and a != b
+    assert sorted(e.meta[0] for e in a) == sorted(truths)
 
 
 def test_no_chat_template_needs_data_template(tmp_path):
@@ -311,3 +346,7 @@ def test_build_task_prompt_limit_defaults_to_model_length_minus_new_tokens(tmp_p
     assert task.reward(evals[0], evals[0].meta[0]) == 1.0
     assert "4 train / 1 eval examples, reward exact, 1 overlong prompts skipped" \
         in capsys.readouterr().out
+    # an explicit data.max_prompt_tokens replaces the default (here 64 - 8 = 56)
+    cfg = load_config(None, over + ["model.max_seq_len=64", "data.max_prompt_tokens=22"])
+    with pytest.raises(DataError, match="is 36 tokens, over data.max_prompt_tokens=22"):
+        build_task(cfg, ByteTok(), model_max_len(cfg))
