@@ -27,6 +27,15 @@ def test_char_tokenizer_is_the_default_and_has_no_template():
     assert tok.apply_chat_template([{"role": "user", "content": "1+1"}]) is None
 
 
+def test_char_tokenizer_decode_rejects_ids_outside_the_vocabulary():
+    """-1 and vocab_size are errors, not a character read from the end of the table."""
+    tok = CharTokenizer()
+    assert tok.decode([tok.vocab_size - 1]) == "s"
+    for bad in (-1, tok.vocab_size):
+        with pytest.raises(ValueError, match=f"token id {bad} outside the vocabulary"):
+            tok.decode([bad])
+
+
 def test_hf_tokenizer_ids_round_trip_and_chat_template(tok_dir):
     tok = load_tokenizer(tok_dir)
     assert isinstance(tok, HFTokenizer)
@@ -45,6 +54,7 @@ def test_hf_tokenizer_ids_round_trip_and_chat_template(tok_dir):
     # special tokens encode to their own ids; decoding stops at the first stop id
     assert tok.encode("<|im_start|>")[0] == 1
     assert tok.decode(tok.encode("42") + [tok.eos_id] + tok.encode("junk")) == "42"
+    assert tok.decode(tok.encode("<|im_start|>42")) == "42"  # special tokens are skipped
 
 
 def test_generation_config_eos_ids_join_the_stop_set(tok_dir, tmp_path):
@@ -54,6 +64,30 @@ def test_generation_config_eos_ids_join_the_stop_set(tok_dir, tmp_path):
     shutil.copytree(tok_dir, folder)
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2]}))
     assert load_tokenizer(str(folder)).stop_ids == frozenset({0, 2})
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 1}))  # an int
+    assert load_tokenizer(str(folder)).stop_ids == frozenset({1, 2})
+
+
+def test_end_of_turn_stops_only_with_a_chat_template(tok_dir, tmp_path):
+    """With EOS <|endoftext|> (a Qwen base tokenizer), the template's <|im_end|> joins the stop
+    set; without a chat template it does not."""
+    import shutil
+
+    folder = tmp_path / "base"
+    shutil.copytree(tok_dir, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                              "eos_token": "<|endoftext|>"}))
+    tok = load_tokenizer(str(folder))
+    assert (tok.eos_id, tok.pad_id, tok.stop_ids) == (0, 0, frozenset({0, 2}))
+    assert tok.decode(tok.encode("42<|im_end|>junk")) == "42"
+    config.pop("chat_template", None)  # where older transformers versions keep it
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                              "eos_token": "<|endoftext|>"}))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    tok = load_tokenizer(str(folder))
+    assert tok.apply_chat_template([{"role": "user", "content": "1"}]) is None
+    assert tok.stop_ids == frozenset({0})
 
 
 def test_hub_name_and_missing_folder_are_clear_errors(tmp_path):
