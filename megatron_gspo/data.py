@@ -262,7 +262,12 @@ def build_task(cfg, tokenizer, model_max_len: int, verbose: bool = False):
     task = DatasetTask(reward_name=cfg.reward.name or "math",
                        reward_timeout_s=cfg.reward.timeout_s,
                        format_weight=cfg.reward.format_weight)
-    limit = cfg.data.max_prompt_tokens or model_max_len - cfg.rollout.max_new_tokens
+    room = model_max_len - cfg.rollout.max_new_tokens  # the longest prompt a rollout can take
+    if cfg.data.max_prompt_tokens and cfg.data.max_prompt_tokens > room:
+        raise ConfigError(f"data.max_prompt_tokens={cfg.data.max_prompt_tokens}: over the "
+                          f"{room} tokens a prompt can have (model length {model_max_len} - "
+                          f"rollout.max_new_tokens={cfg.rollout.max_new_tokens})")
+    limit = cfg.data.max_prompt_tokens or room
     train, evals, counts = dataset_splits(cfg.data, tokenizer, limit)
     if verbose:
         skipped = counts["data/skipped_overlong_prompts"]

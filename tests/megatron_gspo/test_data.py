@@ -350,3 +350,10 @@ def test_build_task_prompt_limit_defaults_to_model_length_minus_new_tokens(tmp_p
     cfg = load_config(None, over + ["model.max_seq_len=64", "data.max_prompt_tokens=22"])
     with pytest.raises(DataError, match="is 36 tokens, over data.max_prompt_tokens=22"):
         build_task(cfg, ByteTok(), model_max_len(cfg))
+    # one the model cannot take is refused before any data is read (not at the first forward
+    # of a long prompt, mid-run)
+    cfg = load_config(None, over + ["data.max_prompt_tokens=23"])
+    with pytest.raises(ConfigError, match=r"^data.max_prompt_tokens=23: over the 22 tokens a "
+                                          r"prompt can have \(model length 30 - "
+                                          r"rollout.max_new_tokens=8\)$"):
+        build_task(cfg, ByteTok(), model_max_len(cfg))
