@@ -45,6 +45,25 @@ def test_truncated_rows_hand_built():
     assert truncated_rows(tokens, resp, {EOS}).tolist() == [False, True, True, False]
 
 
+def test_truncated_rows_is_false_for_an_empty_response():
+    """A row with no response token (max_new_tokens=0) did not run out of tokens: its "last
+    response token" (argmax of an all-zero mask: column 0, a prompt token) is no evidence."""
+    tokens = torch.tensor([[5, 5, 9], [5, 9, 9]])
+    resp = torch.tensor([[0, 0, 0], [0, 1, 1]], dtype=torch.bool)
+    assert truncated_rows(tokens, resp, {EOS}).tolist() == [False, True]
+
+
+def test_response_start_is_never_column_0():
+    """Log-probs of column t come from column t-1's logits, so they start at column >= 1, even
+    when a response starts at column 0 (an empty prompt and no <bos>), or there is none."""
+    batch = make_batch([1, 0])
+    assert batch.response_start == 2
+    batch.response_BT[:] = False
+    assert batch.response_start == 1
+    batch.response_BT[0, 0] = True
+    assert batch.response_start == 1
+
+
 def test_rollout_health_counts():
     batch = make_batch([1, 0, 0, 0])
     batch.truncated_B = torch.tensor([True, False, True, True])

@@ -6,7 +6,10 @@ import math
 import pytest
 import torch
 
-from megatron_gspo.rollout import device_generator, encode_prompts, sample, top_p_filter
+from megatron_gspo import rollout
+from megatron_gspo.rollout import (device_generator, draw, encode_prompts, evaluate,
+                                     generate_rollouts, sample, top_p_filter)
+from megatron_gspo.tasks import Addition, Example
 from megatron_gspo.tasks import CharTokenizer
 
 PROMPTS = ["12+345=", "7+8=", "99+1=", "3+40="]
@@ -37,6 +40,27 @@ def test_top_p_filter_hand_case():
     assert kept == [True, True, False, False]  # 0.5 < 0.7 <= 0.8
     assert torch.isfinite(top_p_filter(logits, 1e-9)).sum() == 1  # never empty
     assert torch.equal(top_p_filter(logits, 1.0), logits)
+
+
+def test_top_p_filter_boundary_cases():
+    """"Reaches top_p" is >=: at exactly p the set is complete; top_p <= 0 still keeps the top
+    token; top_p=1.0 keeps every token even where the float cumsum hits 1.0 before the tail."""
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.125]]))  # exact in float32
+    assert torch.isfinite(top_p_filter(logits, 0.5))[0].tolist() == [True, False, False, False]
+    assert torch.isfinite(top_p_filter(logits, 0.75))[0].tolist() == [True, True, False, False]
+    assert torch.isfinite(top_p_filter(logits, 0.0))[0].tolist() == [True, False, False, False]
+    peaked = torch.tensor([[30.0] + [0.0] * 1000])  # tail mass ~1e-13 each: cumsum == 1.0 early
+    assert torch.equal(top_p_filter(peaked, 1.0), peaked)
+
+
+def test_draw_is_invariant_to_a_logit_shift():
+    """Softmax ignores a constant shift: the same ids (same generator stream) and log-probs for
+    logits + 1000, where unnormalised exp(logits) would overflow to inf."""
+    logits = torch.randn(6, 26, generator=torch.Generator().manual_seed(0))
+    got = [draw(x, temperature=0.7, top_p=0.9, greedy=False,
+                generator=torch.Generator().manual_seed(4)) for x in (logits, logits + 1000.0)]
+    assert torch.equal(got[0][0], got[1][0])
+    torch.testing.assert_close(got[0][1], got[1][1], atol=1e-3, rtol=0)
 
 
 class HostCopies(torch.overrides.TorchFunctionMode):
@@ -175,3 +199,110 @@ class _NoKV:
 
     def __getattr__(self, name):
         return getattr(self._policy, name)
+
+
+def _check_layout(tok, prompts, out, max_new_tokens):
+    """[prompt][response ... stop][padding]: response_BT is the valid part after the prompt, it
+    includes its stop token and nothing after one, and a row without a stop token is
+    max_new_tokens long."""
+    tokens_BT, valid_BT, response_BT, logp_BT, _ = out
+    _, prompt_valid_BP = encode_prompts(tok, prompts)
+    P = prompt_valid_BP.shape[1]
+    assert not response_BT[:, :P].any() and torch.equal(valid_BT[:, :P], prompt_valid_BP)
+    assert torch.equal(valid_BT[:, P:], response_BT[:, P:])  # padding after a stop is not valid
+    stops = torch.tensor(sorted(tok.stop_ids))
+    for row_tokens, row_resp in zip(tokens_BT, response_BT):
+        n = int(row_resp.sum())
+        assert row_resp[P:P + n].all()  # contiguous from the prompt's end
+        resp = row_tokens[P:P + n]
+        assert not torch.isin(resp[:-1], stops).any()
+        assert bool(torch.isin(resp[-1:], stops).all()) or n == max_new_tokens
+        assert (row_tokens[P + n:] == tok.pad_id).all()
+    assert (logp_BT[~response_BT] == 0).all() and (logp_BT[response_BT] < 0).all()
+    return P
+
+
+def test_sampling_stops_at_the_step_the_last_row_finishes(policy):
+    """The loop breaks once every row is done: the last column holds some row's stop token; a
+    row done earlier has padding (not valid, not response) there."""
+    tok, steps = CharTokenizer(), 30
+    out = sample(policy, tok, PROMPTS, max_new_tokens=steps, temperature=1.0,
+                 generator=torch.Generator().manual_seed(7))  # every row stops (by step 24)
+    P = _check_layout(tok, PROMPTS, out, steps)
+    tokens_BT, _, response_BT, _, _ = out
+    lengths = response_BT.sum(1)
+    last_B = tokens_BT.gather(1, (P + lengths - 1)[:, None]).squeeze(1)
+    assert (last_B == tok.eos_id).all()
+    assert tokens_BT.shape[1] - P == int(lengths.max()) < steps
+    assert int(lengths.min()) < int(lengths.max())  # some rows decoded padding meanwhile
+
+
+def test_every_rank_decodes_until_all_ranks_are_done(policy, monkeypatch):
+    """PITFALLS #13 in one process: the stop test goes through `all_ranks`; while another rank
+    still has live rows (all_ranks -> False) this rank keeps decoding padding to max_new_tokens
+    instead of breaking on its own rows."""
+    tok, steps = CharTokenizer(), 30
+    flags = []
+
+    def other_rank_busy(flag):
+        flags.append(flag)
+        return False
+
+    monkeypatch.setattr(rollout, "all_ranks", other_rank_busy)
+    out = sample(policy, tok, PROMPTS, max_new_tokens=steps, temperature=1.0,
+                 generator=torch.Generator().manual_seed(7))  # as above: all done by step 24
+    P = _check_layout(tok, PROMPTS, out, steps)
+    assert out[0].shape[1] == P + steps and len(flags) == steps
+    assert flags[-1] is True and not out[2][:, -1].any()  # this rank was done before the end
+
+
+def test_every_stop_id_ends_a_row(policy):
+    """A row stops on any of `tokenizer.stop_ids` (EOS and e.g. Qwen's <|im_end|>), not just
+    EOS: the stop token is the row's last response token, padding follows."""
+    tok = CharTokenizer()
+    base = sample(policy, tok, PROMPTS, max_new_tokens=6, greedy=True)
+    P = encode_prompts(tok, PROMPTS)[0].shape[1]
+    stop2 = int(base[0][0, P])  # row 0's first greedy token: make it a stop token
+    assert stop2 != tok.eos_id
+    tok2 = CharTokenizer()
+    tok2.stop_ids = frozenset({tok.eos_id, stop2})
+    out = sample(policy, tok2, PROMPTS, max_new_tokens=6, greedy=True)
+    _check_layout(tok2, PROMPTS, out, 6)
+    assert int(out[2][0].sum()) == 1 and int(out[0][0, P]) == stop2
+
+
+def test_evaluate_runs_the_agreed_chunk_count_and_restores_the_mode(policy, monkeypatch):
+    """`evaluate` decodes max_over_ranks(chunks) chunks (a rank past its own examples decodes a
+    filler chunk and discards it) with its metrics unchanged, and leaves the policy's
+    train/eval mode as it found it."""
+    tok, task = CharTokenizer(), Addition()
+    examples = [Example(p, str(sum(map(int, p[:-1].split("+"))))) for p in PROMPTS[:3]]
+    was = policy.model.training
+    try:
+        for mode in (True, False):
+            policy.train(mode)
+            want = evaluate(policy, tok, task, examples, max_new_tokens=4, batch_size=2)
+            assert policy.model.training is mode
+        calls = []
+        real_sample = rollout.sample
+
+        def counted(*args, **kwargs):
+            calls.append(len(args[2]))
+            return real_sample(*args, **kwargs)
+
+        monkeypatch.setattr(rollout, "sample", counted)
+        monkeypatch.setattr(rollout, "max_over_ranks", lambda n: n + 2)  # a peer has 4 chunks
+        assert evaluate(policy, tok, task, examples, max_new_tokens=4, batch_size=2) == want
+        assert calls == [2, 1, 1, 1]
+    finally:
+        policy.train(was)
+
+
+def test_generate_rollouts_rows_are_group_major(policy):
+    """Rows [ex0] * G + [ex1] * G: group_B names each row's example, and each row's prompt is
+    that example's."""
+    examples = [Example("12+345=", "357"), Example("7+8=", "15")]
+    batch = generate_rollouts(policy, CharTokenizer(), Addition(), examples, group_size=3,
+                              max_new_tokens=3, generator=torch.Generator().manual_seed(0))
+    assert batch.group_B.tolist() == [0, 0, 0, 1, 1, 1]
+    assert [ex.prompt for ex in batch.examples] == [examples[g].prompt for g in batch.group_B]
