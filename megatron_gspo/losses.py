@@ -28,7 +28,8 @@ Departures from the paper:
   * Numerical guard (not in the paper, PITFALLS.md #2): the log-ratio is clamped to
     [-max_log_ratio, max_log_ratio] before exp -- per token for grpo, the sequence mean for
     gspo / gspo_token. Beyond the clamp the gradient is zero (torch.clamp's gradient); gspo_token
-    copies that zero so that it still equals gspo there. The same clamp guards the KL exponent.
+    clamps its token factor inside the same clamp, so that it still equals gspo there. The same
+    clamp guards the KL exponent.
   * gspo_token also accepts token advantages `adv_BT` [B, T] (the paper's A_it); the other
     losses take one advantage per sequence.
   * Optional KL to a reference model (off by default, as in the paper): the k3 estimator
@@ -323,10 +324,12 @@ def gspo_token_loss(logp_BT, old_logp_BT, adv_B, mask_BT, cfg: PolicyLossConfig,
                  is_weight_BT=is_weight_BT)
     seq_lr_B = _seq_log_ratio(b).detach()
     clamped_B = seq_lr_B.clamp(-cfg.max_log_ratio, cfg.max_log_ratio)
-    inside_B = (seq_lr_B.abs() <= cfg.max_log_ratio).to(seq_lr_B.dtype)
     token_BT = b.logp_BT - b.logp_BT.detach()  # value 0, gradient 1 (NaN if logp = -inf)
     token_BT = torch.where(torch.isfinite(b.logp_BT), token_BT, torch.zeros_like(token_BT))
-    s_BT = torch.exp(clamped_B[:, None] + inside_B[:, None] * token_BT)
+    # the token factor inside gspo's own clamp: value exp(clamped_B), gradient zero exactly
+    # where gspo's is (torch's rule at the bound itself too: 1 up to torch 2.13, 0 from 2.14)
+    s_BT = torch.exp((seq_lr_B[:, None] + token_BT).clamp(-cfg.max_log_ratio,
+                                                           cfg.max_log_ratio))
     adv_BT = b.adv[:, None] if b.adv.ndim == 1 else b.adv
     term_BT, low_BT, high_BT = clipped_surrogate(s_BT, adv_BT, cfg.eps_low, cfg.eps_high)
     obj_B = _token_mean(term_BT * b.w_BT, b)

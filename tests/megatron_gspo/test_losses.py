@@ -374,19 +374,24 @@ def test_log_ratio_abs_max_is_per_sequence_for_gspo():
 
 
 def test_gspo_token_equals_gspo_exactly_at_the_clamp_bound():
-    """Guards `inside_B = |mean lr| <= max_log_ratio` (not <): torch.clamp passes the gradient
-    at the bound itself, so gspo_token must too, or the two differ there."""
+    """At |mean log-ratio| = max_log_ratio itself gspo's gradient is torch.clamp's at its bound
+    (1 up to torch 2.13, 0 from torch 2.14): gspo_token must follow the same rule, in every
+    torch version, or the two differ there."""
+    x = torch.tensor(0.5, dtype=D, requires_grad=True)
+    x.clamp(-0.5, 0.5).backward()
+    passes = x.grad.item()  # this torch's clamp gradient at the bound
     lr = torch.tensor([[0.5, 0.5], [0.1, -0.3]], dtype=D)  # row 0: mean exactly 0.5
     adv = torch.tensor([-1.0, 0.5], dtype=D)  # A < 0, s > 1: the unclipped branch is active
     lg, gg, _ = run("gspo", lr, torch.zeros(2, 2, dtype=D), adv, torch.ones(2, 2),
                     max_log_ratio=0.5)
     lt, gt, _ = run("gspo_token", lr, torch.zeros(2, 2, dtype=D), adv, torch.ones(2, 2),
                     max_log_ratio=0.5)
-    # d/dlogp of -(1/B) A s / |y| per token, s = e^0.5
-    torch.testing.assert_close(gg[0], torch.full((2,), math.exp(0.5) / 4, dtype=D),
+    # d/dlogp of -(1/B) A s / |y| per token, s = e^0.5, where the clamp passes the gradient
+    torch.testing.assert_close(gg[0], torch.full((2,), passes * math.exp(0.5) / 4, dtype=D),
                                rtol=1e-12, atol=0)
     assert lt.item() == pytest.approx(lg.item(), abs=1e-15)
     torch.testing.assert_close(gt, gg, rtol=1e-12, atol=1e-15)
+    assert gt[1].abs().min() > 0  # row 1 inside the clamp: both pass the gradient
 
 
 def test_gspo_token_with_a_minus_inf_token_logp_stays_finite():
