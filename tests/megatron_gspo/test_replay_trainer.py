@@ -96,3 +96,41 @@ def test_tis_with_sampler_logprobs_is_a_config_error():
 
     with pytest.raises(ConfigError, match="loss.tis_cap"):
         load_config(None, ["loss.tis_cap=2", "rollout.use_sampler_logprobs=true"])
+
+
+def test_tis_weight_is_pi_old_over_the_sampler_capped():
+    """min(exp(old - sampler), cap) in the trainer's direction: a token pi_old likes more than
+    the sampler did is up-weighted (to the cap), one it likes less down-weighted."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_gspo.config import load_config
+    from megatron_gspo.trainer import Trainer
+
+    stub = SimpleNamespace(cfg=load_config(None, ["loss.tis_cap=2"]))
+    resp_BT = torch.ones(1, 2)
+    mb = SimpleNamespace(old_logp_BT=torch.tensor([[-1.0, -2.0]]), response_BT=resp_BT,
+                         rollout=SimpleNamespace(sampler_logp_BT=torch.tensor([[-2.0, -1.5]])))
+    kwargs, _ = Trainer.tis(stub, mb)
+    torch.testing.assert_close(kwargs["is_weight_BT"],
+                               torch.tensor([[2.0, float(torch.tensor(-0.5).exp())]]))
+
+
+def test_use_sampler_logprobs_makes_pi_old_the_samplers(tmp_path):
+    """rollout.use_sampler_logprobs=true: the loss's pi_old is the sampler's log-probs (here
+    shifted so they cannot agree with the trainer's recompute by rounding)."""
+    import torch
+
+    def shifted(*args, **kwargs):
+        batch = generate_rollouts(*args, **kwargs)
+        batch.sampler_logp_BT = batch.sampler_logp_BT - 0.25 * batch.response_BT
+        return batch
+
+    for flag in ("true", "false"):
+        trainer = make_trainer(tmp_path, "train.steps=1", f"rollout.use_sampler_logprobs={flag}",
+                               name=f"s_{flag}", generate=shifted)
+        batch = trainer.rollout(0)
+        full, _ = trainer.prepare(batch)
+        assert torch.equal(full.old_logp_BT, batch.sampler_logp_BT) == (flag == "true")
+        trainer.rt.close()

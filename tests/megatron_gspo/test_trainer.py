@@ -335,3 +335,131 @@ def test_batch_passes_in_token_budgeted_forwards_equal_one_pass(tmp_path):
         shared_one["rollout/logprob_mismatch/mean"], rel=1e-5, abs=1e-7)
     for t in (one, chunked):
         t.rt.close()
+
+
+def test_minibatches_partition_the_batch_and_reuse_pi_old_advantages_and_ref(tmp_path,
+                                                                            monkeypatch):
+    """Every optimizer step's loss gets its rows' pi_old log-probs, group advantages (over the
+    G responses of a prompt, computed once for the rollout batch) and reference log-probs; the
+    minibatches partition the batch; the logged token means divide by response tokens."""
+    from megatron_gspo import trainer as trainer_mod
+    from megatron_gspo.advantages import group_advantages
+
+    trainer = make_trainer(tmp_path, "train.steps=1", "loss.kl_coef=0.1")
+    G, n_mb = trainer.cfg.rollout.group_size, trainer.cfg.train.num_minibatches
+    prepared, rows_of, calls, ents = [], [], [], []
+    real_prepare, real_select = trainer.prepare, trainer_mod.Minibatch.select
+    trainer.prepare = lambda batch: prepared.append(real_prepare(batch)) or prepared[-1]
+
+    def select(self, rows):
+        if prepared and self is prepared[0][0]:
+            rows_of.append(rows.clone())
+        return real_select(self, rows)
+
+    monkeypatch.setattr(trainer_mod.Minibatch, "select", select)
+    real_loss, real_logprobs = trainer.loss_fn, trainer.policy.token_logprobs
+    trainer.loss_fn = lambda logp, old, adv, resp, cfg, ref_logp_BT=None, **kw: (
+        calls.append((logp.detach(), old, adv, resp, ref_logp_BT))
+        or real_loss(logp, old, adv, resp, cfg, ref_logp_BT=ref_logp_BT, **kw))
+
+    def logprobs(*args, with_entropy=False, **kwargs):
+        out = real_logprobs(*args, with_entropy=with_entropy, **kwargs)
+        if with_entropy:
+            ents.append(out[1].detach())
+        return out
+
+    trainer.policy.token_logprobs = logprobs
+    trainer.train()
+    (full, shared), = prepared
+    B = len(full)
+    assert len(rows_of) == len(calls) == n_mb
+    assert torch.equal(torch.cat(rows_of).sort().values, torch.arange(B))  # a partition
+    want_adv, _ = group_advantages(full.rollout.rewards_B, G, eps=trainer.cfg.loss.adv_eps)
+    assert torch.equal(full.adv_B, want_adv)
+    assert full.adv_B.view(-1, G).sum(1).abs().max() < 1e-5 and full.adv_B.abs().sum() > 0
+    rows_log = read_jsonl(os.path.join(trainer.cfg.run_dir, "metrics.jsonl"))
+    for rows, (logp, old, adv, resp, ref), ent, row in zip(rows_of, calls, ents, rows_log):
+        assert torch.equal(old, full.old_logp_BT[rows]) and torch.equal(adv, full.adv_B[rows])
+        assert ref is not None and torch.equal(ref, full.ref_logp_BT[rows])
+        n_tok = float(resp.sum())
+        assert row["policy/log_ratio/abs_mean"] == pytest.approx(
+            float(((logp - old).abs() * resp).sum()) / n_tok, rel=1e-5, abs=1e-7)
+        assert row["policy/entropy"] == pytest.approx(float((ent * resp).sum()) / n_tok,
+                                                      rel=1e-5)
+    resp_BT = full.response_BT
+    mismatch = float(((full.rollout.sampler_logp_BT - full.old_logp_BT).abs() * resp_BT).sum()
+                     / resp_BT.sum())
+    assert shared["rollout/logprob_mismatch/mean"] == pytest.approx(mismatch, rel=1e-5, abs=1e-9)
+
+
+def test_non_finite_loss_with_finite_grads_is_skipped(tmp_path):
+    """The guard reads the loss itself, not only the grad norm: loss + inf has finite grads."""
+    trainer = make_trainer(tmp_path, "train.steps=1", "train.max_skipped_steps=10")
+    before, real = params(trainer), trainer.loss_fn
+
+    def inf_loss(*args, **kwargs):
+        loss, metrics = real(*args, **kwargs)
+        return loss + float("inf"), metrics
+
+    trainer.loss_fn = inf_loss
+    trainer.train()
+    after = params(trainer)
+    for n in before:
+        assert torch.equal(before[n], after[n]), n
+    rows = read_jsonl(os.path.join(trainer.cfg.run_dir, "metrics.jsonl"))
+    assert [r["train/skipped"] for r in rows] == [1.0] * 4
+    assert trainer.state.skipped_in_a_row == 4
+
+
+def _stub(**train):
+    from types import SimpleNamespace
+
+    from megatron_gspo.trainer import TrainerState
+
+    cfg = load_config(None, [*BASE, *(f"train.{k}={v}" for k, v in train.items())])
+    return SimpleNamespace(cfg=cfg, state=TrainerState(),
+                           rt=SimpleNamespace(info=SimpleNamespace(is_main=False)))
+
+
+def test_guard_aborts_after_more_than_max_consecutive_skips_and_a_step_resets():
+    from megatron_gspo.trainer import Trainer
+
+    t = _stub(max_skipped_steps=2)
+    for stepped in (False, False, True, False, False):  # 2 in a row, reset, 2 in a row
+        assert Trainer.guard(t, stepped) == {"train/skipped": float(not stepped)}
+    assert t.state.skipped_in_a_row == 2
+    with pytest.raises(FloatingPointError, match="3 consecutive"):
+        Trainer.guard(t, False)
+
+
+def test_local_prompts_checks_each_data_parallel_ranks_rows():
+    from megatron_gspo.trainer import local_prompts
+
+    cfg = load_config(None, [*BASE, "train.num_minibatches=8", "rollout.group_size=4"])
+    assert local_prompts(cfg, 1) == 4 and local_prompts(cfg, 2) == 2  # 16 / 8 rows per rank
+    cfg = load_config(None, [*BASE, "train.num_minibatches=16", "rollout.group_size=4"])
+    assert local_prompts(cfg, 1) == 4
+    with pytest.raises(ConfigError, match="num_minibatches=16"):
+        local_prompts(cfg, 2)  # 8 rows per rank do not split into 16
+    with pytest.raises(ConfigError, match="not divisible"):
+        local_prompts(cfg, 3)
+
+
+def test_save_every_also_saves_the_last_rollout_batch():
+    from megatron_gspo.trainer import Trainer
+
+    t = _stub(save_every=3, steps=4)
+    assert [Trainer.should_save(t, i) for i in range(1, 5)] == [False, False, True, True]
+    assert not Trainer.should_save(_stub(save_every=0, steps=4), 4)
+
+
+def test_reward_collapse_alert_follows_the_ema():
+    from megatron_gspo.trainer import Trainer
+
+    t = _stub(collapse_reward_drop=0.5)
+    assert Trainer.collapse_alerts(t, {"reward/mean": 1.0})["alert/reward_collapse"] == 0.0
+    out = Trainer.collapse_alerts(t, {"reward/mean": 0.0})  # ema 0.7 of best 1.0: no alert
+    assert t.state.reward_ema == pytest.approx(0.7) and out["alert/reward_collapse"] == 0.0
+    Trainer.collapse_alerts(t, {"reward/mean": 0.0})  # 0.49 < 0.5: alert
+    assert t.state.reward_ema == pytest.approx(0.49) and t.state.best_reward_ema == 1.0
+    assert Trainer.collapse_alerts(t, {"reward/mean": 0.0})["alert/reward_collapse"] == 1.0
