@@ -9,8 +9,7 @@ import torch
 from megatron_gspo import rollout
 from megatron_gspo.rollout import (device_generator, draw, encode_prompts, evaluate,
                                      generate_rollouts, sample, top_p_filter)
-from megatron_gspo.tasks import Addition, Example
-from megatron_gspo.tasks import CharTokenizer
+from megatron_gspo.tasks import Addition, CharTokenizer, Example
 
 PROMPTS = ["12+345=", "7+8=", "99+1=", "3+40="]
 

@@ -15,19 +15,28 @@ SETTINGS = [Recompute("selective", ("moe",)), Recompute("selective", ("core_attn
             Recompute("full")]
 
 
-def grads(recompute: Recompute, replay_from: RoutingReplayCache | None = None):
-    """Grads of the fixed-batch loss (optionally under a forced routing), and the policy."""
+def grads_after(recompute: Recompute, forwards):
+    """Grads of one backward through the summed losses of `forwards(policy)` (a list), on a
+    fresh tiny policy, and the policy."""
     preset = get_preset("tiny")
     policy = MoEPolicy.build(preset, ParallelLayout(), real_vocab=preset.vocab_size, seed=3,
                              optim=None, recompute=recompute)
-    tokens_BT, valid_BT, readout_BTV = batch(preset.vocab_size)
     policy.zero_grad()
-    with replay_routing(policy, replay_from):
-        loss = loss_fn(policy.logits(tokens_BT, valid_BT), valid_BT, readout_BTV)
-    policy.backward(loss)
+    policy.backward(sum(forwards(policy)))
     policy.reduce_grads()
     assert_routing_idle(policy)
     return {n: p.grad.clone() for n, p in policy.model.module.named_parameters()}, policy
+
+
+def grads(recompute: Recompute, replay_from: RoutingReplayCache | None = None):
+    """Grads of the fixed-batch loss (optionally under a forced routing), and the policy."""
+    tokens_BT, valid_BT, readout_BTV = batch(get_preset("tiny").vocab_size)
+
+    def forwards(policy):
+        with replay_routing(policy, replay_from):
+            return [loss_fn(policy.logits(tokens_BT, valid_BT), valid_BT, readout_BTV)]
+
+    return grads_after(recompute, forwards)
 
 
 def forced_routing(policy) -> RoutingReplayCache:
@@ -62,18 +71,6 @@ def test_recompute_replays_the_forward_routing_in_the_backward(single_process, r
         assert torch.equal(got[name], ref[name]), name
 
 
-def grads_after(recompute: Recompute, forwards) -> dict:
-    """Grads of one backward through the summed losses of `forwards(policy)` (a list)."""
-    preset = get_preset("tiny")
-    policy = MoEPolicy.build(preset, ParallelLayout(), real_vocab=preset.vocab_size, seed=3,
-                             optim=None, recompute=recompute)
-    policy.zero_grad()
-    policy.backward(sum(forwards(policy)))
-    policy.reduce_grads()
-    assert_routing_idle(policy)
-    return {n: p.grad.clone() for n, p in policy.model.module.named_parameters()}
-
-
 def test_a_no_grad_replayed_forward_queues_nothing_for_the_backward(single_process):
     """A replayed no-grad forward (pi_old's pass under R3, eval) has no backward: queueing its
     routing would make the next backward's recompute replay it instead of the live routing."""
@@ -85,8 +82,8 @@ def test_a_no_grad_replayed_forward_queues_nothing_for_the_backward(single_proce
         assert policy.backward_replays == []
         return [loss_fn(policy.logits(tokens_BT, valid_BT), valid_BT, readout_BTV)]
 
-    ref = grads_after(Recompute(), forwards)
-    got = grads_after(Recompute("full"), forwards)
+    ref, _ = grads_after(Recompute(), forwards)
+    got, _ = grads_after(Recompute("full"), forwards)
     for name in ref:
         assert torch.equal(got[name], ref[name]), name
 
@@ -110,7 +107,7 @@ def test_two_replayed_forwards_then_one_backward(single_process, recompute):
                                       readout_BTV))
         return losses
 
-    ref = grads_after(Recompute(), forwards)
-    got = grads_after(recompute, forwards)
+    ref, _ = grads_after(Recompute(), forwards)
+    got, _ = grads_after(recompute, forwards)
     for name in ref:
         assert torch.equal(got[name], ref[name]), name

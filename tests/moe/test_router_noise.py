@@ -80,23 +80,31 @@ def test_noise_is_ignored_under_replay(single_process):
     torch.testing.assert_close(noisy_replayed, replayed, rtol=0, atol=0)
 
 
-def grads(recompute):
+def grads(recompute, step):
+    """Grads after `step(policy)` (its forwards and its backward) on a fresh policy."""
     policy = build(recompute)
-    tokens_BT, valid_BT, readout_BTV = batch(PRESET.vocab_size)
     policy.zero_grad()
-    with router_noise(policy, 0.5, torch.Generator().manual_seed(11)):
-        loss = loss_fn(policy.logits(tokens_BT, valid_BT), valid_BT, readout_BTV)
-    policy.backward(loss)
+    step(policy)
     policy.reduce_grads()
     assert_routing_idle(policy)
     return {n: p.grad.clone() for n, p in policy.model.module.named_parameters()}
 
 
-def test_recompute_replays_the_noisy_selection(single_process):
-    ref = grads(Recompute())
-    got = grads(Recompute("full"))
+def assert_full_recompute_keeps_the_grads(step):
+    ref, got = grads(Recompute(), step), grads(Recompute("full"), step)
     for name in ref:
         assert torch.equal(got[name], ref[name]), name
+
+
+def test_recompute_replays_the_noisy_selection(single_process):
+    tokens_BT, valid_BT, readout_BTV = batch(PRESET.vocab_size)
+
+    def step(policy):
+        with router_noise(policy, 0.5, torch.Generator().manual_seed(11)):
+            loss = loss_fn(policy.logits(tokens_BT, valid_BT), valid_BT, readout_BTV)
+        policy.backward(loss)
+
+    assert_full_recompute_keeps_the_grads(step)
 
 
 def test_bad_std_is_an_error(single_process):
@@ -109,54 +117,41 @@ def test_a_no_grad_noisy_forward_queues_nothing_for_the_backward(single_process)
     """A noisy forward without grad has no backward to replay into: its selection must not be
     queued, or the next backward's recompute would route as that forward did."""
     tokens_BT, valid_BT, readout_BTV = batch(PRESET.vocab_size)
-    out = []
-    for recompute in (Recompute(), Recompute("full")):
-        policy = build(recompute)
-        policy.zero_grad()
+
+    def step(policy):
         with torch.no_grad(), router_noise(policy, 1.0, torch.Generator().manual_seed(2)):
             policy.logits(tokens_BT, valid_BT)
         assert policy.backward_replays == []
         policy.backward(loss_fn(policy.logits(tokens_BT, valid_BT), valid_BT, readout_BTV))
-        policy.reduce_grads()
-        out.append({n: p.grad.clone() for n, p in policy.model.module.named_parameters()})
-    for name in out[0]:
-        assert torch.equal(out[1][name], out[0][name]), name
+
+    assert_full_recompute_keeps_the_grads(step)
 
 
 def test_noise_leaves_a_replayed_backward_alone(single_process):
     """A backward run inside `router_noise` (here after a replayed forward): the recomputed
     routers replay the cached routing (REPLAY_BACKWARD) and draw no noise."""
     tokens_BT, valid_BT, readout_BTV = batch(PRESET.vocab_size)
-    out = []
-    for recompute in (Recompute(), Recompute("full")):
-        policy = build(recompute)
+
+    def step(policy):
         _, cache = current_routing(policy, tokens_BT, valid_BT)
         cache.ids_NLK = ((cache.ids_NLK.long() + 1) % PRESET.num_experts).to(torch.uint8)
-        policy.zero_grad()
         with router_noise(policy, 1.0, torch.Generator().manual_seed(4)):
             with replay_routing(policy, cache):
                 loss = loss_fn(policy.logits(tokens_BT, valid_BT), valid_BT, readout_BTV)
             policy.backward(loss)
-        policy.reduce_grads()
-        assert_routing_idle(policy)
-        out.append({n: p.grad.clone() for n, p in policy.model.module.named_parameters()})
-    for name in out[0]:
-        assert torch.equal(out[1][name], out[0][name]), name
+
+    assert_full_recompute_keeps_the_grads(step)
 
 
 def test_recompute_replays_each_of_several_noisy_forwards(single_process):
     """Two noisy forwards (two draws) inside one `router_noise`, one backward: each recomputed
     forward routes as it did (autograd recomputes the later one first)."""
     first, second = batch(PRESET.vocab_size), batch(PRESET.vocab_size, seed=8)
-    out = []
-    for recompute in (Recompute(), Recompute("full")):
-        policy = build(recompute)
-        policy.zero_grad()
+
+    def step(policy):
         with router_noise(policy, 1.0, torch.Generator().manual_seed(5)):
             loss = sum(loss_fn(policy.logits(t, v), v, r) for t, v, r in (first, second))
-        assert len(policy.backward_replays) == (2 if recompute.routing else 0)
+        assert len(policy.backward_replays) == (2 if policy.recompute.routing else 0)
         policy.backward(loss)
-        policy.reduce_grads()
-        out.append({n: p.grad.clone() for n, p in policy.model.module.named_parameters()})
-    for name in out[0]:
-        assert torch.equal(out[1][name], out[0][name]), name
+
+    assert_full_recompute_keeps_the_grads(step)
