@@ -37,6 +37,7 @@ def test_round_trip_tensors_and_python_objects(tmp_path):
     _assert_same(ckpt.load_checkpoint(root, rank=0), _state(1))
     _assert_same(ckpt.load_checkpoint(root, rank=1), _state(2))
     _assert_same(ckpt.load_checkpoint(d, rank=1), _state(2))  # a step dir works too
+    _assert_same(ckpt.load_checkpoint(d + os.sep, rank=1), _state(2))  # with a trailing slash
     _assert_same(ckpt.load_checkpoint(root, rank=0, step=10), _state(1))
 
 
@@ -174,6 +175,20 @@ def test_bad_step_and_rank(tmp_path):
         ckpt.save_checkpoint(str(tmp_path), 1, {}, rank="0")
     with pytest.raises(ValueError, match="step=True"):  # a bool is not step 1
         ckpt.save_checkpoint(str(tmp_path), True, {})
+    with pytest.raises(ValueError, match="state: expected a dict, got list"):
+        ckpt.save_checkpoint(str(tmp_path), 1, [1, 2])
+
+
+def test_load_checks_step_and_rank(tmp_path):
+    """A negative step or rank given to load_checkpoint is a ValueError naming it, not a
+    search for `step_-00001` / `rank_-0001.pt`."""
+    root = str(tmp_path)
+    ckpt.save_checkpoint(root, 1, _state(1))
+    ckpt.mark_latest(root, 1)
+    with pytest.raises(ValueError, match="step=-1"):
+        ckpt.load_checkpoint(root, step=-1)
+    with pytest.raises(ValueError, match="rank=-1"):
+        ckpt.load_checkpoint(root, rank=-1)
 
 
 def test_step_with_a_step_dir_is_refused(tmp_path):
