@@ -103,6 +103,9 @@ def save(policy, directory: str) -> None:
     if main:
         old = directory.rstrip("/") + ".old"
         if os.path.exists(directory):
+            # a save killed between publishing and cleaning up left an `.old` (not needed: the
+            # directory holds a complete checkpoint); a rename onto it would fail
+            shutil.rmtree(old, ignore_errors=True)
             os.replace(directory, old)
         os.replace(tmp, directory)
         shutil.rmtree(old, ignore_errors=True)

@@ -46,13 +46,15 @@ def test_files_written_by_splits_shards_by_rank_and_gives_rank_0_the_common_file
 
 
 def test_saving_over_a_checkpoint_replaces_it(single_process, tmp_path):
-    """A second save into the same directory (given with a trailing slash, a crashed attempt's
-    `.tmp` beside it) leaves exactly the new checkpoint: no `.tmp`, no `.old`."""
+    """A second save into the same directory (given with a trailing slash; beside it a crashed
+    attempt's `.tmp`, and the `.old` of a save killed after publishing its checkpoint) leaves
+    exactly the new checkpoint: no `.tmp`, no `.old`."""
     first, second, fresh = (_policy(seed, optim=False) for seed in (1, 2, 3))
     ckpt = str(tmp_path / "ckpt")
     dist_ckpt.save(first, ckpt)
-    os.makedirs(ckpt + ".tmp")  # a crashed earlier attempt
-    (tmp_path / "ckpt.tmp" / "__0_0.distcp").write_bytes(b"half a shard")
+    for leftover in ("ckpt.tmp", "ckpt.old"):
+        os.makedirs(tmp_path / leftover)
+        (tmp_path / leftover / "__0_0.distcp").write_bytes(b"a shard")
     dist_ckpt.save(second, ckpt + "/")
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
     dist_ckpt.load(fresh, ckpt)
