@@ -6,12 +6,16 @@ versions that do not need the patch. `make test` (megatron-core 0.16.1) runs the
 `make test-latest` (the newest release) runs both.
 """
 
+import importlib
+import inspect
 import math
 import subprocess
 import sys
 import textwrap
+import types
 from importlib.metadata import version
 
+import numpy as np
 import pytest
 import torch
 
@@ -88,6 +92,54 @@ def test_triton_stub_import_hands_out_stubs_for_triton_only():
     kernel = imp("triton").jit(test_triton_stub_import_hands_out_stubs_for_triton_only)
     with pytest.raises(RuntimeError, match="test_triton_stub_import_hands_out_stubs_for_triton"):
         kernel[(4,)]
+
+
+def test_stub_finder_gives_triton_to_listed_modules_only(tmp_path, monkeypatch):
+    """A TRITON_ONLY_MODULES module imports with triton absent (the hook goes before the normal
+    path finder) and its kernels refuse to launch; another module's `import triton` still fails."""
+    pkg = tmp_path / "fake_mcore"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "kernels.py").write_text("import triton\nimport triton.language as tl\n\n\n"
+                                    "@triton.jit\ndef copy_kernel(n: tl.constexpr):\n    pass\n")
+    (pkg / "other.py").write_text("try:\n    import triton\n    HAVE_TRITON = True\n"
+                                  "except ImportError:\n    HAVE_TRITON = False\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(sys.modules, "triton", None)
+    monkeypatch.setattr(compat, "TRITON_ONLY_MODULES", ("fake_mcore.kernels",))
+    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path
+                                           if not isinstance(f, compat._TritonStubFinder)])
+    try:
+        assert compat.install_import_hooks() is True
+        kernels = importlib.import_module("fake_mcore.kernels")
+        assert importlib.import_module("fake_mcore.other").HAVE_TRITON is False
+    finally:
+        for name in [n for n in sys.modules if n.startswith("fake_mcore")]:
+            del sys.modules[name]
+    with pytest.raises(RuntimeError, match="copy_kernel: this megatron-core kernel needs triton"):
+        kernels.copy_kernel[(1,)]
+
+
+def test_triton_available_sees_an_importable_triton(tmp_path, monkeypatch):
+    """An importable `triton` package counts as available (the hook then stays out); a blocked
+    import does not."""
+    (tmp_path / "triton").mkdir()
+    (tmp_path / "triton" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "triton", raising=False)
+    assert compat.triton_available() is True
+    monkeypatch.setitem(sys.modules, "triton", None)
+    assert compat.triton_available() is False
+
+
+def test_triton_stub_has_no_dunder_attributes():
+    """A stub is not a wrapper, a context manager or a pickle hook: tools that probe module
+    globals (`inspect.unwrap`, `hasattr(x, "__enter__")`) see a plain object."""
+    stub = compat._NeedsTriton("triton")
+    assert inspect.unwrap(stub) is stub
+    assert not hasattr(stub, "__enter__")
+    with pytest.raises(ModuleNotFoundError):  # only `triton` and `triton.*` are stubbed
+        compat._triton_stub_import(__import__)("triton_not_a_module")
 
 
 # --------------------------------------------------------- grad sync without CUDA (0.19+)
@@ -176,3 +228,102 @@ def test_cpu_l2_norm_is_the_float64_norm_of_all_tensors():
     assert got.shape == (1,) and got.dtype == torch.float64
     assert math.isclose(float(got), want, rel_tol=1e-14)
     assert float(_local_l2_norm(2048, None, [[]], False)[0]) == 0.0
+
+
+# ------------------------------------------------- all-to-all split sizes on the host
+def test_alltoall_split_sizes_become_numpy_at_the_dtoh_point_only():
+    """On CPU the dispatcher's split sizes become host (numpy) sequences at its dtoh point, not
+    before; with drop_and_pad (no splits) nothing is touched."""
+    dispatcher = types.SimpleNamespace(drop_and_pad=False, cuda_dtoh_point="before_ep_alltoall",
+                                       input_splits=torch.tensor([1, 2]),
+                                       output_splits=torch.tensor([3, 0]), output_splits_tp=None)
+    tokens_per_expert = torch.tensor([4])
+    out = compat._cpu_dtoh_and_synchronize(dispatcher, "before_permutation_1", tokens_per_expert)
+    assert out is tokens_per_expert and torch.is_tensor(dispatcher.input_splits)
+    compat._cpu_dtoh_and_synchronize(dispatcher, "before_ep_alltoall")
+    assert isinstance(dispatcher.input_splits, np.ndarray)
+    assert isinstance(dispatcher.output_splits, np.ndarray)
+    assert dispatcher.input_splits.tolist() == [1, 2]
+    assert dispatcher.output_splits.tolist() == [3, 0]
+    assert dispatcher.output_splits_tp is None
+    padded = types.SimpleNamespace(drop_and_pad=True, cuda_dtoh_point="before_ep_alltoall",
+                                   input_splits=torch.tensor([1]), output_splits=None,
+                                   output_splits_tp=None)
+    compat._cpu_dtoh_and_synchronize(padded, "before_ep_alltoall")
+    assert torch.is_tensor(padded.input_splits)
+
+
+@needs_cpu
+def test_alltoall_dispatcher_uses_the_host_dtoh(single_process):
+    from megatron.core.transformer.moe import token_dispatcher as td
+
+    dispatcher = td.MoEAlltoAllTokenDispatcher
+    assert dispatcher._maybe_dtoh_and_synchronize is compat._cpu_dtoh_and_synchronize
+
+
+# --------------------------------------------------- torch norm under sequence parallel
+@needs_cpu
+def test_torch_norm_under_sequence_parallel_marks_its_weights(single_process):
+    """The local spec's torch RMSNorm builds under sequence parallel (megatron asserts it away)
+    and marks its weights `sequence_parallel` so their grads get summed over TP; without SP it
+    is megatron's plain norm."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    kwargs = dict(num_layers=1, hidden_size=8, num_attention_heads=2, normalization="RMSNorm",
+                  tensor_model_parallel_size=2)
+    sp = WrappedTorchNorm(TransformerConfig(sequence_parallel=True, **kwargs), 8, eps=1e-6)
+    plain = WrappedTorchNorm(TransformerConfig(**kwargs), 8, eps=1e-6)
+    assert isinstance(sp, torch.nn.RMSNorm) and sp.eps == 1e-6
+    assert [getattr(p, "sequence_parallel", False) for p in sp.parameters()] == [True]
+    assert [getattr(p, "sequence_parallel", False) for p in plain.parameters()] == [False]
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(sp(x), plain(x))
+
+
+# ------------------------------------------------------ optimizer stack on CPU (training patches)
+def test_optimizer_modules_see_factories_that_map_cuda_to_cpu():
+    """`device='cuda'` / `'cuda:0'` become CPU tensors; other devices and other attributes of
+    torch pass through unchanged."""
+    shim = compat._CpuFactoryTorch()
+    for device in ("cuda", "cuda:0", torch.device("cuda", 1)):
+        assert shim.zeros(2, device=device).device.type == "cpu"
+        assert shim.tensor([1.0], dtype=torch.float64, device=device).dtype == torch.float64
+    assert shim.full((2,), 3.0, device="meta").device.type == "meta"
+    assert shim.float32 is torch.float32 and shim.cat is torch.cat
+
+
+def test_cuda_type_names_only_within_the_context():
+    """Inside, CPU float tensors report their CUDA type names (megatron's 16-bit / fp32 checks);
+    afterwards, and for `type(dtype)` casts, torch's own behaviour."""
+    bf16, x = torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1)
+    with compat.cuda_type_names():
+        assert (bf16.type(), x.type()) == ("torch.cuda.BFloat16Tensor", "torch.cuda.FloatTensor")
+        assert torch.zeros(1, dtype=torch.int64).type() == "torch.LongTensor"
+        assert x.type(torch.float64).dtype == torch.float64
+    assert (bf16.type(), x.type()) == ("torch.BFloat16Tensor", "torch.FloatTensor")
+
+
+@needs_cpu
+def test_grad_scaler_state_round_trip_on_cpu():
+    """fp16 loss scaling resumes where it was: scale, growth and hysteresis trackers."""
+    compat.apply_cpu_training_patches()
+    from megatron.core.optimizer.grad_scaler import DynamicGradScaler
+
+    def make():
+        return DynamicGradScaler(initial_scale=2.0 ** 10, min_scale=1.0, growth_factor=2.0,
+                                 backoff_factor=0.5, growth_interval=4, hysteresis=2)
+
+    saved, loaded = make(), make()
+    for found_inf in (True, False, False, False):
+        saved.update(found_inf)
+    loaded.load_state_dict(saved.state_dict())
+    state = {k: float(v) for k, v in saved.state_dict().items()}
+    assert {k: float(v) for k, v in loaded.state_dict().items()} == state
+    assert state == {"scale": 2.0 ** 10, "growth_tracker": 3, "hysteresis_tracker": 1}
+    assert loaded.scale.device.type == "cpu"
+    for found_inf in (False, True, True):  # grows at the 4th clean step, then backs off
+        saved.update(found_inf)
+        loaded.update(found_inf)
+        assert float(loaded.scale) == float(saved.scale)
+    assert float(saved.scale) == 2.0 ** 10
