@@ -6,7 +6,8 @@ one DP replica writes it), and the torch_dist backend (torch.distributed.checkpo
 with gloo) writes one file per rank and writer thread, plus rank 0's `common.pt` (non-tensor
 state) and metadata. Nothing is gathered on the save path. Loading builds the sharded state dict
 of the *current* layout and reads the slices it needs, so a checkpoint saved with one TP / EP /
-DP layout resumes with another (tests/moe/test_dist_ckpt.py: TP=2 -> EP=2, TP=2 -> 1 process).
+DP layout resumes with another (tests/moe/test_training_state.py: TP=2 -> EP=2, TP=2 -> 1
+process; tests/moe/test_dist_ckpt.py: the 1-process behaviour).
 
 What is saved: the model weights (16-bit for bf16 runs), the optimizer (fp32 masters, Adam
 moments and step) and the lr schedule. Optimizer resharding: megatron's non-distributed
