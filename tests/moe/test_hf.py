@@ -123,6 +123,10 @@ def _config(tmp_path, **changes):
     ({"use_sliding_window": True}, "use_sliding_window"),
     ({"attention_bias": True}, "attention_bias"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "RoPE scaling"),  # older spelling
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
+     "RoPE scaling"),  # transformers 5's spelling
+    ({"num_experts": None}, "neither 'num_experts' nor 'num_local_experts'"),
 ])
 def test_unsupported_configs_are_refused_naming_the_key(tmp_path, changes, match):
     from moe.hf.config import preset_from_hf
@@ -145,6 +149,76 @@ def test_config_key_spellings_and_missing_files(tmp_path):
         preset_from_hf(str(tmp_path / ".."))
     with pytest.raises(FileNotFoundError, match="hub name"):
         preset_from_hf("Qwen/Qwen3-30B-A3B")
+
+
+_OPTIONAL = ("head_dim", "rope_theta", "max_position_embeddings", "rms_norm_eps",
+             "norm_topk_prob", "tie_word_embeddings", "qkv_bias")
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe"])
+def test_missing_optional_keys_mean_what_transformers_makes_of_them(model_type):
+    """A config.json without the optional keys builds the model transformers builds from it
+    (its config class defaults; head_dim = hidden / heads as its attention computes it)."""
+    from transformers import AutoConfig
+
+    from moe.hf.config import preset_from_hf_config
+    from tests.hf_fixtures import QWEN2, QWEN3
+
+    base = {"qwen3_moe": QWEN3, "qwen2_moe": QWEN2}[model_type]
+    cfg = {k: v for k, v in base.items() if k not in _OPTIONAL}
+    cfg.update(model_type=model_type, vocab_size=300)
+    preset = preset_from_hf_config(cfg)
+    hf = AutoConfig.for_model(**cfg)
+    assert preset.kv_channels == hf.hidden_size // hf.num_attention_heads
+    assert (preset.max_seq_len, preset.norm_epsilon, preset.rotary_base) == \
+        (hf.max_position_embeddings, hf.rms_norm_eps, hf.rope_parameters["rope_theta"])
+    assert (preset.norm_topk_prob, preset.tie_word_embeddings) == \
+        (hf.norm_topk_prob, hf.tie_word_embeddings)
+    assert preset.qkv_bias == getattr(hf, "qkv_bias", False)
+    assert preset.shared_expert_gate == (model_type == "qwen2_moe")  # only with a shared expert
+
+
+def _qwen_preset(model_type: str):
+    from moe.hf.config import preset_from_hf_config
+    from tests.hf_fixtures import QWEN2, QWEN3
+
+    base = {"qwen3_moe": QWEN3, "qwen2_moe": QWEN2}[model_type]
+    return preset_from_hf_config({**base, "model_type": model_type, "vocab_size": 300})
+
+
+def test_export_config_drops_stale_keys_of_the_source(tmp_path):
+    """The exported config.json says the preset's values once: a source's num_local_experts,
+    torch_dtype and rope_theta do not survive next to what was written."""
+    import dataclasses
+
+    from transformers import AutoConfig
+
+    from moe.hf.config import hf_config_dict
+
+    preset = dataclasses.replace(_qwen_preset("qwen3_moe"), rotary_base=5e5)
+    base = {"num_local_experts": 4, "torch_dtype": "bfloat16", "rope_theta": 1e6,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "bos_token_id": 7}
+    out = hf_config_dict(preset, 300, dtype="bfloat16", base=base)
+    assert "num_local_experts" not in out and "torch_dtype" not in out and "rope_theta" not in out
+    assert out["rope_parameters"] == {"rope_type": "default", "rope_theta": 5e5}
+    assert (out["dtype"], out["bos_token_id"], out["num_experts"]) == ("bfloat16", 7, 8)
+    hf = AutoConfig.for_model(**out)
+    assert (hf.num_experts, hf.rope_parameters["rope_theta"]) == (8, 5e5)
+
+
+def test_export_config_refuses_presets_transformers_would_build_differently():
+    """No exact config, no export: Qwen2-MoE ignores head_dim (it uses hidden / heads), and a
+    Qwen3-MoE without q/k norms has no config.json spelling."""
+    import dataclasses
+
+    from moe.hf.config import hf_config_dict
+
+    qwen2 = _qwen_preset("qwen2_moe")
+    with pytest.raises(ValueError, match=r"qwen2_moe needs head_dim \* heads == hidden"):
+        hf_config_dict(dataclasses.replace(qwen2, kv_channels=16), 300)
+    qwen3 = dataclasses.replace(_qwen_preset("qwen3_moe"), qk_layernorm=False)
+    with pytest.raises(ValueError, match="has no exact qwen3_moe config"):
+        hf_config_dict(qwen3, 300)
 
 
 def test_checkpoint_that_disagrees_with_its_config_is_refused(single_process, hf_dirs, tmp_path):
