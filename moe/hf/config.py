@@ -93,7 +93,8 @@ def preset_from_hf_config(cfg: dict, where: str = "config.json") -> MoEPreset:
         num_layers=_required(cfg, "num_hidden_layers", where),
         hidden_size=hidden,
         num_attention_heads=heads,
-        num_query_groups=cfg.get("num_key_value_heads") or heads,
+        # required: transformers reads a missing key as its class default (4, 16), not heads
+        num_query_groups=_required(cfg, "num_key_value_heads", where),
         kv_channels=cfg.get("head_dim") or hidden // heads,
         num_experts=experts,
         topk=_required(cfg, "num_experts_per_tok", where),

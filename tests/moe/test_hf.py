@@ -261,3 +261,19 @@ def test_qwen3_30b_a3b_preset_is_the_released_models_shape():
     preset = preset_from_hf_config(released)
     assert dataclasses.replace(preset, name="qwen3-30b-a3b") == get_preset("qwen3-30b-a3b")
     assert preset.with_vocab(151936, 128 * 2).vocab_size == 152064  # 128 x TP=2 padding
+
+
+def test_config_without_num_key_value_heads_is_refused(tmp_path):
+    """transformers reads a missing num_key_value_heads as its config class default (4 for
+    Qwen3-MoE, 16 for Qwen2-MoE), not as one KV head per query head: refused, not guessed."""
+    from transformers import AutoConfig
+
+    from moe.hf.config import preset_from_hf
+
+    folder = _config(tmp_path)
+    cfg = json.load(open(f"{folder}/config.json"))
+    del cfg["num_key_value_heads"]
+    assert AutoConfig.for_model(**cfg).num_key_value_heads == 4 != cfg["num_attention_heads"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="config.json has no 'num_key_value_heads'"):
+        preset_from_hf(folder)
