@@ -239,6 +239,30 @@ def test_checkpoint_that_disagrees_with_its_config_is_refused(single_process, hf
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(KeyError, match="experts.5.up_proj"):
         hw.build_from_hf(str(folder), REAL_VOCAB)
+    # a whole tensor of another shape is named, not broadcast into the model's
+    tensors = load_file(hf_dirs["qwen3"] + "/model.safetensors")
+    gate = "model.layers.0.mlp.gate.weight"
+    tensors[gate] = tensors[gate][:, :1].clone()
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"router.weight <- .*got shape \(8, 1\), the model "
+                                         r"holds \(8, 64\)"):
+        hw.build_from_hf(str(folder), REAL_VOCAB)
+
+
+def test_tied_checkpoint_may_carry_its_lm_head(single_process, hf_dirs, tmp_path):
+    """A tied-embedding checkpoint that also saved lm_head.weight (the embedding again) loads."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "tied"
+    shutil.copytree(hf_dirs["qwen3_mqa"], folder)
+    tensors = load_file(folder / "model.safetensors")
+    assert "lm_head.weight" not in tensors
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    policy, _ = hw.build_from_hf(str(folder), REAL_VOCAB)
+    assert policy.preset.tie_word_embeddings
 
 
 def test_qwen3_30b_a3b_preset_is_the_released_models_shape():
