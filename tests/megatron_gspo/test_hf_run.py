@@ -183,3 +183,56 @@ def test_weights_that_disagree_with_config_exit_2(single_process, hf_dir, tmp_pa
     argv = ["eval", f"model.hf_path={folder}", "task.n_eval=2", "wandb.mode=disabled"]
     assert cli_main(argv) == 2
     assert "q_proj" in capsys.readouterr().err
+
+
+def test_export_reads_a_moved_source_folder_and_writes_its_own_config(single_process, hf_dir,
+                                                                      tmp_path):
+    """`hf_path` overrides the run's model.hf_path (the source moved); the export writes its own
+    config.json and weights (never the source's copies) and refuses a source config whose
+    vocabulary is larger than the checkpoint's embedding."""
+    import shutil
+
+    from megatron_gspo.export import export_run
+    from megatron_gspo.runtime import build_policy
+    from moe.hf.io import SafetensorsReader
+
+    moved, src = tmp_path / "moved", tmp_path / "src"
+    shutil.copytree(hf_dir, moved)
+    cfg = run_config(str(moved), tmp_path / "run")
+    save_run(build_policy(cfg, 300, optim=None), cfg, cfg.run_dir, legacy=True)
+    moved.rename(src)
+    config = json.load(open(src / "config.json"))
+    assert "num_local_experts" in config  # transformers 5's spelling; the export writes ours
+    with pytest.raises(FileNotFoundError, match="moved' does not exist"):
+        export_run(cfg.run_dir, str(tmp_path / "out0"))
+    out = tmp_path / "out"
+    summary = export_run(cfg.run_dir, str(out), hf_path=str(src), max_shard_bytes=60000)
+    written = json.load(open(out / "config.json"))
+    assert written["num_experts"] == 8 and "num_local_experts" not in written
+    assert "model.safetensors" not in os.listdir(out) and summary["files"].count(
+        "config.json") == 1
+    reader, want = SafetensorsReader(str(out)), SafetensorsReader(str(src))
+    assert all(torch.equal(reader.read(n), want.read(n)) for n in want.names())
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "config.json").write_text(json.dumps({**config, "vocab_size": 1000}))
+    with pytest.raises(ValueError, match="vocab_size=1000 exceeds the checkpoint's 384 "
+                                         "embedding rows"):
+        export_run(cfg.run_dir, str(tmp_path / "out2"), hf_path=str(big))
+
+
+def test_export_keeps_the_parameter_dtype(single_process, tmp_path):
+    """bfloat16 parameters export as bfloat16 tensors, and config.json says so."""
+    from megatron_gspo.runtime import build_policy
+    from moe.hf.config import hf_config_dict
+    from moe.hf.io import SafetensorsReader
+    from moe.hf.weights import export_hf
+    from moe.sharding import gather_full_params
+
+    cfg = load_config(None, [f"run_dir={tmp_path / 'toy'}", "model.preset=tiny"])
+    policy = build_policy(cfg, 26, optim=None)
+    full = {n: p.to(torch.bfloat16) for n, p in gather_full_params(policy.model.module).items()}
+    export_hf(full, str(tmp_path / "out"), hf_config_dict(policy.preset, 26))
+    assert json.load(open(tmp_path / "out" / "config.json"))["dtype"] == "bfloat16"
+    reader = SafetensorsReader(str(tmp_path / "out"))
+    assert {reader.read(n).dtype for n in reader.names()} == {torch.bfloat16}
