@@ -1,0 +1,122 @@
+"""Cold-start SFT (megatron_gspo.sft): the batch and its masks, the loss, the data-parallel
+split, and a stopped run resuming to the same steps."""
+
+import os
+import signal
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_gspo import sft
+from megatron_gspo.config import load_config
+from megatron_gspo.metrics import read_jsonl
+from megatron_gspo.tasks import Example
+from megatron_gspo.tokenizer import CharTokenizer
+from tests.megatron_gspo.test_band import BASE, _scripted_eval
+
+EXAMPLES = [Example("1+2=", "3"), Example("12+3=", "15")]
+
+
+def test_batch_is_left_padded_prompt_then_answer_and_eos():
+    """Prompt rows are left-padded, answers right-padded; only answer tokens and <eos> are
+    targets, and answer padding is not valid."""
+    tok = CharTokenizer()
+    tokens_BT, valid_BT, target_BT = sft.sft_batch(tok, EXAMPLES)
+    enc = tok.encode
+    pad, bos, eos = tok.pad_id, tok.bos_id, tok.eos_id
+    assert tokens_BT.tolist() == [[pad, bos, *enc("1+2="), *enc("3"), eos, pad],
+                                  [bos, *enc("12+3="), *enc("15"), eos]]
+    assert valid_BT.tolist() == [[False] + [True] * 7 + [False], [True] * 9]
+    assert target_BT.tolist() == [[False] * 6 + [True] * 2 + [False],
+                                  [False] * 6 + [True] * 3]
+
+
+class RecordingPolicy:
+    """token_logprobs returns fixed values; records the order of zero_grad / backward."""
+
+    def __init__(self):
+        self.calls, self.tokens = [], None
+
+    def zero_grad(self):
+        self.calls.append("zero_grad")
+
+    def token_logprobs(self, tokens_BT, valid_BT):
+        self.tokens = tokens_BT
+        g = torch.Generator().manual_seed(0)
+        return -torch.rand(tokens_BT.shape, generator=g).requires_grad_()
+
+    def backward(self, loss):
+        self.calls.append("backward")
+
+    def step(self):
+        return True, 0.5
+
+
+def fake_runtime(batch_size: int, dp: int) -> SimpleNamespace:
+    cfg = load_config(None, [f"sft.batch_size={batch_size}"])
+    return SimpleNamespace(cfg=cfg, info=SimpleNamespace(dp=dp), tokenizer=CharTokenizer(),
+                           train_set=EXAMPLES, policy=RecordingPolicy())
+
+
+def test_step_loss_is_the_token_mean_over_answer_tokens_of_this_ranks_share():
+    rt = fake_runtime(batch_size=8, dp=2)
+    out = sft.sft_step(rt, torch.Generator().manual_seed(1))
+    policy = rt.policy
+    assert policy.calls == ["zero_grad", "backward"] and policy.tokens.shape[0] == 4
+    logp = -torch.rand(policy.tokens.shape, generator=torch.Generator().manual_seed(0))
+    target = (policy.tokens != rt.tokenizer.pad_id) & (policy.tokens != rt.tokenizer.bos_id)
+    target &= torch.cumsum(policy.tokens == rt.tokenizer.encode("=")[0], dim=1) > 0
+    target &= policy.tokens != rt.tokenizer.encode("=")[0]
+    want = -(logp.double() * target).sum() / target.sum()
+    assert out["sft/loss"] == pytest.approx(want.item(), rel=1e-6)
+    assert (out["train/grad_norm"], out["train/skipped"]) == (0.5, 0.0)
+
+
+def test_batch_size_must_split_over_data_parallel_ranks():
+    rt = fake_runtime(batch_size=8, dp=3)
+    with pytest.raises(ValueError, match="sft.batch_size=8 is not divisible by the "
+                                         "data-parallel size 3"):
+        sft._sft_loop(rt)
+
+
+class StopAt:
+    """Preemption stand-in: a SIGTERM is 'received' during step `step`."""
+
+    def __init__(self, step: int):
+        self.step, self.calls = step, 0
+
+    def __call__(self):
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def requested(self):
+        self.calls += 1
+        return signal.SIGTERM if self.calls == self.step else None
+
+
+def test_stopped_run_resumes_to_the_same_steps(tmp_path, monkeypatch):
+    """SFT stopped after step 1 and run again logs the same losses as an uninterrupted run
+    (same batches, no step repeated), and evaluates at the last step off the eval grid."""
+    _scripted_eval(monkeypatch, [0.0] * 6)  # evals at steps 0, 2, 3; then 0 | 2, 3
+    args = [*BASE, "sft.steps=3", "sft.eval_every=2", "sft.batch_size=8"]
+    sft.run_sft(load_config(None, [*args, f"run_dir={tmp_path / 'straight'}"]))
+    cut = load_config(None, [*args, f"run_dir={tmp_path / 'cut'}"])
+    monkeypatch.setattr(sft, "Preemption", StopAt(1))
+    with pytest.raises(sft.Preempted, match="stopped at SFT step 1 of 3"):
+        sft.run_sft(cut)
+    monkeypatch.setattr(sft, "Preemption", StopAt(0))
+    sft.run_sft(cut)
+
+    def rows(name):
+        return [(r["step"], r.get("sft/loss"), r.get("eval/accuracy"))
+                for r in read_jsonl(os.path.join(tmp_path, name, "metrics.jsonl"))]
+
+    straight = rows("straight")
+    assert [s for s, _, acc in straight if acc is not None] == [0, 2, 3]
+    assert rows("cut") == straight
