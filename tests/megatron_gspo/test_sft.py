@@ -60,20 +60,21 @@ def fake_runtime(batch_size: int, dp: int) -> SimpleNamespace:
 
 
 def test_step_loss_is_the_token_mean_over_answer_tokens_of_this_ranks_share():
+    """-log p averaged over answer tokens and <eos> only, on batch_size / dp rows, with the
+    gradients zeroed before the backward (float64 reference)."""
     rt = fake_runtime(batch_size=8, dp=2)
+    rt.train_set = EXAMPLES[1:]  # every row "<bos>12+3=" then targets "15<eos>"
     out = sft.sft_step(rt, torch.Generator().manual_seed(1))
     policy = rt.policy
-    assert policy.calls == ["zero_grad", "backward"] and policy.tokens.shape[0] == 4
-    logp = -torch.rand(policy.tokens.shape, generator=torch.Generator().manual_seed(0))
-    target = (policy.tokens != rt.tokenizer.pad_id) & (policy.tokens != rt.tokenizer.bos_id)
-    target &= torch.cumsum(policy.tokens == rt.tokenizer.encode("=")[0], dim=1) > 0
-    target &= policy.tokens != rt.tokenizer.encode("=")[0]
-    want = -(logp.double() * target).sum() / target.sum()
+    assert policy.calls == ["zero_grad", "backward"] and policy.tokens.shape == (4, 9)
+    logp = -torch.rand(4, 9, generator=torch.Generator().manual_seed(0)).double()
+    want = -logp[:, 6:].sum() / (4 * 3)
     assert out["sft/loss"] == pytest.approx(want.item(), rel=1e-6)
     assert (out["train/grad_norm"], out["train/skipped"]) == (0.5, 0.0)
 
 
 def test_batch_size_must_split_over_data_parallel_ranks():
+    """Refused before anything runs: each rank trains on an equal share."""
     rt = fake_runtime(batch_size=8, dp=3)
     with pytest.raises(ValueError, match="sft.batch_size=8 is not divisible by the "
                                          "data-parallel size 3"):

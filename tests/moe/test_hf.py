@@ -155,6 +155,15 @@ _OPTIONAL = ("head_dim", "rope_theta", "max_position_embeddings", "rms_norm_eps"
              "norm_topk_prob", "tie_word_embeddings", "qkv_bias")
 
 
+def _family_config(model_type: str, drop: tuple = ()) -> dict:
+    """The fixture config.json of `model_type` (tests/hf_fixtures.py) without keys `drop`."""
+    from tests.hf_fixtures import QWEN2, QWEN3
+
+    base = {"qwen3_moe": QWEN3, "qwen2_moe": QWEN2}[model_type]
+    return {**{k: v for k, v in base.items() if k not in drop}, "model_type": model_type,
+            "vocab_size": 300}
+
+
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe"])
 def test_missing_optional_keys_mean_what_transformers_makes_of_them(model_type):
     """A config.json without the optional keys builds the model transformers builds from it
@@ -162,11 +171,8 @@ def test_missing_optional_keys_mean_what_transformers_makes_of_them(model_type):
     from transformers import AutoConfig
 
     from moe.hf.config import preset_from_hf_config
-    from tests.hf_fixtures import QWEN2, QWEN3
 
-    base = {"qwen3_moe": QWEN3, "qwen2_moe": QWEN2}[model_type]
-    cfg = {k: v for k, v in base.items() if k not in _OPTIONAL}
-    cfg.update(model_type=model_type, vocab_size=300)
+    cfg = _family_config(model_type, drop=_OPTIONAL)
     preset = preset_from_hf_config(cfg)
     hf = AutoConfig.for_model(**cfg)
     assert preset.kv_channels == hf.hidden_size // hf.num_attention_heads
@@ -180,13 +186,11 @@ def test_missing_optional_keys_mean_what_transformers_makes_of_them(model_type):
 
 def _qwen_preset(model_type: str):
     from moe.hf.config import preset_from_hf_config
-    from tests.hf_fixtures import QWEN2, QWEN3
 
-    base = {"qwen3_moe": QWEN3, "qwen2_moe": QWEN2}[model_type]
-    return preset_from_hf_config({**base, "model_type": model_type, "vocab_size": 300})
+    return preset_from_hf_config(_family_config(model_type))
 
 
-def test_export_config_drops_stale_keys_of_the_source(tmp_path):
+def test_export_config_drops_stale_keys_of_the_source():
     """The exported config.json says the preset's values once: a source's num_local_experts,
     torch_dtype and rope_theta do not survive next to what was written."""
     import dataclasses
