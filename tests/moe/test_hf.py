@@ -305,3 +305,14 @@ def test_config_without_num_key_value_heads_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="config.json has no 'num_key_value_heads'"):
         preset_from_hf(folder)
+
+
+def test_null_head_dim_fuses_qkv_with_hidden_over_heads():
+    """A config whose head_dim is null (Qwen2-MoE's config class leaves it None in some
+    transformers versions) fuses q/k/v with head_dim = hidden / heads, as transformers does."""
+    from moe.hf.mapping import HFMapping
+
+    mapping = HFMapping({**_family_config("qwen2_moe"), "head_dim": None})
+    q, k, v = torch.randn(48, 48), torch.randn(16, 48), torch.randn(16, 48)  # 6 heads, 2 groups
+    qkv = mapping.to_mcore("decoder.layers.0.self_attention.linear_qkv.weight", [q, k, v])
+    assert torch.equal(qkv[:40], torch.cat([q[:24], k[:8], v[:8]]))  # group 0: 3 q heads, k, v
