@@ -7,7 +7,7 @@ DP=2 against the 1-process reference: tests/moe/test_parallel.py)."""
 import pytest
 import torch
 
-from moe.decode import LeanKVDecoder, grouped_attention, linear, qkv, unsupported
+from moe.decode import LeanKVDecoder, grouped_attention, lean_moe_ok, linear, qkv, unsupported
 from moe.model import ParallelLayout
 from moe.policy import KVCacheDecoder, MoEPolicy
 from moe.presets import get_preset
@@ -175,3 +175,83 @@ def test_qkv_and_linear_equal_megatrons_modules(single_process, preset_name):
             assert got.shape == want.shape and torch.equal(got, want)
         core = torch.randn(3, 2, attn.linear_proj.weight.shape[1])
         assert torch.equal(linear(attn.linear_proj, core)[0], attn.linear_proj(core)[0])
+
+
+def _policy(preset="tiny"):
+    return MoEPolicy.build(get_preset(preset) if isinstance(preset, str) else preset,
+                           ParallelLayout(), real_vocab=26, optim=None)
+
+
+def test_lean_decoder_checks_lengths_and_shapes(single_process):
+    """A cache as long as the preset allows is accepted; tokens and valid of different shapes,
+    a call past the cache's length, and a routing mask other than the columns run are not."""
+    policy = _policy()
+    LeanKVDecoder(policy, 2, policy.preset.max_seq_len)
+    decoder = LeanKVDecoder(policy, 2, 8, record_routing=True)
+    tokens, valid = torch.zeros(2, 9, dtype=torch.long), torch.ones(2, 9, dtype=torch.bool)
+    with pytest.raises(ValueError, match="tokens \\(2, 5\\) / valid \\(2, 4\\)"):
+        decoder.next_logits(tokens[:, :5], valid[:, :4])
+    with pytest.raises(ValueError, match="9 columns: the cache holds 0 of at most 8"):
+        decoder.next_logits(tokens, valid)
+    decoder.next_logits(tokens[:, :5], valid[:, :5])
+    with pytest.raises(ValueError, match="must be \\[2, 5\\]"):
+        decoder.routing(valid[:, :4])
+    assert decoder.routing(valid[:, :5]).ids_NLK.shape[:2] == (10, policy.preset.num_layers)
+
+
+def test_stitched_routing_is_the_full_forward_routing(single_process):
+    """The routing recorded by the prefill and each step, stitched in call order, is what one
+    full forward over the same columns routes (R3's replay cache)."""
+    from moe.replay import current_routing
+
+    policy = _policy()
+    tokens, valid, P = _batch(B=3, P=4, N=3)
+    _, got = _decode(LeanKVDecoder(policy, *tokens.shape, True), tokens, valid, P)
+    assert torch.equal(got, current_routing(policy, tokens, valid)[1].ids_NLK)
+
+
+@pytest.mark.parametrize("on_config,name,value,problem", [
+    (False, "pre_process", False, "pipeline parallelism"),
+    (False, "post_process", False, "pipeline parallelism"),
+    (False, "position_embedding_type", "learned_absolute", "non-RoPE positions"),
+    (True, "multi_latent_attention", True, "multi-latent attention"),
+    (True, "attention_output_gate", True, "an attention output gate"),
+    (True, "apply_residual_connection_post_layernorm", True, "post-layernorm residuals"),
+    (True, "fp32_residual_connection", True, "fp32 residuals")])
+def test_each_unsupported_layout_is_named(single_process, monkeypatch, on_config, name, value,
+                                          problem):
+    """Every layout the lean step does not reproduce is named (a pipeline stage without the
+    embedding or without the output layer each counts)."""
+    gpt = _policy().model.module
+    monkeypatch.setattr(gpt.config if on_config else gpt, name, value, raising=False)
+    assert unsupported(gpt) == problem
+
+
+class _Group:
+    """A process group of `n` ranks, as far as `lean_moe_ok` asks."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def size(self) -> int:
+        return self.n
+
+
+@pytest.mark.parametrize("owner,name,value", [
+    ("config", "moe_expert_capacity_factor", 1.0),
+    ("config", "moe_router_padding_for_quantization", True),
+    ("config", "moe_latent_size", 4), ("config", "moe_permute_fusion", True),
+    ("mlp", "use_shared_expert", True), ("mlp", "ep_group", _Group(2)),
+    ("mlp", "tp_group", _Group(2)), ("experts", "tp_group", _Group(2)),
+    ("experts", "tp_group", None)])
+def test_lean_moe_declines_layers_it_does_not_compute(single_process, monkeypatch, owner, name,
+                                                      value):
+    """Token dropping or padding, a latent projection, TE's fused permutation, shared experts,
+    more than one expert-parallel or tensor-parallel rank, experts without a TP group: the
+    layer's own forward runs instead. A layer that is not MoE is declined too."""
+    layer = _policy().model.module.decoder.layers[0]
+    mlp = layer.mlp
+    assert lean_moe_ok(mlp) and not lean_moe_ok(layer.self_attention)
+    monkeypatch.setattr({"config": mlp.config, "mlp": mlp, "experts": mlp.experts}[owner], name,
+                        value)
+    assert not lean_moe_ok(mlp)
