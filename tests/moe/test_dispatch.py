@@ -135,3 +135,35 @@ def test_lean_decode_step_routes_without_host_syncs(single_process):
         decode.lean_moe = lean_moe
     assert len(entered) == policy.preset.num_layers  # every layer's MoE went through it
     assert syncs_of_the_dispatch(policy, counter.records) == [] and counter.active is False
+
+
+def test_sync_free_dispatch_is_installed_once_where_it_computes_megatrons(single_process,
+                                                                          monkeypatch):
+    """Every MoE layer `moe.decode.lean_moe_ok` accepts, whose experts run grouped and are all
+    local, gets the dispatcher, once (installing again counts none); any other layer keeps
+    megatron's."""
+    import moe.experts
+    from moe.dispatch import install_sync_free_dispatch
+
+    policy = build("tiny")
+    layers = moe_layers(policy)
+
+    def reinstall() -> int:
+        for m in layers:
+            m.token_dispatcher.__class__ = MoEAllGatherTokenDispatcher
+        count = install_sync_free_dispatch(policy.model)
+        assert count == sum(type(m.token_dispatcher) is SyncFreeDispatcher for m in layers)
+        return count
+
+    assert install_sync_free_dispatch(policy.model) == 0  # build_gpt_moe installed them
+    assert reinstall() == len(layers) == policy.preset.num_layers
+    with monkeypatch.context() as patch:
+        patch.setattr(layers[0].config, "moe_expert_capacity_factor", 1.0)  # every layer's
+        assert reinstall() == 0
+    with monkeypatch.context() as patch:
+        patch.setattr(moe.experts, "GroupedSequentialMLP", type("Other", (), {}))
+        assert reinstall() == 0
+    with monkeypatch.context() as patch:
+        patch.setattr(layers[0].token_dispatcher, "local_expert_indices",
+                      layers[0].token_dispatcher.local_expert_indices[1:])
+        assert reinstall() == len(layers) - 1
