@@ -7,7 +7,8 @@ DP=2 against the 1-process reference: tests/moe/test_parallel.py)."""
 import pytest
 import torch
 
-from moe.decode import LeanKVDecoder, grouped_attention, lean_moe_ok, linear, qkv, unsupported
+from moe.decode import (LeanKVDecoder, grouped_attention, lean_moe_ok, linear, qkv, sdpa_attention,
+                        sdpa_ok, unsupported)
 from moe.model import ParallelLayout
 from moe.policy import KVCacheDecoder, MoEPolicy
 from moe.presets import get_preset
@@ -78,20 +79,21 @@ def test_lean_prefill_layers_equal_megatrons_with_sdpa(single_process, monkeypat
         assert g.shape == w.shape == (P, B, policy.preset.hidden_size) and torch.equal(g, w)
 
 
-def test_grouped_attention_equals_dot_product_attention_with_gqa(single_process):
-    """4 query heads over 2 K/V groups (heads 0, 1 -> group 0), 3 new rows over 7 keys with a
-    padding key hidden: megatron's expanded computation to fp32 rounding."""
+def _gqa_case(core_cls=None, **core_kwargs):
+    """A core attention module (megatron's `DotProductAttention` unless `core_cls`) with 4 query
+    heads over 2 K/V groups (heads 0, 1 -> group 0), 3 new rows over 7 keys with a padding key
+    hidden: (core, q [S, B, Hq, D], k, v [B, G, T, D] as the decoder caches them, mask, the
+    module's own output)."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
     from moe.model import transformer_config
     from moe.policy import attention_inputs
 
-    preset = get_preset("tiny")
-    cfg = transformer_config(preset, ParallelLayout())
+    cfg = transformer_config(get_preset("tiny"), ParallelLayout())
     cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels = 4, 2, 8
-    core = DotProductAttention(cfg, layer_number=1, attn_mask_type=AttnMaskType.causal,
-                               attention_type="self").eval()
+    core = (core_cls or DotProductAttention)(cfg, layer_number=1, attention_type="self",
+                                             attn_mask_type=AttnMaskType.causal, **core_kwargs)
     g = torch.Generator().manual_seed(1)
     S, B, T = 3, 2, 7
     q = torch.randn(S, B, 4, 8, generator=g)
@@ -99,8 +101,13 @@ def test_grouped_attention_equals_dot_product_attention_with_gqa(single_process)
     valid = torch.ones(B, T, dtype=torch.bool)
     valid[1, 0] = False
     _, mask = attention_inputs(valid, start=T - S)
-    want = core(q, k, v, mask, attn_mask_type=AttnMaskType.no_mask)
-    k_BGTD, v_BGTD = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # the decoder's cache layout
+    want = core.eval()(q, k, v, mask, attn_mask_type=AttnMaskType.no_mask)
+    return core, q, k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), mask, want
+
+
+def test_grouped_attention_equals_dot_product_attention_with_gqa(single_process):
+    """megatron's expanded computation to fp32 rounding (`_gqa_case`)."""
+    core, q, k_BGTD, v_BGTD, mask, want = _gqa_case()
     got = grouped_attention(core, q, k_BGTD, v_BGTD, mask)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
     swapped = grouped_attention(core, q[:, :, [1, 0, 2, 3]], k_BGTD, v_BGTD, mask)
@@ -145,7 +152,7 @@ def test_unsupported_layouts_are_named(single_process):
 @pytest.mark.parametrize("preset_name", ["qwen3-moe-tiny", "tiny"])
 def test_lean_moe_equals_the_moe_layer(single_process, preset_name):
     """One rank: router + permute + experts + unpermute == MoELayer.forward, bitwise."""
-    from moe.decode import lean_moe, lean_moe_ok
+    from moe.decode import lean_moe
 
     preset = get_preset(preset_name)
     policy = MoEPolicy.build(preset, ParallelLayout(), real_vocab=26, optim=None)
@@ -177,9 +184,48 @@ def test_qkv_and_linear_equal_megatrons_modules(single_process, preset_name):
         assert torch.equal(linear(attn.linear_proj, core)[0], attn.linear_proj(core)[0])
 
 
-def _policy(preset="tiny"):
+def _policy(preset="tiny", **kwargs):
     return MoEPolicy.build(get_preset(preset) if isinstance(preset, str) else preset,
-                           ParallelLayout(), real_vocab=26, optim=None)
+                           ParallelLayout(), real_vocab=26, optim=None, **kwargs)
+
+
+def test_sdpa_attention_uses_the_cores_scale_groups_and_mask(single_process):
+    """One SDPA call == megatron's module with a configured softmax scale (not SDPA's default
+    1 / sqrt(D)), 2 K/V groups and the padding + causal mask, to fp32 rounding."""
+    core, q, k_BGTD, v_BGTD, mask, want = _gqa_case(softmax_scale=0.5)
+    torch.testing.assert_close(sdpa_attention(core, q, k_BGTD, v_BGTD, mask), want, atol=1e-6,
+                               rtol=1e-6)
+
+
+def test_sdpa_ok_only_where_one_sdpa_call_is_the_cores_math(single_process, monkeypatch):
+    """fp32 queries, or 16-bit ones for `SDPAAttention` (megatron's unfused 16-bit softmax rounds
+    otherwise); never with a softmax offset or query-key layer scaling."""
+    from moe.attention import SDPAAttention
+
+    core, sdpa_core = _gqa_case()[0], _gqa_case(SDPAAttention)[0]
+    q32, q16 = torch.zeros(1, 1, 4, 8), torch.zeros(1, 1, 4, 8, dtype=torch.bfloat16)
+    assert sdpa_ok(core, q32) and sdpa_ok(sdpa_core, q32) and sdpa_ok(sdpa_core, q16)
+    assert not sdpa_ok(core, q16)
+    monkeypatch.setattr(core, "softmax_offset", torch.zeros(4))
+    assert not sdpa_ok(core, q32)
+    monkeypatch.setattr(sdpa_core.config, "apply_query_key_layer_scaling", True)
+    assert not sdpa_ok(sdpa_core, q32)
+
+
+def test_linear_keeps_a_projections_bias(single_process):
+    """A QKV projection with a bias (`MoEPreset.qkv_bias`, as Qwen2-MoE has) is megatron's
+    module call: the output includes the bias, and so do q, k, v."""
+    import dataclasses
+
+    policy = _policy(dataclasses.replace(get_preset("tiny"), qkv_bias=True))
+    attn = policy.model.module.decoder.layers[0].self_attention
+    x = torch.randn(3, 2, policy.preset.hidden_size, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        attn.linear_qkv.bias.normal_(generator=torch.Generator().manual_seed(5))
+        got, want = linear(attn.linear_qkv, x), attn.linear_qkv(x)
+        assert torch.equal(got[0], want[0]) and (got[1] is None) == (want[1] is None)
+        for got, want in zip(qkv(attn, x), attn.get_query_key_value_tensors(x, None)):
+            assert torch.equal(got, want)
 
 
 def test_lean_decoder_checks_lengths_and_shapes(single_process):
@@ -197,17 +243,6 @@ def test_lean_decoder_checks_lengths_and_shapes(single_process):
     with pytest.raises(ValueError, match="must be \\[2, 5\\]"):
         decoder.routing(valid[:, :4])
     assert decoder.routing(valid[:, :5]).ids_NLK.shape[:2] == (10, policy.preset.num_layers)
-
-
-def test_stitched_routing_is_the_full_forward_routing(single_process):
-    """The routing recorded by the prefill and each step, stitched in call order, is what one
-    full forward over the same columns routes (R3's replay cache)."""
-    from moe.replay import current_routing
-
-    policy = _policy()
-    tokens, valid, P = _batch(B=3, P=4, N=3)
-    _, got = _decode(LeanKVDecoder(policy, *tokens.shape, True), tokens, valid, P)
-    assert torch.equal(got, current_routing(policy, tokens, valid)[1].ids_NLK)
 
 
 @pytest.mark.parametrize("on_config,name,value,problem", [
@@ -255,3 +290,64 @@ def test_lean_moe_declines_layers_it_does_not_compute(single_process, monkeypatc
     monkeypatch.setattr({"config": mlp.config, "mlp": mlp, "experts": mlp.experts}[owner], name,
                         value)
     assert not lean_moe_ok(mlp)
+
+
+@pytest.mark.parametrize("interleaved,rotary_percent", [(False, 1.0), (True, 1.0), (False, 0.5)])
+def test_rope_equals_megatrons_in_each_dtype(single_process, monkeypatch, interleaved,
+                                            rotary_percent):
+    """The decoder's cached cos / sin tables give megatron's `_apply_rotary_pos_emb_bshd`,
+    bitwise, at the cache's positions: one table per input dtype, a YaRN mscale, interleaved
+    pairs, and partial rotary dims (the rest passed through)."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    policy = _policy()
+    attn = policy.model.module.decoder.layers[0].self_attention
+    monkeypatch.setattr(attn.config, "rotary_interleaved", interleaved)
+    D = attn.hidden_size_per_attention_head
+    decoder = LeanKVDecoder(policy, 2, 8)
+    decoder.freqs_T11D = RotaryEmbedding(D, rotary_percent, rotary_interleaved=interleaved)(8)
+    decoder.mscale, decoder._seen = 1.5, 3  # three columns cached: positions 3, 4
+    freqs_S11D = decoder.freqs_T11D[3:5]
+    g = torch.Generator().manual_seed(6)
+    for dtype in (torch.float32, torch.bfloat16, torch.float32):
+        t = torch.randn(2, 2, 4, D, generator=g).to(dtype)
+        want = _apply_rotary_pos_emb_bshd(t, freqs_S11D, rotary_interleaved=interleaved,
+                                          mscale=1.5)
+        got = decoder._rope(attn, t, freqs_S11D)
+        assert got.dtype == dtype and torch.equal(got, want)
+
+
+def test_lean_decoder_stacks_each_layers_experts_once(single_process, monkeypatch):
+    """Each MoE layer's expert weights are stacked once per decoder (a generation at fixed
+    weights), not once per step."""
+    from moe.experts import GroupedSequentialMLP
+
+    policy, stacked = _policy(), []
+    stack = GroupedSequentialMLP.stacked_weights
+    monkeypatch.setattr(GroupedSequentialMLP, "stacked_weights",
+                        lambda self: stacked.append(self) or stack(self))
+    tokens, valid, P = _batch(B=3, P=3, N=2)
+    _decode(LeanKVDecoder(policy, *tokens.shape, True), tokens, valid, P)
+    assert stacked == [layer.mlp.experts for layer in policy.model.module.decoder.layers]
+
+
+def test_stitched_routing_is_the_full_forward_routing(single_process):
+    """The routing recorded by the prefill and each step, stitched in call order, is what one
+    full forward over the same columns routes (R3's replay cache)."""
+    from moe.replay import current_routing
+
+    policy = _policy()
+    tokens, valid, P = _batch(B=3, P=4, N=3)
+    _, got = _decode(LeanKVDecoder(policy, *tokens.shape, True), tokens, valid, P)
+    assert torch.equal(got, current_routing(policy, tokens, valid)[1].ids_NLK)
+
+
+def test_a_bf16_policys_logits_are_float32(single_process):
+    """The logits of a bf16 policy come back as float32 (the sampler's softmax and log-probs
+    run on them), with the padding vocabulary masked."""
+    policy = _policy(dtype=torch.bfloat16)
+    tokens, valid, P = _batch(B=3, P=4, N=1)
+    logits = LeanKVDecoder(policy, *tokens.shape).next_logits(tokens, valid)
+    assert logits.dtype == torch.float32 and logits.shape == (3, policy.preset.vocab_size)
+    assert torch.isinf(logits[:, 26:]).all() and torch.isfinite(logits[:, :26]).all()
