@@ -1,0 +1,93 @@
+"""megatron_gspo.cli: argument order, exit statuses and what a finished command prints.
+
+The command itself (`cli.run`, `megatron_gspo.export.export_run`) is replaced by a stub here; the
+real runs behind the CLI are exercised in test_faults.py, test_trainer.py and test_hf_run.py."""
+
+import json
+import signal
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_gspo import cli
+from megatron_gspo.checkpoint import CheckpointError
+from megatron_gspo.config import ConfigError
+from megatron_gspo.data import DataError
+from megatron_gspo.preempt import Preempted
+from megatron_gspo.rundir import RunDirError
+
+
+@pytest.fixture
+def ran(monkeypatch):
+    """`ran.calls`: the (command, config) pairs `cli.main` ran; each run returns `ran.result`
+    (raises it when it is an exception)."""
+    ran = SimpleNamespace(calls=[], result={})
+
+    def fake_run(command, cfg):
+        ran.calls.append((command, cfg))
+        if isinstance(ran.result, BaseException):
+            raise ran.result
+        return ran.result
+
+    monkeypatch.setattr(cli, "run", fake_run)
+    return ran
+
+
+def test_overrides_may_come_before_and_after_the_config_option(ran, tmp_path):
+    path = tmp_path / "exp.yaml"
+    path.write_text("train:\n  steps: 3\nseed: 9\n")
+    assert cli.main(["train", "optim.lr=0.5", "--config", str(path), "train.steps=4"]) == 0
+    (command, cfg), = ran.calls
+    assert (command, cfg.optim.lr, cfg.train.steps, cfg.seed) == ("train", 0.5, 4, 9)
+
+
+def test_only_eval_and_reward_metrics_are_printed(ran, capsys):
+    ran.result = {"eval/accuracy": 0.5, "reward/mean": 0.25, "train/loss": 1.0}
+    assert cli.main(["eval"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"eval/accuracy": 0.5, "reward/mean": 0.25}
+
+
+@pytest.mark.parametrize("error", [ConfigError("bad key"), DataError("bad row"),
+                                   FileNotFoundError("no file"), RunDirError("taken"),
+                                   CheckpointError("corrupt")])
+def test_user_errors_exit_2_with_one_line(ran, capsys, error):
+    ran.result = error
+    assert cli.main(["train"]) == 2
+    assert capsys.readouterr().err == f"megatron-gspo: error: {error}\n"
+
+
+def test_only_rank_0_prints_the_error(ran, capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    ran.result = ConfigError("bad key")
+    assert cli.main(["train"]) == 2
+    assert capsys.readouterr().err == ""
+
+
+def test_preemption_exits_with_128_plus_the_signal(ran, capsys):
+    ran.result = Preempted(signal.SIGTERM, "stopped at rollout batch 2 of 3")
+    assert cli.main(["train"]) == 128 + signal.SIGTERM
+    assert "stopped at rollout batch 2 of 3" in capsys.readouterr().err
+
+
+def test_export_passes_its_options_and_refuses_a_bad_checkpoint(monkeypatch, capsys):
+    from megatron_gspo import export
+
+    seen = {}
+
+    def fake_export(run_dir, out, hf_path=None, max_shard_bytes=None):
+        seen.update(run_dir=run_dir, out=out, hf_path=hf_path, max_shard_bytes=max_shard_bytes)
+        if run_dir == "bad":
+            raise ValueError("bad: checkpoint has neither dist/ nor full_params")
+        return {"files": 1}
+
+    monkeypatch.setattr(export, "export_run", fake_export)
+    assert cli.main(["export", "--run-dir", "r", "--to-hf", "o"]) == 0
+    assert seen == {"run_dir": "r", "out": "o", "hf_path": None, "max_shard_bytes": 5 << 30}
+    assert json.loads(capsys.readouterr().out) == {"files": 1}
+    assert cli.main(["export", "--run-dir", "r", "--to-hf", "o", "--max-shard-bytes", "7"]) == 0
+    assert seen["max_shard_bytes"] == 7
+    assert cli.main(["export", "--run-dir", "bad", "--to-hf", "o"]) == 2
+    assert "neither dist/ nor full_params" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["export", "--run-dir", "r"])  # no --to-hf
+    assert exit_.value.code == 2
