@@ -16,6 +16,7 @@ GLIBC_VERSION = tuple(int(v) for v in (platform.libc_ver()[1] or "0").split(".")
 # One 20 MiB malloc and free in a fresh interpreter (no torch: nothing else large was freed
 # before), read through glibc's mallinfo2: with glibc's thresholds the block is mmap'ed (hblkhd)
 # and unmapped on free; tuned, it comes from the heap (arena) and stays mapped after the free.
+# Either way the heap grows by about what is asked (no padding of the 1 GiB kept when freed).
 PROBE = """
 import ctypes
 from megatron_gspo.host import tune_malloc
@@ -32,13 +33,14 @@ ctypes.memset(block, 1, 20 << 20)
 live = libc.mallinfo2()
 libc.free(block)
 freed = libc.mallinfo2()
-print(applied, live.hblkhd >= 20 << 20, freed.arena >= 20 << 20)
+print(applied, live.hblkhd >= 20 << 20, freed.arena >= 20 << 20, live.arena < 256 << 20)
 """
 
 
 def probe(**env) -> list[str]:
-    """(tuning applied, the live block is mmap'ed, the heap keeps it after the free) in a fresh
-    process, the user's own malloc choices removed from its environment."""
+    """(tuning applied, the live block is mmap'ed, the heap keeps it after the free, the heap is
+    under 256 MiB) in a fresh process, the user's own malloc choices removed from its
+    environment."""
     clean = {k: v for k, v in os.environ.items()
              if not k.startswith("MALLOC_")
              and k not in ("LD_PRELOAD", "MEGATRON_GSPO_MALLOC", "GLIBC_TUNABLES")}
@@ -81,5 +83,21 @@ def test_malloc_state_reports_what_tune_malloc_did(monkeypatch):
 
 @pytest.mark.skipif(not GLIBC or GLIBC_VERSION < (2, 33), reason="glibc >= 2.33 (mallinfo2)")
 def test_tuned_malloc_keeps_freed_blocks_in_the_heap():
-    assert probe(MEGATRON_GSPO_MALLOC="system") == ["False", "True", "False"]
-    assert probe() == ["True", "False", "True"]
+    assert probe(MEGATRON_GSPO_MALLOC="system") == ["False", "True", "False", "True"]
+    assert probe() == ["True", "False", "True", "True"]
+
+
+@pytest.mark.parametrize("name, value", [
+    ("MALLOC_MMAP_THRESHOLD_", "65536"), ("MALLOC_TRIM_THRESHOLD_", "0"),
+    ("MALLOC_TOP_PAD_", "0"), ("MALLOC_MMAP_MAX_", "0"),
+    ("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=65536"),
+    ("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=0"),
+    ("GLIBC_TUNABLES", "glibc.malloc.top_pad=0"), ("GLIBC_TUNABLES", "glibc.malloc.mmap_max=0"),
+    ("LD_PRELOAD", "/usr/lib/libjemalloc.so.2"), ("LD_PRELOAD", "/usr/lib/libtcmalloc.so.4"),
+    ("LD_PRELOAD", "/usr/lib/libmimalloc.so.2"),
+])
+def test_every_threshold_choice_of_the_user_is_left_alone(name, value):
+    """Each of glibc's threshold variables and tunables, and each other allocator, stops the
+    tuning (the user chose); the reason names it."""
+    reason = malloc_tuning_skipped({name: value}, libc_name="glibc")
+    assert reason is not None and (name if name.startswith("MALLOC_") else value) in reason
