@@ -1,0 +1,193 @@
+"""megatron_gspo.runtime: the parts a run is built from (layout, preset, recompute, optimizer
+settings, policy) as the config says, and `setup_runtime`'s checks and clean-up."""
+
+import fcntl
+import os
+import shutil
+
+import pytest
+import torch
+
+from megatron_gspo.checkpoint import CheckpointError
+from megatron_gspo.config import ConfigError, load_config
+from megatron_gspo.data import DataError
+from megatron_gspo.rundir import LOCK_FILE
+from megatron_gspo.runtime import (build_policy, check_init_checkpoint, layout_of,
+                                   load_init_weights, model_max_len, optim_settings,
+                                   recompute_of, resolve_preset, save_state, setup_runtime)
+from moe.dist_ckpt import files_written_by
+from moe.model import Recompute
+from tests.hf_fixtures import make_model
+
+TP2 = ["model.tp=2", "model.sequence_parallel=true"]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A Qwen3-MoE folder: 300-token vocab, 128 positions (the default preset has 64)."""
+    folder = str(tmp_path_factory.mktemp("qwen3"))
+    make_model(folder, "qwen3_moe", seed=1)
+    return folder
+
+
+def test_layout_is_the_configured_tp_ep_and_dispatcher():
+    layout = layout_of(load_config(None, [*TP2, "model.ep=4"]))
+    assert (layout.tp, layout.ep, layout.sequence_parallel, layout.dispatcher) == \
+        (2, 4, True, "alltoall")
+
+
+def test_toy_vocab_pads_to_16_times_tp_and_depth_and_length_follow_the_config():
+    assert resolve_preset(load_config(None, []), 40).vocab_size == 48
+    assert resolve_preset(load_config(None, TP2), 40).vocab_size == 64
+    preset = resolve_preset(load_config(None, ["model.num_layers=3", "model.max_seq_len=30"]), 40)
+    assert (preset.num_layers, preset.max_seq_len) == (3, 30)
+
+
+def test_hf_vocab_covers_the_tokenizer_and_pads_to_vocab_multiple_times_tp(hf_dir):
+    """config.json's 300 rows, or the tokenizer's when it has more, padded to 128 * tp; the
+    model length is config.json's (128) unless model.max_seq_len is set."""
+    cfg = load_config(None, [f"model.hf_path={hf_dir}"])
+    assert resolve_preset(cfg, 300).vocab_size == 384
+    assert resolve_preset(cfg, 400).vocab_size == 512
+    assert resolve_preset(load_config(None, [f"model.hf_path={hf_dir}", *TP2]), 300) \
+        .vocab_size == 512
+    assert model_max_len(cfg) == 128
+    assert model_max_len(load_config(None, [f"model.hf_path={hf_dir}", "model.max_seq_len=96"])) \
+        == 96
+
+
+def test_recompute_off_is_none_and_modules_are_stripped():
+    assert recompute_of(load_config(None, [])) == Recompute(None, ("moe",))
+    cfg = load_config(None, ["model.recompute_granularity=selective",
+                             "model.recompute_modules=moe, core_attn"])
+    assert recompute_of(cfg) == Recompute("selective", ("moe", "core_attn"))
+
+
+def test_sft_optimizer_is_adam_at_sft_lr_without_warmup():
+    """sft: the optim section's Adam at sft.lr / sft.min_lr, no warmup, decaying over sft.steps
+    (lr_decay_steps 0 when constant)."""
+    over = ["optim.warmup_steps=5", "optim.lr=1e-4", "optim.min_lr=1e-5", "sft.lr=2e-3",
+            "sft.min_lr=2e-4", "sft.steps=40", "optim.beta2=0.95"]
+    sft = optim_settings(load_config(None, [*over, "sft.lr_decay_style=cosine"]), "sft")
+    assert (sft.lr, sft.min_lr, sft.warmup_steps, sft.lr_decay_style, sft.lr_decay_steps,
+            sft.beta2) == (2e-3, 2e-4, 0, "cosine", 40, 0.95)
+    sft = optim_settings(load_config(None, over), "sft")
+    assert (sft.lr_decay_style, sft.lr_decay_steps) == ("constant", 0)
+
+
+def test_train_optimizer_decays_over_every_update_unless_set():
+    """train: lr_decay_steps 0 means the run's last update (train.steps x num_minibatches)."""
+    over = ["train.steps=7", "train.num_minibatches=2", "optim.warmup_steps=3"]
+    train = optim_settings(load_config(None, over), "train")
+    assert (train.lr_decay_steps, train.warmup_steps) == (14, 3)
+    assert optim_settings(load_config(None, [*over, "optim.lr_decay_steps=9"]),
+                          "train").lr_decay_steps == 9
+    assert optim_settings(load_config(None, over), "eval") is None
+    with pytest.raises(ValueError, match="job='rl': expected 'train', 'sft' or 'eval'"):
+        optim_settings(load_config(None, over), "rl")
+
+
+def _weights(policy) -> dict:
+    return {n: p.detach().clone() for n, p in policy.model.module.named_parameters()}
+
+
+def test_build_policy_seed_is_cfg_seed_unless_given(single_process):
+    cfg = load_config(None, ["model.preset=tiny", "seed=5"])
+    base = _weights(build_policy(cfg, 40, None))
+    same = _weights(build_policy(cfg, 40, None, seed=5))
+    other = _weights(build_policy(cfg, 40, None, seed=6))
+    assert all(torch.equal(base[n], same[n]) for n in base)
+    assert any(not torch.equal(base[n], other[n]) for n in base)
+
+
+def test_build_policy_dtype_and_attention_follow_the_config(single_process):
+    bf16 = build_policy(load_config(None, ["model.preset=tiny", "model.dtype=bf16"]), 40, None)
+    assert {p.dtype for p in bf16.model.module.parameters()} == {torch.bfloat16}
+    for attention, cls in (("sdpa", "SDPAAttention"), ("megatron", "DotProductAttention")):
+        policy = build_policy(load_config(None, ["model.preset=tiny",
+                                                 f"model.attention={attention}"]), 40, None)
+        core = policy.model.module.decoder.layers[0].self_attention.core_attention
+        assert type(core).__name__ == cls, attention
+
+
+TOY = ["model.preset=tiny", "task.n_train=60", "task.n_eval=8", "wandb.mode=disabled"]
+
+
+def _lock_is_held(run_dir) -> bool:
+    """Whether someone holds run_dir's flock (a fresh descriptor conflicts even in-process)."""
+    fd = os.open(os.path.join(run_dir, LOCK_FILE), os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def test_a_failed_setup_releases_the_run_dir(single_process, tmp_path):
+    """An error after the run dir was claimed (a bad data row) leaves it free for the next
+    start, which needs no new process."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    run_dir = tmp_path / "run"
+    cfg = load_config(None, [*TOY, "task.name=dataset", f"data.train_files={bad}",
+                             f"run_dir={run_dir}"])
+    with pytest.raises(DataError, match="not valid JSON"):
+        setup_runtime(cfg, job="train")
+    assert not _lock_is_held(run_dir)
+
+
+def test_eval_writes_nothing(single_process, tmp_path):
+    rt = setup_runtime(load_config(None, [*TOY, f"run_dir={tmp_path / 'run'}"]), job="eval")
+    rt.close()
+    assert rt.lock is None and not (tmp_path / "run").exists()
+
+
+@pytest.fixture(scope="module")
+def saved(single_process, tmp_path_factory):
+    """A toy sft run dir holding one checkpoint (step 0) of a seed-3 policy, its weights and
+    its tokenizer's vocab size."""
+    run_dir = tmp_path_factory.mktemp("init") / "sft"
+    rt = setup_runtime(load_config(None, [*TOY, "seed=3", f"run_dir={run_dir}"]), job="sft")
+    save_state(rt, 0, {"job": "test"})
+    weights, vocab = _weights(rt.policy), rt.tokenizer.vocab_size
+    rt.close()
+    return run_dir, weights, vocab
+
+
+@pytest.mark.parametrize("where", ["", "checkpoints", "checkpoints/step_000000"])
+def test_init_weights_from_a_run_dir_its_checkpoints_or_a_step_dir(saved, where):
+    run_dir, weights, vocab = saved
+    policy = build_policy(load_config(None, TOY), vocab, None)
+    load_init_weights(policy, str(run_dir / where))
+    got = _weights(policy)
+    assert all(torch.equal(got[n], weights[n]) for n in weights)
+
+
+def test_init_checkpoint_without_a_checkpoint_or_with_a_corrupt_shard_is_refused(saved,
+                                                                                 tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"init_checkpoint=.*empty holds no checkpoint"):
+        check_init_checkpoint(str(tmp_path / "empty"))
+    copy = tmp_path / "copy"
+    shutil.copytree(saved[0], copy)
+    shard = files_written_by(str(copy / "checkpoints" / "step_000000" / "dist"), 0)[0]
+    with open(shard, "r+b") as f:  # same size, other bytes
+        f.seek(os.path.getsize(shard) // 2)
+        f.write(b"\x00\x00\x80\x7f")
+    with pytest.raises(CheckpointError, match="truncated or overwritten|corrupt"):
+        load_init_weights(build_policy(load_config(None, TOY), saved[2], None), str(copy))
+
+
+def test_hf_weights_reach_the_fp32_masters_of_a_16bit_policy(single_process, hf_dir):
+    """With model.hf_path and bf16, the optimizer's fp32 master weights are the loaded ones: an
+    update that moves nothing (zero grads) leaves config.json's weights in place instead of
+    writing back the random init."""
+    cfg = load_config(None, [f"model.hf_path={hf_dir}", "model.dtype=bf16"])
+    policy = build_policy(cfg, 300, optim_settings(cfg, "train"))
+    loaded = _weights(policy)
+    policy.zero_grad()
+    policy.step()
+    after = _weights(policy)
+    assert all(torch.equal(after[n], loaded[n]) for n in loaded)
