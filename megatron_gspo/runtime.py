@@ -111,8 +111,9 @@ def recompute_of(cfg: RunConfig) -> Recompute:
 
 def optim_settings(cfg: RunConfig, job: str) -> OptimSettings | None:
     """The optimizer of a job: `optim` as configured for RL ("train"; lr_decay_steps 0 = its
-    last update); for "sft" the same Adam at `sft.lr`, constant or decaying to `sft.min_lr` at
-    step `sft.steps` (`sft.lr_decay_style`); none for "eval"."""
+    last update; ConfigError when a linear / cosine decay would end within the warmup); for
+    "sft" the same Adam at `sft.lr`, constant or decaying to `sft.min_lr` at step `sft.steps`
+    (`sft.lr_decay_style`); none for "eval"."""
     if job not in ("train", "sft", "eval"):
         raise ValueError(f"job={job!r}: expected 'train', 'sft' or 'eval'")
     if job == "eval":
@@ -123,7 +124,14 @@ def optim_settings(cfg: RunConfig, job: str) -> OptimSettings | None:
                        lr_decay_style=decay, lr_decay_steps=0 if decay == "constant"
                        else cfg.sft.steps)
     total = cfg.train.steps * cfg.train.num_minibatches
-    return replace(cfg.optim, lr_decay_steps=cfg.optim.lr_decay_steps or total)
+    settings = replace(cfg.optim, lr_decay_steps=cfg.optim.lr_decay_steps or total)
+    if settings.lr_decay_style != "constant" and settings.lr_decay_steps <= settings.warmup_steps:
+        end = (f"optim.lr_decay_steps={cfg.optim.lr_decay_steps}" if cfg.optim.lr_decay_steps
+               else f"train.steps x train.num_minibatches = {total}")
+        raise ConfigError(f"optim.warmup_steps={settings.warmup_steps}: the lr decay "
+                          f"(optim.lr_decay_style={settings.lr_decay_style}) ends at {end}; it "
+                          "must end after the warmup")
+    return settings
 
 
 def build_policy(cfg: RunConfig, vocab_size: int, optim: OptimSettings | None,
@@ -154,6 +162,7 @@ def setup_runtime(cfg: RunConfig, job: str) -> Runtime:
     recorded config. `job` is "sft", "train" or "eval" (eval writes nothing). Tunes the host
     allocator first (`megatron_gspo.host`)."""
     tune_malloc()
+    optim = optim_settings(cfg, job)  # a bad lr schedule fails before the run dir is claimed
     info = init_parallel(cfg.model.tp, cfg.model.ep, seed=cfg.seed,
                          timeout_min=cfg.model.dist_timeout_min)
     if cfg.init_checkpoint:
@@ -166,7 +175,7 @@ def setup_runtime(cfg: RunConfig, job: str) -> Runtime:
     try:
         tokenizer = load_tokenizer(tokenizer_folder(cfg))
         task, train_set, eval_set = build_task(cfg, tokenizer, model_max_len(cfg), info.is_main)
-        policy = build_policy(cfg, tokenizer.vocab_size, optim_settings(cfg, job))
+        policy = build_policy(cfg, tokenizer.vocab_size, optim)
         if cfg.init_checkpoint:
             load_init_weights(policy, cfg.init_checkpoint)
         if writes and info.is_main:

@@ -191,3 +191,22 @@ def test_hf_weights_reach_the_fp32_masters_of_a_16bit_policy(single_process, hf_
     policy.step()
     after = _weights(policy)
     assert all(torch.equal(after[n], loaded[n]) for n in loaded)
+
+
+@pytest.mark.parametrize("over, steps", [
+    (["train.steps=2", "train.num_minibatches=4"], "train.steps x train.num_minibatches = 8"),
+    (["optim.lr_decay_steps=10"], "optim.lr_decay_steps=10"),
+])
+def test_a_decay_that_ends_within_the_warmup_is_refused_before_the_run_dir(tmp_path, over,
+                                                                        steps):
+    """A linear / cosine decay must end after the warmup; otherwise it is a config error
+    naming the keys, raised before the run dir is claimed (it was a ValueError traceback
+    from the optimizer, after the claim)."""
+    cfg = load_config(None, [*TOY, "optim.lr_decay_style=linear", "optim.warmup_steps=10",
+                             f"run_dir={tmp_path / 'run'}", *over])
+    with pytest.raises(ConfigError, match=rf"optim.warmup_steps=10: the lr decay .*{steps}"):
+        optim_settings(cfg, "train")
+    with pytest.raises(ConfigError, match="optim.warmup_steps=10"):
+        setup_runtime(cfg, job="train")
+    assert not (tmp_path / "run").exists()
+    assert optim_settings(load_config(None, [*TOY, "optim.warmup_steps=10", *over]), "train")
