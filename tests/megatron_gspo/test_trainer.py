@@ -59,6 +59,8 @@ def test_resume_gives_the_same_next_step(tmp_path):
     rows_b = read_jsonl(os.path.join(resumed.cfg.run_dir, "metrics.jsonl"))
     assert rows_a[-1]["reward/mean"] == rows_b[-1]["reward/mean"]
     assert rows_a[-1]["policy/loss"] == pytest.approx(rows_b[-1]["policy/loss"], abs=1e-6)
+    # the log keeps the rows up to the checkpoint's optimizer step, none twice
+    assert [r["step"] for r in rows_b] == [r["step"] for r in rows_a]
 
 
 def test_nan_loss_is_skipped_then_aborts_without_losing_checkpoints(tmp_path):
