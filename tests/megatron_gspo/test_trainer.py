@@ -165,6 +165,8 @@ def test_sft_checkpoint_initialises_rl(tmp_path):
     for n, p in trainer.policy.model.module.named_parameters():
         torch.testing.assert_close(p.detach(), saved[n], atol=0, rtol=0, msg=n)
     assert any(not torch.equal(p, saved[n]) for n, p in fresh.items())  # SFT moved them
+    # the weights only: RL starts with a fresh Adam and lr schedule, not SFT's 3 updates
+    assert trainer.policy.optimizer.scheduler.num_steps == 0
 
 
 def test_missing_init_checkpoint_is_a_clear_error(tmp_path):
