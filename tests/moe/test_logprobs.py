@@ -90,27 +90,30 @@ def test_chunks_bound_the_float32_scratch(monkeypatch):
     assert moe.logprobs._chunks(torch.zeros(2, 4, 40), 40) == [slice(0, 1), slice(1, 2)]
 
 
-def test_bf16_policy_logprobs_take_the_chunked_path(single_process, monkeypatch):
-    """A bf16 policy's token_logprobs (and entropy) equal float64 log-softmax of its own logits;
-    the fp32 policy keeps the plain path."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_policy_logprobs_take_the_chunked_path(single_process, monkeypatch, dtype):
+    """A bf16 / fp16 policy's token_logprobs (and entropy) equal float64 log-softmax of its own
+    logits, zero before `start` with or without the entropy; the fp32 policy keeps the plain
+    path."""
     from tests.moe.test_experts import build
 
     calls = []
     real = moe.logprobs.ChunkedTokenLogProb.apply
     monkeypatch.setattr(moe.logprobs.ChunkedTokenLogProb, "apply",
                         lambda *a: calls.append(1) or real(*a))
-    policy = build("qwen3-moe-tiny", dtype=torch.bfloat16)
+    policy = build("qwen3-moe-tiny", dtype=dtype)
     g = torch.Generator().manual_seed(2)
     tokens_BT = torch.randint(0, 26, (3, 10), generator=g)
     valid_BT = torch.ones(3, 10, dtype=torch.bool)
     with torch.no_grad():
         logits_BTV = policy._raw_logits(tokens_BT, valid_BT, 3)[:, :-1]
         logp_BT, entropy_BT = policy.token_logprobs(tokens_BT, valid_BT, 0.9, True, start=4)
-    assert calls == [1]
+        assert torch.equal(policy.token_logprobs(tokens_BT, valid_BT, 0.9, start=4), logp_BT)
+    assert calls == [1, 1]
     want_logp, want_entropy, _, _ = _reference(logits_BTV, tokens_BT[:, 4:],
                                                policy.real_vocab, 0.9)
     assert (logp_BT[:, :4] == 0).all() and (entropy_BT[:, :4] == 0).all()
     torch.testing.assert_close(logp_BT[:, 4:].double(), want_logp, atol=2e-6, rtol=1e-6)
     torch.testing.assert_close(entropy_BT[:, 4:].double(), want_entropy, atol=2e-6, rtol=1e-6)
     build("qwen3-moe-tiny").token_logprobs(tokens_BT, valid_BT)
-    assert calls == [1]
+    assert calls == [1, 1]

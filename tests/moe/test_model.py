@@ -188,7 +188,8 @@ def test_allgather_equals_alltoall_bitwise_on_one_ep_rank(single_process):
 def test_zero_grad_after_reduce_grads_starts_from_zero(single_process):
     """`reduce_grads` exposes the reduced grads as `.grad` (aliasing `main_grad`); the next
     `zero_grad` must drop that alias, or the next backward adds into `.grad` and DDP's hook
-    adds it again: the same backward twice gave 2x the grads."""
+    adds it again: the same backward twice gave 2x the grads. Until then `backward` and `step`
+    raise."""
     from tests.moe import parallel_worker as pw
 
     policy = MoEPolicy.build(get_preset("tiny"), ParallelLayout(), real_vocab=32, seed=3,
@@ -200,6 +201,11 @@ def test_zero_grad_after_reduce_grads_starts_from_zero(single_process):
     loss = pw.loss_fn(policy.logits(tokens_BT, valid_BT), valid_BT, readout_BTV)
     with pytest.raises(RuntimeError, match=r"backward\(\) after reduce_grads\(\)"):
         policy.backward(loss)  # without zero_grad: it would add into the reduced grads
+    with pytest.raises(RuntimeError, match=r"step\(\) after reduce_grads\(\)"):
+        policy.step()  # it would reduce the reduced grads again
+    policy.zero_grad()  # re-arms backward: the same grads as before
+    policy.backward(loss)
+    assert policy.reduce_grads() == pytest.approx(first, rel=1e-6)
 
 
 def _output_rows_seen(policy) -> list[int]:
