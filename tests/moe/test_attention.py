@@ -97,6 +97,37 @@ def test_falls_back_where_sdpa_would_differ(single_process):
     assert attn._sdpa_ok(q.bfloat16(), mask, None, None)  # 16-bit: SDPA (see below)
     assert not attn._sdpa_ok(q.double(), mask, None, None)
     assert not attn._sdpa_ok(q, mask, torch.zeros(1), None)
+    assert not attn._sdpa_ok(q, mask, None, object())  # packed sequences
+    attn.softmax_offset = torch.zeros(policy.preset.num_attention_heads)
+    assert not attn._sdpa_ok(q, mask, None, None)
+    attn.softmax_offset = None
+    attn.config.apply_query_key_layer_scaling = True
+    assert not attn._sdpa_ok(q, mask, None, None)
+    attn.config.apply_query_key_layer_scaling = False
+    attn.attention_dropout.p = 0.1
+    assert not attn.train()._sdpa_ok(q, mask, None, None)  # dropout while training
+    assert attn.eval()._sdpa_ok(q, mask, None, None)  # no dropout in eval: SDPA
+
+
+def test_sdpa_uses_the_modules_softmax_scale(single_process):
+    """A softmax scale other than SDPA's default 1/sqrt(D) (megatron's `config.softmax_scale`)
+    is the one applied: float64 attention with that scale, GQA and left padding."""
+    from moe.policy import attention_inputs
+
+    policy = build("qwen3-moe-tiny", sdpa_attention=True)
+    attn, p = attention_modules(policy)[0], policy.preset
+    g = torch.Generator().manual_seed(3)
+    S, B, H, G, D = 6, 2, p.num_attention_heads, p.num_query_groups, p.kv_channels
+    q = torch.randn(S, B, H, D, generator=g)
+    k, v = (torch.randn(S, B, G, D, generator=g) for _ in range(2))
+    valid = torch.ones(B, S, dtype=torch.bool)
+    valid[1, :2] = False
+    _, mask = attention_inputs(valid)
+    attn.softmax_scale = 0.9
+    with torch.no_grad():
+        got = attn(q, k, v, mask)
+    torch.testing.assert_close(got.double(), float64_attention(q, k, v, mask, 0.9), atol=1e-5,
+                               rtol=1e-5)
 
 
 def float64_attention(q_SBHD, k_SBGD, v_SBGD, mask_B1SK, scale):
@@ -163,8 +194,8 @@ def test_bf16_kv_decode_uses_sdpa_and_matches_the_full_forward(single_process, s
 
 def test_layers_share_one_additive_mask_equal_to_sdpas_own(single_process, monkeypatch):
     """One float mask per forward for all layers (`moe.attention.additive_mask`), with the values
-    SDPA derives from the inverted boolean mask (outputs bitwise equal); a mask changed in place
-    is converted again."""
+    SDPA derives from the inverted boolean mask (outputs bitwise equal), in the dtype asked for;
+    a mask changed in place is converted again."""
     from moe.attention import additive_mask
     from moe.policy import attention_inputs
 
@@ -184,6 +215,7 @@ def test_layers_share_one_additive_mask_equal_to_sdpas_own(single_process, monke
     q, k, v = (torch.randn(5, 2, 14, 8, generator=g) for _ in range(3))
     for dtype in (torch.float32, torch.bfloat16):
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        assert additive_mask(mask_B1ST, dtype).dtype == dtype  # not the other dtype's cached
         assert torch.equal(sdpa(q, k, v, attn_mask=additive_mask(mask_B1ST, dtype)),
                            sdpa(q, k, v, attn_mask=~mask_B1ST))
     before = additive_mask(mask_B1ST, torch.float32)
