@@ -5,9 +5,10 @@ import dataclasses
 import pytest
 import torch
 
-from moe.model import ParallelLayout
+from moe.model import ParallelLayout, transformer_config
 from moe.policy import MoEPolicy, OptimSettings, attention_inputs
 from moe.presets import PRESETS, get_preset
+from tests.moe.test_presets import QWEN2_STYLE
 
 
 def test_qwen3_30b_a3b_preset_matches_the_released_architecture():
@@ -37,14 +38,20 @@ def test_unknown_preset_lists_valid_names():
 def test_parallel_split_checked():
     with pytest.raises(ValueError, match="ep=3"):
         get_preset("tiny").check_parallel(tp=1, ep=3)
+    with pytest.raises(ValueError, match="num_experts=8 is not divisible by ep=3"):
+        transformer_config(get_preset("tiny"), ParallelLayout(ep=3))  # before megatron sees it
     with pytest.raises(ValueError, match="sequence_parallel"):
         ParallelLayout(tp=1, sequence_parallel=True)
     with pytest.raises(ValueError, match="sequence_parallel=False: must be true with tp=2"):
         ParallelLayout(tp=2, sequence_parallel=False)
 
 
-def test_param_count_matches_built_model(single_process):
-    preset = get_preset("qwen3-moe-tiny")
+@pytest.mark.parametrize("name,changes", [("qwen3-moe-tiny", {}), ("tiny", QWEN2_STYLE)],
+                         ids=["qwen3", "qwen2-style"])
+def test_param_count_matches_built_model(single_process, name, changes):
+    """`num_params` counts what megatron builds, Qwen2-MoE's QKV bias, gated shared expert and
+    tied embeddings included."""
+    preset = dataclasses.replace(get_preset(name), **changes)
     policy = MoEPolicy.build(preset, ParallelLayout(), real_vocab=preset.vocab_size, optim=None)
     built = sum(p.numel() for p in policy.model.module.parameters())
     assert built == preset.num_params()["total"]
@@ -121,8 +128,6 @@ def test_nonfinite_grad_skips_the_step(single_process):
 
 
 def test_all_presets_build_configs():
-    from moe.model import transformer_config
-
     for name, preset in PRESETS.items():
         cfg = transformer_config(preset)
         assert cfg.num_moe_experts == preset.num_experts and cfg.moe_router_topk == preset.topk
@@ -294,3 +299,56 @@ def test_flops_per_token_match_torchs_flop_counter(single_process):
         logits.float().sum().backward()
     assert counter.get_total_flops() == pytest.approx(2 * forward, rel=0.02)
     assert B * T * preset.flops_per_token(T) > B * T * preset.flops_per_token(0)  # attention
+
+
+def test_model_params_in_the_model_dtype_and_expert_weights_tagged(single_process):
+    """bf16: every parameter bf16 (megatron's torch RMSNorm makes fp32 weights). The routed
+    experts' weights, and only they, are tagged `is_moe_expert` with `allreduce=False` (their
+    grads reduce over the expert-DP group, also at ep=1)."""
+    from tests.moe.test_experts import build
+
+    params = dict(build("tiny", dtype=torch.bfloat16).model.module.named_parameters())
+    assert {p.dtype for p in params.values()} == {torch.bfloat16}
+    experts = {n for n in params if ".mlp.experts.local_experts." in n}
+    assert len(experts) == 2 * 8 * 2  # layers x experts x (fc1, fc2)
+    assert {n for n, p in params.items() if p.is_moe_expert} == experts
+    assert {n for n, p in params.items() if getattr(p, "allreduce", True) is False} == experts
+
+
+def test_transformer_config_precision_and_aux_loss():
+    """16-bit models say so to megatron and route in fp32; a positive aux-loss coefficient
+    turns megatron's load-balancing loss on."""
+    tiny = get_preset("tiny")
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        cfg = transformer_config(tiny, dtype=dtype)
+        assert (cfg.params_dtype, cfg.bf16, cfg.fp16, cfg.moe_router_dtype) == \
+            (dtype, dtype == torch.bfloat16, dtype == torch.float16, "fp32")
+    cfg = transformer_config(tiny, aux_loss_coeff=1e-2)
+    assert (cfg.moe_router_load_balancing_type, cfg.moe_aux_loss_coeff) == ("aux_loss", 1e-2)
+
+
+def test_routing_replay_off_builds_no_router_replays(single_process):
+    """`build_gpt_moe(routing_replay=False)`: megatron's routers get no `RouterReplay`; the
+    default gives one per layer."""
+    from moe.model import build_gpt_moe
+
+    tiny = get_preset("tiny")
+    assert len(build_gpt_moe(tiny).router_replays) == tiny.num_layers
+    model = build_gpt_moe(tiny, routing_replay=False)
+    assert model.router_replays == [] and not model.config.moe_enable_routing_replay
+
+
+def test_seed_alone_fixes_the_initial_weights(single_process):
+    """The same `seed` builds the same weights whatever the global RNG did in between; another
+    seed builds another embedding."""
+    from moe.model import build_gpt_moe
+
+    def weights(seed: int) -> dict:
+        return dict(build_gpt_moe(get_preset("tiny"), seed=seed).named_parameters())
+
+    first = weights(3)
+    torch.rand(100)
+    again, other = weights(3), weights(4)
+    assert all(torch.equal(p, again[n]) for n, p in first.items())
+    name = "embedding.word_embeddings.weight"
+    assert not torch.equal(first[name], other[name])
