@@ -111,3 +111,27 @@ def test_two_replayed_forwards_then_one_backward(single_process, recompute):
     got, _ = grads_after(recompute, forwards)
     for name in ref:
         assert torch.equal(got[name], ref[name]), name
+
+
+@pytest.mark.parametrize("granularity,modules", [("partial", ("moe",)), (None, ("mlp",)),
+                                                 ("selective", ())])
+def test_bad_recompute_settings_raise(granularity, modules):
+    """An unknown granularity, a module this model lacks, or 'selective' with nothing to
+    recompute are refused."""
+    with pytest.raises(ValueError, match="recompute"):
+        Recompute(granularity, modules)
+
+
+def test_recompute_config_fields_and_whether_routers_rerun():
+    """Each setting's TransformerConfig fields ('full': every layer, one per unit), and
+    `routing` (the routers run again in the backward) only where the MoE layer is recomputed."""
+    assert Recompute().config_kwargs() == {} and not Recompute().routing
+    full = Recompute("full", ())
+    assert full.routing and full.config_kwargs() == dict(
+        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    attn = Recompute("selective", ("core_attn",))
+    both = Recompute("selective", ("core_attn", "moe"))
+    assert not attn.routing and both.routing
+    assert attn.config_kwargs() == dict(recompute_granularity="selective",
+                                        recompute_modules=["core_attn"])
+    assert both.config_kwargs()["recompute_modules"] == ["core_attn", "moe"]
