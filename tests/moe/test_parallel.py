@@ -118,3 +118,65 @@ def test_tied_embeddings_under_tp_and_sp_match_single_process(single_process, tm
     torch.save(single_process_reference(policy), path)
     pw.spawn(pw.worker, (2, pw.free_port(), str(path), [(2, 1, True, "allgather")]), nprocs=2,
              timeout_s=TIMEOUT_S)
+
+
+def test_bad_layouts_raise_and_leave_the_groups_alone(single_process):
+    """`init_parallel` refuses a non-positive timeout, tp or ep < 1, and sizes that do not divide
+    the world, naming the value, before touching megatron's groups; the same layout again is a
+    no-op for the groups and reseeds torch."""
+    from megatron.core import parallel_state as ps
+
+    from moe.parallel import init_parallel
+
+    group = ps.get_data_parallel_group()
+    for kwargs, msg in (({"timeout_min": 0}, "timeout_min=0"), ({"tp": 0}, "tp=0 and ep=1"),
+                        ({"ep": 0}, "tp=1 and ep=0"), ({"tp": 2}, "divisible by tp=2"),
+                        ({"ep": 2}, "divisible by ep=2")):
+        with pytest.raises(ValueError, match=msg):
+            init_parallel(**kwargs)
+    assert ps.get_data_parallel_group() is group
+    info = init_parallel(tp=1, ep=1, seed=5)
+    assert ps.get_data_parallel_group() is group and (info.world_size, info.dp) == (1, 1)
+    assert torch.equal(torch.randn(4), torch.randn(4, generator=torch.Generator().manual_seed(5)))
+    init_parallel(tp=1, ep=1, seed=0)  # the session's seed for the tests after this one
+
+
+def test_groups_get_the_collective_timeout(single_process):
+    """The world, EP and DP groups wait `timeout_min` (10 minutes by default), not torch's or
+    megatron's 30."""
+    from tests.megatron_gspo.sync_worker import collective_timeouts_s
+
+    assert collective_timeouts_s() == [600.0] * 3
+
+
+@pytest.mark.parametrize("env", [{"RANK": "0", "WORLD_SIZE": "1"}, {"WORLD_SIZE": "1"}, {}])
+def test_process_group_from_torchrun_env_else_one_local_process(monkeypatch, env):
+    """torchrun's RANK and WORLD_SIZE (both) select the env:// rendezvous; otherwise a 1-process
+    group on a local port. Either way with the collective timeout."""
+    from datetime import timedelta
+
+    from moe import parallel
+
+    calls = []
+    monkeypatch.setattr(parallel.dist, "init_process_group", lambda **kw: calls.append(kw))
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    parallel._init_process_group(2.5)
+    [kw] = calls
+    assert kw.pop("timeout") == timedelta(minutes=2.5)
+    assert kw.pop("backend") == ("nccl" if parallel.cuda_available() else "gloo")
+    if len(env) == 2:
+        assert kw == {}
+    else:
+        assert kw.pop("init_method").startswith("tcp://127.0.0.1:") and kw == dict(rank=0,
+                                                                                  world_size=1)
+
+
+def test_only_rank_0_is_main():
+    from moe.parallel import ParallelInfo
+
+    infos = [ParallelInfo(rank=r, world_size=2, tp=1, ep=1, dp=2, tp_rank=0, ep_rank=0,
+                          dp_rank=r, device=torch.device("cpu")) for r in (0, 1)]
+    assert [i.is_main for i in infos] == [True, False]
