@@ -128,11 +128,13 @@ def test_clipping_pass_runs_only_where_it_scales(single_process, monkeypatch, cl
     norm): `PolicyOptimizer.step` calls it only below its coefficient; grads unscaled above."""
     from megatron.core.optimizer import clip_grads
 
+    # built first: the first optimizer of the process patches megatron's clip function for
+    # CPU (moe.compat), and the wrapper's undo must restore the patched one
+    policy = build(dtype=torch.float32, optim=OptimSettings(lr=LR, grad_clip=clip))
     calls = []
     clip_fn = clip_grads.clip_grad_by_total_norm_fp32
     monkeypatch.setattr(clip_grads, "clip_grad_by_total_norm_fp32",
                         lambda *a, **k: calls.append(1) or clip_fn(*a, **k))
-    policy = build(dtype=torch.float32, optim=OptimSettings(lr=LR, grad_clip=clip))
     tokens_BT, valid_BT = fixed_batch(policy.preset.vocab_size)
     policy.zero_grad()
     policy.backward(lm_loss(policy, tokens_BT, valid_BT))
