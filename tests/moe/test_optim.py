@@ -122,10 +122,11 @@ def test_bf16_clipping_scales_master_grads_to_the_clip(single_process):
     assert clipped == pytest.approx(0.05, rel=1e-4)
 
 
-@pytest.mark.parametrize("clip,scaled", [(0.05, True), (1e6, False)])
+@pytest.mark.parametrize("clip,scaled", [(0.05, True), (1e6, False), (0.0, False)])
 def test_clipping_pass_runs_only_where_it_scales(single_process, monkeypatch, clip, scaled):
     """megatron's clip function walks every grad even when it does not scale (clip above the
-    norm): `PolicyOptimizer.step` calls it only below its coefficient; grads unscaled above."""
+    norm): `PolicyOptimizer.step` calls it only below its coefficient; grads unscaled above
+    and with clipping off (grad_clip 0)."""
     from megatron.core.optimizer import clip_grads
 
     # built first: the first optimizer of the process patches megatron's clip function for
@@ -191,6 +192,7 @@ def test_lr_schedule_warmup_then_decay_to_the_floor(single_process, style, want)
     min_lr = 0.1 * LR
     policy = build(torch.float32, OptimSettings(lr=LR, min_lr=min_lr, warmup_steps=2,
                                                 lr_decay_style=style, lr_decay_steps=6))
+    assert policy.lr == pytest.approx(LR * want[0])  # before any update: the first one's
     lrs = []
     for _ in range(6):
         policy.zero_grad()  # zero grads: the schedule alone is under test
@@ -208,6 +210,7 @@ def test_decay_needs_steps_past_the_warmup(single_process):
                                            lr_decay_steps=2))
     with pytest.raises(ValueError, match="min_lr=0.1: must be <= lr"):
         OptimSettings(lr=LR, min_lr=0.1)
+    assert OptimSettings(lr=LR, min_lr=LR).min_lr == LR  # a floor equal to the peak is valid
 
 
 @pytest.mark.parametrize("distributed", [False, True])
@@ -223,7 +226,7 @@ def test_policy_state_dict_round_trip_continues_exactly(single_process, distribu
     torch.save(policy.state_dict(), buffer)
     buffer.seek(0)
     fresh.load_state_dict(torch.load(buffer, weights_only=False))
-    assert fresh.optimizer.updates == 2
+    assert fresh.optimizer.updates == 2 and fresh.lr == policy.lr  # the last update's lr
     train(policy, 1)
     train(fresh, 1)
     for a, b in zip(policy.optimizer.master_params(), fresh.optimizer.master_params()):
@@ -258,3 +261,51 @@ def test_adam_kernels_on_cpu_match_the_single_tensor_updates(single_process, dty
     fused.optimizer.load_state_dict(foreach.optimizer.state_dict())  # saved foreach -> fused
     assert all(g["fused"] and not g["foreach"] for g in groups(fused))
     train(fused, 1)  # the fused kernel accepts the loaded step tensors (moved: a no-op on CPU)
+
+
+@pytest.mark.parametrize("field,bad,ok", [
+    ("lr", -1e-4, 0.0), ("min_lr", -1e-6, 0.0), ("weight_decay", -0.1, 0.0), ("eps", -1e-8, 0.0),
+    ("grad_clip", -1.0, 0.0), ("warmup_steps", -1, 0), ("lr_decay_steps", -1, 0),
+    ("beta1", 1.0, 0.0), ("beta2", -0.1, 0.0), ("loss_scale", 0.0, 1e-3),
+    ("initial_loss_scale", 0.5, 1.0), ("lr_decay_style", "step", "cosine"),
+    ("adam_kernel", "single", "foreach")])
+def test_settings_check_each_field_at_its_edge(field, bad, ok):
+    """Each field's range: a value at its edge is accepted, one past it raises naming the
+    field (0 is valid for lr, clip (off), eps, decay and the step counts)."""
+    assert getattr(OptimSettings(**{field: ok}), field) == ok
+    with pytest.raises(ValueError, match=f"^{field}="):
+        OptimSettings(**{field: bad})
+
+
+def test_adam_settings_and_weight_decay_reach_the_update(single_process):
+    """betas and eps reach every Adam param group; with zero grads one update is weight decay
+    alone: 2-D weights scale by 1 - lr * weight_decay, 1-D ones (norm weights) stay."""
+    lr, wd = 0.1, 0.5
+    policy = build(torch.float32, OptimSettings(lr=lr, weight_decay=wd, beta1=0.8, beta2=0.95,
+                                                eps=1e-6))
+    before = {n: p.detach().clone() for n, p in policy.model.module.named_parameters()}
+    policy.zero_grad()
+    assert policy.step()[0]
+    for sub in policy.optimizer.optimizer.chained_optimizers:
+        assert all(g["betas"] == (0.8, 0.95) and g["eps"] == 1e-6
+                   for g in sub.optimizer.param_groups)
+    for n, p in policy.model.module.named_parameters():
+        want = before[n] if p.dim() == 1 else before[n] * (1 - lr * wd)
+        torch.testing.assert_close(p.detach(), want, atol=0, rtol=1e-6, msg=n)
+
+
+def test_fp16_constant_loss_scale(single_process):
+    """`loss_scale` set: megatron's constant scaler with that scale, not the dynamic one."""
+    policy = build(torch.float16, OptimSettings(lr=LR, loss_scale=8.0))
+    assert float(policy.optimizer.scale_loss(torch.tensor(1.0))) == 8.0
+
+
+def test_the_optimizer_and_ddp_agree_on_distributed(single_process):
+    """A distributed optimizer over a DDP wrapper built without its buffers (or the reverse)
+    is refused up front."""
+    from moe.optim import PolicyOptimizer
+
+    policy = build(torch.float32, optim=None)
+    with pytest.raises(ValueError, match="distributed=True but the DDP wrapper was built with "
+                                         "use_distributed_optimizer=False"):
+        PolicyOptimizer(policy.model, OptimSettings(lr=LR, distributed=True))
