@@ -95,12 +95,13 @@ def test_variants_the_grouped_gemm_cannot_run_take_the_loop(template, config, pa
 
 
 def test_weights_without_main_grad_get_autograd_grads(template):
-    """`grads_into_main_grad` set but the weights have no `main_grad` (no DDP): the autograd
-    path, grads equal to megatron's loop; also for an expanded (stride-0) output grad."""
+    """`grads_into_main_grad` set, the input needs grad, but the weights have no `main_grad` (no
+    DDP): the autograd path, grads equal to megatron's loop; also for an expanded (stride-0)
+    output grad."""
     experts = fresh_experts(template)
     experts.grads_into_main_grad = True
     x, counts, probs = inputs()
-    got, want = forward_both(experts, x, counts, probs)
+    got, want = forward_both(experts, x.requires_grad_(), counts, probs)
     weights = list(experts.parameters())
     torch.testing.assert_close(torch.autograd.grad(got.sum(), weights),  # ones, expanded
                                torch.autograd.grad(want.sum(), weights), atol=1e-5, rtol=1e-5)
