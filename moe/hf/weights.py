@@ -9,8 +9,9 @@ tensor does this rank hold" that `load_full_params` uses, and reads only that pa
   shared expert's down_proj; rows of the embedding and lm_head);
 - everything else (norms, router, the shared expert gate) whole.
 Vocabulary rows past the checkpoint's `vocab_size` (megatron's padding) are zeros; the policy
-masks their logits. A checkpoint tensor the model has no place for is an error, so a config.json
-that disagrees with its weights cannot load silently.
+masks their logits. A checkpoint tensor the model has no place for, or one larger or (outside the
+vocabulary rows) smaller than the model's whole tensor along the dim read, is an error, so a
+config.json that disagrees with its weights cannot load silently.
 
 Exporting (`export_hf`) takes the full parameter dict (`gather_full_params`, or a checkpoint's
 `full_params`), which does not depend on the layout it was gathered from, and writes the Hugging
@@ -47,12 +48,13 @@ def _read_part(reader: SafetensorsReader, hf_name: str, shard: Shard, param: tor
         return reader.read(hf_name, 0, shard.rank * rows, (shard.rank + 1) * rows)
     dim = 0 if shard.dim is None else shard.dim
     size = param.shape[dim]
+    full = size * (shard.parts if shard.dim is not None else 1)  # the model's whole extent
+    if shape[dim] > full or (shape[dim] < full and not (vocab and dim == 0)):
+        raise ValueError(f"{hf_name}: checkpoint shape {shape} is too "
+                         f"{'large' if shape[dim] > full else 'small'} for the model (needs "
+                         f"{full} along dim {dim})")
     start = shard.rank * size if shard.dim is not None else 0
     stop = min(start + size, shape[dim])
-    if stop < start + size and not (vocab and dim == 0):
-        raise ValueError(f"{hf_name}: checkpoint shape {shape} is too small for the model "
-                         f"(needs {size * (shard.parts if shard.dim is not None else 1)} along "
-                         f"dim {dim})")
     if shard.dim is None and stop - start == shape[dim]:
         tensor = reader.read(hf_name)
     elif stop > start:

@@ -81,10 +81,26 @@ def test_tp_chunks_pad_only_the_vocabulary(tmp_path):
     assert torch.equal(got, torch.cat([want[4:], torch.zeros(2, 5)]))
     got = _read_part(reader, "w", shard(2, 3), param, fused=False, vocab=True)
     assert torch.equal(got, torch.zeros(4, 5))
-    got = _read_part(reader, "w", shard(1, 2, dim=1), torch.empty(6, 2), fused=False,
+    got = _read_part(reader, "w", shard(1, 5, dim=1), torch.empty(6, 1), fused=False,
                      vocab=False)
-    assert torch.equal(got, want[:, 2:4])
+    assert torch.equal(got, want[:, 1:2])
     with pytest.raises(ValueError, match=r"checkpoint shape \(6, 5\) is too small for the "
                                          r"model \(needs 6 along dim 1\)"):
         _read_part(reader, "w", shard(1, 2, dim=1), torch.empty(6, 3), fused=False,
                    vocab=False)
+
+
+@pytest.mark.parametrize("param_shape, part, vocab, needs", [
+    ((6, 2), shard(0, 2, dim=1), False, "4 along dim 1"),  # TP columns: the last one dropped
+    ((4, 5), shard(0, 1, dim=None), False, "4 along dim 0"),  # read whole: its first rows only
+    ((2, 5), shard(0, 2), True, "4 along dim 0"),  # rows past the model's padded vocabulary
+])
+def test_a_checkpoint_tensor_larger_than_the_model_is_refused(tmp_path, param_shape, part, vocab,
+                                                              needs):
+    """A checkpoint tensor with more rows or columns than the model's whole tensor is refused by
+    name, not read in part (a config.json that disagrees with its weights)."""
+    write_safetensors(tensors(1, shape=(6, 5)), str(tmp_path))
+    reader = SafetensorsReader(str(tmp_path))
+    with pytest.raises(ValueError, match=r"t0: checkpoint shape \(6, 5\) is too large for the "
+                                         rf"model \(needs {needs}\)"):
+        _read_part(reader, "t0", part, torch.empty(param_shape), fused=False, vocab=vocab)
