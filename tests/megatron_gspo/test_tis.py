@@ -98,3 +98,33 @@ def test_tis_stats_count_masked_tokens_and_only_weights_above_the_cap():
     assert stats["policy/tis/mean"] == pytest.approx(3.5 / 4)
     assert stats["policy/tis/clip_frac"] == pytest.approx(1 / 4)
     assert stats["policy/tis/max_raw"] == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("cap", [0.0, -1.0, float("nan")])
+def test_tis_weights_rejects_a_bad_cap(cap):
+    """Guards tis_weights' own cap check (callers other than PolicyLossConfig): cap 0 would
+    zero every weight, NaN would pass `cap < 0`."""
+    _, old, sampler, _, mask = batch()
+    with pytest.raises(ValueError, match="tis cap="):
+        tis_weights(old, sampler, mask, cap)
+
+
+def test_tis_weights_edge_inputs():
+    """Guards tis_weights on: a 0/1 integer mask (same as bool), float32 inputs (weights come
+    back float32), an all-masked batch (weights 1, finite stats) and a huge log-ratio
+    old - sampler = 1000 (weight = cap, max_raw finite: the exponent is clamped at 60)."""
+    _, old, sampler, _, mask = batch()
+    w_bool, s_bool = tis_weights(old, sampler, mask, 1.5)
+    w_int, s_int = tis_weights(old, sampler, mask.long(), 1.5)
+    assert torch.equal(w_int, w_bool) and s_int == s_bool
+    w32, s32 = tis_weights(old.float(), sampler.float(), mask, 1.5)
+    assert w32.dtype == torch.float32
+    torch.testing.assert_close(w32, w_bool.float())
+    w0, s0 = tis_weights(old, sampler, torch.zeros_like(mask), 1.5)
+    assert (w0 == 1).all() and all(math.isfinite(v) for v in s0.values())
+    assert s0["policy/tis/max_raw"] == 1.0 and s0["policy/tis/clip_frac"] == 0.0
+    huge = sampler.clone()
+    huge[0, 2] = old[0, 2] - 1000.0  # mask[0, 2] is True
+    w_h, s_h = tis_weights(old, huge, mask, 1.5)
+    assert w_h[0, 2] == 1.5
+    assert math.isfinite(s_h["policy/tis/max_raw"]) and s_h["policy/tis/max_raw"] > 1e20
