@@ -69,7 +69,38 @@ def test_float64_internal_precision():
     (torch.zeros(0), 2, "0 entries"),
     (torch.zeros(2, 4), 2, "1-D"),
     (torch.tensor([0.0, float("nan"), 1.0, 1.0]), 2, r"not finite at indices \[1\]"),
+    (torch.tensor([0.0, 1.0, 1.0, -float("inf")]), 2, r"not finite at indices \[3\]"),
+    (torch.zeros(8), 2.0, "group_size=2.0"),
 ])
 def test_bad_input_raises(rewards, group_size, match):
     with pytest.raises(ValueError, match=match):
         group_advantages(rewards, group_size)
+
+
+@pytest.mark.parametrize("eps", [-1e-6, float("nan"), "1e-6", None])
+def test_bad_eps_raises(eps):
+    """Guards the eps check: a negative eps can make std + eps vanish (a division by ~0)."""
+    with pytest.raises(ValueError, match="eps="):
+        group_advantages(torch.tensor([0.0, 1.0]), 2, eps=eps)
+
+
+def test_group_at_exactly_the_zero_std_tolerance_has_signal():
+    """Guards the strict `std < ZERO_STD_TOL`: population std exactly 1e-12 is a group with
+    signal, as filters.group_has_signal (`>=`) keeps it; otherwise dynamic sampling keeps a
+    group whose advantages are all 0."""
+    from megatron_gspo.advantages import ZERO_STD_TOL
+    from megatron_gspo.filters import group_has_signal
+
+    r = torch.tensor([0.0, 2e-12], dtype=torch.float64)
+    assert r.std(unbiased=False).item() == ZERO_STD_TOL == 1e-12
+    adv, m = group_advantages(r, 2, eps=0.0)
+    assert adv.tolist() == [-1.0, 1.0] and m["adv/zero_std_frac"] == 0.0
+    assert group_has_signal(r, 2).tolist() == [True]
+
+
+def test_advantages_carry_no_gradient():
+    """Guards the detach(): rewards with autograd history (a learned reward) give constant
+    advantages."""
+    rewards = torch.tensor([0.0, 1.0, 3.0, 2.0], requires_grad=True)
+    adv, _ = group_advantages(rewards, 2)
+    assert not adv.requires_grad
