@@ -1,5 +1,6 @@
 """megatron_gspo.mismatch.sampler_precision: the sampler's forwards in bf16, the rest untouched."""
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -30,3 +31,29 @@ def test_unknown_sampler_dtype_lists_the_valid_ones():
                                          r"'same'\]"):
         with sampler_precision(CPU, "fp16"):
             pass
+
+
+def test_same_leaves_matmuls_in_full_precision():
+    """Guards "same" -> no autocast: a matmul inside stays float32 and equals the one outside
+    (comparing two matmuls both inside the block would not notice a bf16 autocast)."""
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(4, 16, generator=g), torch.randn(16, 8, generator=g)
+    with sampler_precision(CPU, "same"):
+        inside = x @ w
+    assert inside.dtype == torch.float32 and torch.equal(inside, x @ w)
+
+
+def test_autocast_is_for_the_policys_device(monkeypatch):
+    """Guards device_type=policy.device.type: a CUDA policy gets a CUDA autocast (a CPU
+    autocast would leave its GPU matmuls in full precision)."""
+    seen = []
+
+    @contextlib.contextmanager
+    def fake_autocast(device_type, dtype):
+        seen.append((device_type, dtype))
+        yield
+
+    monkeypatch.setattr(torch, "autocast", fake_autocast)
+    with sampler_precision(SimpleNamespace(device=torch.device("cuda", 0)), "bf16"):
+        pass
+    assert seen == [("cuda", torch.bfloat16)]
