@@ -97,6 +97,22 @@ def test_minus_inf_minus_minus_inf_on_a_response_token_raises(name):
         policy_loss(logp, old, adv, mask, PolicyLossConfig(name))
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_nan_in_a_constant_input_names_that_input_and_its_rows(name):
+    """Guards the per-input NaN checks: NaN on response tokens of old_logp / ref_logp /
+    is_weight is reported under that input's name with every bad row (not as logp - old)."""
+    logp, old, adv, mask = small_batch()
+    cfg = PolicyLossConfig(name)
+    bad = torch.zeros(2, 3, dtype=D)
+    bad[0, 1] = bad[1, 0] = float("nan")
+    ones = torch.ones(2, 3, dtype=D)
+    for key, kwargs in (("old_logp_BT", {}), ("ref_logp_BT", {"ref_logp_BT": old + bad}),
+                        ("is_weight_BT", {"is_weight_BT": ones + bad})):
+        o = old + bad if key == "old_logp_BT" else old
+        with pytest.raises(ValueError, match=rf"^{key} is NaN .*rows \[0, 1\]$"):
+            policy_loss(logp, o, adv, mask, cfg, **kwargs)
+
+
 def test_token_advantages_are_ignored_at_masked_positions():
     """Guards gspo_token's token advantages: NaN / inf at masked positions is neither an error
     nor leaks into the loss or its gradient (padding can hold anything)."""
