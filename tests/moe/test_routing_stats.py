@@ -27,7 +27,8 @@ def test_topk_mask_hand_case():
         topk_mask(ids([[0, 1, 2]]), 2)
 
 
-@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int32, torch.int64])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32,
+                                   torch.int64])
 def test_identical_routing(dtype):
     out = flip_stats(ids(OLD, dtype), ids(OLD, dtype), 4)
     assert out == {"flip_rate": 0.0, "any_flip": 0.0, "jaccard": 1.0}
@@ -95,6 +96,30 @@ def test_bad_ids_raise():
         flip_stats(ids(OLD), ids([[0, 1], [2, 3], [1, 1]]), 4)
 
 
+def test_topk_mask_rejects_malformed_shapes_and_expert_counts():
+    """Guards topk_mask's own checks: ids that are not [N, K] with K >= 1, and an expert count
+    that is not a positive int (a bool or float), raise a ValueError naming the problem; an
+    empty [0, K] routing (a rank holding no token) is an empty [0, E] mask."""
+    with pytest.raises(ValueError, match=r"2-D integer tensor \[N, K\], got shape \(2,\)"):
+        topk_mask(ids([0, 1]), 4)
+    with pytest.raises(ValueError, match=r"got shape \(1, 2, 1\)"):
+        topk_mask(ids([[[0], [1]]]), 4)
+    with pytest.raises(ValueError, match="K=0"):
+        topk_mask(torch.zeros(3, 0, dtype=torch.long), 4)
+    with pytest.raises(ValueError, match="num_experts=True"):
+        topk_mask(ids([[0]]), True)
+    with pytest.raises(ValueError, match="num_experts=4.0"):
+        topk_mask(ids([[0, 1]]), 4.0)
+    empty = topk_mask(torch.zeros(0, 2, dtype=torch.uint8), 4)
+    assert empty.shape == (0, 4) and empty.dtype == torch.bool
+
+
+def test_bad_id_error_names_the_first_bad_slot():
+    """With several out-of-range ids the error points at the first one in row-major order."""
+    with pytest.raises(ValueError, match=r"expert id 5 at token 1, slot 1 "):
+        topk_mask(ids([[0, 1], [2, 5], [7, 1]]), 4)
+
+
 def test_load_stats_hand_case():
     # loads per expert: [3, 2, 1, 0], mean 1.5 -> max/mean 2, population std sqrt(1.25)
     skewed = ids([[0, 1], [0, 2], [0, 1]])
@@ -138,3 +163,5 @@ def test_routing_metrics_two_layers():
 def test_routing_metrics_layer_count_mismatch():
     with pytest.raises(ValueError, match="old_LNK has 2 layers but new_LNK has 1"):
         routing_metrics([ids(OLD), ids(OLD)], [ids(OLD)], 4)
+    with pytest.raises(ValueError, match="at least one layer"):
+        routing_metrics([], [], 4)
