@@ -174,3 +174,188 @@ def test_flip_schedule_reuses_pi_old_and_hands_over_only_where_valid(old_is_live
     fourth = schedule.start(None, replayed, step=1, next_mb=unreplayed)
     assert fourth.next_mb is None  # the unreplayed step records its own "before"
     assert not FlipSchedule(every=0, old_is_live=True).start(None, replayed, 0).active
+
+
+def test_rows_given_as_zero_one_ints_are_a_mask():
+    """`flip_counts` reads integer 0/1 rows as a mask, not as token indices."""
+    old, new, _, response_BT = constructed()
+    rows_N = token_rows(OneRank(), new, loss_positions(response_BT))
+    assert flip_counts(old, new, rows_N.long()) == flip_counts(old, new, rows_N)
+
+
+def test_load_imbalance_is_per_layer():
+    """Each layer's max load over that layer's mean: layer 0 of `new` is balanced (1.0), layer
+    1 puts every token on {0, 1} (max 4 / mean 2); not one max shared by all layers."""
+    valid_BT = torch.ones(1, 4, dtype=torch.bool)
+    new_BTLK = torch.tensor([0, 1]).expand(1, 4, 2, 2).clone()
+    new_BTLK[0, 1::2, 0] = torch.tensor([2, 3])
+    new = RoutingReplayCache.from_dense(new_BTLK, valid_BT, E)
+    assert flip_counts(new, new, torch.ones(4, dtype=torch.bool))["load_imbalance"] == [1.0, 2.0]
+
+
+def test_step_flips_keys_are_exactly_the_documented_ones(monkeypatch):
+    """`after_step` logs per layer + mean for flip_rate / any_flip / jaccard / load_imbalance
+    and the drift keys, `max` for flip rates only."""
+    step = step_flips_case(monkeypatch)
+    with step.watch():
+        pass
+    got = set(step.after_step())
+    want = {f"moe/{s}/{k}" for s in ("any_flip", "jaccard", "load_imbalance")
+            for k in ("layer_00", "mean")}
+    want |= {f"{p}/{k}" for p in ("moe/flip_rate", "moe/flip_rate_all", "moe/drift_vs_old",
+                                  "moe/drift_vs_old_all", "moe/loss_routing_vs_old")
+             for k in ("layer_00", "mean", "max")}
+    assert got == want
+
+
+def test_an_inactive_step_routes_nothing_and_logs_nothing(monkeypatch):
+    """A step off the flip schedule neither runs a routing forward (watch / after_step) nor
+    keeps a routing, and returns no metrics."""
+    from megatron_gspo import flips
+
+    case = step_flips_case(monkeypatch)
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("an inactive step ran a routing forward")
+
+    monkeypatch.setattr(flips, "routing_of", no_forward)
+    monkeypatch.setattr(flips, "record_routing", no_forward)
+    step = flips.StepFlips(case.policy, case.mb, active=False)
+    with step.watch():
+        pass
+    assert step.before is None and step.used is None
+    assert step.after_step() == {}
+    case.mb.replay = None  # the unreplayed path records nothing either
+    with step.watch():
+        pass
+    assert step.before is None and step.used is None
+
+
+def dense(BTK_rows, valid_BT):
+    """A 1-layer cache from per-token top-2 rows [B][T][2]."""
+    return RoutingReplayCache.from_dense(torch.tensor(BTK_rows)[:, :, None], valid_BT, E)
+
+
+def test_replayed_step_compares_each_routing_with_the_right_one(monkeypatch):
+    """R3-like step where the four routings differ: pi_old's `old`, the handed-over live
+    `before`, the sampler's `replay` the loss used, and `after`. Loss positions (0, 1), (0, 2),
+    (1, 2) (6 activations): flip_rate is before -> after (1/6), drift_vs_old old -> after
+    (2/6), loss_routing_vs_old old -> replay (3/6)."""
+    from types import SimpleNamespace
+
+    from megatron_gspo import flips
+
+    valid_BT = torch.ones(2, 4, dtype=torch.bool)
+    response_BT = torch.tensor([[0, 0, 1, 1], [0, 0, 0, 1]], dtype=torch.bool)
+    a, b, c, d, e = [0, 1], [0, 2], [1, 3], [2, 3], [0, 3]
+    old = dense([[a, a, a, a], [a, a, a, a]], valid_BT)
+    before = dense([[a, b, a, a], [a, a, a, a]], valid_BT)
+    replay = dense([[a, a, e, a], [a, a, d, a]], valid_BT)
+    after = dense([[a, b, c, a], [b, a, a, a]], valid_BT)  # + prompt token (1, 0)
+    monkeypatch.setattr(flips, "routing_of", lambda policy, tokens_BT, valid_BT: after)
+    mb = SimpleNamespace(replay=replay, old_routing=old, valid_BT=valid_BT,
+                         tokens_BT=torch.zeros(2, 4, dtype=torch.long), response_BT=response_BT)
+    step = flips.StepFlips(OneRank(), mb, active=True, before=before)
+    with step.watch():
+        pass
+    assert step.before is before and step.used is replay
+    out = step.after_step()
+    want = {"moe/flip_rate/layer_00": 1 / 6, "moe/flip_rate_all/layer_00": 2 / 16,
+            "moe/drift_vs_old/layer_00": 2 / 6, "moe/drift_vs_old_all/layer_00": 3 / 16,
+            "moe/loss_routing_vs_old/layer_00": 3 / 6, "moe/any_flip/layer_00": 1 / 3,
+            "moe/jaccard/layer_00": (1 + 1 / 3 + 1) / 3,
+            "moe/load_imbalance/layer_00": 2 / 1.5}  # after on the loss rows: 2, 2, 1, 1
+    for key, value in want.items():
+        assert out[key] == pytest.approx(value, abs=1e-15), key
+
+
+class SecondHalfShard:
+    """A rank whose routers see columns 2, 3 of every row (its sequence-parallel shard)."""
+
+    preset = type("Preset", (), {"num_experts": E})
+
+    def routed_valid(self, mask_BT):
+        return mask_BT[:, 2:].cpu()
+
+
+def test_unreplayed_step_records_its_own_before_over_the_routed_shard(monkeypatch):
+    """No replay: "before" is the training forward's recorded routing over this rank's shard
+    (columns 2, 3: 4 tokens, loss positions (0, 2) and (1, 2)), and it is also the routing
+    the loss used. flip_rate before -> after 2/4, loss_routing_vs_old old -> before 1/4,
+    drift_vs_old old -> after 3/4; over every shard token 3/8 and 4/8."""
+    from contextlib import contextmanager
+    from types import SimpleNamespace
+
+    from megatron_gspo import flips
+
+    valid_BT = torch.ones(2, 4, dtype=torch.bool)
+    shard_BT = valid_BT[:, 2:]
+    response_BT = torch.tensor([[0, 0, 1, 1], [0, 0, 0, 1]], dtype=torch.bool)
+    a, b, d, e, f = [0, 1], [0, 2], [2, 3], [0, 3], [1, 2]
+    old = dense([[a, a], [a, a]], shard_BT)
+    live_BTK = torch.tensor([[b, a], [a, a]])  # (0, 2) -> {0, 2}
+    after = dense([[d, a], [e, f]], shard_BT)
+
+    @contextmanager
+    def record(policy):
+        recorded = []
+        yield recorded
+        recorded.append(live_BTK.transpose(0, 1).reshape(-1, 2))  # sequence-first [T*B, K]
+
+    monkeypatch.setattr(flips, "record_routing", record)
+    monkeypatch.setattr(flips, "routing_of", lambda policy, tokens_BT, valid_BT: after)
+    mb = SimpleNamespace(replay=None, old_routing=old, valid_BT=valid_BT,
+                         tokens_BT=torch.zeros(2, 4, dtype=torch.long), response_BT=response_BT)
+    step = flips.StepFlips(SecondHalfShard(), mb, active=True)
+    with step.watch():
+        pass
+    assert step.used is step.before
+    assert step.before.ids_NLK[:, 0].tolist() == [b, a, a, a]
+    out = step.after_step()
+    want = {"moe/flip_rate/layer_00": 2 / 4, "moe/loss_routing_vs_old/layer_00": 1 / 4,
+            "moe/drift_vs_old/layer_00": 3 / 4, "moe/flip_rate_all/layer_00": 3 / 8,
+            "moe/drift_vs_old_all/layer_00": 4 / 8}
+    for key, value in want.items():
+        assert out[key] == pytest.approx(value, abs=1e-15), key
+
+
+class Rows:
+    """A minibatch as `StepFlips` reads it: tokens, masks, routings; len = its rows."""
+
+    def __init__(self, tokens_BT, replay=None, old_routing=None, response_BT=None):
+        self.tokens_BT, self.replay, self.old_routing = tokens_BT, replay, old_routing
+        self.valid_BT = tokens_BT >= 0
+        self.response_BT = torch.ones_like(self.valid_BT) if response_BT is None else response_BT
+
+    def __len__(self):
+        return self.tokens_BT.shape[0]
+
+
+def test_hand_over_pass_splits_the_rows_between_the_two_minibatches(monkeypatch):
+    """With `next_mb`, one routing pass covers both minibatches (2 rows, then 1 row with a
+    padded token): `mb`'s part is its "after", the rest becomes `next_before`, each equal to
+    routing that minibatch alone."""
+    from megatron_gspo import flips
+
+    def by_token(policy, tokens_BT, valid_BT):  # expert set of a token: {t, t + 1} mod 4
+        calls.append(tokens_BT.shape[0])
+        t = tokens_BT.clamp(min=0)
+        return RoutingReplayCache.from_dense(torch.stack([t % E, (t + 1) % E], -1)[:, :, None],
+                                             valid_BT, E)
+
+    calls = []
+    monkeypatch.setattr(flips, "routing_of", by_token)
+    tokens = torch.tensor([[0, 1, 2], [3, 0, 1]])
+    nxt = Rows(torch.tensor([[2, 3, -1]]), replay=object())
+    mb = Rows(tokens, old_routing=by_token(None, tokens, tokens >= 0))
+    step = flips.StepFlips(OneRank(), mb, active=True, before=mb.old_routing, next_mb=nxt)
+    mb.replay = mb.old_routing
+    with step.watch():
+        pass
+    calls.clear()
+    out = step.after_step()
+    assert calls == [3]  # one pass over both minibatches' rows
+    want_next = by_token(None, nxt.tokens_BT, nxt.valid_BT)
+    assert torch.equal(step.next_before.ids_NLK, want_next.ids_NLK)
+    assert torch.equal(step.next_before.valid_BT, want_next.valid_BT)
+    assert out["moe/flip_rate_all/mean"] == 0.0  # mb's own rows, unchanged routing
