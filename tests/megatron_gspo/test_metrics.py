@@ -164,3 +164,141 @@ def test_drop_after_keeps_rows_up_to_the_step(tmp_path):
         assert logger.drop_after(2) == 0
         logger.log(3, {"r": 30.0})
     assert [(r["step"], r["r"]) for r in read_jsonl(path)] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+
+
+def test_values_keep_their_json_type_and_only_scalars_pass(tmp_path):
+    """Integers (Python, numpy, bool) are written as JSON ints, floats as floats; a numpy array
+    or a tensor with other than one element (empty included) raises, naming the key."""
+    with MetricsLogger(str(tmp_path)) as logger:
+        logger.log(np.int64(5), {"i": 3, "n": np.int64(4), "b": True, "t": torch.tensor(7),
+                                 "f": 2.0})
+        with pytest.raises(ValueError, match="'x/empty'.*0 elements"):
+            logger.log(0, {"x/empty": torch.ones(0)})
+        with pytest.raises(ValueError, match="'x/np'.*2 elements"):
+            logger.log(0, {"x/np": np.array([1.0, 2.0])})
+    rec = read_jsonl(logger.path)[0]
+    assert {k: (v, type(v)) for k, v in rec.items() if k != "time"} == {
+        "step": (5, int), "i": (3, int), "n": (4, int), "b": (1, int), "t": (7, int),
+        "f": (2.0, float)}
+
+
+def test_non_str_keys_and_logging_after_close_raise(tmp_path):
+    """A non-str key is refused (JSON would silently turn 1 into "1"); `log` after `close` is
+    a clear error, and a second `close` is harmless."""
+    logger = MetricsLogger(str(tmp_path))
+    with pytest.raises(ValueError, match="metric key 1"):
+        logger.log(0, {1: 0.5})
+    with pytest.raises(ValueError, match="'time'"):
+        logger.log(0, {"time": 0.5})
+    logger.close()
+    logger.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        logger.log(1, {"r": 1.0})
+
+
+def test_wandb_is_finished_once_and_never_imported_when_disabled(tmp_path, monkeypatch):
+    """`close` twice finishes the wandb run once; mode "disabled" never imports wandb."""
+    from megatron_gspo import metrics
+
+    finished = []
+    fake = type("W", (), {"init": staticmethod(lambda **kw: type("R", (), {
+        "finish": lambda self: finished.append(1)})())})
+    monkeypatch.setattr(metrics, "_import_wandb", lambda mode: fake)
+    logger = MetricsLogger(str(tmp_path), wandb_mode="offline")
+    logger.close()
+    logger.close()
+    assert finished == [1]
+
+    def no_import(mode):
+        raise AssertionError("wandb imported in disabled mode")
+
+    monkeypatch.setattr(metrics, "_import_wandb", no_import)
+    MetricsLogger(str(tmp_path), wandb_mode="disabled").close()
+
+
+def test_new_nested_run_dir_and_empty_existing_file(tmp_path):
+    """The run dir is created (nested); an existing empty metrics.jsonl (a crash before the
+    first row) is appended to as is, with no leading blank line."""
+    run_dir = tmp_path / "a" / "b"
+    with MetricsLogger(str(run_dir)) as logger:
+        logger.log(1, {"r": 1.0})
+    assert [r["step"] for r in read_jsonl(logger.path)] == [1]
+    open(tmp_path / "metrics.jsonl", "w").close()
+    with MetricsLogger(str(tmp_path)) as logger:
+        assert logger.drop_after(0) == 0
+        logger.log(2, {"r": 2.0})
+    assert json.loads(open(logger.path).read().splitlines()[0])["step"] == 2
+
+
+def test_drop_after_on_a_disabled_logger_and_rows_without_a_step(tmp_path):
+    """A disabled logger (another rank) drops nothing and touches no file; a row that parses
+    but has no "step" (an object without it, or not an object) counts as malformed and goes."""
+    assert MetricsLogger(str(tmp_path / "rank1"), enabled=False).drop_after(0) == 0
+    path = os.path.join(tmp_path, "metrics.jsonl")
+    with open(path, "w") as f:
+        f.write('{"step": 1, "r": 1.0}\n{"r": 2.0}\n[3]\n{"step": 2, "r": 2.0}\n')
+    with MetricsLogger(str(tmp_path)) as logger:
+        assert logger.drop_after(5) == 2
+    assert [r["step"] for r in read_jsonl(path)] == [1, 2]
+
+
+def test_read_jsonl_skips_blank_lines_anywhere(tmp_path):
+    """Blank lines between rows are not malformed rows."""
+    path = os.path.join(tmp_path, "m.jsonl")
+    with open(path, "w") as f:
+        f.write('{"step": 1}\n\n   \n{"step": 2}\n\n')
+    assert read_jsonl(path) == [{"step": 1}, {"step": 2}]
+
+
+def test_wandb_reachability_probe_uses_the_schemes_default_port(monkeypatch):
+    """No port in the URL: 443 for https (the default https://api.wandb.ai), 80 for http."""
+    import socket
+
+    from megatron_gspo.metrics import _online_or_offline
+
+    seen = []
+
+    class Conn:
+        def close(self):
+            pass
+
+    monkeypatch.setattr(socket, "create_connection",
+                        lambda address, timeout: seen.append(address) or Conn())
+    monkeypatch.delenv("WANDB_BASE_URL", raising=False)
+    assert _online_or_offline() == "online"
+    monkeypatch.setenv("WANDB_BASE_URL", "http://wandb.example")
+    assert _online_or_offline() == "online"
+    assert seen == [("api.wandb.ai", 443), ("wandb.example", 80)]
+
+
+def test_timer_section_names_are_checked():
+    timer = Timer(cuda_sync=False)
+    for bad in ("", None, 3):
+        with pytest.raises(ValueError, match="non-empty str"):
+            with timer(bad):
+                pass
+    assert timer.as_metrics() == {}
+
+
+def test_timer_syncs_cuda_at_both_ends_unless_told_not_to(monkeypatch):
+    """With CUDA initialised, a section synchronises before starting and before stopping the
+    clock (so GPU work launched inside is counted); `cuda_sync=False` never synchronises."""
+    events = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: events.append("sync"))
+    ticks = iter([0.0, 1.0])
+    timer = Timer(clock=lambda: events.append("clock") or next(ticks))
+    with timer("x"):
+        events.append("body")
+    assert events == ["sync", "clock", "body", "sync", "clock"]
+    events.clear()
+    ticks = iter([0.0, 1.0])
+    with Timer(clock=lambda: next(ticks), cuda_sync=False)("x"):
+        pass
+    assert events == []
+
+
+def test_format_progress_prints_integers_whole():
+    """Integer values (and bools) print exactly, not in 4 significant digits."""
+    line = format_progress(1, 2, {"n": 123456, "t": np.int64(98765), "b": True}, ["n", "t", "b"])
+    assert line == "[  1/2] n=123456 t=98765 b=1"
