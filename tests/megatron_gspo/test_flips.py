@@ -359,3 +359,17 @@ def test_hand_over_pass_splits_the_rows_between_the_two_minibatches(monkeypatch)
     assert torch.equal(step.next_before.ids_NLK, want_next.ids_NLK)
     assert torch.equal(step.next_before.valid_BT, want_next.valid_BT)
     assert out["moe/flip_rate_all/mean"] == 0.0  # mb's own rows, unchanged routing
+
+
+def test_replayed_step_without_a_known_before_routes_it_live(monkeypatch):
+    """Replay and no handed-over "before" (R3's first step): `watch` runs one live routing
+    forward for it; neither the replayed cache nor pi_old's routing stands in."""
+    from megatron_gspo import flips
+
+    step = step_flips_case(monkeypatch)
+    live = object()
+    monkeypatch.setattr(flips, "routing_of", lambda policy, tokens_BT, valid_BT: live)
+    step.before = None
+    with step.watch():
+        pass
+    assert step.before is live and step.used is step.mb.replay
