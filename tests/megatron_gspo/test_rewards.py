@@ -220,3 +220,89 @@ def test_first_three_reward_errors_are_printed_then_only_counted(monkeypatch, ca
     assert capsys.readouterr().out.splitlines() == [
         head + "bug 1 [f.jsonl:7]", head + "bug 2 [prompt '12+3=']",
         head + "bug 3 [prompt 'c:1,2>3='] (further errors are only counted)"]
+
+
+def test_get_format_check_of_an_unknown_name_lists_the_valid_ones():
+    """The format check lookup gives the same error as get_reward, not a bare KeyError."""
+    with pytest.raises(UnknownRewardError, match=r"unknown reward 'bogus'; valid names"):
+        get_format_check("bogus")
+
+
+def test_countdown_numbers_and_target_given_as_text_are_read_as_ints():
+    """A JSON dataset may write {"numbers": ["3", ...], "target": "56"}: compared as ints."""
+    assert countdown_reward("(3+5)*7", {"numbers": ["3", "5", "7"], "target": "56"}) == 1.0
+    assert countdown_reward("(3+5)*7", {"numbers": ["3", "5", "7"], "target": "57"}) == 0.0
+
+
+def test_infinite_reward_scores_zero_and_is_counted():
+    """+-inf is not a finite reward either (not only nan)."""
+    rewards, status = compute_rewards(_Task(lambda ex, c: float(c)), [Example("p", "a")] * 3,
+                                      ["inf", "-inf", "0.5"])
+    assert rewards == [0.0, 0.0, 0.5] and status == [RAISED, RAISED, OK]
+
+
+def test_time_limit_restores_the_outer_handler_and_interval():
+    """After a limited reward the previous SIGALRM handler and an outer timer's interval are
+    back in place."""
+    def outer(signum, frame):
+        pass
+
+    old = signal.signal(signal.SIGALRM, outer)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 30.0, 10.0)
+        compute_rewards(_Task(lambda ex, c: 1.0), [Example("p", "a")], ["x"])
+        assert signal.getsignal(signal.SIGALRM) is outer
+        assert signal.getitimer(signal.ITIMER_REAL)[1] == pytest.approx(10.0)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_negative_time_limit_means_no_limit():
+    """time_limit(-1) runs the block unlimited (as 0 / None) instead of arming a bad timer."""
+    with rewards_mod.time_limit(-1.0):
+        assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+def test_compute_rewards_takes_the_tasks_limit_and_none_for_toy_tasks(monkeypatch):
+    """timeout_s=None takes task.reward_timeout_s; a task without one (the toy tasks) gets no
+    limit (0), and an explicit timeout_s wins."""
+    seen = []
+    real = rewards_mod.time_limit
+
+    def spy(seconds):
+        seen.append(seconds)
+        return real(seconds)
+
+    monkeypatch.setattr(rewards_mod, "time_limit", spy)
+    ex = Example("1+2=", "3")
+    compute_rewards(make_task("addition"), [ex], ["3"])
+    compute_rewards(_Task(lambda e, c: 1.0), [ex], ["3"])
+    compute_rewards(_Task(lambda e, c: 1.0), [ex], ["3"], timeout_s=2.0)
+    assert seen == [0.0, 0.3, 2.0]
+
+
+def test_no_limit_warning_is_given_once_per_process(monkeypatch):
+    """Outside the main thread the missing limit is warned about once, not at every reward."""
+    import warnings
+
+    monkeypatch.setattr(rewards_mod, "_warned_no_limit", False)
+    run = lambda: compute_rewards(_Task(lambda ex, c: 1.0), [Example("p", "a")] * 2, ["x", "y"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            t = threading.Thread(target=run)
+            t.start()
+            t.join()
+    assert [str(w.message)[:32] for w in caught] == ["reward time limit needs the main"]
+
+
+def test_reward_error_of_a_non_dataset_meta_names_the_prompt(monkeypatch, capsys):
+    """A 3-item meta whose last item is not a 'file:line' string is task data, not a row."""
+    monkeypatch.setattr(rewards_mod, "_errors_seen", 0)
+
+    def boom(ex, c):
+        raise RuntimeError("bug")
+
+    compute_rewards(_Task(boom), [Example("q:1", "a", (1, 2, 3))], ["x"])
+    assert capsys.readouterr().out.strip().endswith("bug [prompt 'q:1']")
