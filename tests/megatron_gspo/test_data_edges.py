@@ -1,0 +1,115 @@
+"""Dataset task edge cases: message checks, template joining, splits' boundaries, build_task
+wiring (mutation-pass guards; helpers from test_data)."""
+
+from types import SimpleNamespace
+
+import pytest
+
+import megatron_gspo.rewards as rewards_mod
+from megatron_gspo.config import load_config
+from megatron_gspo.data import DataError, DatasetTask, build_task, dataset_splits
+from megatron_gspo.rewards import REWARDS, FORMAT_CHECKS, register_reward
+from megatron_gspo.tasks import Example
+from tests.megatron_gspo.test_data import ByteTok, data_cfg, verl_row, write_jsonl
+
+
+def test_math_reward_needs_math_verify_at_construction(monkeypatch):
+    """A missing math-verify fails when the task is built, not as a counted error (and a
+    zero) at every reward; other rewards do not need it."""
+    def missing():
+        raise ImportError("reward 'math' needs the math-verify package: pip install")
+
+    monkeypatch.setattr(rewards_mod, "_math_verify", missing)
+    with pytest.raises(ImportError, match="pip install"):
+        DatasetTask("math")
+    assert DatasetTask("exact").reward_name == "exact"
+
+
+def test_partial_reward_keeps_the_larger_of_it_and_the_format_weight():
+    """format_weight is a floor for a wrong but well-formatted answer, not a replacement."""
+    register_reward("half_test", format_check=lambda c: True)(lambda c, truth: 0.5)
+    try:
+        ex = Example("p", "a", ("a", "", "f:1"))
+        assert DatasetTask("half_test", format_weight=0.25).reward(ex, "x") == 0.5
+        assert DatasetTask("half_test", format_weight=0.75).reward(ex, "x") == 0.75
+    finally:
+        REWARDS.pop("half_test", None)
+        FORMAT_CHECKS.pop("half_test", None)
+
+
+def test_a_message_without_a_role_names_the_row(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [{**verl_row(0), "prompt": [{"content": "hi"}]}])
+    with pytest.raises(DataError, match=r"t.jsonl:1: field 'prompt' must be a string or a "
+                                        r"non-empty list of \{role, content\}"):
+        dataset_splits(data_cfg(train_files=[path]), ByteTok(), 100)
+
+
+def test_template_joins_messages_with_a_blank_line_and_chat_sees_only_role_content(tmp_path):
+    """data.template gets the messages' contents joined by a blank line; a chat template gets
+    each message as {role, content} only (other keys of the row are dropped)."""
+    messages = [{"role": "system", "content": "Be brief.", "name": "x"},
+                {"role": "user", "content": "1+1?"}]
+    path = write_jsonl(tmp_path / "t.jsonl", [{**verl_row(i), "prompt": messages}
+                                              for i in range(4)])
+    cfg = dict(train_files=[path], shuffle=False)
+    _, evals, _ = dataset_splits(data_cfg(template="Q: {prompt}", **cfg), ByteTok(), 100)
+    assert evals[0].prompt == "Q: Be brief.\n\n1+1?"
+
+    seen = []
+
+    class Recording(ByteTok):
+        def apply_chat_template(self, msgs):
+            seen.append(msgs)
+            return super().apply_chat_template(msgs)
+
+    dataset_splits(data_cfg(**cfg), Recording(), 100)
+    assert seen[0] == [{"role": "system", "content": "Be brief."},
+                       {"role": "user", "content": "1+1?"}]
+
+
+def test_bos_text_is_removed_only_where_the_template_starts_with_it(tmp_path):
+    """A tokenizer with a BOS whose chat template does not write it keeps the whole text."""
+
+    class BosNotWritten(ByteTok):
+        hf = SimpleNamespace(bos_token="<s>")
+
+    path = write_jsonl(tmp_path / "t.jsonl", [verl_row(i) for i in range(4)])
+    _, evals, _ = dataset_splits(data_cfg(train_files=[path], shuffle=False),
+                                 BosNotWritten(bos=2), 100)
+    assert evals[0].prompt == "<u>What is 0 + 0?<a>"
+
+
+def test_verl_ground_truth_with_a_marker_is_kept_whole(tmp_path):
+    """Only the plain schema reduces 'solution #### answer'; a verl ground truth is the field."""
+    path = write_jsonl(tmp_path / "t.jsonl", [verl_row(i, truth=f"x #### {i}") for i in range(4)])
+    train, _, _ = dataset_splits(data_cfg(train_files=[path], shuffle=False), ByteTok(), 100)
+    assert train[0].meta[0] == "x #### 1"
+
+
+def test_eval_fraction_rounds_to_the_nearest_row(tmp_path):
+    """9 rows * 0.2 = 1.8 -> 2 eval rows (rounded, not truncated)."""
+    path = write_jsonl(tmp_path / "t.jsonl", [verl_row(i) for i in range(9)])
+    train, evals, _ = dataset_splits(data_cfg(train_files=[path], eval_fraction=0.2),
+                                     ByteTok(), 100)
+    assert (len(train), len(evals)) == (7, 2)
+
+
+def test_eval_files_with_no_usable_row_are_an_error(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [verl_row(i) for i in range(4)])
+    ev = write_jsonl(tmp_path / "e.jsonl", [verl_row(9, question="x" * 50)])
+    with pytest.raises(DataError, match="no eval examples in"):
+        dataset_splits(data_cfg(train_files=[path], eval_files=[ev], skip_overlong_prompts=True),
+                       ByteTok(), 30)
+
+
+def test_build_task_takes_reward_settings_and_a_prompt_limit_equal_to_the_room(tmp_path):
+    """reward.timeout_s / format_weight reach the task; data.max_prompt_tokens equal to
+    max_seq_len - max_new_tokens (the whole room) is allowed."""
+    path = write_jsonl(tmp_path / "t.jsonl", [verl_row(i) for i in range(5)])
+    cfg = load_config(None, ["task.name=dataset", f"data.train_files={path}",
+                             "reward.name=exact", "reward.timeout_s=2.5",
+                             "reward.format_weight=0.2", "rollout.max_new_tokens=8",
+                             "model.max_seq_len=30", "data.max_prompt_tokens=22"])
+    task, train, evals = build_task(cfg, ByteTok(), 30)
+    assert (task.reward_timeout_s, task.format_weight) == (2.5, 0.2)
+    assert len(train) + len(evals) == 5
