@@ -80,7 +80,7 @@ def test_parse_expression_hand_cases():
     assert parse_expression("2-3-4") == (-5, [2, 3, 4])  # left associative
     assert parse_expression("10*(2-(1+1))") == (0, [10, 2, 1, 1])
     for bad in ["", "3+", "(3+5", "3+5)", "3 5", "-3+5", "3/5", "07+1", "3**2", "__import__",
-                "()", "(" * 100 + "1" + ")" * 100, "1+" * 200 + "1"]:
+                "()", "(" * 100 + "1" + ")" * 100, "1+" * 200 + "1", "(1 2", "(1+2("]:
         assert parse_expression(bad) is None, bad
 
 
@@ -291,6 +291,8 @@ def test_score_accuracy_counts_only_full_rewards():
 
     out = score(Partial(), [Example("1+2=", "3")] * 2, ["3", "~"])
     assert out == {"eval/accuracy": 0.5, "eval/reward_mean": 0.625, "eval/format_ok": 1.0}
+    Partial.reward = lambda self, example, completion: 0.999  # nearly right is not right
+    assert score(Partial(), [Example("1+2=", "3")], ["3"])["eval/accuracy"] == 0.0
 
 
 def test_running_sum_hand_values_and_lengths(tok):
@@ -316,3 +318,58 @@ def test_running_sum_hand_values_and_lengths(tok):
     assert sum(n >= 64 for n in lengths) / len(lengths) > 0.99
     with pytest.raises(ValueError, match="num_numbers=1"):
         make_task("running_sum", num_numbers=1)
+
+
+@pytest.mark.parametrize("name,field,lo,hi", [
+    ("addition", "num_digits", 1, 9), ("sort", "length", 1, 20),
+    ("countdown", "num_numbers", 2, 6), ("countdown", "max_number", 1, 99),
+    ("running_sum", "num_numbers", 2, 64), ("running_sum", "max_number", 1, 999)])
+def test_task_kwarg_bounds_are_inclusive(name, field, lo, hi):
+    """Each documented range accepts both ends and refuses one past either."""
+    assert getattr(make_task(name, **{field: lo}), field) == lo
+    assert getattr(make_task(name, **{field: hi}), field) == hi
+    for bad in (lo - 1, hi + 1):
+        with pytest.raises(ValueError, match=f"{field}={bad} must be an int in \\[{lo}, {hi}\\]"):
+            make_task(name, **{field: bad})
+
+
+def test_num_prompts_hand_values():
+    """sort: 10**length; running_sum: max_number**num_numbers (numbers 1..max); countdown past
+    the enumeration budget (29**3 * 3**2 > 200_000): None, too many to count."""
+    assert make_task("sort", length=2).num_prompts() == 100
+    small = make_task("running_sum", num_numbers=2, max_number=3)
+    assert small.num_prompts() == 9
+    train, _ = make_splits(small, 9, 0, seed=0)
+    assert len({ex.prompt for ex in train}) == 9
+    with pytest.raises(ValueError, match="only 9 distinct prompts"):
+        make_splits(small, 10, 0, seed=0)
+    assert make_task("countdown", num_numbers=3, max_number=29).num_prompts() is None
+
+
+def test_draw_distinct_uses_its_last_draw_and_then_gives_up():
+    """A new prompt found on the last allowed draw (50 n + 10_000) counts; one draw later is
+    an error naming how many were found."""
+    from megatron_gspo.tasks import _draw_distinct
+
+    class Late:
+        def __init__(self, at):
+            self.at, self.draws = at, 0
+
+        def sample(self, rng):
+            self.draws += 1
+            return Example("new" if self.draws == self.at else "old", "")
+
+    assert [ex.prompt for ex in _draw_distinct(Late(10_050), None, 1, {"old"})] == ["new"]
+    with pytest.raises(ValueError, match="found only 0 of 1 new distinct prompts in 10050 draws"):
+        _draw_distinct(Late(10_051), None, 1, {"old"})
+
+
+@pytest.mark.parametrize("bad", [2.0, True])
+def test_make_splits_refuses_non_int_sizes(bad):
+    with pytest.raises(ValueError, match=f"n_train={bad!r} must be an int >= 0"):
+        make_splits(make_task("addition"), bad, 1, seed=0)
+
+
+def test_score_refuses_an_empty_set():
+    with pytest.raises(ValueError, match="score: no examples"):
+        score(make_task("addition"), [], [])
