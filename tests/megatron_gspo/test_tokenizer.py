@@ -96,3 +96,58 @@ def test_hub_name_and_missing_folder_are_clear_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist") as err:
         load_tokenizer(str(tmp_path / "nope"))
     assert "hub name" not in str(err.value)
+
+
+def _custom_tok(folder, bos_post_processor=False, extra_tokens=(), **special) -> str:
+    """A fixture-corpus BPE saved with chosen special tokens (eos/pad/bos), an optional
+    post-processor that prepends <|im_start|> (as BOS-adding tokenizers do) and added tokens."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.hf_fixtures import CORPUS
+    from tools.make_fixtures import train_tokenizer
+
+    tok = train_tokenizer(CORPUS, 300, special_tokens=SPECIALS)
+    if bos_post_processor:
+        tok.post_processor = processors.TemplateProcessing(
+            single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, **special)
+    fast.add_tokens(list(extra_tokens))
+    fast.save_pretrained(str(folder))
+    return str(folder)
+
+
+def test_missing_eos_is_refused_and_missing_pad_falls_back_to_eos(tmp_path):
+    with pytest.raises(ValueError, match="tokenizer has no eos_token"):
+        load_tokenizer(_custom_tok(tmp_path / "no_eos"))
+    tok = load_tokenizer(_custom_tok(tmp_path / "no_pad", eos_token="<|im_end|>"))
+    assert (tok.eos_id, tok.pad_id) == (2, 2)
+
+
+def test_bos_id_and_encode_without_the_tokenizers_own_specials(tmp_path):
+    """A BOS token is reported as bos_id (the sampler prepends it), so encode must not add it
+    again through the tokenizer's post-processor."""
+    tok = load_tokenizer(_custom_tok(tmp_path / "bos", bos_post_processor=True,
+                                     eos_token="<|im_end|>", bos_token="<|im_start|>"))
+    assert tok.bos_id == 1
+    assert tok.hf.encode("42")[0] == 1 and tok.encode("42")[0] != 1
+    assert tok.decode(tok.encode("42")) == "42"
+
+
+def test_vocab_size_counts_added_tokens(tmp_path):
+    """Added tokens get ids past the base vocabulary; the model's vocabulary must cover them."""
+    tok = load_tokenizer(_custom_tok(tmp_path / "added", extra_tokens=["<tool>"],
+                                     eos_token="<|im_end|>"))
+    assert tok.vocab_size == len(tok.hf) == 301 and tok.encode("<tool>") == [300]
+
+
+def test_decoding_stops_before_a_non_special_stop_id(tok_dir, tmp_path):
+    """A generation_config eos id that is an ordinary token is cut, not decoded."""
+    import shutil
+
+    folder = tmp_path / "gen"
+    shutil.copytree(tok_dir, folder)
+    stop = load_tokenizer(tok_dir).encode("the")[0]
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, stop]}))
+    tok = load_tokenizer(str(folder))
+    assert tok.decode(tok.encode("42") + [stop] + tok.encode("7")) == "42"
