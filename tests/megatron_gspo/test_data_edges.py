@@ -113,3 +113,14 @@ def test_build_task_takes_reward_settings_and_a_prompt_limit_equal_to_the_room(t
     task, train, evals = build_task(cfg, ByteTok(), 30)
     assert (task.reward_timeout_s, task.format_weight) == (2.5, 0.2)
     assert len(train) + len(evals) == 5
+
+
+@pytest.mark.parametrize("reward_model", ["the ground_truth is 4", 4, ["ground_truth"]])
+def test_a_non_object_on_the_field_path_names_its_type(tmp_path, reward_model):
+    """reward_model holding a string / number / list is a missing field, not a substring
+    match or a TypeError."""
+    path = write_jsonl(tmp_path / "t.jsonl", [{**verl_row(0), "reward_model": reward_model}])
+    with pytest.raises(DataError, match=r"t.jsonl:1: missing field 'reward_model.ground_truth' "
+                                        rf"\(data.answer_key\); reward_model has "
+                                        rf"{type(reward_model).__name__}$"):
+        dataset_splits(data_cfg(train_files=[path]), ByteTok(), 100)

@@ -129,6 +129,7 @@ def test_math_format_check():
     fmt = get_format_check("math")
     assert fmt("so \\boxed{3}") and fmt("steps\n#### 5") and fmt("#### 5")
     assert not fmt("the answer is 5") and not fmt("####") and not fmt("a #### 5")
+    assert not fmt("\\boxed") and not fmt("a \\boxedtext")  # the brace is part of it
 
 
 class _Task:
