@@ -143,7 +143,7 @@ def test_filler_spreads_padding_over_all_experts():
     for ids_NK in cache.dense_layers():
         assert ids_NK.shape == (T * B, K)
         assert torch.bincount(ids_NK.flatten(), minlength=E).tolist() == [5] * E
-        assert ids_NK[:2].tolist() == [[0, 1], [2, 3]]
+        assert ids_NK.tolist() == [[(n * K + j) % E for j in range(K)] for n in range(T * B)]
 
 
 def test_cache_shapes_are_checked():
@@ -152,6 +152,8 @@ def test_cache_shapes_are_checked():
     valid_BT = torch.ones(2, 3, dtype=torch.bool)
     with pytest.raises(ValueError, match=r"N=6"):
         RoutingReplayCache(torch.zeros(5, 1, 2, dtype=torch.uint8), valid_BT, 4)
+    with pytest.raises(ValueError, match=r"N=6"):  # [N, K]: the layer axis is missing
+        RoutingReplayCache(torch.zeros(6, 2, dtype=torch.uint8), valid_BT, 4)
     two_rows = torch.tensor([[0, 1], [2, 3]]).repeat(6, 1)  # [2*T*B, K]
     with pytest.raises(ValueError, match="recorded 12 tokens"):
         RoutingReplayCache.from_recorded([two_rows], valid_BT, 4)
@@ -234,3 +236,80 @@ def test_token_budgeted_pass_equals_one_pass(policy):
     assert (chunk_count(7, 10, 35), chunk_count(7, 10, 0), chunk_count(2, 10, 4)) == (3, 1, 2)
     with pytest.raises(ValueError, match="n_chunks=8"):
         row_chunks(7, 8)
+
+
+def test_select_keeps_each_rows_padding_in_the_given_order():
+    """`select` with rows out of order, a slice, or none: each row brings its own valid mask and
+    ids, as if the cache had been built from those rows alone."""
+    B, T, L, K, E = 3, 4, 2, 2, 64
+    ids_BTLK = torch.arange(B * T * L * K).reshape(B, T, L, K)  # every id distinct
+    valid_BT = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1], [0, 0, 1, 1]], dtype=torch.bool)
+    cache = RoutingReplayCache.from_dense(ids_BTLK, valid_BT, E)
+    for rows in (torch.tensor([2, 0]), torch.tensor([1, 2, 0]), slice(1, 3)):
+        want = RoutingReplayCache.from_dense(ids_BTLK[rows], valid_BT[rows], E)
+        got = cache.select(rows)
+        assert torch.equal(got.valid_BT, want.valid_BT), rows
+        assert torch.equal(got.ids_NLK, want.ids_NLK), rows
+    empty = cache.select(torch.tensor([], dtype=torch.long))
+    assert empty.ids_NLK.shape == (0, L, K) and empty.valid_BT.shape == (0, T)
+
+
+def test_validate_checks_every_layer():
+    """A repeated or out-of-range expert id in the last layer is caught, not only in layer 0."""
+    ids_NLK = torch.tensor([[[0, 1], [2, 3]], [[1, 2], [3, 0]]], dtype=torch.uint8)
+    valid_BT = torch.ones(1, 2, dtype=torch.bool)
+    RoutingReplayCache(ids_NLK, valid_BT, 4).validate()
+    dup = ids_NLK.clone()
+    dup[1, 1, 1] = 3
+    with pytest.raises(ValueError, match="repeats an expert id"):
+        RoutingReplayCache(dup, valid_BT, 4).validate()
+    out = ids_NLK.clone()
+    out[1, 1, 0] = 4
+    with pytest.raises(ValueError, match="outside"):
+        RoutingReplayCache(out, valid_BT, 4).validate()
+
+
+def test_a_policy_without_replay_or_with_a_busy_router_is_refused():
+    """No routers (built without moe_enable_routing_replay) or one still set to an action: the
+    contexts raise instead of recording / replaying nothing or on top of another action."""
+    from types import SimpleNamespace
+
+    with pytest.raises(RuntimeError, match="moe_enable_routing_replay"):
+        with record_routing(SimpleNamespace(router_replays=[])):
+            pass
+    busy = SimpleNamespace(router_replays=[SimpleNamespace(router_replay_action=None),
+                                           SimpleNamespace(router_replay_action="record")])
+    with pytest.raises(RuntimeError, match=r"layers \[1\] still have an action"):
+        assert_routing_idle(busy)
+
+
+def test_nested_routing_contexts_raise_and_exits_drop_the_targets(policy):
+    """Recording inside a replay (or any context inside another) is refused; leaving a context
+    drops megatron's targets, recordings and backward queue, not only the action."""
+    from moe.replay import replay_backward
+
+    tokens_BT, valid_BT = make_batch()
+    cache, _ = record(policy, tokens_BT, valid_BT)
+    contexts = [lambda: record_routing(policy), lambda: replay_routing(policy, cache),
+                lambda: replay_backward(policy, [cache.dense_layers()])]
+    for i, outer in enumerate(contexts):
+        for inner in contexts:
+            with pytest.raises(RuntimeError, match="leaked"):
+                with outer(), inner():
+                    pass
+            for r in policy.router_replays:
+                assert r.router_replay_action is None, i
+                assert r.target_topk_idx is None and r.recorded_topk_idx is None, i
+                assert r.replay_backward_list == [], i
+
+
+def test_chunking_edge_cases():
+    """No rows still take one forward (ranks agree on a count >= 1) over one empty slice;
+    n_chunks=0 is a ValueError, not a division by zero."""
+    from moe.replay import chunk_count, row_chunks
+
+    assert chunk_count(0, 10, 35) == 1
+    assert row_chunks(0, 1) == [slice(0, 0)]
+    assert row_chunks(5, 5) == [slice(i, i + 1) for i in range(5)]
+    with pytest.raises(ValueError, match="n_chunks=0"):
+        row_chunks(7, 0)
