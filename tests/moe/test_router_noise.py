@@ -2,6 +2,8 @@
 the gate weights clean, is ignored under replay, leaves no trace outside its context, and is
 replayed by activation recompute."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -16,8 +18,10 @@ from tests.moe.parallel_worker import batch, loss_fn
 PRESET = get_preset("tiny")
 
 
-def build(recompute=Recompute(), seed=3):
-    return MoEPolicy.build(PRESET, ParallelLayout(), real_vocab=PRESET.vocab_size, seed=seed,
+def build(recompute=Recompute(), seed=3, norm_topk_prob=True):
+    """A tiny policy; norm_topk_prob=False gives pre-softmax routers (scores are probs)."""
+    preset = dataclasses.replace(PRESET, norm_topk_prob=norm_topk_prob)
+    return MoEPolicy.build(preset, ParallelLayout(), real_vocab=PRESET.vocab_size, seed=seed,
                            optim=None, recompute=recompute)
 
 
@@ -57,15 +61,41 @@ def test_noise_flips_experts_reproducibly_and_only_inside(single_process):
     assert "get_replay_topk" not in vars(policy.router_replays[0])
 
 
-def test_gate_weights_come_from_the_clean_logits(single_process):
-    """Noise that cannot change any selection (tiny std) leaves the logits bit-identical."""
-    policy = build()
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_gate_weights_come_from_the_clean_logits(single_process, norm_topk_prob):
+    """Noise that cannot change any selection (tiny std) leaves the logits bit-identical, also
+    for pre-softmax routers (their gates are the clean probs, not the log-probs noise used)."""
+    policy = build(norm_topk_prob=norm_topk_prob)
     tokens_BT, valid_BT, _ = batch(PRESET.vocab_size)
     clean = policy.logits(tokens_BT, valid_BT).detach()
     _, noisy = noisy_routing(policy, 1e-30, seed=1)
     torch.testing.assert_close(noisy, clean, rtol=0, atol=0)
     _, flipped = noisy_routing(policy, 1.0, seed=1)
     assert (flipped - clean).abs().max() > 1e-3  # the check can fail
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_noisy_selection_is_topk_of_clean_logits_plus_scaled_draws(single_process,
+                                                                   norm_topk_prob):
+    """Each router call picks the top-k of its clean logits + std * z, z one [N, E] draw per
+    call from the generator, layer by layer; a pre-softmax router (norm_topk_prob=False) adds
+    the noise to log-probs, which rank as logits + std * z (probs + std * z would not)."""
+    policy, std = build(norm_topk_prob=norm_topk_prob), 0.7
+    logits_L = []
+    for layer in policy.model.module.decoder.layers:
+        def routing(logits, *args, _real=layer.mlp.router.routing, **kwargs):
+            logits_L.append(logits.detach().reshape(-1, PRESET.num_experts).float())
+            return _real(logits, *args, **kwargs)
+        layer.mlp.router.routing = routing
+    rec, _ = noisy_routing(policy, std, seed=3)
+    assert len(logits_L) == len(rec) == PRESET.num_layers
+    g = torch.Generator().manual_seed(3)
+    for logits_NE, ids_NK in zip(logits_L, rec):
+        z_NE = torch.randn(logits_NE.shape, generator=g)
+        want_NK = (logits_NE + std * z_NE).topk(PRESET.topk, dim=1).indices
+        assert torch.equal(ids_NK.sort(1).values, want_NK.sort(1).values)
+        clean_NK = logits_NE.topk(PRESET.topk, dim=1).indices
+        assert not torch.equal(ids_NK.sort(1).values, clean_NK.sort(1).values)  # can fail
 
 
 def test_noise_is_ignored_under_replay(single_process):
