@@ -138,9 +138,17 @@ def test_recompute_replays_the_noisy_selection(single_process):
 
 
 def test_bad_std_is_an_error(single_process):
+    """A negative std, or noise without a generator, fails on entry (not at the first router
+    call); std 0 is a no-op that needs no generator and patches no router."""
+    policy = build()
     with pytest.raises(ValueError, match="std=-1"):
-        with router_noise(build(), -1.0, torch.Generator()):
+        with router_noise(policy, -1.0, torch.Generator()):
             pass
+    with pytest.raises(ValueError, match="needs a generator"):
+        with router_noise(policy, 0.5, None):
+            pass
+    with router_noise(policy, 0.0, None):
+        assert not any("get_replay_topk" in vars(r) for r in policy.router_replays)
 
 
 def test_a_no_grad_noisy_forward_queues_nothing_for_the_backward(single_process):
