@@ -83,9 +83,10 @@ def test_bad_shapes_raise():
 
 def test_chunks_bound_the_float32_scratch(monkeypatch):
     """Each chunk's float32 [b, S, U] scratch stays within CHUNK_ELEMENTS (whole sequences,
-    at least one): 100 elements, S=4, U=10 -> 2 sequences per chunk."""
+    at least one): 100 elements, S=4, U=10 -> 2 sequences per chunk (sized by U, not by the
+    padded V=16, which would fit only 1)."""
     monkeypatch.setattr(moe.logprobs, "CHUNK_ELEMENTS", 100)
-    x_BSV = torch.zeros(5, 4, 12)
+    x_BSV = torch.zeros(5, 4, 16)
     assert moe.logprobs._chunks(x_BSV, 10) == [slice(0, 2), slice(2, 4), slice(4, 6)]
     assert moe.logprobs._chunks(torch.zeros(2, 4, 40), 40) == [slice(0, 1), slice(1, 2)]
 
