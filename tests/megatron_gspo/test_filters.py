@@ -204,3 +204,90 @@ def test_group_has_signal_agrees_with_group_advantages_at_the_tolerance():
     assert adv[:2].tolist() == [0.0, 0.0] and (adv[2:] != 0).all()
     assert m["adv/zero_std_frac"] == 0.5
     assert group_has_signal(r, 2).tolist() == [False, True]
+
+
+def test_rollout_health_counts_timeouts_apart_from_raises():
+    """reward/timeouts counts TIMED_OUT only, reward/errors both kinds; a batch without
+    truncation or reward status (hand-built, or an old caller) logs neither metric."""
+    batch = make_batch([1, 0, 0, 0, 1, 1])
+    batch.reward_status_B = torch.tensor([RAISED, RAISED, TIMED_OUT, OK, RAISED, OK],
+                                         dtype=torch.int8)
+    health = rollout_health(batch)
+    assert health["reward/errors"] == 4.0 and health["reward/timeouts"] == 1.0
+    batch.truncated_B = batch.reward_status_B = None
+    assert rollout_health(batch) == {}
+
+
+def test_overlong_filter_needs_the_truncation_flags():
+    """filter.overlong on a batch without truncated_B is a ValueError naming the field, not a
+    silent no-op or a crash deep in masked_fill."""
+    batch = make_batch([1, 0])
+    batch.truncated_B = None
+    with pytest.raises(ValueError, match="truncated_B"):
+        overlong_filter(torch.tensor([1.0, -1.0]), batch, enabled=True)
+    assert overlong_filter(torch.tensor([1.0, -1.0]), batch, enabled=False)[1] == {}
+
+
+def test_group_has_signal_at_exactly_the_tolerance():
+    """Population std == ZERO_STD_TOL (0 and 2e-12: std 1e-12 exactly in float64) is signal, as
+    group_advantages (zero only below the tolerance) gives it nonzero advantages."""
+    from megatron_gspo.advantages import ZERO_STD_TOL, group_advantages
+
+    r = torch.tensor([0.0, 2e-12], dtype=torch.float64)
+    assert r.std(unbiased=False).item() == ZERO_STD_TOL
+    assert (group_advantages(r, 2)[0] != 0).all()
+    assert group_has_signal(r, 2).tolist() == [True]
+
+
+def test_group_has_signal_tests_float32_rewards_in_float64():
+    """RolloutBatch rewards are float32. float32(2e-12) = 1.99999999e-12, so [0, it] has
+    population std 9.99999996e-13 < ZERO_STD_TOL in float64: group_advantages gives it zero
+    advantages, and group_has_signal must agree (a float32 std compared in float32 rounds the
+    tolerance to that same value and would call it signal)."""
+    from megatron_gspo.advantages import group_advantages
+
+    r = torch.tensor([0.0, 2e-12, 0.0, 1.0], dtype=torch.float32)
+    assert group_advantages(r, 2)[0][:2].tolist() == [0.0, 0.0]
+    assert group_has_signal(r, 2).tolist() == [False, True]
+
+
+def test_concat_pads_tokens_with_pad_id_and_masks_with_false():
+    """Right padding: tokens take the tokenizer's pad id (here 9, not 0); valid/response masks
+    False and sampler log-probs 0, whatever the pad id."""
+    a = make_batch([1, 0], resp_lens=[1, 1], tag=0)
+    b = make_batch([0, 1], resp_lens=[3, 3], tag=1)
+    ab = concat_batches([a, b], pad_id=9)
+    Ta = a.tokens_BT.shape[1]
+    assert ab.tokens_BT.shape[1] > Ta
+    assert bool((ab.tokens_BT[:2, Ta:] == 9).all())
+    assert not ab.valid_BT[:2, Ta:].any() and not ab.response_BT[:2, Ta:].any()
+    assert bool((ab.sampler_logp_BT[:2, Ta:] == 0).all())
+    assert ab.valid_BT.dtype == torch.bool and ab.response_BT.dtype == torch.bool
+
+
+def test_dynamic_sampling_after_frac_is_zero_when_extra_varied_groups_were_found():
+    """filter/zero_std_frac/after is the filler fraction of the kept batch: 0, never negative,
+    when the last round brings more varied groups than still needed (1 + 2 for 2 prompts)."""
+    draw, _ = draws([1, 0, 1, 1], [0, 1, 1, 0])
+    out, metrics = dynamic_sample(draw, n_prompts=2, group_size=2, max_rounds=3, pad_id=PAD)
+    assert metrics["filter/zero_std_frac/after"] == 0.0
+    assert metrics["filter/zero_std_frac/before"] == 1 / 4 and metrics["filter/rounds"] == 2.0
+    assert out.examples == ["e0_0", "e0_0", "e1_0", "e1_0"]
+
+
+def test_sample_rollouts_dispatches_on_the_filter_config():
+    """filter.dynamic_sampling=false: one draw, no metrics; true: dynamic_sample with
+    filter.max_rounds (here 1: the flat first draw is kept, no second draw)."""
+    from types import SimpleNamespace
+
+    from megatron_gspo.filters import sample_rollouts
+
+    draw, batches = draws([1, 1, 0, 0], [1, 0, 0, 1])
+    out, metrics = sample_rollouts(draw, SimpleNamespace(dynamic_sampling=False, max_rounds=4),
+                                   2, 2, PAD)
+    assert out is batches[0] and metrics == {}
+    draw, _ = draws([1, 1, 0, 0], [1, 0, 0, 1])
+    out, metrics = sample_rollouts(draw, SimpleNamespace(dynamic_sampling=True, max_rounds=1),
+                                   2, 2, PAD)
+    assert metrics["filter/rounds"] == 1.0 and metrics["filter/zero_std_frac/after"] == 1.0
+    assert out.examples == ["e0_0", "e0_0", "e0_1", "e0_1"]
