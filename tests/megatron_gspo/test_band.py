@@ -138,3 +138,59 @@ def test_band_edges_are_inside_for_sft():
     assert band.update(0, 0.0) is False
     assert band.update(10, 0.5) is True
     assert band.record() == {"sft/start_accuracy": 0.5, "sft/band_step": 10.0}
+
+
+def test_start_check_without_init_checkpoint_names_the_initial_policy():
+    """A refused start from a fresh policy (no init_checkpoint) says so, not
+    "init_checkpoint=None"."""
+    cfg = load_config(None, ["train.start_accuracy=[0.25,0.45]"])
+    with pytest.raises(AccuracyBandError, match=r"^train\.start_accuracy=\[0\.25, 0\.45\]: the "
+                                                r"initial policy \(no init_checkpoint\) has "
+                                                r"held-out accuracy 0\.1000, outside"):
+        check_start_accuracy(cfg, {"eval/accuracy": 0.1})
+
+
+def test_sft_band_first_eval_cases():
+    """Step 0 exactly at the upper edge is in the band (stop there, not "already above"); a
+    first eval after step 0 above the band (a resumed run without an eval on record) is a jump
+    with no "from" part, not "before SFT"."""
+    cfg = load_config(None, ["sft.target_accuracy=[0.25,0.5]", "run_dir=r", "sft.eval_every=5",
+                             "sft.lr=1e-3"])
+    band = SFTBand(cfg)
+    assert band.update(0, 0.5) is True
+    assert band.record() == {"sft/start_accuracy": 0.5, "sft/band_step": 0.0}
+    with pytest.raises(AccuracyBandError, match=r"held-out accuracy jumped to 0\.9000 at step "
+                                                r"10, past the band") as e:
+        SFTBand(cfg).update(10, 0.9)
+    assert str(e.value).endswith("smaller sft.eval_every (now 5) or sft.lr (now 0.001)")
+
+
+def test_sft_band_without_target_and_before_entering():
+    """No sft.target_accuracy: update never stops SFT (and still tracks the last eval); before
+    the band is entered record() is {} (nothing for the checkpoint to keep)."""
+    band = SFTBand(load_config(None, ["run_dir=r"]))
+    assert band.update(10, 0.99) is False and band.last == (10, 0.99) and band.record() == {}
+    band = SFTBand(load_config(None, ["sft.target_accuracy=[0.25,0.5]", "run_dir=r"]))
+    assert band.update(10, 0.1) is False and band.record() == {}
+    assert "held-out accuracy 0.1000 at step 10" in str(band.exhausted())
+
+
+def test_cold_start_line_reads_the_latest_record(tmp_path):
+    """The latest band record wins; without one, the latest eval; without metrics, a line
+    saying so (no crash)."""
+    import json
+
+    def write(rows):
+        with open(tmp_path / "metrics.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+    assert cold_start_line(str(tmp_path)) == f"cold start {tmp_path}: no band record (no eval " \
+                                             "logged)"
+    write([{"step": 0, "eval/accuracy": 0.0}, {"step": 10, "eval/accuracy": 0.125},
+           {"step": 11, "sft/loss": 1.0}])
+    assert cold_start_line(str(tmp_path)).endswith("no band record (accuracy 0.1250 at step 10)")
+    write([{"step": 20, "eval/accuracy": 0.3, "sft/start_accuracy": 0.3, "sft/band_step": 20.0},
+           {"step": 30, "eval/accuracy": 0.35, "sft/start_accuracy": 0.35,
+            "sft/band_step": 30.0}])
+    assert cold_start_line(str(tmp_path)).endswith("start accuracy 0.3500, entered the band at "
+                                                   "SFT step 30")
