@@ -291,3 +291,21 @@ def test_sample_rollouts_dispatches_on_the_filter_config():
                                    2, 2, PAD)
     assert metrics["filter/rounds"] == 1.0 and metrics["filter/zero_std_frac/after"] == 1.0
     assert out.examples == ["e0_0", "e0_0", "e0_1", "e0_1"]
+
+
+def test_rollout_batch_select_and_response_lengths():
+    """select(rows) picks those rows, in that order, from every tensor, list and the routing
+    cache (through its own select); response lengths count response tokens, not the prompt."""
+
+    class Routing:
+        def select(self, rows):
+            return ("selected", rows.tolist())
+
+    batch = make_batch([1, 0, 0, 1], prompt_len=2, resp_lens=[1, 3, 2, 1])
+    assert batch.response_lengths_B.tolist() == [1, 3, 2, 1]
+    batch.routing = Routing()
+    sub = batch.select(torch.tensor([3, 1]))
+    assert sub.routing == ("selected", [3, 1])
+    assert sub.completions == ["c0_3", "c0_1"] and sub.rewards_B.tolist() == [1.0, 0.0]
+    assert torch.equal(sub.tokens_BT, batch.tokens_BT[[3, 1]])
+    assert sub.response_lengths_B.tolist() == [1, 3]

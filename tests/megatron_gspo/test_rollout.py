@@ -52,6 +52,23 @@ def test_top_p_filter_boundary_cases():
     assert torch.equal(top_p_filter(peaked, 1.0), peaked)
 
 
+def test_top_p_filter_maps_the_kept_set_back_to_vocabulary_order():
+    """The nucleus is chosen in sorted order but masks the tokens by id: unsorted logits keep
+    their two most likely tokens (ids 3 and 1) in place, per row."""
+    probs = torch.tensor([[0.05, 0.3, 0.15, 0.5], [0.6, 0.1, 0.25, 0.05]])
+    kept = torch.isfinite(top_p_filter(torch.log(probs), 0.7)).tolist()
+    assert kept == [[False, True, False, True], [True, False, True, False]]
+
+
+def test_encode_prompts_without_bos():
+    """A tokenizer without <bos> (bos_id None) gets no extra column, only its prompt tokens."""
+    tok = CharTokenizer()
+    tok.bos_id = None
+    tokens_BP, valid_BP = encode_prompts(tok, ["1+2=", "12+3="])
+    assert tokens_BP.shape == (2, 5) and valid_BP.sum(1).tolist() == [4, 5]
+    assert tokens_BP[0].tolist() == [tok.pad_id] + tok.encode("1+2=")
+
+
 def test_draw_is_invariant_to_a_logit_shift():
     """Softmax ignores a constant shift: the same ids (same generator stream) and log-probs for
     logits + 1000, where unnormalised exp(logits) would overflow to inf."""
@@ -305,3 +322,87 @@ def test_generate_rollouts_rows_are_group_major(policy):
                               max_new_tokens=3, generator=torch.Generator().manual_seed(0))
     assert batch.group_B.tolist() == [0, 0, 0, 1, 1, 1]
     assert [ex.prompt for ex in batch.examples] == [examples[g].prompt for g in batch.group_B]
+
+
+class _PenaltyTask:
+    """Reward -1 - len(completion) (negative: kept as is); raises for the answer "boom"."""
+
+    def reward(self, example, completion):
+        if example.answer == "boom":
+            raise RuntimeError("verifier bug")
+        return -1.0 - len(completion)
+
+
+def test_generate_rollouts_is_the_sampler_plus_rewards_and_flags(policy):
+    """generate_rollouts passes temperature, top_p, the generator and record_routing on to
+    `sample` (the same draws and log-probs as calling it directly); completions are the
+    decoded response tokens; rewards (negative ones kept) and reward status come from the task;
+    truncation uses all of the tokenizer's stop ids, not just EOS."""
+    from megatron_gspo.rewards import OK, RAISED
+    from megatron_gspo.rollout import truncated_rows
+
+    tok = CharTokenizer()
+    tok.stop_ids = frozenset({tok.eos_id, *(tok.encode(d)[0] for d in "01234")})
+    examples = [Example("12+3=", "15"), Example("7+8=", "boom")]
+    kw = dict(max_new_tokens=4, temperature=0.7, top_p=0.9)
+    batch = generate_rollouts(policy, tok, _PenaltyTask(), examples, group_size=3,
+                              generator=torch.Generator().manual_seed(11), record_routing=True,
+                              **kw)
+    want = sample(policy, tok, [ex.prompt for ex in batch.examples],
+                  generator=torch.Generator().manual_seed(11), **kw)
+    for got, w in zip((batch.tokens_BT, batch.valid_BT, batch.response_BT,
+                       batch.sampler_logp_BT), want):
+        assert torch.equal(got, w)
+    assert batch.routing is not None and torch.equal(batch.routing.valid_BT, batch.valid_BT)
+    assert batch.completions == [tok.decode(r[m].tolist()) for r, m in zip(want[0], want[2])]
+    assert batch.rewards_B.tolist() == [-1.0 - len(c) for c in batch.completions[:3]] + [0.0] * 3
+    assert batch.reward_status_B.tolist() == [OK] * 3 + [RAISED] * 3
+    assert torch.equal(batch.truncated_B, truncated_rows(want[0], want[2], tok.stop_ids))
+    P = encode_prompts(tok, [ex.prompt for ex in examples])[0].shape[1]
+    last_B = batch.tokens_BT.gather(1, (P + batch.response_lengths_B - 1)[:, None]).squeeze(1)
+    assert ((last_B != tok.eos_id) & ~batch.truncated_B).any()  # a non-EOS stop ended a row
+
+
+def test_evaluate_scores_the_greedy_completions_in_example_order(policy, monkeypatch):
+    """evaluate scores exactly the examples' greedy completions, in order (a filler chunk's
+    are dropped), decoding ceil(n / batch_size) chunks (here 4 / 2, plus the peer's filler) in
+    eval mode with the kv_cache it was given; no examples is a ValueError."""
+    import megatron_gspo.tasks as tasks
+
+    tok = CharTokenizer()
+    examples = [Example(p, "0") for p in PROMPTS]
+    want = []
+    for chunk in (PROMPTS[:2], PROMPTS[2:]):
+        out = sample(policy, tok, chunk, max_new_tokens=2, greedy=True, kv_cache=False)
+        want += rollout.decode_responses(tok, out[0], out[2])
+    seen, calls = [], []
+    real_sample = rollout.sample
+
+    def spy(*args, **kwargs):
+        calls.append((len(args[2]), kwargs["kv_cache"], policy.model.training))
+        return real_sample(*args, **kwargs)
+
+    monkeypatch.setattr(tasks, "score", lambda task, exs, comps: seen.append((exs, comps)) or {})
+    monkeypatch.setattr(rollout, "sample", spy)
+    monkeypatch.setattr(rollout, "max_over_ranks", lambda n: n + 1)  # a peer has 3 chunks
+    was = policy.model.training
+    try:
+        policy.train(True)
+        evaluate(policy, tok, Addition(), examples, max_new_tokens=2, batch_size=2,
+                 kv_cache=False)
+    finally:
+        policy.train(was)
+    assert seen == [(examples, want)]
+    assert calls == [(2, False, False), (2, False, False), (1, False, False)]
+    with pytest.raises(ValueError, match="no examples"):
+        evaluate(policy, tok, Addition(), [], max_new_tokens=3)
+
+
+def test_record_routing_takes_the_kv_decoder_even_with_kv_cache_off(policy):
+    """record_routing builds the KV decoder whatever kv_cache says (only a layout without one,
+    as under sequence parallelism, is refused): same draws, routing recorded."""
+    tok = CharTokenizer()
+    out = [sample(policy, tok, PROMPTS, max_new_tokens=3, kv_cache=kv, record_routing=True,
+                  generator=torch.Generator().manual_seed(2)) for kv in (False, True)]
+    assert out[0][4] is not None and torch.equal(out[0][0], out[1][0])
+    assert torch.equal(out[0][4].ids_NLK, out[1][4].ids_NLK)
