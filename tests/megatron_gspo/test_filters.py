@@ -309,3 +309,13 @@ def test_rollout_batch_select_and_response_lengths():
     assert sub.completions == ["c0_3", "c0_1"] and sub.rewards_B.tolist() == [1.0, 0.0]
     assert torch.equal(sub.tokens_BT, batch.tokens_BT[[3, 1]])
     assert sub.response_lengths_B.tolist() == [1, 3]
+
+
+def test_dynamic_sampling_judges_whole_groups_of_group_size():
+    """Signal is judged per group of G=4 rows (not per pair): [1, 1, 0, 0] is one varied group
+    although each of its pairs is flat."""
+    draw, _ = draws([1, 1, 1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 2, 2, 2, 2])
+    out, metrics = dynamic_sample(draw, n_prompts=2, group_size=4, max_rounds=3, pad_id=PAD)
+    assert metrics["filter/rounds"] == 2.0 and metrics["filter/zero_std_frac/before"] == 0.5
+    assert out.rewards_B.tolist() == [1, 1, 0, 0, 0, 0, 1, 1]
+    assert out.group_B.tolist() == [0] * 4 + [1] * 4
