@@ -24,6 +24,7 @@ BASE = ["model.preset=tiny", "task.name=addition", "task.kwargs.num_digits=1", "
     ("[.nan,0.3]", "0 <= low < high <= 1"), ("[0.2]", "expected [low, high]"),
     ("[0.1,0.2,0.3]", "expected [low, high]"), ("[x,0.3]", "expected [low, high]"),
     ("[true,0.2,0.4]", "expected [low, high]"), ("[0.2,0.4,false]", "expected [low, high]"),
+    ("[false,0.4]", "expected [low, high]"),  # a bool is no accuracy, though float(False) is 0
     ("0.3", "expected list | null")])
 def test_bad_band_is_a_config_error_naming_it(key, value, fragment):
     with pytest.raises(ConfigError, match=r"^" + key.replace(".", r"\.") + "=") as e:
