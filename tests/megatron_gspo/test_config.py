@@ -156,6 +156,7 @@ def test_empty_file_and_empty_base_are_all_defaults(tmp_path):
     ({"exp.yaml": "base: exp.yaml\n"}, r"config base cycle: .*exp.yaml -> .*exp.yaml"),
     ({"exp.yaml": "base: gone.yaml\n"}, r"base config not found: .*gone.yaml \(the base of"),
     ({"exp.yaml": "base: [a.yaml]\n"}, r"exp.yaml: base=\['a.yaml'\]: expected the path"),
+    ({"exp.yaml": "base: ''\n"}, r"exp.yaml: base='': expected the path"),
     ({"exp.yaml": "base: b.yaml\n", "b.yaml": "- 1\n"}, r"b.yaml: expected a mapping"),
     ({"exp.yaml": "base: b.yaml\n", "b.yaml": "train: {stepz: 1}\n"}, r"'train.stepz'"),
 ])
@@ -294,6 +295,19 @@ def test_save_load_round_trip(tmp_path):
     assert os.listdir(os.path.dirname(path)) == ["resolved.yaml"]  # no tmp file left
     save_config(RunConfig(), path)  # overwrite in place
     assert load_config(path) == RunConfig()
+
+
+def test_saved_config_keeps_the_schema_order(tmp_path):
+    """The resolved config file lists the keys in the schema's order (run_dir first, then the
+    sections as declared), not alphabetically."""
+    path = os.path.join(tmp_path, "resolved.yaml")
+    save_config(RunConfig(), path)
+    with open(path) as f:
+        lines = f.read().splitlines()
+    top = [ln.split(":")[0] for ln in lines if ln and not ln.startswith(("#", " "))]
+    assert top == [f.name for f in dataclasses.fields(RunConfig)]
+    model = [ln.split(":")[0].strip() for ln in lines[lines.index("model:") + 1:][:3]]
+    assert model == ["preset", "tp", "ep"]
 
 
 def test_every_field_has_a_docstring():
