@@ -1,0 +1,167 @@
+"""megatron_gspo.rundir: which config keys a resume may change, the run record, the lock's
+sharing and owner line, and stale-temporary clean-up (the refusals end to end are in
+test_faults.py)."""
+
+import fcntl
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from megatron_gspo.config import config_to_dict, load_config
+from megatron_gspo.rundir import (LOCK_FILE, NON_SEMANTIC, RunDirError, claim_run_dir,
+                                  record_run, semantic_config)
+
+
+def claim(run_dir, job="train", *overrides, resume=True, is_main=True):
+    cfg = config_to_dict(load_config(None, [f"run_dir={run_dir}", *overrides]))
+    lock = claim_run_dir(str(run_dir), job, cfg, resume, is_main=is_main)
+    record_run(str(run_dir), job, cfg, lambda p: open(p, "w").write("x"))
+    return lock
+
+
+def _lock_is_held(run_dir) -> bool:
+    """Whether someone holds run_dir's flock (a fresh descriptor conflicts even in-process)."""
+    fd = os.open(os.path.join(run_dir, LOCK_FILE), os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+# A value other than the default for each key a resume may change.
+CHANGED = {"run_dir": None, "resume": "resume=force", "wandb": "wandb.project=other",
+           "train.steps": "train.steps=99", "train.eval_every": "train.eval_every=3",
+           "train.save_every": "train.save_every=3", "train.log_every": "train.log_every=3",
+           "train.flip_every": "train.flip_every=0", "sft.steps": "sft.steps=7",
+           "sft.eval_every": "sft.eval_every=7", "sft.target_accuracy":
+           "sft.target_accuracy=[0.2,0.4]", "train.start_accuracy": "train.start_accuracy=[0,1]",
+           "model.dist_timeout_min": "model.dist_timeout_min=3",
+           "train.logprob_max_tokens": "train.logprob_max_tokens=0"}
+
+
+def test_every_non_semantic_key_is_listed_here():
+    """Keeps CHANGED (the cases below) in step with rundir.NON_SEMANTIC."""
+    assert set(CHANGED) == set(NON_SEMANTIC)
+
+
+@pytest.mark.parametrize("job", ["train", "sft"])
+@pytest.mark.parametrize("key", [k for k in CHANGED if CHANGED[k]])
+def test_each_non_semantic_key_may_change_on_resume(tmp_path, job, key):
+    """Guards NON_SEMANTIC entry by entry: a resume that changes only how long / how often /
+    where to log (not what is trained) is accepted, with the run's fingerprint unchanged."""
+    base = config_to_dict(load_config(None, [f"run_dir={tmp_path}"]))
+    changed = config_to_dict(load_config(None, [f"run_dir={tmp_path}", CHANGED[key]]))
+    assert changed != base
+    assert semantic_config(changed, job) == semantic_config(base, job)
+    claim(tmp_path, job).release()
+    claim(tmp_path, job, CHANGED[key]).release()
+
+
+def test_task_kwargs_are_one_recorded_value():
+    """run.json holds task.kwargs as one dict (records written so far do): a flattened
+    `task.kwargs.num_digits` would not match them."""
+    cfg = config_to_dict(load_config(None, ["task.kwargs.num_digits=2", "optim.lr=0.5"]))
+    semantic = semantic_config(cfg, "train")
+    assert semantic["task.kwargs"] == {"num_digits": 2}
+    assert not [k for k in semantic if k.startswith("task.kwargs.")]
+    assert semantic["optim.lr"] == 0.5 and "sft.lr" not in semantic and "run_dir" not in semantic
+
+
+def test_skipped_keys_match_whole_dotted_parts():
+    """A skipped key covers itself and its sub-keys only (`train.steps` does not cover a
+    `train.steps_per_eval`), and values are kept as run.json holds them (tuples as lists)."""
+    config = {"train": {"steps": 5, "steps_per_eval": 2, "eval_every": 1}, "wandbx": 1,
+              "model": {"shape": (2, 3)}, "sft": {"lr": 0.1}}
+    assert semantic_config(config, "train") == {"model.shape": [2, 3],
+                                                "train.steps_per_eval": 2, "wandbx": 1}
+
+
+def test_resume_force_keeps_the_first_record(tmp_path):
+    """run.json is written once: a resume=force run goes on under the original record, so a
+    later resume with the original config is still accepted (and the new one still refused)."""
+    claim(tmp_path, "train", "optim.lr=1e-4").release()
+    first = (tmp_path / "run.json").read_text()
+    claim(tmp_path, "train", "optim.lr=1e-3", resume="force").release()
+    assert (tmp_path / "run.json").read_text() == first
+    claim(tmp_path, "train", "optim.lr=1e-4").release()
+    with pytest.raises(RunDirError, match=r"optim.lr: 0.0001 -> 0.001"):
+        claim(tmp_path, "train", "optim.lr=1e-3")
+
+
+def test_claims_in_one_process_share_the_lock_until_the_last_release(tmp_path):
+    """Two Trainers in one process (a test, a notebook) both claim the run dir; the flock is
+    dropped only when both have released it."""
+    first = claim(tmp_path)
+    second = claim(tmp_path)
+    first.release()
+    assert _lock_is_held(tmp_path)
+    second.release()
+    assert not _lock_is_held(tmp_path)
+    second.release()  # a second release is a no-op
+    assert not _lock_is_held(tmp_path)
+
+
+def test_lock_file_names_its_current_owner_only(tmp_path):
+    """The owner line replaces what a previous (longer) owner wrote, so the refusal names the
+    live process."""
+    (tmp_path / LOCK_FILE).write_text("pid 123456789 job sft and more text")
+    claim(tmp_path, "train").release()
+    assert (tmp_path / LOCK_FILE).read_text() == f"pid {os.getpid()} job train"
+
+
+def test_a_lock_held_by_an_unknown_process_is_still_refused(tmp_path):
+    """A holder that wrote no owner line (not our process) is refused as 'unknown'."""
+    (tmp_path / LOCK_FILE).write_text("")
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import fcntl, os, time
+        fd = os.open({str(tmp_path / LOCK_FILE)!r}, os.O_RDWR)
+        fcntl.flock(fd, fcntl.LOCK_EX); print("locked", flush=True); time.sleep(60)""")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(RunDirError, match=r"another process \(unknown\)"):
+            claim(tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_only_hidden_tmp_files_are_removed_also_under_glob_characters(tmp_path):
+    """Stale `.*.tmp` files are atomic_write's; a user's `notes.tmp` is kept, and a run dir
+    whose name holds glob characters is searched literally."""
+    run_dir = tmp_path / "run[1]"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    stale = run_dir / "checkpoints" / ".latest.x1.tmp"
+    stale.write_text("half")
+    mine = run_dir / "notes.tmp"
+    mine.write_text("keep")
+    claim(run_dir).release()
+    assert not stale.exists() and mine.read_text() == "keep"
+
+
+def test_other_ranks_take_rank_0s_verdict_and_leave_files_alone(tmp_path, monkeypatch):
+    """A rank that is not rank 0 takes no lock, deletes nothing and raises rank 0's reason
+    (the broadcast), even where its own view of the run dir would let it go on."""
+    import torch.distributed as dist
+
+    stale = tmp_path / ".x.tmp"
+    stale.write_text("half")
+    cfg = config_to_dict(load_config(None, [f"run_dir={tmp_path}"]))
+    assert claim_run_dir(str(tmp_path), "train", cfg, True, is_main=False) is None
+    assert stale.exists() and not (tmp_path / LOCK_FILE).exists()
+
+    def from_rank_0(box, src):
+        assert src == 0 and box == [""]
+        box[0] = "run_dir=x holds a 'sft' run"
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "broadcast_object_list", from_rank_0)
+    with pytest.raises(RunDirError, match="^run_dir=x holds a 'sft' run$"):
+        claim_run_dir(str(tmp_path), "train", cfg, True, is_main=False)
