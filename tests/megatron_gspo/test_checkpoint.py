@@ -196,3 +196,90 @@ def test_step_with_a_step_dir_is_refused(tmp_path):
     d = ckpt.save_checkpoint(str(tmp_path), 1, _state(1))
     with pytest.raises(ValueError, match="step=2 given with a step dir"):
         ckpt.load_checkpoint(d, step=2)
+
+
+def test_resume_candidates_without_latest_and_never_newer_than_latest(tmp_path):
+    """No `latest` means nothing to resume (steps saved but never marked do not count); a
+    complete step newer than `latest` (latest moved back by hand) is not a candidate."""
+    root = str(tmp_path)
+    assert ckpt.resume_candidates(root) == []
+    ckpt.save_checkpoint(root, 1, _state(1))
+    assert ckpt.resume_candidates(root) == []
+    for s in (1, 2, 3):
+        ckpt.save_checkpoint(root, s, _state(s))
+        ckpt.mark_latest(root, s)
+    with open(os.path.join(root, "latest"), "w") as f:
+        f.write("2\n")
+    assert ckpt.resume_candidates(root) == [2, 1]
+
+
+def test_only_exact_step_dir_names_are_steps(tmp_path):
+    """A copy such as `step_000002.bak` (even one holding a `complete` marker) is neither a
+    resume candidate nor read as a step dir."""
+    import shutil
+
+    root = str(tmp_path)
+    for s in (1, 2):
+        ckpt.save_checkpoint(root, s, _state(s))
+        ckpt.mark_latest(root, s)
+    backup = os.path.join(root, "step_000002.bak")
+    shutil.copytree(ckpt.step_dir(root, 2), backup)
+    ckpt.mark_latest(root, 1)
+    assert ckpt.resume_candidates(root) == [1]
+    with pytest.raises(FileNotFoundError, match="no 'latest' marker"):
+        ckpt.load_checkpoint(backup)  # a root without `latest`, not step 2's dir
+
+
+def test_numpy_integer_step_and_rank_are_accepted(tmp_path):
+    """Steps and ranks that arrive as numpy integers name the same files as Python ints."""
+    root = str(tmp_path)
+    d = ckpt.save_checkpoint(root, np.int64(3), _state(3), rank=np.int32(1))
+    assert d == ckpt.step_dir(root, 3) and os.path.isfile(ckpt.rank_file(d, 1))
+    ckpt.save_checkpoint(root, 3, _state(3))
+    ckpt.mark_latest(root, np.int64(3))
+    _assert_same(ckpt.load_checkpoint(root, rank=np.int64(1), step=np.int64(3)), _state(3))
+
+
+def test_load_honours_map_location(tmp_path):
+    root = str(tmp_path)
+    ckpt.save_checkpoint(root, 1, _state(1))
+    ckpt.mark_latest(root, 1)
+    assert ckpt.load_checkpoint(root, map_location="meta")["policy"]["w"].is_meta
+
+
+@pytest.mark.parametrize("key", ["python", "numpy", "torch"])
+def test_set_rng_state_names_each_missing_generator(key):
+    """Each of the three required states, when missing, is a ValueError naming it (before
+    anything is restored)."""
+    state = ckpt.rng_state()
+    del state[key]
+    before = torch.get_rng_state()
+    with pytest.raises(ValueError, match=f"lacks \\['{key}'\\]"):
+        ckpt.set_rng_state(state)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_listing_in_errors_leaves_out_tmp_files(tmp_path):
+    """The "holds [...]" of a missing-file error lists real entries, not a killed save's .tmp."""
+    root = str(tmp_path)
+    ckpt.save_checkpoint(root, 1, _state(1))
+    ckpt.mark_latest(root, 1)
+    open(os.path.join(root, ".latest.abc.tmp"), "w").close()
+    with pytest.raises(FileNotFoundError, match=r"holds \[latest, step_000001\]$"):
+        ckpt.load_checkpoint(root, step=4)
+
+
+def test_cuda_rng_states_restore_for_the_devices_present(monkeypatch):
+    """(CUDA faked) a state saved with 2 GPUs restores device 0 only on a 1-GPU process, and
+    one saved without CUDA restores on a GPU process without error."""
+    set_calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, i: set_calls.append((s, i)))
+    base = {"python": random.getstate(), "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state()}
+    ckpt.set_rng_state(base)  # saved on a CPU-only machine
+    assert set_calls == []
+    s0, s1 = torch.tensor([1], dtype=torch.uint8), torch.tensor([2], dtype=torch.uint8)
+    ckpt.set_rng_state({**base, "cuda": [s0, s1]})
+    assert [(s.tolist(), i) for s, i in set_calls] == [([1], 0)]
