@@ -143,8 +143,8 @@ def test_throughput_divides_tokens_by_their_phase_time():
 
 
 def test_entropy_and_small_reward_collapse_alerts():
-    """Entropy below the floor (strictly) alerts, a metrics dict without entropy does not, and
-    a reward that never rose above 0.05 cannot "crash"."""
+    """Entropy below the floor (strictly) alerts, a metrics dict without entropy does not, a
+    reward that never rose above 0.05 cannot "crash", and one exactly at the drop does not."""
     from megatron_gspo.trainer import Trainer
 
     t = _stub(collapse_entropy_floor=0.05, collapse_reward_drop=0.5)
@@ -157,6 +157,9 @@ def test_entropy_and_small_reward_collapse_alerts():
     for r in (0.04, 0.0, 0.0, 0.0):  # ema 0.04, 0.028, 0.0196, 0.01372: below half the best
         out = Trainer.collapse_alerts(low, {"reward/mean": r})
     assert low.state.reward_ema < 0.02 and out["alert/reward_collapse"] == 0.0
+    edge = _stub(collapse_reward_drop=0.3)  # ema 0.7 after 1, 0 is exactly 0.7 of the best
+    Trainer.collapse_alerts(edge, {"reward/mean": 1.0})
+    assert Trainer.collapse_alerts(edge, {"reward/mean": 0.0})["alert/reward_collapse"] == 0.0
 
 
 @pytest.mark.parametrize("replay, dtype, kv_cache, dynamic, sp, want", [
