@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_gspo.config import load_config
-from tests.megatron_gspo.test_trainer import BASE
+from tests.megatron_gspo.test_trainer import BASE, _stub
 
 
 class LoopStub:
@@ -206,10 +206,3 @@ def test_router_noise_is_a_fresh_seeded_draw_per_step_and_off_under_replay(monke
     quiet.policy = t.policy
     assert trainer_mod.Trainer.router_noise(quiet, live) == (0.0, None)
 
-
-def _stub(**train):
-    from megatron_gspo.trainer import TrainerState
-
-    cfg = load_config(None, [*BASE, *(f"train.{k}={v}" for k, v in train.items())])
-    return SimpleNamespace(cfg=cfg, state=TrainerState(),
-                           rt=SimpleNamespace(info=SimpleNamespace(is_main=False)))
