@@ -1,7 +1,6 @@
 """megatron_gspo.runtime: the parts a run is built from (layout, preset, recompute, optimizer
 settings, policy) as the config says, and `setup_runtime`'s checks and clean-up."""
 
-import fcntl
 import os
 import shutil
 
@@ -11,13 +10,13 @@ import torch
 from megatron_gspo.checkpoint import CheckpointError
 from megatron_gspo.config import ConfigError, load_config
 from megatron_gspo.data import DataError
-from megatron_gspo.rundir import LOCK_FILE
 from megatron_gspo.runtime import (build_policy, check_init_checkpoint, layout_of,
                                    load_init_weights, model_max_len, optim_settings,
                                    recompute_of, resolve_preset, save_state, setup_runtime)
 from moe.dist_ckpt import files_written_by
 from moe.model import Recompute
 from tests.hf_fixtures import make_model
+from tests.megatron_gspo.test_rundir import _lock_is_held
 
 TP2 = ["model.tp=2", "model.sequence_parallel=true"]
 
@@ -111,18 +110,6 @@ def test_build_policy_dtype_and_attention_follow_the_config(single_process):
 
 
 TOY = ["model.preset=tiny", "task.n_train=60", "task.n_eval=8", "wandb.mode=disabled"]
-
-
-def _lock_is_held(run_dir) -> bool:
-    """Whether someone holds run_dir's flock (a fresh descriptor conflicts even in-process)."""
-    fd = os.open(os.path.join(run_dir, LOCK_FILE), os.O_RDWR)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
 
 
 def test_a_failed_setup_releases_the_run_dir(single_process, tmp_path):
