@@ -8,8 +8,8 @@ Usage:
 Both policies are built in one process from the dose-response recipe (rl.yaml: 16 prompts x
 G=8, 8 minibatches, flips measured every step, random init, 1 torch thread) and run whole
 iterations (rollout, pi_old pass, 8 optimizer steps) in alternation after one warm-up each, so
-the ratio is measured side by side. The table (best and median seconds per iteration, the
-ratio of the best, and what the tiny model's 36-run grid would take at that ratio) goes between
+the ratio is measured side by side. The table (best and median seconds per iteration and the
+ratio of the best; README.md's prose scales the tiny model's 36-run grid by it) goes between
 README.md's `<!-- table:model_cost:begin/end -->` markers.
 """
 
