@@ -93,7 +93,8 @@ def test_measure_runs_each_variant_in_a_child_and_fails_on_a_child_error(monkeyp
     def run(cmd, **kw):
         cmds.append(cmd)
         assert kw["env"]["MKL_DISABLE_FAST_MM"] == "1" and kw["cwd"] == tm.ROOT
-        row = {"dtype": cmd[cmd.index("--child") + 1], "recompute": cmd[cmd.index("--recompute") + 1]}
+        row = {"dtype": cmd[cmd.index("--child") + 1],
+               "recompute": cmd[cmd.index("--recompute") + 1]}
         return types.SimpleNamespace(returncode=rc[0], stdout="noise\n" + json.dumps(row),
                                      stderr="boom")
     monkeypatch.setattr(tm, "subprocess", types.SimpleNamespace(run=run))
