@@ -99,3 +99,55 @@ def test_output_into_prints_and_writes_the_report_between_markers(tmp_path, caps
     with output_into(None, "mem"):  # no README: printing only
         print("line 3")
     assert readme.read_text() == text and capsys.readouterr().out == "line 3\n"
+
+
+def test_percent_reducers_fractional_and_zero():
+    """lastP% / firstP% take a fractional P and always at least one value (P = 0 too)."""
+    v = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]
+    assert result_table.reduce_values(v, "last12.5%") == 8.0  # ceil(1.0) = 1 value
+    assert result_table.reduce_values(v, "first37.5%") == 2.0  # ceil(3.0) = 3 values
+    assert result_table.reduce_values(v, "first0%") == 1.0
+    assert result_table.reduce_values(v, "last0%") == 8.0
+    assert result_table.parse_stat("reward/mean:last2.5%") == (
+        "reward/mean", "last2.5%", "`reward/mean:last2.5%`")
+
+
+def test_parse_stat_splits_on_last_colon_and_first_equals():
+    """The reducer follows the key's last ':'; the label is all after the first '='."""
+    assert result_table.parse_stat("a:b:final") == ("a:b", "final", "`a:b:final`")
+    assert result_table.parse_stat("x:best=top = max") == ("x", "best", "top = max")
+    assert result_table.parse_stat("x:final=") == ("x", "final", "`x:final`")  # empty label
+
+
+def test_cell_counts_only_seeds_with_the_key(tmp_path):
+    """A cell's third entry is how many seeds have the key, not the arm's seed count."""
+    from tests.tools.test_plot_run import _write
+    dirs = [_write(tmp_path / "a_s0", [{"step": 0, "x": 1.0}, {"step": 1, "x": 3.0}]),
+            _write(tmp_path / "a_s1", [{"step": 0, "y": 1.0}]),
+            _write(tmp_path / "a_s2", [{"step": 0, "x": 5.0}])]
+    (arm,) = plot_run.load_runs(dirs, group_by_prefix=True)
+    assert result_table.cell(arm, "x", "final") == pytest.approx((4.0, 1.4142135624, 2))
+    assert result_table.cell(arm, "y", "start") == (1.0, None, 1)
+
+
+def test_table_start_row_once_and_seed_line(tmp_path):
+    """A listed start stat is not duplicated; equal seed counts > 1 still report a spread."""
+    from tests.tools.test_plot_run import _write
+    dirs = [_write(tmp_path / f"{arm}_s{s}", [{"step": 0, "eval/accuracy": 0.1 * (s + 1)}])
+            for arm in ("a", "b") for s in (0, 1)]
+    runs = plot_run.load_runs(dirs, group_by_prefix=True)
+    lines = result_table.format_table(runs, ["eval/accuracy:start=start acc"],
+                                      header="").splitlines()
+    assert lines[0] == ""  # an empty header stays empty (no machine line)
+    assert lines[1] == ("Mean ± sample standard deviation over seeds (seeds per arm: 2); "
+                        "`KEY:REDUCER` as in `tools/result_table.py`.")
+    assert lines[3:] == ["| | a | b |", "| --- | --- | --- |",
+                         "| start acc | 0.15 ± 0.071 | 0.15 ± 0.071 |"]
+
+
+@pytest.mark.parametrize("text", ["<!-- table:end -->\nx\n<!-- table:begin -->\n",
+                                  "<!-- table:begin -->\nx\n", "x\n<!-- table:end -->\n"])
+def test_replace_between_markers_needs_both_in_order(text):
+    """A missing or out-of-order begin/end marker raises instead of mangling the file."""
+    with pytest.raises(ValueError, match="no <!-- table:begin --> ... <!-- table:end --> pair"):
+        result_table.replace_between_markers(text, "T")
