@@ -81,3 +81,34 @@ def test_flip_heatmap_grid_and_colour_scale(figs):
     np.testing.assert_allclose(grid[0].filled(np.nan), [0.2, 0.3, 0.4, 0.5])
     assert grid[1].mask.all()  # layer_01 is not logged by every seed
     assert mesh.get_clim() == pytest.approx((0.0, 0.5))
+
+
+def test_flip_heatmap_places_layers_and_steps_with_gaps(tmp_path, monkeypatch):
+    """Heatmap rows follow the logged layer indices (0, 3) and columns the union of steps."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    saved = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, path, **kw: saved.append(fig))
+    d = _write(tmp_path / "k", [{"step": 0, "moe/flip_rate/layer_00": .1},
+                                {"step": 1, "moe/flip_rate/layer_00": .2,
+                                 "moe/flip_rate/layer_03": .3},
+                                {"step": 2, "moe/flip_rate/layer_03": .4}])
+    assert plot_run.plot_flip_heatmap(plot_run.load_runs([d]), str(tmp_path / "h.png"))
+    grid = np.ma.masked_invalid(saved[0].axes[0].collections[0].get_array()).reshape(2, 3)
+    np.testing.assert_allclose(grid.filled(-1), [[.1, .2, -1], [-1, .3, .4]])
+
+
+def test_single_run_line_has_no_band_and_clip_axis_is_log(tmp_path, monkeypatch):
+    """One seed draws a bare line (no min-max band); the clip-fraction axis is logarithmic."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    saved = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, path, **kw: saved.append(fig))
+    d = _write(tmp_path / "one", [{"step": t, "policy/clip_frac/token": 0.1 * (t + 1)}
+                                  for t in range(3)])
+    assert plot_run.plot_lines(plot_run.load_runs([d]), "policy/clip_frac/token",
+                               str(tmp_path / "c.png"), "clip", logy=True)
+    ax = saved[0].axes[0]
+    assert len(ax.lines) == 1 and not ax.collections and ax.get_yscale() == "log"

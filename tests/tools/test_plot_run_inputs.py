@@ -9,7 +9,7 @@ from tools import plot_run
 
 
 def test_read_metrics_skips_bools_and_stepless_records_and_keeps_last_duplicate(tmp_path):
-    """Booleans and records without a numeric step are ignored; a repeated step keeps its last value."""
+    """Bools and stepless records are skipped; a repeated step keeps its last value."""
     d = _write(tmp_path / "r", [{"step": 0, "x": 1.0, "flag": True},
                                 {"x": 9.0}, {"step": "nan", "x": 8.0},
                                 {"step": 0, "x": 2.0}, {"step": 1.0, "x": 3}])
@@ -102,3 +102,30 @@ def test_main_out_and_table_does_both(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "per-layer mean flip rate:" in text
     assert "| `eval/accuracy:start` | 0.5 |" in text
+
+
+def test_numeric_strings_count_and_stats_use_step_order(tmp_path):
+    """Numeric strings are values; per-seed stats follow step order, not file order."""
+    d = _write(tmp_path / "r", [{"step": 5, "eval/accuracy": "0.2"},
+                                {"step": "1", "eval/accuracy": 0.6},
+                                {"step": 3, "eval/accuracy": 0.4}])
+    (row,) = plot_run.summarize(plot_run.load_runs([d]))
+    assert row["final_eval_acc"] == 0.2 and row["best_eval_acc"] == 0.6
+
+
+def test_arm_last_step_is_over_all_seeds(tmp_path):
+    """An arm's last_step is the latest step any of its seeds logged."""
+    dirs = [_write(tmp_path / "a_s0", [{"step": 3, "x": 1}]),
+            _write(tmp_path / "a_s1", [{"step": 8, "x": 1}])]
+    (row,) = plot_run.summarize(plot_run.load_runs(dirs, group_by_prefix=True))
+    assert row["last_step"] == 8
+
+
+def test_main_table_uses_labels_and_every_stat(tmp_path, capsys):
+    """--labels name the table's columns and each repeated --stat adds a row."""
+    d = _skewed(tmp_path)
+    assert plot_run.main([d, "--table", "--labels", "mine", "--stat", "reward/mean:final",
+                          "--stat", "policy/clip_frac/token:mean=clip"]) == 0
+    out = capsys.readouterr().out
+    assert "| | mine |" in out and "| `reward/mean:final` | 0.9 |" in out
+    assert "| clip | 0.1 |" in out

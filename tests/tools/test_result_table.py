@@ -1,5 +1,6 @@
 """tools/result_table.py (plot_run --table) on synthetic metrics.jsonl with hand-computed cells."""
 
+import io
 from importlib.metadata import version
 
 import pytest
@@ -151,3 +152,35 @@ def test_replace_between_markers_needs_both_in_order(text):
     """A missing or out-of-order begin/end marker raises instead of mangling the file."""
     with pytest.raises(ValueError, match="no <!-- table:begin --> ... <!-- table:end --> pair"):
         result_table.replace_between_markers(text, "T")
+
+
+def test_write_into_names_the_file_and_reports(tmp_path, capsys):
+    """write_into's error names the unmarked file; success is printed."""
+    readme = tmp_path / "R.md"
+    readme.write_text("no markers\n")
+    with pytest.raises(ValueError, match=f"^{readme}: no <!-- table:m:begin -->"):
+        result_table.write_into(str(readme), "T", "m")
+    readme.write_text("<!-- table:m:begin -->\n<!-- table:m:end -->\n")
+    result_table.write_into(str(readme), "T", "m")
+    assert capsys.readouterr().out == f"wrote the table into {readme}\n"
+
+
+def test_machine_line_fallbacks(monkeypatch):
+    """No /proc/cpuinfo or no model name: the platform's name; a missing package is named."""
+    import importlib.metadata
+
+    def no_file(*a, **k):
+        raise OSError("no cpuinfo")
+
+    monkeypatch.setattr(result_table, "open", no_file, raising=False)
+    assert result_table.cpu_name("fallback") == "fallback"
+    monkeypatch.setattr(result_table, "open", lambda *a, **k: io.StringIO("processor\t: 0\n"),
+                        raising=False)
+    assert result_table.cpu_name("fallback") == "fallback"
+
+    def fake_version(pkg):
+        raise importlib.metadata.PackageNotFoundError(pkg)
+
+    monkeypatch.setattr(importlib.metadata, "version", fake_version)
+    assert result_table.machine_line(date="D").endswith(
+        ", D, torch not installed, megatron-core not installed.")
