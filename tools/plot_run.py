@@ -15,7 +15,8 @@ the .jsonl file itself is accepted too). Keys may be absent from some lines, and
 "nan"/"inf" (strings or floats) count as missing. A run's label is its directory's basename,
 or the matching entry of `--labels` (one per RUN_DIR). With `--group-by-prefix`, runs whose
 labels differ only by a seed suffix (`_s0`, `-s1`, `_seed2`) form one arm: lines show the
-per-step mean over seeds with a min-max band, on the steps that every seed logged.
+per-step mean over seeds with a min-max band, on the steps that every seed logged. A label given
+twice is an error, also under `--group-by-prefix` (it would count one seed twice).
 
 Figures (each skipped, with a note, when no run has the keys it needs):
     reward.png            reward/mean vs step (moving average over --smooth N points)
@@ -122,12 +123,14 @@ def load_runs(dirs, labels=None, group_by_prefix=False) -> list[dict]:
                          f"given: {list(labels)}")
     labels = list(labels) if labels is not None else [_default_label(d) for d in dirs]
     runs: dict[str, dict] = {}
+    first_dir: dict[str, str] = {}  # a label given twice (even as seeds of one arm) is an error
     for d, lab in zip(dirs, labels):
+        if lab in first_dir:
+            raise ValueError(f"duplicate run label {lab!r} ({first_dir[lab]!r} and {d!r}); pass "
+                             "--labels" + ("" if group_by_prefix else " or --group-by-prefix"))
+        first_dir[lab] = d
         data = read_metrics(_metrics_path(d))
         arm = seed_prefix(lab) if group_by_prefix else lab
-        if arm in runs and not group_by_prefix:
-            raise ValueError(f"duplicate run label {lab!r} ({runs[arm]['dirs'][0]!r} and {d!r});"
-                             " pass --labels or --group-by-prefix")
         run = runs.setdefault(arm, {"label": arm, "dirs": [], "seeds": []})
         run["dirs"].append(d)
         run["seeds"].append(data)

@@ -129,3 +129,13 @@ def test_main_table_uses_labels_and_every_stat(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| | mine |" in out and "| `reward/mean:final` | 0.9 |" in out
     assert "| clip | 0.1 |" in out
+
+
+def test_same_seed_label_twice_is_an_error_when_grouping(tmp_path):
+    """Two dirs named gspo_s0 are not two seeds of gspo (one seed would count twice)."""
+    a = _write(tmp_path / "a" / "gspo_s0", [{"step": 0, "x": 1.0}])
+    b = _write(tmp_path / "b" / "gspo_s0", [{"step": 0, "x": 3.0}])
+    with pytest.raises(ValueError, match="duplicate run label 'gspo_s0'.*pass --labels$"):
+        plot_run.load_runs([a, b], group_by_prefix=True)
+    (arm,) = plot_run.load_runs([a, b], labels=["gspo_s0", "gspo_s1"], group_by_prefix=True)
+    assert arm["label"] == "gspo" and len(arm["seeds"]) == 2
