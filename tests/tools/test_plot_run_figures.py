@@ -95,8 +95,12 @@ def test_flip_heatmap_places_layers_and_steps_with_gaps(tmp_path, monkeypatch):
                                  "moe/flip_rate/layer_03": .3},
                                 {"step": 2, "moe/flip_rate/layer_03": .4}])
     assert plot_run.plot_flip_heatmap(plot_run.load_runs([d]), str(tmp_path / "h.png"))
-    grid = np.ma.masked_invalid(saved[0].axes[0].collections[0].get_array()).reshape(2, 3)
+    mesh = saved[0].axes[0].collections[0]
+    grid = np.ma.masked_invalid(mesh.get_array()).reshape(2, 3)
     np.testing.assert_allclose(grid.filled(-1), [[.1, .2, -1], [-1, .3, .4]])
+    edges = mesh.get_coordinates()  # cells centred on steps 0, 1, 2 (x) and layers 0, 3 (y)
+    np.testing.assert_allclose(edges[0, :, 0], [-0.5, 0.5, 1.5, 2.5])
+    np.testing.assert_allclose(edges[:, 0, 1], [-1.5, 1.5, 4.5])
 
 
 def test_single_run_line_has_no_band_and_clip_axis_is_log(tmp_path, monkeypatch):

@@ -73,6 +73,11 @@ def test_format_summary_exact_text(tmp_path):
         "skew   1        2          0.3333        0.5            0.25            "
         "0.1              0.3           ",
         "per-layer mean flip rate:", "  skew: L07=0.333"]
+    rows = plot_run.summarize(runs) + [{**plot_run.summarize(runs)[0], "label": "bare",
+                                        "flip_rate_layers": {}}]
+    assert plot_run.format_summary(rows).splitlines()[-2:] == [  # no line for a run without
+        "per-layer mean flip rate:", "  skew: L00=0.3 L02=0.6"]  # per-layer rates
+    assert plot_run.seed_prefix("grpo_replay") == "grpo_replay"  # no seed suffix: kept whole
 
 
 def test_layer_keys_take_the_index_from_the_name(tmp_path):

@@ -125,9 +125,10 @@ def test_cell_counts_only_seeds_with_the_key(tmp_path):
     from tests.tools.test_plot_run import _write
     dirs = [_write(tmp_path / "a_s0", [{"step": 0, "x": 1.0}, {"step": 1, "x": 3.0}]),
             _write(tmp_path / "a_s1", [{"step": 0, "y": 1.0}]),
-            _write(tmp_path / "a_s2", [{"step": 0, "x": 5.0}])]
+            _write(tmp_path / "a_s2", [{"step": 0, "x": 5.0}]),
+            _write(tmp_path / "a_s3", [{"step": 0, "x": 10.0}])]
     (arm,) = plot_run.load_runs(dirs, group_by_prefix=True)
-    assert result_table.cell(arm, "x", "final") == pytest.approx((4.0, 1.4142135624, 2))
+    assert result_table.cell(arm, "x", "final") == pytest.approx((6.0, 3.6055512755, 3))  # 3 5 10
     assert result_table.cell(arm, "y", "start") == (1.0, None, 1)
 
 
