@@ -12,10 +12,10 @@ from tools import plot_run
 def _arm(tmp_path):
     """Arm g, two seeds, steps 0..3. reward s0 0,1,2,3 / s1 2,3,4,5; clip s0 0, .2, .1, .4 /
     s1 0, 0, .3, .2; eval at 0, 2: s0 .1, .3 / s1 .3, .5; layer_00 s0 .1..(+.1)..4 / s1 .3..6;
-    layer_01 = .5 in s0 only."""
+    layer_01 = .5 in s0 only; moe/flip_rate/mean = layer_00."""
     def seed(reward, clip, evals, layer0, layer1=None):
         recs = [{"step": t, "reward/mean": reward[t], "policy/clip_frac/token": clip[t],
-                 "moe/flip_rate/layer_00": layer0[t],
+                 "moe/flip_rate/layer_00": layer0[t], "moe/flip_rate/mean": layer0[t],
                  **({} if layer1 is None else {"moe/flip_rate/layer_01": layer1})}
                 for t in range(4)]
         return recs + [{"step": t, "eval/accuracy": a} for t, a in zip((0, 2), evals)]
@@ -71,6 +71,15 @@ def test_flip_vs_depth_uses_layers_every_seed_has(figs):
     """flip_vs_depth.png: per-layer mean over steps, averaged over seeds, on common layers."""
     x, y = _line(figs["flip_vs_depth.png"])  # layer 0: s0 .25, s1 .45; layer 1 only in s0
     assert x == [0] and y == pytest.approx([0.35])
+    (band,) = figs["flip_vs_depth.png"].axes[0].collections  # min-max over the seeds
+    verts = np.concatenate([p.vertices for p in band.get_paths()])
+    assert (verts[:, 1].min(), verts[:, 1].max()) == pytest.approx((0.25, 0.45))
+
+
+def test_flip_rate_mean_is_smoothed(figs):
+    """flip_rate_mean.png: the seed-mean flip rate, moving-averaged over --smooth points."""
+    x, y = _line(figs["flip_rate_mean.png"])  # seed mean .2 .3 .4 .5
+    assert x == [0, 1, 2, 3] and y == pytest.approx([0.2, 0.25, 0.35, 0.45])
 
 
 def test_flip_heatmap_grid_and_colour_scale(figs):

@@ -185,3 +185,13 @@ def test_machine_line_fallbacks(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "version", fake_version)
     assert result_table.machine_line(date="D").endswith(
         ", D, torch not installed, megatron-core not installed.")
+
+
+def test_add_readme_args_defaults_to_the_tools_marker():
+    """--marker defaults to the tool's own marker name; --readme to none."""
+    import argparse
+    ap = argparse.ArgumentParser()
+    result_table.add_readme_args(ap, "bench_x")
+    args = ap.parse_args([])
+    assert (args.readme, args.marker) == (None, "bench_x")
+    assert ap.parse_args(["--readme", "R.md", "--marker", "y"]).marker == "y"
