@@ -127,7 +127,7 @@ def load_runs(dirs, labels=None, group_by_prefix=False) -> list[dict]:
     for d, lab in zip(dirs, labels):
         if lab in first_dir:
             raise ValueError(f"duplicate run label {lab!r} ({first_dir[lab]!r} and {d!r}); pass "
-                             "--labels" + ("" if group_by_prefix else " or --group-by-prefix"))
+                             "--labels")
         first_dir[lab] = d
         data = read_metrics(_metrics_path(d))
         arm = seed_prefix(lab) if group_by_prefix else lab

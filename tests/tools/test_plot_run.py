@@ -159,7 +159,7 @@ def test_missing_metrics_file_names_path(dirs, tmp_path, capsys):
 def test_bad_inputs_raise(dirs, tmp_path):
     with pytest.raises(ValueError, match="--labels has 1 entries"):
         plot_run.load_runs(dirs[:2], labels=["a"])
-    with pytest.raises(ValueError, match="duplicate run label 'x'"):
+    with pytest.raises(ValueError, match="duplicate run label 'x'.*pass --labels$"):
         plot_run.load_runs(dirs[:2], labels=["x", "x"])
     bad = tmp_path / "bad"
     bad.mkdir()
