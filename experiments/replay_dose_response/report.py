@@ -26,7 +26,11 @@ RUN_RE = re.compile(r"^(grpo_r2|grpo|gspo)_(n0|f\d\d)_s(\d+)$")
 MM_RE = re.compile(r"^(grpo_bf16|grpo_r3_bf16|grpo_tis_bf16)_s(\d+)$")
 MM_LABELS = {"grpo_bf16": "GRPO, bf16 sampler", "grpo_r3_bf16": "GRPO + R3, bf16 sampler",
              "grpo_tis_bf16": "GRPO + TIS (cap 2), bf16 sampler"}
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306}
+# t(0.975, df) for df 1..30; beyond, the normal 1.96 (t(0.975, 30) = 2.042).
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+        9: 2.262, 10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131,
+        16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093, 20: 2.086, 21: 2.080, 22: 2.074,
+        23: 2.069, 24: 2.064, 25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048, 29: 2.045, 30: 2.042}
 LABELS = {"grpo": "GRPO", "grpo_r2": "GRPO + R2", "gspo": "GSPO"}
 MARKER = "dose"
 
@@ -71,7 +75,10 @@ def collect(root: str) -> dict:
 
 
 def ci(xs: list[float]) -> tuple[float, float]:
-    """(mean, half-width of the 95% t interval); half-width NaN for one value."""
+    """(mean, half-width of the 95% t interval); half-width NaN for one value, both NaN when a
+    value is NaN (a metric some run did not log)."""
+    if any(x != x for x in xs):
+        return float("nan"), float("nan")
     m = statistics.fmean(xs)
     if len(xs) < 2:
         return m, float("nan")
@@ -88,7 +95,7 @@ def rows(runs: dict, calib: dict) -> list[dict]:
         grpo = runs.get(("grpo", level), {})
         row = {"level": level, "std": stds.get(level, float("nan")), "n": len(grpo)}
         for key in ("flip", "flip_all", "clip", "lr0"):
-            row[key] = ci([s[key] for s in grpo.values()])
+            row[key] = ci([s[key] for s in grpo.values()] or [float("nan")])
         row["gspo_clip"] = ci([s["clip"] for s in runs.get(("gspo", level), {}).values()] or
                               [float("nan")])
         for arm, seeds in (("grpo", grpo), ("grpo_r2", r2),

@@ -67,6 +67,23 @@ def test_ci_uses_the_t_quantile_of_n_minus_1_degrees_of_freedom():
     assert m == 0.5 and math.isnan(h)
 
 
+def test_ci_t_quantile_beyond_8_degrees_of_freedom_and_nan_values():
+    """n = 10 uses t(0.975, 9) = 2.262, not 1.96; a NaN value (metric not logged) gives NaN."""
+    m, h = report.ci([float(i) for i in range(10)])
+    assert m == 4.5 and h == pytest.approx(2.262 * math.sqrt(82.5 / 9) / math.sqrt(10))
+    assert all(math.isnan(v) for v in report.ci([0.1, float("nan"), 0.2]))
+
+
+def test_rows_survive_a_level_without_a_finished_grpo_run():
+    """GSPO finished at f10 but GRPO did not (crashed, still running): NaN GRPO columns."""
+    runs = {("grpo", "n0"): {0: _stats(0.3)}, ("gspo", "f10"): {0: _stats(0.4)}}
+    f10 = {r["level"]: r for r in report.rows(runs, {"targets": {"0.1": 0.2}})}["f10"]
+    assert f10["n"] == 0 and math.isnan(f10["flip"][0]) and math.isnan(f10["gap_gspo"][0])
+    assert f10["acc_gspo"][0] == 0.4
+    assert "| f10 | 0.2 | 0 | nan |" in report.table(list(
+        report.rows(runs, {"targets": {"0.1": 0.2}})), 0.25)
+
+
 def _stats(acc, flip=0.01, clip=0.02, lr0=0.003):
     return {"start_acc": 0.25, "final_acc": acc, "flip": flip, "flip_all": flip / 2,
             "clip": clip, "lr0": lr0}
