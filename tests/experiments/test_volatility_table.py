@@ -4,6 +4,8 @@ README's markers: depth table, cold start, clip fraction and final reward per ru
 import json
 import os
 
+import pytest
+
 from experiments.routing_volatility import run as volatility
 
 
@@ -38,3 +40,36 @@ def test_plot_only_writes_generated_tables(tmp_path, monkeypatch):
     assert "| | lr1e-4_n2 | lr1e-4_n8 |" in text
     assert "| token clip fraction | 0.01 | 0.04 |" in text
     assert "| final training reward (last 3 rollout batches) | 1 | 1 |" in text
+
+
+def test_depth_table_columns_from_hand_worked_layers(tmp_path):
+    """Logged mean flip rate (not the layer average), Spearman over depth, deepest/shallowest
+    third (2 of 6 layers here), per-layer means in layer order."""
+    ys = [0.002, 0.004, 0.001, 0.003, 0.005, 0.007]
+    _write(tmp_path / "run_a", [{"step": 1, "moe/flip_rate/mean": 0.01,
+                                 **{f"moe/flip_rate/layer_{i:02d}": y for i, y in enumerate(ys)}}])
+    line = volatility.depth_table([str(tmp_path / "run_a")]).splitlines()[1]
+    # ranks of ys: 1 3 0 2 4 5, sum d^2 = 10, rho = 1 - 6*10/(6*35) = 0.714; (0.006)/(0.003) = 2
+    assert line == ("run_a           0.0100      0.71          2.00  "
+                    "0.0020 0.0040 0.0010 0.0030 0.0050 0.0070")
+
+
+def test_spearman_hand_worked():
+    """rho = 1 - 6 sum d^2 / (n (n^2 - 1)) on hand-worked rankings."""
+    assert volatility.spearman([0, 1, 2, 3], [0.1, 0.2, 0.4, 0.3]) == pytest.approx(0.8)
+    assert volatility.spearman([0, 1, 2, 3], [0.3, 0.2, 0.1, 0.0]) == pytest.approx(-1.0)
+
+
+def test_sft_checkpoint_shares_the_ablations_for_tiny_and_makes_its_own_for_deep(tmp_path,
+                                                                                monkeypatch):
+    """qwen3-moe-tiny reuses runs/ablation/sft; other presets SFT into their own folder."""
+    calls = []
+    monkeypatch.setattr(volatility, "ROOT", str(tmp_path))
+    monkeypatch.setattr(volatility, "cli", lambda *a: calls.append(a))
+    assert volatility.sft_checkpoint("qwen3-moe-tiny") == "runs/ablation/sft"
+    deep = "runs/routing_volatility/qwen3-moe-tiny-deep/sft"
+    assert volatility.sft_checkpoint("qwen3-moe-tiny-deep") == deep
+    assert [a[-2:] for a in calls] == [("model.preset=qwen3-moe-tiny", "run_dir=runs/ablation/sft"),
+                                       ("model.preset=qwen3-moe-tiny-deep", f"run_dir={deep}")]
+    (tmp_path / deep / "checkpoints" / "latest").mkdir(parents=True)
+    assert volatility.sft_checkpoint("qwen3-moe-tiny-deep") == deep and len(calls) == 2
