@@ -44,11 +44,19 @@ SWEEP = {  # name -> overrides
 
 
 def spearman(xs, ys) -> float:
+    """Spearman's rho: Pearson's r of the ranks, tied values sharing their mean rank (so layers
+    with equal flip rates, e.g. none at all, add no correlation); NaN for a constant series."""
     def ranks(v):
         order = sorted(range(len(v)), key=lambda i: v[i])
         r = [0.0] * len(v)
-        for rank, i in enumerate(order):
-            r[i] = float(rank)
+        start = 0
+        while start < len(order):
+            end = start
+            while end + 1 < len(order) and v[order[end + 1]] == v[order[start]]:
+                end += 1
+            for i in order[start:end + 1]:
+                r[i] = (start + end) / 2
+            start = end + 1
         return r
 
     rx, ry = ranks(xs), ranks(ys)

@@ -2,6 +2,7 @@
 README's markers: depth table, cold start, clip fraction and final reward per run."""
 
 import json
+import math
 import os
 
 import pytest
@@ -58,6 +59,13 @@ def test_spearman_hand_worked():
     """rho = 1 - 6 sum d^2 / (n (n^2 - 1)) on hand-worked rankings."""
     assert volatility.spearman([0, 1, 2, 3], [0.1, 0.2, 0.4, 0.3]) == pytest.approx(0.8)
     assert volatility.spearman([0, 1, 2, 3], [0.3, 0.2, 0.1, 0.0]) == pytest.approx(-1.0)
+
+
+def test_spearman_ties_share_their_mean_rank():
+    """A run with no flips in any layer has no depth correlation (was rho 1.00 from ties
+    broken by position); ties share ranks: [0, 0, 0, 0.1] -> ranks 1 1 1 3, rho 3/sqrt(15)."""
+    assert math.isnan(volatility.spearman([0, 1, 2, 3], [0.0, 0.0, 0.0, 0.0]))
+    assert volatility.spearman([0, 1, 2, 3], [0.0, 0.0, 0.0, 0.1]) == pytest.approx(3 / 15 ** 0.5)
 
 
 def test_sft_checkpoint_shares_the_ablations_for_tiny_and_makes_its_own_for_deep(tmp_path,
