@@ -37,3 +37,45 @@ def test_write_table_into_readme_markers(tmp_path, monkeypatch, capsys):
     assert "| policy entropy | - | - |" in text and text.endswith("<!-- table:main:end -->\nb\n")
     ablation_run.write_table(runs, "stress", sft)  # no markers for this variant: printed
     assert "note: " in capsys.readouterr().out and (tmp_path / "README.md").read_text() == text
+
+
+def test_write_table_names_the_cold_start_relative_to_the_repo(tmp_path, monkeypatch):
+    """The header's cold-start path drops the repo root (no machine-specific absolute path)."""
+    sft = _write(tmp_path / "runs" / "sft", [{"step": 5, "eval/accuracy": 0.3}])
+    run = _write(tmp_path / "runs" / "gspo_s0", [{"step": 0, "eval/accuracy": 0.3}])
+    monkeypatch.setattr(ablation_run, "ROOT", str(tmp_path))
+    (tmp_path / "README.md").write_text("<!-- table:main:begin -->\n<!-- table:main:end -->\n")
+    ablation_run.write_table([run], "main", sft, readme=str(tmp_path / "README.md"))
+    text = (tmp_path / "README.md").read_text()
+    assert "Cold start runs/sft: no band record (accuracy 0.3000 at step 5)." in text
+    assert str(tmp_path) not in text
+
+
+def test_set_without_tag_is_refused_before_anything_runs(monkeypatch, capsys):
+    """--set changes the runs: without --tag they would overwrite the default variant."""
+    import pytest
+
+    monkeypatch.setattr(ablation_run, "cli", lambda *a: pytest.fail("ran something"))
+    with pytest.raises(SystemExit):
+        ablation_run.main(["--set", "optim.lr=3e-4"])
+    assert "give them a --tag" in capsys.readouterr().err
+
+
+def test_plot_only_variant_paths(tmp_path, monkeypatch):
+    """Profile + tag: runs and figures under ablation_gpu_small_stress, the profile's own SFT
+    (no tag), README marker gpu_small_stress."""
+    seen = {}
+    monkeypatch.setattr(ablation_run, "ROOT", str(tmp_path))
+    monkeypatch.setattr(ablation_run, "cold_start_line", lambda d: seen.setdefault("cold", d))
+    monkeypatch.setattr(ablation_run.plot_run, "main", lambda argv: seen.setdefault("plot", argv))
+    monkeypatch.setattr(ablation_run, "write_table",
+                        lambda runs, marker, sft: seen.setdefault("table", (runs, marker, sft)))
+    assert ablation_run.main(["--plot-only", "--profile", "gpu-small", "--tag", "stress",
+                              "--arms", "grpo", "--seeds", "0", "1"]) == 0
+    runs = [os.path.join(str(tmp_path), f"runs/ablation_gpu_small_stress/grpo_s{s}")
+            for s in (0, 1)]
+    sft = os.path.join(str(tmp_path), "runs/ablation_gpu_small/sft")
+    assert seen["cold"] == sft and seen["table"] == (runs, "gpu_small_stress", sft)
+    assert seen["plot"] == [*runs, "--out", os.path.join(ablation_run.HERE,
+                                                         "figures_gpu_small_stress"),
+                            "--group-by-prefix"]
