@@ -52,3 +52,28 @@ def test_rerun_refuses_existing_run_dirs_before_running(tmp_path, monkeypatch, c
     with pytest.raises(SystemExit):
         long_run.main(["--seeds", "0", "1"])
     assert "run dirs exist: runs/long_response/grpo_s1;" in capsys.readouterr().err
+
+
+def test_train_command_per_arm(tmp_path, monkeypatch):
+    """GRPO is gspo.yaml + loss.name=grpo; each run: its seed, a fresh start, --steps when given,
+    output into its own train.log."""
+    import subprocess
+
+    cmds = []
+
+    def fake_run(cmd, cwd, check, stdout, stderr):
+        stdout.write("log line\n")
+        cmds.append(cmd)
+
+    monkeypatch.setattr(long_run, "ROOT", str(tmp_path))
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    assert long_run.train("grpo", 1, "sft", "runs/lr", 3) == os.path.join(str(tmp_path),
+                                                                          "runs/lr/grpo_s1")
+    long_run.train("gspo", 0, "sft", "runs/lr", None)
+    gspo_yaml = os.path.join(long_run.HERE, "gspo.yaml")
+    assert cmds[0][1:] == ["-m", "megatron_gspo.cli", "train", "--config", gspo_yaml,
+                           "loss.name=grpo", "init_checkpoint=sft", "run_dir=runs/lr/grpo_s1",
+                           "seed=1", "resume=false", "train.steps=3"]
+    assert cmds[1][6:] == ["init_checkpoint=sft", "run_dir=runs/lr/gspo_s0", "seed=0",
+                           "resume=false"]
+    assert (tmp_path / "runs/lr/grpo_s1/train.log").read_text() == "log line\n"
