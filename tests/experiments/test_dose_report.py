@@ -26,8 +26,7 @@ def test_run_stats_reads_each_metric_from_its_own_key():
         rows.append({"step": i + 1, "train/minibatch": i % 2, "moe/flip_rate/mean": flip,
                      "moe/flip_rate_all/mean": 0.05, "policy/log_ratio/abs_mean": 0.01 * (i + 1),
                      "reward/mean": i / 10, "rollout/logprob_mismatch/mean": 0.4,
-                     "rollout/routing_mismatch/mean": 0.5,
-                     "rollout/routing_mismatch_all/mean": 0.6})
+                     "rollout/routing_mismatch/mean": 0.5, "policy/clip_frac/token": 0.1 * (i % 2)})
     rows.append({"step": 8, "eval/accuracy": 0.3})
     with tempfile.TemporaryDirectory() as d:
         p = pathlib.Path(d) / "m.jsonl"
@@ -42,8 +41,9 @@ def test_run_stats_reads_each_metric_from_its_own_key():
     assert s["flip_all"] == pytest.approx(0.05)
     assert s["lr0"] == pytest.approx((0.01 + 0.03 + 0.05 + 0.07) / 4)  # minibatch 0 steps
     assert s["reward"] == pytest.approx(0.65)  # last quarter: steps 7, 8
-    assert (s["lp_mm"], s["route_mm"], s["route_mm_all"]) == pytest.approx((0.4, 0.5, 0.6))
-    assert math.isnan(s["clip"])  # key never logged: NaN, not 0
+    assert (s["lp_mm"], s["route_mm"]) == pytest.approx((0.4, 0.5))
+    assert s["clip"] == pytest.approx(0.05)  # over every step, not only first minibatches
+    assert math.isnan(s["route_mm_all"])  # key never logged: NaN, not 0
 
 
 def test_collect_takes_only_exact_run_names_with_a_final_eval(tmp_path):
@@ -53,10 +53,12 @@ def test_collect_takes_only_exact_run_names_with_a_final_eval(tmp_path):
     _jsonl(tmp_path / "grpo_n0_s1_old" / "metrics.jsonl", good)
     _jsonl(tmp_path / "gspo_n0_s0" / "metrics.jsonl", good[:2])
     _jsonl(tmp_path / "grpo_bf16_s3" / "metrics.jsonl", good)
+    _jsonl(tmp_path / "grpo_tis_bf16_s1" / "metrics.jsonl", good)
     (tmp_path / "grpo_f10_s0").mkdir()
     runs = report.collect(str(tmp_path))
     assert {k: sorted(v) for k, v in runs.items()} == {("grpo", "n0"): [0],
-                                                        ("grpo_bf16", "mm"): [3]}
+                                                        ("grpo_bf16", "mm"): [3],
+                                                        ("grpo_tis_bf16", "mm"): [1]}
 
 
 def test_ci_uses_the_t_quantile_of_n_minus_1_degrees_of_freedom():
@@ -125,6 +127,17 @@ def test_mismatch_table_is_empty_without_bf16_runs():
     assert report.mismatch_table({("grpo", "n0"): {0: _stats(0.3)}}) == ""
 
 
+def test_mismatch_table_row_columns_and_unpaired_seed():
+    """Each number under its header; a bf16 seed without a GRPO n0 seed has no gap (not vs 0)."""
+    mm = {"lp_mm": 0.01, "route_mm": 0.02, "route_mm_all": 0.03, "lr0": 0.04, "clip": 0.05,
+          "final_acc": 0.35}
+    lines = report.mismatch_table({("grpo", "n0"): {0: _stats(0.3)},
+                                   ("grpo_tis_bf16", "mm"): {5: mm}}).splitlines()
+    assert len(lines) == 3 and lines[0].count("|") == lines[1].count("|") == 10
+    assert lines[2] == ("| GRPO + TIS (cap 2), bf16 sampler | 1 | 0.0100 | 0.0200 | 0.0300 "
+                        "| 0.0400 | 0.0500 | 0.350 | nan |")
+
+
 def test_calibration_table_columns_and_targets():
     """std | flip rate | abs log-ratio per grid point, then target -> std."""
     calib = {"grid": [{"std": 0.02, "flip_rate": 0.0123, "abs_log_ratio": 0.0456}],
@@ -157,9 +170,17 @@ def test_main_averages_start_accuracy_and_refuses_an_empty_root(tmp_path):
                                            "policy/clip_frac/token": 0.0,
                                            "policy/log_ratio/abs_mean": 0.0},
                 {"eval/accuracy": 0.4}])
-    text = report.main(str(tmp_path), str(calib))
+    (tmp_path / "notes").mkdir()  # not a run: kept out of the per-arm table
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- table:q:begin -->\n<!-- table:q:end -->\n"
+                      "<!-- table:q_runs:begin -->\n<!-- table:q_runs:end -->\n")
+    text = report.main(str(tmp_path), str(calib), str(readme), marker="q")
     assert "Cold start held-out accuracy 0.250;" in text and "mismatch" not in text
     assert (tmp_path / "table.md").read_text() == text + "\n"
+    doc = readme.read_text()
+    assert doc.startswith("<!-- table:q:begin -->\n" + text + "\n<!-- table:q:end -->\n")
+    runs_table = doc.split("<!-- table:q_runs:begin -->")[1]
+    assert "grpo" in runs_table and "notes" not in runs_table
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(SystemExit, match="no finished runs"):
