@@ -38,6 +38,8 @@ def test_plot_only_writes_generated_tables(tmp_path, monkeypatch):
     assert "lr1e-4_n2       0.0025      1.00          4.00  0.0010 0.0020 0.0030 0.0040" in text
     assert ("qwen3-moe-tiny (4 MoE layers); cold start runs/ablation/sft: start accuracy "
             "0.2539, entered the band at SFT step 380:") in text
+    assert ("```\nqwen3-moe-tiny (4 MoE layers), GRPO, 30 rollout batches:\nrun " in text
+            and "0.0040 0.0080 0.0120 0.0160\n```" in text)  # depth table fenced as code
     assert "| | lr1e-4_n2 | lr1e-4_n8 |" in text
     assert "| token clip fraction | 0.01 | 0.04 |" in text
     assert "| final training reward (last 3 rollout batches) | 1 | 1 |" in text
@@ -81,3 +83,28 @@ def test_sft_checkpoint_shares_the_ablations_for_tiny_and_makes_its_own_for_deep
                                        ("model.preset=qwen3-moe-tiny-deep", f"run_dir={deep}")]
     (tmp_path / deep / "checkpoints" / "latest").mkdir(parents=True)
     assert volatility.sft_checkpoint("qwen3-moe-tiny-deep") == deep and len(calls) == 2
+
+
+def test_each_sweep_run_trains_grpo_from_its_presets_cold_start(tmp_path, monkeypatch):
+    """Per run: the ablation's GRPO arm, the preset, its cold start, fresh, --steps, no evals or
+    checkpoints, then the sweep point's lr and minibatch count."""
+    from tools import plot_run, result_table
+
+    calls = []
+    monkeypatch.setattr(volatility, "cli", lambda *a: calls.append(a))
+    monkeypatch.setattr(volatility, "sft_checkpoint", lambda preset: f"SFT-{preset}")
+    monkeypatch.setattr(volatility, "depth_table", lambda dirs: "depth")
+    monkeypatch.setattr(volatility, "cold_start_line", lambda d: "cold")
+    monkeypatch.setattr(plot_run, "main", lambda argv: 0)
+    monkeypatch.setattr(plot_run, "load_runs", lambda dirs: [])
+    monkeypatch.setattr(result_table, "format_table", lambda *a, **k: "table")
+    monkeypatch.setattr(result_table, "write_into", lambda *a: None)
+    assert volatility.main(["--presets", "qwen3-moe-tiny-deep", "--runs", "lr1e-4_n8",
+                            "lr3e-5_n4", "--steps", "7", "--out", str(tmp_path)]) == 0
+    grpo = os.path.join(volatility.ROOT, "experiments/ablation/grpo.yaml")
+    head = ("train", "--config", grpo, "model.preset=qwen3-moe-tiny-deep",
+            "init_checkpoint=SFT-qwen3-moe-tiny-deep")
+    tail = ("resume=false", "train.steps=7", "train.eval_every=0", "train.save_every=0")
+    d = "run_dir=runs/routing_volatility/qwen3-moe-tiny-deep/"
+    assert calls == [(*head, d + "lr1e-4_n8", *tail, "optim.lr=1e-4", "train.num_minibatches=8"),
+                     (*head, d + "lr3e-5_n4", *tail, "optim.lr=3e-5", "train.num_minibatches=4")]
