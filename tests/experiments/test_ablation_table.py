@@ -64,7 +64,10 @@ def test_set_without_tag_is_refused_before_anything_runs(monkeypatch, capsys):
 def test_plot_only_variant_paths(tmp_path, monkeypatch):
     """Profile + tag: runs and figures under ablation_gpu_small_stress, the profile's own SFT
     (no tag), README marker gpu_small_stress."""
+    import pytest
+
     seen = {}
+    monkeypatch.setattr(ablation_run, "cli", lambda *a: pytest.fail("--plot-only ran " + a[0]))
     monkeypatch.setattr(ablation_run, "ROOT", str(tmp_path))
     monkeypatch.setattr(ablation_run, "cold_start_line", lambda d: seen.setdefault("cold", d))
     monkeypatch.setattr(ablation_run.plot_run, "main", lambda argv: seen.setdefault("plot", argv))
@@ -79,3 +82,24 @@ def test_plot_only_variant_paths(tmp_path, monkeypatch):
     assert seen["plot"] == [*runs, "--out", os.path.join(ablation_run.HERE,
                                                          "figures_gpu_small_stress"),
                             "--group-by-prefix"]
+
+
+def test_training_commands_per_arm_and_seed(tmp_path, monkeypatch):
+    """Each arm's own YAML; profile overrides, then --set (later wins), then the shared cold
+    start, run dir, seed, fresh start and --steps; a stale metrics.jsonl is removed first."""
+    calls = []
+    monkeypatch.setattr(ablation_run, "ROOT", str(tmp_path))
+    monkeypatch.setattr(ablation_run, "cli", lambda *a: calls.append(a))
+    monkeypatch.setattr(ablation_run, "cold_start_line", lambda d: "cold")
+    monkeypatch.setattr(ablation_run.plot_run, "main", lambda argv: 0)
+    monkeypatch.setattr(ablation_run, "write_table", lambda *a: None)
+    (tmp_path / "runs/ablation_gpu_small/sft/checkpoints/latest").mkdir(parents=True)
+    stale = _write(tmp_path / "runs/ablation_gpu_small_t/grpo_r2_s1", [{"step": 9}])
+    assert ablation_run.main(["--profile", "gpu-small", "--arms", "gspo", "grpo_r2", "--seeds",
+                              "1", "--steps", "5", "--tag", "t", "--set", "optim.lr=3e-4"]) == 0
+    base = ablation_run.profile_overrides("gpu-small")
+    assert not os.path.exists(os.path.join(stale, "metrics.jsonl"))
+    assert calls == [("train", "--config", os.path.join(ablation_run.HERE, f"{arm}.yaml"), *base,
+                      "optim.lr=3e-4", "init_checkpoint=runs/ablation_gpu_small/sft",
+                      f"run_dir=runs/ablation_gpu_small_t/{arm}_s1", "seed=1", "resume=false",
+                      "train.steps=5") for arm in ("gspo", "grpo_r2")]
