@@ -77,3 +77,24 @@ def test_train_command_per_arm(tmp_path, monkeypatch):
     assert cmds[1][6:] == ["init_checkpoint=sft", "run_dir=runs/lr/gspo_s0", "seed=0",
                            "resume=false"]
     assert (tmp_path / "runs/lr/grpo_s1/train.log").read_text() == "log line\n"
+
+
+def test_jobs_sets_how_many_runs_train_at_once(tmp_path, monkeypatch):
+    """--jobs N gives the pool N workers; every arm x seed is trained once."""
+    import concurrent.futures
+
+    pools, jobs = [], []
+
+    class Pool(concurrent.futures.ThreadPoolExecutor):
+        def __init__(self, max_workers):
+            pools.append(max_workers)
+            super().__init__(max_workers=max_workers)
+
+    (tmp_path / "runs/long_response/sft/checkpoints/latest").mkdir(parents=True)
+    monkeypatch.setattr(long_run, "ROOT", str(tmp_path))
+    monkeypatch.setattr(long_run, "ThreadPoolExecutor", Pool)
+    monkeypatch.setattr(long_run, "train", lambda *a: jobs.append(a[:2]) or str(tmp_path))
+    monkeypatch.setattr(long_run.plot_run, "main", lambda argv: 0)
+    monkeypatch.setattr(long_run, "write_table", lambda *a, **k: None)
+    assert long_run.main(["--jobs", "3", "--seeds", "0", "1"]) == 0
+    assert pools == [3] and sorted(jobs) == [("grpo", 0), ("grpo", 1), ("gspo", 0), ("gspo", 1)]
