@@ -54,3 +54,37 @@ def test_measure_log_ratio_is_the_draw_mean_over_response_tokens(single_process,
     assert want[0] != want[1]
     got = calibrate.measure(policy, b, 0.5, 1.0)
     assert got["abs_log_ratio"] == pytest.approx(sum(want) / 2, rel=1e-5)
+
+
+def test_measure_flip_rate_is_the_draw_and_layer_mean_on_loss_positions(single_process,
+                                                                        monkeypatch):
+    """flip_rate = mean over draws of the layer-mean flip rate on the positions whose logits
+    score a response token (t - 1 for response token t), not the response tokens themselves."""
+    from megatron_gspo.flips import flip_counts, token_rows
+    from moe.policy import MoEPolicy
+    from moe.replay import RoutingReplayCache, current_routing, record_routing
+    from moe.router_noise import router_noise
+
+    policy = MoEPolicy.build(PRESET, ParallelLayout(), real_vocab=PRESET.vocab_size, seed=3,
+                             optim=None)
+    tokens_BT, valid_BT, _ = batch(PRESET.vocab_size)
+    half = tokens_BT.shape[1] // 2
+    resp_BT = valid_BT.clone()
+    resp_BT[:, :half] = False
+    scoring_BT = torch.zeros_like(resp_BT)
+    scoring_BT[:, half - 1:-1] = resp_BT[:, half:]  # one to the left of each response token
+    b = types.SimpleNamespace(tokens_BT=tokens_BT, valid_BT=valid_BT, response_BT=resp_BT)
+    monkeypatch.setattr(calibrate, "DRAWS", 2)
+    _, clean = current_routing(policy, tokens_BT, valid_BT, 1.0)
+    rows_N = token_rows(policy, clean, scoring_BT)
+    want = []
+    for seed in (1000, 1001):
+        with torch.no_grad(), router_noise(policy, 0.3, torch.Generator().manual_seed(seed)), \
+                record_routing(policy) as rec:
+            policy.token_logprobs(tokens_BT, valid_BT, 1.0)
+        noisy = RoutingReplayCache.from_recorded(rec, policy.routed_valid(valid_BT),
+                                                 PRESET.num_experts)
+        per_layer = flip_counts(clean, noisy, rows_N)["flip_rate"]
+        want.append(sum(per_layer) / len(per_layer))
+    assert want[0] != want[1]
+    assert calibrate.measure(policy, b, 0.3, 1.0)["flip_rate"] == pytest.approx(sum(want) / 2)
