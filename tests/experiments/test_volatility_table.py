@@ -55,6 +55,10 @@ def test_depth_table_columns_from_hand_worked_layers(tmp_path):
     # ranks of ys: 1 3 0 2 4 5, sum d^2 = 10, rho = 1 - 6*10/(6*35) = 0.714; (0.006)/(0.003) = 2
     assert line == ("run_a           0.0100      0.71          2.00  "
                     "0.0020 0.0040 0.0010 0.0030 0.0050 0.0070")
+    _write(tmp_path / "run_b", [{"step": 1, "moe/flip_rate/mean": 0.01, **{
+        f"moe/flip_rate/layer_{i:02d}": y for i, y in enumerate([1, 2, 3, 4, 6])}}])
+    line = volatility.depth_table([str(tmp_path / "run_b")]).splitlines()[1]
+    assert line.split()[3] == "6.00"  # 5 layers: thirds of 5 // 3 = 1 layer, 6 / 1
 
 
 def test_spearman_hand_worked():
