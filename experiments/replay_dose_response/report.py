@@ -75,9 +75,9 @@ def collect(root: str) -> dict:
 
 
 def ci(xs: list[float]) -> tuple[float, float]:
-    """(mean, half-width of the 95% t interval); half-width NaN for one value, both NaN when a
-    value is NaN (a metric some run did not log)."""
-    if any(x != x for x in xs):
+    """(mean, half-width of the 95% t interval); half-width NaN for one value, both NaN for no
+    value (an arm with no finished seed) or when a value is NaN (a metric some run did not log)."""
+    if not xs or any(x != x for x in xs):
         return float("nan"), float("nan")
     m = statistics.fmean(xs)
     if len(xs) < 2:
@@ -95,15 +95,14 @@ def rows(runs: dict, calib: dict) -> list[dict]:
         grpo = runs.get(("grpo", level), {})
         row = {"level": level, "std": stds.get(level, float("nan")), "n": len(grpo)}
         for key in ("flip", "flip_all", "clip", "lr0"):
-            row[key] = ci([s[key] for s in grpo.values()] or [float("nan")])
-        row["gspo_clip"] = ci([s["clip"] for s in runs.get(("gspo", level), {}).values()] or
-                              [float("nan")])
+            row[key] = ci([s[key] for s in grpo.values()])
+        row["gspo_clip"] = ci([s["clip"] for s in runs.get(("gspo", level), {}).values()])
         for arm, seeds in (("grpo", grpo), ("grpo_r2", r2),
                            ("gspo", runs.get(("gspo", level), {}))):
-            row[f"acc_{arm}"] = ci([s["final_acc"] for s in seeds.values()] or [float("nan")])
+            row[f"acc_{arm}"] = ci([s["final_acc"] for s in seeds.values()])
         for arm, seeds in (("grpo_r2", r2), ("gspo", runs.get(("gspo", level), {}))):
             paired = [seeds[s]["final_acc"] - grpo[s]["final_acc"] for s in grpo if s in seeds]
-            row[f"gap_{arm}"] = ci(paired or [float("nan")])
+            row[f"gap_{arm}"] = ci(paired)
         out.append(row)
     return out
 
@@ -143,8 +142,7 @@ def mismatch_table(runs: dict) -> str:
             continue
         col = {k: ci([s[k] for s in seeds.values()]) for k in
                ("lp_mm", "route_mm", "route_mm_all", "lr0", "clip", "final_acc")}
-        gap = ci([seeds[s]["final_acc"] - base[s]["final_acc"] for s in seeds if s in base]
-                 or [float("nan")])
+        gap = ci([seeds[s]["final_acc"] - base[s]["final_acc"] for s in seeds if s in base])
         lines.append(f"| {label} | {len(seeds)} | {_pm(col['lp_mm'], '.4f')} "
                      f"| {_pm(col['route_mm'], '.4f')} | {_pm(col['route_mm_all'], '.4f')} "
                      f"| {_pm(col['lr0'], '.4f')} | {_pm(col['clip'], '.4f')} "

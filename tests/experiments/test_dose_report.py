@@ -74,6 +74,7 @@ def test_ci_t_quantile_beyond_8_degrees_of_freedom_and_nan_values():
     m, h = report.ci([float(i) for i in range(10)])
     assert m == 4.5 and h == pytest.approx(2.262 * math.sqrt(82.5 / 9) / math.sqrt(10))
     assert all(math.isnan(v) for v in report.ci([0.1, float("nan"), 0.2]))
+    assert all(math.isnan(v) for v in report.ci([]))  # no seed: nothing to report
     xs = [float(i) for i in range(40)]  # past the table (df 39 > 30): the normal 1.96
     assert report.ci(xs)[1] == pytest.approx(1.96 * math.sqrt(136.6666666666667) / math.sqrt(40))
 
