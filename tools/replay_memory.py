@@ -8,8 +8,8 @@ Usage:
 The cache keeps, for every valid token of a rollout batch, the K expert ids chosen at each of the
 L MoE layers: bytes = tokens x L x K x itemsize, with itemsize 1 (uint8) for <= 256 experts and
 2 (int16) above. megatron's recorded indices are int64, so the compact cache is 8x smaller than
-keeping them as recorded (4x above 256 experts). The cache is rank-local: a DP rank stores only its own rows and, under
-sequence parallel, only its sequence shard.
+keeping them as recorded (4x above 256 experts). The cache is rank-local: a DP rank stores only
+its own rows and, under sequence parallel, only its sequence shard.
 
 The measured part builds `qwen3-moe-tiny` on CPU, records a padded batch, and checks that the
 cache's real byte count equals the formula; then it times, side by side in one run, a training
