@@ -18,9 +18,10 @@ import torch
 
 from megatron_gspo import checkpoint as ckpt
 from megatron_gspo.cli import main
-from megatron_gspo.config import config_to_dict, load_config
+from megatron_gspo.config import load_config
 from megatron_gspo.metrics import read_jsonl
-from megatron_gspo.rundir import RunDirError, claim_run_dir, record_run
+from megatron_gspo.rundir import RunDirError
+from tests.megatron_gspo.test_rundir import claim, lock_holder
 
 TINY = ["model.preset=tiny", "task.name=addition", "task.kwargs.num_digits=1",
         "task.n_train=60", "task.n_eval=8", "rollout.prompts_per_batch=4",
@@ -60,13 +61,6 @@ def params(t) -> dict:
 # ----------------------------------------------------------------------------- run dirs
 
 
-def claim(run_dir, job="train", *overrides, resume=True):
-    cfg = load_config(None, [f"run_dir={run_dir}", *overrides])
-    lock = claim_run_dir(str(run_dir), job, config_to_dict(cfg), resume, is_main=True)
-    record_run(str(run_dir), job, config_to_dict(cfg), lambda p: open(p, "w").write("x"))
-    return lock
-
-
 def test_resume_with_another_config_is_refused_naming_the_keys(tmp_path):
     claim(tmp_path, "train", "optim.lr=1e-4").release()
     with pytest.raises(RunDirError, match=r"optim.lr: 0.0001 -> 0.001.*resume=force"):
@@ -103,18 +97,13 @@ def test_another_job_is_refused(tmp_path):
 
 
 def test_second_process_is_refused_while_the_first_writes(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import sys, time
-        from megatron_gspo.rundir import _lock
-        _lock({str(tmp_path)!r}, "train"); print("locked", flush=True); time.sleep(60)""")],
-        stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
-    try:
-        assert holder.stdout.readline().strip() == "locked"
+    with lock_holder(f"""
+            import sys, time
+            from megatron_gspo.rundir import _lock
+            _lock({str(tmp_path)!r}, "train"); print("locked", flush=True); time.sleep(60)""",
+                     cwd=os.getcwd()) as holder:
         with pytest.raises(RunDirError, match=rf"another process \(pid {holder.pid} job train"):
             claim(tmp_path)
-    finally:
-        holder.kill()
-        holder.wait()
     claim(tmp_path).release()  # the lock dies with its process: no stale lock
 
 

@@ -2,6 +2,7 @@
 sharing and owner line, and stale-temporary clean-up (the refusals end to end are in
 test_faults.py)."""
 
+import contextlib
 import fcntl
 import os
 import subprocess
@@ -13,6 +14,20 @@ import pytest
 from megatron_gspo.config import config_to_dict, load_config
 from megatron_gspo.rundir import (LOCK_FILE, NON_SEMANTIC, RunDirError, claim_run_dir,
                                   record_run, semantic_config)
+
+
+@contextlib.contextmanager
+def lock_holder(code: str, **popen_kwargs):
+    """Another process running `code`, which takes a lock and prints "locked"; yields it once
+    the lock is held, kills it on exit."""
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)],
+                              stdout=subprocess.PIPE, text=True, **popen_kwargs)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        yield holder
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def claim(run_dir, job="train", *overrides, resume=True, is_main=True):
@@ -118,18 +133,12 @@ def test_lock_file_names_its_current_owner_only(tmp_path):
 def test_a_lock_held_by_an_unknown_process_is_still_refused(tmp_path):
     """A holder that wrote no owner line (not our process) is refused as 'unknown'."""
     (tmp_path / LOCK_FILE).write_text("")
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import fcntl, os, time
-        fd = os.open({str(tmp_path / LOCK_FILE)!r}, os.O_RDWR)
-        fcntl.flock(fd, fcntl.LOCK_EX); print("locked", flush=True); time.sleep(60)""")],
-        stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "locked"
+    with lock_holder(f"""
+            import fcntl, os, time
+            fd = os.open({str(tmp_path / LOCK_FILE)!r}, os.O_RDWR)
+            fcntl.flock(fd, fcntl.LOCK_EX); print("locked", flush=True); time.sleep(60)"""):
         with pytest.raises(RunDirError, match=r"another process \(unknown\)"):
             claim(tmp_path)
-    finally:
-        holder.kill()
-        holder.wait()
 
 
 def test_only_hidden_tmp_files_are_removed_also_under_glob_characters(tmp_path):
