@@ -1,24 +1,17 @@
 """experiments/ablation/run.py writes its result table (tools/result_table.py) into the README's
 markers, headed by the machine and the cold start's band record."""
 
-import json
 import os
 
 from experiments.ablation import run as ablation_run
-
-
-def _write(d, records):
-    os.makedirs(d, exist_ok=True)
-    with open(os.path.join(d, "metrics.jsonl"), "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in records)
-    return str(d)
+from tests.jsonl import write_metrics
 
 
 def test_write_table_into_readme_markers(tmp_path, monkeypatch, capsys):
-    sft = _write(tmp_path / "sft", [{"step": 0, "eval/accuracy": 0.01},
-                                    {"step": 870, "eval/accuracy": 0.2578,
-                                     "sft/start_accuracy": 0.2578, "sft/band_step": 870.0}])
-    runs = [_write(tmp_path / f"{arm}_s{s}", [
+    sft = write_metrics(tmp_path / "sft", [{"step": 0, "eval/accuracy": 0.01},
+                                           {"step": 870, "eval/accuracy": 0.2578,
+                                            "sft/start_accuracy": 0.2578, "sft/band_step": 870.0}])
+    runs = [write_metrics(tmp_path / f"{arm}_s{s}", [
         {"step": 0, "eval/accuracy": 0.2578},
         {"step": 1, "policy/clip_frac/token": clip + s / 100, "moe/flip_rate/layer_00": 0.001},
         {"step": 2, "eval/accuracy": 0.3 + s / 10}]) for arm, clip in (("gspo", 0.2), ("grpo", 0.01))
@@ -41,8 +34,8 @@ def test_write_table_into_readme_markers(tmp_path, monkeypatch, capsys):
 
 def test_write_table_names_the_cold_start_relative_to_the_repo(tmp_path, monkeypatch):
     """The header's cold-start path drops the repo root (no machine-specific absolute path)."""
-    sft = _write(tmp_path / "runs" / "sft", [{"step": 5, "eval/accuracy": 0.3}])
-    run = _write(tmp_path / "runs" / "gspo_s0", [{"step": 0, "eval/accuracy": 0.3}])
+    sft = write_metrics(tmp_path / "runs" / "sft", [{"step": 5, "eval/accuracy": 0.3}])
+    run = write_metrics(tmp_path / "runs" / "gspo_s0", [{"step": 0, "eval/accuracy": 0.3}])
     monkeypatch.setattr(ablation_run, "ROOT", str(tmp_path))
     (tmp_path / "README.md").write_text("<!-- table:main:begin -->\n<!-- table:main:end -->\n")
     ablation_run.write_table([run], "main", sft, readme=str(tmp_path / "README.md"))
@@ -94,7 +87,7 @@ def test_training_commands_per_arm_and_seed(tmp_path, monkeypatch):
     monkeypatch.setattr(ablation_run.plot_run, "main", lambda argv: 0)
     monkeypatch.setattr(ablation_run, "write_table", lambda *a: None)
     (tmp_path / "runs/ablation_gpu_small/sft/checkpoints/latest").mkdir(parents=True)
-    stale = _write(tmp_path / "runs/ablation_gpu_small_t/grpo_r2_s1", [{"step": 9}])
+    stale = write_metrics(tmp_path / "runs/ablation_gpu_small_t/grpo_r2_s1", [{"step": 9}])
     assert ablation_run.main(["--profile", "gpu-small", "--arms", "gspo", "grpo_r2", "--seeds",
                               "1", "--steps", "5", "--tag", "t", "--set", "optim.lr=3e-4"]) == 0
     base = ablation_run.profile_overrides("gpu-small")

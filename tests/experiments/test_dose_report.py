@@ -8,11 +8,7 @@ import types
 import pytest
 
 from experiments.replay_dose_response import calibrate, report, run
-
-
-def _jsonl(path, rows):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+from tests.jsonl import write_jsonl
 
 
 def test_run_stats_reads_each_metric_from_its_own_key():
@@ -30,11 +26,11 @@ def test_run_stats_reads_each_metric_from_its_own_key():
     rows.append({"step": 8, "eval/accuracy": 0.3})
     with tempfile.TemporaryDirectory() as d:
         p = pathlib.Path(d) / "m.jsonl"
-        _jsonl(p, rows)
+        write_jsonl(p, rows)
         s = report.run_stats(str(p))
-        _jsonl(p, rows[:1] + rows[2:-1])  # one eval only: no final eval
+        write_jsonl(p, rows[:1] + rows[2:-1])  # one eval only: no final eval
         assert report.run_stats(str(p)) is None
-        _jsonl(p, rows[:2])  # evals but no optimizer step
+        write_jsonl(p, rows[:2])  # evals but no optimizer step
         assert report.run_stats(str(p)) is None
     assert s["start_acc"] == 0.2 and s["final_acc"] == 0.3
     assert s["flip"] == pytest.approx(1.4 / 7)  # the NaN step is skipped, not averaged in
@@ -49,11 +45,11 @@ def test_run_stats_reads_each_metric_from_its_own_key():
 def test_collect_takes_only_exact_run_names_with_a_final_eval(tmp_path):
     """Dirs like grpo_n0_s0_old and runs without a final eval are left out of the report."""
     good = [{"eval/accuracy": 0.2}, {"moe/flip_rate/mean": 0.1}, {"eval/accuracy": 0.3}]
-    _jsonl(tmp_path / "grpo_n0_s0" / "metrics.jsonl", good)
-    _jsonl(tmp_path / "grpo_n0_s1_old" / "metrics.jsonl", good)
-    _jsonl(tmp_path / "gspo_n0_s0" / "metrics.jsonl", good[:2])
-    _jsonl(tmp_path / "grpo_bf16_s3" / "metrics.jsonl", good)
-    _jsonl(tmp_path / "grpo_tis_bf16_s1" / "metrics.jsonl", good)
+    write_jsonl(tmp_path / "grpo_n0_s0" / "metrics.jsonl", good)
+    write_jsonl(tmp_path / "grpo_n0_s1_old" / "metrics.jsonl", good)
+    write_jsonl(tmp_path / "gspo_n0_s0" / "metrics.jsonl", good[:2])
+    write_jsonl(tmp_path / "grpo_bf16_s3" / "metrics.jsonl", good)
+    write_jsonl(tmp_path / "grpo_tis_bf16_s1" / "metrics.jsonl", good)
     (tmp_path / "grpo_f10_s0").mkdir()
     runs = report.collect(str(tmp_path))
     assert {k: sorted(v) for k, v in runs.items()} == {("grpo", "n0"): [0],
@@ -176,12 +172,12 @@ def test_main_averages_start_accuracy_and_refuses_an_empty_root(tmp_path):
     calib = tmp_path / "calib.json"
     calib.write_text(json.dumps({"grid": [], "targets": {}}))
     for seed, start in ((0, 0.2), (1, 0.3)):
-        _jsonl(tmp_path / f"grpo_n0_s{seed}" / "metrics.jsonl",
-               [{"eval/accuracy": start}, {"moe/flip_rate/mean": 0.1, "train/minibatch": 0,
-                                           "moe/flip_rate_all/mean": 0.1,
-                                           "policy/clip_frac/token": 0.0,
-                                           "policy/log_ratio/abs_mean": 0.0},
-                {"eval/accuracy": 0.4}])
+        write_jsonl(tmp_path / f"grpo_n0_s{seed}" / "metrics.jsonl",
+                    [{"eval/accuracy": start}, {"moe/flip_rate/mean": 0.1, "train/minibatch": 0,
+                                                "moe/flip_rate_all/mean": 0.1,
+                                                "policy/clip_frac/token": 0.0,
+                                                "policy/log_ratio/abs_mean": 0.0},
+                     {"eval/accuracy": 0.4}])
     (tmp_path / "notes").mkdir()  # not a run: kept out of the per-arm table
     readme = tmp_path / "README.md"
     readme.write_text("<!-- table:q:begin -->\n<!-- table:q:end -->\n"

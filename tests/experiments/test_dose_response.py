@@ -1,11 +1,11 @@
 """Dose-response runner: the run grid and the report's paired gaps on synthetic metrics."""
 
-import json
 import math
 
 import pytest
 
 from experiments.replay_dose_response import report, run
+from tests.jsonl import write_metrics
 
 
 def test_grid_runs_r2_once_per_seed_and_the_mismatch_arms_at_noise_0():
@@ -35,7 +35,7 @@ def write_run(root, name, final_acc, flip, clip=0.01, lr0=0.002):
                      "policy/log_ratio/abs_mean": lr0 if (step - 1) % 2 == 0 else 9.0,
                      "reward/mean": 0.3, "rollout/logprob_mismatch/mean": 0.01})
     rows.append({"step": 4, "eval/accuracy": final_acc})
-    (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    write_metrics(d, rows)
 
 
 def test_report_pairs_gaps_by_seed(tmp_path):

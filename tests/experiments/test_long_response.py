@@ -1,25 +1,19 @@
 """experiments/long_response/run.py --plot-only: the README table from the runs' metrics, one
 column per arm, every row's reducer valid, headed by where the cold start stopped."""
 
-import json
 import os
 
 from experiments.long_response import run as long_run
-
-
-def _write(d, records):
-    os.makedirs(d, exist_ok=True)
-    with open(os.path.join(d, "metrics.jsonl"), "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in records)
+from tests.jsonl import write_metrics
 
 
 def test_plot_only_writes_the_table_into_the_readme(tmp_path, monkeypatch):
     runs = tmp_path / "runs" / "long_response"
-    _write(runs / "sft", [{"step": 0, "eval/accuracy": 0.0},
-                          {"step": 460, "eval/accuracy": 0.297, "sft/start_accuracy": 0.297,
-                           "sft/band_step": 460.0}])
+    write_metrics(runs / "sft", [{"step": 0, "eval/accuracy": 0.0},
+                                 {"step": 460, "eval/accuracy": 0.297, "sft/start_accuracy": 0.297,
+                                  "sft/band_step": 460.0}])
     for arm, clip in (("gspo", 0.4), ("grpo", 0.005)):
-        _write(runs / f"{arm}_s0", [
+        write_metrics(runs / f"{arm}_s0", [
             {"step": 0, "eval/accuracy": 0.297},
             {"step": 4, "policy/clip_frac/token": clip, "reward/mean": 0.3,
              "response/truncated_frac": 0.02, "moe/flip_rate/layer_00": 0.002},
@@ -44,7 +38,7 @@ def test_plot_only_writes_the_table_into_the_readme(tmp_path, monkeypatch):
 def test_rerun_refuses_existing_run_dirs_before_running(tmp_path, monkeypatch, capsys):
     import pytest
 
-    _write(tmp_path / "runs" / "long_response" / "sft", [{"step": 0, "eval/accuracy": 0.3}])
+    write_metrics(tmp_path / "runs" / "long_response" / "sft", [{"step": 0, "eval/accuracy": 0.3}])
     (tmp_path / "runs" / "long_response" / "sft" / "checkpoints" / "latest").mkdir(parents=True)
     (tmp_path / "runs" / "long_response" / "grpo_s1").mkdir()
     monkeypatch.setattr(long_run, "ROOT", str(tmp_path))

@@ -1,32 +1,27 @@
 """experiments/routing_volatility/run.py (--plot-only) writes its generated tables into the
 README's markers: depth table, cold start, clip fraction and final reward per run."""
 
-import json
 import math
 import os
 
 import pytest
 
 from experiments.routing_volatility import run as volatility
-
-
-def _write(d, records):
-    os.makedirs(d, exist_ok=True)
-    with open(os.path.join(d, "metrics.jsonl"), "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in records)
+from tests.jsonl import write_metrics
 
 
 def test_plot_only_writes_generated_tables(tmp_path, monkeypatch):
     root = tmp_path / "root"
-    _write(root / "runs/ablation/sft", [{"step": 380, "eval/accuracy": 0.2539,
-                                         "sft/start_accuracy": 0.2539, "sft/band_step": 380.0}])
+    write_metrics(root / "runs/ablation/sft", [{"step": 380, "eval/accuracy": 0.2539,
+                                                "sft/start_accuracy": 0.2539,
+                                                "sft/band_step": 380.0}])
     for name, flip in (("lr1e-4_n2", 0.001), ("lr1e-4_n8", 0.004)):
         recs = [{"step": 0, "eval/accuracy": 0.2539}]
         for t in range(1, 11):
             recs.append({"step": t, "reward/mean": t / 10, "policy/clip_frac/token": flip * 10,
                          "moe/flip_rate/mean": 2.5 * flip,
                          **{f"moe/flip_rate/layer_{i:02d}": flip * (i + 1) for i in range(4)}})
-        _write(root / f"runs/routing_volatility/qwen3-moe-tiny/{name}", recs)
+        write_metrics(root / f"runs/routing_volatility/qwen3-moe-tiny/{name}", recs)
     (tmp_path / "README.md").write_text("x\n<!-- table:main:begin -->\nold\n"
                                         "<!-- table:main:end -->\ny\n")
     monkeypatch.setattr(volatility, "ROOT", str(root))
@@ -49,13 +44,13 @@ def test_depth_table_columns_from_hand_worked_layers(tmp_path):
     """Logged mean flip rate (not the layer average), Spearman over depth, deepest/shallowest
     third (2 of 6 layers here), per-layer means in layer order."""
     ys = [0.002, 0.004, 0.001, 0.003, 0.005, 0.007]
-    _write(tmp_path / "run_a", [{"step": 1, "moe/flip_rate/mean": 0.01,
-                                 **{f"moe/flip_rate/layer_{i:02d}": y for i, y in enumerate(ys)}}])
+    write_metrics(tmp_path / "run_a", [{"step": 1, "moe/flip_rate/mean": 0.01, **{
+        f"moe/flip_rate/layer_{i:02d}": y for i, y in enumerate(ys)}}])
     line = volatility.depth_table([str(tmp_path / "run_a")]).splitlines()[1]
     # ranks of ys: 1 3 0 2 4 5, sum d^2 = 10, rho = 1 - 6*10/(6*35) = 0.714; (0.006)/(0.003) = 2
     assert line == ("run_a           0.0100      0.71          2.00  "
                     "0.0020 0.0040 0.0010 0.0030 0.0050 0.0070")
-    _write(tmp_path / "run_b", [{"step": 1, "moe/flip_rate/mean": 0.01, **{
+    write_metrics(tmp_path / "run_b", [{"step": 1, "moe/flip_rate/mean": 0.01, **{
         f"moe/flip_rate/layer_{i:02d}": y for i, y in enumerate([1, 2, 3, 4, 6])}}])
     line = volatility.depth_table([str(tmp_path / "run_b")]).splitlines()[1]
     assert line.split()[3] == "6.00"  # 5 layers: thirds of 5 // 3 = 1 layer, 6 / 1

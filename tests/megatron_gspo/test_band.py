@@ -10,6 +10,7 @@ from megatron_gspo.band import (AccuracyBandError, SFTBand, check_start_accuracy
                                 cold_start_line)
 from megatron_gspo.config import ConfigError, load_config
 from megatron_gspo.metrics import read_jsonl
+from tests.jsonl import write_metrics
 
 BASE = ["model.preset=tiny", "task.name=addition", "task.kwargs.num_digits=1", "task.n_train=60",
         "task.n_eval=40", "rollout.prompts_per_batch=4", "rollout.group_size=4",
@@ -179,19 +180,13 @@ def test_sft_band_without_target_and_before_entering():
 def test_cold_start_line_reads_the_latest_record(tmp_path):
     """The latest band record wins; without one, the latest eval; without metrics, a line
     saying so (no crash)."""
-    import json
-
-    def write(rows):
-        with open(tmp_path / "metrics.jsonl", "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
-
     assert cold_start_line(str(tmp_path)) == f"cold start {tmp_path}: no band record (no eval " \
                                              "logged)"
-    write([{"step": 0, "eval/accuracy": 0.0}, {"step": 10, "eval/accuracy": 0.125},
-           {"step": 11, "sft/loss": 1.0}])
+    write_metrics(tmp_path, [{"step": 0, "eval/accuracy": 0.0},
+                             {"step": 10, "eval/accuracy": 0.125}, {"step": 11, "sft/loss": 1.0}])
     assert cold_start_line(str(tmp_path)).endswith("no band record (accuracy 0.1250 at step 10)")
-    write([{"step": 20, "eval/accuracy": 0.3, "sft/start_accuracy": 0.3, "sft/band_step": 20.0},
-           {"step": 30, "eval/accuracy": 0.35, "sft/start_accuracy": 0.35,
-            "sft/band_step": 30.0}])
+    write_metrics(tmp_path, [
+        {"step": 20, "eval/accuracy": 0.3, "sft/start_accuracy": 0.3, "sft/band_step": 20.0},
+        {"step": 30, "eval/accuracy": 0.35, "sft/start_accuracy": 0.35, "sft/band_step": 30.0}])
     assert cold_start_line(str(tmp_path)).endswith("start accuracy 0.3500, entered the band at "
                                                    "SFT step 30")

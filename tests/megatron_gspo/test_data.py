@@ -1,7 +1,6 @@
 """Dataset task: reading JSONL / parquet rows in the verl and plain schemas, rendering, splits,
 and the errors that name file, row and field."""
 
-import json
 import os
 from types import SimpleNamespace
 
@@ -11,6 +10,7 @@ from megatron_gspo.config import ConfigError, DataConfig, load_config
 from megatron_gspo.data import (DataError, DatasetTask, dataset_splits, freeze, read_rows,
                                 tokenizer_folder)
 from megatron_gspo.tasks import Example
+from tests.jsonl import write_jsonl
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "gsm_tiny")
 
@@ -41,15 +41,6 @@ def verl_row(i, question=None, truth=None):
             "reward_model": {"style": "rule",
                              "ground_truth": str(2 * i) if truth is None else truth},
             "extra_info": {"answer": f"{i} + {i} = {2 * i}.\n#### {2 * i}"}}
-
-
-def write_jsonl(path, rows, blank_line_at=None):
-    with open(path, "w") as f:
-        for k, row in enumerate(rows):
-            if k == blank_line_at:
-                f.write("\n")
-            f.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
-    return str(path)
 
 
 def data_cfg(**kw):

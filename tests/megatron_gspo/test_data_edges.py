@@ -10,7 +10,8 @@ from megatron_gspo.config import load_config
 from megatron_gspo.data import DataError, DatasetTask, build_task, dataset_splits
 from megatron_gspo.rewards import REWARDS, FORMAT_CHECKS, register_reward
 from megatron_gspo.tasks import Example
-from tests.megatron_gspo.test_data import ByteTok, data_cfg, verl_row, write_jsonl
+from tests.jsonl import write_jsonl
+from tests.megatron_gspo.test_data import ByteTok, data_cfg, verl_row
 
 
 def test_math_reward_needs_math_verify_at_construction(monkeypatch):

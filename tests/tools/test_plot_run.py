@@ -1,24 +1,16 @@
 """tools/plot_run.py on synthetic metrics.jsonl files with hand-computed summaries."""
 
-import json
 import os
 
 import numpy as np
 import pytest
 
 from tools import plot_run
+from tests.jsonl import write_metrics
 
 FIGURES = ("reward.png", "eval_accuracy.png", "clip_fraction.png", "flip_rate_layers.png",
            "flip_rate_mean.png", "flip_vs_depth.png")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-def _write(d, records):
-    os.makedirs(d, exist_ok=True)
-    with open(os.path.join(d, "metrics.jsonl"), "w") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
-    return str(d)
 
 
 def _gspo_s0():
@@ -65,8 +57,9 @@ def _grpo_s0():
 
 @pytest.fixture
 def dirs(tmp_path):
-    return [_write(tmp_path / "gspo_s0", _gspo_s0()), _write(tmp_path / "gspo_s1", _gspo_s1()),
-            _write(tmp_path / "grpo_s0", _grpo_s0())]
+    return [write_metrics(tmp_path / "gspo_s0", _gspo_s0()),
+            write_metrics(tmp_path / "gspo_s1", _gspo_s1()),
+            write_metrics(tmp_path / "grpo_s0", _grpo_s0())]
 
 
 # hand-computed per-run statistics

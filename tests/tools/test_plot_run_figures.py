@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.tools.test_plot_run import _write
+from tests.jsonl import write_metrics
 from tools import plot_run
 
 
@@ -20,10 +20,10 @@ def _arm(tmp_path):
                 for t in range(4)]
         return recs + [{"step": t, "eval/accuracy": a} for t, a in zip((0, 2), evals)]
 
-    return [_write(tmp_path / "g_s0", seed([0, 1, 2, 3], [0, .2, .1, .4], [.1, .3],
-                                           [.1, .2, .3, .4], layer1=.5)),
-            _write(tmp_path / "g_s1", seed([2, 3, 4, 5], [0, 0, .3, .2], [.3, .5],
-                                           [.3, .4, .5, .6]))]
+    return [write_metrics(tmp_path / "g_s0", seed([0, 1, 2, 3], [0, .2, .1, .4], [.1, .3],
+                                                  [.1, .2, .3, .4], layer1=.5)),
+            write_metrics(tmp_path / "g_s1", seed([2, 3, 4, 5], [0, 0, .3, .2], [.3, .5],
+                                                  [.3, .4, .5, .6]))]
 
 
 @pytest.fixture
@@ -99,10 +99,10 @@ def test_flip_heatmap_places_layers_and_steps_with_gaps(tmp_path, monkeypatch):
 
     saved = []
     monkeypatch.setattr(Figure, "savefig", lambda fig, path, **kw: saved.append(fig))
-    d = _write(tmp_path / "k", [{"step": 0, "moe/flip_rate/layer_00": .1},
-                                {"step": 1, "moe/flip_rate/layer_00": .2,
-                                 "moe/flip_rate/layer_03": .3},
-                                {"step": 2, "moe/flip_rate/layer_03": .4}])
+    d = write_metrics(tmp_path / "k", [{"step": 0, "moe/flip_rate/layer_00": .1},
+                                       {"step": 1, "moe/flip_rate/layer_00": .2,
+                                        "moe/flip_rate/layer_03": .3},
+                                       {"step": 2, "moe/flip_rate/layer_03": .4}])
     assert plot_run.plot_flip_heatmap(plot_run.load_runs([d]), str(tmp_path / "h.png"))
     mesh = saved[0].axes[0].collections[0]
     grid = np.ma.masked_invalid(mesh.get_array()).reshape(2, 3)
@@ -119,8 +119,8 @@ def test_single_run_line_has_no_band_and_clip_axis_is_log(tmp_path, monkeypatch)
 
     saved = []
     monkeypatch.setattr(Figure, "savefig", lambda fig, path, **kw: saved.append(fig))
-    d = _write(tmp_path / "one", [{"step": t, "policy/clip_frac/token": 0.1 * (t + 1)}
-                                  for t in range(3)])
+    d = write_metrics(tmp_path / "one", [{"step": t, "policy/clip_frac/token": 0.1 * (t + 1)}
+                                         for t in range(3)])
     assert plot_run.plot_lines(plot_run.load_runs([d]), "policy/clip_frac/token",
                                str(tmp_path / "c.png"), "clip", logy=True)
     ax = saved[0].axes[0]

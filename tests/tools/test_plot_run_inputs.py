@@ -4,15 +4,15 @@ import os
 
 import pytest
 
-from tests.tools.test_plot_run import _write
+from tests.jsonl import write_metrics
 from tools import plot_run
 
 
 def test_read_metrics_skips_bools_and_stepless_records_and_keeps_last_duplicate(tmp_path):
     """Bools and stepless records are skipped; a repeated step keeps its last value."""
-    d = _write(tmp_path / "r", [{"step": 0, "x": 1.0, "flag": True},
-                                {"x": 9.0}, {"step": "nan", "x": 8.0},
-                                {"step": 0, "x": 2.0}, {"step": 1.0, "x": 3}])
+    d = write_metrics(tmp_path / "r", [{"step": 0, "x": 1.0, "flag": True},
+                                       {"x": 9.0}, {"step": "nan", "x": 8.0},
+                                       {"step": 0, "x": 2.0}, {"step": 1.0, "x": 3}])
     assert plot_run.read_metrics(os.path.join(d, "metrics.jsonl")) == {"x": {0: 2.0, 1: 3.0}}
 
 
@@ -27,7 +27,7 @@ def test_non_object_record_raises_naming_it(tmp_path):
 
 def test_jsonl_path_is_accepted_and_labelled_by_its_folder(tmp_path):
     """A path to metrics.jsonl itself loads that file, labelled by its folder's name."""
-    d = _write(tmp_path / "gspo_s3", [{"step": 4, "reward/mean": 0.5}])
+    d = write_metrics(tmp_path / "gspo_s3", [{"step": 4, "reward/mean": 0.5}])
     (run,) = plot_run.load_runs([os.path.join(d, "metrics.jsonl")])
     assert run["label"] == "gspo_s3" and run["seeds"] == [{"reward/mean": {4: 0.5}}]
 
@@ -41,7 +41,7 @@ def test_no_run_dirs_is_an_error():
 def _skewed(tmp_path):
     """3 steps: clip 0, 0, 0.3 (mean 0.1, median 0); flip mean 0.1, 0.2, 0.6 (mean 0.3);
     layers 00 and 02 only; reward 0.2, 0.4, 0.9; eval 0.5 then 0.25."""
-    return _write(tmp_path / "skew", [
+    return write_metrics(tmp_path / "skew", [
         {"step": t, "policy/clip_frac/token": c, "moe/flip_rate/mean": f, "reward/mean": r,
          "moe/flip_rate/layer_00": f, "moe/flip_rate/layer_02": 2 * f}
         for t, c, f, r in ((0, 0.0, 0.1, 0.2), (1, 0.0, 0.2, 0.4), (2, 0.3, 0.6, 0.9))
@@ -82,8 +82,8 @@ def test_format_summary_exact_text(tmp_path):
 
 def test_layer_keys_take_the_index_from_the_name(tmp_path):
     """layer_keys sorts by the layer number in the key, gaps kept (00, 02, 10)."""
-    runs = plot_run.load_runs([_skewed(tmp_path),
-                               _write(tmp_path / "b", [{"step": 0, "moe/flip_rate/layer_10": 1}])])
+    other = write_metrics(tmp_path / "b", [{"step": 0, "moe/flip_rate/layer_10": 1}])
+    runs = plot_run.load_runs([_skewed(tmp_path), other])
     assert plot_run.layer_keys(runs) == [(0, "moe/flip_rate/layer_00"),
                                          (2, "moe/flip_rate/layer_02"),
                                          (10, "moe/flip_rate/layer_10")]
@@ -111,17 +111,17 @@ def test_main_out_and_table_does_both(tmp_path, capsys):
 
 def test_numeric_strings_count_and_stats_use_step_order(tmp_path):
     """Numeric strings are values; per-seed stats follow step order, not file order."""
-    d = _write(tmp_path / "r", [{"step": 5, "eval/accuracy": "0.2"},
-                                {"step": "1", "eval/accuracy": 0.6},
-                                {"step": 3, "eval/accuracy": 0.4}])
+    d = write_metrics(tmp_path / "r", [{"step": 5, "eval/accuracy": "0.2"},
+                                       {"step": "1", "eval/accuracy": 0.6},
+                                       {"step": 3, "eval/accuracy": 0.4}])
     (row,) = plot_run.summarize(plot_run.load_runs([d]))
     assert row["final_eval_acc"] == 0.2 and row["best_eval_acc"] == 0.6
 
 
 def test_arm_last_step_is_over_all_seeds(tmp_path):
     """An arm's last_step is the latest step any of its seeds logged."""
-    dirs = [_write(tmp_path / "a_s0", [{"step": 3, "x": 1}]),
-            _write(tmp_path / "a_s1", [{"step": 8, "x": 1}])]
+    dirs = [write_metrics(tmp_path / "a_s0", [{"step": 3, "x": 1}]),
+            write_metrics(tmp_path / "a_s1", [{"step": 8, "x": 1}])]
     (row,) = plot_run.summarize(plot_run.load_runs(dirs, group_by_prefix=True))
     assert row["last_step"] == 8
 
@@ -138,8 +138,8 @@ def test_main_table_uses_labels_and_every_stat(tmp_path, capsys):
 
 def test_same_seed_label_twice_is_an_error_when_grouping(tmp_path):
     """Two dirs named gspo_s0 are not two seeds of gspo (one seed would count twice)."""
-    a = _write(tmp_path / "a" / "gspo_s0", [{"step": 0, "x": 1.0}])
-    b = _write(tmp_path / "b" / "gspo_s0", [{"step": 0, "x": 3.0}])
+    a = write_metrics(tmp_path / "a" / "gspo_s0", [{"step": 0, "x": 1.0}])
+    b = write_metrics(tmp_path / "b" / "gspo_s0", [{"step": 0, "x": 3.0}])
     with pytest.raises(ValueError, match="duplicate run label 'gspo_s0'.*pass --labels$"):
         plot_run.load_runs([a, b], group_by_prefix=True)
     (arm,) = plot_run.load_runs([a, b], labels=["gspo_s0", "gspo_s1"], group_by_prefix=True)

@@ -5,7 +5,7 @@ from importlib.metadata import version
 
 import pytest
 
-from tests.tools.test_plot_run import _write  # a run dir with these metrics.jsonl records
+from tests.jsonl import write_metrics
 from tools import plot_run, result_table
 
 
@@ -18,10 +18,10 @@ def _runs(tmp_path):
         recs += [{"step": t, "eval/accuracy": a} for t, a in zip((0, 10, 20), evals)]
         return recs
 
-    return [_write(tmp_path / "gspo_s0", seed((0.30, 0.40, 0.50), 0.0)),
-            _write(tmp_path / "gspo_s1", seed((0.32, 0.36, 0.44), 0.1, nan_at=5)),
-            _write(tmp_path / "grpo_s0", [{"step": 0, "eval/accuracy": 0.2},
-                                          {"step": 5, "eval/accuracy": 0.25}])]
+    return [write_metrics(tmp_path / "gspo_s0", seed((0.30, 0.40, 0.50), 0.0)),
+            write_metrics(tmp_path / "gspo_s1", seed((0.32, 0.36, 0.44), 0.1, nan_at=5)),
+            write_metrics(tmp_path / "grpo_s0", [{"step": 0, "eval/accuracy": 0.2},
+                                                 {"step": 5, "eval/accuracy": 0.25}])]
 
 
 def test_cells_are_seed_mean_and_sample_std(tmp_path):
@@ -122,11 +122,11 @@ def test_parse_stat_splits_on_last_colon_and_first_equals():
 
 def test_cell_counts_only_seeds_with_the_key(tmp_path):
     """A cell's third entry is how many seeds have the key, not the arm's seed count."""
-    from tests.tools.test_plot_run import _write
-    dirs = [_write(tmp_path / "a_s0", [{"step": 0, "x": 1.0}, {"step": 1, "x": 3.0}]),
-            _write(tmp_path / "a_s1", [{"step": 0, "y": 1.0}]),
-            _write(tmp_path / "a_s2", [{"step": 0, "x": 5.0}]),
-            _write(tmp_path / "a_s3", [{"step": 0, "x": 10.0}])]
+    from tests.jsonl import write_metrics
+    dirs = [write_metrics(tmp_path / "a_s0", [{"step": 0, "x": 1.0}, {"step": 1, "x": 3.0}]),
+            write_metrics(tmp_path / "a_s1", [{"step": 0, "y": 1.0}]),
+            write_metrics(tmp_path / "a_s2", [{"step": 0, "x": 5.0}]),
+            write_metrics(tmp_path / "a_s3", [{"step": 0, "x": 10.0}])]
     (arm,) = plot_run.load_runs(dirs, group_by_prefix=True)
     assert result_table.cell(arm, "x", "final") == pytest.approx((6.0, 3.6055512755, 3))  # 3 5 10
     assert result_table.cell(arm, "y", "start") == (1.0, None, 1)
@@ -134,8 +134,8 @@ def test_cell_counts_only_seeds_with_the_key(tmp_path):
 
 def test_table_start_row_once_and_seed_line(tmp_path):
     """A listed start stat is not duplicated; equal seed counts > 1 still report a spread."""
-    from tests.tools.test_plot_run import _write
-    dirs = [_write(tmp_path / f"{arm}_s{s}", [{"step": 0, "eval/accuracy": 0.1 * (s + 1)}])
+    from tests.jsonl import write_metrics
+    dirs = [write_metrics(tmp_path / f"{arm}_s{s}", [{"step": 0, "eval/accuracy": 0.1 * (s + 1)}])
             for arm in ("a", "b") for s in (0, 1)]
     runs = plot_run.load_runs(dirs, group_by_prefix=True)
     lines = result_table.format_table(runs, ["eval/accuracy:start=start acc"],
