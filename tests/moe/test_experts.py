@@ -225,10 +225,10 @@ def test_training_forward_keeps_no_stacked_copy_of_the_expert_weights(single_pro
     stack_bytes = sum(e.linear_fc1.weight.nbytes + e.linear_fc2.weight.nbytes
                       for e in experts.local_experts)
     g = torch.Generator().manual_seed(0)
-    E, H = experts.num_local_experts, policy.preset.hidden_size
-    counts = torch.full((E,), 3, dtype=torch.int64)
-    x = torch.randn(3 * E, H, generator=g, requires_grad=True)
-    probs = torch.rand(3 * E, generator=g)
+    E, H, device = experts.num_local_experts, policy.preset.hidden_size, policy.device
+    counts = torch.full((E,), 3, dtype=torch.int64, device=device)
+    x = torch.randn(3 * E, H, generator=g).to(device).requires_grad_()  # where the weights are
+    probs = torch.rand(3 * E, generator=g).to(device)
 
     def saved_bytes(fn):
         seen = {}
@@ -253,7 +253,7 @@ def test_training_forward_keeps_no_stacked_copy_of_the_expert_weights(single_pro
     new_bytes, out = saved_bytes(lambda: experts(x, counts, probs)[0])
     old_bytes, ref = saved_bytes(stacked_path)
     assert old_bytes - new_bytes == stack_bytes  # both stacks no longer saved, nothing else new
-    readout = torch.randn(out.shape, generator=g)
+    readout = torch.randn(out.shape, generator=g).to(device)
     got = torch.autograd.grad((out * readout).sum(), [x, *experts.parameters()])
     want = torch.autograd.grad((ref * readout).sum(), [x, *experts.parameters()])
     for a, b in zip(got, want):
