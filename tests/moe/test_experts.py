@@ -285,8 +285,13 @@ def test_expert_grads_go_into_main_grad_without_ddp_hooks(single_process, dtype)
     hooked = run()
     assert len(accumulated) == len(weights)  # DDP's path: every expert weight accumulated
     assert sum(bool(direct[n].any()) for n in direct if ".experts." in n) >= len(weights) // 2
+    # bitwise on CPU; on CUDA the two backward passes differ by the order of the dispatch's
+    # atomic adds (megatron's scatter-add unpermute, index_select's backward): to its rounding
     for name, g in hooked.items():
-        assert torch.equal(direct[name], g), name
+        if policy.device.type == "cpu":
+            assert torch.equal(direct[name], g), name
+        else:
+            torch.testing.assert_close(direct[name], g, **CUDA_TOL[dtype], msg=name)
 
 
 def test_frozen_expert_weights_get_no_grad_through_main_grad(single_process):
