@@ -83,3 +83,34 @@ def test_ours_alone_gives_model_tflops_and_mfu():
     with pytest.raises(SystemExit):
         parse_args(["--peak-tflops", "0"])
     assert bench_sweep.parse_args(["--skip-trl", "--peak-tflops", "989"]).skip_trl
+
+
+def test_a_sweep_stopped_after_some_points_leaves_them_in_the_readme(tmp_path, monkeypatch):
+    """gpu_session.sh's sweep runs under a time limit: each finished point is written (sweep.md,
+    sweep.json, the README's table) before the next starts, headed "N of M points"; the complete
+    sweep's table has no such head."""
+    res = point(8, 100.0)["res"]
+    res.update(cpu="Test CPU", versions="torch x")
+    calls = []
+
+    def run_point(*a):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the sweep stops during its second point
+        return res
+
+    monkeypatch.setattr(bench_sweep, "run_point", run_point)
+    readme = tmp_path / "README.md"
+    readme.write_text("a\n<!-- table:sweep_x:begin -->\nOLD\n<!-- table:sweep_x:end -->\nb\n")
+    argv = ["--lengths", "8,32", "--batches", "4x4", "--out", str(tmp_path), "--readme",
+            str(readme), "--marker", "sweep_x"]
+    with pytest.raises(KeyboardInterrupt):
+        bench_sweep.main(argv)
+    text = readme.read_text()
+    assert "OLD" not in text and text.count("| 4x4 (16) |") == 1 and "| 4x4 (16) | 8 |" in text
+    assert "**1 of 2 points**" in text and text.endswith("end -->\nb\n")
+    assert "**1 of 2 points**" in (tmp_path / "sweep.md").read_text()
+    monkeypatch.setattr(bench_sweep, "run_point", lambda *a: res)
+    assert bench_sweep.main(argv) == 0
+    text = readme.read_text()
+    assert text.count("| 4x4 (16) |") == 2 and "points**" not in text
