@@ -5,9 +5,14 @@
 #   bash tools/gpu_session.sh env tests point sampling  # about 7 minutes: versions, GPU tests,
 #                                                # one point, the sampler at Qwen3's vocabulary
 #   bash tools/gpu_session.sh profile            # about 4: torch.profiler tables by GPU time
-#   bash tools/gpu_session.sh sweep              # at most 8: ours over lengths x batch sizes
 #   bash tools/gpu_session.sh real               # about 4: 2 layers of Qwen3-30B-A3B's shapes
+#   bash tools/gpu_session.sh sweep              # at most 8: ours over lengths x batch sizes
 #   bash tools/gpu_session.sh                    # all stages (outside the device tool's limit)
+#
+# Budget: these estimates (23 minutes) plus a machine start (a minute or more) and the 30 s warm
+# window per call about fill a 30-minute lease, and the stages' time limits (28 minutes) exceed
+# it: the sweep goes last since it keeps the points it finished when stopped (give its call a
+# timeout_s inside what is left; the device tool starts no machine under 4 minutes left).
 #
 # Outputs under $OUT (the device tool's; default runs/gpu_session): env.txt, tests.log, and
 # README.md, a copy of experiments/throughput/README.md whose gpu_* markers the tools fill in
@@ -18,12 +23,12 @@
 # (delete /tmp/site to reinstall changed ones). Exits 1 if a stage failed (the others still ran).
 set -u -o pipefail
 OUT=${OUT:-runs/gpu_session}
-STAGES=${*:-env tests point sampling profile sweep real}
+STAGES=${*:-env tests point sampling profile real sweep}
 for stage in $STAGES; do
   case $stage in
-    env|tests|point|sampling|profile|sweep|real) ;;
-    *) echo "unknown stage '$stage': expected env, tests, point, sampling, profile, sweep" \
-            "or real" >&2
+    env|tests|point|sampling|profile|real|sweep) ;;
+    *) echo "unknown stage '$stage': expected env, tests, point, sampling, profile, real" \
+            "or sweep" >&2
        exit 2 ;;
   esac
 done
