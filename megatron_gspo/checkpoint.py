@@ -169,6 +169,20 @@ def verify_file(path: str) -> None:
                               "one written with it")
 
 
+def verify_dir(directory: str, rank: int = 0, world_size: int = 1) -> None:
+    """`verify_file` for this rank's share (every `world_size`-th) of the files in `directory`
+    that have a checksum beside them, whatever layout wrote them: a resume with fewer ranks
+    checks the shards of the ranks it no longer has too. A file whose checksum is there but
+    which is gone is a CheckpointError."""
+    names = sorted(n for n in os.listdir(directory) if n.endswith(CHECKSUM_SUFFIX)) \
+        if os.path.isdir(directory) else []
+    for name in names[rank::world_size]:
+        path = os.path.join(directory, name[:-len(CHECKSUM_SUFFIX)])
+        if not os.path.isfile(path):
+            raise CheckpointError(f"checkpoint file {path} is missing (its checksum is there)")
+        verify_file(path)
+
+
 def save_checkpoint(root: str, step: int, state: dict, rank: int = 0) -> str:
     """Atomically write this rank's `state` to root/step_XXXXXX/rank_XXXXX.pt; returns the
     step dir. Does not move `latest` (see `mark_latest`)."""

@@ -253,9 +253,15 @@ def load_init_weights(policy: MoEPolicy, path: str) -> None:
         else ckpt.step_dir(root, ckpt.latest_step(root))
     dist_dir = os.path.join(step_dir, "dist")
     if dist_ckpt.is_dist_checkpoint(dist_dir):
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        for f in dist_ckpt.files_written_by(dist_dir, rank):
-            ckpt.verify_file(f)
+        error = ""
+        try:  # every rank checks its share of the files, then all agree (no rank loads alone)
+            ckpt.verify_dir(dist_dir, dist.get_rank() if dist.is_initialized() else 0,
+                            dist.get_world_size() if dist.is_initialized() else 1)
+        except ckpt.CheckpointError as e:
+            error = str(e)
+        if not all_ranks(not error):
+            raise ckpt.CheckpointError(error or f"init_checkpoint={path}: a shard checked by "
+                                       "another rank is bad")
         try:
             dist_ckpt.load(policy, dist_dir, optimizer=False)  # collective
         except (Exception, CheckpointException) as e:  # shape / key mismatch: another model
@@ -302,8 +308,7 @@ def try_resume(rt: Runtime) -> dict | None:
         own = os.path.isfile(ckpt.rank_file(ckpt.step_dir(root, step), rt.info.rank))
         try:
             state = ckpt.load_checkpoint(root, rank=rt.info.rank if own else 0, step=step)
-            for f in dist_ckpt.files_written_by(dist_dir, rt.info.rank):
-                ckpt.verify_file(f)
+            ckpt.verify_dir(dist_dir, rt.info.rank, rt.info.world_size)
         except (ckpt.CheckpointError, FileNotFoundError) as e:
             state, error = None, str(e)
         if not all_ranks(state is not None):

@@ -283,3 +283,32 @@ def test_cuda_rng_states_restore_for_the_devices_present(monkeypatch):
     s0, s1 = torch.tensor([1], dtype=torch.uint8), torch.tensor([2], dtype=torch.uint8)
     ckpt.set_rng_state({**base, "cuda": [s0, s1]})
     assert [(s.tolist(), i) for s, i in set_calls] == [([1], 0)]
+
+
+def _checksummed(directory, name: str, data: bytes) -> str:
+    path = os.path.join(directory, name)
+    with open(path, "wb") as f:
+        f.write(data)
+    ckpt.write_checksum(path)
+    return path
+
+
+def test_verify_dir_checks_every_checksummed_file_split_over_the_ranks(tmp_path):
+    """A resume with fewer ranks than wrote the checkpoint checks the missing ranks' shards too
+    (a dist dir's `__1_0.distcp` on a 1-process resume), and a file whose checksum is there but
+    which is gone is named."""
+    d = str(tmp_path)
+    _checksummed(d, "__0_0.distcp", b"a" * 100)
+    other = _checksummed(d, "__1_0.distcp", b"b" * 100)
+    ckpt.verify_dir(d)  # all good
+    with open(other, "r+b") as f:
+        f.write(b"X")
+    with pytest.raises(ckpt.CheckpointError, match=r"__1_0.distcp is corrupt"):
+        ckpt.verify_dir(d, rank=0, world_size=1)
+    ckpt.verify_dir(d, rank=0, world_size=2)  # rank 1's share: the other rank checks it
+    with pytest.raises(ckpt.CheckpointError, match=r"__1_0.distcp is corrupt"):
+        ckpt.verify_dir(d, rank=1, world_size=2)
+    os.remove(other)
+    with pytest.raises(ckpt.CheckpointError, match=r"__1_0.distcp is missing"):
+        ckpt.verify_dir(d)
+    ckpt.verify_dir(str(tmp_path / "absent"))  # no dist dir: nothing to check
