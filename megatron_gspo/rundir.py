@@ -13,8 +13,9 @@ config once the run has really started (policy built, init weights loaded), so a
 its set-up leaves nothing that would refuse its corrected re-run.
 
 Semantic keys are the ones that change what is trained; the rest (how long, how often to eval,
-save and log, wandb, the collective timeout) may change between resumes. Departure from verl /
-Megatron-LM, which resume whatever is in the save dir: they overwrite silently (PITFALLS #16).
+save and log, wandb, the collective timeout, the TP / EP / DP layout: LAYOUT) may change between
+resumes. Departure from verl / Megatron-LM, which resume whatever is in the save dir: they
+overwrite silently (PITFALLS #16).
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ NON_SEMANTIC = ("run_dir", "resume", "wandb", "train.steps", "train.eval_every",
                 "model.dist_timeout_min", "train.logprob_max_tokens")
 # Sections a job does not read, so they may differ too.
 UNUSED_BY_JOB = {"train": ("sft",), "sft": ("train", "loss", "rollout")}
+# The parallel layout: a checkpoint reshards over it (moe.dist_ckpt), so a resume may change it,
+# except TP / EP under the distributed optimizer (its state reshards over DP only).
+LAYOUT = ("model.tp", "model.ep", "model.sequence_parallel", "model.dispatcher")
 
 
 class RunDirError(RuntimeError):
@@ -51,11 +55,20 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def semantic_config(config: dict, job: str) -> dict:
-    """The dotted keys of `config` that define the run (see NON_SEMANTIC / UNUSED_BY_JOB)."""
-    skip = NON_SEMANTIC + UNUSED_BY_JOB.get(job, ())
-    kept = {k: v for k, v in sorted(_flatten(config).items())
+def _skipped(config: dict, job: str) -> tuple:
+    distributed = (config.get("optim") or {}).get("distributed")
+    return NON_SEMANTIC + UNUSED_BY_JOB.get(job, ()) + (LAYOUT[2:] if distributed else LAYOUT)
+
+
+def _kept(flat: dict, skip: tuple) -> dict:
+    return {k: v for k, v in sorted(flat.items())
             if not any(k == s or k.startswith(s + ".") for s in skip)}
+
+
+def semantic_config(config: dict, job: str) -> dict:
+    """The dotted keys of `config` that define the run (see NON_SEMANTIC / UNUSED_BY_JOB /
+    LAYOUT)."""
+    kept = _kept(_flatten(config), _skipped(config, job))
     return json.loads(json.dumps(kept, default=str))  # as run.json holds it (tuples -> lists)
 
 
@@ -151,7 +164,8 @@ def _verdict(run_dir: str, job: str, config: dict, resume) -> str:
                 "checkpoints: choose another run_dir")
     new = semantic_config(config, job)
     if fingerprint(new) != record["fingerprint"] and resume != "force":
-        diff = differing_keys(record["config"], new, default_semantic_config(job))
+        old = _kept(record["config"], _skipped(config, job))  # records may hold LAYOUT keys
+        diff = differing_keys(old, new, default_semantic_config(job))
         if diff:
             return (f"run_dir={run_dir} was started with another config ({'; '.join(diff)}); "
                     "use a new run_dir, or resume=force to continue with this one")

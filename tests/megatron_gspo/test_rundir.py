@@ -174,3 +174,35 @@ def test_other_ranks_take_rank_0s_verdict_and_leave_files_alone(tmp_path, monkey
     monkeypatch.setattr(dist, "broadcast_object_list", from_rank_0)
     with pytest.raises(RunDirError, match="^run_dir=x holds a 'sft' run$"):
         claim_run_dir(str(tmp_path), "train", cfg, True, is_main=False)
+
+
+def test_the_layout_may_change_on_resume_but_not_tp_ep_under_the_distributed_optimizer(
+        tmp_path):
+    """README: re-running the same command resumes with another TP / EP / DP layout (the dist
+    checkpoint reshards); the distributed optimizer's state reshards over DP only."""
+    claim(tmp_path / "a", "train", "model.ep=2").release()
+    claim(tmp_path / "a", "train").release()  # the EP=2 run resumed in one process
+    claim(tmp_path / "a", "train", "model.tp=2", "model.sequence_parallel=true").release()
+    claim(tmp_path / "b", "train", "model.ep=2", "optim.distributed=true").release()
+    claim(tmp_path / "b", "train", "model.ep=2", "model.dispatcher=allgather",
+          "optim.distributed=true").release()
+    with pytest.raises(RunDirError, match=r"\(model.ep: 2 -> 1\)"):
+        claim(tmp_path / "b", "train", "optim.distributed=true")
+
+
+def test_a_record_holding_the_layout_keys_resumes_with_another_layout(tmp_path):
+    """run.json written before LAYOUT was skipped holds model.tp / ep / ...: they do not count."""
+    import json
+
+    from megatron_gspo.rundir import RUN_FILE, fingerprint
+
+    cfg = config_to_dict(load_config(None, [f"run_dir={tmp_path}", "model.ep=2"]))
+    old = dict(semantic_config(cfg, "train"), **{"model.tp": 1, "model.ep": 2,
+                                                 "model.sequence_parallel": False,
+                                                 "model.dispatcher": "alltoall"})
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / RUN_FILE).write_text(json.dumps(
+        {"job": "train", "fingerprint": fingerprint(old), "config": old}))
+    claim(tmp_path, "train").release()
+    with pytest.raises(RunDirError, match=r"optim.lr: 0.0001 -> 0.5"):
+        claim(tmp_path, "train", "optim.lr=0.5")
