@@ -10,9 +10,10 @@ Examples:
 
 Overrides use dotted keys and YAML values; unknown keys are errors. A bad config (typo, wrong
 type, bad value, malformed YAML, missing file or checkpoint), a run dir that belongs to another
-run, or a corrupt checkpoint exits with status 2 and one line naming it; nothing already written
-is lost. SIGTERM / Ctrl-C saves a checkpoint and exits with 128 + the signal number. The resolved
-config is saved in run_dir next to metrics.jsonl on a run's first start.
+run, a corrupt checkpoint, or weights / a loss gone non-finite exits with status 2 and one line
+naming it; nothing already written is lost. SIGTERM / Ctrl-C saves a checkpoint and exits with
+128 + the signal number. The resolved config is saved in run_dir next to metrics.jsonl on a
+run's first start.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         result = run(args.command, cfg)
-    except (ConfigError, DataError, FileNotFoundError, RunDirError, CheckpointError) as e:
+    except (ConfigError, DataError, FileNotFoundError, RunDirError, CheckpointError,
+            FloatingPointError) as e:  # FloatingPointError: the run's loss / weights went NaN
         return _fail(str(e))  # nothing already written is lost
     except Preempted as e:
         if os.environ.get("RANK", "0") == "0":

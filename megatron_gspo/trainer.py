@@ -162,6 +162,7 @@ class Trainer:
                 while state.iteration < cfg.train.steps:
                     last = self.iteration()
                     it = state.iteration
+                    self.check_weights(it)  # never save (or sample from) NaN weights
                     if self.rt.info.is_main and it % cfg.train.log_every == 0:
                         print(format_progress(it, cfg.train.steps, last, PROGRESS_KEYS),
                               flush=True)
@@ -297,9 +298,13 @@ class Trainer:
             logp_BT, entropy_BT = policy.token_logprobs(
                 mb.tokens_BT, mb.valid_BT, cfg.rollout.temperature, with_entropy=True,
                 start=mb.rollout.response_start)
-            loss, metrics = self.loss_fn(logp_BT, mb.old_logp_BT, mb.adv_B,
-                                         mb.response_BT.float(), cfg.loss,
-                                         ref_logp_BT=mb.ref_logp_BT, **tis)
+            nan = logp_BT.detach()[mb.response_BT.to(logp_BT.device).bool()].isnan().any()
+            if all_ranks(not bool(nan)):
+                loss, metrics = self.loss_fn(logp_BT, mb.old_logp_BT, mb.adv_B,
+                                             mb.response_BT.float(), cfg.loss,
+                                             ref_logp_BT=mb.ref_logp_BT, **tis)
+            else:  # NaN weights / activations: a skipped step (guard), not the loss's ValueError
+                loss, metrics = logp_BT.new_tensor(float("nan")), {"policy/loss": float("nan")}
         metrics.update(tis_metrics, **response_metrics(mb, logp_BT, entropy_BT))
         stepped, grad_norm = False, float("nan")
         if all_ranks(bool(torch.isfinite(loss))):  # skip on every rank or none (PITFALLS #13)
@@ -340,6 +345,15 @@ class Trainer:
                 f"loss or grad norm (train.max_skipped_steps={self.cfg.train.max_skipped_steps}); "
                 f"checkpoints in {self.cfg.run_dir} are untouched")
         return {"train/skipped": float(not stepped)}
+
+    def check_weights(self, iteration: int) -> None:
+        """FloatingPointError once an update has left a weight NaN / inf (every rank agrees)."""
+        if not all_ranks(all(bool(p.isfinite().all())
+                             for p in self.policy.model.module.parameters())):
+            raise FloatingPointError(
+                f"the policy's weights are not finite after rollout batch {iteration} "
+                f"(optimizer step {self.state.opt_step}; lr too high?); not saved: checkpoints "
+                f"in {self.cfg.run_dir} are untouched")
 
     def collapse_alerts(self, metrics: dict) -> dict:
         """Flag a reward crash (EMA below best by `collapse_reward_drop`) or entropy collapse."""

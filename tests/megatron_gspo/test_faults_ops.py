@@ -1,10 +1,14 @@
 """An operator's abuse of a run dir, end to end (test_faults.py has the basic refusals): shards
-gone from the latest checkpoint."""
+gone from the latest checkpoint, weights gone NaN."""
 
 import os
 
+import pytest
+
 from megatron_gspo import checkpoint as ckpt
-from tests.megatron_gspo.test_faults import trainer
+from megatron_gspo import cli as cli_module
+from megatron_gspo.metrics import read_jsonl
+from tests.megatron_gspo.test_faults import one_line_error, trainer
 
 
 def test_a_shard_gone_from_the_latest_step_falls_back_to_the_previous_one(tmp_path, capsys):
@@ -20,3 +24,35 @@ def test_a_shard_gone_from_the_latest_step_falls_back_to_the_previous_one(tmp_pa
     out = capsys.readouterr().out
     assert f"skipping checkpoint step 2: checkpoint file {dist_dir}/{shard} is missing" in out
     resumed.rt.close()
+
+
+def test_weights_gone_nan_stop_the_run_before_a_save_and_keep_the_last_good_step(tmp_path):
+    """An update that leaves a weight NaN (an lr too high, fp16 overflow): the next minibatch's
+    NaN log-probs are a skipped step (train/skipped), not a traceback from the loss, and the run
+    stops with a FloatingPointError naming it before saving: `latest` stays the good step."""
+    run = tmp_path / "run"
+    t = trainer(run, "train.steps=3")
+    step, calls = t.policy.step, []
+
+    def step_then_poison():
+        out = step()
+        calls.append(1)
+        if len(calls) == 3:  # rollout batch 2's first minibatch
+            next(t.policy.model.module.parameters()).data.fill_(float("nan"))
+        return out
+
+    t.policy.step = step_then_poison
+    with pytest.raises(FloatingPointError, match=r"not finite after rollout batch 2.*untouched"):
+        t.train()
+    root = str(run / "checkpoints")
+    assert ckpt.latest_step(root) == 1 and not os.path.isdir(ckpt.step_dir(root, 2))
+    rows = read_jsonl(str(run / "metrics.jsonl"))
+    assert [r["train/skipped"] for r in rows] == [0, 0, 0, 1]
+    assert rows[-1]["policy/loss"] == "nan"
+
+
+def test_a_non_finite_run_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli_module, "run", lambda *a: (_ for _ in ()).throw(
+        FloatingPointError("11 consecutive optimizer steps had a non-finite loss")))
+    err = one_line_error(capsys, "train", f"run_dir={tmp_path}")
+    assert "non-finite loss" in err
