@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import inspect
 import json
+import math
 import os
 import re
 import textwrap
@@ -155,7 +156,8 @@ def check(obj, name: str, ok: bool, msg: str) -> None:
 
 def validate(obj, nonempty: Sequence[str] = (), ge: dict | None = None,
               gt: dict | None = None) -> None:
-    """Coerce every field to its type, then range checks (None passes; NaN fails)."""
+    """Coerce every field to its type, then range checks (None passes; NaN fails), then every
+    float finite (`optim.lr=.inf` is no learning rate)."""
     _coerce_fields(obj)
     for name in nonempty:
         check(obj, name, getattr(obj, name) != "", "must be non-empty")
@@ -165,6 +167,9 @@ def validate(obj, nonempty: Sequence[str] = (), ge: dict | None = None,
     for name, lo in (gt or {}).items():
         v = getattr(obj, name)
         check(obj, name, v is None or v > lo, f"must be > {lo}")
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        check(obj, f.name, not isinstance(v, float) or math.isfinite(v), "must be finite")
 
 
 # ----------------------------------------------------------------------------- loading

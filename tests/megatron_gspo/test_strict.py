@@ -189,3 +189,13 @@ def test_field_docs_and_defaults_as_declared():
     lines = []
     describe_fields(Sub, "s.", lines)
     assert lines == ["s.x: int = 2", "    sub doc", "s.y: list = [1, 2]", "    a list"]
+
+
+@pytest.mark.parametrize("override", ["optim.lr=.inf", "optim.grad_clip=.inf", "sft.lr=.inf",
+                                      "reward.timeout_s=.inf", "rollout.temperature=.inf",
+                                      "optim.lr=-.inf"])
+def test_an_infinite_float_is_refused_naming_it(override):
+    """`optim.lr=.inf` loaded, ran, and recorded run.json before the NaN weights stopped it."""
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"^{key}=-?inf: must be finite$"):
+        load_config(None, [override])
