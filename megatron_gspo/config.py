@@ -347,7 +347,7 @@ class RunConfig:
     run_dir: str = "runs/default"
     """Output directory: metrics.jsonl, resolved config, checkpoints/."""
     seed: int = 0
-    """Global seed (model init, sampling, minibatch order)."""
+    """Global seed (model init, sampling, minibatch order); 0 <= seed < 2**32."""
     init_checkpoint: Optional[str] = None
     """Initial weights: a run dir (its latest checkpoint) or a step dir, any parallel layout."""
     resume: Union[bool, Literal["force"]] = True
@@ -379,6 +379,8 @@ class RunConfig:
 
     def __post_init__(self):
         validate(self, nonempty=("run_dir", "init_checkpoint"), ge={"seed": 0})
+        # derived seeds (seed * 1_000_033 + step, ...) must fit torch's 64-bit generator seed
+        check(self, "seed", self.seed < 2**32, "must be < 2**32")
         check_data_sections(self)
         batch = self.rollout.prompts_per_batch * self.rollout.group_size
         n = self.train.num_minibatches

@@ -199,3 +199,11 @@ def test_an_infinite_float_is_refused_naming_it(override):
     key = override.split("=")[0]
     with pytest.raises(ConfigError, match=rf"^{key}=-?inf: must be finite$"):
         load_config(None, [override])
+
+
+def test_a_seed_too_large_for_the_derived_generator_seeds_is_refused():
+    """seed=10**15 loaded, recorded run.json, then crashed at the first rollout batch's
+    minibatch order (torch.Generator().manual_seed(seed * 1_000_003 + it): overflow)."""
+    assert load_config(None, [f"seed={2**32 - 1}"]).seed == 2**32 - 1
+    with pytest.raises(ConfigError, match=r"^seed=1000000000000000: must be < 2\*\*32$"):
+        load_config(None, ["seed=1000000000000000"])
