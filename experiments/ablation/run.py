@@ -106,7 +106,8 @@ def main(argv=None) -> int:
             if os.path.exists(os.path.join(ROOT, run_dir, "metrics.jsonl")):
                 os.remove(os.path.join(ROOT, run_dir, "metrics.jsonl"))
             cli("train", "--config", os.path.join(HERE, f"{arm}.yaml"), *overrides)
-    plot_run.main([*runs, "--out", out, "--group-by-prefix"])
+    if plot_run.main([*runs, "--out", out, "--group-by-prefix"]):
+        return 2  # it printed the one-line reason (a run without metrics.jsonl)
     write_table(runs, suffix.lstrip("_") or "main", os.path.join(ROOT, sft_dir))
     print(f"ablation done in {time.time() - t0:.0f}s")
     return 0

@@ -85,7 +85,8 @@ def main(argv=None) -> int:
     else:
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
             runs = list(pool.map(lambda job: train(*job, sft_dir, root, args.steps), grid))
-    plot_run.main([*runs, "--out", os.path.join(HERE, "figures"), "--group-by-prefix"])
+    if plot_run.main([*runs, "--out", os.path.join(HERE, "figures"), "--group-by-prefix"]):
+        return 2  # it printed the one-line reason (a run without metrics.jsonl)
     write_table(runs, "main", os.path.join(ROOT, sft_dir), stats=STATS,
                 readme=os.path.join(HERE, "README.md"))
     print(f"long_response done in {time.time() - t0:.0f}s")

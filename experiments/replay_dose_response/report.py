@@ -239,6 +239,8 @@ def per_arm_table(root: str, readme: str | None, marker: str = MARKER) -> None:
 def main(root: str, calib_path: str, readme: str | None = None,
          figure_path: str | None = None, marker: str = MARKER) -> str:
     """Tables (into `readme`'s `table:MARKER` and `table:MARKER_runs` markers) and figure."""
+    if not os.path.isfile(calib_path):
+        raise SystemExit(f"no calibration {calib_path}: run the experiment first")
     with open(calib_path) as f:
         calib = json.load(f)
     runs = collect(root)

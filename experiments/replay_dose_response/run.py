@@ -129,10 +129,10 @@ def main(argv=None) -> int:
     # the smoke test's 64-prompt eval is not the one the band is defined on: no band check
     extra = ["train.steps=3", "train.eval_every=3", "train.save_every=3", "task.n_eval=64",
              "train.start_accuracy=null"] if args.quick else []
-    os.makedirs(os.path.join(ROOT, root, "logs"), exist_ok=True)
     calib_path = os.path.join(ROOT, root, "calibration.json")
     t0 = time.time()
     if not args.plot_only:
+        os.makedirs(os.path.join(ROOT, root, "logs"), exist_ok=True)
         if not os.path.exists(os.path.join(ROOT, args.sft_dir, "checkpoints", "latest")):
             py("megatron_gspo.cli", "sft", "--config",
                os.path.join(ROOT, "experiments/ablation/sft.yaml"), f"run_dir={args.sft_dir}")

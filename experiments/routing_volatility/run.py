@@ -118,7 +118,8 @@ def main(argv=None) -> int:
                     f"model.preset={preset}", f"init_checkpoint={init}", f"run_dir={run_dir}",
                     "resume=false", f"train.steps={args.steps}", "train.eval_every=0",
                     "train.save_every=0", *SWEEP[name])
-        plot_run.main([*dirs, "--out", os.path.join(args.out, preset)])
+        if plot_run.main([*dirs, "--out", os.path.join(args.out, preset)]):
+            return 2  # it printed the one-line reason (a run without metrics.jsonl)
         tables.append(f"\n{preset} ({PRESETS[preset]}), GRPO, {args.steps} rollout batches:\n"
                       + depth_table(dirs))
         results.append(f"{preset} ({PRESETS[preset]}); "

@@ -63,7 +63,8 @@ def test_plot_only_variant_paths(tmp_path, monkeypatch):
     monkeypatch.setattr(ablation_run, "cli", lambda *a: pytest.fail("--plot-only ran " + a[0]))
     monkeypatch.setattr(ablation_run, "ROOT", str(tmp_path))
     monkeypatch.setattr(ablation_run, "cold_start_line", lambda d: seen.setdefault("cold", d))
-    monkeypatch.setattr(ablation_run.plot_run, "main", lambda argv: seen.setdefault("plot", argv))
+    monkeypatch.setattr(ablation_run.plot_run, "main",
+                        lambda argv: seen.setdefault("plot", argv) and 0)  # exit status 0
     monkeypatch.setattr(ablation_run, "write_table",
                         lambda runs, marker, sft: seen.setdefault("table", (runs, marker, sft)))
     assert ablation_run.main(["--plot-only", "--profile", "gpu-small", "--tag", "stress",
