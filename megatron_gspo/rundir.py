@@ -24,6 +24,7 @@ import fcntl
 import glob
 import json
 import os
+import shutil
 from dataclasses import dataclass
 
 RUN_FILE = "run.json"
@@ -140,11 +141,16 @@ def _lock(run_dir: str, job: str) -> RunDirLock:
 
 
 def remove_stale_tmp(run_dir: str) -> list[str]:
-    """Delete `.*.tmp` files a killed save left under run_dir (atomic_write's temporaries)."""
-    stale = glob.glob(os.path.join(glob.escape(run_dir), "**", ".*.tmp"), recursive=True)
+    """Delete what a killed save left under run_dir: `.*.tmp` files (atomic_write's) and the
+    `checkpoints/step_*/dist.tmp` dirs moe.dist_ckpt writes before renaming them."""
+    root = glob.escape(run_dir)
+    stale = glob.glob(os.path.join(root, "**", ".*.tmp"), recursive=True)
     for path in stale:
         os.remove(path)
-    return stale
+    dirs = glob.glob(os.path.join(root, "checkpoints", "step_*", "dist.tmp"))
+    for path in dirs:
+        shutil.rmtree(path)
+    return stale + dirs
 
 
 def _verdict(run_dir: str, job: str, config: dict, resume) -> str:

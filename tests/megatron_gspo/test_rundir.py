@@ -206,3 +206,16 @@ def test_a_record_holding_the_layout_keys_resumes_with_another_layout(tmp_path):
     claim(tmp_path, "train").release()
     with pytest.raises(RunDirError, match=r"optim.lr: 0.0001 -> 0.5"):
         claim(tmp_path, "train", "optim.lr=0.5")
+
+
+def test_a_dist_checkpoint_a_killed_save_left_half_written_is_removed(tmp_path):
+    """A second Ctrl-C (or SIGKILL) during a save leaves moe.dist_ckpt's `dist.tmp` in a step
+    dir `latest` never pointed to: a whole checkpoint's worth of disk, never reused when the
+    run's later saves land on other steps. The next start removes it, not a user's `x.tmp`."""
+    step = tmp_path / "checkpoints" / "step_000062"
+    (step / "dist.tmp").mkdir(parents=True)
+    (step / "dist.tmp" / "__0_0.distcp").write_bytes(b"half")
+    mine = tmp_path / "checkpoints" / "x.tmp"
+    mine.mkdir()
+    claim(tmp_path).release()
+    assert not (step / "dist.tmp").exists() and mine.is_dir()
