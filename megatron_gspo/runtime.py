@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
+import shutil
 from dataclasses import dataclass, replace
 
 import torch
@@ -206,7 +208,14 @@ def save_state(rt: Runtime, step: int, extra: dict) -> None:
     last. Nothing is gathered."""
     root = os.path.join(rt.cfg.run_dir, "checkpoints")
     dist_dir = os.path.join(ckpt.step_dir(root, step), "dist")
-    dist_ckpt.save(rt.policy, dist_dir)  # collective
+    try:
+        dist_ckpt.save(rt.policy, dist_dir)  # collective
+    except (OSError, CheckpointException) as e:  # a full disk: every rank gets torch's error
+        if rt.info.is_main:
+            shutil.rmtree(dist_dir + ".tmp", ignore_errors=True)
+        reason = re.findall(r"\[Errno \d+\] ([^\n']+)", str(e)) or [str(e).splitlines()[0]]
+        raise ckpt.CheckpointError(f"cannot write {dist_dir}: {reason[-1]}; files already "
+                                   "written are unchanged") from None
     for path in dist_ckpt.files_written_by(dist_dir, rt.info.rank):
         ckpt.write_checksum(path)
     state = {"extra": extra, "rng": ckpt.rng_state(),

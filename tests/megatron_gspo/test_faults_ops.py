@@ -56,3 +56,33 @@ def test_a_non_finite_run_is_one_line(tmp_path, capsys, monkeypatch):
         FloatingPointError("11 consecutive optimizer steps had a non-finite loss")))
     err = one_line_error(capsys, "train", f"run_dir={tmp_path}")
     assert "non-finite loss" in err
+
+
+def test_disk_filling_during_the_dist_save_is_a_checkpoint_error(tmp_path):
+    """The disk fills while megatron's dist_checkpointing writes the policy shards (a file size
+    limit here; seen as ENOSPC on a full tmpfs): torch raises its CheckpointException, a
+    traceback from the CLI. Now a CheckpointError naming the dir and the OS reason; the
+    half-written `dist.tmp` is removed and `latest` stays on the previous step."""
+    import resource
+    import signal
+
+    from megatron_gspo.runtime import save_state
+
+    run = tmp_path / "run"
+    t = trainer(run, "train.steps=1")
+    t.train()
+    t = trainer(run, "train.steps=1")
+    root = str(run / "checkpoints")
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    sigxfsz = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of the signal
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, limit[1]))
+    try:
+        with pytest.raises(ckpt.CheckpointError, match=r"cannot write .*step_000002/dist: File "
+                                                       r"too large"):
+            save_state(t.rt, 2, {})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, sigxfsz)
+        t.rt.close()
+    assert ckpt.latest_step(root) == 1
+    assert not os.path.exists(os.path.join(ckpt.step_dir(root, 2), "dist.tmp"))
