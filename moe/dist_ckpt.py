@@ -85,6 +85,23 @@ def _sharded_state_dict(policy, optimizer: bool, is_loading: bool) -> dict:
     return state
 
 
+def _drop_dead_results_queue() -> None:
+    """megatron's torch_dist writer keeps one multiprocessing Manager (a process) for its
+    results queue from the first save on. A SIGTERM to the process group (torchrun forwards it
+    so, as do `kill -- -PGID` and schedulers) ends that Manager too, and the save the signal asks
+    for then fails with 'Broken pipe'. A queue whose Manager is gone is dropped here, so the
+    writer starts a new one."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    queue = getattr(filesystem_async, "_results_queue", None)
+    if queue is None:
+        return
+    try:
+        queue.qsize()  # one round trip to the Manager
+    except (OSError, EOFError):
+        filesystem_async._results_queue = None
+
+
 def save(policy, directory: str) -> None:
     """Write this rank's shards of `policy` (model, optimizer, schedule) to `directory`.
 
@@ -99,6 +116,7 @@ def save(policy, directory: str) -> None:
         shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt
         os.makedirs(tmp)
     _barrier()
+    _drop_dead_results_queue()
     dist_checkpointing.save(_sharded_state_dict(policy, True, False), tmp)
     _barrier()
     if main:

@@ -86,3 +86,34 @@ def test_disk_filling_during_the_dist_save_is_a_checkpoint_error(tmp_path):
         t.rt.close()
     assert ckpt.latest_step(root) == 1
     assert not os.path.exists(os.path.join(ckpt.step_dir(root, 2), "dist.tmp"))
+
+
+def test_a_sigterm_to_the_process_group_still_saves(tmp_path):
+    """torchrun forwards SIGTERM to each worker's process group (so does `kill -- -PGID`, and
+    schedulers signal every process): it also ends the multiprocessing Manager megatron's
+    dist_checkpointing writer keeps from the first save on, so the save the SIGTERM asks for
+    failed ('Broken pipe') and `latest` stayed on the last periodic step."""
+    import signal
+    import time
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from megatron_gspo.runtime import save_state
+
+    run = tmp_path / "run"
+    t = trainer(run, "train.steps=1")
+    t.train()  # a first save starts the writer's Manager
+    manager = getattr(filesystem_async._results_queue, "_manager", None)
+    if manager is None:
+        pytest.skip("this megatron-core keeps no results-queue Manager")
+    os.kill(manager._process.pid, signal.SIGTERM)
+    for _ in range(100):
+        if not manager._process.is_alive():
+            break
+        time.sleep(0.05)
+    t = trainer(run, "train.steps=1")
+    try:
+        save_state(t.rt, 2, {})
+    finally:
+        t.rt.close()
+    assert ckpt.latest_step(str(run / "checkpoints")) == 2
