@@ -10,7 +10,8 @@ Usage:
 
 Every arm starts from the same SFT checkpoint and spends the same rollout compute (same prompts
 per batch, group size, response length and number of rollout batches); each rollout batch is split
-into 4 minibatches (4 optimizer steps). Runs land in runs/ablation/<arm>_s<seed>; figures and the
+into 4 minibatches (4 optimizer steps). Runs land in runs/ablation/<arm>_s<seed> (each starts
+afresh, except an arm a signal stopped, which saved a checkpoint: it resumes); figures and the
 summary table in experiments/ablation/figures (or --out). `--profile gpu-small` lays
 gpu_small.yaml over every command's config (as dotted overrides) and writes to
 runs/ablation_gpu_small and experiments/ablation/figures_gpu_small.
@@ -99,11 +100,13 @@ def main(argv=None) -> int:
             runs.append(os.path.join(ROOT, run_dir))
             if args.plot_only:
                 continue
+            # an arm a signal stopped saved a checkpoint: the same command resumes it
+            fresh = not os.path.exists(os.path.join(ROOT, run_dir, "checkpoints", "latest"))
             overrides = [*base, *args.set, f"init_checkpoint={sft_dir}", f"run_dir={run_dir}",
-                         f"seed={seed}", "resume=false"]
+                         f"seed={seed}", *(["resume=false"] if fresh else [])]
             if args.steps:
                 overrides.append(f"train.steps={args.steps}")
-            if os.path.exists(os.path.join(ROOT, run_dir, "metrics.jsonl")):
+            if fresh and os.path.exists(os.path.join(ROOT, run_dir, "metrics.jsonl")):
                 os.remove(os.path.join(ROOT, run_dir, "metrics.jsonl"))
             cli("train", "--config", os.path.join(HERE, f"{arm}.yaml"), *overrides)
     if plot_run.main([*runs, "--out", out, "--group-by-prefix"]):

@@ -97,3 +97,22 @@ def test_training_commands_per_arm_and_seed(tmp_path, monkeypatch):
                       "optim.lr=3e-4", "init_checkpoint=runs/ablation_gpu_small/sft",
                       f"run_dir=runs/ablation_gpu_small_t/{arm}_s1", "seed=1", "resume=false",
                       "train.steps=5") for arm in ("gspo", "grpo_r2")]
+
+
+def test_an_arm_a_signal_stopped_is_resumed_and_keeps_its_metrics(tmp_path, monkeypatch):
+    """Ctrl-C / SIGTERM saves the arm's checkpoint and says 'run the same command to resume';
+    the runner deleted its metrics.jsonl, then asked for resume=false, which the run dir
+    refuses while it holds checkpoints: the metrics were lost and the arm could not go on."""
+    calls = []
+    monkeypatch.setattr(ablation_run, "ROOT", str(tmp_path))
+    monkeypatch.setattr(ablation_run, "cli", lambda *a: calls.append(a))
+    monkeypatch.setattr(ablation_run, "cold_start_line", lambda d: "cold")
+    monkeypatch.setattr(ablation_run.plot_run, "main", lambda argv: 0)
+    monkeypatch.setattr(ablation_run, "write_table", lambda *a: None)
+    (tmp_path / "runs/ablation/sft/checkpoints/latest").mkdir(parents=True)
+    stopped = _write(tmp_path / "runs/ablation/gspo_s0", [{"step": 9}])
+    (tmp_path / "runs/ablation/gspo_s0/checkpoints").mkdir()
+    (tmp_path / "runs/ablation/gspo_s0/checkpoints/latest").write_text("9\n")
+    assert ablation_run.main(["--arms", "gspo", "--seeds", "0"]) == 0
+    assert os.path.exists(os.path.join(stopped, "metrics.jsonl"))
+    assert "resume=false" not in calls[0] and "run_dir=runs/ablation/gspo_s0" in calls[0]
