@@ -10,10 +10,11 @@ Examples:
 
 Overrides use dotted keys and YAML values; unknown keys are errors. A bad config (typo, wrong
 type, bad value, malformed YAML, missing file or checkpoint), a run dir that belongs to another
-run, a corrupt checkpoint, or weights / a loss gone non-finite exits with status 2 and one line
-naming it; nothing already written is lost. SIGTERM / Ctrl-C saves a checkpoint and exits with
-128 + the signal number. The resolved config is saved in run_dir next to metrics.jsonl on a
-run's first start.
+run, a corrupt checkpoint, weights / a loss gone non-finite, or an optional package a setting
+needs (pyarrow, math-verify, wandb, transformers) exits with status 2 and one line naming it;
+nothing already written is lost. SIGTERM / Ctrl-C saves a checkpoint and exits with 128 + the
+signal number. The resolved config is saved in run_dir next to metrics.jsonl on a run's first
+start.
 """
 
 from __future__ import annotations
@@ -56,18 +57,20 @@ def main(argv=None) -> int:
     from megatron_gspo.preempt import Preempted
     from megatron_gspo.data import DataError
     from megatron_gspo.rundir import RunDirError
+    from moe.checks import MissingDependency
 
     if args.command == "config":
         print(describe_config())
         return 0
     if args.command == "export":
-        return _export(parser, args, (FileNotFoundError, ValueError, CheckpointError))
+        return _export(parser, args, (FileNotFoundError, ValueError, CheckpointError,
+                                      MissingDependency))
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|cuda_graph_scope).*")
     try:
         cfg = load_config(args.config, args.overrides)
         result = run(args.command, cfg)
     except (ConfigError, DataError, FileNotFoundError, RunDirError, CheckpointError,
-            FloatingPointError) as e:  # FloatingPointError: the run's loss / weights went NaN
+            MissingDependency, FloatingPointError) as e:  # FloatingPointError: NaN loss / weights
         return _fail(str(e))  # nothing already written is lost
     except Preempted as e:
         if os.environ.get("RANK", "0") == "0":

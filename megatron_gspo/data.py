@@ -39,6 +39,7 @@ from typing import Any, ClassVar, Iterator
 from megatron_gspo.rewards import check_math_available, get_format_check, get_reward
 from megatron_gspo.strict import ConfigError
 from megatron_gspo.tasks import Example, make_splits, make_task
+from moe.checks import MissingDependency
 
 _DEFAULT_KEYS = {"verl": ("prompt", "reward_model.ground_truth", "data_source"),
                  "plain": ("question", "answer", None)}
@@ -109,8 +110,8 @@ def _parquet_rows(path: str) -> Iterator[tuple[str, dict]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow (or convert the "
-                          "file to .jsonl)") from None
+        raise MissingDependency(f"reading {path} needs pyarrow: pip install pyarrow (or convert "
+                                "the file to .jsonl)") from None
     for i, row in enumerate(pq.read_table(path).to_pylist()):
         yield f"{path} row {i}", row
 

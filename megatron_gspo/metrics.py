@@ -24,6 +24,8 @@ import sys
 import time
 from typing import Callable, Iterator, Sequence
 
+from moe.checks import MissingDependency
+
 METRICS_FILE = "metrics.jsonl"
 WANDB_MODES = ("offline", "online", "disabled")
 
@@ -54,8 +56,8 @@ def _import_wandb(mode: str):
     try:
         import wandb  # noqa: PLC0415 (optional dependency)
     except ImportError:
-        raise ImportError(f"wandb.mode={mode} needs the wandb package: pip install -e .[wandb] "
-                          "(or set wandb.mode=disabled)") from None
+        raise MissingDependency(f"wandb.mode={mode} needs the wandb package: pip install -e "
+                                ".[wandb] (or set wandb.mode=disabled)") from None
     return wandb
 
 

@@ -47,6 +47,7 @@ import warnings
 from typing import Any, Callable, Sequence
 
 from megatron_gspo.expression import parse_expression
+from moe.checks import MissingDependency
 
 RewardFn = Callable[[str, Any], float]
 REWARDS: dict[str, RewardFn] = {}
@@ -159,8 +160,8 @@ def _math_verify():
     try:
         import math_verify
     except ImportError:
-        raise ImportError("reward 'math' needs the math-verify package: pip install -e .[math] "
-                          "(or pip install math-verify)") from None
+        raise MissingDependency("reward 'math' needs the math-verify package: pip install -e "
+                                ".[math] (or pip install math-verify)") from None
     # Its timers are off on purpose (see the module docstring); silence its one-time warning.
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     return math_verify

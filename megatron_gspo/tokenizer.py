@@ -20,6 +20,7 @@ import json
 import os
 from typing import Protocol, Sequence
 
+from moe.checks import MissingDependency
 from moe.hf.config import check_local_folder  # noqa: F401 (one hub-name error for both)
 
 _SPECIALS = ("<pad>", "<bos>", "<eos>")
@@ -86,7 +87,11 @@ class HFTokenizer:
     """
 
     def __init__(self, path: str) -> None:
-        from transformers import AutoTokenizer  # optional dependency: pip install -e .[hf]
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise MissingDependency(f"tokenizer folder {path} needs transformers: pip install -e "
+                                    "'.[hf]'") from None
 
         check_local_folder(path, "tokenizer")
         self.path = path

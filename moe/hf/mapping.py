@@ -30,6 +30,8 @@ from typing import Iterable
 
 import torch
 
+from moe.checks import MissingDependency
+
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 _ROUTER = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.router\.")
 _PRE_MLP = re.compile(r"^decoder\.layers\.(\d+)\.pre_mlp_layernorm\.weight$")
@@ -71,8 +73,8 @@ class HFMapping:
             from mbridge import AutoBridge
             from mbridge.core.parallel_states import ParallelStates
         except ImportError as e:
-            raise ImportError("Hugging Face checkpoints need mbridge: pip install -e '.[hf]' "
-                              f"({e})") from None
+            raise MissingDependency("Hugging Face checkpoints need mbridge: pip install -e "
+                                    f"'.[hf]' ({e})") from None
         # Names and formats do not depend on the layout: a 1-way bridge serves every rank.
         self.bridge = AutoBridge.from_config(_hf_config_object(hf_config), dtype=dtype,
                                              parallel_states=ParallelStates())

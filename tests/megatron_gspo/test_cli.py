@@ -15,6 +15,7 @@ from megatron_gspo.config import ConfigError
 from megatron_gspo.data import DataError
 from megatron_gspo.preempt import Preempted
 from megatron_gspo.rundir import RunDirError
+from moe.checks import MissingDependency
 
 
 @pytest.fixture
@@ -49,7 +50,8 @@ def test_only_eval_and_reward_metrics_are_printed(ran, capsys):
 
 @pytest.mark.parametrize("error", [ConfigError("bad key"), DataError("bad row"),
                                    FileNotFoundError("no file"), RunDirError("taken"),
-                                   CheckpointError("corrupt")])
+                                   CheckpointError("corrupt"),
+                                   MissingDependency("needs pyarrow: pip install pyarrow")])
 def test_user_errors_exit_2_with_one_line(ran, capsys, error):
     ran.result = error
     assert cli.main(["train"]) == 2
