@@ -195,6 +195,15 @@ def row_to_example(row: dict, where: str, data, tokenizer) -> Example:
 # ----------------------------------------------------------------------------- files -> splits
 
 
+def _encode(tokenizer, text: str, where: str) -> list[int]:
+    try:
+        return tokenizer.encode(text)
+    except ValueError as e:  # the toy character tokenizer's vocabulary
+        raise DataError(f"{where}: the {type(tokenizer).__name__} cannot encode the prompt "
+                        f"({str(e)[:120]}...); set data.tokenizer_path (or model.hf_path) to "
+                        "a tokenizer folder") from None
+
+
 def load_examples(paths: list[str], data, tokenizer, max_prompt_tokens: int,
                   what: str) -> tuple[list[Example], int]:
     """Examples of every row of `paths` and the number of overlong prompts skipped."""
@@ -203,7 +212,7 @@ def load_examples(paths: list[str], data, tokenizer, max_prompt_tokens: int,
     for path in paths:
         for where, row in read_rows(path, what):
             ex = row_to_example(row, where, data, tokenizer)
-            n = bos + len(tokenizer.encode(ex.prompt))
+            n = bos + len(_encode(tokenizer, ex.prompt, where))
             if n > max_prompt_tokens:
                 if data.skip_overlong_prompts:
                     skipped += 1

@@ -125,3 +125,16 @@ def test_a_non_object_on_the_field_path_names_its_type(tmp_path, reward_model):
                                         rf"\(data.answer_key\); reward_model has "
                                         rf"{type(reward_model).__name__}$"):
         dataset_splits(data_cfg(train_files=[path]), ByteTok(), 100)
+
+
+def test_prompt_the_char_tokenizer_cannot_encode_names_the_row(tmp_path):
+    """task.name=dataset without data.tokenizer_path falls back to the toy character tokenizer,
+    which cannot encode real text: a DataError naming the row and the setting, not a bare
+    ValueError (a traceback from the CLI)."""
+    from megatron_gspo.tokenizer import CharTokenizer
+
+    path = write_jsonl(tmp_path / "t.jsonl", [verl_row(i) for i in range(4)])
+    with pytest.raises(DataError, match=r"t.jsonl:1: the CharTokenizer cannot encode the prompt "
+                                        r"\(unknown character 'Q'.*data.tokenizer_path"):
+        dataset_splits(data_cfg(train_files=[path], template="Q: {prompt}", shuffle=False),
+                       CharTokenizer(), 100)
