@@ -306,8 +306,12 @@ def _parse_override(item: str) -> tuple[list[str], str]:
 def _override_value(key: str, text: str, tp):
     try:
         value = yaml.load(text, Loader=YamlLoader) if text.strip() else ""
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{key}={text}: not a YAML value ({e})") from None
+    except yaml.YAMLError as e:  # one line: e.g. "key: value" inside an unquoted string
+        mark = getattr(e, "problem_mark", None)
+        what = getattr(e, "problem", None) or " ".join(str(e).split())
+        at = f" at column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{key}={text}: not a YAML value ({what}{at}); quote a string in "
+                          f"double quotes, e.g. {key}='\"...\"'") from None
     if tp is not Any and _accepts_str(tp) and isinstance(value, (bool, int, float)):
         return text.strip()  # wandb.name=2024 is the string "2024"
     return value

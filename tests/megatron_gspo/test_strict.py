@@ -106,6 +106,17 @@ def test_yaml_errors_point_at_the_problem(tmp_path):
         load_yaml(path)
 
 
+def test_an_override_that_is_not_yaml_is_one_line():
+    """An unquoted string holding ': ' (a template) is not a YAML value: one line (the CLI's
+    rule) with the quoting that works."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["task.name=dataset", "data.train_files=a.jsonl",
+                           "data.template=Question: {prompt}\\nAnswer:"])
+    assert "\n" not in str(e.value)
+    assert str(e.value).startswith("data.template=Question: {prompt}\\nAnswer:: not a YAML value")
+    assert str(e.value).endswith("""quote a string in double quotes, e.g. data.template='"..."'""")
+
+
 def test_a_mapping_on_top_replaces_a_scalar_or_null_in_the_base():
     """Guards `deep_merge`: only mapping-on-mapping merges; a file section over a base's empty
     (null) or scalar value replaces it."""
