@@ -35,7 +35,9 @@ class DataConfig:
     template: Optional[str] = None
     """None = the tokenizer's chat template (apply_chat_template, generation prompt on; an
     error if it has none). A string with {prompt} = a plain template for base models, e.g.
-    'Question: {prompt}\\nAnswer:' ({prompt} = the message contents joined by blank lines)."""
+    "Question: {prompt}\\nAnswer:" in YAML double quotes, where \\n is a newline (on the command
+    line: data.template='"Question: {prompt}\\nAnswer:"'); {prompt} = the message contents
+    joined by blank lines."""
     eval_fraction: float = 0.1
     """Fraction of the train rows held out for eval when data.eval_files is empty."""
     max_eval: Optional[int] = None

@@ -151,7 +151,7 @@ def render_prompt(messages: list[dict], tokenizer, template: str | None, where: 
     if text is None:
         raise DataError(f"{where}: data.template is null (use the tokenizer's chat template) but "
                         f"the tokenizer ({type(tokenizer).__name__}) has none; set data.template,"
-                        " e.g. 'Question: {prompt}\\nAnswer:'")
+                        " e.g. data.template='\"Question: {prompt}\\nAnswer:\"'")
     # Templates that write the BOS text themselves (Llama 3): the sampler prepends bos_id already.
     bos_text = getattr(getattr(tokenizer, "hf", None), "bos_token", None)
     if tokenizer.bos_id is not None and bos_text and text.startswith(bos_text):
