@@ -3,6 +3,7 @@
 import os
 import re
 import shlex
+from types import SimpleNamespace
 
 from megatron_gspo.config import load_config
 
@@ -22,3 +23,75 @@ def test_readme_template_example_gives_a_newline():
     cfg = load_config(None, ["task.name=dataset", "data.train_files=a.jsonl",
                              *shlex.split(example)])
     assert cfg.data.template == "Question: {prompt}\nAnswer:"
+
+
+def _documented_metric_patterns() -> list[re.Pattern]:
+    """The README's Metrics section as key patterns: `{a,b}` expanded, `layer_XX` any layer,
+    a trailing `/...` or `/*` any stat."""
+    text = _readme().split("## Metrics", 1)[1].split("\n## ", 1)[0]
+    patterns = []
+    for token in re.findall(r"`([a-z_]+/[^`\s]*)`", text):
+        alts = [token]
+        while any("{" in a for a in alts):
+            a = next(a for a in alts if "{" in a)
+            head, rest = a.split("{", 1)
+            body, tail = rest.split("}", 1)
+            alts = [x for x in alts if x != a] + [head + b + tail for b in body.split(",")]
+        for a in alts:
+            rx = re.escape(a).replace("layer_XX", r"layer_\d+")
+            rx = re.sub(r"/(\\\.\\\.\\\.|\\\*)$", r"/.+", rx)
+            patterns.append(re.compile(rx))
+    return patterns
+
+
+def _emitted_keys() -> set[str]:
+    """Keys the metric-producing functions return, on tiny inputs."""
+    import torch
+
+    from megatron_gspo.advantages import group_advantages
+    from megatron_gspo.data import DatasetTask
+    from megatron_gspo.filters import overlong_filter, rollout_health
+    from megatron_gspo.losses import POLICY_LOSSES, PolicyLossConfig, tis_weights
+    from megatron_gspo.tasks import Example, score
+    from megatron_gspo.trainer import response_metrics, rollout_metrics
+
+    g = torch.Generator().manual_seed(0)
+    logp = -torch.rand(4, 5, generator=g)
+    old, mask = logp + 0.01 * torch.randn(4, 5, generator=g), torch.ones(4, 5)
+    rewards = torch.tensor([0.0, 1.0, 1.0, 1.0])
+    keys = set()
+    for name in POLICY_LOSSES:
+        keys |= set(POLICY_LOSSES[name](logp, old, torch.ones(4), mask,
+                                        PolicyLossConfig(name))[1])
+    keys |= set(tis_weights(old, logp, mask, 2.0)[1])
+    keys |= set(group_advantages(rewards, 2)[1])
+    batch = SimpleNamespace(rewards_B=rewards, response_BT=mask, sampler_logp_BT=logp,
+                            response_lengths_B=mask.sum(1), truncated_B=rewards.bool(),
+                            reward_status_B=torch.zeros(4, dtype=torch.long))
+    keys |= set(rollout_metrics(batch, old)) | set(rollout_metrics(batch, old, "rollout/x_r3/"))
+    keys |= set(rollout_health(batch)) | set(overlong_filter(torch.ones(4), batch, True)[1])
+    mb = SimpleNamespace(response_BT=mask, old_logp_BT=old)
+    keys |= set(response_metrics(mb, logp, torch.rand(4, 5, generator=g)))
+    keys |= set(score(DatasetTask("exact"), [Example("p", "1", ("1", "", "f:1"))], ["1"]))
+    return keys - {"rollout/x_r3/mean", "rollout/x_r3/max"}
+
+
+def test_every_metric_the_code_emits_is_in_the_readme():
+    """The README's Metrics section names every key of the loss, advantage, rollout, filter
+    and eval metrics (adv/{mean,std}, reward/group_std/mean, policy/log_ratio/abs_max and
+    eval/{reward_mean,format_ok} were missing), and the trainer's train/{iteration,minibatch}."""
+    patterns = _documented_metric_patterns()
+    keys = _emitted_keys() | {"train/iteration", "train/minibatch"}
+    missing = sorted(k for k in keys if not any(p.fullmatch(k) for p in patterns))
+    assert not missing, f"emitted but not in the README's Metrics section: {missing}"
+
+
+def test_routing_mismatch_is_logged_for_a_bf16_sampler_without_r3():
+    """The README said `rollout/routing_mismatch` was R3 only; a bf16 sampler records the
+    sampler's routing (and so logs it) without R3 too."""
+    from megatron_gspo.trainer import Trainer
+
+    cfg = load_config(None, ["rollout.sampler_dtype=bf16"])
+    assert cfg.train.routing_replay == "off"
+    assert Trainer.records_sampler_routing(SimpleNamespace(cfg=cfg))
+    assert "`rollout/routing_mismatch/...` (R3 only" not in _readme()
