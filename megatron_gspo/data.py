@@ -91,7 +91,7 @@ def read_rows(path: str, what: str = "data.train_files") -> Iterator[tuple[str, 
         return
     if not path.endswith(".jsonl"):
         raise DataError(f"{path}: unsupported file type ({what}); expected one of {_SUFFIXES}")
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:  # a leading BOM (Windows editors) is dropped
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue

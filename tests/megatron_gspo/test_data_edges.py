@@ -138,3 +138,18 @@ def test_prompt_the_char_tokenizer_cannot_encode_names_the_row(tmp_path):
                                         r"\(unknown character 'Q'.*data.tokenizer_path"):
         dataset_splits(data_cfg(train_files=[path], template="Q: {prompt}", shuffle=False),
                        CharTokenizer(), 100)
+
+
+def test_jsonl_with_a_bom_crlf_and_no_final_newline_reads_every_row(tmp_path):
+    """Files saved by Windows tools: a UTF-8 BOM before the first row (was 'not valid JSON' on
+    line 1), CRLF line ends and no newline after the last row."""
+    import json
+
+    from megatron_gspo.data import read_rows
+
+    rows = [verl_row(i) for i in range(3)]
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(json.dumps(r) for r in rows).encode())
+    got = list(read_rows(str(path)))
+    assert [w for w, _ in got] == [f"{path}:{i}" for i in (1, 2, 3)]
+    assert [r for _, r in got] == rows
