@@ -119,10 +119,14 @@ def _parquet_rows(path: str) -> Iterator[tuple[str, dict]]:
 def get_field(row: dict, key: str, where: str, config_key: str):
     """Value at dotted `key` of a row; DataError naming where, the field and the config key."""
     value: Any = row
-    for depth, part in enumerate(key.split(".")):
-        if not isinstance(value, dict) or part not in value or value[part] is None:
+    parts = key.split(".")
+    for depth, part in enumerate(parts):
+        if isinstance(value, dict) and value.get(part, "") is None:  # JSON null
+            raise DataError(f"{where}: missing field {key!r} ({config_key}); "
+                            f"{'.'.join(parts[:depth + 1])} is null")
+        if not isinstance(value, dict) or part not in value:
             have = sorted(value) if isinstance(value, dict) else type(value).__name__
-            at = ".".join(key.split(".")[:depth]) or "the row"
+            at = ".".join(parts[:depth]) or "the row"
             raise DataError(f"{where}: missing field {key!r} ({config_key}); {at} has {have}")
         value = value[part]
     return value

@@ -143,7 +143,11 @@ def test_parquet_gives_the_same_examples_as_jsonl(tmp_path):
                                 " must be a non-empty string"),
     ([verl_row(0, truth=True)], "must be a non-empty string"),
     ([{**verl_row(0), "reward_model": {"style": "rule", "ground_truth": None}}],
-     "t.jsonl:1: missing field 'reward_model.ground_truth' (data.answer_key)"),  # JSON null
+     "t.jsonl:1: missing field 'reward_model.ground_truth' (data.answer_key); "
+     "reward_model.ground_truth is null"),  # JSON null (was: "reward_model has ['ground_truth',")
+    ([{**verl_row(0), "reward_model": None}],
+     "t.jsonl:1: missing field 'reward_model.ground_truth' (data.answer_key); reward_model is "
+     "null"),
     ([{**verl_row(0), "prompt": []}],
      "t.jsonl:1: field 'prompt' must be a string or a non-empty list of {role, content}"),
     ([{**verl_row(0), "prompt": [{"role": "user"}]}],
