@@ -84,6 +84,9 @@ class DatasetTask:
 
 def read_rows(path: str, what: str = "data.train_files") -> Iterator[tuple[str, dict]]:
     """(where, row) for each row of a .jsonl or .parquet file; where = 'path:line' / 'path row i'."""
+    if not os.path.isfile(path) and (os.path.isdir(path) or any(c in path for c in ",*?")):
+        raise DataError(f"{path} ({what}): one entry is one file, with no directories or "
+                        f"globs; list the files, e.g. {what}=[a.jsonl,b.jsonl]")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"data file not found: {path} ({what})")
     if path.endswith(".parquet"):

@@ -153,3 +153,16 @@ def test_jsonl_with_a_bom_crlf_and_no_final_newline_reads_every_row(tmp_path):
     got = list(read_rows(str(path)))
     assert [w for w, _ in got] == [f"{path}:{i}" for i in (1, 2, 3)]
     assert [r for _, r in got] == rows
+
+
+@pytest.mark.parametrize("entry", ["", "/*.jsonl", "/a.jsonl,{d}/b.jsonl"])
+def test_a_directory_glob_or_comma_list_says_how_to_list_files(tmp_path, entry):
+    """These were 'data file not found' (for a directory that exists); the message now gives
+    the list syntax that works on the command line."""
+    from megatron_gspo.data import read_rows
+
+    write_jsonl(tmp_path / "a.jsonl", [verl_row(0)])
+    path = str(tmp_path) + entry.format(d=tmp_path)
+    with pytest.raises(DataError, match=r"\(data.train_files\): one entry is one file, .*"
+                                        r"data.train_files=\[a.jsonl,b.jsonl\]"):
+        list(read_rows(path))
