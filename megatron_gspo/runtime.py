@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from megatron_gspo import checkpoint as ckpt
 from megatron_gspo.dist_utils import all_ranks
 from megatron_gspo.config import ConfigError, RunConfig, config_to_dict, save_config
-from megatron_gspo.data import build_task, tokenizer_folder
+from megatron_gspo.data import build_task, check_sft_lengths, tokenizer_folder
 from megatron_gspo.host import tune_malloc
 from megatron_gspo.rundir import RunDirLock, claim_run_dir, record_run
 from megatron_gspo.metrics import MetricsLogger
@@ -177,6 +177,8 @@ def setup_runtime(cfg: RunConfig, job: str) -> Runtime:
     try:
         tokenizer = load_tokenizer(tokenizer_folder(cfg))
         task, train_set, eval_set = build_task(cfg, tokenizer, model_max_len(cfg), info.is_main)
+        if job == "sft":  # before the run is recorded: a fixed config may reuse the run dir
+            check_sft_lengths(tokenizer, train_set, model_max_len(cfg))
         policy = build_policy(cfg, tokenizer.vocab_size, optim)
         if cfg.init_checkpoint:
             load_init_weights(policy, cfg.init_checkpoint)

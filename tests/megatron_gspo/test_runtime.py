@@ -1,6 +1,7 @@
 """megatron_gspo.runtime: the parts a run is built from (layout, preset, recompute, optimizer
 settings, policy) as the config says, and `setup_runtime`'s checks and clean-up."""
 
+import json
 import os
 import shutil
 
@@ -197,3 +198,26 @@ def test_a_decay_that_ends_within_the_warmup_is_refused_before_the_run_dir(tmp_p
         setup_runtime(cfg, job="train")
     assert not (tmp_path / "run").exists()
     assert optim_settings(load_config(None, [*TOY, "optim.warmup_steps=10", *over]), "train")
+
+
+def test_an_sft_target_longer_than_the_model_fails_before_the_run_is_recorded(single_process,
+                                                                              tmp_path):
+    """data.sft_key targets (worked solutions) are not bounded by data.max_prompt_tokens: one
+    that does not fit with its prompt in model.max_seq_len failed in the forward of the SFT
+    step that drew it (a ValueError traceback mid-run). Now a DataError naming the row at
+    setup, before the run is recorded (so the fixed config can reuse the run dir); train
+    does not check it (RL never feeds the SFT target)."""
+    fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "gsm_tiny")
+    row = {"prompt": "What is 2 + 2?", "reward_model": {"ground_truth": "4"},
+           "extra_info": {"answer": "2 + 2 = 4. " * 40 + "#### 4"}}
+    data = tmp_path / "t.jsonl"
+    data.write_text("\n".join([json.dumps(row)] * 6))
+    run_dir = tmp_path / "run"
+    over = [*TOY, "task.name=dataset", f"data.train_files={data}", f"data.tokenizer_path={fixture}",
+            "data.sft_key=extra_info.answer", "reward.name=exact", "model.max_seq_len=96",
+            "rollout.max_new_tokens=32", f"run_dir={run_dir}"]
+    with pytest.raises(DataError, match=r"t.jsonl:\d: the SFT example .* is 2\d\d tokens, "
+                                        r"over the model's max_seq_len=96"):
+        setup_runtime(load_config(None, over), job="sft")
+    assert not (run_dir / "run.json").exists()
+    setup_runtime(load_config(None, over), job="train").close()
