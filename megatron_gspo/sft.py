@@ -15,7 +15,6 @@ import torch
 from megatron_gspo.band import AccuracyBandError, SFTBand, fmt_band
 from megatron_gspo.config import RunConfig
 from megatron_gspo.metrics import format_progress
-from megatron_gspo.rollout import encode_prompts
 from megatron_gspo.dist_utils import reduce_metrics
 from megatron_gspo.preempt import Preempted, Preemption
 from megatron_gspo.runtime import (evaluate_runtime, save_state, setup_runtime,
@@ -23,18 +22,20 @@ from megatron_gspo.runtime import (evaluate_runtime, save_state, setup_runtime,
 
 
 def sft_batch(tokenizer, examples) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """tokens/valid [B, T] of `<bos> prompt answer <eos>` (left-padded) and the answer mask."""
-    prompt_BP, prompt_valid_BP = encode_prompts(tokenizer, [ex.prompt for ex in examples])
-    answers = [tokenizer.encode(ex.answer) + [tokenizer.eos_id] for ex in examples]
-    A = max(len(a) for a in answers)
-    answer_BA = torch.full((len(examples), A), tokenizer.pad_id, dtype=torch.long)
-    target_BA = torch.zeros(len(examples), A, dtype=torch.bool)
-    for b, a in enumerate(answers):
-        answer_BA[b, :len(a)] = torch.tensor(a)
-        target_BA[b, :len(a)] = True
-    tokens_BT = torch.cat([prompt_BP, answer_BA], dim=1)
-    valid_BT = torch.cat([prompt_valid_BP, target_BA], dim=1)
-    target_BT = torch.cat([torch.zeros_like(prompt_valid_BP), target_BA], dim=1)
+    """tokens/valid [B, T] of `<bos> prompt answer <eos>`, each row left-padded to the longest
+    row, and the answer mask. T is the longest row, not the longest prompt plus the longest
+    answer (that sum can exceed model.max_seq_len when every row fits)."""
+    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    rows = [(bos + tokenizer.encode(ex.prompt), tokenizer.encode(ex.answer) + [tokenizer.eos_id])
+            for ex in examples]
+    T = max(len(p) + len(a) for p, a in rows)
+    tokens_BT = torch.full((len(rows), T), tokenizer.pad_id, dtype=torch.long)
+    valid_BT = torch.zeros(len(rows), T, dtype=torch.bool)
+    target_BT = torch.zeros(len(rows), T, dtype=torch.bool)
+    for b, (prompt, answer) in enumerate(rows):
+        tokens_BT[b, T - len(prompt) - len(answer):] = torch.tensor(prompt + answer)
+        valid_BT[b, T - len(prompt) - len(answer):] = True
+        target_BT[b, T - len(answer):] = True
     return tokens_BT, valid_BT, target_BT
 
 

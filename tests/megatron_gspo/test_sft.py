@@ -19,17 +19,28 @@ EXAMPLES = [Example("1+2=", "3"), Example("12+3=", "15")]
 
 
 def test_batch_is_left_padded_prompt_then_answer_and_eos():
-    """Prompt rows are left-padded, answers right-padded; only answer tokens and <eos> are
-    targets, and answer padding is not valid."""
+    """Each row `<bos> prompt answer <eos>` is left-padded to the longest row; only answer
+    tokens and <eos> are targets, and padding is not valid."""
     tok = CharTokenizer()
     tokens_BT, valid_BT, target_BT = sft.sft_batch(tok, EXAMPLES)
     enc = tok.encode
     pad, bos, eos = tok.pad_id, tok.bos_id, tok.eos_id
-    assert tokens_BT.tolist() == [[pad, bos, *enc("1+2="), *enc("3"), eos, pad],
+    assert tokens_BT.tolist() == [[pad, pad, bos, *enc("1+2="), *enc("3"), eos],
                                   [bos, *enc("12+3="), *enc("15"), eos]]
-    assert valid_BT.tolist() == [[False] + [True] * 7 + [False], [True] * 9]
-    assert target_BT.tolist() == [[False] * 6 + [True] * 2 + [False],
+    assert valid_BT.tolist() == [[False] * 2 + [True] * 7, [True] * 9]
+    assert target_BT.tolist() == [[False] * 7 + [True] * 2,
                                   [False] * 6 + [True] * 3]
+
+
+def test_batch_is_as_long_as_its_longest_row():
+    """A long prompt with a short answer and a short prompt with a long answer: 9 columns
+    (the longest row), not 12 (longest prompt + longest answer), which crashed SFT with
+    'sequence length exceeds max_seq_len' when every row fitted the model."""
+    tok = CharTokenizer()
+    tokens_BT, valid_BT, target_BT = sft.sft_batch(
+        tok, [Example("1+2+3=", "6"), Example("1=", "1111")])
+    assert tokens_BT.shape == (2, 9) and valid_BT.sum(1).tolist() == [9, 8]
+    assert target_BT.sum(1).tolist() == [2, 5]
 
 
 class RecordingPolicy:
