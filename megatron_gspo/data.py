@@ -101,7 +101,8 @@ def read_rows(path: str, what: str = "data.train_files") -> Iterator[tuple[str, 
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg} at column "
+                what = e.msg.removesuffix(" at")  # "Unterminated string starting at"
+                raise DataError(f"{path}:{lineno}: not valid JSON ({what} at column "
                                 f"{e.colno})") from None
             if not isinstance(row, dict):
                 raise DataError(f"{path}:{lineno}: a row must be a JSON object, got "

@@ -166,3 +166,15 @@ def test_a_directory_glob_or_comma_list_says_how_to_list_files(tmp_path, entry):
     with pytest.raises(DataError, match=r"\(data.train_files\): one entry is one file, .*"
                                         r"data.train_files=\[a.jsonl,b.jsonl\]"):
         list(read_rows(path))
+
+
+def test_a_json_error_message_reads_once_at_column(tmp_path):
+    """json's messages 'Invalid control character at' / 'Unterminated string starting at' end
+    in 'at'; the column is appended once (was '... at at column 14'). An unclosed string on a
+    line meets the line's newline first."""
+    path = write_jsonl(tmp_path / "t.jsonl", [verl_row(0), '{"prompt": "a'])
+    from megatron_gspo.data import read_rows
+
+    with pytest.raises(DataError, match=r"t.jsonl:2: not valid JSON \(Invalid control character "
+                                        r"at column 14\)$"):
+        list(read_rows(path))
