@@ -68,6 +68,11 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|cuda_graph_scope).*")
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.command == "eval" and not cfg.init_checkpoint and not cfg.model.hf_path \
+                and os.environ.get("RANK", "0") == "0":  # run_dir's checkpoints are not read
+            print("megatron-gspo: warning: eval without init_checkpoint or model.hf_path scores "
+                  f"untrained weights; init_checkpoint={cfg.run_dir} evaluates that run",
+                  file=sys.stderr, flush=True)
         result = run(args.command, cfg)
     except (ConfigError, DataError, FileNotFoundError, RunDirError, CheckpointError,
             MissingDependency, FloatingPointError) as e:  # FloatingPointError: NaN loss / weights

@@ -58,6 +58,18 @@ def test_user_errors_exit_2_with_one_line(ran, capsys, error):
     assert capsys.readouterr().err == f"megatron-gspo: error: {error}\n"
 
 
+def test_eval_of_untrained_weights_warns_with_the_fix(ran, capsys):
+    """eval does not read run_dir's checkpoints: without init_checkpoint (or model.hf_path) it
+    scored a fresh random init, silently; now a warning says so and names the setting."""
+    assert cli.main(["eval", "run_dir=runs/x"]) == 0
+    assert capsys.readouterr().err == (
+        "megatron-gspo: warning: eval without init_checkpoint or model.hf_path scores untrained "
+        "weights; init_checkpoint=runs/x evaluates that run\n")
+    assert cli.main(["eval", "init_checkpoint=runs/x"]) == 0
+    assert cli.main(["train"]) == 0
+    assert capsys.readouterr().err == ""
+
+
 def test_only_rank_0_prints_the_error(ran, capsys, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     ran.result = ConfigError("bad key")
