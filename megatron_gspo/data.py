@@ -184,6 +184,14 @@ def _ground_truth(value, where: str, key: str):
     return value.strip() if isinstance(value, str) else freeze(value)
 
 
+def _sft_target(row: dict, where: str, key: str):
+    value = get_field(row, key, where, "data.sft_key")
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise DataError(f"{where}: field {key!r} (data.sft_key, the SFT target) must be a string "
+                        f"or a number, got {type(value).__name__} {str(value)[:60]!r}")
+    return value
+
+
 def row_to_example(row: dict, where: str, data, tokenizer) -> Example:
     prompt_key, answer_key, source_key = _DEFAULT_KEYS[data.format]
     prompt_key = data.prompt_key or prompt_key
@@ -193,8 +201,7 @@ def row_to_example(row: dict, where: str, data, tokenizer) -> Example:
     truth = _ground_truth(truth_raw, where, answer_key)
     if data.format == "plain" and isinstance(truth, str) and "####" in truth:
         truth = _ground_truth(truth.rsplit("####", 1)[1], where, answer_key)  # GSM8K style
-    target = truth_raw if data.sft_key is None else get_field(row, data.sft_key, where,
-                                                              "data.sft_key")
+    target = truth_raw if data.sft_key is None else _sft_target(row, where, data.sft_key)
     source = row.get(source_key, "") if source_key else ""
     prompt = render_prompt(messages, tokenizer, data.template, where)
     return Example(prompt, str(target).strip(), (truth, str(source), where))

@@ -178,3 +178,14 @@ def test_a_json_error_message_reads_once_at_column(tmp_path):
     with pytest.raises(DataError, match=r"t.jsonl:2: not valid JSON \(Invalid control character "
                                         r"at column 14\)$"):
         list(read_rows(path))
+
+
+@pytest.mark.parametrize("sft_key,kind", [("extra_info", "dict"), ("prompt", "list")])
+def test_an_sft_key_on_an_object_or_list_is_refused(tmp_path, sft_key, kind):
+    """data.sft_key=extra_info (for extra_info.answer) trained SFT on the Python repr of the
+    dict ("{'answer': ...}"), silently; the target must be a string or a number."""
+    path = write_jsonl(tmp_path / "t.jsonl", [verl_row(i) for i in range(4)])
+    with pytest.raises(DataError, match=rf"t.jsonl:1: field '{sft_key}' \(data.sft_key, the SFT "
+                                        rf"target\) must be a string or a number, got {kind}"):
+        dataset_splits(data_cfg(train_files=[path], sft_key=sft_key, shuffle=False), ByteTok(),
+                       100)
