@@ -36,6 +36,7 @@ available: there the reward runs without a limit and a warning says so once.
 from __future__ import annotations
 
 import contextlib
+import decimal
 import functools
 import logging
 import math
@@ -173,7 +174,10 @@ def check_math_available() -> None:
 
 
 def math_gold_text(ground_truth) -> str:
-    """The ground truth as math-verify gold: after the last '####', wrapped in \\boxed{}."""
+    """The ground truth as math-verify gold: after the last '####', wrapped in \\boxed{}. A
+    float is written in positional notation (str(1e-05) is read as e - 5 by math-verify)."""
+    if isinstance(ground_truth, float) and math.isfinite(ground_truth):
+        ground_truth = format(decimal.Decimal(repr(ground_truth)), "f")
     text = str(ground_truth).strip()
     if "####" in text:
         text = text.rsplit("####", 1)[1].strip()

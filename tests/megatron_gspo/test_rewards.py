@@ -86,6 +86,20 @@ def test_math_gold_text():
     assert math_gold_text("first #### 5\nthen #### 72") == "\\boxed{72}"
 
 
+def test_float_ground_truths_in_scientific_notation_still_match():
+    """A JSON / parquet float ground truth whose str() is in scientific notation (1e-05, 1e+20)
+    made every correct answer score 0 (math-verify reads '1e-05' as e - 5); it is written in
+    positional notation now."""
+    assert math_gold_text(1e-5) == "\\boxed{0.00001}"
+    assert math_gold_text(1e20) == "\\boxed{100000000000000000000}"
+    assert math_gold_text(72.0) == "\\boxed{72.0}" and math_gold_text(0.1 + 0.2) == \
+        "\\boxed{0.30000000000000004}"
+    pytest.importorskip("math_verify")
+    reward = get_reward("math")
+    assert reward("#### 0.00001", 1e-5) == 1.0 and reward("#### 0.0001", 1e-5) == 0.0
+    assert reward("#### 100000000000000000000", 1e20) == 1.0
+
+
 def test_unparseable_math_ground_truth_raises_instead_of_scoring_zero():
     """A ground truth math-verify cannot parse is a data error (counted by compute_rewards),
     not a silent 0.0 for every answer."""
