@@ -151,3 +151,21 @@ def test_decoding_stops_before_a_non_special_stop_id(tok_dir, tmp_path):
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, stop]}))
     tok = load_tokenizer(str(folder))
     assert tok.decode(tok.encode("42") + [stop] + tok.encode("7")) == "42"
+
+
+def test_a_non_chatml_end_of_turn_stops_only_through_generation_config(tmp_path):
+    """What the README states: ChatML's <|im_end|> is found from the template; another
+    template's end-of-turn token (Gemma's <end_of_turn>) stops sampling only when
+    generation_config.json lists it."""
+    folder = tmp_path / "gemma_like"
+    _custom_tok(folder, extra_tokens=["<end_of_turn>"], eos_token="<|endoftext|>")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}<start>{{ m['content'] }}<end_of_turn>"
+                               "{% endfor %}")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = load_tokenizer(str(folder))
+    end = tok.hf.convert_tokens_to_ids("<end_of_turn>")
+    assert tok.apply_chat_template([{"role": "user", "content": "1"}]) is not None
+    assert end not in tok.stop_ids
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, end]}))
+    assert end in load_tokenizer(str(folder)).stop_ids
