@@ -86,6 +86,24 @@ def test_every_metric_the_code_emits_is_in_the_readme():
     assert not missing, f"emitted but not in the README's Metrics section: {missing}"
 
 
+def test_every_sft_metric_is_in_the_readme():
+    """`megatron-gspo sft` logs an `sft/` group the Metrics section did not name."""
+    import torch
+
+    from megatron_gspo.band import SFTBand
+    from megatron_gspo.sft import sft_step
+    from tests.megatron_gspo.test_sft import fake_runtime
+
+    band = SFTBand(load_config(None, ["sft.target_accuracy=[0.2,0.5]"]))
+    band.update(0, 0.1)
+    band.update(5, 0.3)
+    keys = set(sft_step(fake_runtime(4, 1), torch.Generator().manual_seed(0))) | set(
+        band.record())
+    patterns = _documented_metric_patterns()
+    missing = sorted(k for k in keys if not any(p.fullmatch(k) for p in patterns))
+    assert not missing and "sft/band_step" in keys, missing
+
+
 def test_routing_mismatch_is_logged_for_a_bf16_sampler_without_r3():
     """The README said `rollout/routing_mismatch` was R3 only; a bf16 sampler records the
     sampler's routing (and so logs it) without R3 too."""
