@@ -31,6 +31,7 @@ once at load time, not per batch.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 from dataclasses import dataclass
@@ -178,9 +179,10 @@ def freeze(value):
 
 def _ground_truth(value, where: str, key: str):
     if isinstance(value, bool) or not isinstance(value, (str, int, float, dict, list)) \
-            or (isinstance(value, str) and not value.strip()):
+            or (isinstance(value, str) and not value.strip()) \
+            or (isinstance(value, float) and not math.isfinite(value)):  # JSON NaN / Infinity
         raise DataError(f"{where}: field {key!r} (the ground truth) must be a non-empty string, "
-                        f"a number or a JSON object, got {value!r}")
+                        f"a finite number or a JSON object, got {value!r}")
     return value.strip() if isinstance(value, str) else freeze(value)
 
 

@@ -142,6 +142,9 @@ def test_parquet_gives_the_same_examples_as_jsonl(tmp_path):
     ([verl_row(0, truth="  ")], "t.jsonl:1: field 'reward_model.ground_truth' (the ground truth)"
                                 " must be a non-empty string"),
     ([verl_row(0, truth=True)], "must be a non-empty string"),
+    ([verl_row(0), verl_row(1, truth=float("nan"))],  # json.dumps writes NaN (scored 0, silently)
+     "t.jsonl:2: field 'reward_model.ground_truth' (the ground truth) must be a non-empty "
+     "string, a finite number or a JSON object, got nan"),
     ([{**verl_row(0), "reward_model": {"style": "rule", "ground_truth": None}}],
      "t.jsonl:1: missing field 'reward_model.ground_truth' (data.answer_key); "
      "reward_model.ground_truth is null"),  # JSON null (was: "reward_model has ['ground_truth',")
