@@ -50,7 +50,11 @@ class SafetensorsReader:
             path = os.path.join(self.folder, file)
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"{path} (listed in {INDEX}) does not exist")
-            self._handles[file] = safe_open(path, framework="pt", device="cpu")
+            try:
+                self._handles[file] = safe_open(path, framework="pt", device="cpu")
+            except Exception as e:  # SafetensorError: a truncated or corrupt file
+                raise ValueError(f"{path}: not a readable safetensors file ({e}); re-download "
+                                 "or re-save it") from None
         return self._handles[file]
 
     def names(self) -> set[str]:

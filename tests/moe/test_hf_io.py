@@ -104,3 +104,15 @@ def test_a_checkpoint_tensor_larger_than_the_model_is_refused(tmp_path, param_sh
     with pytest.raises(ValueError, match=r"t0: checkpoint shape \(6, 5\) is too large for the "
                                          rf"model \(needs {needs}\)"):
         _read_part(reader, "t0", part, torch.empty(param_shape), fused=False, vocab=vocab)
+
+
+@pytest.mark.parametrize("index", [False, True], ids=["one_file", "indexed"])
+def test_a_truncated_file_is_a_value_error_naming_it(tmp_path, index):
+    """An interrupted download (a shard cut short) is a ValueError naming the file, which the
+    CLI turns into one line and exit status 2, not safetensors' own exception."""
+    files = write_safetensors(tensors(), str(tmp_path), max_shard_bytes=80 if index else 1000)
+    path = tmp_path / files[-1]
+    path.write_bytes(path.read_bytes()[:-8])
+    with pytest.raises(ValueError, match=f"{files[-1]}: not a readable safetensors file"):
+        reader = SafetensorsReader(str(tmp_path))
+        reader.read("t3")
