@@ -24,6 +24,7 @@ from moe.checks import MissingDependency
 from moe.hf.config import check_local_folder  # noqa: F401 (one hub-name error for both)
 
 _SPECIALS = ("<pad>", "<bos>", "<eos>")
+_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 _CHARS = "0123456789+-*=,:>() acs"
 
 
@@ -94,6 +95,11 @@ class HFTokenizer:
                                     "'.[hf]'") from None
 
         check_local_folder(path, "tokenizer")
+        if not any(os.path.isfile(os.path.join(path, f)) for f in _VOCAB_FILES):
+            # transformers would build an empty tokenizer of the config's class (1 token)
+            raise FileNotFoundError(f"{path}: no tokenizer files ({', '.join(_VOCAB_FILES)}); "
+                                    "copy the model's tokenizer there or set "
+                                    "data.tokenizer_path")
         self.path = path
         self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
         if self.hf.eos_token_id is None:

@@ -169,3 +169,13 @@ def test_a_non_chatml_end_of_turn_stops_only_through_generation_config(tmp_path)
     assert end not in tok.stop_ids
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, end]}))
     assert end in load_tokenizer(str(folder)).stop_ids
+
+
+def test_a_model_folder_without_tokenizer_files_is_refused(tmp_path):
+    """Weights and config.json only (tokenizer files not downloaded): transformers would build
+    an empty tokenizer of the config's class (1 token) and the run would fail much later."""
+    from tests.hf_fixtures import make_model
+
+    make_model(str(tmp_path), vocab_size=300, tokenizer=False)
+    with pytest.raises(FileNotFoundError, match="no tokenizer files.*data.tokenizer_path"):
+        load_tokenizer(str(tmp_path))
