@@ -175,7 +175,7 @@ def setup_runtime(cfg: RunConfig, job: str) -> Runtime:
     lock = claim_run_dir(cfg.run_dir, job, config_to_dict(cfg), cfg.resume, info.is_main) \
         if writes else None
     try:
-        tokenizer = load_tokenizer(tokenizer_folder(cfg))
+        tokenizer = run_tokenizer(cfg)
         task, train_set, eval_set = build_task(cfg, tokenizer, model_max_len(cfg), info.is_main)
         if job == "sft":  # before the run is recorded: a fixed config may reuse the run dir
             check_sft_lengths(tokenizer, train_set, model_max_len(cfg))
@@ -228,6 +228,15 @@ def save_state(rt: Runtime, step: int, extra: dict) -> None:
     if rt.info.is_main:
         ckpt.mark_latest(root, step)
     barrier()
+
+
+def run_tokenizer(cfg: RunConfig) -> Tokenizer:
+    """The run's tokenizer (`tokenizer_folder`); one that cannot serve (no eos_token, a file
+    transformers refuses) is a ConfigError naming its folder."""
+    try:
+        return load_tokenizer(tokenizer_folder(cfg))
+    except ValueError as e:
+        raise ConfigError(str(e).strip().splitlines()[0]) from None
 
 
 def check_hf_path(path: str) -> None:

@@ -179,3 +179,16 @@ def test_a_model_folder_without_tokenizer_files_is_refused(tmp_path):
     make_model(str(tmp_path), vocab_size=300, tokenizer=False)
     with pytest.raises(FileNotFoundError, match="no tokenizer files.*data.tokenizer_path"):
         load_tokenizer(str(tmp_path))
+
+
+
+def test_a_tokenizer_without_eos_exits_2_with_one_line(single_process, tmp_path, capsys):
+    from megatron_gspo.cli import main
+
+    folder = _custom_tok(tmp_path / "no_eos")
+    argv = ["eval", f"data.tokenizer_path={folder}", "wandb.mode=disabled", "task.n_eval=2",
+            "task.name=dataset", "data.train_files=tests/fixtures/gsm_tiny/test.jsonl",
+            "reward.name=exact"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no_eos: tokenizer has no eos_token" in err[0]
