@@ -63,8 +63,8 @@ def main(argv=None) -> int:
         print(describe_config())
         return 0
     if args.command == "export":
-        return _export(parser, args, (FileNotFoundError, ValueError, CheckpointError,
-                                      MissingDependency))
+        return _export(parser, args, (FileNotFoundError, FileExistsError, ValueError,
+                                      CheckpointError, MissingDependency))
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|cuda_graph_scope).*")
     try:
         cfg = load_config(args.config, args.overrides)

@@ -7,7 +7,7 @@ A run started from `model.hf_path` exports that architecture with the source fol
 config.json keys (token ids, ...), its tokenizer files, chat template and generation config; a
 toy run exports its preset as a `qwen3_moe` config (the character tokenizer has no Hugging Face
 files, so none are written). `transformers.AutoModelForCausalLM.from_pretrained(OUT)` loads the
-result (tests/moe/test_hf.py).
+result (tests/moe/test_hf.py). OUT must be new or empty: nothing is overwritten.
 """
 
 from __future__ import annotations
@@ -45,6 +45,11 @@ def export_run(run_dir: str, out: str, hf_path: str | None = None,
     from moe.hf.weights import export_hf
     from moe.presets import get_preset
 
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        # never overwrite: the source folder's weights, or a previous export's shards that
+        # transformers would load in place of the new ones (model.safetensors beats an index)
+        raise FileExistsError(f"--to-hf {out!r} exists and is not an empty folder; export into "
+                              "a new or empty one")
     root = os.path.join(run_dir, "checkpoints")
     root = root if os.path.isdir(root) else run_dir
     if not os.path.isdir(root):

@@ -236,3 +236,31 @@ def test_export_keeps_the_parameter_dtype(single_process, tmp_path):
     assert json.load(open(tmp_path / "out" / "config.json"))["dtype"] == "bfloat16"
     reader = SafetensorsReader(str(tmp_path / "out"))
     assert {reader.read(n).dtype for n in reader.names()} == {torch.bfloat16}
+
+
+def test_export_never_writes_into_a_non_empty_folder(single_process, hf_dir, tmp_path, capsys):
+    """The source folder itself (its weights would be overwritten, then the tokenizer copy
+    crashed), a previous export (a stale model.safetensors next to new shards is what
+    transformers loads) or a file: exit 2, one line, every file as it was."""
+    import shutil
+
+    from megatron_gspo.runtime import build_policy
+
+    src = tmp_path / "src"
+    shutil.copytree(hf_dir, src)
+    cfg = run_config(str(src), tmp_path / "run")
+    save_run(build_policy(cfg, 300, optim=None), cfg, cfg.run_dir, legacy=True)
+    out = tmp_path / "out"
+    assert cli_main(["export", "--run-dir", cfg.run_dir, "--to-hf", str(out)]) == 0
+    (tmp_path / "file").write_text("x")
+    for target in (src, out, tmp_path / "file"):
+        before = {p.name: p.read_bytes() for p in target.iterdir()} if target.is_dir() else None
+        capsys.readouterr()
+        assert cli_main(["export", "--run-dir", cfg.run_dir, "--to-hf", str(target),
+                         "--max-shard-bytes", "60000"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"--to-hf '{target}' exists" in err[0], err
+        if before is not None:
+            assert {p.name: p.read_bytes() for p in target.iterdir()} == before
+    (tmp_path / "empty").mkdir()  # an empty folder is fine
+    assert cli_main(["export", "--run-dir", cfg.run_dir, "--to-hf", str(tmp_path / "empty")]) == 0
