@@ -170,7 +170,7 @@ def setup_runtime(cfg: RunConfig, job: str) -> Runtime:
     if cfg.init_checkpoint:
         check_init_checkpoint(cfg.init_checkpoint)  # fail before the run dir is claimed
     if cfg.model.hf_path:
-        check_hf_path(cfg.model.hf_path)
+        check_hf_path(cfg.model.hf_path, cfg.model.tp, cfg.model.ep)
     writes = job != "eval"
     lock = claim_run_dir(cfg.run_dir, job, config_to_dict(cfg), cfg.resume, info.is_main) \
         if writes else None
@@ -239,13 +239,15 @@ def run_tokenizer(cfg: RunConfig) -> Tokenizer:
         raise ConfigError(str(e).strip().splitlines()[0]) from None
 
 
-def check_hf_path(path: str) -> None:
-    """model.hf_path is a local folder with a supported config.json: FileNotFoundError (a hub
-    name says so) or ConfigError naming the value."""
+def check_hf_path(path: str, tp: int = 1, ep: int = 1) -> None:
+    """model.hf_path is a local folder with a supported config.json whose model splits tp x ep
+    ways (the vocabulary is padded to split): FileNotFoundError (a hub name says so) or
+    ConfigError naming the value."""
     from moe.hf.config import preset_from_hf
 
     try:
-        preset_from_hf(path)
+        preset = preset_from_hf(path)
+        preset.with_vocab(preset.vocab_size, multiple=tp).check_parallel(tp, ep)
     except ValueError as e:
         raise ConfigError(f"model.hf_path={path}: {e}") from None
 

@@ -264,3 +264,28 @@ def test_export_never_writes_into_a_non_empty_folder(single_process, hf_dir, tmp
             assert {p.name: p.read_bytes() for p in target.iterdir()} == before
     (tmp_path / "empty").mkdir()  # an empty folder is fine
     assert cli_main(["export", "--run-dir", cfg.run_dir, "--to-hf", str(tmp_path / "empty")]) == 0
+
+
+@pytest.mark.parametrize("layout,match", [
+    (("model.ep=2",), "num_experts=5 is not divisible by ep=2"),
+    (("model.tp=4", "model.sequence_parallel=true"),
+     "num_query_groups=2 is not divisible by tp=4")])
+def test_a_config_that_does_not_split_over_the_layout_exits_2(hf_dir, tmp_path, monkeypatch,
+                                                              capsys, layout, match):
+    """config.json's experts / KV heads that the layout cannot split: one line naming the value
+    before the run dir is claimed (was a ValueError traceback from the model build on every
+    rank). The layout's process groups are faked: only the checks before them run."""
+    from types import SimpleNamespace
+
+    from megatron_gspo import runtime
+
+    folder = tmp_path / "five_experts"
+    folder.mkdir()
+    config = json.load(open(os.path.join(hf_dir, "config.json")))
+    (folder / "config.json").write_text(json.dumps({**config, "num_local_experts": 5}))
+    monkeypatch.setattr(runtime, "init_parallel", lambda *a, **k: SimpleNamespace(is_main=True))
+    run_dir = tmp_path / "run"
+    assert cli_main(["train", f"model.hf_path={folder}", f"run_dir={run_dir}", *layout]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"model.hf_path={folder}" in err[0] and match in err[0], err
+    assert not run_dir.exists()
