@@ -165,8 +165,13 @@ def setup_runtime(cfg: RunConfig, job: str) -> Runtime:
     allocator first (`megatron_gspo.host`)."""
     tune_malloc()
     optim = optim_settings(cfg, job)  # a bad lr schedule fails before the run dir is claimed
-    info = init_parallel(cfg.model.tp, cfg.model.ep, seed=cfg.seed,
-                         timeout_min=cfg.model.dist_timeout_min)
+    try:
+        info = init_parallel(cfg.model.tp, cfg.model.ep, seed=cfg.seed,
+                             timeout_min=cfg.model.dist_timeout_min)
+    except ValueError as e:  # e.g. model.ep=8 without torchrun --nproc-per-node 8
+        raise ConfigError(f"model.tp={cfg.model.tp} model.ep={cfg.model.ep}: {e} (start N "
+                          "processes: torchrun --nproc-per-node N -m megatron_gspo.cli ...)"
+                          ) from None
     if cfg.init_checkpoint:
         check_init_checkpoint(cfg.init_checkpoint)  # fail before the run dir is claimed
     if cfg.model.hf_path:

@@ -221,3 +221,16 @@ def test_an_sft_target_longer_than_the_model_fails_before_the_run_is_recorded(si
         setup_runtime(load_config(None, over), job="sft")
     assert not (run_dir / "run.json").exists()
     setup_runtime(load_config(None, over), job="train").close()
+
+
+def test_a_layout_the_world_size_cannot_hold_exits_2(single_process, tmp_path, capsys):
+    """model.ep=2 started as one process (torchrun forgotten): one line naming the keys, no run
+    dir (was init_parallel's ValueError traceback)."""
+    from megatron_gspo.cli import main
+
+    run_dir = tmp_path / "run"
+    assert main(["train", *TOY, "model.ep=2", f"run_dir={run_dir}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.tp=1 model.ep=2: world size 1 is not divisible by ep=2" \
+        in err[0] and "torchrun --nproc-per-node" in err[0], err
+    assert not run_dir.exists()

@@ -181,7 +181,6 @@ def test_a_model_folder_without_tokenizer_files_is_refused(tmp_path):
         load_tokenizer(str(tmp_path))
 
 
-
 def test_a_tokenizer_without_eos_exits_2_with_one_line(single_process, tmp_path, capsys):
     from megatron_gspo.cli import main
 
