@@ -344,6 +344,12 @@ def try_resume(rt: Runtime) -> dict | None:
                       f"{error or 'a shard on another rank is bad'}", flush=True)
             continue
         same_layout = tuple(state["layout"]) == layout
+        saved = tuple(state["layout"])[:2]
+        if rt.cfg.optim.distributed and saved != layout[:2]:  # megatron's dp_reshardable
+            raise ConfigError(f"{root}: saved with (tp, ep)={saved}, resuming with "
+                              f"{layout[:2]}: optim.distributed=true reshards its optimizer "
+                              "state over DP only; start a new run_dir with init_checkpoint="
+                              f"{rt.cfg.run_dir} (weights only)")
         if dist_ckpt.is_dist_checkpoint(dist_dir):
             dist_ckpt.load(rt.policy, dist_dir)  # collective; any layout
         elif same_layout:  # written before dist checkpoints: the policy is in the rank files

@@ -234,3 +234,33 @@ def test_a_layout_the_world_size_cannot_hold_exits_2(single_process, tmp_path, c
     assert len(err) == 1 and "model.tp=1 model.ep=2: world size 1 is not divisible by ep=2" \
         in err[0] and "torchrun --nproc-per-node" in err[0], err
     assert not run_dir.exists()
+
+
+def test_a_distributed_optimizer_run_resumed_with_another_tp_ep_is_refused(single_process,
+                                                                           tmp_path):
+    """optim.distributed=true saves megatron's dp_reshardable optimizer state: a resume with
+    another TP / EP (its rank file records (tp, ep, world)) is a ConfigError pointing at
+    init_checkpoint (was, under resume=force, a KeyError traceback from dist_checkpointing
+    listing every shard). Another DP size alone resumes."""
+    from megatron_gspo import checkpoint as ckpt
+    from megatron_gspo.cli import main
+    from megatron_gspo.runtime import try_resume
+
+    args = [*TOY, "optim.distributed=true", f"run_dir={tmp_path / 'run'}", "train.steps=1",
+            "rollout.prompts_per_batch=2", "rollout.group_size=2", "train.num_minibatches=1"]
+    assert main(["train", *args]) == 0  # the optimizer state exists after a step
+    cfg = load_config(None, args)
+    rt = setup_runtime(cfg, job="train")
+    try:
+        root = os.path.join(cfg.run_dir, "checkpoints")
+        state = ckpt.load_checkpoint(root, rank=0)
+        for layout, ok in (((1, 1, 2), True), ((1, 2, 2), False), ((2, 1, 2), False)):
+            ckpt.save_checkpoint(root, 1, {**state, "layout": layout})
+            if ok:
+                assert try_resume(rt)["iteration"] == 1
+                continue
+            with pytest.raises(ConfigError, match=rf"saved with \(tp, ep\)=\({layout[0]}, "
+                               rf"{layout[1]}\), resuming with \(1, 1\).*init_checkpoint="):
+                try_resume(rt)
+    finally:
+        rt.close()
