@@ -81,7 +81,7 @@ def main(argv=None) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"megatron-gspo: {e}", file=sys.stderr, flush=True)
         return 128 + e.signum
-    if result:
+    if result and os.environ.get("RANK", "0") == "0":  # once under torchrun
         print(json.dumps({k: v for k, v in result.items() if k.startswith(("eval/", "reward/"))}))
     return 0
 

@@ -77,6 +77,14 @@ def test_only_rank_0_prints_the_error(ran, capsys, monkeypatch):
     assert capsys.readouterr().err == ""
 
 
+def test_only_rank_0_prints_the_result(ran, capsys, monkeypatch):
+    """Under torchrun every data-parallel rank returns the metrics: one line, not one a rank."""
+    monkeypatch.setenv("RANK", "1")
+    ran.result = {"eval/accuracy": 0.5}
+    assert cli.main(["train"]) == 0
+    assert capsys.readouterr().out == ""
+
+
 def test_preemption_exits_with_128_plus_the_signal(ran, capsys):
     ran.result = Preempted(signal.SIGTERM, "stopped at rollout batch 2 of 3")
     assert cli.main(["train"]) == 128 + signal.SIGTERM
