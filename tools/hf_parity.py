@@ -17,12 +17,14 @@ Prompts go through the tokenizer's chat template when it has one.
 
 The last line is `max_abs_logit_diff=<x> greedy_match=<frac>`; the exit status is 1 when the
 difference exceeds `--tol` or greedy_match is below `--min-greedy-match` (default 0: reported,
-not enforced, since a near-tie may flip a greedy pick within tolerance), else 0.
+not enforced, since a near-tie may flip a greedy pick within tolerance), else 0; a bad folder,
+config.json or layout is one line `hf_parity: error: ...` and status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 
@@ -100,16 +102,31 @@ def greedy_match(ours: list[list[int]], theirs: list[list[int]]) -> float:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    try:
+        return check(args)
+    except (FileNotFoundError, ValueError, KeyError) as e:  # a bad folder, config or layout
+        if os.environ.get("RANK", "0") == "0":
+            print(f"hf_parity: error: {e.args[0] if isinstance(e, KeyError) else e}",
+                  file=sys.stderr, flush=True)
+        return 2
+
+
+def check(args: argparse.Namespace) -> int:
+    """Both sides and the comparison (see the module docstring); the exit status."""
     import torch.distributed as dist
 
     from megatron_gspo.tokenizer import load_tokenizer
+    from moe.hf.config import preset_from_hf
     from moe.parallel import destroy_parallel, init_parallel
 
     ours_to_close = not dist.is_initialized()  # leave a caller's process group alone
-    info = init_parallel(args.tp, args.ep)
-    if info.world_size % args.tp or info.world_size % args.ep:
-        raise SystemExit(f"--tp {args.tp} / --ep {args.ep} need a world size they divide "
-                         f"(got {info.world_size}): torchrun --nproc-per-node N")
+    preset = preset_from_hf(args.hf_path)  # before any process group: a bad folder or layout
+    preset.with_vocab(preset.vocab_size, args.tp).check_parallel(args.tp, args.ep)
+    try:
+        info = init_parallel(args.tp, args.ep)
+    except ValueError as e:  # a world size the layout does not divide
+        raise ValueError(f"--tp {args.tp} / --ep {args.ep}: {e} (torchrun --nproc-per-node N)"
+                         ) from None
     tokenizer = load_tokenizer(args.hf_path)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) or p
                for p in (args.prompt or DEFAULT_PROMPTS)]

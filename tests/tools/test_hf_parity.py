@@ -38,3 +38,27 @@ def test_greedy_match_counts_length_differences_as_misses():
     assert hf_parity.greedy_match([[1, 2, 3]], [[1, 2, 3]]) == 1.0
     assert hf_parity.greedy_match([[1, 2]], [[1, 5, 6, 7]]) == 0.25
     assert hf_parity.greedy_match([[1, 2], [3]], [[1, 2], [4]]) == 2 / 3
+
+
+def test_bad_input_is_one_line_and_status_2_not_a_parity_failure(hf_dir, tmp_path, capsys):
+    """Status 1 means "the checkpoint differs": a hub name, a folder without config.json, an
+    unsupported family or a layout the config / world cannot split is status 2 and one line
+    (were tracebacks with status 1)."""
+    import json
+    import shutil
+
+    odd = tmp_path / "odd"
+    shutil.copytree(hf_dir, odd)
+    config = json.load(open(odd / "config.json"))
+    (odd / "config.json").write_text(json.dumps({**config, "num_local_experts": 5}))
+    (tmp_path / "mixtral").mkdir()
+    (tmp_path / "mixtral" / "config.json").write_text(json.dumps({"model_type": "mixtral"}))
+    cases = [(["--hf-path", "Qwen/Qwen3-30B-A3B"], "hub name"),
+             (["--hf-path", str(tmp_path)], "no config.json"),
+             (["--hf-path", str(tmp_path / "mixtral")], "model_type='mixtral' is not supported"),
+             (["--hf-path", str(odd), "--ep", "2"], "num_experts=5 is not divisible by ep=2"),
+             (["--hf-path", hf_dir, "--ep", "2"], "--ep 2: world size 1 is not divisible")]
+    for argv, match in cases:
+        assert hf_parity.main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("hf_parity: error: ") and match in err[0], err
