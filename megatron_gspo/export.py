@@ -16,10 +16,13 @@ import dataclasses
 import os
 import shutil
 
+import torch
+
 from megatron_gspo import checkpoint as ckpt
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
 _SKIP = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 
 
 def _copy_tokenizer_files(src: str, out: str) -> list[str]:
@@ -74,6 +77,9 @@ def export_run(run_dir: str, out: str, hf_path: str | None = None,
     else:
         raise ValueError(f"{run_dir}: checkpoint has neither dist/ nor full_params (not written "
                          "by megatron-gspo?)")
+    dtype = _DTYPES.get(model_cfg.get("dtype"))  # a 16-bit run's weights are 16-bit values
+    if dtype is not None:  # that the 1-process model read back as float32: lossless
+        full = {name: tensor.to(getattr(torch, dtype)) for name, tensor in full.items()}
     rows = full["embedding.word_embeddings.weight"].shape[0]
     vocab = vocab or rows
     preset = dataclasses.replace(preset, vocab_size=rows)

@@ -289,3 +289,24 @@ def test_a_config_that_does_not_split_over_the_layout_exits_2(hf_dir, tmp_path, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"model.hf_path={folder}" in err[0] and match in err[0], err
     assert not run_dir.exists()
+
+
+def test_a_bf16_run_exports_bf16_tensors(single_process, hf_dir, tmp_path):
+    """model.dtype=bf16: the checkpoint's weights are bf16 values, which the 1-process reader
+    holds as float32; the export writes them as bf16 (half the bytes, config.json says
+    bfloat16, values unchanged) instead of float32."""
+    from megatron_gspo.export import export_run
+    from megatron_gspo.runtime import build_policy
+    from moe.hf.io import SafetensorsReader
+    from moe.sharding import gather_full_params
+
+    cfg = run_config(hf_dir, tmp_path / "run", "model.dtype=bf16")
+    policy = build_policy(cfg, 300, optim=None)
+    save_run(policy, cfg, cfg.run_dir)
+    export_run(cfg.run_dir, str(tmp_path / "out"))
+    assert json.load(open(tmp_path / "out" / "config.json"))["dtype"] == "bfloat16"
+    reader = SafetensorsReader(str(tmp_path / "out"))
+    assert {reader.read(n).dtype for n in reader.names()} == {torch.bfloat16}
+    ours = gather_full_params(policy.model.module)["embedding.word_embeddings.weight"]
+    assert ours.dtype == torch.bfloat16
+    assert torch.equal(reader.read("model.embed_tokens.weight"), ours[:300])
