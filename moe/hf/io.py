@@ -63,7 +63,11 @@ class SafetensorsReader:
     def _slice(self, name: str):
         if name not in self.file_of:
             raise KeyError(f"{self.folder}: checkpoint has no tensor {name!r}")
-        return self._open(self.file_of[name]).get_slice(name)
+        try:
+            return self._open(self.file_of[name]).get_slice(name)
+        except Exception as e:  # SafetensorError: the index names a file without this tensor
+            raise ValueError(f"{os.path.join(self.folder, self.file_of[name])}: {e} ({INDEX} "
+                             "lists it there)") from None
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._slice(name).get_shape())

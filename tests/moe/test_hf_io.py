@@ -116,3 +116,14 @@ def test_a_truncated_file_is_a_value_error_naming_it(tmp_path, index):
     with pytest.raises(ValueError, match=f"{files[-1]}: not a readable safetensors file"):
         reader = SafetensorsReader(str(tmp_path))
         reader.read("t3")
+
+
+def test_an_index_that_names_the_wrong_shard_is_a_value_error(tmp_path):
+    """An index whose weight_map sends a tensor to a shard without it (a hand-merged folder):
+    a ValueError naming the shard and the tensor, not safetensors' own exception."""
+    files = write_safetensors(tensors(), str(tmp_path), max_shard_bytes=80)
+    index = json.load(open(tmp_path / INDEX))
+    index["weight_map"]["t3"] = files[0]
+    (tmp_path / INDEX).write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=f"{files[0]}: .*t3.*{INDEX} lists it there"):
+        SafetensorsReader(str(tmp_path)).read("t3")
