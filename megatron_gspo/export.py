@@ -61,6 +61,9 @@ def export_run(run_dir: str, out: str, hf_path: str | None = None,
     step_dir = root if os.path.isfile(ckpt.rank_file(root, 0)) \
         else ckpt.step_dir(root, ckpt.latest_step(root))
     model_cfg = state["config"]["model"]
+    if not hf_path and model_cfg.get("hf_path") and not os.path.isdir(model_cfg["hf_path"]):
+        raise FileNotFoundError(f"{run_dir} started from model.hf_path={model_cfg['hf_path']}, "
+                                "which does not exist now: pass --hf-path with its new place")
     hf_path = hf_path or model_cfg.get("hf_path")
     if hf_path:
         base = read_hf_config(hf_path)

@@ -203,7 +203,8 @@ def test_export_reads_a_moved_source_folder_and_writes_its_own_config(single_pro
     moved.rename(src)
     config = json.load(open(src / "config.json"))
     assert "num_local_experts" in config  # transformers 5's spelling; the export writes ours
-    with pytest.raises(FileNotFoundError, match="moved' does not exist"):
+    with pytest.raises(FileNotFoundError, match="model.hf_path=.*moved, which does not exist "
+                                                "now: pass --hf-path"):
         export_run(cfg.run_dir, str(tmp_path / "out0"))
     out = tmp_path / "out"
     summary = export_run(cfg.run_dir, str(out), hf_path=str(src), max_shard_bytes=60000)
