@@ -44,11 +44,11 @@ def read_hf_config(path: str) -> dict:
 
 def _rope_theta(cfg: dict, where: str) -> float:
     params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    kind = params.get("rope_type", "default") if params else scaling.get("rope_type", "default")
-    if kind != "default" or (scaling and scaling.get("type", "default") != "default"):
-        raise ValueError(f"{where}: RoPE scaling {params or scaling} is not supported "
-                         "(plain RoPE only)")
+    for key in ("rope_parameters", "rope_scaling"):  # transformers applies either
+        rope = cfg.get(key) or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ValueError(f"{where}: RoPE scaling {key}={rope} is not supported "
+                             "(plain RoPE only)")
     return float(cfg.get("rope_theta", params.get("rope_theta", 10000.0)))
 
 

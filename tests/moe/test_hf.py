@@ -126,6 +126,9 @@ def _config(tmp_path, **changes):
     ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "RoPE scaling"),  # older spelling
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}},
      "RoPE scaling"),  # transformers 5's spelling
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6},  # a transformers 5 save
+      "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},  # + Qwen's long-context recipe
+     r"RoPE scaling rope_scaling=\{'rope_type': 'yarn'"),
     ({"num_experts": None}, "neither 'num_experts' nor 'num_local_experts'"),
 ])
 def test_unsupported_configs_are_refused_naming_the_key(tmp_path, changes, match):
