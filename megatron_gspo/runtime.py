@@ -312,6 +312,8 @@ def load_init_weights(policy: MoEPolicy, path: str) -> None:
 
 def _saved_model(model_cfg: dict) -> str:
     """A checkpoint's model in words, from its saved `model` config section."""
+    if model_cfg.get("hf_path"):  # model.preset is ignored there
+        return f"model.hf_path={model_cfg['hf_path']}"
     layers = model_cfg.get("num_layers")
     return f"preset {model_cfg.get('preset')!r}" + (f" at {layers} layers" if layers else "")
 

@@ -311,3 +311,17 @@ def test_a_bf16_run_exports_bf16_tensors(single_process, hf_dir, tmp_path):
     ours = gather_full_params(policy.model.module)["embedding.word_embeddings.weight"]
     assert ours.dtype == torch.bfloat16
     assert torch.equal(reader.read("model.embed_tokens.weight"), ours[:300])
+
+
+def test_init_from_another_models_run_names_its_hf_path(single_process, hf_dir, tmp_path):
+    """A run started from model.hf_path recorded the default model.preset, which it ignored:
+    the refusal names the folder it came from, not that preset."""
+    from megatron_gspo.config import ConfigError
+    from megatron_gspo.runtime import build_policy, load_init_weights
+
+    cfg = run_config(hf_dir, tmp_path / "run")
+    save_run(build_policy(cfg, 300, optim=None), cfg, cfg.run_dir)
+    toy = build_policy(load_config(None, ["model.preset=tiny"]), 26, optim=None)
+    with pytest.raises(ConfigError, match=f"holds model.hf_path={hf_dir}, this run builds "
+                                          "'tiny'"):
+        load_init_weights(toy, cfg.run_dir)
