@@ -110,7 +110,7 @@ def test_an_arm_a_signal_stopped_is_resumed_and_keeps_its_metrics(tmp_path, monk
     monkeypatch.setattr(ablation_run.plot_run, "main", lambda argv: 0)
     monkeypatch.setattr(ablation_run, "write_table", lambda *a: None)
     (tmp_path / "runs/ablation/sft/checkpoints/latest").mkdir(parents=True)
-    stopped = _write(tmp_path / "runs/ablation/gspo_s0", [{"step": 9}])
+    stopped = write_metrics(tmp_path / "runs/ablation/gspo_s0", [{"step": 9}])
     (tmp_path / "runs/ablation/gspo_s0/checkpoints").mkdir()
     (tmp_path / "runs/ablation/gspo_s0/checkpoints/latest").write_text("9\n")
     assert ablation_run.main(["--arms", "gspo", "--seeds", "0"]) == 0
