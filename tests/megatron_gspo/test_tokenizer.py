@@ -189,5 +189,6 @@ def test_a_tokenizer_without_eos_exits_2_with_one_line(single_process, tmp_path,
             "task.name=dataset", "data.train_files=tests/fixtures/gsm_tiny/test.jsonl",
             "reward.name=exact"]
     assert main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "no_eos: tokenizer has no eos_token" in err[0]
+    err = [line for line in capsys.readouterr().err.strip().splitlines()
+           if "warning: eval without init_checkpoint" not in line]
+    assert len(err) == 1 and "no_eos: tokenizer has no eos_token" in err[0], err
