@@ -156,7 +156,11 @@ def render_prompt(messages: list[dict], tokenizer, template: str | None, where: 
     """The prompt text: the tokenizer's chat template (generation prompt on) or `template`."""
     if template is not None:
         return template.replace("{prompt}", "\n\n".join(m["content"] for m in messages))
-    text = tokenizer.apply_chat_template(messages)
+    try:
+        text = tokenizer.apply_chat_template(messages)
+    except ValueError as e:
+        raise DataError(f"{where}: {e} (roles {[m['role'] for m in messages]}); fix the rows or "
+                        "set data.template") from None
     if text is None:
         raise DataError(f"{where}: data.template is null (use the tokenizer's chat template) but "
                         f"the tokenizer ({type(tokenizer).__name__}) has none; set data.template,"

@@ -129,9 +129,18 @@ class HFTokenizer:
         return self.hf.decode(ids, skip_special_tokens=True)
 
     def apply_chat_template(self, messages: list[dict]) -> str | None:
+        """ValueError when the template rejects the messages (its raise_exception, e.g. 'System
+        role not supported' or roles that do not alternate)."""
+        from jinja2 import TemplateError  # transformers' dependency
+
         if not self.hf.chat_template:
             return None
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:
+            return self.hf.apply_chat_template(messages, tokenize=False,
+                                               add_generation_prompt=True)
+        except TemplateError as e:
+            raise ValueError(f"the chat template of {self.path} refused the messages: "
+                             f"{e}") from None
 
 
 def _generation_eos_ids(path: str) -> list[int]:

@@ -189,3 +189,18 @@ def test_an_sft_key_on_an_object_or_list_is_refused(tmp_path, sft_key, kind):
                                         rf"target\) must be a string or a number, got {kind}"):
         dataset_splits(data_cfg(train_files=[path], sft_key=sft_key, shuffle=False), ByteTok(),
                        100)
+
+
+def test_a_chat_template_that_refuses_the_messages_names_the_row(tmp_path):
+    class Refusing(ByteTok):
+        def apply_chat_template(self, messages):
+            if messages[0]["role"] == "system":
+                raise ValueError("the chat template of tok/ refused the messages: no system")
+            return super().apply_chat_template(messages)
+
+    system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1?"}]
+    path = write_jsonl(tmp_path / "t.jsonl", [verl_row(0), {**verl_row(1), "prompt": system}])
+    with pytest.raises(DataError, match=r"t.jsonl:2: the chat template of tok/ refused the "
+                                        r"messages: no system \(roles \['system', 'user'\]\); "
+                                        r"fix the rows or set data.template"):
+        dataset_splits(data_cfg(train_files=[path]), Refusing(), 100)

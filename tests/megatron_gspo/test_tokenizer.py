@@ -192,3 +192,25 @@ def test_a_tokenizer_without_eos_exits_2_with_one_line(single_process, tmp_path,
     err = [line for line in capsys.readouterr().err.strip().splitlines()
            if "warning: eval without init_checkpoint" not in line]
     assert len(err) == 1 and "no_eos: tokenizer has no eos_token" in err[0], err
+
+
+def test_a_template_that_raises_is_a_value_error_naming_the_folder(tok_dir, tmp_path):
+    """Gemma-style templates raise_exception('System role not supported'); that was a jinja2
+    TemplateError traceback from the data loader (data.py turns the ValueError into a
+    DataError naming the row)."""
+    import shutil
+
+    folder = tmp_path / "no_system"
+    shutil.copytree(tok_dir, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                               "{{ raise_exception('System role not supported') }}{% endif %}"
+                               "{{ m['content'] }}{% endfor %}")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    tok = load_tokenizer(str(folder))
+    assert tok.apply_chat_template([{"role": "user", "content": "1"}]) == "1"
+    with pytest.raises(ValueError, match=rf"the chat template of {folder} refused the messages: "
+                                         "System role not supported"):
+        tok.apply_chat_template([{"role": "system", "content": "s"},
+                                 {"role": "user", "content": "1"}])
