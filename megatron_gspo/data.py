@@ -117,7 +117,12 @@ def _parquet_rows(path: str) -> Iterator[tuple[str, dict]]:
     except ImportError:
         raise MissingDependency(f"reading {path} needs pyarrow: pip install pyarrow (or convert "
                                 "the file to .jsonl)") from None
-    for i, row in enumerate(pq.read_table(path).to_pylist()):
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except (ValueError, OSError) as e:  # pyarrow's ArrowInvalid / ArrowIOError
+        raise DataError(f"{path}: not a readable parquet file ({' '.join(str(e).split())})") \
+            from None
+    for i, row in enumerate(rows):
         yield f"{path} row {i}", row
 
 

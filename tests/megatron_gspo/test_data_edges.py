@@ -204,3 +204,14 @@ def test_a_chat_template_that_refuses_the_messages_names_the_row(tmp_path):
                                         r"messages: no system \(roles \['system', 'user'\]\); "
                                         r"fix the rows or set data.template"):
         dataset_splits(data_cfg(train_files=[path]), Refusing(), 100)
+
+
+def test_a_corrupt_or_mislabeled_parquet_file_is_a_data_error(tmp_path):
+    """A truncated download or a JSONL file named .parquet raised pyarrow's ArrowInvalid (a
+    traceback from the CLI)."""
+    pytest.importorskip("pyarrow")
+    from megatron_gspo.data import read_rows
+
+    path = write_jsonl(tmp_path / "t.parquet", [verl_row(0)])
+    with pytest.raises(DataError, match=r"t.parquet: not a readable parquet file \(.*magic"):
+        list(read_rows(path))
