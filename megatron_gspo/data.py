@@ -95,8 +95,13 @@ def read_rows(path: str, what: str = "data.train_files") -> Iterator[tuple[str, 
         return
     if not path.endswith(".jsonl"):
         raise DataError(f"{path}: unsupported file type ({what}); expected one of {_SUFFIXES}")
-    with open(path, encoding="utf-8-sig") as f:  # a leading BOM (Windows editors) is dropped
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:  # decoded line by line: a bad byte's error names its line
+        for lineno, raw in enumerate(f, start=1):
+            try:  # a leading BOM (Windows editors) is dropped
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not UTF-8 ({e.reason} at byte {e.start + 1}); "
+                                "save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:

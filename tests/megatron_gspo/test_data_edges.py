@@ -215,3 +215,18 @@ def test_a_corrupt_or_mislabeled_parquet_file_is_a_data_error(tmp_path):
     path = write_jsonl(tmp_path / "t.parquet", [verl_row(0)])
     with pytest.raises(DataError, match=r"t.parquet: not a readable parquet file \(.*magic"):
         list(read_rows(path))
+
+
+def test_a_row_that_is_not_utf8_names_its_line(tmp_path):
+    """A file saved as Latin-1 / cp1252 raised UnicodeDecodeError (a traceback, no line)."""
+    import json
+
+    from megatron_gspo.data import read_rows
+
+    rows = [verl_row(0), verl_row(1, question="Élodie has 3 apples.")]
+    path = tmp_path / "t.jsonl"
+    path.write_bytes("".join(json.dumps(r, ensure_ascii=False) + "\n"
+                             for r in rows).encode("latin-1"))
+    with pytest.raises(DataError, match=r"t.jsonl:2: not UTF-8 \(invalid continuation byte at "
+                                        r"byte \d+\); save the file as UTF-8"):
+        list(read_rows(str(path)))
