@@ -101,7 +101,12 @@ class HFTokenizer:
                                     "copy the model's tokenizer there or set "
                                     "data.tokenizer_path")
         self.path = path
-        self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        try:
+            self.hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except (ValueError, OSError) as e:  # e.g. a truncated download: JSONDecodeError
+            raise ConfigError(f"{path}: cannot load the tokenizer from its tokenizer.json / "
+                              f"tokenizer_config.json ({' '.join(str(e).split())[:200]})") \
+                from None
         if self.hf.eos_token_id is None:
             raise ValueError(f"{path}: tokenizer has no eos_token (set it in "
                              "tokenizer_config.json)")

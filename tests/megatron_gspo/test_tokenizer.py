@@ -214,3 +214,15 @@ def test_a_template_that_raises_is_a_value_error_naming_the_folder(tok_dir, tmp_
                                          "System role not supported"):
         tok.apply_chat_template([{"role": "system", "content": "s"},
                                  {"role": "user", "content": "1"}])
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json"])
+def test_a_truncated_tokenizer_file_is_a_config_error(tok_dir, tmp_path, name):
+    """A truncated download raised json's JSONDecodeError from transformers (a traceback)."""
+    import shutil
+
+    folder = tmp_path / "cut"
+    shutil.copytree(tok_dir, folder)
+    (folder / name).write_text((folder / name).read_text()[:60])
+    with pytest.raises(ConfigError, match=rf"{folder}: cannot load the tokenizer .*\(Expecting"):
+        load_tokenizer(str(folder))
