@@ -291,18 +291,23 @@ def dataset_splits(data, tokenizer, max_prompt_tokens: int,
                           "data/skipped_overlong_prompts": skipped}
 
 
-def check_sft_lengths(tokenizer, examples, max_len: int) -> None:
+def check_sft_lengths(tokenizer, examples, max_len: int, max_new_tokens: int) -> int:
     """DataError naming the first example whose `<bos> prompt answer <eos>` (an SFT row) is
-    longer than the model; otherwise the SFT step that drew it fails in the forward."""
+    longer than the model (otherwise the SFT step that drew it fails in the forward); returns
+    how many targets (with <eos>) are longer than `max_new_tokens`, which eval cuts."""
     bos = 0 if tokenizer.bos_id is None else 1
+    cut = 0
     for ex in examples:
-        n = bos + len(tokenizer.encode(ex.prompt)) + len(tokenizer.encode(ex.answer)) + 1
+        answer = len(tokenizer.encode(ex.answer)) + 1
+        cut += answer > max_new_tokens
+        n = bos + len(tokenizer.encode(ex.prompt)) + answer
         if n > max_len:
             where = ex.meta[2] if len(ex.meta) == 3 and isinstance(ex.meta[2], str) \
                 else f"prompt {ex.prompt[:60]!r}"
             raise DataError(f"{where}: the SFT example (<bos> prompt, target (data.sft_key), "
                             f"<eos>) is {n} tokens, over the model's max_seq_len={max_len}; "
                             "raise model.max_seq_len or use shorter targets")
+    return cut
 
 
 def build_task(cfg, tokenizer, model_max_len: int, verbose: bool = False):

@@ -183,7 +183,12 @@ def setup_runtime(cfg: RunConfig, job: str) -> Runtime:
         tokenizer = run_tokenizer(cfg)
         task, train_set, eval_set = build_task(cfg, tokenizer, model_max_len(cfg), info.is_main)
         if job == "sft":  # before the run is recorded: a fixed config may reuse the run dir
-            check_sft_lengths(tokenizer, train_set, model_max_len(cfg))
+            cut = check_sft_lengths(tokenizer, train_set, model_max_len(cfg),
+                                    cfg.rollout.max_new_tokens)
+            if cut and info.is_main:
+                print(f"WARNING: {cut} of {len(train_set)} SFT targets are longer than "
+                      f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}: eval and rollouts "
+                      "cut such answers", flush=True)
         policy = build_policy(cfg, tokenizer.vocab_size, optim)
         if cfg.init_checkpoint:
             load_init_weights(policy, cfg.init_checkpoint)

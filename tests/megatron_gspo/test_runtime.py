@@ -264,3 +264,25 @@ def test_a_distributed_optimizer_run_resumed_with_another_tp_ep_is_refused(singl
                 try_resume(rt)
     finally:
         rt.close()
+
+
+def test_sft_targets_longer_than_max_new_tokens_are_counted_and_warned(single_process, tmp_path,
+                                                                       capsys):
+    """SFT on worked solutions longer than rollout.max_new_tokens trains answers that every
+    eval cuts (accuracy stays 0, sft.target_accuracy is never reached), silently before."""
+    from megatron_gspo.data import check_sft_lengths
+    from megatron_gspo.tasks import Example
+    from megatron_gspo.tokenizer import CharTokenizer
+
+    examples = [Example("1+2=", "3"), Example("1+2=", "333"), Example("1+2=", "3333")]
+    assert check_sft_lengths(CharTokenizer(), examples, 64, max_new_tokens=4) == 1
+    assert check_sft_lengths(CharTokenizer(), examples, 64, max_new_tokens=5) == 0
+    data = tmp_path / "t.jsonl"
+    fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "gsm_tiny")
+    data.write_text(open(os.path.join(fixture, "train.jsonl")).read())
+    over = [*TOY, "task.name=dataset", f"data.train_files={data}", f"data.tokenizer_path={fixture}",
+            "data.sft_key=extra_info.answer", "reward.name=exact", "model.max_seq_len=160",
+            "rollout.max_new_tokens=16", f"run_dir={tmp_path / 'run'}"]
+    setup_runtime(load_config(None, over), job="sft").close()
+    assert "SFT targets are longer than rollout.max_new_tokens=16: eval and rollouts cut" \
+        in capsys.readouterr().out
