@@ -272,6 +272,7 @@ def dataset_splits(data, tokenizer, max_prompt_tokens: int,
                         + (f" ({skipped} overlong prompts skipped)" if skipped else ""))
     if data.shuffle:
         rng.shuffle(train)
+    skipped_eval = 0
     if data.eval_files:
         evals, skipped_eval = load_examples(data.eval_files, data, tokenizer, max_prompt_tokens,
                                             "data.eval_files")
@@ -285,7 +286,8 @@ def dataset_splits(data, tokenizer, max_prompt_tokens: int,
                             f"after holding out data.eval_fraction={data.eval_fraction}")
         evals, train = train[:n_eval], train[n_eval:]
     if not evals:
-        raise DataError(f"no eval examples in {data.eval_files}")
+        raise DataError(f"no eval examples in {data.eval_files}"
+                        + (f" ({skipped_eval} overlong prompts skipped)" if skipped_eval else ""))
     evals = evals[:data.max_eval] if data.max_eval else evals
     return train, evals, {"data/train_size": len(train), "data/eval_size": len(evals),
                           "data/skipped_overlong_prompts": skipped}

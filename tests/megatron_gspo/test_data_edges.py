@@ -230,3 +230,13 @@ def test_a_row_that_is_not_utf8_names_its_line(tmp_path):
     with pytest.raises(DataError, match=r"t.jsonl:2: not UTF-8 \(invalid continuation byte at "
                                         r"byte \d+\); save the file as UTF-8"):
         list(read_rows(str(path)))
+
+
+def test_eval_files_whose_prompts_were_all_skipped_say_so(tmp_path):
+    """As for the train files: 'no eval examples' alone read like an empty file."""
+    path = write_jsonl(tmp_path / "t.jsonl", [verl_row(i) for i in range(4)])
+    ev = write_jsonl(tmp_path / "e.jsonl", [verl_row(9, question="x" * 50)] * 2)
+    with pytest.raises(DataError, match=r"no eval examples in \[.*e.jsonl'\] \(2 overlong "
+                                        r"prompts skipped\)$"):
+        dataset_splits(data_cfg(train_files=[path], eval_files=[ev], skip_overlong_prompts=True),
+                       ByteTok(), 30)
