@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from megatron_gspo.strict import ConfigError
 from megatron_gspo.tokenizer import CharTokenizer, HFTokenizer, load_tokenizer
 from tests.hf_fixtures import SPECIALS, make_tokenizer
 
