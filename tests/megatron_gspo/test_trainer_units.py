@@ -40,6 +40,9 @@ class LoopStub:
     def _log(self, step, metrics):
         self.events.append(("log", step))
 
+    def check_weights(self, iteration):
+        pass
+
 
 def run_loop(monkeypatch, stub):
     from megatron_gspo import trainer as trainer_mod
