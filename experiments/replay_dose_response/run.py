@@ -84,15 +84,31 @@ def jobs(lv: dict[str, float], seeds, mismatch: bool) -> list[tuple[str, str, fl
     return out
 
 
+def finished(path: str) -> bool:
+    """Whether the run in `path` saved its last rollout batch: `latest` is its train.steps (a
+    Ctrl-C or SIGTERM saves an earlier one)."""
+    import yaml
+
+    try:
+        with open(os.path.join(path, "checkpoints", "latest")) as f:
+            step = int(f.read())
+        with open(os.path.join(path, "train_config.yaml")) as f:
+            return step >= int(yaml.safe_load(f)["train"]["steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
 def run_one(job, root: str, extra: list[str], config: str = os.path.join(HERE, "rl.yaml")) -> str:
     arm, level, std, seed = job
     run_dir = f"{root}/{arm}_{level}_s{seed}" if level != "mm" else f"{root}/{arm}_s{seed}"
-    if os.path.exists(os.path.join(ROOT, run_dir, "checkpoints", "latest")):
-        return run_dir  # finished (rl.yaml saves only at the end)
-    if os.path.isdir(os.path.join(ROOT, run_dir)):
+    path = os.path.join(ROOT, run_dir)
+    if finished(path):
+        return run_dir
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "checkpoints", "latest")):
         import shutil
 
-        shutil.rmtree(os.path.join(ROOT, run_dir))  # an interrupted run restarts clean
+        shutil.rmtree(path)  # an interrupted run restarts clean
+    # (one a signal stopped saved a checkpoint: the same command resumes it)
     t0 = time.time()
     py("megatron_gspo.cli", "train", "--config", config,
        *{**ARMS, **MISMATCH_ARMS}[arm],

@@ -62,3 +62,22 @@ def test_report_pairs_gaps_by_seed(tmp_path):
     assert "| f10 | 0.17 | 2 |" in text
     mm = report.mismatch_table(runs)
     assert "GRPO + R3, bf16 sampler | 1 |" in mm and mm.endswith("| 0.360 | 0.060 |")  # 0.36 - 0.30 (seed 0)
+
+
+def test_a_run_a_signal_stopped_is_resumed_not_taken_as_finished(tmp_path, monkeypatch):
+    """Ctrl-C / SIGTERM saves a checkpoint (and `latest`) at the current rollout batch: the
+    runner took any `latest` as a finished run and reported it with fewer batches."""
+    calls = []
+    monkeypatch.setattr(run, "ROOT", str(tmp_path))
+    monkeypatch.setattr(run, "py", lambda *a, **k: calls.append(a))
+    d = tmp_path / "runs" / "grpo_n0_s0"
+    (d / "checkpoints").mkdir(parents=True)
+    (d / "train_config.yaml").write_text("seed: 0\ntrain:\n  steps: 50\n  eval_every: 25\n")
+    (d / "metrics.jsonl").write_text('{"step": 40}\n')
+    (d / "checkpoints" / "latest").write_text("20\n")
+    job = ("grpo", "n0", 0.0, 0)
+    run.run_one(job, "runs", [])
+    assert len(calls) == 1 and (d / "metrics.jsonl").exists()  # resumed, not wiped
+    (d / "checkpoints" / "latest").write_text("50\n")
+    run.run_one(job, "runs", [])
+    assert len(calls) == 1  # finished: skipped
