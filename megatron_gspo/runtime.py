@@ -334,6 +334,7 @@ def try_resume(rt: Runtime) -> dict | None:
     with the layout they were saved with."""
     root = os.path.join(rt.cfg.run_dir, "checkpoints")
     if rt.cfg.resume is False or ckpt.latest_step(root) is None:
+        rt.logger.drop_after(-1)  # a start from step 0: an earlier attempt saved nothing
         return None
     layout = (rt.info.tp, rt.info.ep, rt.info.world_size)
     for step in ckpt.resume_candidates(root):

@@ -117,3 +117,16 @@ def test_a_sigterm_to_the_process_group_still_saves(tmp_path):
     finally:
         t.rt.close()
     assert ckpt.latest_step(str(run / "checkpoints")) == 2
+
+
+def test_a_start_from_scratch_does_not_log_its_steps_twice(tmp_path):
+    """No checkpoint to resume (killed before the first save, a start refused by
+    train.start_accuracy after its step-0 eval, save_every=0): the run starts over at step 0,
+    and the rows of the attempt before were kept, so every step was logged twice."""
+    run = tmp_path / "run"
+    t = trainer(run, "train.steps=1", "train.save_every=0")
+    t.train()
+    first = [r["step"] for r in read_jsonl(str(run / "metrics.jsonl"))]
+    assert first == [1, 2] and not (run / "checkpoints").exists()
+    trainer(run, "train.steps=1", "train.save_every=0").train()
+    assert [r["step"] for r in read_jsonl(str(run / "metrics.jsonl"))] == first
