@@ -154,8 +154,12 @@ def verify_file(path: str) -> None:
     sidecar = path + CHECKSUM_SUFFIX
     if not os.path.isfile(sidecar):
         return
-    with open(sidecar) as f:
-        want = json.load(f)
+    try:
+        with open(sidecar) as f:
+            want = json.load(f)
+        want["size"], want["sha256"]
+    except (ValueError, KeyError, TypeError):
+        raise CheckpointError(f"checksum file {sidecar} is corrupt") from None
     size = os.path.getsize(path)
     if size != want["size"]:
         raise CheckpointError(f"checkpoint file {path} is truncated or overwritten: {size} "

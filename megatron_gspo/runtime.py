@@ -333,7 +333,11 @@ def try_resume(rt: Runtime) -> dict | None:
     is skipped with a warning; every rank resumes the same step. RNG states come back only
     with the layout they were saved with."""
     root = os.path.join(rt.cfg.run_dir, "checkpoints")
-    if rt.cfg.resume is False or ckpt.latest_step(root) is None:
+    try:
+        latest = ckpt.latest_step(root)
+    except ValueError as e:  # a `latest` garbled by hand: which step to resume is the user's
+        raise ckpt.CheckpointError(f"{e}; write the step to resume from into it") from None
+    if rt.cfg.resume is False or latest is None:
         rt.logger.drop_after(-1)  # a start from step 0: an earlier attempt saved nothing
         return None
     layout = (rt.info.tp, rt.info.ep, rt.info.world_size)

@@ -8,7 +8,7 @@ import pytest
 from megatron_gspo import checkpoint as ckpt
 from megatron_gspo import cli as cli_module
 from megatron_gspo.metrics import read_jsonl
-from tests.megatron_gspo.test_faults import one_line_error, trainer
+from tests.megatron_gspo.test_faults import TINY, one_line_error, trainer
 
 
 def test_a_shard_gone_from_the_latest_step_falls_back_to_the_previous_one(tmp_path, capsys):
@@ -130,3 +130,21 @@ def test_a_start_from_scratch_does_not_log_its_steps_twice(tmp_path):
     assert first == [1, 2] and not (run / "checkpoints").exists()
     trainer(run, "train.steps=1", "train.save_every=0").train()
     assert [r["step"] for r in read_jsonl(str(run / "metrics.jsonl"))] == first
+
+
+def test_a_garbled_latest_or_checksum_is_one_line_or_a_fallback(tmp_path, capsys):
+    """`latest` holding no number was a ValueError traceback from the CLI; a checksum sidecar
+    that is not JSON a JSONDecodeError traceback. Now one line naming `latest`, and a corrupt
+    step (skipped, the run resumes from the previous one) for the sidecar."""
+    run = tmp_path / "run"
+    t = trainer(run, "train.steps=2")
+    t.train()
+    root = run / "checkpoints"
+    (root / "step_000002" / "rank_00000.pt.sha256").write_text("{")
+    resumed = trainer(run, "train.steps=2")
+    assert resumed.state.iteration == 1
+    assert "skipping checkpoint step 2: checksum file" in capsys.readouterr().out
+    resumed.rt.close()
+    (root / "latest").write_text("")
+    err = one_line_error(capsys, "train", *TINY, f"run_dir={run}", "train.steps=2")
+    assert f"{root}/latest: expected a step number, got ''" in err
