@@ -363,7 +363,13 @@ def try_resume(rt: Runtime) -> dict | None:
                               "state over DP only; start a new run_dir with init_checkpoint="
                               f"{rt.cfg.run_dir} (weights only)")
         if dist_ckpt.is_dist_checkpoint(dist_dir):
-            dist_ckpt.load(rt.policy, dist_dir)  # collective; any layout
+            try:
+                dist_ckpt.load(rt.policy, dist_dir)  # collective; any layout
+            except (Exception, CheckpointException) as e:  # resume=force onto another model
+                lines = [ln for ln in str(e).splitlines() if "mismatch" in ln] or [str(e)]
+                raise ConfigError(f"{root} holds {_saved_model(state['config']['model'])}, "
+                                  f"this run builds {_this_model(rt.policy)}: "
+                                  f"{lines[-1].strip()}") from None
         elif same_layout:  # written before dist checkpoints: the policy is in the rank files
             rt.policy.load_state_dict(state["policy"])
         else:

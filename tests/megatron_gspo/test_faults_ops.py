@@ -7,6 +7,7 @@ import pytest
 
 from megatron_gspo import checkpoint as ckpt
 from megatron_gspo import cli as cli_module
+from megatron_gspo.cli import main
 from megatron_gspo.metrics import read_jsonl
 from tests.megatron_gspo.test_faults import TINY, one_line_error, trainer
 
@@ -148,3 +149,15 @@ def test_a_garbled_latest_or_checksum_is_one_line_or_a_fallback(tmp_path, capsys
     (root / "latest").write_text("")
     err = one_line_error(capsys, "train", *TINY, f"run_dir={run}", "train.steps=2")
     assert f"{root}/latest: expected a step number, got ''" in err
+
+
+def test_resume_force_onto_another_model_is_one_line(tmp_path, capsys):
+    """resume=force with model.num_layers changed: megatron's shape-mismatch exception was a
+    traceback; now one line naming the saved and the built model, as init_checkpoint does."""
+    run = tmp_path / "run"
+    assert main(["train", *TINY, f"run_dir={run}", "train.steps=1"]) == 0
+    capsys.readouterr()
+    err = one_line_error(capsys, "train", *TINY, f"run_dir={run}", "train.steps=2",
+                         "resume=force", "model.num_layers=1")
+    assert "holds preset 'tiny', this run builds 'tiny' (1 layers)" in err
+    assert "shape mismatch" in err
