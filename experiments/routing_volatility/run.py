@@ -113,11 +113,13 @@ def main(argv=None) -> int:
         for name in args.runs:
             run_dir = f"runs/routing_volatility/{preset}/{name}"
             dirs.append(os.path.join(ROOT, run_dir))
+            # a run a signal stopped saved a checkpoint: the same command resumes it
+            fresh = not os.path.exists(os.path.join(ROOT, run_dir, "checkpoints", "latest"))
             if not args.plot_only:
                 cli("train", "--config", os.path.join(ROOT, "experiments/ablation/grpo.yaml"),
                     f"model.preset={preset}", f"init_checkpoint={init}", f"run_dir={run_dir}",
-                    "resume=false", f"train.steps={args.steps}", "train.eval_every=0",
-                    "train.save_every=0", *SWEEP[name])
+                    *(["resume=false"] if fresh else []), f"train.steps={args.steps}",
+                    "train.eval_every=0", "train.save_every=0", *SWEEP[name])
         if plot_run.main([*dirs, "--out", os.path.join(args.out, preset)]):
             return 2  # it printed the one-line reason (a run without metrics.jsonl)
         tables.append(f"\n{preset} ({PRESETS[preset]}), GRPO, {args.steps} rollout batches:\n"

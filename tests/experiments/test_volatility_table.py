@@ -107,3 +107,26 @@ def test_each_sweep_run_trains_grpo_from_its_presets_cold_start(tmp_path, monkey
     d = "run_dir=runs/routing_volatility/qwen3-moe-tiny-deep/"
     assert calls == [(*head, d + "lr1e-4_n8", *tail, "optim.lr=1e-4", "train.num_minibatches=8"),
                      (*head, d + "lr3e-5_n4", *tail, "optim.lr=3e-5", "train.num_minibatches=4")]
+
+
+def test_a_run_a_signal_stopped_is_resumed_not_refused(tmp_path, monkeypatch):
+    """Ctrl-C / SIGTERM saves a checkpoint ('run the same command to resume'); the runner's
+    resume=false is refused for a run dir holding checkpoints, so the re-run stopped there."""
+    from tools import plot_run, result_table
+
+    calls = []
+    monkeypatch.setattr(volatility, "ROOT", str(tmp_path))
+    monkeypatch.setattr(volatility, "cli", lambda *a: calls.append(a))
+    monkeypatch.setattr(volatility, "sft_checkpoint", lambda preset: f"SFT-{preset}")
+    monkeypatch.setattr(volatility, "depth_table", lambda dirs: "depth")
+    monkeypatch.setattr(volatility, "cold_start_line", lambda d: "cold")
+    monkeypatch.setattr(plot_run, "main", lambda argv: 0)
+    monkeypatch.setattr(plot_run, "load_runs", lambda dirs: [])
+    monkeypatch.setattr(result_table, "format_table", lambda *a, **k: "table")
+    monkeypatch.setattr(result_table, "write_into", lambda *a: None)
+    stopped = tmp_path / "runs/routing_volatility/qwen3-moe-tiny/lr1e-4_n8/checkpoints"
+    stopped.mkdir(parents=True)
+    (stopped / "latest").write_text("12\n")
+    assert volatility.main(["--presets", "qwen3-moe-tiny", "--runs", "lr1e-4_n8", "lr3e-5_n4",
+                            "--out", str(tmp_path / "fig")]) == 0
+    assert ["resume=false" in c for c in calls] == [False, True]
