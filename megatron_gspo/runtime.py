@@ -272,7 +272,11 @@ def check_init_checkpoint(path: str) -> str:
                           "checkpoints/step_XXXXXX dirs) that holds it")
     root = os.path.join(path, "checkpoints")
     root = root if os.path.isdir(root) else path
-    if not (os.path.isfile(ckpt.rank_file(root, 0)) or ckpt.latest_step(root) is not None):
+    try:
+        latest = ckpt.latest_step(root)
+    except ValueError as e:  # a garbled `latest`
+        raise ConfigError(f"init_checkpoint={path}: {e}") from None
+    if not (os.path.isfile(ckpt.rank_file(root, 0)) or latest is not None):
         raise ConfigError(f"init_checkpoint={path} holds no checkpoint (no "
                           f"checkpoints/{ckpt.LATEST_FILE} and no rank_00000.pt)")
     return root

@@ -149,6 +149,8 @@ def test_a_garbled_latest_or_checksum_is_one_line_or_a_fallback(tmp_path, capsys
     (root / "latest").write_text("")
     err = one_line_error(capsys, "train", *TINY, f"run_dir={run}", "train.steps=2")
     assert f"{root}/latest: expected a step number, got ''" in err
+    err = one_line_error(capsys, "eval", *TINY, f"init_checkpoint={run}")
+    assert f"init_checkpoint={run}: {root}/latest: expected a step number" in err
 
 
 def test_resume_force_onto_another_model_is_one_line(tmp_path, capsys):
