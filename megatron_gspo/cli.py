@@ -62,10 +62,10 @@ def main(argv=None) -> int:
     if args.command == "config":
         print(describe_config())
         return 0
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|cuda_graph_scope).*")
     if args.command == "export":
         return _export(parser, args, (FileNotFoundError, FileExistsError, ValueError,
                                       CheckpointError, MissingDependency))
-    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|cuda_graph_scope).*")
     try:
         cfg = load_config(args.config, args.overrides)
         if args.command == "eval" and not cfg.init_checkpoint and not cfg.model.hf_path \

@@ -113,3 +113,21 @@ def test_export_passes_its_options_and_refuses_a_bad_checkpoint(monkeypatch, cap
     with pytest.raises(SystemExit) as exit_:
         cli.main(["export", "--run-dir", "r"])  # no --to-hf
     assert exit_.value.code == 2
+
+
+def test_export_hides_megatrons_install_warnings(monkeypatch, capsys):
+    """The Apex / TransformerEngine fallbacks megatron announces on import are hidden from
+    export too, as from train (a successful export printed ~20 warning lines)."""
+    import warnings
+
+    from megatron_gspo import export
+
+    def fake_export(*args, **kwargs):
+        warnings.warn("Apex is not installed. Falling back to Torch Norm")
+        return {}
+
+    monkeypatch.setattr(export, "export_run", fake_export)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert cli.main(["export", "--run-dir", "r", "--to-hf", "o"]) == 0
+    assert not seen
