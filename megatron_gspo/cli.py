@@ -64,8 +64,7 @@ def main(argv=None) -> int:
         return 0
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|cuda_graph_scope).*")
     if args.command == "export":
-        return _export(parser, args, (FileNotFoundError, FileExistsError, ValueError,
-                                      CheckpointError, MissingDependency))
+        return _export(parser, args, (OSError, ValueError, CheckpointError, MissingDependency))
     try:
         cfg = load_config(args.config, args.overrides)
         if args.command == "eval" and not cfg.init_checkpoint and not cfg.model.hf_path \

@@ -239,10 +239,20 @@ def test_export_keeps_the_parameter_dtype(single_process, tmp_path):
     assert {reader.read(n).dtype for n in reader.names()} == {torch.bfloat16}
 
 
+def one_line(capsys, argv) -> str:
+    """The one stderr line of a CLI call that exits 2."""
+    capsys.readouterr()
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
 def test_export_never_writes_into_a_non_empty_folder(single_process, hf_dir, tmp_path, capsys):
     """The source folder itself (its weights would be overwritten, then the tokenizer copy
     crashed), a previous export (a stale model.safetensors next to new shards is what
-    transformers loads) or a file: exit 2, one line, every file as it was."""
+    transformers loads) or a file: exit 2, one line, every file as it was; so is an output
+    path that cannot be created (was an OSError traceback)."""
     import shutil
 
     from megatron_gspo.runtime import build_policy
@@ -263,6 +273,9 @@ def test_export_never_writes_into_a_non_empty_folder(single_process, hf_dir, tmp
         assert len(err) == 1 and f"--to-hf '{target}' exists" in err[0], err
         if before is not None:
             assert {p.name: p.read_bytes() for p in target.iterdir()} == before
+    err = one_line(capsys, ["export", "--run-dir", cfg.run_dir, "--to-hf",
+                            str(tmp_path / "file" / "out")])  # not writable: one line too
+    assert "Not a directory" in err and str(tmp_path / "file" / "out") in err
     (tmp_path / "empty").mkdir()  # an empty folder is fine
     assert cli_main(["export", "--run-dir", cfg.run_dir, "--to-hf", str(tmp_path / "empty")]) == 0
 
