@@ -2,9 +2,9 @@
 
 `preset_from_hf` reads a local folder's config.json (nothing is downloaded) and refuses, naming
 the key, what the megatron-core model would get wrong: dense MLP layers (`mlp_only_layers`,
-`decoder_sparse_step`), sliding-window attention, RoPE scaling, an activation other than SiLU, and
-Qwen3's `attention_bias` (which also biases the output projection; megatron's `add_qkv_bias`
-does not). `hf_config_dict` writes the config.json of an export.
+`decoder_sparse_step`), sliding-window attention, RoPE scaling, an activation other than SiLU,
+a quantized checkpoint (`quantization_config`) and Qwen3's `attention_bias` (which also biases
+the output projection; megatron's `add_qkv_bias` does not). `hf_config_dict` writes the config.json of an export.
 
 Key spellings differ across transformers versions: `num_experts` (Qwen's released configs) or
 `num_local_experts` (what transformers 5 writes); `rope_theta` or `rope_parameters.rope_theta`.
@@ -66,6 +66,10 @@ def _refuse(cfg: dict, where: str) -> None:
         raise ValueError(f"{where}: use_sliding_window=true is not supported")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{where}: hidden_act={cfg['hidden_act']!r} is not supported (silu)")
+    if cfg.get("quantization_config"):  # e.g. Qwen3-30B-A3B-FP8: scales next to the weights
+        method = (cfg["quantization_config"] or {}).get("quant_method")
+        raise ValueError(f"{where}: quantization_config (quant_method={method!r}) is not "
+                         "supported: use the unquantized (bf16) release")
     if model_type == "qwen3_moe" and cfg.get("attention_bias"):
         raise ValueError(f"{where}: attention_bias=true is not supported (it biases o_proj too)")
 

@@ -130,6 +130,8 @@ def _config(tmp_path, **changes):
       "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},  # + Qwen's long-context recipe
      r"RoPE scaling rope_scaling=\{'rope_type': 'yarn'"),
     ({"num_experts": None}, "neither 'num_experts' nor 'num_local_experts'"),
+    ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+     "quantization_config \\(quant_method='fp8'\\) is not supported"),
 ])
 def test_unsupported_configs_are_refused_naming_the_key(tmp_path, changes, match):
     from moe.hf.config import preset_from_hf
