@@ -37,6 +37,30 @@ def _copy_tokenizer_files(src: str, out: str) -> list[str]:
     return copied
 
 
+def _source(run_dir: str, model_cfg: dict, hf_path: str | None) -> tuple:
+    """(config.json dict or None, preset, vocabulary size or None) of the run's model: the
+    source folder's (its config.json's vocab_size, or its tokenizer's size when tokens were
+    added past it: the run trained rows for them), else the toy preset."""
+    from megatron_gspo.tokenizer import load_tokenizer
+    from moe.hf.config import preset_from_hf_config, read_hf_config
+    from moe.presets import get_preset
+
+    if hf_path:
+        if not os.path.isdir(hf_path) and hf_path == model_cfg.get("hf_path"):
+            raise FileNotFoundError(f"{run_dir} started from model.hf_path={hf_path}, which "
+                                    "does not exist now: pass --hf-path with its new place")
+        base = read_hf_config(hf_path)
+        try:
+            vocab = max(base["vocab_size"], load_tokenizer(hf_path).vocab_size)
+        except (FileNotFoundError, ValueError):  # no usable tokenizer there (the run had its own)
+            vocab = base["vocab_size"]
+        return base, preset_from_hf_config(base, hf_path), vocab
+    preset = get_preset(model_cfg["preset"])
+    if model_cfg.get("num_layers"):  # model.num_layers: the preset at that depth
+        preset = dataclasses.replace(preset, num_layers=model_cfg["num_layers"])
+    return None, preset, None
+
+
 def export_run(run_dir: str, out: str, hf_path: str | None = None,
                max_shard_bytes: int = 5 * 1024**3) -> dict:
     """Export `run_dir`'s latest checkpoint (or a step dir) to Hugging Face folder `out`.
@@ -44,9 +68,8 @@ def export_run(run_dir: str, out: str, hf_path: str | None = None,
     `hf_path` overrides the run's model.hf_path (the source folder moved). Returns a summary.
     """
     from moe import dist_ckpt
-    from moe.hf.config import hf_config_dict, preset_from_hf_config, read_hf_config
+    from moe.hf.config import hf_config_dict
     from moe.hf.weights import export_hf
-    from moe.presets import get_preset
 
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         # never overwrite: the source folder's weights, or a previous export's shards that
@@ -61,18 +84,8 @@ def export_run(run_dir: str, out: str, hf_path: str | None = None,
     step_dir = root if os.path.isfile(ckpt.rank_file(root, 0)) \
         else ckpt.step_dir(root, ckpt.latest_step(root))
     model_cfg = state["config"]["model"]
-    if not hf_path and model_cfg.get("hf_path") and not os.path.isdir(model_cfg["hf_path"]):
-        raise FileNotFoundError(f"{run_dir} started from model.hf_path={model_cfg['hf_path']}, "
-                                "which does not exist now: pass --hf-path with its new place")
     hf_path = hf_path or model_cfg.get("hf_path")
-    if hf_path:
-        base = read_hf_config(hf_path)
-        preset, vocab, tokenizer_src = preset_from_hf_config(base, hf_path), base["vocab_size"], \
-            hf_path
-    else:
-        base, preset, vocab, tokenizer_src = None, get_preset(model_cfg["preset"]), None, None
-        if model_cfg.get("num_layers"):  # model.num_layers: the preset at that depth
-            preset = dataclasses.replace(preset, num_layers=model_cfg["num_layers"])
+    base, preset, vocab = _source(run_dir, model_cfg, hf_path)
     if dist_ckpt.is_dist_checkpoint(os.path.join(step_dir, "dist")):  # any layout
         full = dist_ckpt.full_params(os.path.join(step_dir, "dist"), preset)
     elif "full_params" in state:  # written before dist checkpoints
@@ -87,10 +100,10 @@ def export_run(run_dir: str, out: str, hf_path: str | None = None,
     vocab = vocab or rows
     preset = dataclasses.replace(preset, vocab_size=rows)
     if vocab > rows:
-        raise ValueError(f"{hf_path}: config.json vocab_size={vocab} exceeds the checkpoint's "
-                         f"{rows} embedding rows (a different model?)")
+        raise ValueError(f"{hf_path}: config.json / tokenizer vocab_size={vocab} exceeds the "
+                         f"checkpoint's {rows} embedding rows (a different model?)")
     files = export_hf(full, out, hf_config_dict(preset, vocab, base=base),
                       max_shard_bytes=max_shard_bytes)
-    copied = _copy_tokenizer_files(tokenizer_src, out) if tokenizer_src else []
+    copied = _copy_tokenizer_files(hf_path, out) if hf_path else []
     return {"out": out, "files": files + copied, "tokenizer": bool(copied),
             "model_type": preset.hf_model_type}

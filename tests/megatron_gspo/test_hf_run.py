@@ -338,3 +338,29 @@ def test_init_from_another_models_run_names_its_hf_path(single_process, hf_dir, 
     with pytest.raises(ConfigError, match=f"holds model.hf_path={hf_dir}, this run builds "
                                           "'tiny'"):
         load_init_weights(toy, cfg.run_dir)
+
+
+def test_tokens_added_past_vocab_size_keep_their_rows(single_process, hf_dir, tmp_path):
+    """A tokenizer with tokens added past config.json's vocab_size (300 + 2 tool tokens): the
+    run trains rows for them, and the export keeps them (vocab_size 302), so transformers
+    embeds the tokens its tokenizer gives (config.json's 300 rows were an IndexError)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from megatron_gspo.export import export_run
+    from megatron_gspo.runtime import build_policy
+
+    src = tmp_path / "src"
+    shutil.copytree(hf_dir, src)
+    tok = AutoTokenizer.from_pretrained(str(src))
+    tok.add_tokens(["<tool_call>", "</tool_call>"], special_tokens=True)
+    tok.save_pretrained(str(src))
+    cfg = run_config(str(src), tmp_path / "run")
+    save_run(build_policy(cfg, 302, optim=None), cfg, cfg.run_dir)
+    out = tmp_path / "out"
+    export_run(cfg.run_dir, str(out))
+    assert json.load(open(out / "config.json"))["vocab_size"] == 302
+    ids = AutoTokenizer.from_pretrained(str(out))("<tool_call>7", return_tensors="pt").input_ids
+    assert ids.max() >= 300
+    assert load_hf(str(out))(ids).logits.shape == (1, ids.shape[1], 302)
