@@ -4,7 +4,8 @@
 the key, what the megatron-core model would get wrong: dense MLP layers (`mlp_only_layers`,
 `decoder_sparse_step`), sliding-window attention, RoPE scaling, an activation other than SiLU,
 a quantized checkpoint (`quantization_config`) and Qwen3's `attention_bias` (which also biases
-the output projection; megatron's `add_qkv_bias` does not). `hf_config_dict` writes the config.json of an export.
+the output projection; megatron's `add_qkv_bias` does not). `hf_config_dict` writes the
+config.json of an export.
 
 Key spellings differ across transformers versions: `num_experts` (Qwen's released configs) or
 `num_local_experts` (what transformers 5 writes); `rope_theta` or `rope_parameters.rope_theta`.
