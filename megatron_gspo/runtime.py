@@ -242,11 +242,31 @@ def save_state(rt: Runtime, step: int, extra: dict) -> None:
 
 def run_tokenizer(cfg: RunConfig) -> Tokenizer:
     """The run's tokenizer (`tokenizer_folder`); one that cannot serve (no eos_token, a file
-    transformers refuses) is a ConfigError naming its folder."""
+    transformers refuses), or a data.tokenizer_path that gives model.hf_path's own tokens other
+    ids, is a ConfigError naming it."""
     try:
-        return load_tokenizer(tokenizer_folder(cfg))
+        tokenizer = load_tokenizer(tokenizer_folder(cfg))
+        if cfg.data.tokenizer_path and cfg.model.hf_path:
+            _check_same_ids(tokenizer, cfg.data.tokenizer_path, cfg.model.hf_path)
+        return tokenizer
     except ValueError as e:
         raise ConfigError(str(e).strip().splitlines()[0]) from None
+
+
+def _check_same_ids(tokenizer, path: str, hf_path: str) -> None:
+    """data.tokenizer_path may add tokens or change the chat template of the model folder's
+    tokenizer, not renumber it (the embedding rows are the model's)."""
+    try:
+        own = load_tokenizer(hf_path)
+    except FileNotFoundError:  # the model folder has none: data.tokenizer_path is its tokenizer
+        return
+    ids = tokenizer.hf.get_vocab()
+    moved = sorted((i, t) for t, i in own.hf.get_vocab().items() if ids.get(t) != i)
+    if moved:
+        i, t = moved[0]
+        raise ConfigError(f"data.tokenizer_path={path} is not model.hf_path's tokenizer "
+                          f"({len(moved)} of its {own.vocab_size} tokens differ, e.g. {t!r}: id "
+                          f"{i} there, {ids.get(t)} here); drop data.tokenizer_path")
 
 
 def check_hf_path(path: str, tp: int = 1, ep: int = 1) -> None:

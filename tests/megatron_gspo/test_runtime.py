@@ -286,3 +286,27 @@ def test_sft_targets_longer_than_max_new_tokens_are_counted_and_warned(single_pr
     setup_runtime(load_config(None, over), job="sft").close()
     assert "SFT targets are longer than rollout.max_new_tokens=16: eval and rollouts cut" \
         in capsys.readouterr().out
+
+
+def test_a_data_tokenizer_that_renumbers_the_models_tokens_is_refused(hf_dir, tmp_path):
+    """README's dataset example sets data.tokenizer_path; kept next to model.hf_path, the model
+    trained with another tokenizer's ids (silently). The model folder's tokenizer with added
+    tokens (or another chat template) is fine."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from megatron_gspo.runtime import run_tokenizer
+
+    gsm = os.path.join(os.path.dirname(__file__), "..", "fixtures", "gsm_tiny")
+    cfg = load_config(None, [f"model.hf_path={hf_dir}", f"data.tokenizer_path={gsm}"])
+    with pytest.raises(ConfigError, match=r"gsm_tiny is not model.hf_path's tokenizer "
+                                          r"\(\d+ of its 300 tokens differ"):
+        run_tokenizer(cfg)
+    more = tmp_path / "more"
+    shutil.copytree(hf_dir, more)
+    tok = AutoTokenizer.from_pretrained(str(more))
+    tok.add_tokens(["<tool_call>"], special_tokens=True)
+    tok.save_pretrained(str(more))
+    cfg = load_config(None, [f"model.hf_path={hf_dir}", f"data.tokenizer_path={more}"])
+    assert run_tokenizer(cfg).vocab_size == 301
