@@ -17,6 +17,7 @@ import os
 import shutil
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from megatron_gspo import checkpoint as ckpt
 
@@ -87,7 +88,12 @@ def export_run(run_dir: str, out: str, hf_path: str | None = None,
     hf_path = hf_path or model_cfg.get("hf_path")
     base, preset, vocab = _source(run_dir, model_cfg, hf_path)
     if dist_ckpt.is_dist_checkpoint(os.path.join(step_dir, "dist")):  # any layout
-        full = dist_ckpt.full_params(os.path.join(step_dir, "dist"), preset)
+        try:
+            full = dist_ckpt.full_params(os.path.join(step_dir, "dist"), preset)
+        except (Exception, CheckpointException) as e:  # shapes of another model (--hf-path)
+            lines = [ln for ln in str(e).splitlines() if "mismatch" in ln] or [str(e)]
+            raise ValueError(f"{run_dir}: its checkpoint is not the model of "
+                             f"{hf_path or model_cfg['preset']}: {lines[-1].strip()}") from None
     elif "full_params" in state:  # written before dist checkpoints
         full = state["full_params"]
     else:

@@ -214,6 +214,14 @@ def test_export_reads_a_moved_source_folder_and_writes_its_own_config(single_pro
         "config.json") == 1
     reader, want = SafetensorsReader(str(out)), SafetensorsReader(str(src))
     assert all(torch.equal(reader.read(n), want.read(n)) for n in want.names())
+    other = tmp_path / "other"  # another model's folder: one line, no traceback
+    make_model(str(other), "qwen2_moe")
+    dist_run = tmp_path / "dist_run"
+    save_run(build_policy(run_config(str(src), dist_run), 300, optim=None),
+             run_config(str(src), dist_run), str(dist_run))
+    with pytest.raises(ValueError, match=f"its checkpoint is not the model of {other}: .*"
+                                         "shape mismatch"):
+        export_run(str(dist_run), str(tmp_path / "out1"), hf_path=str(other))
     big = tmp_path / "big"
     big.mkdir()
     (big / "config.json").write_text(json.dumps({**config, "vocab_size": 1000}))
