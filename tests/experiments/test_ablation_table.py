@@ -78,15 +78,21 @@ def test_plot_only_variant_paths(tmp_path, monkeypatch):
                             "--group-by-prefix"]
 
 
-def test_training_commands_per_arm_and_seed(tmp_path, monkeypatch):
-    """Each arm's own YAML; profile overrides, then --set (later wins), then the shared cold
-    start, run dir, seed, fresh start and --steps; a stale metrics.jsonl is removed first."""
+def _stub_runner(tmp_path, monkeypatch) -> list:
+    """The runner rooted at tmp_path with its CLI calls recorded (returned), no plots or table."""
     calls = []
     monkeypatch.setattr(ablation_run, "ROOT", str(tmp_path))
     monkeypatch.setattr(ablation_run, "cli", lambda *a: calls.append(a))
     monkeypatch.setattr(ablation_run, "cold_start_line", lambda d: "cold")
     monkeypatch.setattr(ablation_run.plot_run, "main", lambda argv: 0)
     monkeypatch.setattr(ablation_run, "write_table", lambda *a: None)
+    return calls
+
+
+def test_training_commands_per_arm_and_seed(tmp_path, monkeypatch):
+    """Each arm's own YAML; profile overrides, then --set (later wins), then the shared cold
+    start, run dir, seed, fresh start and --steps; a stale metrics.jsonl is removed first."""
+    calls = _stub_runner(tmp_path, monkeypatch)
     (tmp_path / "runs/ablation_gpu_small/sft/checkpoints/latest").mkdir(parents=True)
     stale = write_metrics(tmp_path / "runs/ablation_gpu_small_t/grpo_r2_s1", [{"step": 9}])
     assert ablation_run.main(["--profile", "gpu-small", "--arms", "gspo", "grpo_r2", "--seeds",
@@ -103,12 +109,7 @@ def test_an_arm_a_signal_stopped_is_resumed_and_keeps_its_metrics(tmp_path, monk
     """Ctrl-C / SIGTERM saves the arm's checkpoint and says 'run the same command to resume';
     the runner deleted its metrics.jsonl, then asked for resume=false, which the run dir
     refuses while it holds checkpoints: the metrics were lost and the arm could not go on."""
-    calls = []
-    monkeypatch.setattr(ablation_run, "ROOT", str(tmp_path))
-    monkeypatch.setattr(ablation_run, "cli", lambda *a: calls.append(a))
-    monkeypatch.setattr(ablation_run, "cold_start_line", lambda d: "cold")
-    monkeypatch.setattr(ablation_run.plot_run, "main", lambda argv: 0)
-    monkeypatch.setattr(ablation_run, "write_table", lambda *a: None)
+    calls = _stub_runner(tmp_path, monkeypatch)
     (tmp_path / "runs/ablation/sft/checkpoints/latest").mkdir(parents=True)
     stopped = write_metrics(tmp_path / "runs/ablation/gspo_s0", [{"step": 9}])
     (tmp_path / "runs/ablation/gspo_s0/checkpoints").mkdir()

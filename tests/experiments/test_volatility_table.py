@@ -84,9 +84,8 @@ def test_sft_checkpoint_shares_the_ablations_for_tiny_and_makes_its_own_for_deep
     assert volatility.sft_checkpoint("qwen3-moe-tiny-deep") == deep and len(calls) == 2
 
 
-def test_each_sweep_run_trains_grpo_from_its_presets_cold_start(tmp_path, monkeypatch):
-    """Per run: the ablation's GRPO arm, the preset, its cold start, fresh, --steps, no evals or
-    checkpoints, then the sweep point's lr and minibatch count."""
+def _stub_sweep(monkeypatch) -> list:
+    """The sweep with its CLI calls recorded (returned): no SFT, plots or tables."""
     from tools import plot_run, result_table
 
     calls = []
@@ -98,6 +97,13 @@ def test_each_sweep_run_trains_grpo_from_its_presets_cold_start(tmp_path, monkey
     monkeypatch.setattr(plot_run, "load_runs", lambda dirs: [])
     monkeypatch.setattr(result_table, "format_table", lambda *a, **k: "table")
     monkeypatch.setattr(result_table, "write_into", lambda *a: None)
+    return calls
+
+
+def test_each_sweep_run_trains_grpo_from_its_presets_cold_start(tmp_path, monkeypatch):
+    """Per run: the ablation's GRPO arm, the preset, its cold start, fresh, --steps, no evals or
+    checkpoints, then the sweep point's lr and minibatch count."""
+    calls = _stub_sweep(monkeypatch)
     assert volatility.main(["--presets", "qwen3-moe-tiny-deep", "--runs", "lr1e-4_n8",
                             "lr3e-5_n4", "--steps", "7", "--out", str(tmp_path)]) == 0
     grpo = os.path.join(volatility.ROOT, "experiments/ablation/grpo.yaml")
@@ -112,18 +118,8 @@ def test_each_sweep_run_trains_grpo_from_its_presets_cold_start(tmp_path, monkey
 def test_a_run_a_signal_stopped_is_resumed_not_refused(tmp_path, monkeypatch):
     """Ctrl-C / SIGTERM saves a checkpoint ('run the same command to resume'); the runner's
     resume=false is refused for a run dir holding checkpoints, so the re-run stopped there."""
-    from tools import plot_run, result_table
-
-    calls = []
     monkeypatch.setattr(volatility, "ROOT", str(tmp_path))
-    monkeypatch.setattr(volatility, "cli", lambda *a: calls.append(a))
-    monkeypatch.setattr(volatility, "sft_checkpoint", lambda preset: f"SFT-{preset}")
-    monkeypatch.setattr(volatility, "depth_table", lambda dirs: "depth")
-    monkeypatch.setattr(volatility, "cold_start_line", lambda d: "cold")
-    monkeypatch.setattr(plot_run, "main", lambda argv: 0)
-    monkeypatch.setattr(plot_run, "load_runs", lambda dirs: [])
-    monkeypatch.setattr(result_table, "format_table", lambda *a, **k: "table")
-    monkeypatch.setattr(result_table, "write_into", lambda *a: None)
+    calls = _stub_sweep(monkeypatch)
     stopped = tmp_path / "runs/routing_volatility/qwen3-moe-tiny/lr1e-4_n8/checkpoints"
     stopped.mkdir(parents=True)
     (stopped / "latest").write_text("12\n")
