@@ -10,7 +10,8 @@ the record, every rank gets the same verdict (one collective). Refused, with a o
 config whose semantic keys differ from the recorded ones (unless `resume=force`), a second
 process writing the same run dir, an unwritable path. `record_run` writes the record and the
 config once the run has really started (policy built, init weights loaded), so a run that fails
-its set-up leaves nothing that would refuse its corrected re-run.
+its set-up leaves nothing that would refuse its corrected re-run; `forget_run` undoes it for an
+RL start refused by `train.start_accuracy` before anything was saved.
 
 Semantic keys are the ones that change what is trained; the rest (how long, how often to eval,
 save and log, wandb, the collective timeout, the TP / EP / DP layout: LAYOUT) may change between
@@ -220,6 +221,17 @@ def claim_run_dir(run_dir: str, job: str, config: dict, resume, is_main: bool):
         for path in remove_stale_tmp(run_dir):
             print(f"removed {path}, left by an interrupted save", flush=True)
     return lock
+
+
+def forget_run(run_dir: str, job: str) -> None:
+    """Undo `record_run` for a run that refused to start before saving anything (its start
+    accuracy outside `train.start_accuracy`): its corrected re-run, e.g. from another
+    init_checkpoint, is then a first start. A run dir holding a checkpoint step keeps its record."""
+    if glob.glob(os.path.join(glob.escape(run_dir), "checkpoints", "step_*")):
+        return
+    for name in (RUN_FILE, f"{job}_config.yaml"):
+        if os.path.isfile(os.path.join(run_dir, name)):
+            os.remove(os.path.join(run_dir, name))
 
 
 def record_run(run_dir: str, job: str, config: dict, save_config) -> None:

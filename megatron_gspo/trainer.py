@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_gspo.advantages import group_advantages
-from megatron_gspo.band import check_start_accuracy
+from megatron_gspo.band import AccuracyBandError, check_start_accuracy
 from megatron_gspo.config import ConfigError, RunConfig
 from megatron_gspo.dist_utils import all_ranks, max_over_ranks, reduce_metrics
 from megatron_gspo.filters import overlong_filter, rollout_health, sample_rollouts
@@ -47,6 +47,7 @@ from megatron_gspo.metrics import Timer, format_progress
 from megatron_gspo.mismatch import sampler_precision
 from megatron_gspo.preempt import Preempted, Preemption
 from megatron_gspo.rollout import RolloutBatch, generate_rollouts
+from megatron_gspo.rundir import forget_run
 from megatron_gspo.runtime import (Runtime, build_policy, evaluate_runtime, load_init_weights,
                                    save_state, setup_runtime, try_resume)
 from moe.replay import (RoutingReplayCache, chunk_count, current_routing, replay_routing,
@@ -157,7 +158,7 @@ class Trainer:
                 return last
             if state.iteration == 0 and (cfg.train.eval_every or cfg.train.start_accuracy):
                 self._log(state.opt_step, first := self.evaluate())
-                check_start_accuracy(cfg, first)  # train.start_accuracy (megatron_gspo.band)
+                self.check_start(first)
             with Preemption() as stop:
                 while state.iteration < cfg.train.steps:
                     last = self.iteration()
@@ -176,6 +177,15 @@ class Trainer:
         finally:
             self.rt.close()
         return last
+
+    def check_start(self, first_eval: dict) -> None:
+        """`train.start_accuracy` (megatron_gspo.band); a refused start leaves no run record."""
+        try:
+            check_start_accuracy(self.cfg, first_eval)
+        except AccuracyBandError:
+            if self.rt.info.is_main:
+                forget_run(self.cfg.run_dir, "train")
+            raise
 
     def should_save(self, iteration: int) -> bool:
         every = self.cfg.train.save_every

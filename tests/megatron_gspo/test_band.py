@@ -190,3 +190,21 @@ def test_cold_start_line_reads_the_latest_record(tmp_path):
         {"step": 30, "eval/accuracy": 0.35, "sft/start_accuracy": 0.35, "sft/band_step": 30.0}])
     assert cold_start_line(str(tmp_path)).endswith("start accuracy 0.3500, entered the band at "
                                                    "SFT step 30")
+
+
+def test_a_start_refused_by_the_band_does_not_lock_in_its_config(tmp_path):
+    """The band error says to make another cold start or change the band; the run it refused
+    saved nothing, so its record must not refuse the corrected re-run as 'another config'
+    (it did: run.json held the refused init's keys). A run with checkpoints keeps its record."""
+    from megatron_gspo.rundir import RUN_FILE
+    from megatron_gspo.trainer import Trainer
+
+    run = [*BASE, f"run_dir={tmp_path}", "train.steps=1", "train.eval_every=0"]
+    refused = load_config(None, [*run, "train.start_accuracy=[0.99,1]"])
+    with pytest.raises(AccuracyBandError, match="outside the band"):
+        Trainer.from_config(refused).train()
+    assert not os.path.exists(tmp_path / RUN_FILE)
+    assert not os.path.exists(tmp_path / "train_config.yaml")
+    fixed = load_config(None, [*run, "optim.lr=2e-4", "train.start_accuracy=[0,1]"])
+    Trainer.from_config(fixed).train()  # another semantic config: was a RunDirError
+    assert os.path.exists(tmp_path / RUN_FILE)

@@ -219,3 +219,18 @@ def test_a_dist_checkpoint_a_killed_save_left_half_written_is_removed(tmp_path):
     mine.mkdir()
     claim(tmp_path).release()
     assert not (step / "dist.tmp").exists() and mine.is_dir()
+
+
+def test_forget_run_keeps_the_record_of_a_run_with_a_checkpoint(tmp_path):
+    """forget_run (a start refused by train.start_accuracy) removes run.json and the job's
+    config only while no checkpoint step exists; other jobs' files stay."""
+    from megatron_gspo.rundir import RUN_FILE, forget_run
+
+    for name in (RUN_FILE, "train_config.yaml", "sft_config.yaml"):
+        (tmp_path / name).write_text("x")
+    (tmp_path / "checkpoints" / "step_000001").mkdir(parents=True)
+    forget_run(str(tmp_path), "train")
+    assert (tmp_path / RUN_FILE).exists() and (tmp_path / "train_config.yaml").exists()
+    (tmp_path / "checkpoints" / "step_000001").rmdir()
+    forget_run(str(tmp_path), "train")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "sft_config.yaml"]

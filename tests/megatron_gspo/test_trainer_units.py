@@ -24,6 +24,7 @@ class LoopStub:
         self.rt = SimpleNamespace(info=SimpleNamespace(is_main=False),
                                   close=lambda: self.events.append("close"))
         self.should_save = lambda it: Trainer.should_save(self, it)
+        self.check_start = lambda first_eval: Trainer.check_start(self, first_eval)
 
     def evaluate(self):
         self.events.append(("eval", self.state.iteration))
