@@ -14,8 +14,9 @@ its set-up leaves nothing that would refuse its corrected re-run; `forget_run` u
 RL start refused by `train.start_accuracy` before anything was saved.
 
 Semantic keys are the ones that change what is trained; the rest (how long, how often to eval,
-save and log, wandb, the collective timeout, the TP / EP / DP layout: LAYOUT) may change between
-resumes. Departure from verl / Megatron-LM, which resume whatever is in the save dir: they
+save and log, wandb, the collective timeout, memory knobs with the same gradients: activation
+recompute and the no-grad pass's token budget, the TP / EP / DP layout: LAYOUT) may change
+between resumes. Departure from verl / Megatron-LM, which resume whatever is in the save dir: they
 overwrite silently (PITFALLS #16).
 """
 
@@ -34,7 +35,8 @@ LOCK_FILE = ".lock"
 NON_SEMANTIC = ("run_dir", "resume", "wandb", "train.steps", "train.eval_every",
                 "train.save_every", "train.log_every", "train.flip_every", "sft.steps",
                 "sft.eval_every", "sft.target_accuracy", "train.start_accuracy",
-                "model.dist_timeout_min", "train.logprob_max_tokens")
+                "model.dist_timeout_min", "train.logprob_max_tokens",
+                "model.recompute_granularity", "model.recompute_modules")
 # Sections a job does not read, so they may differ too.
 UNUSED_BY_JOB = {"train": ("sft",), "sft": ("train", "loss", "rollout")}
 # The parallel layout: a checkpoint reshards over it (moe.dist_ckpt), so a resume may change it,

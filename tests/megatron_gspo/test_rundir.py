@@ -57,7 +57,9 @@ CHANGED = {"run_dir": None, "resume": "resume=force", "wandb": "wandb.project=ot
            "sft.eval_every": "sft.eval_every=7", "sft.target_accuracy":
            "sft.target_accuracy=[0.2,0.4]", "train.start_accuracy": "train.start_accuracy=[0,1]",
            "model.dist_timeout_min": "model.dist_timeout_min=3",
-           "train.logprob_max_tokens": "train.logprob_max_tokens=0"}
+           "train.logprob_max_tokens": "train.logprob_max_tokens=0",
+           "model.recompute_granularity": "model.recompute_granularity=full",
+           "model.recompute_modules": "model.recompute_modules=core_attn"}
 
 
 def test_every_non_semantic_key_is_listed_here():
