@@ -8,18 +8,27 @@
 
 The first signal only sets a flag; the loop finishes its step, saves a checkpoint and raises
 `Preempted`, which the CLI turns into a one-line message and exit status 128 + signal number
-(the shell's convention for a signal, so `make` or a job script stops too). The handlers are
-reset to the default at the first signal, so a second one ends the process at once. Ranks may
-receive the signal at different moments: `requested()` all-reduces it (MAX), so every rank stops
-after the same step.
+(the shell's convention for a signal, so `make` or a job script stops too). A second signal
+ends the process at once: the other one at any moment (its handler is reset to the default at
+the first), the same one from `DUPLICATE_S` seconds after the first. Sooner it is the same
+event delivered twice: torchrun forwards a SIGTERM to its workers that a scheduler signalling
+every process of the job has sent them too; exiting at that second copy lost the checkpoint
+(measured: SIGTERM to torchrun, then 0.3 s later to its two EP workers: no checkpoint before,
+one after). Under torchrun the save must end within its `--shutdown-timeout` (torch 2.13: 30 s
+by default), after which it SIGKILLs the workers. Ranks may receive
+the signal at different moments: `requested()` all-reduces it (MAX), so every rank stops after
+the same step.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
+import time
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+DUPLICATE_S = 2.0  # a repeat of the first signal sooner than this is the same event, twice
 
 
 class Preempted(Exception):
@@ -33,14 +42,23 @@ class Preempted(Exception):
 class Preemption:
     def __init__(self) -> None:
         self.signum = 0
+        self._first_at = 0.0
         self._previous: dict = {}
 
     def _handle(self, signum, frame) -> None:
-        self.signum = signum
-        for s in SIGNALS:  # a second signal takes the default action: exit at once
-            signal.signal(s, signal.SIG_DFL)
+        self.signum, self._first_at = signum, time.monotonic()
+        for s in SIGNALS:  # the other signal takes the default action: exit at once
+            signal.signal(s, self._repeat if s == signum else signal.SIG_DFL)
         print(f"\n{signal.Signals(signum).name} received: stopping after this step and saving "
               "a checkpoint (send it again to exit at once)", flush=True)
+
+    def _repeat(self, signum, frame) -> None:
+        """The first signal again: a copy (torchrun's forward) within DUPLICATE_S, else the
+        default action (exit at once)."""
+        if time.monotonic() - self._first_at < DUPLICATE_S:
+            return
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
     def __enter__(self) -> "Preemption":
         if threading.current_thread() is threading.main_thread():

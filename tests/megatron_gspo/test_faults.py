@@ -312,7 +312,7 @@ def test_sigterm_saves_then_resume_matches_the_uninterrupted_run(tmp_path, capsy
     assert "already finished 3 of train.steps=3" in capsys.readouterr().out
 
 
-def test_first_signal_arms_the_default_action_for_the_second():
+def test_first_signal_arms_the_default_action_for_the_other_and_filters_its_copy():
     from megatron_gspo.preempt import Preemption
 
     # the handlers in force before (pytest's default_int_handler, or SIG_IGN when the suite
@@ -323,12 +323,44 @@ def test_first_signal_arms_the_default_action_for_the_second():
         with Preemption() as stop:
             os.kill(os.getpid(), signal.SIGINT)
             assert stop.signum == signal.SIGINT and stop.requested() == signal.SIGINT
-            assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL  # a 2nd Ctrl-C kills
-            assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+            assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the other one kills
+            os.kill(os.getpid(), signal.SIGINT)  # a copy at once (torchrun's forward): ignored
+            assert stop.signum == signal.SIGINT
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
         assert signal.getsignal(signal.SIGTERM) is before[1]
     finally:
         signal.signal(signal.SIGINT, before[0])
+
+
+_SIGNAL_TWICE = """
+import os, signal, sys, time
+from megatron_gspo import preempt
+with preempt.Preemption() as stop:
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.05)
+    stop._first_at -= float(sys.argv[1])  # as if that long had passed
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.05)
+    print("saved", stop.requested())
+"""
+
+
+@pytest.mark.parametrize("later_s, survives", [(0.0, True), (2.5, False)])
+def test_a_repeat_of_the_first_signal_exits_at_once_only_after_the_duplicate_window(
+        later_s, survives):
+    """torchrun forwards a SIGTERM its workers got already (a scheduler that signals every
+    process of the job): that copy used to kill the worker before it saved. A repeat
+    DUPLICATE_S (2 s) or more after the first still exits at once."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _SIGNAL_TWICE, str(later_s)],
+                          capture_output=True, text=True, timeout=60,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    if survives:
+        assert proc.returncode == 0 and f"saved {int(signal.SIGTERM)}" in proc.stdout, proc
+    else:
+        assert proc.returncode == -signal.SIGTERM and "saved" not in proc.stdout, proc
 
 
 # ----------------------------------------------------------------------------- CLI errors
