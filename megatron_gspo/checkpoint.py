@@ -30,6 +30,7 @@ import json
 import os
 import random
 import re
+import shutil
 import tempfile
 
 import numpy as np
@@ -281,6 +282,20 @@ def resume_candidates(root: str) -> list[int]:
                     and os.path.isfile(os.path.join(step_dir(root, s), COMPLETE_FILE))),
                    reverse=True)
     return [latest] + older
+
+
+def prune_steps(root: str, keep: int) -> list[int]:
+    """Delete the step dirs older than the newest `keep` resume candidates (`latest` and the
+    complete steps before it; half-written ones among them go too); returns the deleted steps.
+    keep <= 0 keeps everything."""
+    kept = resume_candidates(root)[:keep] if keep > 0 else []
+    if not kept:
+        return []
+    steps = sorted(int(m.group(1)) for n in os.listdir(root) if (m := _STEP_RE.match(n)))
+    gone = [s for s in steps if s < kept[-1]]
+    for s in gone:
+        shutil.rmtree(step_dir(root, s), ignore_errors=True)
+    return gone
 
 
 def rng_state() -> dict:

@@ -265,6 +265,9 @@ class TrainConfig:
     """Evaluate every k iterations (0 = never)."""
     save_every: int = 10
     """Checkpoint every k iterations and at the end (0 = never)."""
+    keep_checkpoints: int = 0
+    """Keep the newest k checkpoint steps (`latest` and the complete ones before it), deleting
+    older step dirs after each save (0 = keep all). May change on resume."""
     log_every: int = 1
     """Print a progress line every k iterations (metrics.jsonl gets every step)."""
     collapse_reward_drop: float = 0.5
@@ -282,7 +285,8 @@ class TrainConfig:
     def __post_init__(self):
         validate(self, ge={"steps": 1, "num_minibatches": 1, "log_every": 1, "flip_every": 0,
                             "logprob_max_tokens": 0, "router_noise_std": 0,
-                            "eval_every": 0, "save_every": 0, "max_skipped_steps": 0,
+                            "eval_every": 0, "save_every": 0, "keep_checkpoints": 0,
+                            "max_skipped_steps": 0,
                             "collapse_entropy_floor": 0})
         check(self, "collapse_reward_drop", 0 < self.collapse_reward_drop <= 1,
                "must be in (0, 1]")

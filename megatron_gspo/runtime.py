@@ -237,6 +237,7 @@ def save_state(rt: Runtime, step: int, extra: dict) -> None:
     barrier()
     if rt.info.is_main:
         ckpt.mark_latest(root, step)
+        ckpt.prune_steps(root, rt.cfg.train.keep_checkpoints)
     barrier()
 
 

@@ -312,3 +312,19 @@ def test_verify_dir_checks_every_checksummed_file_split_over_the_ranks(tmp_path)
     with pytest.raises(ckpt.CheckpointError, match=r"__1_0.distcp is missing"):
         ckpt.verify_dir(d)
     ckpt.verify_dir(str(tmp_path / "absent"))  # no dist dir: nothing to check
+
+
+def test_prune_steps_keeps_the_newest_resume_candidates(tmp_path):
+    """keep=2 of steps 1 (complete), 2 (half-written), 3 (complete), 4 (latest): 3 and 4 stay;
+    keep=0 deletes nothing; a step newer than `latest` (a save in progress) is never touched."""
+    root = str(tmp_path)
+    for s in (1, 3, 4):
+        ckpt.save_checkpoint(root, s, {"s": s}, rank=0)
+        ckpt.mark_latest(root, s)
+    os.makedirs(ckpt.step_dir(root, 2))  # no `complete` marker: a killed save
+    os.makedirs(ckpt.step_dir(root, 5))  # being written now
+    assert ckpt.prune_steps(root, 0) == []
+    assert ckpt.prune_steps(root, 2) == [1, 2]
+    assert sorted(os.listdir(root)) == ["latest", "step_000003", "step_000004", "step_000005"]
+    assert ckpt.resume_candidates(root) == [4, 3]
+    assert ckpt.prune_steps(root, 1) == [3] and ckpt.prune_steps(root, 1) == []

@@ -163,3 +163,17 @@ def test_resume_force_onto_another_model_is_one_line(tmp_path, capsys):
                          "resume=force", "model.num_layers=1")
     assert "holds preset 'tiny', this run builds 'tiny' (1 layers)" in err
     assert "shape mismatch" in err
+
+
+def test_keep_checkpoints_bounds_the_step_dirs_and_the_run_resumes(tmp_path):
+    """train.keep_checkpoints=2 with a save every rollout batch: 2 step dirs stay, and a resume
+    with another keep (a non-semantic key) continues from the newest."""
+    run = tmp_path / "run"
+    trainer(run, "train.steps=3", "train.save_every=1", "train.keep_checkpoints=2").train()
+    root = str(run / "checkpoints")
+    assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == \
+        ["step_000002", "step_000003"]
+    t = trainer(run, "train.steps=4", "train.save_every=1", "train.keep_checkpoints=1")
+    assert t.state.iteration == 3
+    t.train()
+    assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == ["step_000004"]

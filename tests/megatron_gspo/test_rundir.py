@@ -53,6 +53,7 @@ def _lock_is_held(run_dir) -> bool:
 CHANGED = {"run_dir": None, "resume": "resume=force", "wandb": "wandb.project=other",
            "train.steps": "train.steps=99", "train.eval_every": "train.eval_every=3",
            "train.save_every": "train.save_every=3", "train.log_every": "train.log_every=3",
+           "train.keep_checkpoints": "train.keep_checkpoints=2",
            "train.flip_every": "train.flip_every=0", "sft.steps": "sft.steps=7",
            "sft.eval_every": "sft.eval_every=7", "sft.target_accuracy":
            "sft.target_accuracy=[0.2,0.4]", "train.start_accuracy": "train.start_accuracy=[0,1]",
