@@ -5,8 +5,9 @@ TP/EP layout the run used, so the export does not depend on it; checkpoints writ
 checkpoints: the full parameters rank 0 saved) and the run's model config from rank 0's file.
 A run started from `model.hf_path` exports that architecture with the source folder's
 config.json keys (token ids, ...), its tokenizer files, chat template and generation config; a
-toy run exports its preset as a `qwen3_moe` config (the character tokenizer has no Hugging Face
-files, so none are written). `transformers.AutoModelForCausalLM.from_pretrained(OUT)` loads the
+toy run exports its preset as a `qwen3_moe` config. The tokenizer written is the one the run
+trained with: `data.tokenizer_path`'s files when set (over the source folder's), else the source
+folder's; the character tokenizer has no Hugging Face files, so none are written. `transformers.AutoModelForCausalLM.from_pretrained(OUT)` loads the
 result (tests/moe/test_hf.py). OUT must be new or empty: nothing is overwritten.
 """
 
@@ -24,24 +25,38 @@ from megatron_gspo import checkpoint as ckpt
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
 _SKIP = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt",
+                    "vocab.txt", "chat_template.jinja", "chat_template.json")
 
 
-def _copy_tokenizer_files(src: str, out: str) -> list[str]:
+def _copy_tokenizer_files(src: str, out: str, only: tuple | None = None) -> list[str]:
     """Every top-level file of the source folder except weights and config (tokenizer files,
-    chat template, generation config, license, README)."""
+    chat template, generation config, license, README), or only the names in `only`."""
     copied = []
     for name in sorted(os.listdir(src)):
         path = os.path.join(src, name)
-        if os.path.isfile(path) and name not in _SKIP and not name.endswith(_WEIGHT_SUFFIXES):
+        if os.path.isfile(path) and name not in _SKIP and not name.endswith(_WEIGHT_SUFFIXES) \
+                and (only is None or name in only):
             shutil.copy2(path, os.path.join(out, name))
             copied.append(name)
     return copied
 
 
-def _source(run_dir: str, model_cfg: dict, hf_path: str | None) -> tuple:
+def _run_tokenizer(run_dir: str, config: dict, hf_path: str | None) -> str | None:
+    """The folder of the tokenizer the run trained with (data.tokenizer_path, else hf_path);
+    a data.tokenizer_path gone since is a FileNotFoundError naming it."""
+    path = (config.get("data") or {}).get("tokenizer_path")
+    if path and not os.path.isdir(path):
+        raise FileNotFoundError(f"{run_dir} trained with data.tokenizer_path={path}, which does "
+                                "not exist here: export from the folder the run started in")
+    return path or hf_path
+
+
+def _source(run_dir: str, model_cfg: dict, hf_path: str | None, tok_path: str | None) -> tuple:
     """(config.json dict or None, preset, vocabulary size or None) of the run's model: the
-    source folder's (its config.json's vocab_size, or its tokenizer's size when tokens were
-    added past it: the run trained rows for them), else the toy preset."""
+    source folder's (its config.json's vocab_size, or the run's tokenizer's size when tokens
+    were added past it: the run trained rows for them), else the toy preset."""
     from megatron_gspo.tokenizer import load_tokenizer
     from moe.hf.config import preset_from_hf_config, read_hf_config
     from moe.presets import get_preset
@@ -52,7 +67,7 @@ def _source(run_dir: str, model_cfg: dict, hf_path: str | None) -> tuple:
                                     "does not exist now: pass --hf-path with its new place")
         base = read_hf_config(hf_path)
         try:
-            vocab = max(base["vocab_size"], load_tokenizer(hf_path).vocab_size)
+            vocab = max(base["vocab_size"], load_tokenizer(tok_path).vocab_size)
         except (FileNotFoundError, ValueError):  # no usable tokenizer there (the run had its own)
             vocab = base["vocab_size"]
         return base, preset_from_hf_config(base, hf_path), vocab
@@ -86,7 +101,8 @@ def export_run(run_dir: str, out: str, hf_path: str | None = None,
         else ckpt.step_dir(root, ckpt.latest_step(root))
     model_cfg = state["config"]["model"]
     hf_path = hf_path or model_cfg.get("hf_path")
-    base, preset, vocab = _source(run_dir, model_cfg, hf_path)
+    tok_path = _run_tokenizer(run_dir, state["config"], hf_path)
+    base, preset, vocab = _source(run_dir, model_cfg, hf_path, tok_path)
     if dist_ckpt.is_dist_checkpoint(os.path.join(step_dir, "dist")):  # any layout
         try:
             full = dist_ckpt.full_params(os.path.join(step_dir, "dist"), preset)
@@ -111,5 +127,8 @@ def export_run(run_dir: str, out: str, hf_path: str | None = None,
     files = export_hf(full, out, hf_config_dict(preset, vocab, base=base),
                       max_shard_bytes=max_shard_bytes)
     copied = _copy_tokenizer_files(hf_path, out) if hf_path else []
-    return {"out": out, "files": files + copied, "tokenizer": bool(copied),
+    if tok_path and tok_path != hf_path:  # the run's own tokenizer replaces the source's
+        copied = sorted(set(copied) | set(_copy_tokenizer_files(tok_path, out, _TOKENIZER_FILES)))
+    return {"out": out, "files": files + copied,
+            "tokenizer": any(name in _TOKENIZER_FILES for name in copied),
             "model_type": preset.hf_model_type}

@@ -372,3 +372,36 @@ def test_tokens_added_past_vocab_size_keep_their_rows(single_process, hf_dir, tm
     ids = AutoTokenizer.from_pretrained(str(out))("<tool_call>7", return_tensors="pt").input_ids
     assert ids.max() >= 300
     assert load_hf(str(out))(ids).logits.shape == (1, ids.shape[1], 302)
+
+
+def test_export_writes_the_tokenizer_the_run_trained_with(single_process, hf_dir, tmp_path):
+    """data.tokenizer_path's files (not the data files beside them) go into the export: a toy
+    run with a BPE tokenizer had none, and an hf run with tokens added through its own
+    tokenizer folder exported the source's tokenizer, without them."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from megatron_gspo.export import export_run
+    from megatron_gspo.runtime import build_policy
+
+    gsm = os.path.join(os.path.dirname(__file__), "..", "fixtures", "gsm_tiny")
+    cfg = load_config(None, [f"run_dir={tmp_path / 'toy'}", "model.preset=tiny",
+                             f"data.tokenizer_path={gsm}"])
+    save_run(build_policy(cfg, 512, optim=None), cfg, cfg.run_dir)
+    summary = export_run(cfg.run_dir, str(tmp_path / "toy_hf"))
+    assert summary["tokenizer"] and "train.jsonl" not in os.listdir(tmp_path / "toy_hf")
+    assert len(AutoTokenizer.from_pretrained(str(tmp_path / "toy_hf"))) == 512
+
+    tok_dir = tmp_path / "tok"
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    tok.add_tokens(["<tool_call>", "</tool_call>"], special_tokens=True)
+    tok.save_pretrained(str(tok_dir))
+    cfg = run_config(hf_dir, tmp_path / "run", f"data.tokenizer_path={tok_dir}")
+    save_run(build_policy(cfg, 302, optim=None), cfg, cfg.run_dir)
+    export_run(cfg.run_dir, str(tmp_path / "out"))
+    assert json.load(open(tmp_path / "out" / "config.json"))["vocab_size"] == 302
+    assert len(AutoTokenizer.from_pretrained(str(tmp_path / "out"))) == 302
+    shutil.rmtree(tok_dir)
+    with pytest.raises(FileNotFoundError, match=rf"data.tokenizer_path={tok_dir}, which does "):
+        export_run(cfg.run_dir, str(tmp_path / "out2"))
