@@ -215,6 +215,16 @@ def barrier() -> None:
         dist.barrier()
 
 
+def _os_reason(e: BaseException) -> str:
+    """Why a dist save failed, in one line: the OS error ('No space left on device') where the
+    message carries it, else the first rank's failure (megatron-core 0.19's async writer says
+    only "... error: <class 'OSError'>"), else the message's first line."""
+    failures = getattr(e, "failures", None) or {}
+    texts = [str(f[0] if isinstance(f, tuple) else f) for f in failures.values()]
+    reasons = re.findall(r"\[Errno \d+\] ([^\n']+)", "\n".join([str(e)] + texts))
+    return reasons[-1] if reasons else (texts + [str(e)])[0].splitlines()[0]
+
+
 def save_state(rt: Runtime, step: int, extra: dict) -> None:
     """Every rank writes its policy shards (`dist/`) and its own small state; `latest` moves
     last. Nothing is gathered."""
@@ -225,8 +235,7 @@ def save_state(rt: Runtime, step: int, extra: dict) -> None:
     except (OSError, CheckpointException) as e:  # a full disk: every rank gets torch's error
         if rt.info.is_main:
             shutil.rmtree(dist_dir + ".tmp", ignore_errors=True)
-        reason = re.findall(r"\[Errno \d+\] ([^\n']+)", str(e)) or [str(e).splitlines()[0]]
-        raise ckpt.CheckpointError(f"cannot write {dist_dir}: {reason[-1]}; files already "
+        raise ckpt.CheckpointError(f"cannot write {dist_dir}: {_os_reason(e)}; files already "
                                    "written are unchanged") from None
     for path in dist_ckpt.files_written_by(dist_dir, rt.info.rank):
         ckpt.write_checksum(path)

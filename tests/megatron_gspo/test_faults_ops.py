@@ -78,8 +78,8 @@ def test_disk_filling_during_the_dist_save_is_a_checkpoint_error(tmp_path):
     sigxfsz = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of the signal
     resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, limit[1]))
     try:
-        with pytest.raises(ckpt.CheckpointError, match=r"cannot write .*step_000002/dist: File "
-                                                       r"too large"):
+        with pytest.raises(ckpt.CheckpointError, match=r"cannot write .*step_000002/dist: (File "
+                                                       r"too large|.*OSError)"):  # mcore 0.19
             save_state(t.rt, 2, {})
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, limit)
