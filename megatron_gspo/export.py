@@ -104,6 +104,7 @@ def export_run(run_dir: str, out: str, hf_path: str | None = None,
     tok_path = _run_tokenizer(run_dir, state["config"], hf_path)
     base, preset, vocab = _source(run_dir, model_cfg, hf_path, tok_path)
     if dist_ckpt.is_dist_checkpoint(os.path.join(step_dir, "dist")):  # any layout
+        ckpt.verify_dir(os.path.join(step_dir, "dist"))  # every shard's sha256, as a resume
         try:
             full = dist_ckpt.full_params(os.path.join(step_dir, "dist"), preset)
         except (Exception, CheckpointException) as e:  # shapes of another model (--hf-path)

@@ -405,3 +405,25 @@ def test_export_writes_the_tokenizer_the_run_trained_with(single_process, hf_dir
     shutil.rmtree(tok_dir)
     with pytest.raises(FileNotFoundError, match=rf"data.tokenizer_path={tok_dir}, which does "):
         export_run(cfg.run_dir, str(tmp_path / "out2"))
+
+
+def test_export_verifies_the_shard_checksums(single_process, tmp_path, capsys):
+    """A flipped byte in a policy shard is one line naming the file (the export read it and
+    wrote the damaged weights); a resume already checked them."""
+    from megatron_gspo.runtime import build_policy
+
+    cfg = load_config(None, [f"run_dir={tmp_path / 'toy'}", "model.preset=tiny"])
+    save_run(build_policy(cfg, 26, optim=None), cfg, cfg.run_dir)
+    dist = os.path.join(ckpt.step_dir(os.path.join(cfg.run_dir, "checkpoints"), 3), "dist")
+    shards = sorted(n for n in os.listdir(dist) if n.endswith(".distcp"))
+    for name in os.listdir(dist):
+        ckpt.write_checksum(os.path.join(dist, name))
+    with open(os.path.join(dist, shards[0]), "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert cli_main(["export", "--run-dir", cfg.run_dir, "--to-hf", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and shards[0] in err[0], err
+    assert not os.path.exists(tmp_path / "o" / "config.json")
