@@ -12,9 +12,9 @@ Overrides use dotted keys and YAML values; unknown keys are errors. A bad config
 type, bad value, malformed YAML, missing file or checkpoint), a run dir that belongs to another
 run, a corrupt checkpoint, weights / a loss gone non-finite, or an optional package a setting
 needs (pyarrow, math-verify, wandb, transformers) exits with status 2 and one line naming it;
-nothing already written is lost. SIGTERM / Ctrl-C saves a checkpoint and exits with 128 + the
-signal number. The resolved config is saved in run_dir next to metrics.jsonl on a run's first
-start.
+nothing already written is lost. SIGTERM / Ctrl-C / SIGHUP saves a checkpoint and exits with
+128 + the signal number. The resolved config is saved in run_dir next to metrics.jsonl on a
+run's first start.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Preemption: SIGTERM (what schedulers send) or Ctrl-C stops a run at the next safe point.
+"""Preemption: SIGTERM (what schedulers send), Ctrl-C or SIGHUP (the terminal closed) stops a
+run at the next safe point.
 
     with Preemption() as stop:
         for step in ...:
@@ -17,7 +18,7 @@ every process of the job has sent them too; exiting at that second copy lost the
 one after). Under torchrun the save must end within its `--shutdown-timeout` (torch 2.13: 30 s
 by default), after which it SIGKILLs the workers. Ranks may receive
 the signal at different moments: `requested()` all-reduces it (MAX), so every rank stops after
-the same step.
+the same step. SIGHUP is left alone where it is ignored already (`nohup`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import signal
 import threading
 import time
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 DUPLICATE_S = 2.0  # a repeat of the first signal sooner than this is the same event, twice
 
 
@@ -43,11 +44,11 @@ class Preemption:
     def __init__(self) -> None:
         self.signum = 0
         self._first_at = 0.0
-        self._previous: dict = {}
+        self._previous: dict = {}  # the signals handled here -> their handlers before
 
     def _handle(self, signum, frame) -> None:
         self.signum, self._first_at = signum, time.monotonic()
-        for s in SIGNALS:  # the other signal takes the default action: exit at once
+        for s in self._previous:  # the other signals take the default action: exit at once
             signal.signal(s, self._repeat if s == signum else signal.SIG_DFL)
         print(f"\n{signal.Signals(signum).name} received: stopping after this step and saving "
               "a checkpoint (send it again to exit at once)", flush=True)
@@ -63,7 +64,9 @@ class Preemption:
     def __enter__(self) -> "Preemption":
         if threading.current_thread() is threading.main_thread():
             self._previous = {s: signal.getsignal(s) for s in SIGNALS}
-            for s in SIGNALS:
+            if self._previous[signal.SIGHUP] is signal.SIG_IGN:  # nohup: stays ignored
+                del self._previous[signal.SIGHUP]
+            for s in self._previous:
                 signal.signal(s, self._handle)
         return self
 

@@ -41,7 +41,7 @@ def sft_batch(tokenizer, examples) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 def run_sft(cfg: RunConfig) -> dict:
     """Train `cfg.sft.steps` steps, evaluating every `cfg.sft.eval_every`; save a checkpoint at
-    the end (and on SIGTERM / Ctrl-C, then raise `Preempted`); resume a stopped run. With
+    the end (and on SIGTERM / Ctrl-C / SIGHUP, then raise `Preempted`); resume a stopped run. With
     `sft.target_accuracy` stop (and save) at the first eval inside the band instead, and raise
     `AccuracyBandError` past it or when sft.steps runs out (`megatron_gspo.band`)."""
     rt = setup_runtime(cfg, job="sft")

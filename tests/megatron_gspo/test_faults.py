@@ -454,3 +454,32 @@ def test_minibatches_must_divide_each_data_parallel_ranks_share():
     with pytest.raises(ConfigError, match="prompts_per_batch=4 is not divisible by the "
                                           "data-parallel size 3"):
         local_prompts(cfg, dp=3)
+
+
+_HANGUP = """
+import os, signal, sys
+from megatron_gspo import preempt
+if sys.argv[1] == "nohup":
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+with preempt.Preemption() as stop:
+    print("handler", signal.getsignal(signal.SIGHUP) == stop._handle, flush=True)
+    os.kill(os.getpid(), signal.SIGHUP)
+    print("saved", stop.requested(), flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["terminal", "nohup"])
+def test_a_closed_terminal_saves_and_nohup_stays_ignored(mode):
+    """SIGHUP (an ssh session or terminal gone) ended a run without a checkpoint; it now stops
+    it like SIGTERM. Under nohup SIGHUP stays ignored: the run goes on."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _HANGUP, mode], capture_output=True, text=True,
+                          timeout=60,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    lines = [ln for ln in proc.stdout.splitlines() if ln]
+    want = ["handler True", "SIGHUP received: stopping after this step and saving a checkpoint "
+            "(send it again to exit at once)", "saved 1"] if mode == "terminal" else \
+        ["handler False", "saved 0"]
+    assert proc.returncode == 0 and lines == want, proc
