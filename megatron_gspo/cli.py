@@ -63,6 +63,9 @@ def main(argv=None) -> int:
         print(describe_config())
         return 0
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|cuda_graph_scope).*")
+    # torch's deprecations inside megatron's dist_checkpointing: nothing a user can act on
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            message=".*(`load_state_dict` is deprecated|use DTensor instead).*")
     if args.command == "export":
         return _export(parser, args, (OSError, ValueError, CheckpointError, MissingDependency))
     try:

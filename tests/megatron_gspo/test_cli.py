@@ -124,6 +124,10 @@ def test_export_hides_megatrons_install_warnings(monkeypatch, capsys):
 
     def fake_export(*args, **kwargs):
         warnings.warn("Apex is not installed. Falling back to Torch Norm")
+        warnings.warn("Please use DTensor instead and we are deprecating ShardedTensor.",
+                      FutureWarning)  # torch's, from megatron's dist_checkpointing
+        warnings.warn("`load_state_dict` is deprecated and will be removed in future versions. "
+                      "Please use `load` instead.", FutureWarning)
         return {}
 
     monkeypatch.setattr(export, "export_run", fake_export)
