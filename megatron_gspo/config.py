@@ -25,7 +25,7 @@ import yaml
 from megatron_gspo.strict import (ConfigError, apply_override, build, check, describe_fields,
                                   field_docs, load_layered, validate)
 from megatron_gspo.config_data import (DataConfig, FilterConfig, RewardConfig,  # noqa: F401
-                                       check_data_sections)
+                                       check_data_sections, expand_user_paths)
 from megatron_gspo.losses import PolicyLossConfig
 from moe.model import RECOMPUTE_MODULES, layout_problems, resolve_dispatcher
 from moe.optim import OptimSettings
@@ -96,6 +96,7 @@ class ModelConfig:
     bits: closer to exact, and no [B, H, T, T] scores tensor."""
 
     def __post_init__(self):
+        expand_user_paths(self, "hf_path")
         validate(self, nonempty=("preset", "hf_path"),
                  ge={"tp": 1, "ep": 1, "aux_loss_coeff": 0, "vocab_multiple": 1,
                      "max_seq_len": 2, "num_layers": 1},
@@ -382,6 +383,7 @@ class RunConfig:
     """DAPO rollout filters."""
 
     def __post_init__(self):
+        expand_user_paths(self, "run_dir", "init_checkpoint")
         validate(self, nonempty=("run_dir", "init_checkpoint"), ge={"seed": 0})
         # derived seeds (seed * 1_000_033 + step, ...) must fit torch's 64-bit generator seed
         check(self, "seed", self.seed < 2**32, "must be < 2**32")

@@ -4,10 +4,23 @@ the same conventions hold (a docstring under every field, checks in `__post_init
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Optional
 
 from megatron_gspo.strict import ConfigError, check, validate
+
+
+def expand_user_paths(section, *names: str) -> None:
+    """`~` in these path fields (a str or a list of them) is the home directory: the shell
+    leaves `key=~/x` alone, and a YAML value `~/x` is that string."""
+    for name in names:
+        value = getattr(section, name)
+        if isinstance(value, str):
+            object.__setattr__(section, name, os.path.expanduser(value))
+        elif isinstance(value, list):
+            object.__setattr__(section, name, [os.path.expanduser(v) if isinstance(v, str)
+                                               else v for v in value])
 
 
 @dataclass(frozen=True)
@@ -62,6 +75,7 @@ class DataConfig:
             value = getattr(self, name)
             if isinstance(value, str):
                 object.__setattr__(self, name, [value])
+        expand_user_paths(self, "train_files", "eval_files", "tokenizer_path")
         validate(self, nonempty=("prompt_key", "answer_key", "sft_key", "tokenizer_path"),
                  ge={"max_eval": 1, "max_prompt_tokens": 1})
         for name in ("train_files", "eval_files"):

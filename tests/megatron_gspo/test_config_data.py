@@ -1,6 +1,8 @@
 """megatron_gspo.config_data: the data / reward / filter sections' defaults and range checks
 (cross-section rules and their messages: test_data.py::test_config_rules)."""
 
+import os
+
 import pytest
 
 from megatron_gspo.config import ConfigError, DataConfig, FilterConfig, RewardConfig, load_config
@@ -45,3 +47,14 @@ def test_edges_that_are_allowed():
     # dynamic sampling is refused only together with r3 replay
     assert load_config(None, ["filter.dynamic_sampling=true", "train.routing_replay=r2"])
     assert load_config(None, ["train.routing_replay=r3"])
+
+
+def test_a_tilde_in_a_path_is_the_home_directory():
+    """The shell leaves `model.hf_path=~/m` alone (and `~/m` in YAML is that string): it was
+    'model folder ~/m does not exist'."""
+    home = os.path.expanduser("~")
+    cfg = load_config(None, ["model.hf_path=~/m", "run_dir=~/r", "init_checkpoint=~/c",
+                             *DATASET, "data.tokenizer_path=~/t", "data.eval_files=[~/e.jsonl]"])
+    assert (cfg.model.hf_path, cfg.run_dir, cfg.init_checkpoint, cfg.data.tokenizer_path,
+            cfg.data.eval_files) == (f"{home}/m", f"{home}/r", f"{home}/c", f"{home}/t",
+                                     [f"{home}/e.jsonl"])
