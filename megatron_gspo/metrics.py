@@ -106,6 +106,21 @@ class MetricsLogger:
             self._file = open(self.path, "a", encoding="utf-8")
         return dropped
 
+    def set_aside(self) -> str | None:
+        """Move the rows of an earlier attempt that saved no checkpoint (a run restarting from
+        step 0) to `metrics.prev<k>.jsonl` and start an empty file: its steps are not logged
+        twice and nothing is lost. Returns the new name (None when there was nothing)."""
+        if not self.enabled or not os.path.getsize(self.path):
+            return None
+        stem, ext = os.path.splitext(self.path)
+        k = 1
+        while os.path.exists(f"{stem}.prev{k}{ext}"):
+            k += 1
+        self._file.close()
+        os.replace(self.path, f"{stem}.prev{k}{ext}")
+        self._file = open(self.path, "a", encoding="utf-8")
+        return f"{stem}.prev{k}{ext}"
+
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Append {"step", "time", **metrics} as one flushed line (and to wandb if on)."""
         if not self.enabled:

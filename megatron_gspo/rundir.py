@@ -226,9 +226,10 @@ def claim_run_dir(run_dir: str, job: str, config: dict, resume, is_main: bool):
 
 
 def forget_run(run_dir: str, job: str) -> None:
-    """Undo `record_run` for a run that refused to start before saving anything (its start
-    accuracy outside `train.start_accuracy`): its corrected re-run, e.g. from another
-    init_checkpoint, is then a first start. A run dir holding a checkpoint step keeps its record."""
+    """Undo `record_run` for a first start refused before saving anything (its start accuracy
+    outside `train.start_accuracy`): its corrected re-run, e.g. from another init_checkpoint,
+    is then a first start. Call it only when this start wrote the record (a finished run that
+    saved no checkpoint keeps its own); a run dir holding a checkpoint step keeps it too."""
     if glob.glob(os.path.join(glob.escape(run_dir), "checkpoints", "step_*")):
         return
     for name in (RUN_FILE, f"{job}_config.yaml"):
@@ -236,11 +237,12 @@ def forget_run(run_dir: str, job: str) -> None:
             os.remove(os.path.join(run_dir, name))
 
 
-def record_run(run_dir: str, job: str, config: dict, save_config) -> None:
-    """On first start: write run.json and `{job}_config.yaml` (both are never replaced)."""
+def record_run(run_dir: str, job: str, config: dict, save_config) -> bool:
+    """On first start: write run.json and `{job}_config.yaml` (both are never replaced);
+    returns whether this call wrote the record."""
     record_path = os.path.join(run_dir, RUN_FILE)
     if os.path.isfile(record_path):
-        return
+        return False
     from megatron_gspo.checkpoint import atomic_write
 
     cfg_path = os.path.join(run_dir, f"{job}_config.yaml")
@@ -250,3 +252,4 @@ def record_run(run_dir: str, job: str, config: dict, save_config) -> None:
     record = {"job": job, "fingerprint": fingerprint(semantic), "config": semantic}
     text = json.dumps(record, indent=1, default=str)
     atomic_write(record_path, lambda f: f.write(text.encode()))
+    return True

@@ -58,6 +58,8 @@ class Runtime:
     logger: MetricsLogger
     lock: RunDirLock | None = None
     """Rank 0's hold on run_dir (None on other ranks and for eval)."""
+    first_start: bool = False
+    """This start wrote run_dir's record (rank 0; False on other ranks and when resuming)."""
 
     def close(self) -> None:
         """Close the metrics log and release run_dir."""
@@ -192,8 +194,8 @@ def setup_runtime(cfg: RunConfig, job: str) -> Runtime:
         policy = build_policy(cfg, tokenizer.vocab_size, optim)
         if cfg.init_checkpoint:
             load_init_weights(policy, cfg.init_checkpoint)
-        if writes and info.is_main:
-            record_run(cfg.run_dir, job, config_to_dict(cfg), lambda p: save_config(cfg, p))
+        first = writes and info.is_main and record_run(cfg.run_dir, job, config_to_dict(cfg),
+                                                       lambda p: save_config(cfg, p))
         logger = MetricsLogger(cfg.run_dir, config_to_dict(cfg), wandb_mode=cfg.wandb.mode,
                                project=cfg.wandb.project, name=cfg.wandb.name,
                                enabled=writes and info.is_main)
@@ -201,7 +203,8 @@ def setup_runtime(cfg: RunConfig, job: str) -> Runtime:
         if lock is not None:
             lock.release()
         raise
-    return Runtime(cfg, info, tokenizer, task, train_set, eval_set, policy, logger, lock)
+    return Runtime(cfg, info, tokenizer, task, train_set, eval_set, policy, logger, lock,
+                   first_start=bool(first))
 
 
 def evaluate_runtime(rt: Runtime) -> dict[str, float]:
@@ -371,8 +374,11 @@ def try_resume(rt: Runtime) -> dict | None:
         latest = ckpt.latest_step(root)
     except ValueError as e:  # a `latest` garbled by hand: which step to resume is the user's
         raise ckpt.CheckpointError(f"{e}; write the step to resume from into it") from None
-    if rt.cfg.resume is False or latest is None:
-        rt.logger.drop_after(-1)  # a start from step 0: an earlier attempt saved nothing
+    if rt.cfg.resume is False or latest is None:  # a start from step 0
+        moved = rt.logger.set_aside()  # the rows of an earlier attempt that saved nothing
+        if moved:
+            print(f"{rt.cfg.run_dir} has no checkpoint to resume: starting from step 0; the "
+                  f"metrics logged before are in {moved}", flush=True)
         return None
     layout = (rt.info.tp, rt.info.ep, rt.info.world_size)
     for step in ckpt.resume_candidates(root):

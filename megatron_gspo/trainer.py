@@ -183,7 +183,7 @@ class Trainer:
         try:
             check_start_accuracy(self.cfg, first_eval)
         except AccuracyBandError:
-            if self.rt.info.is_main:
+            if self.rt.first_start:  # not the record of a run finished before (save_every 0)
                 forget_run(self.cfg.run_dir, "train")
             raise
 

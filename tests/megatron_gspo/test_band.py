@@ -208,3 +208,20 @@ def test_a_start_refused_by_the_band_does_not_lock_in_its_config(tmp_path):
     fixed = load_config(None, [*run, "optim.lr=2e-4", "train.start_accuracy=[0,1]"])
     Trainer.from_config(fixed).train()  # another semantic config: was a RunDirError
     assert os.path.exists(tmp_path / RUN_FILE)
+
+
+def test_a_refused_rerun_of_a_finished_run_without_checkpoints_loses_nothing(tmp_path):
+    """A run with train.save_every=0 finishes with no checkpoint; the same command again with
+    a band that refuses its start deleted that run's record (forget_run) and its metrics rows
+    (the start-from-step-0 cleanup). Now the record stays and the rows move aside."""
+    from megatron_gspo.rundir import RUN_FILE
+    from megatron_gspo.trainer import Trainer
+
+    run = [*BASE, f"run_dir={tmp_path}", "train.steps=1", "train.eval_every=0"]
+    Trainer.from_config(load_config(None, run)).train()
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    refused = load_config(None, [*run, "train.start_accuracy=[0.99,1]"])
+    with pytest.raises(AccuracyBandError, match="outside the band"):
+        Trainer.from_config(refused).train()
+    assert (tmp_path / RUN_FILE).exists() and (tmp_path / "train_config.yaml").exists()
+    assert read_jsonl(tmp_path / "metrics.prev1.jsonl") == rows
