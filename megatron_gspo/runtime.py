@@ -406,7 +406,9 @@ def try_resume(rt: Runtime) -> dict | None:
             try:
                 dist_ckpt.load(rt.policy, dist_dir)  # collective; any layout
             except (Exception, CheckpointException) as e:  # resume=force onto another model
-                lines = [ln for ln in str(e).splitlines() if "mismatch" in ln] or [str(e)]
+                lines = [ln for ln in str(e).splitlines() if "mismatch" in ln]
+                if not lines:  # out of memory, I/O, ...: not a model mismatch
+                    raise
                 raise ConfigError(f"{root} holds {_saved_model(state['config']['model'])}, "
                                   f"this run builds {_this_model(rt.policy)}: "
                                   f"{lines[-1].strip()}") from None

@@ -165,6 +165,22 @@ def test_resume_force_onto_another_model_is_one_line(tmp_path, capsys):
     assert "shape mismatch" in err
 
 
+def test_a_resume_that_runs_out_of_memory_is_not_called_another_model(tmp_path, monkeypatch):
+    """Only a shape / key mismatch is 'this run builds another model'; any other failure of the
+    load (out of memory, I/O) keeps its own exception and traceback."""
+    from megatron_gspo import runtime
+
+    run = tmp_path / "run"
+    trainer(run, "train.steps=1").train()
+
+    def oom(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(runtime.dist_ckpt, "load", oom)
+    with pytest.raises(RuntimeError, match="CUDA out of memory"):
+        trainer(run, "train.steps=2")
+
+
 def test_keep_checkpoints_bounds_the_step_dirs_and_the_run_resumes(tmp_path):
     """train.keep_checkpoints=2 with a save every rollout batch: 2 step dirs stay, and a resume
     with another keep (a non-semantic key) continues from the newest."""
