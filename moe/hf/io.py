@@ -63,8 +63,9 @@ class SafetensorsReader:
     def _slice(self, name: str):
         if name not in self.file_of:
             raise KeyError(f"{self.folder}: checkpoint has no tensor {name!r}")
+        handle = self._open(self.file_of[name])  # its own one-line errors (missing, corrupt)
         try:
-            return self._open(self.file_of[name]).get_slice(name)
+            return handle.get_slice(name)
         except Exception as e:  # SafetensorError: the index names a file without this tensor
             raise ValueError(f"{os.path.join(self.folder, self.file_of[name])}: {e} ({INDEX} "
                              "lists it there)") from None

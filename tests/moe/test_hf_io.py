@@ -127,3 +127,13 @@ def test_an_index_that_names_the_wrong_shard_is_a_value_error(tmp_path):
     (tmp_path / INDEX).write_text(json.dumps(index))
     with pytest.raises(ValueError, match=f"{files[0]}: .*t3.*{INDEX} lists it there"):
         SafetensorsReader(str(tmp_path)).read("t3")
+
+
+def test_a_shard_missing_from_an_indexed_folder_is_file_not_found_once(tmp_path):
+    """A shard the index lists but the folder lacks: FileNotFoundError naming it once (it was
+    re-wrapped as a ValueError repeating the path and the index)."""
+    files = write_safetensors(tensors(), str(tmp_path), max_shard_bytes=80)
+    (tmp_path / files[-1]).unlink()
+    with pytest.raises(FileNotFoundError) as err:
+        SafetensorsReader(str(tmp_path)).read("t3")
+    assert str(err.value) == f"{tmp_path / files[-1]} (listed in {INDEX}) does not exist"
