@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import sys
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
@@ -45,11 +46,15 @@ def _copy_tokenizer_files(src: str, out: str, only: tuple | None = None) -> list
 
 def _run_tokenizer(run_dir: str, config: dict, hf_path: str | None) -> str | None:
     """The folder of the tokenizer the run trained with (data.tokenizer_path, else hf_path);
-    a data.tokenizer_path gone since is a FileNotFoundError naming it."""
+    a data.tokenizer_path gone since (or relative to another working directory) falls back to
+    hf_path's, with a warning."""
     path = (config.get("data") or {}).get("tokenizer_path")
     if path and not os.path.isdir(path):
-        raise FileNotFoundError(f"{run_dir} trained with data.tokenizer_path={path}, which does "
-                                "not exist here: export from the folder the run started in")
+        what = f"the tokenizer of {hf_path}" if hf_path else "no tokenizer"
+        print(f"megatron-gspo: warning: {run_dir} trained with data.tokenizer_path={path}, "
+              f"which does not exist here: exporting {what} (export from the folder the run "
+              "started in to include it)", file=sys.stderr)
+        return hf_path
     return path or hf_path
 
 

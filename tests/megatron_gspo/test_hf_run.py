@@ -374,7 +374,8 @@ def test_tokens_added_past_vocab_size_keep_their_rows(single_process, hf_dir, tm
     assert load_hf(str(out))(ids).logits.shape == (1, ids.shape[1], 302)
 
 
-def test_export_writes_the_tokenizer_the_run_trained_with(single_process, hf_dir, tmp_path):
+def test_export_writes_the_tokenizer_the_run_trained_with(single_process, hf_dir, tmp_path,
+                                                          capsys):
     """data.tokenizer_path's files (not the data files beside them) go into the export: a toy
     run with a BPE tokenizer had none, and an hf run with tokens added through its own
     tokenizer folder exported the source's tokenizer, without them."""
@@ -402,9 +403,11 @@ def test_export_writes_the_tokenizer_the_run_trained_with(single_process, hf_dir
     export_run(cfg.run_dir, str(tmp_path / "out"))
     assert json.load(open(tmp_path / "out" / "config.json"))["vocab_size"] == 302
     assert len(AutoTokenizer.from_pretrained(str(tmp_path / "out"))) == 302
-    shutil.rmtree(tok_dir)
-    with pytest.raises(FileNotFoundError, match=rf"data.tokenizer_path={tok_dir}, which does "):
-        export_run(cfg.run_dir, str(tmp_path / "out2"))
+    shutil.rmtree(tok_dir)  # gone since (or relative to another working directory)
+    assert export_run(cfg.run_dir, str(tmp_path / "out2"))["tokenizer"]  # the model folder's
+    assert f"data.tokenizer_path={tok_dir}, which does not exist here: exporting the " \
+        f"tokenizer of {hf_dir}" in capsys.readouterr().err
+    assert len(AutoTokenizer.from_pretrained(str(tmp_path / "out2"))) == 300
 
 
 def test_export_verifies_the_shard_checksums(single_process, tmp_path, capsys):
