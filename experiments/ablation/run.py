@@ -11,7 +11,8 @@ Usage:
 Every arm starts from the same SFT checkpoint and spends the same rollout compute (same prompts
 per batch, group size, response length and number of rollout batches); each rollout batch is split
 into 4 minibatches (4 optimizer steps). Runs land in runs/ablation/<arm>_s<seed> (each starts
-afresh, except an arm a signal stopped, which saved a checkpoint: it resumes); figures and the
+afresh, except an arm holding a checkpoint, which resumes: one a signal stopped, or any under
+`--profile gpu-small`'s periodic saves; a finished one only says so); figures and the
 summary table in experiments/ablation/figures (or --out). `--profile gpu-small` lays
 gpu_small.yaml over every command's config (as dotted overrides) and writes to
 runs/ablation_gpu_small and experiments/ablation/figures_gpu_small.
