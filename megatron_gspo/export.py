@@ -113,11 +113,10 @@ def export_run(run_dir: str, out: str, hf_path: str | None = None,
         try:
             full = dist_ckpt.full_params(os.path.join(step_dir, "dist"), preset)
         except (Exception, CheckpointException) as e:  # shapes of another model (--hf-path)
-            lines = [ln for ln in str(e).splitlines() if "mismatch" in ln]
-            if not lines:  # out of memory, I/O, ...: not a model mismatch
+            if (line := dist_ckpt.mismatch_line(e)) is None:  # out of memory, I/O, ...
                 raise
             raise ValueError(f"{run_dir}: its checkpoint is not the model of "
-                             f"{hf_path or model_cfg['preset']}: {lines[-1].strip()}") from None
+                             f"{hf_path or model_cfg['preset']}: {line}") from None
     elif "full_params" in state:  # written before dist checkpoints
         full = state["full_params"]
     else:

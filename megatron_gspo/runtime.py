@@ -335,9 +335,9 @@ def load_init_weights(policy: MoEPolicy, path: str) -> None:
             dist_ckpt.load(policy, dist_dir, optimizer=False)  # collective
         except (Exception, CheckpointException) as e:  # shape / key mismatch: another model
             saved = ckpt.load_checkpoint(step_dir, rank=0).get("config", {}).get("model", {})
-            lines = [ln for ln in str(e).splitlines() if "mismatch" in ln] or [str(e)]
+            line = dist_ckpt.mismatch_line(e) or str(e).strip()
             raise ConfigError(f"init_checkpoint={path} holds {_saved_model(saved)}, this run "
-                              f"builds {_this_model(policy)}: {lines[-1].strip()}") from None
+                              f"builds {_this_model(policy)}: {line}") from None
         return
     state = ckpt.load_checkpoint(step_dir, rank=0)
     if "full_params" not in state:
@@ -406,12 +406,10 @@ def try_resume(rt: Runtime) -> dict | None:
             try:
                 dist_ckpt.load(rt.policy, dist_dir)  # collective; any layout
             except (Exception, CheckpointException) as e:  # resume=force onto another model
-                lines = [ln for ln in str(e).splitlines() if "mismatch" in ln]
-                if not lines:  # out of memory, I/O, ...: not a model mismatch
+                if (line := dist_ckpt.mismatch_line(e)) is None:  # out of memory, I/O, ...
                     raise
                 raise ConfigError(f"{root} holds {_saved_model(state['config']['model'])}, "
-                                  f"this run builds {_this_model(rt.policy)}: "
-                                  f"{lines[-1].strip()}") from None
+                                  f"this run builds {_this_model(rt.policy)}: {line}") from None
         elif same_layout:  # written before dist checkpoints: the policy is in the rank files
             rt.policy.load_state_dict(state["policy"])
         else:

@@ -131,6 +131,13 @@ def save(policy, directory: str) -> None:
     _barrier()
 
 
+def mismatch_line(error: BaseException) -> str | None:
+    """The last shape / key mismatch line of a failed `load` / `full_params` (the checkpoint is
+    another model's), or None when the failure is something else (out of memory, I/O)."""
+    lines = [ln.strip() for ln in str(error).splitlines() if "mismatch" in ln]
+    return lines[-1] if lines else None
+
+
 def load(policy, directory: str, optimizer: bool = True) -> None:
     """Load `directory` into `policy`, whatever layout saved it (see the module docstring).
 
