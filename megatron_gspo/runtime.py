@@ -334,8 +334,9 @@ def load_init_weights(policy: MoEPolicy, path: str) -> None:
         try:
             dist_ckpt.load(policy, dist_dir, optimizer=False)  # collective
         except (Exception, CheckpointException) as e:  # shape / key mismatch: another model
+            if (line := dist_ckpt.mismatch_line(e)) is None:  # out of memory, I/O, ...
+                raise
             saved = ckpt.load_checkpoint(step_dir, rank=0).get("config", {}).get("model", {})
-            line = dist_ckpt.mismatch_line(e) or str(e).strip()
             raise ConfigError(f"init_checkpoint={path} holds {_saved_model(saved)}, this run "
                               f"builds {_this_model(policy)}: {line}") from None
         return

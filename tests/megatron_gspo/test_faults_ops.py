@@ -179,6 +179,8 @@ def test_a_resume_that_runs_out_of_memory_is_not_called_another_model(tmp_path, 
     monkeypatch.setattr(runtime.dist_ckpt, "load", oom)
     with pytest.raises(RuntimeError, match="CUDA out of memory"):
         trainer(run, "train.steps=2")
+    with pytest.raises(RuntimeError, match="CUDA out of memory"):  # the same from init_checkpoint
+        trainer(tmp_path / "other", f"init_checkpoint={run}")
 
 
 def test_keep_checkpoints_bounds_the_step_dirs_and_the_run_resumes(tmp_path):
