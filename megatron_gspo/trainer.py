@@ -358,8 +358,8 @@ class Trainer:
 
     def check_weights(self, iteration: int) -> None:
         """FloatingPointError once an update has left a weight NaN / inf (every rank agrees)."""
-        if not all_ranks(all(bool(p.isfinite().all())
-                             for p in self.policy.model.module.parameters())):
+        finite = torch.stack([p.isfinite().all() for p in self.policy.model.module.parameters()])
+        if not all_ranks(bool(finite.all())):  # one device sync, not one per parameter
             raise FloatingPointError(
                 f"the policy's weights are not finite after rollout batch {iteration} "
                 f"(optimizer step {self.state.opt_step}; lr too high?); not saved: checkpoints "
