@@ -7,8 +7,9 @@ A run started from `model.hf_path` exports that architecture with the source fol
 config.json keys (token ids, ...), its tokenizer files, chat template and generation config; a
 toy run exports its preset as a `qwen3_moe` config. The tokenizer written is the one the run
 trained with: `data.tokenizer_path`'s files when set (over the source folder's), else the source
-folder's; the character tokenizer has no Hugging Face files, so none are written. `transformers.AutoModelForCausalLM.from_pretrained(OUT)` loads the
-result (tests/moe/test_hf.py). OUT must be new or empty: nothing is overwritten.
+folder's; the character tokenizer has no Hugging Face files, so none are written.
+`transformers.AutoModelForCausalLM.from_pretrained(OUT)` loads the result (tests/moe/test_hf.py).
+OUT must be new or empty: nothing is overwritten.
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ event delivered twice: torchrun forwards a SIGTERM to its workers that a schedul
 every process of the job has sent them too; exiting at that second copy lost the checkpoint
 (measured: SIGTERM to torchrun, then 0.3 s later to its two EP workers: no checkpoint before,
 one after). Under torchrun the save must end within its `--shutdown-timeout` (torch 2.13: 30 s
-by default), after which it SIGKILLs the workers. Ranks may receive
-the signal at different moments: `requested()` all-reduces it (MAX), so every rank stops after
-the same step. SIGHUP is left alone where it is ignored already (`nohup`).
+by default), after which it SIGKILLs the workers. Ranks may receive the signal at different
+moments: `requested()` all-reduces it (MAX), so every rank stops after the same step. SIGHUP is
+left alone where it is ignored already (`nohup`).
 """
 
 from __future__ import annotations

@@ -33,9 +33,9 @@ RUN_FILE = "run.json"
 LOCK_FILE = ".lock"
 # Keys that may change when a run is resumed (dotted prefixes of config_to_dict's keys).
 NON_SEMANTIC = ("run_dir", "resume", "wandb", "train.steps", "train.eval_every",
-                "train.save_every", "train.keep_checkpoints", "train.log_every", "train.flip_every", "sft.steps",
-                "sft.eval_every", "sft.target_accuracy", "train.start_accuracy",
-                "model.dist_timeout_min", "train.logprob_max_tokens",
+                "train.save_every", "train.keep_checkpoints", "train.log_every",
+                "train.flip_every", "sft.steps", "sft.eval_every", "sft.target_accuracy",
+                "train.start_accuracy", "model.dist_timeout_min", "train.logprob_max_tokens",
                 "model.recompute_granularity", "model.recompute_modules")
 # Sections a job does not read, so they may differ too.
 UNUSED_BY_JOB = {"train": ("sft",), "sft": ("train", "loss", "rollout")}
