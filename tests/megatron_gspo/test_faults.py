@@ -332,6 +332,14 @@ def test_first_signal_arms_the_default_action_for_the_other_and_filters_its_copy
         signal.signal(signal.SIGINT, before[0])
 
 
+def _python(code: str, *args: str) -> subprocess.CompletedProcess:
+    """`code` run by a fresh interpreter in the repository root (signals there cannot reach
+    pytest)."""
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          timeout=60,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+
+
 _SIGNAL_TWICE = """
 import os, signal, sys, time
 from megatron_gspo import preempt
@@ -351,12 +359,7 @@ def test_a_repeat_of_the_first_signal_exits_at_once_only_after_the_duplicate_win
     """torchrun forwards a SIGTERM its workers got already (a scheduler that signals every
     process of the job): that copy used to kill the worker before it saved. A repeat
     DUPLICATE_S (2 s) or more after the first still exits at once."""
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "-c", _SIGNAL_TWICE, str(later_s)],
-                          capture_output=True, text=True, timeout=60,
-                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    proc = _python(_SIGNAL_TWICE, str(later_s))
     if survives:
         assert proc.returncode == 0 and f"saved {int(signal.SIGTERM)}" in proc.stdout, proc
     else:
@@ -472,12 +475,7 @@ with preempt.Preemption() as stop:
 def test_a_closed_terminal_saves_and_nohup_stays_ignored(mode):
     """SIGHUP (an ssh session or terminal gone) ended a run without a checkpoint; it now stops
     it like SIGTERM. Under nohup SIGHUP stays ignored: the run goes on."""
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "-c", _HANGUP, mode], capture_output=True, text=True,
-                          timeout=60,
-                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    proc = _python(_HANGUP, mode)
     lines = [ln for ln in proc.stdout.splitlines() if ln]
     want = ["handler True", "SIGHUP received: stopping after this step and saving a checkpoint "
             "(send it again to exit at once)", "saved 1"] if mode == "terminal" else \
