@@ -145,8 +145,12 @@ def _notice_local_spec_on_gpu() -> None:
 
 def transformer_config(preset: MoEPreset, layout: ParallelLayout = ParallelLayout(), *,
                        dtype: torch.dtype = torch.float32, aux_loss_coeff: float = 0.0,
-                       routing_replay: bool = True, recompute: Recompute = Recompute()):
-    """The megatron `TransformerConfig` for a preset and a parallel layout."""
+                       routing_replay: bool = True, recompute: Recompute = Recompute(),
+                       inference_graphs: bool = False):
+    """The megatron `TransformerConfig` for a preset and a parallel layout. `inference_graphs`:
+    megatron's own CUDA graphs (`cuda_graph_impl='local'`) at block scope, which its dynamic
+    inference engine replays for decode steps only (`moe.engine`); training forwards stay eager
+    (block-scope graphs run only in inference mode with an inference context)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     preset.check_parallel(layout.tp, layout.ep)
@@ -197,6 +201,8 @@ def transformer_config(preset: MoEPreset, layout: ParallelLayout = ParallelLayou
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         **recompute.config_kwargs(),
+        **(dict(cuda_graph_impl="local", inference_cuda_graph_scope="block")
+           if inference_graphs else {}),
     )
 
 
@@ -241,7 +247,8 @@ def _respec(spec, module=None, submodules=None):
 def build_gpt_moe(preset: MoEPreset, layout: ParallelLayout = ParallelLayout(), *, seed: int = 0,
                   dtype: torch.dtype = torch.float32, aux_loss_coeff: float = 0.0,
                   routing_replay: bool = True, recompute: Recompute = Recompute(),
-                  grouped_experts: bool = True, sdpa_attention: bool = True):
+                  grouped_experts: bool = True, sdpa_attention: bool = True,
+                  inference_graphs: bool = False):
     """Build the (sharded) MoE GPTModel. Call `moe.parallel.init_parallel` first.
 
     `routing_replay=True` gives every router a megatron `RouterReplay`; idle (no action set) it
@@ -262,7 +269,8 @@ def build_gpt_moe(preset: MoEPreset, layout: ParallelLayout = ParallelLayout(), 
     from moe.dispatch import install_sync_free_dispatch
 
     config = transformer_config(preset, layout, dtype=dtype, aux_loss_coeff=aux_loss_coeff,
-                                routing_replay=routing_replay, recompute=recompute)
+                                routing_replay=routing_replay, recompute=recompute,
+                                inference_graphs=inference_graphs)
     spec = _layer_spec(preset, grouped_experts, sdpa_attention)
     # megatron's RouterReplay matches replay data to layers through a class-level list filled in
     # construction order: a model built earlier in this process (reference model, a test) would

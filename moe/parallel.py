@@ -63,12 +63,14 @@ def _init_process_group(timeout_min: float) -> None:
 
 
 def init_parallel(tp: int = 1, ep: int = 1, seed: int = 0,
-                  timeout_min: float = 10.0) -> ParallelInfo:
+                  timeout_min: float = 10.0, cudagraph_rng: bool = False) -> ParallelInfo:
     """Initialise torch.distributed and megatron's parallel state; idempotent per layout.
 
     `timeout_min` bounds every collective of the world and megatron's groups (it takes effect
     when the groups are created: the world group on the first call, megatron's groups on the
-    first call and on a layout change)."""
+    first call and on a layout change). `cudagraph_rng`: megatron's graph-safe CUDA RNG
+    tracker, which models built with CUDA graphs (`moe.model.build_gpt_moe(inference_graphs=
+    True)`) require."""
     apply_cpu_patches()
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -96,7 +98,8 @@ def init_parallel(tp: int = 1, ep: int = 1, seed: int = 0,
     # Without CUDA there is no CUDA RNG to track: megatron's inference tracker makes `fork()` a
     # no-op, so weights come from the CPU generator (we init on CPU and shard the master weight).
     model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not cuda_available(),
-                                    force_reset_rng=True)
+                                    force_reset_rng=True,
+                                    **({"use_cudagraphable_rng": True} if cudagraph_rng else {}))
     torch.manual_seed(seed)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda_available() \
         else torch.device("cpu")

@@ -73,11 +73,13 @@ class MoEPolicy:
               dtype: torch.dtype = torch.float32, aux_loss_coeff: float = 0.0,
               optim: OptimSettings | None = OptimSettings(),
               recompute: Recompute = Recompute(),
-              sdpa_attention: bool = True, decoder: str = "lean") -> "MoEPolicy":
+              sdpa_attention: bool = True, decoder: str = "lean",
+              inference_graphs: bool = False) -> "MoEPolicy":
         """The GPTModel wrapped in megatron DDP, with megatron's Adam (`moe.optim`; None: no
         optimizer). 16-bit `dtype` trains with fp32 main grads and fp32 master weights.
         `sdpa_attention`: core attention as `moe.attention.SDPAAttention` (local spec);
-        `decoder`: the sampler's KV-cache step, "lean" (`moe.decode`) or "megatron"."""
+        `decoder`: the sampler's KV-cache step, "lean" (`moe.decode`) or "megatron";
+        `inference_graphs`: CUDA graphs for megatron's dynamic engine (`moe.engine`)."""
         apply_cpu_patches()
         from megatron.core.distributed import DistributedDataParallel, \
             DistributedDataParallelConfig
@@ -86,8 +88,8 @@ class MoEPolicy:
             raise ValueError(f"tokenizer vocab {real_vocab} exceeds preset {preset.name!r} "
                              f"vocab_size={preset.vocab_size}")
         gpt = build_gpt_moe(preset, layout, seed=seed, dtype=dtype, aux_loss_coeff=aux_loss_coeff,
-                            sdpa_attention=sdpa_attention,
-                            recompute=recompute)
+                            sdpa_attention=sdpa_attention, recompute=recompute,
+                            inference_graphs=inference_graphs)
         model = DistributedDataParallel(gpt.config, DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, bucket_size=None,
             use_distributed_optimizer=optim is not None and optim.distributed), gpt)
