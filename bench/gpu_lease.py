@@ -1,0 +1,374 @@
+"""GPU figures at Qwen3-30B-A3B's layer shapes: a train step, and rollouts from the lean decoder
+and from megatron-core's dynamic engine, with the engine's routing against the trainer's.
+
+    python -m bench.gpu_lease train   --out DIR   # tokens/s, MFU, peak memory at 1k-4k tokens
+    python -m bench.gpu_lease profile --out DIR   # torch.profiler table of one train step
+    python -m bench.gpu_lease rollout --out DIR --backend lean
+    python -m bench.gpu_lease rollout --out DIR --backend megatron_engine [--cuda-graphs]
+    python -m bench.gpu_lease report  --out DIR   # DIR/*.json -> DIR/README.md tables
+
+Each stage writes DIR/<stage>[_<backend>].json; `report` renders every JSON there as markdown.
+The model: `qwen3-30b-a3b` cut to `--layers` layers (hidden 2048, 32 / 4 heads of 128, 128
+experts top-8 of FFN 768, vocab 151,936), bf16 weights with fp32 masters, random init.
+MFU = 6 x N x tokens / time / peak, N the parameters one token multiplies (the active
+parameters less the input embedding, a lookup); `mfu_attn` adds attention's score and value
+matmuls (`MoEPreset.flops_per_token`). Peak: the H100 SXM's dense bf16 989 TFLOP/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import json
+import os
+import sys
+import time
+
+import torch
+
+PEAK_TFLOPS = 989.0
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def preset(name: str, layers: int, max_len: int):
+    from moe.presets import get_preset
+
+    return dataclasses.replace(get_preset(name), num_layers=layers, max_seq_len=max_len)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def build(args, max_len: int, optim: bool, inference_graphs: bool = False):
+    """The policy (megatron DDP + Adam when `optim`) on the GPU, one process."""
+    from moe.model import ParallelLayout
+    from moe.parallel import init_parallel
+    from moe.policy import MoEPolicy, OptimSettings
+
+    init_parallel(tp=1, ep=1, seed=args.seed, cudagraph_rng=inference_graphs)
+    p = preset(args.preset, args.layers, max_len)
+    t0 = time.perf_counter()
+    policy = MoEPolicy.build(p, ParallelLayout(), real_vocab=p.vocab_size, seed=args.seed,
+                             dtype=torch.bfloat16,
+                             optim=OptimSettings(lr=1e-6) if optim else None,
+                             inference_graphs=inference_graphs)
+    print(f"built {p.name} x{args.layers} layers in {time.perf_counter() - t0:.1f} s",
+          flush=True)
+    return policy, p
+
+
+def train_step(policy, tokens_BT, valid_BT) -> None:
+    policy.zero_grad()
+    logp_BT = policy.token_logprobs(tokens_BT, valid_BT)
+    policy.backward(-logp_BT[:, 1:].mean())
+    policy.step()
+
+
+def timed(fn, iterations: int, warmup: int) -> float:
+    """Median seconds of `fn()` over `iterations` after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(iterations):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def matmul_params(p) -> int:
+    return p.num_params()["active"] - p.vocab_size * p.hidden_size
+
+
+def stage_train(args) -> dict:
+    lengths = [int(x) for x in args.lengths.split(",")]
+    policy, p = build(args, max(lengths), optim=True)
+    rows = []
+    for T in lengths:
+        B = max(1, args.tokens // T)
+        tokens_BT = torch.randint(0, p.vocab_size, (B, T), device=DEVICE)
+        valid_BT = torch.ones(B, T, dtype=torch.bool, device=DEVICE)
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            s = timed(lambda: train_step(policy, tokens_BT, valid_BT), args.iterations,
+                      args.warmup)
+        except torch.OutOfMemoryError as e:
+            rows.append({"B": B, "T": T, "error": str(e).splitlines()[0]})
+            continue
+        n = B * T
+        flops_6n = 6 * matmul_params(p) * n
+        flops_attn = 3 * p.flops_per_token(T) * n
+        rows.append({"B": B, "T": T, "step_s": s, "tokens_per_s": n / s,
+                     "mfu": flops_6n / s / (PEAK_TFLOPS * 1e12),
+                     "mfu_attn": flops_attn / s / (PEAK_TFLOPS * 1e12),
+                     "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30
+                     if torch.cuda.is_available() else float("nan")})
+        print(json.dumps(rows[-1]), flush=True)
+    out = {"layers": args.layers, "matmul_params": matmul_params(p), "rows": rows}
+    if args.top:
+        T = lengths[len(lengths) // 2]
+        tokens_BT = torch.randint(0, p.vocab_size, (max(1, args.tokens // T), T), device=DEVICE)
+        out["profile"] = profile_step(policy, tokens_BT, torch.ones_like(tokens_BT, dtype=torch.bool),
+                                      args.top)
+    return out
+
+
+def profile_step(policy, tokens_BT, valid_BT, top: int) -> dict:
+    """torch.profiler's `top` ops by GPU time of one train step (after two untimed)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        train_step(policy, tokens_BT, valid_BT)
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        train_step(policy, tokens_BT, valid_BT)
+        sync()
+    # torch ops only, each credited with the kernels it launched itself (`self_device_time`):
+    # kernel rows and record_function ranges would count the same GPU time again
+    ops = [e for e in prof.key_averages() if e.device_type == DeviceType.CPU
+           and "#" not in e.key and not e.key.startswith("ProfilerStep")]
+    total = sum(e.self_device_time_total for e in ops) or 1.0
+    ranked = sorted(ops, key=lambda e: e.self_device_time_total, reverse=True)[:top]
+    rows = [{"op": e.key[:60], "calls": e.count, "gpu_ms": e.self_device_time_total / 1e3,
+             "share": e.self_device_time_total / total} for e in ranked]
+    return {"B": tokens_BT.shape[0], "T": tokens_BT.shape[1], "gpu_ms_total": total / 1e3,
+            "rows": rows}
+
+
+class _IdTokenizer:
+    """`megatron_gspo.rollout.sample`'s tokenizer interface over fixed prompt ids."""
+
+    bos_id, pad_id, stop_ids = None, 0, {-1}
+
+    def __init__(self, prompts_ids):
+        self.prompts_ids = prompts_ids
+
+    def encode(self, key: str) -> list[int]:
+        return self.prompts_ids[int(key)]
+
+
+def prompts(args, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(args.seed)
+    return [torch.randint(1, vocab, (args.prompt_len,), generator=g).tolist()
+            for _ in range(args.batch)]
+
+
+def trainer_routing(policy, tokens_BT, valid_BT):
+    """The trainer's recompute: routing of every valid token and the token log-probs."""
+    from moe.replay import current_routing
+
+    with torch.no_grad():
+        logp_BT, cache = current_routing(policy, tokens_BT, valid_BT,
+                                         n_chunks=min(4, tokens_BT.shape[0]))
+    return logp_BT.cpu(), cache
+
+
+def mismatch(policy, tokens_BT, valid_BT, response_BT, logp_BT, routing) -> dict:
+    """Engine (or sampler) vs trainer recompute on the same tokens: routing per layer and
+    log-prob difference on the response tokens."""
+    from moe.engine import routing_mismatch
+
+    train_logp_BT, cache = trainer_routing(policy, tokens_BT, valid_BT)
+    resp = response_BT.bool()
+    diff = (train_logp_BT[resp] - logp_BT[resp]).abs()
+    out = {"logp_abs_diff_mean": float(diff.mean()), "logp_abs_diff_max": float(diff.max())}
+    if routing is not None:
+        # the last valid token of each row carries filler routing: compare the others
+        last_BT = torch.zeros_like(valid_BT)
+        last_BT[torch.arange(valid_BT.shape[0]), valid_BT.long().cumsum(1).argmax(1)] = True
+        keep_N = ~last_BT[valid_BT]
+        out.update(routing_mismatch(routing.ids_NLK[keep_N], cache.ids_NLK[keep_N]))
+    return out
+
+
+BACKENDS = ("lean", "megatron_engine", "megatron_engine_graphs")
+
+
+def sampler_run(args, policy, p, backend: str, ids, max_len: int):
+    """(function of max_new_tokens sampling one batch in the trainer's layout, set-up s)."""
+    if backend == "lean":
+        from megatron_gspo.rollout import sample
+
+        tok, keys = _IdTokenizer(ids), [str(i) for i in range(len(ids))]
+        return (lambda n: sample(policy, tok, keys, max_new_tokens=n,
+                                 generator=torch.Generator().manual_seed(args.seed),
+                                 record_routing=args.routing)), 0.0
+    from moe.engine import EngineSampler, to_batch
+
+    t0 = time.perf_counter()
+    sampler = EngineSampler(policy, max_requests=args.batch, max_seq_len=max_len,
+                            cuda_graphs=backend.endswith("_graphs"))
+    setup_s = time.perf_counter() - t0
+    return (lambda n: to_batch(sampler.generate(ids, max_new_tokens=n), 0, p.num_experts)), \
+        setup_s
+
+
+def stage_rollout(args, save) -> dict:
+    """Each backend in turn on one model (built with megatron's inference graphs when a backend
+    replays them; only the engine's graphed decode steps use them); `save(result)` after each."""
+    max_len = args.prompt_len + args.new_tokens
+    backends = args.backends.split(",")
+    result = {"B": args.batch, "prompt": args.prompt_len, "new_tokens": args.new_tokens,
+              "backends": {}}
+    try:
+        policy, p = build(args, max_len, optim=False,
+                          inference_graphs="megatron_engine_graphs" in backends)
+    except Exception as e:  # megatron's graph config refused: the other backends still run
+        import traceback
+
+        traceback.print_exc()
+        result["backends"]["megatron_engine_graphs"] = {
+            "error": f"model build: {type(e).__name__}: {e}".splitlines()[0][:300]}
+        backends = [b for b in backends if b != "megatron_engine_graphs"]
+        policy, p = build(args, max_len, optim=False)
+    ids = prompts(args, p.vocab_size)
+    for backend in backends:
+        row = result["backends"][backend] = {}
+        try:
+            run, row["setup_s"] = sampler_run(args, policy, p, backend, ids, max_len)
+            run(min(8, args.new_tokens))  # warm-up: allocator, kernels, lazy tables
+            sync()
+            t0 = time.perf_counter()
+            tokens_BT, valid_BT, response_BT, logp_BT, routing = run(args.new_tokens)
+            sync()
+            row["seconds"] = time.perf_counter() - t0
+            row["tokens_per_s"] = int(response_BT.sum()) / row["seconds"]
+            print(backend, json.dumps(row), flush=True)
+            if args.routing:
+                row["vs_trainer"] = mismatch(policy, tokens_BT, valid_BT, response_BT, logp_BT,
+                                             routing)
+                print(backend, json.dumps(row["vs_trainer"]), flush=True)
+        except Exception as e:  # the next backend still runs
+            import traceback
+
+            traceback.print_exc()
+            row["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        save(result)
+    return result
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _train_lines(r: dict) -> list[str]:
+    lines = [f"{r['layers']} layers, {r['matmul_params'] / 1e6:.0f} M matmul parameters per "
+             "token\n", "| B x T | step s | tokens/s | MFU (6N) | MFU with attention | "
+             "peak GiB |", "| --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {x['B']} x {x['T']} | " + (f"{x['error']} |" if "error" in x else
+              f"{x['step_s']:.3f} | {x['tokens_per_s']:,.0f} | {x['mfu']:.1%} | "
+              f"{x['mfu_attn']:.1%} | {x['peak_gib']:.1f} |") for x in r["rows"]]
+    if "profile" in r:
+        pr = r["profile"]
+        lines += ["", f"torch.profiler, one step at {pr['B']} x {pr['T']}: "
+                  f"{pr['gpu_ms_total']:.1f} ms of GPU time\n", "| op | calls | GPU ms | share |",
+                  "| --- | --- | --- | --- |"]
+        lines += [f"| `{x['op']}` | {x['calls']} | {x['gpu_ms']:.1f} | {x['share']:.1%} |"
+                  for x in pr["rows"]]
+    return lines
+
+
+def _rollout_lines(r: dict) -> list[str]:
+    lines = [f"{r['B']} sequences x {r['new_tokens']} new tokens after {r['prompt']}-token "
+             "prompts\n", "| backend | set-up s | sampling s | new tokens/s | vs lean |",
+             "| --- | --- | --- | --- | --- |"]
+    lean = r["backends"].get("lean", {}).get("tokens_per_s")
+    for name, x in r["backends"].items():
+        if "error" in x:
+            lines.append(f"| {name} | did not run: `{x['error']}` | | | |")
+            continue
+        ratio = f"{x['tokens_per_s'] / lean:.2f}x" if lean else "-"
+        lines.append(f"| {name} | {x['setup_s']:.1f} | {x['seconds']:.2f} | "
+                     f"{x['tokens_per_s']:,.0f} | {ratio} |")
+    for name, x in r["backends"].items():
+        v = x.get("vs_trainer")
+        if not v:
+            continue
+        lines.append(f"\n{name} vs the trainer's recompute of the same tokens: |log-prob "
+                     f"difference| mean {v['logp_abs_diff_mean']:.3g}, max "
+                     f"{v['logp_abs_diff_max']:.3g}")
+        if "set" in v:
+            lines += [f"; tokens whose top-k differs in at least one layer: {v['any_layer']:.1%}"
+                      "\n", "| layer | top-k set differs | expert activations differ |",
+                      "| --- | --- | --- |"]
+            lines += [f"| {i:02d} | {a:.2%} | {b:.2%} |"
+                      for i, (a, b) in enumerate(zip(v["set"], v["expert"]))]
+    return lines
+
+
+def report(out_dir: str) -> str:
+    """Markdown of every stage JSON in `out_dir` (train.json, rollout.json)."""
+    lines = []
+    for name, render in (("train", _train_lines), ("rollout", _rollout_lines)):
+        path = os.path.join(out_dir, name + ".json")
+        if not os.path.exists(path):
+            lines += [f"### {name}\n", "not run\n"]
+            continue
+        with open(path) as f:
+            r = json.load(f)
+        lines += [f"### {name} ({r.get('device', '?')})\n"]
+        lines += [f"did not run: `{r['error']}`"] if "error" in r else render(r)
+        lines.append("")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("stage", choices=["train", "rollout", "report"])
+    ap.add_argument("--out", required=True, help="folder for <stage>.json and README.md")
+    ap.add_argument("--preset", default="qwen3-30b-a3b", help="model preset (CPU dry runs: a "
+                    "tiny one)")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lengths", default="1024,2048,4096", help="train: sequence lengths")
+    ap.add_argument("--tokens", type=int, default=8192, help="train: tokens per step")
+    ap.add_argument("--iterations", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--top", type=int, default=12, help="train: profile rows (0: no profile)")
+    ap.add_argument("--backends", default=",".join(BACKENDS), help="rollout: comma list of "
+                    + ", ".join(BACKENDS))
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=512)
+    ap.add_argument("--routing", action=argparse.BooleanOptionalAction, default=True,
+                    help="rollout: record routing and compare with the trainer's")
+    args = ap.parse_args(argv)
+    bad = [b for b in args.backends.split(",") if b not in BACKENDS]
+    if bad:
+        ap.error(f"--backends={args.backends!r}: unknown {bad}; expected some of {BACKENDS}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    if args.stage == "report":
+        with open(os.path.join(args.out, "README.md"), "w") as f:
+            f.write(report(args.out))
+        return 0
+    path = os.path.join(args.out, args.stage + ".json")
+
+    def save(result: dict) -> None:
+        with open(path, "w") as f:
+            json.dump({**result, "device": torch.cuda.get_device_name()
+                       if torch.cuda.is_available() else "cpu"}, f, indent=1)
+
+    try:
+        result = stage_train(args) if args.stage == "train" else stage_rollout(args, save)
+    except Exception as e:  # recorded, so the report says what did not run and why
+        import traceback
+
+        traceback.print_exc()
+        result = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
+    save(result)
+    return 1 if "error" in result else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
