@@ -1,0 +1,108 @@
+"""Regenerate experiments/gpu/README.md from the JSON a GPU lease wrote (results/).
+
+    python -m experiments.gpu.report            # after copying $OUT/*.json, env.txt here
+
+Every figure in the README comes from results/*.json and results/env.txt; the goals' verdicts
+are computed here from them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from bench.gpu_lease import _rollout_lines, _train_lines
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+GOAL_MFU, GOAL_ENGINE = 0.30, 10.0
+
+HEADER = """# GPU: a train step and rollouts at Qwen3-30B-A3B's layer shapes
+
+**Question.** On one GPU, how fast does the trainer step at real layer shapes (hidden 2048,
+32 / 4 heads of 128, 128 experts top-8 of FFN 768, vocab 151,936; 2 layers, bf16 with fp32
+masters), how fast do rollouts come from the lean decoder and from megatron-core's dynamic
+inference engine (`moe.engine`), and how often does the engine's routing disagree with the
+trainer's recompute of the same tokens, per layer (the mismatch R3 removes)?
+
+**Command** (one device call, about 6 minutes; `.whl/` holds megatron-core's wheel for the
+GPU machine's Python 3.12):
+
+    bash bench/gpu_session.sh                   # env rollout train tests report -> $OUT
+    cp $OUT/*.json $OUT/env.txt $OUT/tests.log experiments/gpu/results/
+    python -m experiments.gpu.report            # this README
+
+"""
+
+
+def read(name: str):
+    path = os.path.join(HERE, "results", name)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f) if name.endswith(".json") else f.read()
+
+
+def verdicts(train, rollout) -> list[str]:
+    """The two goals, met or not, from the figures."""
+    out = []
+    if train and "rows" in train:
+        best = max((r for r in train["rows"] if "mfu" in r), key=lambda r: r["mfu"], default=None)
+        if best:
+            ok = "met" if best["mfu"] >= GOAL_MFU else "not met"
+            top = ", ".join(f"`{r['op']}` {r['share']:.0%}"
+                            for r in train.get("profile", {}).get("rows", [])[:3])
+            out.append(f"- Train MFU goal ({GOAL_MFU:.0%}): {ok}; best {best['mfu']:.1%} at "
+                       f"{best['B']} x {best['T']}. Top three GPU costs of a step: {top}.")
+    if rollout and "backends" in rollout:
+        b = rollout["backends"]
+        lean = b.get("lean", {}).get("tokens_per_s")
+        for name in ("megatron_engine_graphs", "megatron_engine"):
+            if lean and "tokens_per_s" in b.get(name, {}):
+                ratio = b[name]["tokens_per_s"] / lean
+                ok = "met" if ratio >= GOAL_ENGINE else "not met"
+                out.append(f"- Engine goal ({GOAL_ENGINE:.0f}x the lean decoder's tokens/s at "
+                           f"{rollout['B']} x {rollout['new_tokens']}): {ok}; `{name}` "
+                           f"{ratio:.2f}x in this run.")
+                break
+    return out
+
+
+def render() -> str:
+    env, train, rollout = read("env.txt"), read("train.json"), read("rollout.json")
+    tests = read("tests.log")
+    lines = [HEADER, "## Where it ran\n"]
+    lines += [f"    {line}" for line in (env or "not run\n").strip().splitlines()]
+    if tests:
+        summary = [line for line in tests.splitlines() if " passed" in line or " failed" in line]
+        lines += ["", f"GPU tests (`pytest -m gpu`): {summary[-1] if summary else 'no summary'}"]
+    lines += ["", "## Goals", "", *verdicts(train, rollout), ""]
+    for name, r, render_fn in (("Train step", train, _train_lines),
+                               ("Rollouts", rollout, _rollout_lines)):
+        lines += [f"## {name}" + (f" ({r.get('device', '?')})" if r else ""), ""]
+        if r is None:
+            lines.append("not run")
+        elif "error" in r:
+            lines.append(f"did not run: `{r['error']}`")
+        else:
+            lines += render_fn(r)
+        lines.append("")
+    lines += ["## What it means", "",
+              "The engine samples the policy's own GPTModel (no weight copy) and records every "
+              "MoE layer's top-k per token; its attention runs through `moe.paged_attention` "
+              "(plain torch over the paged cache) because no flash-attn wheel fits beside this "
+              "machine's CUDA 13 torch. The mismatch tables compare, on the same sampled tokens, "
+              "the sampler's routing and log-probs with the trainer's full-sequence bf16 "
+              "recompute: what R3 (`train.routing_replay=r3`) replays away. The last token of "
+              "each row is left out (its routing is never computed by a sampler).", ""]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    with open(os.path.join(HERE, "README.md"), "w") as f:
+        f.write(render())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
