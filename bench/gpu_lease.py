@@ -143,7 +143,7 @@ def profile_step(policy, tokens_BT, valid_BT, top: int) -> dict:
 
 
 class _IdTokenizer:
-    """`megatron_gspo.rollout.sample`'s tokenizer interface over fixed prompt ids."""
+    """`megatron_gspo.rollout.generate.sample`'s tokenizer interface over fixed prompt ids."""
 
     bos_id, pad_id, stop_ids = None, 0, {-1}
 
@@ -194,7 +194,7 @@ BACKENDS = ("lean", "megatron_engine", "megatron_engine_graphs")
 def sampler_run(args, policy, p, backend: str, ids, max_len: int):
     """(function of max_new_tokens sampling one batch in the trainer's layout, set-up s)."""
     if backend == "lean":
-        from megatron_gspo.rollout import sample
+        from megatron_gspo.rollout.generate import sample
 
         tok, keys = _IdTokenizer(ids), [str(i) for i in range(len(ids))]
         return (lambda n: sample(policy, tok, keys, max_new_tokens=n,

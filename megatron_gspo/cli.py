@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["sft", "train", "eval", "config", "export"])
     parser.add_argument("--config", default=None, help="YAML experiment file")
-    # export: a run's latest checkpoint as a Hugging Face model folder (megatron_gspo.export)
+    # export: a run's latest checkpoint as a Hugging Face model folder (megatron_gspo.run.export)
     parser.add_argument("--run-dir", default=None, help="export: the run (or step) dir")
     parser.add_argument("--to-hf", default=None, help="export: output folder")
     parser.add_argument("--hf-path", default=None,
@@ -52,11 +52,11 @@ def _fail(message: str) -> int:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_intermixed_args(argv)
-    from megatron_gspo.checkpoint import CheckpointError
-    from megatron_gspo.config import ConfigError, describe_config, load_config
-    from megatron_gspo.preempt import Preempted
-    from megatron_gspo.data import DataError
-    from megatron_gspo.rundir import RunDirError
+    from megatron_gspo.run.checkpoint import CheckpointError
+    from megatron_gspo.config.schema import ConfigError, describe_config, load_config
+    from megatron_gspo.run.preempt import Preempted
+    from megatron_gspo.tasks.datasets import DataError
+    from megatron_gspo.run.rundir import RunDirError
     from moe.checks import MissingDependency
 
     if args.command == "config":
@@ -90,14 +90,14 @@ def main(argv=None) -> int:
 
 def run(command: str, cfg) -> dict:
     if command == "sft":
-        from megatron_gspo.sft import run_sft
+        from megatron_gspo.jobs.sft import run_sft
 
         return run_sft(cfg)
     if command == "train":
-        from megatron_gspo.trainer import Trainer
+        from megatron_gspo.jobs.rl import Trainer
 
         return Trainer.from_config(cfg).train()
-    from megatron_gspo.runtime import evaluate_runtime, setup_runtime
+    from megatron_gspo.run.setup import evaluate_runtime, setup_runtime
 
     return evaluate_runtime(setup_runtime(cfg, job="eval"))
 
@@ -105,7 +105,7 @@ def run(command: str, cfg) -> dict:
 def _export(parser, args, errors: tuple) -> int:
     if not args.run_dir or not args.to_hf:
         parser.error("export needs --run-dir R --to-hf OUT")
-    from megatron_gspo.export import export_run
+    from megatron_gspo.run.export import export_run
 
     try:
         summary = export_run(args.run_dir, args.to_hf, hf_path=args.hf_path,

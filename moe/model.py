@@ -58,7 +58,7 @@ def resolve_dispatcher(dispatcher: str, ep: int) -> str:
 
 def layout_problems(layout) -> list[tuple[str, str]]:
     """(field, message) for each rule `layout` (anything with tp, sequence_parallel and
-    dispatcher, e.g. `megatron_gspo.config.ModelConfig`) breaks; the one place these rules
+    dispatcher, e.g. `megatron_gspo.config.schema.ModelConfig`) breaks; the one place these rules
     live."""
     out = []
     if layout.sequence_parallel and layout.tp == 1:

@@ -40,7 +40,7 @@ from moe.compat import apply_cpu_training_patches
 class OptimSettings:
     """Adam (megatron-core's) and its learning-rate schedule.
 
-    The one definition of the optimizer hyper-parameters: `megatron_gspo.config.OptimConfig`
+    The one definition of the optimizer hyper-parameters: `megatron_gspo.config.schema.OptimConfig`
     subclasses it (adding only YAML coercion and dotted-key errors), so a new field here is a new
     config key.
     """

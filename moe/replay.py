@@ -233,7 +233,7 @@ def replay_backward(policy, replays: list[list[torch.Tensor]]):
 def chunk_count(B: int, T: int, max_tokens: int) -> int:
     """Forwards needed for a [B, T] batch at most `max_tokens` tokens each (at least one row
     each; 0 = no limit: 1). Ranks whose forwards meet in collectives (TP, EP) must run the same
-    number: agree on the largest count first (`megatron_gspo.dist_utils.max_over_ranks`), as
+    number: agree on the largest count first (`megatron_gspo.dist.max_over_ranks`), as
     their prompts, and so T, differ."""
     return -(-B // max(1, max_tokens // max(T, 1))) if max_tokens and B else 1
 

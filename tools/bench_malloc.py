@@ -1,4 +1,4 @@
-"""Train iterations with glibc's own malloc thresholds vs `megatron_gspo.host`'s, side by side.
+"""Train iterations with glibc's own malloc thresholds vs `megatron_gspo.run.host`'s, side by side.
 
     python -m tools.bench_malloc                          # 64 x 128-token responses, 3 rounds
     python -m tools.bench_malloc --prompts 4 --group-size 4 --rounds 4
@@ -26,7 +26,7 @@ from tools.result_table import add_readme_args
 CHILD = """
 import json, resource, sys, tempfile, time
 import torch
-from megatron_gspo.host import malloc_state
+from megatron_gspo.run.host import malloc_state
 from tools.bench_throughput import build_ours, parse_args
 torch.set_num_threads(1)
 args = json.loads(sys.argv[1])

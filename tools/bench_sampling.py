@@ -4,12 +4,12 @@
     python -m tools.bench_sampling --batch 16 --vocab 4096 --top-p 0.9
     python -m tools.bench_sampling --readme experiments/throughput/README.md --marker gpu_sampling
 
-Times one decode step's sampling (`megatron_gspo.rollout.draw`: temperature, log-softmax,
+Times one decode step's sampling (`megatron_gspo.rollout.generate.draw`: temperature, log-softmax,
 top-p, the draw, the drawn ids' log-probs) on random float32 logits [B, V] that live on the
 device (CUDA when there is one, else CPU), in the two placements the sampler has had:
 
 - `device`: drawn where the logits are, the B ids and log-probs copied to the host (what
-  `megatron_gspo.rollout.sample` does since the 8th session);
+  `megatron_gspo.rollout.generate.sample` does since the 8th session);
 - `host`: the [B, V] logits copied to the host first, drawn there (the sampler before).
 
 Alternating step by step after a warm-up; best and median milliseconds per step, and the
@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from megatron_gspo.rollout import device_generator, draw
+from megatron_gspo.rollout.generate import device_generator, draw
 from tools.result_table import add_readme_args, output_into
 
 QWEN3_VOCAB = 151_936

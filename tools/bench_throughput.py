@@ -65,8 +65,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from megatron_gspo.config import load_config  # noqa: E402
-from megatron_gspo.host import malloc_state  # noqa: E402
+from megatron_gspo.config.schema import load_config  # noqa: E402
+from megatron_gspo.run.host import malloc_state  # noqa: E402
 from tools.bench_trl import build_trl, step_timer_callback, trl_rows, trl_unavailable  # noqa: E402
 from tools.result_table import add_readme_args, cpu_name, output_into  # noqa: E402
 
@@ -131,7 +131,7 @@ class NoStopTokenizer:
 
 
 def build_ours(args, run_dir: str, extra: tuple = ()):
-    from megatron_gspo.trainer import Trainer
+    from megatron_gspo.jobs.rl import Trainer
 
     length = [f"model.max_seq_len={args.max_new_tokens + 16}"] \
         if args.max_new_tokens + 16 > 64 else []  # 2-digit addition prompts: <= 8 tokens

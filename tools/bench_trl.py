@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from megatron_gspo.tasks import CharTokenizer
+from megatron_gspo.tasks.toy import CharTokenizer
 
 
 def hf_tokenizer(vocab_size: int):

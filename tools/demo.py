@@ -32,12 +32,12 @@ def main(argv=None) -> int:
     ap.add_argument("--fresh", action="store_true")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
-    from megatron_gspo.band import cold_start_line
-    from megatron_gspo.checkpoint import latest_step
-    from megatron_gspo.config import load_config
-    from megatron_gspo.metrics import read_jsonl
-    from megatron_gspo.sft import run_sft
-    from megatron_gspo.trainer import Trainer
+    from megatron_gspo.jobs.band import cold_start_line
+    from megatron_gspo.run.checkpoint import latest_step
+    from megatron_gspo.config.schema import load_config
+    from megatron_gspo.run.metrics import read_jsonl
+    from megatron_gspo.jobs.sft import run_sft
+    from megatron_gspo.jobs.rl import Trainer
 
     sft_cfg = load_config(os.path.join(HERE, "sft.yaml"))
     rl_cfg = load_config(os.path.join(HERE, "gspo.yaml"), args.overrides)

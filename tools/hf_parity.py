@@ -48,7 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def our_side(args, tokenizer, prompts):
     """Our greedy samples (all ranks take part) and our logits on them."""
-    from megatron_gspo.rollout import sample
+    from megatron_gspo.rollout.generate import sample
     from moe.hf.config import preset_from_hf
     from moe.hf.weights import load_hf_weights
     from moe.model import ParallelLayout
@@ -115,7 +115,7 @@ def check(args: argparse.Namespace) -> int:
     """Both sides and the comparison (see the module docstring); the exit status."""
     import torch.distributed as dist
 
-    from megatron_gspo.tokenizer import load_tokenizer
+    from megatron_gspo.tasks.tokenizer import load_tokenizer
     from moe.hf.config import preset_from_hf
     from moe.parallel import destroy_parallel, init_parallel
 

@@ -10,7 +10,7 @@ worked solution ending in "#### <answer>" (the SFT target, `extra_info.answer`) 
 answer as `reward_model.ground_truth`, as verl's examples/data_preprocess/gsm8k.py writes GSM8K.
 The tokenizer is a byte-level BPE trained on those texts with `tokenizers` (vocab 512, ChatML
 chat template, eos = <|im_end|>, pad = <|endoftext|>, no bos), saved as tokenizer.json +
-tokenizer_config.json, loadable by `megatron_gspo.tokenizer.load_tokenizer(DIR)`.
+tokenizer_config.json, loadable by `megatron_gspo.tasks.tokenizer.load_tokenizer(DIR)`.
 
 Output is byte-for-byte deterministic for the same seed and `tokenizers` version
 (tests/tools/test_make_fixtures.py regenerates and compares).

@@ -26,7 +26,7 @@ Figures (each skipped, with a note, when no run has the keys it needs):
     flip_rate_layers.png  heatmap of moe/flip_rate/layer_XX (layer x step), one panel per run/arm
     flip_rate_mean.png    moe/flip_rate/mean vs step
     flip_vs_depth.png     mean over steps of moe/flip_rate/layer_XX vs layer index
-moe/flip_rate counts the loss positions (`megatron_gspo.flips`); runs logged before that change
+moe/flip_rate counts the loss positions (`megatron_gspo.algo.flips`); runs logged before that change
 counted every token, which is now moe/flip_rate_all.
 
 `--table` prints a Markdown table (seed mean ± std per arm of each `--stat`, plus the start
@@ -49,7 +49,7 @@ import sys
 
 import numpy as np
 
-from megatron_gspo.metrics import read_jsonl
+from megatron_gspo.run.metrics import read_jsonl
 from tools import result_table
 
 METRICS_FILE = "metrics.jsonl"

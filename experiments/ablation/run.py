@@ -31,8 +31,8 @@ import subprocess
 import sys
 import time
 
-from megatron_gspo.band import cold_start_line
-from megatron_gspo.strict import load_yaml, mapping_to_overrides
+from megatron_gspo.jobs.band import cold_start_line
+from megatron_gspo.config.loader import load_yaml, mapping_to_overrides
 from tools import plot_run, result_table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

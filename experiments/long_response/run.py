@@ -24,7 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from experiments.ablation.run import ROOT, cli, write_table
-from megatron_gspo.band import cold_start_line
+from megatron_gspo.jobs.band import cold_start_line
 from tools import plot_run
 
 HERE = os.path.dirname(os.path.abspath(__file__))

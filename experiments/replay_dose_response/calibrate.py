@@ -8,7 +8,7 @@ Shape legend: B sequences, T tokens.
 
 Samples one rollout batch with the cold-start policy (the config's init_checkpoint), then for a
 grid of noise stds runs the loss's forward with `moe.router_noise` several times and measures,
-on the loss positions (`megatron_gspo.flips`), the flip rate of the noisy routing vs the clean
+on the loss positions (`megatron_gspo.algo.flips`), the flip rate of the noisy routing vs the clean
 one and the mean |log pi_noisy - log pi_clean| over response tokens (the routing-induced
 log-ratio GRPO's first minibatch sees). The std for each target flip rate is interpolated
 log-log between the grid points around it. Writes JSON {grid: [{std, flip_rate,
@@ -29,7 +29,7 @@ DRAWS = 3
 
 def measure(policy, batch, std: float, temperature: float) -> dict:
     """Mean over DRAWS noise draws of the loss-position flip rate and response |log-ratio|."""
-    from megatron_gspo.flips import flip_counts, loss_positions, token_rows
+    from megatron_gspo.algo.flips import flip_counts, loss_positions, token_rows
     from moe.replay import RoutingReplayCache, current_routing, record_routing
     from moe.router_noise import router_noise
 
@@ -68,9 +68,9 @@ def main(argv=None) -> int:
     ap.add_argument("--targets", nargs="+", type=float, default=[0.01, 0.03, 0.1])
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
-    from megatron_gspo.config import load_config
-    from megatron_gspo.rollout import generate_rollouts
-    from megatron_gspo.runtime import setup_runtime
+    from megatron_gspo.config.schema import load_config
+    from megatron_gspo.rollout.generate import generate_rollouts
+    from megatron_gspo.run.setup import setup_runtime
 
     cfg = load_config(args.config, args.overrides)
     rt = setup_runtime(cfg, job="eval")

@@ -29,8 +29,8 @@ PRESETS = ("qwen3-moe-tiny", "qwen3-moe-tiny-wide")
 
 
 def build(preset: str, run_dir: str):
-    from megatron_gspo.config import load_config
-    from megatron_gspo.trainer import Trainer
+    from megatron_gspo.config.schema import load_config
+    from megatron_gspo.jobs.rl import Trainer
 
     cfg = load_config(os.path.join(HERE, "rl.yaml"), [
         f"model.preset={preset}", f"run_dir={run_dir}", "init_checkpoint=null",

@@ -23,7 +23,7 @@ import os
 import sys
 
 from experiments.ablation.run import cli
-from megatron_gspo.band import cold_start_line
+from megatron_gspo.jobs.band import cold_start_line
 from tools import plot_run, result_table
 
 HERE = os.path.dirname(os.path.abspath(__file__))

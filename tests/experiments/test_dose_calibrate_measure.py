@@ -60,7 +60,7 @@ def test_measure_flip_rate_is_the_draw_and_layer_mean_on_loss_positions(single_p
                                                                         monkeypatch):
     """flip_rate = mean over draws of the layer-mean flip rate on the positions whose logits
     score a response token (t - 1 for response token t), not the response tokens themselves."""
-    from megatron_gspo.flips import flip_counts, token_rows
+    from megatron_gspo.algo.flips import flip_counts, token_rows
     from moe.policy import MoEPolicy
     from moe.replay import RoutingReplayCache, current_routing, record_routing
     from moe.router_noise import router_noise

@@ -8,7 +8,7 @@ from experiments.replay_dose_response import model_cost as mc
 
 def test_build_runs_the_dose_response_recipe_without_checkpoints_evals_or_wandb(monkeypatch):
     """The preset and run dir are set, and nothing loads or saves state or logs remotely."""
-    from megatron_gspo import trainer
+    from megatron_gspo.jobs import rl as trainer
 
     seen = []
     monkeypatch.setattr(trainer.Trainer, "from_config", classmethod(lambda cls, cfg: seen.append(

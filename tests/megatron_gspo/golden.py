@@ -42,10 +42,10 @@ KEYS = ("policy/loss", "train/grad_norm", "policy/clip_frac/token", "policy/clip
 
 def run(root: str) -> dict[str, list[dict]]:
     """{arm: [{step, key: value} per logged row]} for the SFT run and each RL arm."""
-    from megatron_gspo.config import load_config
-    from megatron_gspo.metrics import read_jsonl
-    from megatron_gspo.sft import run_sft
-    from megatron_gspo.trainer import Trainer
+    from megatron_gspo.config.schema import load_config
+    from megatron_gspo.run.metrics import read_jsonl
+    from megatron_gspo.jobs.sft import run_sft
+    from megatron_gspo.jobs.rl import Trainer
 
     sft_dir = os.path.join(root, "sft")
     run_sft(load_config(None, [*COMMON, *SFT, f"run_dir={sft_dir}"]))

@@ -26,7 +26,7 @@ OVERRIDES = ("wandb.mode=disabled", "task.n_train=64", "task.n_eval=4", "train.f
 
 
 def make_config(run_dir: str, ep: int):
-    from megatron_gspo.config import load_config
+    from megatron_gspo.config.schema import load_config
 
     return load_config(None, [*OVERRIDES, f"run_dir={run_dir}", f"model.ep={ep}"])
 
@@ -39,7 +39,7 @@ def force_early_eos(policy, tokenizer, prompts: list[str], strength: float) -> N
     state over the prompts' tokens: the <eos> logit rises by about `strength` on typical tokens
     (more on some, less on others), so some greedy responses stop after 1 token, others run to
     the length limit."""
-    from megatron_gspo.rollout import encode_prompts
+    from megatron_gspo.rollout.generate import encode_prompts
 
     gpt = policy.model.module
     hidden = []
@@ -60,9 +60,9 @@ def rollout_and_train(trainer, prompts: list[str], adv_B: torch.Tensor,
     advantages `adv_B` and a third with `bad_adv_B` (inf on some rows: a non-finite loss,
     skipped): tensors, step metrics, the third step's local `train/skipped` and the final
     weights."""
-    from megatron_gspo.rollout import RolloutBatch, sample
-    from megatron_gspo.trainer import Minibatch
-    from megatron_gspo.dist_utils import reduce_metrics
+    from megatron_gspo.rollout.generate import RolloutBatch, sample
+    from megatron_gspo.jobs.rl import Minibatch
+    from megatron_gspo.dist import reduce_metrics
     from moe.sharding import gather_full_params
 
     policy, tok = trainer.policy, trainer.rt.tokenizer
@@ -110,13 +110,13 @@ def collective_timeouts_s() -> list[float]:
 def worker(rank: int, world: int, port: int, ref_path: str, out_dir: str, eps: list) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    from megatron_gspo.rollout import evaluate
-    from megatron_gspo.trainer import Trainer
+    from megatron_gspo.rollout.generate import evaluate
+    from megatron_gspo.jobs.rl import Trainer
     from moe.parallel import destroy_parallel
     from moe.sharding import load_full_params
 
-    from megatron_gspo import trainer as trainer_module
-    from megatron_gspo.dist_utils import all_ranks, max_over_ranks, reduce_metrics
+    from megatron_gspo.jobs import rl as trainer_module
+    from megatron_gspo.dist import all_ranks, max_over_ranks, reduce_metrics
 
     # pi_old's pass in 1 forward on rank 0 and 2 on rank 1 (as when prompt widths differ): the
     # trainer must agree on 2, or rank 0 leaves its peer waiting in the MoE all-to-all

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from megatron_gspo.advantages import group_advantages
+from megatron_gspo.algo.advantages import group_advantages
 
 
 def test_hand_worked_groups_and_metrics():
@@ -88,8 +88,8 @@ def test_group_at_exactly_the_zero_std_tolerance_has_signal():
     """Guards the strict `std < ZERO_STD_TOL`: population std exactly 1e-12 is a group with
     signal, as filters.group_has_signal (`>=`) keeps it; otherwise dynamic sampling keeps a
     group whose advantages are all 0."""
-    from megatron_gspo.advantages import ZERO_STD_TOL
-    from megatron_gspo.filters import group_has_signal
+    from megatron_gspo.algo.advantages import ZERO_STD_TOL
+    from megatron_gspo.rollout.filters import group_has_signal
 
     r = torch.tensor([0.0, 2e-12], dtype=torch.float64)
     assert r.std(unbiased=False).item() == ZERO_STD_TOL == 1e-12

@@ -1,15 +1,15 @@
 """Accuracy bands: SFT stops in sft.target_accuracy, RL refuses a start outside
-train.start_accuracy, and both fields are validated (megatron_gspo.band)."""
+train.start_accuracy, and both fields are validated (megatron_gspo.jobs.band)."""
 
 import os
 
 import pytest
 
-from megatron_gspo import checkpoint as ckpt
-from megatron_gspo.band import (AccuracyBandError, SFTBand, check_start_accuracy,
+from megatron_gspo.run import checkpoint as ckpt
+from megatron_gspo.jobs.band import (AccuracyBandError, SFTBand, check_start_accuracy,
                                 cold_start_line)
-from megatron_gspo.config import ConfigError, load_config
-from megatron_gspo.metrics import read_jsonl
+from megatron_gspo.config.schema import ConfigError, load_config
+from megatron_gspo.run.metrics import read_jsonl
 from tests.jsonl import write_metrics
 
 BASE = ["model.preset=tiny", "task.name=addition", "task.kwargs.num_digits=1", "task.n_train=60",
@@ -69,7 +69,7 @@ def test_band_rule_over_a_sequence_of_evals():
 
 
 def _scripted_eval(monkeypatch, accuracies):
-    import megatron_gspo.sft as sft
+    import megatron_gspo.jobs.sft as sft
 
     it = iter(accuracies)
     monkeypatch.setattr(sft, "evaluate_runtime", lambda rt: {"eval/accuracy": next(it)})
@@ -81,7 +81,7 @@ def _scripted_eval(monkeypatch, accuracies):
     ([0.0, 0.1, 0.9], r"jumped from 0\.1000 at step 2 to 0\.9000 at step 4, past the band")])
 def test_sft_outside_the_band_fails_and_keeps_the_checkpoint(tmp_path, monkeypatch, accuracies,
                                                               fragment):
-    from megatron_gspo.sft import run_sft
+    from megatron_gspo.jobs.sft import run_sft
 
     _scripted_eval(monkeypatch, accuracies)
     cfg = load_config(None, [*BASE, f"run_dir={tmp_path}", "sft.steps=4", "sft.eval_every=2",
@@ -96,8 +96,8 @@ def test_sft_outside_the_band_fails_and_keeps_the_checkpoint(tmp_path, monkeypat
 def test_real_sft_stops_in_band_and_rl_checks_its_start(tmp_path):
     """Real SFT to the band; the checkpoint records where; RL from it passes the same band and
     refuses one that excludes its accuracy before any RL step."""
-    from megatron_gspo.sft import run_sft
-    from megatron_gspo.trainer import Trainer
+    from megatron_gspo.jobs.sft import run_sft
+    from megatron_gspo.jobs.rl import Trainer
 
     sft_dir = tmp_path / "sft"
     cfg = load_config(None, [*BASE, f"run_dir={sft_dir}", "sft.steps=80", "sft.eval_every=4",
@@ -196,8 +196,8 @@ def test_a_start_refused_by_the_band_does_not_lock_in_its_config(tmp_path):
     """The band error says to make another cold start or change the band; the run it refused
     saved nothing, so its record must not refuse the corrected re-run as 'another config'
     (it did: run.json held the refused init's keys). A run with checkpoints keeps its record."""
-    from megatron_gspo.rundir import RUN_FILE
-    from megatron_gspo.trainer import Trainer
+    from megatron_gspo.run.rundir import RUN_FILE
+    from megatron_gspo.jobs.rl import Trainer
 
     run = [*BASE, f"run_dir={tmp_path}", "train.steps=1", "train.eval_every=0"]
     refused = load_config(None, [*run, "train.start_accuracy=[0.99,1]"])
@@ -214,8 +214,8 @@ def test_a_refused_rerun_of_a_finished_run_without_checkpoints_loses_nothing(tmp
     """A run with train.save_every=0 finishes with no checkpoint; the same command again with
     a band that refuses its start deleted that run's record (forget_run) and its metrics rows
     (the start-from-step-0 cleanup). Now the record stays and the rows move aside."""
-    from megatron_gspo.rundir import RUN_FILE
-    from megatron_gspo.trainer import Trainer
+    from megatron_gspo.run.rundir import RUN_FILE
+    from megatron_gspo.jobs.rl import Trainer
 
     run = [*BASE, f"run_dir={tmp_path}", "train.steps=1", "train.eval_every=0"]
     Trainer.from_config(load_config(None, run)).train()

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_gspo import checkpoint as ckpt
+from megatron_gspo.run import checkpoint as ckpt
 
 
 def _state(seed: int) -> dict:

@@ -1,6 +1,6 @@
 """megatron_gspo.cli: argument order, exit statuses and what a finished command prints.
 
-The command itself (`cli.run`, `megatron_gspo.export.export_run`) is replaced by a stub here; the
+The command itself (`cli.run`, `megatron_gspo.run.export.export_run`) is replaced by a stub here; the
 real runs behind the CLI are exercised in test_faults.py, test_trainer.py and test_hf_run.py."""
 
 import json
@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_gspo import cli
-from megatron_gspo.checkpoint import CheckpointError
-from megatron_gspo.config import ConfigError
-from megatron_gspo.data import DataError
-from megatron_gspo.preempt import Preempted
-from megatron_gspo.rundir import RunDirError
+from megatron_gspo.run.checkpoint import CheckpointError
+from megatron_gspo.config.schema import ConfigError
+from megatron_gspo.tasks.datasets import DataError
+from megatron_gspo.run.preempt import Preempted
+from megatron_gspo.run.rundir import RunDirError
 from moe.checks import MissingDependency
 
 
@@ -92,7 +92,7 @@ def test_preemption_exits_with_128_plus_the_signal(ran, capsys):
 
 
 def test_export_passes_its_options_and_refuses_a_bad_checkpoint(monkeypatch, capsys):
-    from megatron_gspo import export
+    from megatron_gspo.run import export
 
     seen = {}
 
@@ -120,7 +120,7 @@ def test_export_hides_megatrons_install_warnings(monkeypatch, capsys):
     export too, as from train (a successful export printed ~20 warning lines)."""
     import warnings
 
-    from megatron_gspo import export
+    from megatron_gspo.run import export
 
     def fake_export(*args, **kwargs):
         warnings.warn("Apex is not installed. Falling back to Torch Norm")

@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from megatron_gspo.config import (ConfigError, LossConfig, ModelConfig, RunConfig,
+from megatron_gspo.config.schema import (ConfigError, LossConfig, ModelConfig, RunConfig,
                                   config_from_dict, config_to_dict, describe_config,
                                   field_docs, load_config, save_config)
 
@@ -134,7 +134,7 @@ def test_base_is_loaded_first_and_deep_merged(tmp_path):
 
 
 def test_base_replaces_lists_and_scalars():
-    from megatron_gspo.strict import deep_merge
+    from megatron_gspo.config.loader import deep_merge
 
     base = {"a": [1, 2], "b": {"c": 1, "d": [3]}, "e": {"f": 1}}
     top = {"a": [9], "b": {"d": [4, 5]}, "e": None}
@@ -341,7 +341,7 @@ def test_loss_section_is_the_policy_loss_config():
     and the loss functions take it as it is."""
     from dataclasses import fields
 
-    from megatron_gspo.losses import PolicyLossConfig
+    from megatron_gspo.algo.losses import PolicyLossConfig
 
     assert issubclass(LossConfig, PolicyLossConfig)
     assert [f.name for f in fields(LossConfig)] == \

@@ -4,7 +4,7 @@ loosened check would let a run start with a value that fails, or silently misbeh
 
 import pytest
 
-from megatron_gspo.config import ConfigError, TaskConfig, config_from_dict, load_config
+from megatron_gspo.config.schema import ConfigError, TaskConfig, config_from_dict, load_config
 
 # (key, the edge value that loads, the nearest value past it, the rule in the message)
 EDGES = [

@@ -1,11 +1,11 @@
-"""megatron_gspo.config_data: the data / reward / filter sections' defaults and range checks
+"""megatron_gspo.config.data: the data / reward / filter sections' defaults and range checks
 (cross-section rules and their messages: test_data.py::test_config_rules)."""
 
 import os
 
 import pytest
 
-from megatron_gspo.config import ConfigError, DataConfig, FilterConfig, RewardConfig, load_config
+from megatron_gspo.config.schema import ConfigError, DataConfig, FilterConfig, RewardConfig, load_config
 
 DATASET = ["task.name=dataset", "data.train_files=a.jsonl"]
 

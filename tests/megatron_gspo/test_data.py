@@ -6,10 +6,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_gspo.config import ConfigError, DataConfig, load_config
-from megatron_gspo.data import (DataError, DatasetTask, dataset_splits, freeze, read_rows,
+from megatron_gspo.config.schema import ConfigError, DataConfig, load_config
+from megatron_gspo.tasks.datasets import (DataError, DatasetTask, dataset_splits, freeze, read_rows,
                                 tokenizer_folder)
-from megatron_gspo.tasks import Example
+from megatron_gspo.tasks.toy import Example
 from tests.jsonl import write_jsonl
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "gsm_tiny")
@@ -230,7 +230,7 @@ def test_no_chat_template_needs_data_template(tmp_path):
 
 def test_real_chat_template_from_the_fixture_tokenizer():
     pytest.importorskip("transformers")
-    from megatron_gspo.tokenizer import load_tokenizer
+    from megatron_gspo.tasks.tokenizer import load_tokenizer
 
     tok = load_tokenizer(FIXTURE)
     data = data_cfg(train_files=[os.path.join(FIXTURE, "train.jsonl")],
@@ -326,8 +326,8 @@ def test_template_bos_text_is_not_doubled(tmp_path):
 
 
 def test_build_task_prompt_limit_defaults_to_model_length_minus_new_tokens(tmp_path, capsys):
-    from megatron_gspo.data import build_task
-    from megatron_gspo.runtime import model_max_len
+    from megatron_gspo.tasks.datasets import build_task
+    from megatron_gspo.run.setup import model_max_len
 
     rows = [verl_row(i) for i in range(5)] + [verl_row(7, question="x" * 30)]
     path = write_jsonl(tmp_path / "t.jsonl", rows)

@@ -5,11 +5,11 @@ from types import SimpleNamespace
 
 import pytest
 
-import megatron_gspo.rewards as rewards_mod
-from megatron_gspo.config import load_config
-from megatron_gspo.data import DataError, DatasetTask, build_task, dataset_splits
-from megatron_gspo.rewards import REWARDS, FORMAT_CHECKS, register_reward
-from megatron_gspo.tasks import Example
+import megatron_gspo.tasks.rewards as rewards_mod
+from megatron_gspo.config.schema import load_config
+from megatron_gspo.tasks.datasets import DataError, DatasetTask, build_task, dataset_splits
+from megatron_gspo.tasks.rewards import REWARDS, FORMAT_CHECKS, register_reward
+from megatron_gspo.tasks.toy import Example
 from tests.jsonl import write_jsonl
 from tests.megatron_gspo.test_data import ByteTok, data_cfg, verl_row
 
@@ -131,7 +131,7 @@ def test_prompt_the_char_tokenizer_cannot_encode_names_the_row(tmp_path):
     """task.name=dataset without data.tokenizer_path falls back to the toy character tokenizer,
     which cannot encode real text: a DataError naming the row and the setting, not a bare
     ValueError (a traceback from the CLI)."""
-    from megatron_gspo.tokenizer import CharTokenizer
+    from megatron_gspo.tasks.tokenizer import CharTokenizer
 
     path = write_jsonl(tmp_path / "t.jsonl", [verl_row(i) for i in range(4)])
     with pytest.raises(DataError, match=r"t.jsonl:1: the CharTokenizer cannot encode the prompt "
@@ -145,7 +145,7 @@ def test_jsonl_with_a_bom_crlf_and_no_final_newline_reads_every_row(tmp_path):
     line 1), CRLF line ends and no newline after the last row."""
     import json
 
-    from megatron_gspo.data import read_rows
+    from megatron_gspo.tasks.datasets import read_rows
 
     rows = [verl_row(i) for i in range(3)]
     path = tmp_path / "t.jsonl"
@@ -159,7 +159,7 @@ def test_jsonl_with_a_bom_crlf_and_no_final_newline_reads_every_row(tmp_path):
 def test_a_directory_glob_or_comma_list_says_how_to_list_files(tmp_path, entry):
     """These were 'data file not found' (for a directory that exists); the message now gives
     the list syntax that works on the command line."""
-    from megatron_gspo.data import read_rows
+    from megatron_gspo.tasks.datasets import read_rows
 
     write_jsonl(tmp_path / "a.jsonl", [verl_row(0)])
     path = str(tmp_path) + entry.format(d=tmp_path)
@@ -173,7 +173,7 @@ def test_a_json_error_message_reads_once_at_column(tmp_path):
     in 'at'; the column is appended once (was '... at at column 14'). An unclosed string on a
     line meets the line's newline first."""
     path = write_jsonl(tmp_path / "t.jsonl", [verl_row(0), '{"prompt": "a'])
-    from megatron_gspo.data import read_rows
+    from megatron_gspo.tasks.datasets import read_rows
 
     with pytest.raises(DataError, match=r"t.jsonl:2: not valid JSON \(Invalid control character "
                                         r"at column 14\)$"):
@@ -210,7 +210,7 @@ def test_a_corrupt_or_mislabeled_parquet_file_is_a_data_error(tmp_path):
     """A truncated download or a JSONL file named .parquet raised pyarrow's ArrowInvalid (a
     traceback from the CLI)."""
     pytest.importorskip("pyarrow")
-    from megatron_gspo.data import read_rows
+    from megatron_gspo.tasks.datasets import read_rows
 
     path = write_jsonl(tmp_path / "t.parquet", [verl_row(0)])
     with pytest.raises(DataError, match=r"t.parquet: not a readable parquet file \(.*magic"):
@@ -221,7 +221,7 @@ def test_a_row_that_is_not_utf8_names_its_line(tmp_path):
     """A file saved as Latin-1 / cp1252 raised UnicodeDecodeError (a traceback, no line)."""
     import json
 
-    from megatron_gspo.data import read_rows
+    from megatron_gspo.tasks.datasets import read_rows
 
     rows = [verl_row(0), verl_row(1, question="Élodie has 3 apples.")]
     path = tmp_path / "t.jsonl"

@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
-from megatron_gspo.config import load_config
-from megatron_gspo.metrics import read_jsonl
+from megatron_gspo.config.schema import load_config
+from megatron_gspo.run.metrics import read_jsonl
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "gsm_tiny")
 MAX_NEW = 16
@@ -33,7 +33,7 @@ def independent_math_verdict(completion: str, truth: str) -> float:
 def test_two_rl_iterations_on_the_fixture(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     pytest.importorskip("math_verify")
-    import megatron_gspo.trainer as trainer_mod
+    import megatron_gspo.jobs.rl as trainer_mod
 
     drawn, kept = [], []
     real_generate, real_sample = trainer_mod.generate_rollouts, trainer_mod.sample_rollouts
@@ -79,9 +79,9 @@ def test_two_rl_iterations_on_the_fixture(tmp_path, monkeypatch):
 
 def test_fixture_sft_batch_targets_the_worked_solution(tmp_path):
     pytest.importorskip("transformers")
-    from megatron_gspo.data import build_task
-    from megatron_gspo.sft import sft_batch
-    from megatron_gspo.tokenizer import load_tokenizer
+    from megatron_gspo.tasks.datasets import build_task
+    from megatron_gspo.jobs.sft import sft_batch
+    from megatron_gspo.tasks.tokenizer import load_tokenizer
 
     cfg = config(tmp_path)
     tok = load_tokenizer(FIXTURE)

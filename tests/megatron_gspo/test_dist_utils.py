@@ -1,4 +1,4 @@
-"""megatron_gspo.dist_utils: the reduction each helper applies across ranks.
+"""megatron_gspo.dist: the reduction each helper applies across ranks.
 
 One process plays rank 0 of 2: `dist.all_reduce` is replaced by a peer that combines this rank's
 tensor with the other rank's values (queued in `peer`, one entry per collective) by the op asked
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_gspo import dist_utils
+from megatron_gspo import dist as dist_utils
 
 OPS = ((dist.ReduceOp.SUM, torch.add), (dist.ReduceOp.MAX, torch.maximum),
        (dist.ReduceOp.MIN, torch.minimum))

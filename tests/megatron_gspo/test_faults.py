@@ -16,11 +16,11 @@ import textwrap
 import pytest
 import torch
 
-from megatron_gspo import checkpoint as ckpt
+from megatron_gspo.run import checkpoint as ckpt
 from megatron_gspo.cli import main
-from megatron_gspo.config import load_config
-from megatron_gspo.metrics import read_jsonl
-from megatron_gspo.rundir import RunDirError
+from megatron_gspo.config.schema import load_config
+from megatron_gspo.run.metrics import read_jsonl
+from megatron_gspo.run.rundir import RunDirError
 from tests.megatron_gspo.test_rundir import claim, lock_holder
 
 TINY = ["model.preset=tiny", "task.name=addition", "task.kwargs.num_digits=1",
@@ -47,7 +47,7 @@ def digit_first(example, completion: str) -> float:
 
 
 def trainer(run_dir, *overrides):
-    from megatron_gspo.trainer import Trainer
+    from megatron_gspo.jobs.rl import Trainer
 
     t = Trainer.from_config(load_config(None, [*TINY, f"run_dir={run_dir}", *overrides]))
     object.__setattr__(t.rt.task, "reward", digit_first)  # groups with reward variance
@@ -99,7 +99,7 @@ def test_another_job_is_refused(tmp_path):
 def test_second_process_is_refused_while_the_first_writes(tmp_path):
     with lock_holder(f"""
             import sys, time
-            from megatron_gspo.rundir import _lock
+            from megatron_gspo.run.rundir import _lock
             _lock({str(tmp_path)!r}, "train"); print("locked", flush=True); time.sleep(60)""",
                      cwd=os.getcwd()) as holder:
         with pytest.raises(RunDirError, match=rf"another process \(pid {holder.pid} job train"):
@@ -146,7 +146,7 @@ def test_a_run_dir_from_before_run_json(tmp_path):
 def _lock_elsewhere(run_dir) -> str:
     """Try the run dir's lock from another process: 'locked', or its error."""
     p = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
-        from megatron_gspo.rundir import _lock
+        from megatron_gspo.run.rundir import _lock
         _lock({str(run_dir)!r}, "train"); print("locked")""")],
         capture_output=True, text=True, cwd=os.getcwd())
     return p.stdout.strip() or p.stderr.strip().splitlines()[-1]
@@ -281,7 +281,7 @@ def test_disk_filling_mid_save_names_the_file(tmp_path):
 
 
 def test_sigterm_saves_then_resume_matches_the_uninterrupted_run(tmp_path, capsys):
-    from megatron_gspo.preempt import Preempted
+    from megatron_gspo.run.preempt import Preempted
 
     straight = trainer(tmp_path / "straight", "train.steps=3", "train.save_every=0")
     straight.train()
@@ -313,7 +313,7 @@ def test_sigterm_saves_then_resume_matches_the_uninterrupted_run(tmp_path, capsy
 
 
 def test_first_signal_arms_the_default_action_for_the_other_and_filters_its_copy():
-    from megatron_gspo.preempt import Preemption
+    from megatron_gspo.run.preempt import Preemption
 
     # the handlers in force before (pytest's default_int_handler, or SIG_IGN when the suite
     # runs in the background under nohup) come back on exit
@@ -342,7 +342,7 @@ def _python(code: str, *args: str) -> subprocess.CompletedProcess:
 
 _SIGNAL_TWICE = """
 import os, signal, sys, time
-from megatron_gspo import preempt
+from megatron_gspo.run import preempt
 with preempt.Preemption() as stop:
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(0.05)
@@ -414,7 +414,7 @@ def test_init_checkpoint_errors_name_the_problem(tmp_path, capsys):
 
 
 def test_unreachable_wandb_server_falls_back_to_offline(monkeypatch):
-    from megatron_gspo.metrics import _online_or_offline
+    from megatron_gspo.run.metrics import _online_or_offline
 
     with socket.socket() as s:  # a port that refuses: bound, never listening
         s.bind(("127.0.0.1", 0))
@@ -430,7 +430,7 @@ def test_unreachable_wandb_server_falls_back_to_offline(monkeypatch):
 def test_logger_starts_wandb_offline_when_online_is_unreachable(tmp_path, monkeypatch):
     import types
 
-    from megatron_gspo import metrics
+    from megatron_gspo.run import metrics
 
     seen = {}
     fake = types.SimpleNamespace(init=lambda **kw: seen.update(kw) or None)
@@ -446,8 +446,8 @@ def test_resume_force_is_a_config_value():
 
 
 def test_minibatches_must_divide_each_data_parallel_ranks_share():
-    from megatron_gspo.config import ConfigError
-    from megatron_gspo.trainer import local_prompts
+    from megatron_gspo.config.schema import ConfigError
+    from megatron_gspo.jobs.rl import local_prompts
 
     cfg = load_config(None, ["rollout.prompts_per_batch=4", "rollout.group_size=2",
                              "train.num_minibatches=8"])  # the global batch (8) splits in 8
@@ -461,7 +461,7 @@ def test_minibatches_must_divide_each_data_parallel_ranks_share():
 
 _HANGUP = """
 import os, signal, sys
-from megatron_gspo import preempt
+from megatron_gspo.run import preempt
 if sys.argv[1] == "nohup":
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
 with preempt.Preemption() as stop:

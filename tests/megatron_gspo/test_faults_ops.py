@@ -5,10 +5,10 @@ import os
 
 import pytest
 
-from megatron_gspo import checkpoint as ckpt
+from megatron_gspo.run import checkpoint as ckpt
 from megatron_gspo import cli as cli_module
 from megatron_gspo.cli import main
-from megatron_gspo.metrics import read_jsonl
+from megatron_gspo.run.metrics import read_jsonl
 from tests.megatron_gspo.test_faults import TINY, one_line_error, trainer
 
 
@@ -67,7 +67,7 @@ def test_disk_filling_during_the_dist_save_is_a_checkpoint_error(tmp_path):
     import resource
     import signal
 
-    from megatron_gspo.runtime import save_state
+    from megatron_gspo.run.setup import save_state
 
     run = tmp_path / "run"
     t = trainer(run, "train.steps=1")
@@ -99,7 +99,7 @@ def test_a_sigterm_to_the_process_group_still_saves(tmp_path):
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from megatron_gspo.runtime import save_state
+    from megatron_gspo.run.setup import save_state
 
     run = tmp_path / "run"
     t = trainer(run, "train.steps=1")
@@ -168,7 +168,7 @@ def test_resume_force_onto_another_model_is_one_line(tmp_path, capsys):
 def test_a_resume_that_runs_out_of_memory_is_not_called_another_model(tmp_path, monkeypatch):
     """Only a shape / key mismatch is 'this run builds another model'; any other failure of the
     load (out of memory, I/O) keeps its own exception and traceback."""
-    from megatron_gspo import runtime
+    from megatron_gspo.run import setup as runtime
 
     run = tmp_path / "run"
     trainer(run, "train.steps=1").train()

@@ -5,10 +5,10 @@ import os
 import pytest
 import torch
 
-from megatron_gspo.filters import (concat_batches, dynamic_sample, group_has_signal,
+from megatron_gspo.rollout.filters import (concat_batches, dynamic_sample, group_has_signal,
                                    overlong_filter, rollout_health, trim_columns)
-from megatron_gspo.rewards import OK, RAISED, TIMED_OUT
-from megatron_gspo.rollout import RolloutBatch, truncated_rows
+from megatron_gspo.tasks.rewards import OK, RAISED, TIMED_OUT
+from megatron_gspo.rollout.generate import RolloutBatch, truncated_rows
 
 PAD, EOS, STOP2 = 0, 2, 7
 
@@ -197,7 +197,7 @@ def test_group_has_signal_agrees_with_group_advantages_at_the_tolerance():
     """Guards the population std in group_has_signal: it must be the test group_advantages
     uses, or dynamic sampling keeps a group whose advantages are all 0. Group 0: population std
     0.8e-12 < 1e-12 (the Bessel std, 1.13e-12, would pass); group 1: 1.2e-12."""
-    from megatron_gspo.advantages import group_advantages
+    from megatron_gspo.algo.advantages import group_advantages
 
     r = torch.tensor([1.0, 1.0 + 1.6e-12, 1.0, 1.0 + 2.4e-12], dtype=torch.float64)
     adv, m = group_advantages(r, 2)
@@ -231,7 +231,7 @@ def test_overlong_filter_needs_the_truncation_flags():
 def test_group_has_signal_at_exactly_the_tolerance():
     """Population std == ZERO_STD_TOL (0 and 2e-12: std 1e-12 exactly in float64) is signal, as
     group_advantages (zero only below the tolerance) gives it nonzero advantages."""
-    from megatron_gspo.advantages import ZERO_STD_TOL, group_advantages
+    from megatron_gspo.algo.advantages import ZERO_STD_TOL, group_advantages
 
     r = torch.tensor([0.0, 2e-12], dtype=torch.float64)
     assert r.std(unbiased=False).item() == ZERO_STD_TOL
@@ -244,7 +244,7 @@ def test_group_has_signal_tests_float32_rewards_in_float64():
     population std 9.99999996e-13 < ZERO_STD_TOL in float64: group_advantages gives it zero
     advantages, and group_has_signal must agree (a float32 std compared in float32 rounds the
     tolerance to that same value and would call it signal)."""
-    from megatron_gspo.advantages import group_advantages
+    from megatron_gspo.algo.advantages import group_advantages
 
     r = torch.tensor([0.0, 2e-12, 0.0, 1.0], dtype=torch.float32)
     assert group_advantages(r, 2)[0][:2].tolist() == [0.0, 0.0]
@@ -280,7 +280,7 @@ def test_sample_rollouts_dispatches_on_the_filter_config():
     filter.max_rounds (here 1: the flat first draw is kept, no second draw)."""
     from types import SimpleNamespace
 
-    from megatron_gspo.filters import sample_rollouts
+    from megatron_gspo.rollout.filters import sample_rollouts
 
     draw, batches = draws([1, 1, 0, 0], [1, 0, 0, 1])
     out, metrics = sample_rollouts(draw, SimpleNamespace(dynamic_sampling=False, max_rounds=4),

@@ -4,7 +4,7 @@ response flips differ, checked against hand-computed values."""
 import pytest
 import torch
 
-from megatron_gspo.flips import flip_counts, layer_flips, loss_positions, token_rows
+from megatron_gspo.algo.flips import flip_counts, layer_flips, loss_positions, token_rows
 from moe.replay import RoutingReplayCache
 
 E = 4
@@ -96,7 +96,7 @@ def step_flips_case(monkeypatch):
     (0, 1) and (1, 2) move to {2, 3}, prompt token (1, 0) to {0, 2}."""
     from types import SimpleNamespace
 
-    from megatron_gspo import flips
+    from megatron_gspo.algo import flips
 
     valid_BT = torch.ones(2, 4, dtype=torch.bool)
     response_BT = torch.zeros(2, 4, dtype=torch.bool)
@@ -134,7 +134,7 @@ def test_step_flips_count_the_loss_positions_and_the_after_routings_load(monkeyp
 def test_a_skipped_step_measures_and_carries_nothing(monkeypatch):
     """`FlipSchedule.finish(stepped=False)`: no metrics (the weights did not move) and no
     routing handed to the next step, even from an active measurement."""
-    from megatron_gspo.flips import FlipSchedule
+    from megatron_gspo.algo.flips import FlipSchedule
 
     schedule = FlipSchedule(every=1, old_is_live=True)
     step = step_flips_case(monkeypatch)
@@ -153,7 +153,7 @@ def test_flip_schedule_reuses_pi_old_and_hands_over_only_where_valid(old_is_live
     is measured and replays (its own forward records nothing live then)."""
     from types import SimpleNamespace
 
-    from megatron_gspo.flips import FlipSchedule
+    from megatron_gspo.algo.flips import FlipSchedule
 
     old = object()
     replayed = SimpleNamespace(replay=object(), old_routing=old)
@@ -211,7 +211,7 @@ def test_step_flips_keys_are_exactly_the_documented_ones(monkeypatch):
 def test_an_inactive_step_routes_nothing_and_logs_nothing(monkeypatch):
     """A step off the flip schedule neither runs a routing forward (watch / after_step) nor
     keeps a routing, and returns no metrics."""
-    from megatron_gspo import flips
+    from megatron_gspo.algo import flips
 
     case = step_flips_case(monkeypatch)
 
@@ -243,7 +243,7 @@ def test_replayed_step_compares_each_routing_with_the_right_one(monkeypatch):
     (2/6), loss_routing_vs_old old -> replay (3/6)."""
     from types import SimpleNamespace
 
-    from megatron_gspo import flips
+    from megatron_gspo.algo import flips
 
     valid_BT = torch.ones(2, 4, dtype=torch.bool)
     response_BT = torch.tensor([[0, 0, 1, 1], [0, 0, 0, 1]], dtype=torch.bool)
@@ -286,7 +286,7 @@ def test_unreplayed_step_records_its_own_before_over_the_routed_shard(monkeypatc
     from contextlib import contextmanager
     from types import SimpleNamespace
 
-    from megatron_gspo import flips
+    from megatron_gspo.algo import flips
 
     valid_BT = torch.ones(2, 4, dtype=torch.bool)
     shard_BT = valid_BT[:, 2:]
@@ -335,7 +335,7 @@ def test_hand_over_pass_splits_the_rows_between_the_two_minibatches(monkeypatch)
     """With `next_mb`, one routing pass covers both minibatches (2 rows, then 1 row with a
     padded token): `mb`'s part is its "after", the rest becomes `next_before`, each equal to
     routing that minibatch alone."""
-    from megatron_gspo import flips
+    from megatron_gspo.algo import flips
 
     def by_token(policy, tokens_BT, valid_BT):  # expert set of a token: {t, t + 1} mod 4
         calls.append(tokens_BT.shape[0])
@@ -364,7 +364,7 @@ def test_hand_over_pass_splits_the_rows_between_the_two_minibatches(monkeypatch)
 def test_replayed_step_without_a_known_before_routes_it_live(monkeypatch):
     """Replay and no handed-over "before" (R3's first step): `watch` runs one live routing
     forward for it; neither the replayed cache nor pi_old's routing stands in."""
-    from megatron_gspo import flips
+    from megatron_gspo.algo import flips
 
     step = step_flips_case(monkeypatch)
     live = object()

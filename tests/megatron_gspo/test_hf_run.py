@@ -12,10 +12,10 @@ import os
 import pytest
 import torch
 
-from megatron_gspo import checkpoint as ckpt
+from megatron_gspo.run import checkpoint as ckpt
 from megatron_gspo.cli import main as cli_main
-from megatron_gspo.config import config_to_dict, load_config
-from megatron_gspo.rollout import encode_prompts, sample
+from megatron_gspo.config.schema import config_to_dict, load_config
+from megatron_gspo.rollout.generate import encode_prompts, sample
 from tests.hf_fixtures import load_hf, make_model
 
 
@@ -33,8 +33,8 @@ def run_config(hf_dir, run_dir, *extra):
 
 def test_runtime_builds_tokenizer_preset_and_weights_from_hf_path(single_process, hf_dir,
                                                                   tmp_path):
-    from megatron_gspo.runtime import setup_runtime
-    from megatron_gspo.tokenizer import HFTokenizer
+    from megatron_gspo.run.setup import setup_runtime
+    from megatron_gspo.tasks.tokenizer import HFTokenizer
 
     rt = setup_runtime(run_config(hf_dir, tmp_path / "run"), job="eval")
     assert isinstance(rt.tokenizer, HFTokenizer) and rt.tokenizer.vocab_size == 300
@@ -49,13 +49,13 @@ def test_runtime_builds_tokenizer_preset_and_weights_from_hf_path(single_process
     assert (ours[..., :300] - ref)[valid_BT].abs().max() <= 1e-4
     # vocab_multiple is configurable
     cfg = run_config(hf_dir, tmp_path / "run2", "model.vocab_multiple=64")
-    from megatron_gspo.runtime import resolve_preset
+    from megatron_gspo.run.setup import resolve_preset
 
     assert resolve_preset(cfg, 300).vocab_size == 320
 
 
 def test_hub_name_is_a_clear_error(single_process, tmp_path):
-    from megatron_gspo.runtime import setup_runtime
+    from megatron_gspo.run.setup import setup_runtime
 
     with pytest.raises(FileNotFoundError, match="hub name"):
         setup_runtime(run_config("Qwen/Qwen3-30B-A3B", tmp_path / "run"), job="eval")
@@ -79,8 +79,8 @@ def save_run(policy, cfg, run_dir: str, legacy: bool = False) -> None:
 
 def test_export_round_trip_and_greedy_generation_match(single_process, hf_dir, tmp_path,
                                                         capsys):
-    from megatron_gspo.runtime import build_policy
-    from megatron_gspo.tokenizer import load_tokenizer
+    from megatron_gspo.run.setup import build_policy
+    from megatron_gspo.tasks.tokenizer import load_tokenizer
     from moe.hf.io import INDEX, SafetensorsReader
     from moe.hf.weights import load_hf_weights
 
@@ -128,7 +128,7 @@ def test_export_of_a_toy_run_is_a_qwen3_moe_model(single_process, tmp_path, caps
                                                   layers):
     """A run without hf_path exports its preset's shape (no tokenizer files), from a dist
     checkpoint or an older one's full_params; with model.num_layers, at that depth."""
-    from megatron_gspo.runtime import build_policy
+    from megatron_gspo.run.setup import build_policy
 
     cfg = load_config(None, [f"run_dir={tmp_path / 'toy'}", "model.preset=tiny"]
                       + ([f"model.num_layers={layers}"] if layers else []))
@@ -192,8 +192,8 @@ def test_export_reads_a_moved_source_folder_and_writes_its_own_config(single_pro
     vocabulary is larger than the checkpoint's embedding."""
     import shutil
 
-    from megatron_gspo.export import export_run
-    from megatron_gspo.runtime import build_policy
+    from megatron_gspo.run.export import export_run
+    from megatron_gspo.run.setup import build_policy
     from moe.hf.io import SafetensorsReader
 
     moved, src = tmp_path / "moved", tmp_path / "src"
@@ -232,7 +232,7 @@ def test_export_reads_a_moved_source_folder_and_writes_its_own_config(single_pro
 
 def test_export_keeps_the_parameter_dtype(single_process, tmp_path):
     """bfloat16 parameters export as bfloat16 tensors, and config.json says so."""
-    from megatron_gspo.runtime import build_policy
+    from megatron_gspo.run.setup import build_policy
     from moe.hf.config import hf_config_dict
     from moe.hf.io import SafetensorsReader
     from moe.hf.weights import export_hf
@@ -263,7 +263,7 @@ def test_export_never_writes_into_a_non_empty_folder(single_process, hf_dir, tmp
     path that cannot be created (was an OSError traceback)."""
     import shutil
 
-    from megatron_gspo.runtime import build_policy
+    from megatron_gspo.run.setup import build_policy
 
     src = tmp_path / "src"
     shutil.copytree(hf_dir, src)
@@ -299,7 +299,7 @@ def test_a_config_that_does_not_split_over_the_layout_exits_2(hf_dir, tmp_path, 
     rank). The layout's process groups are faked: only the checks before them run."""
     from types import SimpleNamespace
 
-    from megatron_gspo import runtime
+    from megatron_gspo.run import setup as runtime
 
     folder = tmp_path / "five_experts"
     folder.mkdir()
@@ -317,8 +317,8 @@ def test_a_bf16_run_exports_bf16_tensors(single_process, hf_dir, tmp_path):
     """model.dtype=bf16: the checkpoint's weights are bf16 values, which the 1-process reader
     holds as float32; the export writes them as bf16 (half the bytes, config.json says
     bfloat16, values unchanged) instead of float32."""
-    from megatron_gspo.export import export_run
-    from megatron_gspo.runtime import build_policy
+    from megatron_gspo.run.export import export_run
+    from megatron_gspo.run.setup import build_policy
     from moe.hf.io import SafetensorsReader
     from moe.sharding import gather_full_params
 
@@ -337,8 +337,8 @@ def test_a_bf16_run_exports_bf16_tensors(single_process, hf_dir, tmp_path):
 def test_init_from_another_models_run_names_its_hf_path(single_process, hf_dir, tmp_path):
     """A run started from model.hf_path recorded the default model.preset, which it ignored:
     the refusal names the folder it came from, not that preset."""
-    from megatron_gspo.config import ConfigError
-    from megatron_gspo.runtime import build_policy, load_init_weights
+    from megatron_gspo.config.schema import ConfigError
+    from megatron_gspo.run.setup import build_policy, load_init_weights
 
     cfg = run_config(hf_dir, tmp_path / "run")
     save_run(build_policy(cfg, 300, optim=None), cfg, cfg.run_dir)
@@ -356,8 +356,8 @@ def test_tokens_added_past_vocab_size_keep_their_rows(single_process, hf_dir, tm
 
     from transformers import AutoTokenizer
 
-    from megatron_gspo.export import export_run
-    from megatron_gspo.runtime import build_policy
+    from megatron_gspo.run.export import export_run
+    from megatron_gspo.run.setup import build_policy
 
     src = tmp_path / "src"
     shutil.copytree(hf_dir, src)
@@ -383,8 +383,8 @@ def test_export_writes_the_tokenizer_the_run_trained_with(single_process, hf_dir
 
     from transformers import AutoTokenizer
 
-    from megatron_gspo.export import export_run
-    from megatron_gspo.runtime import build_policy
+    from megatron_gspo.run.export import export_run
+    from megatron_gspo.run.setup import build_policy
 
     gsm = os.path.join(os.path.dirname(__file__), "..", "fixtures", "gsm_tiny")
     cfg = load_config(None, [f"run_dir={tmp_path / 'toy'}", "model.preset=tiny",
@@ -413,7 +413,7 @@ def test_export_writes_the_tokenizer_the_run_trained_with(single_process, hf_dir
 def test_export_verifies_the_shard_checksums(single_process, tmp_path, capsys):
     """A flipped byte in a policy shard is one line naming the file (the export read it and
     wrote the damaged weights); a resume already checked them."""
-    from megatron_gspo.runtime import build_policy
+    from megatron_gspo.run.setup import build_policy
 
     cfg = load_config(None, [f"run_dir={tmp_path / 'toy'}", "model.preset=tiny"])
     save_run(build_policy(cfg, 26, optim=None), cfg, cfg.run_dir)

@@ -1,4 +1,4 @@
-"""megatron_gspo.host: when the malloc thresholds are tuned, and that tuned, freed blocks stay."""
+"""megatron_gspo.run.host: when the malloc thresholds are tuned, and that tuned, freed blocks stay."""
 
 import os
 import platform
@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from megatron_gspo import host
-from megatron_gspo.host import malloc_tuning_skipped
+from megatron_gspo.run import host
+from megatron_gspo.run.host import malloc_tuning_skipped
 
 GLIBC = malloc_tuning_skipped({}) is None
 GLIBC_VERSION = tuple(int(v) for v in (platform.libc_ver()[1] or "0").split(".")[:2])
@@ -19,7 +19,7 @@ GLIBC_VERSION = tuple(int(v) for v in (platform.libc_ver()[1] or "0").split(".")
 # Either way the heap grows by about what is asked (no padding of the 1 GiB kept when freed).
 PROBE = """
 import ctypes
-from megatron_gspo.host import tune_malloc
+from megatron_gspo.run.host import tune_malloc
 applied = tune_malloc()
 fields = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
           "fordblks", "keepcost")

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from megatron_gspo.losses import (POLICY_LOSSES, PolicyLossConfig, clipped_surrogate,
+from megatron_gspo.algo.losses import (POLICY_LOSSES, PolicyLossConfig, clipped_surrogate,
                                   get_policy_loss, policy_loss)
 
 NAMES = ("gspo", "gspo_token", "grpo")

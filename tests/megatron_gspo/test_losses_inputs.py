@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from megatron_gspo import losses
-from megatron_gspo.losses import (PolicyLossConfig, UnknownPolicyLossError, get_policy_loss,
+from megatron_gspo.algo import losses
+from megatron_gspo.algo.losses import (PolicyLossConfig, UnknownPolicyLossError, get_policy_loss,
                                   policy_loss, register_policy_loss)
 
 NAMES = ("gspo", "gspo_token", "grpo")

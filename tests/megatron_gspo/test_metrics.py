@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_gspo.metrics import MetricsLogger, Timer, format_progress, read_jsonl
+from megatron_gspo.run.metrics import MetricsLogger, Timer, format_progress, read_jsonl
 
 
 def test_log_writes_one_flushed_line_per_call(tmp_path):
@@ -198,7 +198,7 @@ def test_non_str_keys_and_logging_after_close_raise(tmp_path):
 
 def test_wandb_is_finished_once_and_never_imported_when_disabled(tmp_path, monkeypatch):
     """`close` twice finishes the wandb run once; mode "disabled" never imports wandb."""
-    from megatron_gspo import metrics
+    from megatron_gspo.run import metrics
 
     finished = []
     fake = type("W", (), {"init": staticmethod(lambda **kw: type("R", (), {
@@ -254,7 +254,7 @@ def test_wandb_reachability_probe_uses_the_schemes_default_port(monkeypatch):
     """No port in the URL: 443 for https (the default https://api.wandb.ai), 80 for http."""
     import socket
 
-    from megatron_gspo.metrics import _online_or_offline
+    from megatron_gspo.run.metrics import _online_or_offline
 
     seen = []
 

@@ -1,4 +1,4 @@
-"""megatron_gspo.mismatch.sampler_precision: the sampler's forwards in bf16, the rest untouched."""
+"""megatron_gspo.rollout.precision.sampler_precision: the sampler's forwards in bf16, the rest untouched."""
 
 import contextlib
 from types import SimpleNamespace
@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_gspo.mismatch import sampler_precision
+from megatron_gspo.rollout.precision import sampler_precision
 
 CPU = SimpleNamespace(device=torch.device("cpu"))
 

@@ -5,10 +5,10 @@ import sys
 
 import pytest
 
-import megatron_gspo.rewards as rewards_mod
-from megatron_gspo.data import read_rows
-from megatron_gspo.metrics import MetricsLogger
-from megatron_gspo.tokenizer import HFTokenizer
+import megatron_gspo.tasks.rewards as rewards_mod
+from megatron_gspo.tasks.datasets import read_rows
+from megatron_gspo.run.metrics import MetricsLogger
+from megatron_gspo.tasks.tokenizer import HFTokenizer
 from moe.checks import MissingDependency
 
 

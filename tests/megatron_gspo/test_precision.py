@@ -8,7 +8,7 @@ import pytest
 from tests.megatron_gspo.test_faults import overwrite_two_floats
 import torch
 
-from megatron_gspo.metrics import read_jsonl
+from megatron_gspo.run.metrics import read_jsonl
 from tests.megatron_gspo.test_trainer import make_trainer, params
 
 BF16 = ["model.dtype=bf16", "optim.warmup_steps=3", "optim.lr_decay_style=linear",
@@ -49,7 +49,7 @@ def test_bf16_run_logs_the_schedule_and_resumes_exactly(tmp_path):
 def test_corrupt_dist_shard_is_caught_and_resume_falls_back(tmp_path, capsys):
     """The policy's dist checkpoint files carry sha256 sidecars like the rank files: a damaged
     shard of the latest step makes resume fall back to the step before."""
-    from megatron_gspo import checkpoint as ckpt
+    from megatron_gspo.run import checkpoint as ckpt
 
     run = make_trainer(tmp_path, "train.steps=2")
     run.train()

@@ -1,10 +1,10 @@
-"""megatron_gspo.preempt: what a signal sets and how ranks agree on it (the handlers end to end
+"""megatron_gspo.run.preempt: what a signal sets and how ranks agree on it (the handlers end to end
 are in test_faults.py)."""
 
 import signal
 
-from megatron_gspo import dist_utils
-from megatron_gspo.preempt import Preempted, Preemption
+from megatron_gspo import dist as dist_utils
+from megatron_gspo.run.preempt import Preempted, Preemption
 
 
 def test_a_rank_stops_when_any_peer_was_signalled(monkeypatch):

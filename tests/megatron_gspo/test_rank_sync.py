@@ -38,7 +38,7 @@ def test_agreement_is_local_on_one_process(single_process, monkeypatch):
     """With one rank the helpers answer from the local value and communicate nothing."""
     import torch.distributed as dist
 
-    from megatron_gspo import dist_utils
+    from megatron_gspo import dist as dist_utils
 
     def no_collective(*args, **kwargs):
         raise AssertionError("collective called with one process")
@@ -51,8 +51,8 @@ def test_agreement_is_local_on_one_process(single_process, monkeypatch):
 
 @pytest.fixture(scope="module")
 def reference(single_process, tmp_path_factory):
-    from megatron_gspo.rollout import evaluate, sample
-    from megatron_gspo.trainer import Trainer
+    from megatron_gspo.rollout.generate import evaluate, sample
+    from megatron_gspo.jobs.rl import Trainer
     from moe.sharding import gather_full_params
 
     root = tmp_path_factory.mktemp("rank_sync")
@@ -90,8 +90,8 @@ def two_process(reference):
 
 
 def _prompt_len(prompts) -> int:
-    from megatron_gspo.rollout import encode_prompts
-    from megatron_gspo.tokenizer import CharTokenizer
+    from megatron_gspo.rollout.generate import encode_prompts
+    from megatron_gspo.tasks.tokenizer import CharTokenizer
 
     return encode_prompts(CharTokenizer(), prompts)[0].shape[1]
 
@@ -192,8 +192,8 @@ def test_pitfall13_torchrun_train_ep2_with_early_eos_completes(single_process, t
     checkpoint whose responses end early at random lengths, so the two ranks' rollouts need
     different numbers of decode steps: it finishes both iterations (it hung after the step-0
     eval until the process-group timeout)."""
-    from megatron_gspo.config import load_config
-    from megatron_gspo.runtime import save_state, setup_runtime
+    from megatron_gspo.config.schema import load_config
+    from megatron_gspo.run.setup import save_state, setup_runtime
 
     init = str(tmp_path / "init")
     rt = setup_runtime(load_config("experiments/demo/gspo.yaml", [f"run_dir={init}",

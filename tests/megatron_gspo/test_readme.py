@@ -5,7 +5,7 @@ import re
 import shlex
 from types import SimpleNamespace
 
-from megatron_gspo.config import load_config
+from megatron_gspo.config.schema import load_config
 
 README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
 
@@ -48,12 +48,12 @@ def _emitted_keys() -> set[str]:
     """Keys the metric-producing functions return, on tiny inputs."""
     import torch
 
-    from megatron_gspo.advantages import group_advantages
-    from megatron_gspo.data import DatasetTask
-    from megatron_gspo.filters import overlong_filter, rollout_health
-    from megatron_gspo.losses import POLICY_LOSSES, PolicyLossConfig, tis_weights
-    from megatron_gspo.tasks import Example, score
-    from megatron_gspo.trainer import response_metrics, rollout_metrics
+    from megatron_gspo.algo.advantages import group_advantages
+    from megatron_gspo.tasks.datasets import DatasetTask
+    from megatron_gspo.rollout.filters import overlong_filter, rollout_health
+    from megatron_gspo.algo.losses import POLICY_LOSSES, PolicyLossConfig, tis_weights
+    from megatron_gspo.tasks.toy import Example, score
+    from megatron_gspo.jobs.rl import response_metrics, rollout_metrics
 
     g = torch.Generator().manual_seed(0)
     logp = -torch.rand(4, 5, generator=g)
@@ -90,8 +90,8 @@ def test_every_sft_metric_is_in_the_readme():
     """`megatron-gspo sft` logs an `sft/` group the Metrics section did not name."""
     import torch
 
-    from megatron_gspo.band import SFTBand
-    from megatron_gspo.sft import sft_step
+    from megatron_gspo.jobs.band import SFTBand
+    from megatron_gspo.jobs.sft import sft_step
     from tests.megatron_gspo.test_sft import fake_runtime
 
     band = SFTBand(load_config(None, ["sft.target_accuracy=[0.2,0.5]"]))
@@ -107,7 +107,7 @@ def test_every_sft_metric_is_in_the_readme():
 def test_routing_mismatch_is_logged_for_a_bf16_sampler_without_r3():
     """The README said `rollout/routing_mismatch` was R3 only; a bf16 sampler records the
     sampler's routing (and so logs it) without R3 too."""
-    from megatron_gspo.trainer import Trainer
+    from megatron_gspo.jobs.rl import Trainer
 
     cfg = load_config(None, ["rollout.sampler_dtype=bf16"])
     assert cfg.train.routing_replay == "off"

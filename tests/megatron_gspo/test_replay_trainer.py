@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from megatron_gspo.metrics import read_jsonl
-from megatron_gspo.rollout import generate_rollouts
+from megatron_gspo.run.metrics import read_jsonl
+from megatron_gspo.rollout.generate import generate_rollouts
 from tests.megatron_gspo.test_trainer import make_trainer
 
 
@@ -92,7 +92,7 @@ def test_bf16_sampler_is_a_real_mismatch_that_tis_reweights(tmp_path, mode):
 
 
 def test_tis_with_sampler_logprobs_is_a_config_error():
-    from megatron_gspo.config import ConfigError, load_config
+    from megatron_gspo.config.schema import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="loss.tis_cap"):
         load_config(None, ["loss.tis_cap=2", "rollout.use_sampler_logprobs=true"])
@@ -105,8 +105,8 @@ def test_tis_weight_is_pi_old_over_the_sampler_capped():
 
     import torch
 
-    from megatron_gspo.config import load_config
-    from megatron_gspo.trainer import Trainer
+    from megatron_gspo.config.schema import load_config
+    from megatron_gspo.jobs.rl import Trainer
 
     stub = SimpleNamespace(cfg=load_config(None, ["loss.tis_cap=2"]))
     resp_BT = torch.ones(1, 2)

@@ -6,12 +6,12 @@ import time
 
 import pytest
 
-import megatron_gspo.rewards as rewards_mod
-from megatron_gspo.rewards import (FORMAT_CHECKS, OK, RAISED, REWARDS, TIMED_OUT,
+import megatron_gspo.tasks.rewards as rewards_mod
+from megatron_gspo.tasks.rewards import (FORMAT_CHECKS, OK, RAISED, REWARDS, TIMED_OUT,
                                    UnknownRewardError, compute_rewards, countdown_reward,
                                    exact_reward, get_format_check, get_reward, math_gold_text,
                                    register_reward)
-from megatron_gspo.tasks import Example, make_task
+from megatron_gspo.tasks.toy import Example, make_task
 
 
 def test_registry_names_and_unknown_name_lists_valid_ones():
@@ -168,7 +168,7 @@ def test_time_limit_interrupts_a_python_loop_and_counts_it():
 def test_math_verify_blowup_times_out_instead_of_hanging():
     """\\boxed{9^{9^{9^{9}}}} runs for minutes without a limit (measured); here it is stopped."""
     pytest.importorskip("math_verify")
-    from megatron_gspo.data import DatasetTask
+    from megatron_gspo.tasks.datasets import DatasetTask
 
     task = DatasetTask(reward_name="math", reward_timeout_s=0.5)
     rewards, status = compute_rewards(task, [Example("p", "1", ("1", "", "x"))] * 2,

@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from megatron_gspo import rollout
-from megatron_gspo.rollout import (device_generator, draw, encode_prompts, evaluate,
+from megatron_gspo.rollout import generate as rollout
+from megatron_gspo.rollout.generate import (device_generator, draw, encode_prompts, evaluate,
                                      generate_rollouts, sample, top_p_filter)
-from megatron_gspo.tasks import Addition, CharTokenizer, Example
+from megatron_gspo.tasks.toy import Addition, CharTokenizer, Example
 
 PROMPTS = ["12+345=", "7+8=", "99+1=", "3+40="]
 
@@ -338,8 +338,8 @@ def test_generate_rollouts_is_the_sampler_plus_rewards_and_flags(policy):
     `sample` (the same draws and log-probs as calling it directly); completions are the
     decoded response tokens; rewards (negative ones kept) and reward status come from the task;
     truncation uses all of the tokenizer's stop ids, not just EOS."""
-    from megatron_gspo.rewards import OK, RAISED
-    from megatron_gspo.rollout import truncated_rows
+    from megatron_gspo.tasks.rewards import OK, RAISED
+    from megatron_gspo.rollout.generate import truncated_rows
 
     tok = CharTokenizer()
     tok.stop_ids = frozenset({tok.eos_id, *(tok.encode(d)[0] for d in "01234")})
@@ -367,7 +367,7 @@ def test_evaluate_scores_the_greedy_completions_in_example_order(policy, monkeyp
     """evaluate scores exactly the examples' greedy completions, in order (a filler chunk's
     are dropped), decoding ceil(n / batch_size) chunks (here 4 / 2, plus the peer's filler) in
     eval mode with the kv_cache it was given; no examples is a ValueError."""
-    import megatron_gspo.tasks as tasks
+    import megatron_gspo.tasks.toy as tasks
 
     tok = CharTokenizer()
     examples = [Example(p, "0") for p in PROMPTS]

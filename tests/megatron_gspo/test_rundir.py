@@ -1,4 +1,4 @@
-"""megatron_gspo.rundir: which config keys a resume may change, the run record, the lock's
+"""megatron_gspo.run.rundir: which config keys a resume may change, the run record, the lock's
 sharing and owner line, and stale-temporary clean-up (the refusals end to end are in
 test_faults.py)."""
 
@@ -11,8 +11,8 @@ import textwrap
 
 import pytest
 
-from megatron_gspo.config import config_to_dict, load_config
-from megatron_gspo.rundir import (LOCK_FILE, NON_SEMANTIC, RunDirError, claim_run_dir,
+from megatron_gspo.config.schema import config_to_dict, load_config
+from megatron_gspo.run.rundir import (LOCK_FILE, NON_SEMANTIC, RunDirError, claim_run_dir,
                                   record_run, semantic_config)
 
 
@@ -197,7 +197,7 @@ def test_a_record_holding_the_layout_keys_resumes_with_another_layout(tmp_path):
     """run.json written before LAYOUT was skipped holds model.tp / ep / ...: they do not count."""
     import json
 
-    from megatron_gspo.rundir import RUN_FILE, fingerprint
+    from megatron_gspo.run.rundir import RUN_FILE, fingerprint
 
     cfg = config_to_dict(load_config(None, [f"run_dir={tmp_path}", "model.ep=2"]))
     old = dict(semantic_config(cfg, "train"), **{"model.tp": 1, "model.ep": 2,
@@ -227,7 +227,7 @@ def test_a_dist_checkpoint_a_killed_save_left_half_written_is_removed(tmp_path):
 def test_forget_run_keeps_the_record_of_a_run_with_a_checkpoint(tmp_path):
     """forget_run (a start refused by train.start_accuracy) removes run.json and the job's
     config only while no checkpoint step exists; other jobs' files stay."""
-    from megatron_gspo.rundir import RUN_FILE, forget_run
+    from megatron_gspo.run.rundir import RUN_FILE, forget_run
 
     for name in (RUN_FILE, "train_config.yaml", "sft_config.yaml"):
         (tmp_path / name).write_text("x")

@@ -1,4 +1,4 @@
-"""megatron_gspo.runtime: the parts a run is built from (layout, preset, recompute, optimizer
+"""megatron_gspo.run.setup: the parts a run is built from (layout, preset, recompute, optimizer
 settings, policy) as the config says, and `setup_runtime`'s checks and clean-up."""
 
 import json
@@ -8,10 +8,10 @@ import shutil
 import pytest
 import torch
 
-from megatron_gspo.checkpoint import CheckpointError
-from megatron_gspo.config import ConfigError, load_config
-from megatron_gspo.data import DataError
-from megatron_gspo.runtime import (build_policy, check_init_checkpoint, layout_of,
+from megatron_gspo.run.checkpoint import CheckpointError
+from megatron_gspo.config.schema import ConfigError, load_config
+from megatron_gspo.tasks.datasets import DataError
+from megatron_gspo.run.setup import (build_policy, check_init_checkpoint, layout_of,
                                    load_init_weights, model_max_len, optim_settings,
                                    recompute_of, resolve_preset, save_state, setup_runtime)
 from moe.dist_ckpt import files_written_by
@@ -242,9 +242,9 @@ def test_a_distributed_optimizer_run_resumed_with_another_tp_ep_is_refused(singl
     another TP / EP (its rank file records (tp, ep, world)) is a ConfigError pointing at
     init_checkpoint (was, under resume=force, a KeyError traceback from dist_checkpointing
     listing every shard). Another DP size alone resumes."""
-    from megatron_gspo import checkpoint as ckpt
+    from megatron_gspo.run import checkpoint as ckpt
     from megatron_gspo.cli import main
-    from megatron_gspo.runtime import try_resume
+    from megatron_gspo.run.setup import try_resume
 
     args = [*TOY, "optim.distributed=true", f"run_dir={tmp_path / 'run'}", "train.steps=1",
             "rollout.prompts_per_batch=2", "rollout.group_size=2", "train.num_minibatches=1"]
@@ -270,9 +270,9 @@ def test_sft_targets_longer_than_max_new_tokens_are_counted_and_warned(single_pr
                                                                        capsys):
     """SFT on worked solutions longer than rollout.max_new_tokens trains answers that every
     eval cuts (accuracy stays 0, sft.target_accuracy is never reached), silently before."""
-    from megatron_gspo.data import check_sft_lengths
-    from megatron_gspo.tasks import Example
-    from megatron_gspo.tokenizer import CharTokenizer
+    from megatron_gspo.tasks.datasets import check_sft_lengths
+    from megatron_gspo.tasks.toy import Example
+    from megatron_gspo.tasks.tokenizer import CharTokenizer
 
     examples = [Example("1+2=", "3"), Example("1+2=", "333"), Example("1+2=", "3333")]
     assert check_sft_lengths(CharTokenizer(), examples, 64, max_new_tokens=4) == 1
@@ -296,7 +296,7 @@ def test_a_data_tokenizer_that_renumbers_the_models_tokens_is_refused(hf_dir, tm
 
     from transformers import AutoTokenizer
 
-    from megatron_gspo.runtime import run_tokenizer
+    from megatron_gspo.run.setup import run_tokenizer
 
     gsm = os.path.join(os.path.dirname(__file__), "..", "fixtures", "gsm_tiny")
     cfg = load_config(None, [f"model.hf_path={hf_dir}", f"data.tokenizer_path={gsm}"])

@@ -1,4 +1,4 @@
-"""Cold-start SFT (megatron_gspo.sft): the batch and its masks, the loss, the data-parallel
+"""Cold-start SFT (megatron_gspo.jobs.sft): the batch and its masks, the loss, the data-parallel
 split, and a stopped run resuming to the same steps."""
 
 import os
@@ -8,11 +8,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_gspo import sft
-from megatron_gspo.config import load_config
-from megatron_gspo.metrics import read_jsonl
-from megatron_gspo.tasks import Example
-from megatron_gspo.tokenizer import CharTokenizer
+from megatron_gspo.jobs import sft
+from megatron_gspo.config.schema import load_config
+from megatron_gspo.run.metrics import read_jsonl
+from megatron_gspo.tasks.toy import Example
+from megatron_gspo.tasks.tokenizer import CharTokenizer
 from tests.megatron_gspo.test_band import BASE, _scripted_eval
 
 EXAMPLES = [Example("1+2=", "3"), Example("12+3=", "15")]

@@ -1,4 +1,4 @@
-"""megatron_gspo.strict: value coercion at its edges (what a YAML file or a dict may hold that an
+"""megatron_gspo.config.loader: value coercion at its edges (what a YAML file or a dict may hold that an
 override cannot), and that a built config shares nothing mutable with its input (the schema's
 loading end to end is in test_config.py)."""
 
@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from megatron_gspo.config import ConfigError, config_from_dict, load_config
+from megatron_gspo.config.schema import ConfigError, config_from_dict, load_config
 
 
 def _load(tmp_path, text: str):
@@ -80,7 +80,7 @@ def test_an_unsupported_annotation_is_a_schema_error():
     a TypeError for the schema's author, not a silent pick of the first type."""
     from typing import Literal, Union
 
-    from megatron_gspo.strict import _coerce
+    from megatron_gspo.config.loader import _coerce
 
     with pytest.raises(TypeError, match="k: unsupported annotation"):
         _coerce(1, Union[int, str], "k")
@@ -91,7 +91,7 @@ def test_an_unsupported_annotation_is_a_schema_error():
 def test_yaml_errors_point_at_the_problem(tmp_path):
     """Guards `load_yaml`'s location: 1-based line:column of the problem (not of its context,
     e.g. the bracket a list opened at), and a duplicate key names the line of its first use."""
-    from megatron_gspo.strict import load_yaml
+    from megatron_gspo.config.loader import load_yaml
 
     path = os.path.join(tmp_path, "c.yaml")
     with open(path, "w") as f:
@@ -120,7 +120,7 @@ def test_an_override_that_is_not_yaml_is_one_line():
 def test_a_mapping_on_top_replaces_a_scalar_or_null_in_the_base():
     """Guards `deep_merge`: only mapping-on-mapping merges; a file section over a base's empty
     (null) or scalar value replaces it."""
-    from megatron_gspo.strict import deep_merge
+    from megatron_gspo.config.loader import deep_merge
 
     base = {"wandb": None, "seed": 3, "task": {"name": "addition", "n_train": 10}}
     top = {"wandb": {"mode": "disabled"}, "seed": {"x": 1}, "task": {"n_train": 5}}
@@ -132,7 +132,7 @@ def test_an_empty_mapping_in_an_overlay_is_an_override_of_its_own():
     """Guards `mapping_to_overrides`: `kwargs: {}` sets the key to an empty mapping (it clears
     the base's kwargs) instead of vanishing; nested keys become dotted ones, strings stay
     text and other values JSON."""
-    from megatron_gspo.strict import mapping_to_overrides
+    from megatron_gspo.config.loader import mapping_to_overrides
 
     overlay = {"task": {"kwargs": {}, "n_train": 5}, "loss": {"eps_high": None},
                "wandb.name": "2024", "data": {"train_files": ["a.jsonl"]}}
@@ -146,7 +146,7 @@ def test_an_empty_mapping_in_an_overlay_is_an_override_of_its_own():
 def test_an_empty_section_is_that_sections_defaults(tmp_path):
     """Guards `build` on null: `wandb:` with nothing under it (YAML null) is the section's
     defaults, not a 'expected a mapping' error."""
-    from megatron_gspo.config import RunConfig
+    from megatron_gspo.config.schema import RunConfig
 
     assert _load(tmp_path, "wandb:\ntrain:\nseed: 2\n") == RunConfig(seed=2)
     assert config_from_dict(None) == RunConfig()
@@ -167,8 +167,8 @@ def test_dict_field_overrides_nest_and_read_yaml_1_2():
     """Guards `apply_override` into a dict field: deeper dotted keys build nested mappings
     that later overrides extend (not reset), and values are read as YAML 1.2 (`3e-4` a float,
     `off` a word), as in files."""
-    from megatron_gspo.config import RunConfig
-    from megatron_gspo.strict import apply_override
+    from megatron_gspo.config.schema import RunConfig
+    from megatron_gspo.config.loader import apply_override
 
     raw = {}
     for item in ["task.kwargs.a.b=1", "task.kwargs.a.c=2", "task.kwargs.lr=3e-4",
@@ -182,7 +182,7 @@ def test_field_docs_and_defaults_as_declared():
     and `describe_fields` (a default_factory's value is shown, not MISSING)."""
     import dataclasses
 
-    from megatron_gspo.strict import describe_fields, field_docs
+    from megatron_gspo.config.loader import describe_fields, field_docs
 
     @dataclasses.dataclass(frozen=True)
     class Base:

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from megatron_gspo.tasks import (TASKS, CharTokenizer, Example, make_splits, make_task,
+from megatron_gspo.tasks.toy import (TASKS, CharTokenizer, Example, make_splits, make_task,
                                  parse_expression, score)
 
 
@@ -238,7 +238,7 @@ def test_register_task_decorator_adds_a_task_and_refuses_a_second_name():
     from dataclasses import dataclass
     from typing import ClassVar
 
-    from megatron_gspo.tasks import register_task
+    from megatron_gspo.tasks.toy import register_task
 
     @dataclass(frozen=True)
     class Echo:
@@ -349,7 +349,7 @@ def test_num_prompts_hand_values():
 def test_draw_distinct_uses_its_last_draw_and_then_gives_up():
     """A new prompt found on the last allowed draw (50 n + 10_000) counts; one draw later is
     an error naming how many were found."""
-    from megatron_gspo.tasks import _draw_distinct
+    from megatron_gspo.tasks.toy import _draw_distinct
 
     class Late:
         def __init__(self, at):

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from megatron_gspo.losses import PolicyLossConfig, policy_loss, tis_weights
+from megatron_gspo.algo.losses import PolicyLossConfig, policy_loss, tis_weights
 
 D = torch.float64
 EPS = {"grpo": (0.2, 0.27), "gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4)}

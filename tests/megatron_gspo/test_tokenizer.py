@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from megatron_gspo.strict import ConfigError
-from megatron_gspo.tokenizer import CharTokenizer, HFTokenizer, load_tokenizer
+from megatron_gspo.config.loader import ConfigError
+from megatron_gspo.tasks.tokenizer import CharTokenizer, HFTokenizer, load_tokenizer
 from tests.hf_fixtures import SPECIALS, make_tokenizer
 
 PROTOCOL = ("vocab_size", "pad_id", "eos_id", "bos_id", "stop_ids", "encode", "decode",

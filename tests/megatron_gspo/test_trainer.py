@@ -5,8 +5,8 @@ import os
 import pytest
 import torch
 
-from megatron_gspo.config import ConfigError, load_config
-from megatron_gspo.metrics import read_jsonl
+from megatron_gspo.config.schema import ConfigError, load_config
+from megatron_gspo.run.metrics import read_jsonl
 
 BASE = ["model.preset=tiny", "task.name=addition", "task.kwargs.num_digits=1", "task.n_train=60",
         "task.n_eval=8", "rollout.prompts_per_batch=4", "rollout.group_size=4",
@@ -20,7 +20,7 @@ def digit_first(example, completion: str) -> float:
 
 
 def make_trainer(tmp_path, *overrides, name="run", **parts):
-    from megatron_gspo.trainer import Trainer
+    from megatron_gspo.jobs.rl import Trainer
 
     cfg = load_config(None, [*BASE, f"run_dir={tmp_path / name}", *overrides])
     trainer = Trainer.from_config(cfg, **parts)
@@ -99,7 +99,7 @@ def test_no_update_means_zero_flips_and_update_means_some(tmp_path):
 
 def test_routing_replay_is_confined_to_the_policy_forward(tmp_path, monkeypatch):
     """With r2 the loss forward replays pi_old's routes, but rollout / eval never do."""
-    from megatron_gspo import rollout
+    from megatron_gspo.rollout import generate as rollout
     from moe.replay import assert_routing_idle
 
     trainer = make_trainer(tmp_path, "train.steps=1", "train.routing_replay=r2",
@@ -148,13 +148,13 @@ def _spy_replayed_routes(policy):
 
 
 def test_sft_checkpoint_initialises_rl(tmp_path):
-    from megatron_gspo.sft import run_sft
+    from megatron_gspo.jobs.sft import run_sft
 
     sft_cfg = load_config(None, [*BASE, f"run_dir={tmp_path / 'sft'}", "sft.steps=3",
                                  "sft.batch_size=8", "sft.eval_every=0"])
     run_sft(sft_cfg)
     trainer = make_trainer(tmp_path, "train.steps=1", f"init_checkpoint={tmp_path / 'sft'}")
-    from megatron_gspo.runtime import build_policy
+    from megatron_gspo.run.setup import build_policy
     from moe import dist_ckpt
 
     fresh = build_policy(trainer.cfg, trainer.rt.tokenizer.vocab_size, optim=None)
@@ -201,8 +201,8 @@ def test_flips_under_replay_take_one_forward_per_step_and_equal_separate_passes(
     """R2, flip_every=1, 4 minibatches: the "before" routing comes from pi_old's pass (first
     step) or the previous step's "after" pass over both minibatches, so 4 no-grad routing
     passes instead of 8, with the same flip and drift metrics as separate passes."""
-    from megatron_gspo import flips
-    from megatron_gspo import trainer as trainer_mod
+    from megatron_gspo.algo import flips
+    from megatron_gspo.jobs import rl as trainer_mod
 
     rows_per_pass, real_routing = [], flips.current_routing
     monkeypatch.setattr(flips, "current_routing", lambda policy, tokens_BT, *a, **k: (
@@ -230,8 +230,9 @@ def test_flips_under_replay_take_one_forward_per_step_and_equal_separate_passes(
 def test_replay_source_is_pi_old_for_r2_and_the_sampler_for_r3(tmp_path, monkeypatch, mode):
     """The sampler's routing is made to differ from pi_old's (on CPU they agree exactly, see
     test_rollout), so replaying the wrong one is caught."""
-    from megatron_gspo import flips as flips_mod, trainer as trainer_mod
-    from megatron_gspo.rollout import generate_rollouts
+    from megatron_gspo.algo import flips as flips_mod
+    from megatron_gspo.jobs import rl as trainer_mod
+    from megatron_gspo.rollout.generate import generate_rollouts
 
     def shifted_generate(*args, **kwargs):
         batch = generate_rollouts(*args, **kwargs)
@@ -281,8 +282,8 @@ def test_r3_without_kv_cache_is_a_config_error():
 
 def test_minibatch_select_keeps_every_part_row_aligned():
     """One `select` slices tokens, pi_old log-probs, advantages and both routing caches."""
-    from megatron_gspo.rollout import RolloutBatch
-    from megatron_gspo.trainer import Minibatch, TrainerState
+    from megatron_gspo.rollout.generate import RolloutBatch
+    from megatron_gspo.jobs.rl import Minibatch, TrainerState
     from moe.replay import RoutingReplayCache
 
     B, T, L, K = 4, 3, 2, 2
@@ -346,8 +347,8 @@ def test_minibatches_partition_the_batch_and_reuse_pi_old_advantages_and_ref(tmp
     """Every optimizer step's loss gets its rows' pi_old log-probs, group advantages (over the
     G responses of a prompt, computed once for the rollout batch) and reference log-probs; the
     minibatches partition the batch; the logged token means divide by response tokens."""
-    from megatron_gspo import trainer as trainer_mod
-    from megatron_gspo.advantages import group_advantages
+    from megatron_gspo.jobs import rl as trainer_mod
+    from megatron_gspo.algo.advantages import group_advantages
 
     trainer = make_trainer(tmp_path, "train.steps=1", "loss.kl_coef=0.1")
     G, n_mb = trainer.cfg.rollout.group_size, trainer.cfg.train.num_minibatches
@@ -418,7 +419,7 @@ def test_non_finite_loss_with_finite_grads_is_skipped(tmp_path):
 def _stub(**train):
     from types import SimpleNamespace
 
-    from megatron_gspo.trainer import TrainerState
+    from megatron_gspo.jobs.rl import TrainerState
 
     cfg = load_config(None, [*BASE, *(f"train.{k}={v}" for k, v in train.items())])
     return SimpleNamespace(cfg=cfg, state=TrainerState(),
@@ -426,7 +427,7 @@ def _stub(**train):
 
 
 def test_guard_aborts_after_more_than_max_consecutive_skips_and_a_step_resets():
-    from megatron_gspo.trainer import Trainer
+    from megatron_gspo.jobs.rl import Trainer
 
     t = _stub(max_skipped_steps=2)
     for stepped in (False, False, True, False, False):  # 2 in a row, reset, 2 in a row
@@ -437,7 +438,7 @@ def test_guard_aborts_after_more_than_max_consecutive_skips_and_a_step_resets():
 
 
 def test_local_prompts_checks_each_data_parallel_ranks_rows():
-    from megatron_gspo.trainer import local_prompts
+    from megatron_gspo.jobs.rl import local_prompts
 
     cfg = load_config(None, [*BASE, "train.num_minibatches=8", "rollout.group_size=4"])
     assert local_prompts(cfg, 1) == 4 and local_prompts(cfg, 2) == 2  # 16 / 8 rows per rank
@@ -450,7 +451,7 @@ def test_local_prompts_checks_each_data_parallel_ranks_rows():
 
 
 def test_save_every_also_saves_the_last_rollout_batch():
-    from megatron_gspo.trainer import Trainer
+    from megatron_gspo.jobs.rl import Trainer
 
     t = _stub(save_every=3, steps=4)
     assert [Trainer.should_save(t, i) for i in range(1, 5)] == [False, False, True, True]
@@ -458,7 +459,7 @@ def test_save_every_also_saves_the_last_rollout_batch():
 
 
 def test_reward_collapse_alert_follows_the_ema():
-    from megatron_gspo.trainer import Trainer
+    from megatron_gspo.jobs.rl import Trainer
 
     t = _stub(collapse_reward_drop=0.5)
     assert Trainer.collapse_alerts(t, {"reward/mean": 1.0})["alert/reward_collapse"] == 0.0

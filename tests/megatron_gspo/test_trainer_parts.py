@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from megatron_gspo.metrics import read_jsonl
-from megatron_gspo.rollout import generate_rollouts
+from megatron_gspo.run.metrics import read_jsonl
+from megatron_gspo.rollout.generate import generate_rollouts
 from tests.megatron_gspo.test_trainer import make_trainer, params
 
 
@@ -95,8 +95,8 @@ def test_a_failed_build_releases_the_run_dir(tmp_path, monkeypatch):
     is free (another process could claim it; a second descriptor here can)."""
     import fcntl
 
-    from megatron_gspo import trainer as trainer_mod
-    from megatron_gspo.rundir import LOCK_FILE
+    from megatron_gspo.jobs import rl as trainer_mod
+    from megatron_gspo.run.rundir import LOCK_FILE
 
     def broken(*args, **kwargs):
         raise RuntimeError("out of memory")
@@ -137,7 +137,7 @@ def test_pi_old_and_reference_passes_use_the_temperature_and_their_own_weights(t
 def test_advantages_use_adv_eps_and_the_overlong_filter(tmp_path):
     """pi_old's pass normalises advantages with loss.adv_eps and zeroes truncated rows'
     advantages under filter.overlong."""
-    from megatron_gspo.advantages import group_advantages
+    from megatron_gspo.algo.advantages import group_advantages
 
     trainer = make_trainer(tmp_path, "loss.adv_eps=0.5", "filter.overlong=true")
     batch = trainer.rollout(0)
@@ -154,7 +154,7 @@ def test_advantages_use_adv_eps_and_the_overlong_filter(tmp_path):
 def test_routing_mismatch_counts_the_loss_positions_only(tmp_path):
     """The sampler's routing is altered at every token whose logits score no response token
     (the prompt, and the last response token): the logged mismatch stays 0."""
-    from megatron_gspo.flips import loss_positions
+    from megatron_gspo.algo.flips import loss_positions
 
     def shifted_off_loss(*args, **kwargs):
         batch = generate_rollouts(*args, **kwargs)

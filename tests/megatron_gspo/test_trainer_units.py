@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_gspo.config import load_config
+from megatron_gspo.config.schema import load_config
 from tests.megatron_gspo.test_trainer import BASE, _stub
 
 
@@ -16,7 +16,7 @@ class LoopStub:
     `signal_at` sends this process SIGTERM during that iteration (0-based)."""
 
     def __init__(self, *overrides, iteration=0, signal_at=None):
-        from megatron_gspo.trainer import Trainer, TrainerState
+        from megatron_gspo.jobs.rl import Trainer, TrainerState
 
         self.cfg = load_config(None, [*BASE, *overrides])
         self.state = TrainerState(iteration=iteration)
@@ -46,7 +46,7 @@ class LoopStub:
 
 
 def run_loop(monkeypatch, stub):
-    from megatron_gspo import trainer as trainer_mod
+    from megatron_gspo.jobs import rl as trainer_mod
 
     monkeypatch.setattr(trainer_mod, "save_state",
                         lambda rt, it, extra: stub.events.append(("save", it)))
@@ -71,7 +71,7 @@ def test_iteration_zero_eval_runs_on_a_fresh_run_only(monkeypatch):
 def test_signal_at_the_last_rollout_batch_saves_and_finishes_without_preempted(monkeypatch):
     """A signal during the final rollout batch saves it and returns normally (the run is
     done, nothing to resume); one earlier saves and raises Preempted."""
-    from megatron_gspo.preempt import Preempted
+    from megatron_gspo.run.preempt import Preempted
 
     last = LoopStub("train.steps=2", "train.save_every=0", signal_at=1)
     assert run_loop(monkeypatch, last) == {"reward/mean": 1.0}
@@ -96,7 +96,7 @@ def _batch():
     """Four rows of 4 columns; response lengths 2, 1, 3, 1; rewards 1, 0, 0.5, 1.5."""
     import torch
 
-    from megatron_gspo.rollout import RolloutBatch
+    from megatron_gspo.rollout.generate import RolloutBatch
 
     resp_BT = torch.tensor([[0, 1, 1, 0], [0, 0, 1, 0], [0, 1, 1, 1], [0, 0, 0, 1]]).bool()
     sampler_logp_BT = torch.tensor([[9, -1, -2, 9], [9, 9, -0.5, 9], [9, -1, -1, -1],
@@ -116,7 +116,7 @@ def test_rollout_metrics_by_hand():
 
     import torch
 
-    from megatron_gspo.trainer import rollout_metrics
+    from megatron_gspo.jobs.rl import rollout_metrics
 
     recompute_BT = torch.tensor([[0, -1.5, -1, 0], [0, 0, -0.75, 0], [0, -1, -1, -1],
                                  [0, 0, 0, -2]], dtype=torch.float64)
@@ -133,8 +133,8 @@ def test_rollout_metrics_by_hand():
 def test_throughput_divides_tokens_by_their_phase_time():
     """Rollout tokens/s = response tokens / rollout time; train tokens/s = all valid tokens /
     train time."""
-    from megatron_gspo.metrics import Timer
-    from megatron_gspo.trainer import throughput
+    from megatron_gspo.run.metrics import Timer
+    from megatron_gspo.jobs.rl import throughput
 
     clock = iter([0.0, 2.0, 10.0, 14.0])
     timer = Timer(clock=lambda: next(clock), cuda_sync=False)
@@ -149,7 +149,7 @@ def test_throughput_divides_tokens_by_their_phase_time():
 def test_entropy_and_small_reward_collapse_alerts():
     """Entropy below the floor (strictly) alerts, a metrics dict without entropy does not, a
     reward that never rose above 0.05 cannot "crash", and one exactly at the drop does not."""
-    from megatron_gspo.trainer import Trainer
+    from megatron_gspo.jobs.rl import Trainer
 
     t = _stub(collapse_entropy_floor=0.05, collapse_reward_drop=0.5)
     at_floor = Trainer.collapse_alerts(t, {"reward/mean": 1.0, "policy/entropy": 0.05})
@@ -178,7 +178,7 @@ def test_entropy_and_small_reward_collapse_alerts():
 def test_records_sampler_routing_only_where_it_can(replay, dtype, kv_cache, dynamic, sp, want):
     """The sampler records its routing for R3, or for a different-precision sampler's mismatch
     when the KV cache, one round and no sequence parallelism make it possible."""
-    from megatron_gspo.trainer import Trainer
+    from megatron_gspo.jobs.rl import Trainer
 
     ns = SimpleNamespace
     cfg = ns(train=ns(routing_replay=replay), rollout=ns(sampler_dtype=dtype, kv_cache=kv_cache),
@@ -191,7 +191,7 @@ def test_router_noise_is_a_fresh_seeded_draw_per_step_and_off_under_replay(monke
     replayed forward or std 0 gets none."""
     import torch
 
-    from megatron_gspo import trainer as trainer_mod
+    from megatron_gspo.jobs import rl as trainer_mod
 
     monkeypatch.setattr(trainer_mod, "router_noise", lambda policy, std, gen: (std, gen))
     t = _stub(router_noise_std=0.5)

@@ -72,8 +72,8 @@ def test_sampler_draws_on_the_gpu_reproducibly(single_process):
     """The sampler's draws run on the GPU (a device generator seeded from the host one): host
     tensors come back, the same seed gives the same tokens, the log-probs match the trainer's
     recompute."""
-    from megatron_gspo.rollout import sample
-    from megatron_gspo.tasks import CharTokenizer
+    from megatron_gspo.rollout.generate import sample
+    from megatron_gspo.tasks.toy import CharTokenizer
     from moe.model import ParallelLayout
     from moe.policy import MoEPolicy
     from moe.presets import get_preset
@@ -92,7 +92,7 @@ def test_sampler_draws_on_the_gpu_reproducibly(single_process):
 
 
 def test_device_generator_seeds_a_cuda_generator_from_the_host_one():
-    from megatron_gspo.rollout import device_generator
+    from megatron_gspo.rollout.generate import device_generator
 
     host = torch.Generator().manual_seed(3)
     state = host.get_state()

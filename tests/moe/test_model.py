@@ -253,8 +253,8 @@ def test_logprobs_from_start_project_only_those_positions(single_process):
 def test_trainer_logprobs_start_at_the_response(tmp_path):
     """pi_old's pass and every train step run the output layer from the last prompt column
     on; the flip forwards (routing only) on the last two."""
-    from megatron_gspo.config import load_config
-    from megatron_gspo.trainer import Trainer
+    from megatron_gspo.config.schema import load_config
+    from megatron_gspo.jobs.rl import Trainer
 
     trainer = Trainer.from_config(load_config(None, [
         "task.name=addition", "task.n_train=40", "task.n_eval=4", "rollout.prompts_per_batch=2",

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from megatron_gspo.host import malloc_tuning_skipped
+from megatron_gspo.run.host import malloc_tuning_skipped
 from tools import bench_malloc
 
 

@@ -45,7 +45,7 @@ def test_bad_sweep_arguments_exit_naming_the_flag(argv, capsys):
 
 
 def test_forced_length_tokenizer_has_no_stop_ids():
-    from megatron_gspo.tasks import CharTokenizer
+    from megatron_gspo.tasks.toy import CharTokenizer
 
     tok = NoStopTokenizer(CharTokenizer())
     assert tok.stop_ids == frozenset() and tok.eos_id == CharTokenizer().eos_id

@@ -10,7 +10,7 @@ An unknown key at any level is an error naming the dotted key and listing the se
 keys. Override values are YAML (`1e-5`, `true`, `[1,2]`, `null`) coerced to the field's type.
 
 The generic machinery (typing, coercion, YAML 1.2-style loading, overrides, field docstrings)
-lives in `megatron_gspo.strict`; this module is the schema.
+lives in `megatron_gspo.config.loader`; this module is the schema.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from typing import ClassVar, Literal, Optional, Sequence, Union
 
 import yaml
 
-from megatron_gspo.strict import (ConfigError, apply_override, build, check, describe_fields,
+from megatron_gspo.config.loader import (ConfigError, apply_override, build, check, describe_fields,
                                   field_docs, load_layered, validate)
-from megatron_gspo.config_data import (DataConfig, FilterConfig, RewardConfig,  # noqa: F401
+from megatron_gspo.config.data import (DataConfig, FilterConfig, RewardConfig,  # noqa: F401
                                        check_data_sections, expand_user_paths)
-from megatron_gspo.losses import PolicyLossConfig
+from megatron_gspo.algo.losses import PolicyLossConfig
 from moe.model import RECOMPUTE_MODULES, layout_problems, resolve_dispatcher
 from moe.optim import OptimSettings
 
@@ -122,7 +122,7 @@ class TaskConfig:
     _section: ClassVar[str] = "task"
 
     name: str = "addition"
-    """Task name (see `megatron_gspo.tasks`), or dataset (prompts from files: the data section)."""
+    """Task name (see `megatron_gspo.tasks.toy`), or dataset (prompts from files: the data section)."""
     kwargs: dict = field(default_factory=dict)
     """Keyword arguments for the task constructor, e.g. {num_digits: 2}."""
     n_train: int = 2000
@@ -135,7 +135,7 @@ class TaskConfig:
     def __post_init__(self):
         validate(self, nonempty=("name",), ge={"n_train": 1, "n_eval": 0})
         check(self, "kwargs", all(isinstance(k, str) for k in self.kwargs), "keys must be str")
-        from megatron_gspo.tasks import TASKS, task_kwarg_names
+        from megatron_gspo.tasks.toy import TASKS, task_kwarg_names
 
         check(self, "name", self.name in TASKS or self.name == "dataset",
               f"unknown task; valid: {sorted(TASKS) + ['dataset']}")
@@ -166,7 +166,7 @@ class RolloutConfig:
     claim that inference-engine likelihoods can be used directly, sec. 4.3)."""
     sampler_dtype: Literal["same", "bf16"] = "same"
     """Precision of the sampler's forwards: "same" as the trainer, or "bf16" (autocast) for a
-    real train-inference mismatch with an fp32 trainer (`megatron_gspo.mismatch`): log-probs and
+    real train-inference mismatch with an fp32 trainer (`megatron_gspo.rollout.precision`): log-probs and
     MoE routing then differ between sampler and trainer; pi_old, loss and eval stay as trained."""
     kv_cache: bool = True
     """Sample with megatron-core's static KV cache (one new column per step); False recomputes
@@ -280,7 +280,7 @@ class TrainConfig:
     """[low, high]: refuse to start (before any RL step) when the initial policy's held-out
     accuracy, the iteration-0 eval (run for this check also with eval_every 0), is outside this
     band, so that every arm of an experiment starts where its recipe says
-    (`megatron_gspo.band`). None = no check."""
+    (`megatron_gspo.jobs.band`). None = no check."""
 
     def __post_init__(self):
         validate(self, ge={"steps": 1, "num_minibatches": 1, "log_every": 1, "flip_every": 0,
@@ -316,7 +316,7 @@ class SFTConfig:
     target_accuracy: Optional[list] = None
     """[low, high]: stop at the first eval (every sft.eval_every steps) whose held-out accuracy
     is in [low, high] and save there; sft.steps is then a budget: exhausting it is an error
-    (the checkpoint is kept), and so is an eval that jumps past high (`megatron_gspo.band`).
+    (the checkpoint is kept), and so is an eval that jumps past high (`megatron_gspo.jobs.band`).
     Makes the cold start land in the same place on any machine; None = run sft.steps."""
 
     def __post_init__(self):
@@ -356,7 +356,7 @@ class RunConfig:
     """Initial weights: a run dir (its latest checkpoint) or a step dir, any parallel layout."""
     resume: Union[bool, Literal["force"]] = True
     """Resume from run_dir's newest good checkpoint if there is one. A run dir belongs to one
-    run: resuming with a different job or semantic config is refused (`megatron_gspo.rundir`);
+    run: resuming with a different job or semantic config is refused (`megatron_gspo.run.rundir`);
     "force" resumes anyway with the new config; false refuses a run dir holding checkpoints."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Policy architecture and parallel layout."""
@@ -428,7 +428,7 @@ def save_config(cfg: RunConfig, path: str) -> None:
     """Write the resolved config as YAML atomically (tmp file + os.replace)."""
     text = ("# resolved megatron-gspo config (megatron-gspo ... --config THIS_FILE)\n"
             + yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False))
-    from megatron_gspo.checkpoint import atomic_write
+    from megatron_gspo.run.checkpoint import atomic_write
 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     atomic_write(path, lambda f: f.write(text.encode("utf-8")))

@@ -36,8 +36,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from megatron_gspo.dist_utils import all_ranks, max_over_ranks
-from megatron_gspo.rewards import compute_rewards
+from megatron_gspo.dist import all_ranks, max_over_ranks
+from megatron_gspo.tasks.rewards import compute_rewards
 
 
 @dataclass
@@ -225,7 +225,7 @@ def evaluate(policy, tokenizer, task, examples: list, *, max_new_tokens: int,
 
     Collective: every rank runs the largest chunk count of any rank; a rank with fewer chunks
     decodes its first example as filler and discards it (PITFALLS #13)."""
-    from megatron_gspo.tasks import score
+    from megatron_gspo.tasks.toy import score
 
     if not examples:
         raise ValueError("evaluate: no examples")

@@ -78,6 +78,6 @@ class Preemption:
     def requested(self) -> int:
         """The signal number if any rank was signalled, else 0 (one all-reduce when
         distributed)."""
-        from megatron_gspo.dist_utils import max_over_ranks
+        from megatron_gspo.dist import max_over_ranks
 
         return max_over_ranks(self.signum)

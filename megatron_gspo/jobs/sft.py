@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from megatron_gspo.band import AccuracyBandError, SFTBand, fmt_band
-from megatron_gspo.config import RunConfig
-from megatron_gspo.metrics import format_progress
-from megatron_gspo.dist_utils import reduce_metrics
-from megatron_gspo.preempt import Preempted, Preemption
-from megatron_gspo.runtime import (evaluate_runtime, save_state, setup_runtime,
+from megatron_gspo.jobs.band import AccuracyBandError, SFTBand, fmt_band
+from megatron_gspo.config.schema import RunConfig
+from megatron_gspo.run.metrics import format_progress
+from megatron_gspo.dist import reduce_metrics
+from megatron_gspo.run.preempt import Preempted, Preemption
+from megatron_gspo.run.setup import (evaluate_runtime, save_state, setup_runtime,
                                    try_resume)
 
 
@@ -43,7 +43,7 @@ def run_sft(cfg: RunConfig) -> dict:
     """Train `cfg.sft.steps` steps, evaluating every `cfg.sft.eval_every`; save a checkpoint at
     the end (and on SIGTERM / Ctrl-C / SIGHUP, then raise `Preempted`); resume a stopped run. With
     `sft.target_accuracy` stop (and save) at the first eval inside the band instead, and raise
-    `AccuracyBandError` past it or when sft.steps runs out (`megatron_gspo.band`)."""
+    `AccuracyBandError` past it or when sft.steps runs out (`megatron_gspo.jobs.band`)."""
     rt = setup_runtime(cfg, job="sft")
     try:
         return _sft_loop(rt)

@@ -100,7 +100,7 @@ def differing_keys(old: dict, new: dict, defaults: dict | None = None) -> list[s
 
 def default_semantic_config(job: str) -> dict:
     """`semantic_config` of the default RunConfig: the values of fields added since a run."""
-    from megatron_gspo.config import RunConfig, config_to_dict
+    from megatron_gspo.config.schema import RunConfig, config_to_dict
 
     return semantic_config(config_to_dict(RunConfig()), job)
 
@@ -243,7 +243,7 @@ def record_run(run_dir: str, job: str, config: dict, save_config) -> bool:
     record_path = os.path.join(run_dir, RUN_FILE)
     if os.path.isfile(record_path):
         return False
-    from megatron_gspo.checkpoint import atomic_write
+    from megatron_gspo.run.checkpoint import atomic_write
 
     cfg_path = os.path.join(run_dir, f"{job}_config.yaml")
     if not os.path.exists(cfg_path):

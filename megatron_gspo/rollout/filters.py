@@ -31,10 +31,10 @@ from typing import Callable
 
 import torch
 
-from megatron_gspo.advantages import ZERO_STD_TOL
-from megatron_gspo.dist_utils import max_over_ranks
-from megatron_gspo.rewards import RAISED, TIMED_OUT
-from megatron_gspo.rollout import RolloutBatch
+from megatron_gspo.algo.advantages import ZERO_STD_TOL
+from megatron_gspo.dist import max_over_ranks
+from megatron_gspo.tasks.rewards import RAISED, TIMED_OUT
+from megatron_gspo.rollout.generate import RolloutBatch
 
 
 def rollout_health(batch: RolloutBatch) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""Verifiable toy tasks with exact 0/1 rewards (tokenized by `megatron_gspo.tokenizer.CharTokenizer`).
+"""Verifiable toy tasks with exact 0/1 rewards (tokenized by `megatron_gspo.tasks.tokenizer.CharTokenizer`).
 
 Each task is small enough for a tiny MoE transformer (vocab < 32, context <= 48 tokens) to learn
 on CPU in minutes, and its reward is exact (no learned judge), as in the GSPO paper's
@@ -23,9 +23,9 @@ import re
 from dataclasses import dataclass, fields
 from typing import ClassVar, Protocol, Sequence
 
-from megatron_gspo.expression import parse_expression  # noqa: F401 (re-exported)
-from megatron_gspo.rewards import compute_rewards, countdown_reward, exact_reward
-from megatron_gspo.tokenizer import CharTokenizer  # noqa: F401 (re-exported)
+from megatron_gspo.tasks.expression import parse_expression  # noqa: F401 (re-exported)
+from megatron_gspo.tasks.rewards import compute_rewards, countdown_reward, exact_reward
+from megatron_gspo.tasks.tokenizer import CharTokenizer  # noqa: F401 (re-exported)
 from moe.checks import is_int
 
 @dataclass(frozen=True)

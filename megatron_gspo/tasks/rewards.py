@@ -47,7 +47,7 @@ import time
 import warnings
 from typing import Any, Callable, Sequence
 
-from megatron_gspo.expression import parse_expression
+from megatron_gspo.tasks.expression import parse_expression
 from moe.checks import MissingDependency
 
 RewardFn = Callable[[str, Any], float]

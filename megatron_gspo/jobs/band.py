@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import os
 
-from megatron_gspo.config import ConfigError, RunConfig
-from megatron_gspo.metrics import read_jsonl
+from megatron_gspo.config.schema import ConfigError, RunConfig
+from megatron_gspo.run.metrics import read_jsonl
 
 ACC = "eval/accuracy"
 

@@ -1,5 +1,5 @@
 """Run configuration sections for files of prompts: `data`, `reward`, `filter` (`task.name=dataset`
-and DAPO's rollout filters). Part of the schema in `megatron_gspo.config`, which re-exports them;
+and DAPO's rollout filters). Part of the schema in `megatron_gspo.config.schema`, which re-exports them;
 the same conventions hold (a docstring under every field, checks in `__post_init__`)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Optional
 
-from megatron_gspo.strict import ConfigError, check, validate
+from megatron_gspo.config.loader import ConfigError, check, validate
 
 
 def expand_user_paths(section, *names: str) -> None:
@@ -89,7 +89,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class RewardConfig:
-    """Verifier of dataset tasks (registry in `megatron_gspo.rewards`)."""
+    """Verifier of dataset tasks (registry in `megatron_gspo.tasks.rewards`)."""
     _section: ClassVar[str] = "reward"
 
     name: Optional[str] = None
@@ -106,7 +106,7 @@ class RewardConfig:
         validate(self, nonempty=("name",), ge={"timeout_s": 0})
         check(self, "format_weight", 0 <= self.format_weight < 1, "must be in [0, 1)")
         if self.name is not None:
-            from megatron_gspo.rewards import REWARDS
+            from megatron_gspo.tasks.rewards import REWARDS
 
             check(self, "name", self.name in REWARDS, f"valid names: {sorted(REWARDS)}")
 

@@ -43,7 +43,7 @@ from contextlib import contextmanager
 
 import torch
 
-from megatron_gspo.dist_utils import sum_over_ranks
+from megatron_gspo.dist import sum_over_ranks
 from moe.replay import RoutingReplayCache, current_routing, record_routing
 from moe.routing_stats import topk_mask
 

@@ -1,6 +1,6 @@
 """What SFT, RL training and eval share: process groups, task, policy, checkpoints.
 
-Checkpoints (`megatron_gspo.checkpoint` layout, `latest` marker): in each step dir, `dist/` is the
+Checkpoints (`megatron_gspo.run.checkpoint` layout, `latest` marker): in each step dir, `dist/` is the
 policy (model, optimizer, lr schedule) written by `moe.dist_ckpt` through megatron-core's
 dist_checkpointing, each rank writing only its own shards (checksummed like the rank files);
 `rank_XXXXX.pt` holds each rank's counters, RNG state and config. A checkpoint resumes (`resume`)
@@ -8,7 +8,7 @@ or initialises (`init_checkpoint`) a run with any TP / EP / DP layout; RNG state
 only for the same layout. Older checkpoints (the policy in the rank files, rank 0's
 `full_params`) still resume with the same layout and initialise any layout.
 
-A run dir belongs to one run (`megatron_gspo.rundir`): `setup_runtime` locks it and refuses a
+A run dir belongs to one run (`megatron_gspo.run.rundir`): `setup_runtime` locks it and refuses a
 different job or config before anything is written; `eval` only reads. Resume verifies every
 shard and falls back, with a warning, past a corrupt latest step to the newest good one; rows of
 metrics.jsonl logged after the resumed step are dropped, so no step is logged twice.
@@ -26,15 +26,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
-from megatron_gspo import checkpoint as ckpt
-from megatron_gspo.dist_utils import all_ranks
-from megatron_gspo.config import ConfigError, RunConfig, config_to_dict, save_config
-from megatron_gspo.data import build_task, check_sft_lengths, tokenizer_folder
-from megatron_gspo.host import tune_malloc
-from megatron_gspo.rundir import RunDirLock, claim_run_dir, record_run
-from megatron_gspo.metrics import MetricsLogger
-from megatron_gspo.rollout import evaluate
-from megatron_gspo.tokenizer import Tokenizer, load_tokenizer
+from megatron_gspo.run import checkpoint as ckpt
+from megatron_gspo.dist import all_ranks
+from megatron_gspo.config.schema import ConfigError, RunConfig, config_to_dict, save_config
+from megatron_gspo.tasks.datasets import build_task, check_sft_lengths, tokenizer_folder
+from megatron_gspo.run.host import tune_malloc
+from megatron_gspo.run.rundir import RunDirLock, claim_run_dir, record_run
+from megatron_gspo.run.metrics import MetricsLogger
+from megatron_gspo.rollout.generate import evaluate
+from megatron_gspo.tasks.tokenizer import Tokenizer, load_tokenizer
 from moe import dist_ckpt
 from moe.model import ParallelLayout, Recompute
 from moe.optim import OptimSettings
@@ -164,7 +164,7 @@ def build_policy(cfg: RunConfig, vocab_size: int, optim: OptimSettings | None,
 def setup_runtime(cfg: RunConfig, job: str) -> Runtime:
     """Process groups, run-dir claim, task splits, policy (+ init weights), metrics logger,
     recorded config. `job` is "sft", "train" or "eval" (eval writes nothing). Tunes the host
-    allocator first (`megatron_gspo.host`)."""
+    allocator first (`megatron_gspo.run.host`)."""
     tune_malloc()
     optim = optim_settings(cfg, job)  # a bad lr schedule fails before the run dir is claimed
     try:

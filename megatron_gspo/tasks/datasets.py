@@ -37,9 +37,9 @@ import random
 from dataclasses import dataclass
 from typing import Any, ClassVar, Iterator
 
-from megatron_gspo.rewards import check_math_available, get_format_check, get_reward
-from megatron_gspo.strict import ConfigError
-from megatron_gspo.tasks import Example, make_splits, make_task
+from megatron_gspo.tasks.rewards import check_math_available, get_format_check, get_reward
+from megatron_gspo.config.loader import ConfigError
+from megatron_gspo.tasks.toy import Example, make_splits, make_task
 from moe.checks import MissingDependency
 
 _DEFAULT_KEYS = {"verl": ("prompt", "reward_model.ground_truth", "data_source"),
@@ -53,7 +53,7 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class DatasetTask:
-    """Examples come from files; the reward is `reward_name` from `megatron_gspo.rewards`."""
+    """Examples come from files; the reward is `reward_name` from `megatron_gspo.tasks.rewards`."""
 
     reward_name: str = "math"
     reward_timeout_s: float = 5.0

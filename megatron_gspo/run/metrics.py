@@ -98,7 +98,7 @@ class MetricsLogger:
         kept = [ln for ln in lines if ln.strip() and _row_step(ln) <= step]
         dropped = sum(1 for ln in lines if ln.strip()) - len(kept)
         if dropped:
-            from megatron_gspo.checkpoint import atomic_write
+            from megatron_gspo.run.checkpoint import atomic_write
 
             self._file.close()
             text = "".join(ln + "\n" for ln in kept)

@@ -22,7 +22,7 @@ import sys
 import torch
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
-from megatron_gspo import checkpoint as ckpt
+from megatron_gspo.run import checkpoint as ckpt
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
 _SKIP = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
@@ -63,7 +63,7 @@ def _source(run_dir: str, model_cfg: dict, hf_path: str | None, tok_path: str | 
     """(config.json dict or None, preset, vocabulary size or None) of the run's model: the
     source folder's (its config.json's vocab_size, or the run's tokenizer's size when tokens
     were added past it: the run trained rows for them), else the toy preset."""
-    from megatron_gspo.tokenizer import load_tokenizer
+    from megatron_gspo.tasks.tokenizer import load_tokenizer
     from moe.hf.config import preset_from_hf_config, read_hf_config
     from moe.presets import get_preset
 

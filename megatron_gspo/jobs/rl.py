@@ -9,7 +9,7 @@ in one no-grad forward, compute group advantages, then split the rollout batch i
 that has moved m-1 times since pi_old, which is what makes the importance ratio (and clipping)
 matter; with one minibatch GSPO reduces to on-policy policy gradient (PITFALLS #4).
 
-Per optimizer step it also measures expert flips (`megatron_gspo.flips.FlipSchedule`): the top-k
+Per optimizer step it also measures expert flips (`megatron_gspo.algo.flips.FlipSchedule`): the top-k
 sets of the same tokens just before and just after the step, and after the step vs pi_old.
 
 Parts: `Trainer(rt, cfg, ref_policy=..., loss_fn=..., generate=...)` runs the loop over parts
@@ -25,7 +25,7 @@ rate of the sampler's routing vs the training-side live recompute of the same we
 `rollout/logprob_mismatch_r3/...`, the sampler's log-probs vs pi_old's replayed ones (what is
 left after R3: the precision). Departure: by default both sides run the same weights in the same
 framework and precision, so the mismatch is float rounding only (`rollout.sampler_dtype=bf16`
-makes it real, `megatron_gspo.mismatch`); with a separate inference engine (vLLM/SGLang kernels,
+makes it real, `megatron_gspo.rollout.precision`); with a separate inference engine (vLLM/SGLang kernels,
 bf16) it is what R3 exists to remove.
 """
 
@@ -36,19 +36,19 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_gspo.advantages import group_advantages
-from megatron_gspo.band import AccuracyBandError, check_start_accuracy
-from megatron_gspo.config import ConfigError, RunConfig
-from megatron_gspo.dist_utils import all_ranks, max_over_ranks, reduce_metrics
-from megatron_gspo.filters import overlong_filter, rollout_health, sample_rollouts
-from megatron_gspo.flips import FlipSchedule, layer_flips, loss_positions, token_rows
-from megatron_gspo.losses import PolicyLossFn, get_policy_loss, tis_weights
-from megatron_gspo.metrics import Timer, format_progress
-from megatron_gspo.mismatch import sampler_precision
-from megatron_gspo.preempt import Preempted, Preemption
-from megatron_gspo.rollout import RolloutBatch, generate_rollouts
-from megatron_gspo.rundir import forget_run
-from megatron_gspo.runtime import (Runtime, build_policy, evaluate_runtime, load_init_weights,
+from megatron_gspo.algo.advantages import group_advantages
+from megatron_gspo.jobs.band import AccuracyBandError, check_start_accuracy
+from megatron_gspo.config.schema import ConfigError, RunConfig
+from megatron_gspo.dist import all_ranks, max_over_ranks, reduce_metrics
+from megatron_gspo.rollout.filters import overlong_filter, rollout_health, sample_rollouts
+from megatron_gspo.algo.flips import FlipSchedule, layer_flips, loss_positions, token_rows
+from megatron_gspo.algo.losses import PolicyLossFn, get_policy_loss, tis_weights
+from megatron_gspo.run.metrics import Timer, format_progress
+from megatron_gspo.rollout.precision import sampler_precision
+from megatron_gspo.run.preempt import Preempted, Preemption
+from megatron_gspo.rollout.generate import RolloutBatch, generate_rollouts
+from megatron_gspo.run.rundir import forget_run
+from megatron_gspo.run.setup import (Runtime, build_policy, evaluate_runtime, load_init_weights,
                                    save_state, setup_runtime, try_resume)
 from moe.replay import (RoutingReplayCache, chunk_count, current_routing, replay_routing,
                         row_chunks)
@@ -179,7 +179,7 @@ class Trainer:
         return last
 
     def check_start(self, first_eval: dict) -> None:
-        """`train.start_accuracy` (megatron_gspo.band); a refused start leaves no run record."""
+        """`train.start_accuracy` (megatron_gspo.jobs.band); a refused start leaves no run record."""
         try:
             check_start_accuracy(self.cfg, first_eval)
         except AccuracyBandError:

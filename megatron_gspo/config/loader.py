@@ -1,6 +1,6 @@
 """Strict frozen-dataclass configs: field typing and coercion, validation, YAML loading, dotted
 overrides and field docstrings. Generic: it walks dataclass fields and knows no section by name;
-`megatron_gspo.config` defines the schema on top of it.
+`megatron_gspo.config.schema` defines the schema on top of it.
 
 Departure from plain `yaml.safe_load`: files and override values are read with a YAML 1.2-style
 resolver (`YamlLoader`), so `3e-4` is a float (YAML 1.1 reads it as a string) and only

@@ -1,0 +1,5 @@
+"""What the policy is trained on: toy tasks with exact verifiers, prompt datasets from files,
+reward functions, the tokenizer (and its chat template).
+
+May import: `megatron_gspo.config`, the top-level helpers; not `moe` (tasks are model-free).
+"""
