@@ -54,7 +54,7 @@ ablation: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[bench]'
-	$(BIN)/python -m tools.bench_throughput
+	$(BIN)/python -m bench.throughput
 
 clean:
 	rm -rf runs .pytest_cache

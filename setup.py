@@ -34,7 +34,7 @@ setup(
         "math": ["math-verify==0.9.0"],  # reward.name=math; parquet data also needs pyarrow
         "dev": ["pytest", "matplotlib", "wandb", "transformers==5.23.0", "safetensors",
                 "tokenizers", "mbridge==0.15.1", "einops", "math-verify==0.9.0", "pyarrow"],
-        # tools/bench_throughput.py's TRL side; the versions it was measured with
+        # bench/throughput.py's TRL side; the versions it was measured with
         "bench": ["trl==1.16.0", "transformers==5.23.0", "accelerate==1.15.0", "datasets==5.2.0"],
     },
     entry_points={"console_scripts": ["megatron-gspo=megatron_gspo.cli:main"]},

@@ -50,7 +50,7 @@ def resolve_dispatcher(dispatcher: str, ep: int) -> str:
     bitwise-equal outputs and grads (`tests/moe/test_model.py`), but the all-to-all dispatcher
     still splits and re-concatenates every layer's permuted tokens (and their grads) to sort
     them by local expert, an identity copy there: ~9% of a CPU train step of qwen3-moe-tiny at
-    16 x 135 tokens (`tools/bench_throughput.py`). Other values pass through."""
+    16 x 135 tokens (`bench/throughput.py`). Other values pass through."""
     if dispatcher != "auto":
         return dispatcher
     return "alltoall" if ep > 1 else "allgather"

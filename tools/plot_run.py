@@ -31,7 +31,7 @@ counted every token, which is now moe/flip_rate_all.
 
 `--table` prints a Markdown table (seed mean ± std per arm of each `--stat`, plus the start
 accuracy, under a line naming the CPU, date, torch and megatron-core) and with `--readme`
-writes it between that file's `<!-- table:NAME:begin/end -->` markers (`tools/result_table.py`).
+writes it between that file's `<!-- table:NAME:begin/end -->` markers (`bench/result_table.py`).
 
 Summary (stdout; also `summarize(load_runs(dirs))` from Python), per run/arm: final reward
 (mean of the last 10% of logged steps, at least one), best eval accuracy, mean token clip
@@ -50,7 +50,7 @@ import sys
 import numpy as np
 
 from megatron_gspo.run.metrics import read_jsonl
-from tools import result_table
+from bench import result_table
 
 METRICS_FILE = "metrics.jsonl"
 LAYER_RE = re.compile(r"^moe/flip_rate/layer_(\d+)$")
@@ -380,7 +380,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, metavar="OUT_DIR", help="figures folder")
     ap.add_argument("--table", action="store_true", help="print a Markdown result table")
     ap.add_argument("--stat", action="append", default=[], metavar="KEY:REDUCER[=LABEL]",
-                    help="a table row (repeatable; see tools/result_table.py)")
+                    help="a table row (repeatable; see bench/result_table.py)")
     ap.add_argument("--readme", default=None, help="write the table between this file's markers")
     ap.add_argument("--marker", default="", help="the markers' NAME: <!-- table:NAME:begin -->")
     ap.add_argument("--labels", nargs="+", default=None)

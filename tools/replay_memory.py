@@ -130,9 +130,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-measure", action="store_true")
     ap.add_argument("--readme", default=None, metavar="PATH",
                     help="also write the report between PATH's <!-- table:replay_memory:begin/end "
-                         "--> markers (tools/result_table.py)")
+                         "--> markers (bench/result_table.py)")
     args = ap.parse_args(argv)
-    from tools.result_table import output_into
+    from bench.result_table import output_into
 
     with output_into(args.readme, "replay_memory"):
         ok = report(args)

@@ -222,7 +222,7 @@ def main(argv=None) -> int:
     ap.add_argument("--child", choices=["fp32", "bf16"], help=argparse.SUPPRESS)
     ap.add_argument("--readme", default=None, metavar="PATH",
                     help="also write the report between PATH's <!-- table:train_memory:begin/end "
-                         "--> markers (tools/result_table.py)")
+                         "--> markers (bench/result_table.py)")
     args = ap.parse_args(argv)
     if min(args.dp) < 1 or args.batch < 1 or args.seq < 2:
         ap.error(f"--dp {args.dp} must be >= 1, --batch {args.batch} >= 1, --seq {args.seq} >= 2")
@@ -230,7 +230,7 @@ def main(argv=None) -> int:
         print(json.dumps(measure_one(args.preset, args.child, args.batch, args.seq,
                                      args.onednn, args.recompute)))
         return 0
-    from tools.result_table import output_into
+    from bench.result_table import output_into
 
     with output_into(args.readme, "train_memory"):
         print(table(args.table_preset, args.dp))

@@ -40,7 +40,7 @@ def build(preset: str, run_dir: str):
 
 
 def main(argv=None) -> int:
-    from tools.result_table import machine_line, write_into
+    from bench.result_table import machine_line, write_into
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3, help="measured iterations per model")

@@ -252,7 +252,7 @@ class TrainConfig:
     no-grad passes over a whole rollout batch: pi_old, R3's replayed pi_old, the reference
     policy; 0 = all at once. Bounds their activation and logits memory (verl's
     log_prob_max_token_len_per_gpu; raise it on a GPU); short batches stay one forward, as
-    per-forward overhead dominates there on CPU (`tools/bench_step.py --pi-old`). The same
+    per-forward overhead dominates there on CPU (`bench/step.py --pi-old`). The same
     numbers as one pass to fp32 rounding (GEMMs over fewer rows); ranks agree on the number of
     forwards. A memory knob: may change on resume."""
     router_noise_std: float = 0.0

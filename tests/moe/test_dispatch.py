@@ -11,14 +11,14 @@ from moe.dispatch import SyncFreeDispatcher, permute_by_expert
 from moe.experts import grouped_mm_runs
 from tests.moe import parallel_worker as pw
 from tests.moe.test_experts import build, grads
-from tools.profile_ours import WouldSync
+from bench.profile_iteration import WouldSync
 
 def moe_layers(policy) -> list:
     return [m for m in policy.model.module.modules() if hasattr(m, "token_dispatcher")]
 
 
 def count_moe_syncs(policy, fn) -> list[str]:
-    """The host-syncing calls (`tools.profile_ours.WouldSync`) made inside the MoE layers'
+    """The host-syncing calls (`bench.profile_iteration.WouldSync`) made inside the MoE layers'
     forwards while `fn()` runs."""
     counter = WouldSync()
     counter.active = False

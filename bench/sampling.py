@@ -1,8 +1,8 @@
 """One sampling step at a real vocabulary: drawn where the logits are vs on the host, side by side.
 
-    python -m tools.bench_sampling                        # B=64, V=151,936 (Qwen3), 30 steps
-    python -m tools.bench_sampling --batch 16 --vocab 4096 --top-p 0.9
-    python -m tools.bench_sampling --readme experiments/throughput/README.md --marker gpu_sampling
+    python -m bench.sampling                        # B=64, V=151,936 (Qwen3), 30 steps
+    python -m bench.sampling --batch 16 --vocab 4096 --top-p 0.9
+    python -m bench.sampling --readme experiments/throughput/README.md --marker gpu_sampling
 
 Times one decode step's sampling (`megatron_gspo.rollout.generate.draw`: temperature, log-softmax,
 top-p, the draw, the drawn ids' log-probs) on random float32 logits [B, V] that live on the
@@ -27,7 +27,7 @@ import time
 import torch
 
 from megatron_gspo.rollout.generate import device_generator, draw
-from tools.result_table import add_readme_args, output_into
+from bench.result_table import add_readme_args, output_into
 
 QWEN3_VOCAB = 151_936
 
@@ -61,7 +61,7 @@ def timed_step(logits_BV: torch.Tensor, where: str, generators: dict, top_p: flo
 
 
 def main(argv=None) -> int:
-    from tools.bench_throughput import cpu_model
+    from bench.throughput import cpu_model
 
     args = parse_args(argv)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \

@@ -1,12 +1,12 @@
 """Train iterations with glibc's own malloc thresholds vs `megatron_gspo.run.host`'s, side by side.
 
-    python -m tools.bench_malloc                          # 64 x 128-token responses, 3 rounds
-    python -m tools.bench_malloc --prompts 4 --group-size 4 --rounds 4
-    python -m tools.bench_malloc --readme experiments/throughput/README.md --marker malloc
+    python -m bench.malloc                          # 64 x 128-token responses, 3 rounds
+    python -m bench.malloc --prompts 4 --group-size 4 --rounds 4
+    python -m bench.malloc --readme experiments/throughput/README.md --marker malloc
 
-The setting is process-wide (and `tools.bench_throughput` runs ours and TRL in one process), so
+The setting is process-wide (and `bench.throughput` runs ours and TRL in one process), so
 each measurement is a fresh child process: `MEGATRON_GSPO_MALLOC=system` or not, alternating
-round by round. A child builds the bench's trainer (`tools.bench_throughput --force-length
+round by round. A child builds the bench's trainer (`bench.throughput --force-length
 --skip-trl`), samples one rollout batch, then times `--iterations` train iterations on it (pi_old
 pass + 4 optimizer steps; no sampling) and counts its minor page faults (getrusage). The table
 gives each setting's best and median iteration over all its rounds, and faults per iteration.
@@ -21,13 +21,13 @@ import statistics
 import subprocess
 import sys
 
-from tools.result_table import add_readme_args
+from bench.result_table import add_readme_args
 
 CHILD = """
 import json, resource, sys, tempfile, time
 import torch
 from megatron_gspo.run.host import malloc_state
-from tools.bench_throughput import build_ours, parse_args
+from bench.throughput import build_ours, parse_args
 torch.set_num_threads(1)
 args = json.loads(sys.argv[1])
 with tempfile.TemporaryDirectory(prefix="bench_malloc_") as tmp:
@@ -76,8 +76,8 @@ def child(args, setting: str) -> dict:
 
 
 def main(argv=None) -> int:
-    from tools.bench_throughput import cpu_model
-    from tools.result_table import output_into
+    from bench.throughput import cpu_model
+    from bench.result_table import output_into
 
     args = parse_args(argv)
     runs: dict[str, list[dict]] = {"system": [], "tuned": []}

@@ -1,8 +1,8 @@
-"""tools/bench_decoder.py runs both decoders on one trainer and reports their ratio."""
+"""bench/decoder.py runs both decoders on one trainer and reports their ratio."""
 
 import re
 
-from tools import bench_decoder
+from bench import decoder as bench_decoder
 
 
 def test_both_decoders_run_and_the_ratio_is_reported(capsys, monkeypatch):

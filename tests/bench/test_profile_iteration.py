@@ -1,9 +1,9 @@
-"""tools.profile_ours.step_breakdown: the parts of a train step, timed without leaving a trace."""
+"""bench.profile_iteration.step_breakdown: the parts of a train step, timed without leaving a trace."""
 
 import pytest
 
 from tests.megatron_gspo.test_trainer import make_trainer
-from tools.profile_ours import OPTIMIZER_PARTS, STEP_PARTS, step_breakdown
+from bench.profile_iteration import OPTIMIZER_PARTS, STEP_PARTS, step_breakdown
 
 
 def test_step_breakdown_times_each_part_and_restores_the_methods(tmp_path):
@@ -35,7 +35,7 @@ def test_sync_sites_counts_each_synchronizing_line(monkeypatch):
 
     import torch
 
-    from tools.profile_ours import sync_sites
+    from bench.profile_iteration import sync_sites
 
     modes = []
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
@@ -51,7 +51,7 @@ def test_sync_sites_counts_each_synchronizing_line(monkeypatch):
     lines = table.splitlines()
     assert modes == ["warn", 0]  # back to what it was
     assert lines[2].startswith("| `") and lines[2].endswith(" | 3 |")
-    assert "`tests/tools/test_profile_ours.py:" in lines[2]
+    assert "`tests/bench/test_profile_iteration.py:" in lines[2]
     assert lines[-1] == "| total (2 sites) | 4 |"
 
     def broken():
@@ -63,7 +63,7 @@ def test_sync_sites_counts_each_synchronizing_line(monkeypatch):
 
 
 def test_call_sites_are_named_from_their_package_root():
-    from tools.profile_ours import REPO, site
+    from bench.profile_iteration import REPO, site
 
     assert site(f"{REPO}/moe/policy.py", 3) == "moe/policy.py:3"
     assert site("/usr/lib/python3/dist-packages/torch/a.py", 1) == "torch/a.py:1"
@@ -81,7 +81,7 @@ def test_would_sync_sites_count_the_calls_that_read_device_values():
     ops, and calls made inside torch's own functions, at their caller's line or not at all."""
     import torch
 
-    from tools.profile_ours import would_sync_sites
+    from bench.profile_iteration import would_sync_sites
 
     def run():
         x = torch.arange(6.0)
@@ -93,7 +93,7 @@ def test_would_sync_sites_count_the_calls_that_read_device_values():
         torch.nn.functional.relu(y)
 
     lines = would_sync_sites(run, top=5).splitlines()
-    assert lines[2].endswith(" | 2 |") and "test_profile_ours.py:" in lines[2]
+    assert lines[2].endswith(" | 2 |") and "test_profile_iteration.py:" in lines[2]
     assert lines[-1] == "| total (3 sites) | 4 |"
 
 
@@ -102,7 +102,7 @@ def test_would_sync_sees_the_calls_that_sync_by_their_arguments():
     output_size count; their non-syncing forms do not."""
     import torch
 
-    from tools.profile_ours import WouldSync
+    from bench.profile_iteration import WouldSync
 
     x, mask = torch.arange(6.0), torch.arange(6) > 2
     repeats = torch.tensor([1, 2, 0, 1, 1, 1])

@@ -1,18 +1,18 @@
 """Forward and backward of one training minibatch: our policy vs HF's Qwen3-MoE, side by side.
 
-    python -m tools.bench_step                        # 4 x 135 and 16 x 135 tokens, 20 rounds
-    python -m tools.bench_step --shapes 4x135 --rounds 40
-    python -m tools.bench_step --set model.attention=megatron   # ours with other settings
-    python -m tools.bench_step --readme experiments/throughput/README.md   # + between markers
-    python -m tools.bench_step --pi-old 4096 --shapes 64x24,64x135,64x270 --skip-hf
+    python -m bench.step                        # 4 x 135 and 16 x 135 tokens, 20 rounds
+    python -m bench.step --shapes 4x135 --rounds 40
+    python -m bench.step --set model.attention=megatron   # ours with other settings
+    python -m bench.step --readme experiments/throughput/README.md   # + between markers
+    python -m bench.step --pi-old 4096 --shapes 64x24,64x135,64x270 --skip-hf
 
-Isolates the part of a train step that is the model (`tools.bench_throughput` times whole
+Isolates the part of a train step that is the model (`bench.throughput` times whole
 iterations): token log-probs of a fixed random batch (no padding), their sum, backward. Ours is
 the trainer's policy (`MoEPolicy.token_logprobs`, megatron DDP's grad hooks included); HF is the
 same-shaped random `Qwen3MoeForCausalLM` the throughput bench gives TRL (SDPA attention, grouped
 experts), log-softmax and gather on its logits. The two alternate round by round, one torch
 thread; the table reports each side's best round (other jobs only slow a round down) and ours/HF.
-No optimizer step: see `tools.bench_throughput` for whole iterations.
+No optimizer step: see `bench.throughput` for whole iterations.
 
 `--pi-old N`: also pi_old's no-grad pass over the B sequences (`moe.replay.current_routing`,
 routing recorded) in one forward against forwards of at most N tokens
@@ -28,9 +28,9 @@ import time
 
 import torch
 
-from tools.bench_throughput import build_ours, cpu_model, parse_args as bench_args
-from tools.bench_trl import hf_model
-from tools.result_table import add_readme_args
+from bench.throughput import build_ours, cpu_model, parse_args as bench_args
+from bench.trl import hf_model
+from bench.result_table import add_readme_args
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -132,7 +132,7 @@ def hf_rows(policy, shapes, rounds: int) -> list[str]:
 
 
 def main(argv=None) -> int:
-    from tools.result_table import output_into
+    from bench.result_table import output_into
 
     args = parse_args(argv)
     torch.set_num_threads(1)

@@ -1,10 +1,10 @@
-"""tools/bench_step.py times our policy and HF's model on the same minibatch, alternating."""
+"""bench/step.py times our policy and HF's model on the same minibatch, alternating."""
 
 import re
 
 import pytest
 
-from tools import bench_step
+from bench import step as bench_step
 
 
 def test_both_models_run_each_shape_and_the_ratio_is_reported(capsys, monkeypatch):

@@ -1,14 +1,14 @@
 """Throughput of one GSPO iteration: ours (megatron-core MoE) vs TRL's GRPOTrainer, side by side.
 
-    python -m tools.bench_throughput                      # 3 warm-up + 20 measured iterations each
-    python -m tools.bench_throughput --iterations 40 --threads 2   # only on an idle machine
-    python -m tools.bench_throughput --skip-trl           # ours only
-    python -m tools.bench_throughput --set train.flip_every=1   # extra overrides for our side
-    python -m tools.bench_throughput --force-length --max-new-tokens 128   # every response 128
-    python -m tools.bench_throughput --flip-cost --set train.routing_replay=r2
-    python -m tools.bench_throughput --sweep              # lengths x batch sizes: table + PNG
-                                                          # (tools/bench_sweep.py)
-    python -m tools.bench_throughput --skip-trl --peak-tflops 989 --set model.dtype=bf16 \
+    python -m bench.throughput                      # 3 warm-up + 20 measured iterations each
+    python -m bench.throughput --iterations 40 --threads 2   # only on an idle machine
+    python -m bench.throughput --skip-trl           # ours only
+    python -m bench.throughput --set train.flip_every=1   # extra overrides for our side
+    python -m bench.throughput --force-length --max-new-tokens 128   # every response 128
+    python -m bench.throughput --flip-cost --set train.routing_replay=r2
+    python -m bench.throughput --sweep              # lengths x batch sizes: table + PNG
+                                                          # (bench/sweep.py)
+    python -m bench.throughput --skip-trl --peak-tflops 989 --set model.dtype=bf16 \
         --set model.preset=small --force-length --max-new-tokens 128   # a GPU: ours, MFU
 
 Needs `pip install trl transformers accelerate datasets` for the TRL side (without them the
@@ -67,8 +67,8 @@ import torch  # noqa: E402
 
 from megatron_gspo.config.schema import load_config  # noqa: E402
 from megatron_gspo.run.host import malloc_state  # noqa: E402
-from tools.bench_trl import build_trl, step_timer_callback, trl_rows, trl_unavailable  # noqa: E402
-from tools.result_table import add_readme_args, cpu_name, output_into  # noqa: E402
+from bench.trl import build_trl, step_timer_callback, trl_rows, trl_unavailable  # noqa: E402
+from bench.result_table import add_readme_args, cpu_name, output_into  # noqa: E402
 
 PRESET = "qwen3-moe-tiny"
 
@@ -99,7 +99,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the device's dense peak TFLOP/s for the run's dtype: report MFU")
     p.add_argument("--sweep", action="store_true",
                    help="sweep lengths x batch sizes: the remaining flags are "
-                        "tools/bench_sweep.py's (see its --help)")
+                        "bench/sweep.py's (see its --help)")
     add_readme_args(p, "point")  # e.g. a GPU run: --readme experiments/throughput/README.md
     args = p.parse_args(argv)
     for name in ("iterations", "threads", "prompts", "minibatches", "max_new_tokens"):
@@ -290,7 +290,7 @@ def cpu_model() -> str:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--sweep" in argv:
-        from tools.bench_sweep import main as sweep
+        from bench.sweep import main as sweep
 
         return sweep([a for a in argv if a != "--sweep"])
     args = parse_args(argv)

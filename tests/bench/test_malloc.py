@@ -1,11 +1,11 @@
-"""tools/bench_malloc.py: fresh children alternate glibc's thresholds and the tuned ones."""
+"""bench/malloc.py: fresh children alternate glibc's thresholds and the tuned ones."""
 
 import re
 
 import pytest
 
 from megatron_gspo.run.host import malloc_tuning_skipped
-from tools import bench_malloc
+from bench import malloc as bench_malloc
 
 
 @pytest.mark.skipif(malloc_tuning_skipped({}) is not None, reason="glibc malloc only")

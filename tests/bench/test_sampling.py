@@ -1,10 +1,10 @@
-"""tools/bench_sampling.py: both placements timed, alternating, in a table with their ratio."""
+"""bench/sampling.py: both placements timed, alternating, in a table with their ratio."""
 
 import re
 
 import pytest
 
-from tools import bench_sampling
+from bench import sampling as bench_sampling
 
 
 def test_both_placements_alternate_and_the_report_has_their_ratio(capsys, monkeypatch):

@@ -1,11 +1,11 @@
-"""tools/bench_sweep.py: ratios, table and figure from side-by-side summaries (no model runs)."""
+"""bench/sweep.py: ratios, table and figure from side-by-side summaries (no model runs)."""
 
 import os
 
 import pytest
 
-from tools import bench_sweep
-from tools.bench_throughput import NoStopTokenizer, parse_args
+from bench import sweep as bench_sweep
+from bench.throughput import NoStopTokenizer, parse_args
 
 
 def summary(rollout_tps, train_tps, old_s, train_s):
@@ -68,7 +68,7 @@ def test_main_writes_the_table_between_the_readme_markers(tmp_path, monkeypatch)
 def test_ours_alone_gives_model_tflops_and_mfu():
     """--skip-trl (a GPU sweep): no TRL ratios; train model TFLOP/s = best train tokens/s x
     FLOPs per token, MFU against --peak-tflops."""
-    from tools.bench_throughput import model_flops_line
+    from bench.throughput import model_flops_line
 
     res = {"ours": summary(100.0, 2000.0, 0.5, 2.0), "trl": None,
            "flip": summary(100.0, 1500.0, 0.5, 3.0), "train_flops_per_token": 3_000_000_000}

@@ -1,10 +1,10 @@
 """torch.profiler top-10 of our GSPO iteration at a forced response length (bench set-up).
 
-    python -m tools.profile_ours                           # 64 x 128-token responses
-    python -m tools.profile_ours --max-new-tokens 32 --iterations 1 --top 15
-    python -m tools.profile_ours --readme experiments/throughput/README.md --marker profile_after
+    python -m bench.profile_iteration                           # 64 x 128-token responses
+    python -m bench.profile_iteration --max-new-tokens 32 --iterations 1 --top 15
+    python -m bench.profile_iteration --readme experiments/throughput/README.md --marker profile_after
 
-Same trainer and overrides as `tools.bench_throughput --force-length --skip-trl` (qwen3-moe-tiny,
+Same trainer and overrides as `bench.throughput --force-length --skip-trl` (qwen3-moe-tiny,
 8 prompts x G=8, 4 minibatches, flip_every=0, 1 thread). After `--warmup` iterations, two
 profiler sessions: (1) `--iterations` rollouts (KV-cache sampling + reward), (2) as many
 iterations on a fixed, already sampled batch (pi_old pass + 4 optimizer steps). Prints for each
@@ -33,8 +33,8 @@ import warnings
 import torch
 from torch.overrides import TorchFunctionMode
 
-from tools.bench_throughput import build_ours, cpu_model, parse_args as bench_args
-from tools.result_table import add_readme_args
+from bench.throughput import build_ours, cpu_model, parse_args as bench_args
+from bench.result_table import add_readme_args
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -281,7 +281,7 @@ def main(argv=None) -> int:
            + ":\n", syncs])
     print(text)
     if args.readme:
-        from tools.result_table import write_into
+        from bench.result_table import write_into
 
         write_into(args.readme, text, args.marker)
     return 0

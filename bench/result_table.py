@@ -119,7 +119,7 @@ def format_table(runs: list[dict], stats=(), header: str | None = None) -> str:
     spread = "One run per column (no seed spread)" if seeds == [1] else \
         f"Mean ± sample standard deviation over seeds (seeds per arm: {', '.join(map(str, seeds))})"
     lines = [header if header is not None else machine_line(),
-             f"{spread}; `KEY:REDUCER` as in `tools/result_table.py`.", "",
+             f"{spread}; `KEY:REDUCER` as in `bench/result_table.py`.", "",
              "| | " + " | ".join(r["label"] for r in runs) + " |",
              "| --- |" + " --- |" * len(runs)]
     for key, reducer, label in parsed:
@@ -171,7 +171,7 @@ def add_readme_args(parser, marker: str) -> None:
     report between PATH's `<!-- table:NAME:begin/end -->` markers."""
     parser.add_argument("--readme", default=None, metavar="PATH",
                         help="also write the report between PATH's <!-- table:MARKER:begin/end "
-                             "--> markers (tools/result_table.py)")
+                             "--> markers (bench/result_table.py)")
     parser.add_argument("--marker", default=marker, help="with --readme: the markers' name")
 
 

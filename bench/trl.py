@@ -1,4 +1,4 @@
-"""TRL's side of `tools.bench_throughput`: GRPOTrainer (GSPO settings) on a Qwen3-MoE of our
+"""TRL's side of `bench.throughput`: GRPOTrainer (GSPO settings) on a Qwen3-MoE of our
 preset's shape, with a character tokenizer of our ids, timed per generation batch.
 
 Needs `pip install trl transformers accelerate datasets` (the `[bench]` extra); nothing is

@@ -1,9 +1,9 @@
 """Rollout seconds of the lean KV-cache decoder vs megatron's static-inference one, side by side.
 
-    python -m tools.bench_decoder                          # 64 x 128-token responses, 6 rounds
-    python -m tools.bench_decoder --max-new-tokens 32 --rounds 10 --prompts 4 --group-size 4
+    python -m bench.decoder                          # 64 x 128-token responses, 6 rounds
+    python -m bench.decoder --max-new-tokens 32 --rounds 10 --prompts 4 --group-size 4
 
-One trainer (the `tools.bench_throughput --force-length` set-up: qwen3-moe-tiny, every response
+One trainer (the `bench.throughput --force-length` set-up: qwen3-moe-tiny, every response
 exactly N tokens, 1 torch thread) samples rollout batches with `rollout.decoder=lean`
 (`moe.decode.LeanKVDecoder`) and `megatron` (`moe.policy.KVCacheDecoder`) in alternation, after
 one warm-up batch each; the policy does not change between them. Prints each decoder's best and
@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from tools.bench_throughput import build_ours, parse_args as bench_args
-from tools.result_table import cpu_name
+from bench.throughput import build_ours, parse_args as bench_args
+from bench.result_table import cpu_name
 
 KINDS = ("lean", "megatron")
 
