@@ -142,16 +142,10 @@ def profile_step(policy, tokens_BT, valid_BT, top: int) -> dict:
             "rows": rows}
 
 
-class _IdTokenizer:
-    """`megatron_gspo.rollout.generate.sample`'s tokenizer interface over fixed prompt ids."""
+class _NoStopTokenizer:
+    """What `DecoderSampler` reads of a tokenizer: padding 0, no stop id (full lengths)."""
 
-    bos_id, pad_id, stop_ids = None, 0, {-1}
-
-    def __init__(self, prompts_ids):
-        self.prompts_ids = prompts_ids
-
-    def encode(self, key: str) -> list[int]:
-        return self.prompts_ids[int(key)]
+    pad_id, stop_ids = 0, {-1}
 
 
 def prompts(args, vocab: int) -> list[list[int]]:
@@ -194,12 +188,16 @@ BACKENDS = ("lean", "megatron_engine", "megatron_engine_graphs")
 def sampler_run(args, policy, p, backend: str, ids, max_len: int):
     """(function of max_new_tokens sampling one batch in the trainer's layout, set-up s)."""
     if backend == "lean":
-        from megatron_gspo.rollout.generate import sample
+        from megatron_gspo.rollout.decoders import DecoderSampler
+        from megatron_gspo.rollout.sampler import SamplingParams
 
-        tok, keys = _IdTokenizer(ids), [str(i) for i in range(len(ids))]
-        return (lambda n: sample(policy, tok, keys, max_new_tokens=n,
-                                 generator=torch.Generator().manual_seed(args.seed),
-                                 record_routing=args.routing)), 0.0
+        sampler = DecoderSampler(policy, _NoStopTokenizer(), "lean")
+
+        def run(n):
+            s = sampler.sample(ids, SamplingParams(max_new_tokens=n, record_routing=args.routing),
+                               torch.Generator().manual_seed(args.seed))
+            return s.tokens_BT, s.valid_BT, s.response_BT, s.logp_BT, s.routing
+        return run, 0.0
     from moe.engine import EngineSampler, to_batch
 
     t0 = time.perf_counter()

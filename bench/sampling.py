@@ -4,12 +4,12 @@
     python -m bench.sampling --batch 16 --vocab 4096 --top-p 0.9
     python -m bench.sampling --readme experiments/throughput/README.md --marker gpu_sampling
 
-Times one decode step's sampling (`megatron_gspo.rollout.generate.draw`: temperature, log-softmax,
+Times one decode step's sampling (`megatron_gspo.rollout.decoders.draw`: temperature, log-softmax,
 top-p, the draw, the drawn ids' log-probs) on random float32 logits [B, V] that live on the
 device (CUDA when there is one, else CPU), in the two placements the sampler has had:
 
 - `device`: drawn where the logits are, the B ids and log-probs copied to the host (what
-  `megatron_gspo.rollout.generate.sample` does since the 8th session);
+  the decoder samplers do, `megatron_gspo.rollout.decoders`);
 - `host`: the [B, V] logits copied to the host first, drawn there (the sampler before).
 
 Alternating step by step after a warm-up; best and median milliseconds per step, and the
@@ -26,7 +26,8 @@ import time
 
 import torch
 
-from megatron_gspo.rollout.generate import device_generator, draw
+from megatron_gspo.rollout.decoders import device_generator, draw
+from megatron_gspo.rollout.sampler import SamplingParams
 from bench.result_table import add_readme_args, output_into
 
 QWEN3_VOCAB = 151_936
@@ -54,7 +55,7 @@ def timed_step(logits_BV: torch.Tensor, where: str, generators: dict, top_p: flo
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     source = logits_BV if where == "device" else logits_BV.cpu()
-    ids_B, logp_B = draw(source, temperature=1.0, top_p=top_p, greedy=False,
+    ids_B, logp_B = draw(source, SamplingParams(max_new_tokens=1, top_p=top_p),
                          generator=generators[where])
     ids_B, logp_B = ids_B.cpu(), logp_B.cpu()
     return time.perf_counter() - t0

@@ -11,7 +11,7 @@ the values: half a dozen full-size ops per layer, plus their backward. `SDPAAtte
 construction and parameters (it has none here) and computes the same attention with torch's
 SDPA (`enable_gqa`, the boolean mask as SDPA's additive one: `additive_mask`).
 Departure: hidden scores get -inf instead of -10000. For any row with a visible key, exp(-10000 -
-max) is exactly 0 in float32 either way; `moe.policy.attention_inputs` always leaves each query
+max) is exactly 0 in float32 either way; `attention_inputs` always leaves each query
 one visible key. Equal to `DotProductAttention` to fp32 rounding, forward and grads
 (tests/moe/test_attention.py), and with the KV cache. The default since issue 16
 (`model.attention=sdpa`; `megatron` keeps `DotProductAttention`): rounding differences of ~1e-6
@@ -86,3 +86,20 @@ class SDPAAttention(DotProductAttention):
             scale=self.softmax_scale,
             enable_gqa=k_BGKD.shape[1] != q_BHSD.shape[1])
         return out_BHSD.permute(2, 0, 1, 3).reshape(S, B, self.hidden_size_per_partition)
+
+
+def attention_inputs(valid_BT: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position ids [B, T] and megatron's boolean attention mask [B, 1, T, T] (True = hidden).
+
+    With `start`, only the query rows from `start` on: ids [B, T - start], mask
+    [B, 1, T - start, T] (what a KV-cache step needs, without building the full T x T)."""
+    B, T = valid_BT.shape
+    valid_BT = valid_BT.bool()
+    position_ids_BT = (valid_BT.long().cumsum(dim=1) - 1).clamp(min=0)
+    rows_S = torch.arange(start, T, device=valid_BT.device)
+    cols_T = torch.arange(T, device=valid_BT.device)
+    causal_ST = cols_T[None, :] <= rows_S[:, None]
+    allowed_BST = causal_ST[None] & valid_BT[:, None, :]
+    # A padding query with no visible key would softmax over nothing: let it see itself.
+    allowed_BST |= (cols_T[None, :] == rows_S[:, None])[None]
+    return position_ids_BT[:, start:], ~allowed_BST[:, None]

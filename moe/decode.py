@@ -41,7 +41,14 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+
 from moe import replay
+from moe.attention import SDPA_DTYPES, SDPAAttention, additive_mask, attention_inputs
+from moe.dispatch import lean_moe, lean_moe_ok
+from moe.experts import GroupedSequentialMLP
 
 
 class DecoderBase:
@@ -136,8 +143,6 @@ class LeanKVDecoder(DecoderBase):
     @torch.inference_mode()
     def next_logits(self, tokens_BT: torch.Tensor, valid_BT: torch.Tensor) -> torch.Tensor:
         """Float32 logits [B, V] for the token after column T-1; T grows between calls."""
-        from moe.policy import attention_inputs
-
         seen, T = self.columns(tokens_BT, valid_BT)
         policy, gpt = self.policy, self.gpt
         position_ids_BS, mask_B1ST = attention_inputs(valid_BT.to(policy.device), start=seen)
@@ -185,7 +190,7 @@ class LeanKVDecoder(DecoderBase):
                                                       hidden_SBH, layer.hidden_dropout)
         mlp, x_SBH = layer.mlp, layer.pre_mlp_layernorm(hidden_SBH)
         if lean_moe_ok(mlp):
-            if i not in self.stacked and isinstance(mlp.experts, GroupedSequentialMLP()):
+            if i not in self.stacked and isinstance(mlp.experts, GroupedSequentialMLP):
                 self.stacked[i] = mlp.experts.stacked_weights()  # weights fixed for a rollout
             out = lean_moe(mlp, x_SBH, self.stacked.get(i))
         else:
@@ -195,8 +200,6 @@ class LeanKVDecoder(DecoderBase):
     def _attention(self, i: int, attn, x_SBH, freqs_S11D, mask_B1ST, T: int):
         """Layer i's core attention output [S, B, Hq * D] for the new columns: q, k, v, RoPE,
         the new keys and values into the cache, the new rows over all T cached columns."""
-        from megatron.core.transformer.enums import AttnMaskType
-
         seen = self._seen
         q_SBHD, k_SBGD, v_SBGD = qkv(attn, x_SBH)
         q_SBHD = self._rope(attn, q_SBHD, freqs_S11D)
@@ -209,7 +212,7 @@ class LeanKVDecoder(DecoderBase):
         self.cache_v[i][:, :, seen:T] = v_SBGD.permute(1, 2, 0, 3)
         core = attn.core_attention
         k_BGTD, v_BGTD = self.cache_k[i][:, :, :T], self.cache_v[i][:, :, :T]
-        if not isinstance(core, DotProductAttention()):  # e.g. TE's: called as is, with
+        if not isinstance(core, DotProductAttention):  # e.g. TE's: called as is, with
             # megatron's decode arguments (no_mask after the prefill, the explicit padding mask)
             mask_type = AttnMaskType.no_mask if seen else attn.attn_mask_type
             k_TBGD, v_TBGD = (t.permute(2, 0, 1, 3).contiguous() for t in (k_BGTD, v_BGTD))
@@ -219,18 +222,10 @@ class LeanKVDecoder(DecoderBase):
         return grouped_attention(core, q_SBHD, k_BGTD, v_BGTD, mask_B1ST)
 
 
-def DotProductAttention():  # noqa: N802 (megatron's class, imported late)
-    from megatron.core.transformer.dot_product_attention import DotProductAttention as cls
-
-    return cls
-
-
 def linear(module, x):
     """`module(x)`: (output, bias). A megatron Column/RowParallelLinear on one TP rank without
     bias or sequence parallelism runs `x @ W^T` (what its autograd function's forward
     computes, without the Function and region-mapping calls around it); others are called."""
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
     if (type(module) in (ColumnParallelLinear, RowParallelLinear) and module.bias is None
             and not module.sequence_parallel and module.tp_group.size() == 1):
         return torch.matmul(x, module.weight.t()), None
@@ -262,8 +257,6 @@ def sdpa_ok(core, q_SBHD) -> bool:
     `core` is `moe.attention.SDPAAttention` (the same SDPA; megatron's unfused 16-bit path rounds
     its scores differently); no learnable softmax offset, no query-key layer scaling (eval mode:
     no dropout)."""
-    from moe.attention import SDPA_DTYPES, SDPAAttention
-
     dtype_ok = q_SBHD.dtype == torch.float32 or (
         q_SBHD.dtype in SDPA_DTYPES and isinstance(core, SDPAAttention))
     return (dtype_ok and core.softmax_offset is None
@@ -275,8 +268,6 @@ def sdpa_attention(core, q_SBHD, k_BGTD, v_BGTD, mask_B1ST):
     (K/V groups shared through `enable_gqa`, megatron's boolean mask as SDPA's additive one;
     the call `moe.attention.SDPAAttention` makes).
     Returns [S, B, Hq * D]."""
-    from moe.attention import additive_mask
-
     S, B, Hq, D = q_SBHD.shape
     out_BHSD = torch.nn.functional.scaled_dot_product_attention(
         q_SBHD.permute(1, 2, 0, 3), k_BGTD, v_BGTD,
@@ -305,51 +296,6 @@ def grouped_attention(core, q_SBHD, k_BGTD, v_BGTD, mask_B1ST):
     return out_XMD.view(B, Hq, S, D).permute(2, 0, 1, 3).reshape(S, B, Hq * D)
 
 
-def GroupedSequentialMLP():  # noqa: N802 (imported late: moe.experts imports megatron)
-    from moe.experts import GroupedSequentialMLP as cls
-
-    return cls
-
-
-def lean_moe_ok(mlp) -> bool:
-    """Whether `lean_moe` computes this MoE layer: one expert-parallel rank and no expert TP
-    (the dispatcher's collectives are identities there), no token dropping or padding, no
-    latent projection, no fused (TE) permutation, no shared experts."""
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-
-    if not isinstance(mlp, MoELayer):
-        return False
-    cfg, expert_tp = mlp.config, getattr(mlp.experts, "tp_group", None)
-    return (mlp.ep_group.size() == 1 and mlp.tp_group.size() == 1
-            and expert_tp is not None and expert_tp.size() == 1
-            and cfg.moe_expert_capacity_factor is None
-            and not cfg.moe_router_padding_for_quantization and not cfg.moe_latent_size
-            and not cfg.moe_permute_fusion and not mlp.use_shared_expert)
-
-
-def lean_moe(mlp, x_SBH, stacked=None):
-    """megatron `MoELayer.forward` on one rank, without the token dispatcher's machinery: the
-    router module (top-k, gate probs, RouterReplay record / replay), megatron's permutation
-    (tokens grouped by expert; `moe.dispatch.permute_by_expert`: the same rows, without host
-    syncs), the experts module, megatron's `unpermute` (scatter-add back to token order): the
-    ops the all-to-all / all-gather dispatchers run at world size 1.
-    `stacked`: the experts' `GroupedSequentialMLP.stacked_weights()` if taken already.
-    Returns (output [S, B, H], None)."""
-    from megatron.core.transformer.moe.moe_utils import unpermute
-
-    from moe.dispatch import permute_by_expert
-
-    x_NH = x_SBH.reshape(-1, x_SBH.shape[-1])
-    probs_NE, routing_map_NE = mlp.router(x_SBH)
-    tokens_per_expert_E = routing_map_NE.sum(dim=0).long()
-    x_MH, probs_M, sorted_M = permute_by_expert(x_NH, probs_NE, routing_map_NE,
-                                                mlp.config.moe_router_topk)
-    extra = {} if stacked is None else {"stacked": stacked}
-    out_MH, _ = mlp.experts(x_MH, tokens_per_expert_E, probs_M, **extra)
-    out_NH = unpermute(out_MH, sorted_M, restore_shape=x_NH.shape, routing_map=routing_map_NE)
-    return out_NH.view(x_SBH.shape), None
-
-
 def unsupported(gpt) -> str:
     """What about this GPTModel the lean decode step does not reproduce ('' when none)."""
     cfg = gpt.config
@@ -362,3 +308,64 @@ def unsupported(gpt) -> str:
               "fp32 residuals": cfg.fp32_residual_connection,
               "flash decode": cfg.flash_decode}
     return ", ".join(name for name, bad in checks.items() if bad)
+
+
+class KVCacheDecoder(DecoderBase):
+    """Next-token logits for sampling, feeding each column through the model only once.
+
+    Built on megatron-core's `StaticInferenceContext` (the per-layer K/V buffers its static-batch
+    generation uses): the first call prefills the prompt columns, later calls run only the new
+    columns and attend to the cached keys and values. `next_logits(tokens_BT, valid_BT)` equals
+    `policy.logits(tokens_BT, valid_BT)[:, -1]` up to float rounding (tests/moe/test_model.py),
+    padding included: the mask hides padding keys exactly as the full forward does. The model
+    runs in eval mode (megatron's inference path needs `not training`); MoE routing is computed
+    as usual.
+
+    With `record_routing`, every call records each MoE layer's top-k ids for the columns it runs
+    (megatron's RECORD action, `moe.replay.record_routing`); `routing(valid_BT)` stitches them
+    into the routing of the whole sequence, the rollout-time routing R3 replays.
+    """
+
+    def __init__(self, policy: MoEPolicy, batch_size: int, max_len: int,
+                 record_routing: bool = False):
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        super().__init__(policy, batch_size, max_len, record_routing)
+        self.context = StaticInferenceContext(batch_size, max_len)
+
+    @property
+    def seen(self) -> int:
+        """Columns already run through the model (and in the cache)."""
+        return self.context.sequence_len_offset
+
+    @torch.no_grad()
+    def next_logits(self, tokens_BT: torch.Tensor, valid_BT: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [B, V] for the token after column T-1; T grows between calls."""
+        seen, T = self.columns(tokens_BT, valid_BT)
+        policy = self.policy
+        position_ids_BS, mask_B1ST = attention_inputs(valid_BT.to(policy.device), start=seen)
+        if seen:
+            self.context.enable_decode_mode()
+        with self.model_call():
+            logits_BSV = policy.model(tokens_BT[:, seen:].to(policy.device), position_ids_BS,
+                                      mask_B1ST, inference_context=self.context,
+                                      runtime_gather_output=True)
+        self.context.sequence_len_offset = T
+        return policy.mask_vocab(logits_BSV[:, -1].float())
+
+
+DECODERS = {"lean": LeanKVDecoder, "megatron": KVCacheDecoder}
+
+
+def kv_decoder(policy, kind: str, batch_size: int, max_len: int,
+               record_routing: bool = False) -> "LeanKVDecoder | KVCacheDecoder | None":
+    """A KV-cached next-token decoder of `kind` ("lean": `LeanKVDecoder`, "megatron":
+    `KVCacheDecoder`, same results) for `policy`, or None under sequence parallelism (a single
+    new column cannot be split over the TP ranks; callers recompute the full forward). As
+    megatron-core requires sequence parallelism for MoE with TP > 1, the cache serves TP=1
+    layouts (any EP and DP: tested on 2 processes with EP=2 and DP=2)."""
+    if kind not in DECODERS:
+        raise ValueError(f"decoder={kind!r}: expected one of {sorted(DECODERS)}")
+    if policy.layout.sequence_parallel:
+        return None
+    return DECODERS[kind](policy, batch_size, max_len, record_routing)

@@ -24,9 +24,9 @@ On CPU it raises at once with its message; on a GPU it is a device-side assert t
 at a later kernel launch without the message and leaves the CUDA context unusable.
 
 `SyncFreeDispatcher` is megatron's all-gather dispatcher with this permutation, installed by
-`moe.model.build_gpt_moe` on the MoE layers `moe.decode.lean_moe_ok` accepts (one rank, no
+`moe.model.build_gpt_moe` on the MoE layers `lean_moe_ok` accepts (one rank, no
 expert TP, no capacity / padding, no TE permute fusion, no shared experts) whose experts run
-grouped; the sampler's lean decode step (`moe.decode.lean_moe`) uses `permute_by_expert` too.
+grouped; the sampler's lean decode step (`lean_moe`) uses `permute_by_expert` too.
 Departure from megatron: none in the numbers (the same rows in the same order; tests/moe/
 test_dispatch.py compares bitwise, and counts the synchronizing calls).
 """
@@ -58,7 +58,7 @@ def permute_by_expert(x_NH: torch.Tensor, probs_NE: torch.Tensor, routing_map_NE
 
 class SyncFreeDispatcher(MoEAllGatherTokenDispatcher):
     """megatron's all-gather dispatcher on one rank with `permute_by_expert`: the tokens per
-    expert stay on the device. Only for layers `moe.decode.lean_moe_ok` accepts."""
+    expert stay on the device. Only for layers `lean_moe_ok` accepts."""
 
     def dispatch_postprocess(self, hidden_states, probs):
         self.hidden_shape_before_permute = hidden_states.shape
@@ -72,10 +72,9 @@ class SyncFreeDispatcher(MoEAllGatherTokenDispatcher):
 
 def install_sync_free_dispatch(model) -> int:
     """Give every MoE layer of `model` that qualifies a `SyncFreeDispatcher`; returns how many.
-    A layer qualifies under `moe.decode.lean_moe_ok` with megatron's all-gather dispatcher and
+    A layer qualifies under `lean_moe_ok` with megatron's all-gather dispatcher and
     grouped experts (whose forward takes the device tensor; megatron's expert loop would copy it
     to the host anyway)."""
-    from moe.decode import lean_moe_ok
     from moe.experts import GroupedSequentialMLP
 
     count = 0
@@ -87,3 +86,40 @@ def install_sync_free_dispatch(model) -> int:
             dispatcher.__class__ = SyncFreeDispatcher  # same state, one method differs
             count += 1
     return count
+
+
+def lean_moe_ok(mlp) -> bool:
+    """Whether `lean_moe` computes this MoE layer: one expert-parallel rank and no expert TP
+    (the dispatcher's collectives are identities there), no token dropping or padding, no
+    latent projection, no fused (TE) permutation, no shared experts."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    if not isinstance(mlp, MoELayer):
+        return False
+    cfg, expert_tp = mlp.config, getattr(mlp.experts, "tp_group", None)
+    return (mlp.ep_group.size() == 1 and mlp.tp_group.size() == 1
+            and expert_tp is not None and expert_tp.size() == 1
+            and cfg.moe_expert_capacity_factor is None
+            and not cfg.moe_router_padding_for_quantization and not cfg.moe_latent_size
+            and not cfg.moe_permute_fusion and not mlp.use_shared_expert)
+
+
+def lean_moe(mlp, x_SBH, stacked=None):
+    """megatron `MoELayer.forward` on one rank, without the token dispatcher's machinery: the
+    router module (top-k, gate probs, RouterReplay record / replay), megatron's permutation
+    (tokens grouped by expert; `moe.dispatch.permute_by_expert`: the same rows, without host
+    syncs), the experts module, megatron's `unpermute` (scatter-add back to token order): the
+    ops the all-to-all / all-gather dispatchers run at world size 1.
+    `stacked`: the experts' `GroupedSequentialMLP.stacked_weights()` if taken already.
+    Returns (output [S, B, H], None)."""
+    from megatron.core.transformer.moe.moe_utils import unpermute
+
+    x_NH = x_SBH.reshape(-1, x_SBH.shape[-1])
+    probs_NE, routing_map_NE = mlp.router(x_SBH)
+    tokens_per_expert_E = routing_map_NE.sum(dim=0).long()
+    x_MH, probs_M, sorted_M = permute_by_expert(x_NH, probs_NE, routing_map_NE,
+                                                mlp.config.moe_router_topk)
+    extra = {} if stacked is None else {"stacked": stacked}
+    out_MH, _ = mlp.experts(x_MH, tokens_per_expert_E, probs_M, **extra)
+    out_NH = unpermute(out_MH, sorted_M, restore_shape=x_NH.shape, routing_map=routing_map_NE)
+    return out_NH.view(x_SBH.shape), None

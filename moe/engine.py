@@ -14,10 +14,11 @@ never ran through the model); `to_batch` lays them out as the trainer's rollout 
 left-padded to one column, responses after it) with a `moe.replay.RoutingReplayCache`. The last
 token's routing is filler (experts 0..K-1): its hidden state predicts nothing the loss reads.
 
-Departures from megatron's engine defaults: without flash-attn (no wheel installs beside a CUDA
-13 torch here) attention runs through `moe.paged_attention`; vocabulary padding beyond the
-tokenizer's is masked in the output layer; one `termination_id` stops a request in the engine,
-further stop ids are cut afterwards. CUDA only: on CPU, or with a megatron-core older than 0.19,
+Departures from megatron's engine defaults: log-probs of the distribution the token was drawn
+from (megatron's "processed" mode: after temperature and filtering); without flash-attn (no
+wheel installs beside a CUDA 13 torch here) attention runs through `moe.paged_attention`;
+vocabulary padding beyond the tokenizer's is masked in the output layer; one `termination_id`
+stops a request in the engine, further stop ids are cut afterwards (`cut_at_stop`). CUDA only: on CPU, or with a megatron-core older than 0.19,
 `unavailable()` says why in one line.
 """
 
@@ -104,7 +105,8 @@ class EngineSampler:
             block_size_tokens=block_size, buffer_size_gb=buffer_size_gb,
             max_requests=max_requests, max_tokens=max_tokens, max_sequence_length=max_seq_len,
             num_cuda_graphs=16 if cuda_graphs else None,
-            use_cuda_graphs_for_non_decode_steps=False, materialize_only_last_token_logits=True)
+            use_cuda_graphs_for_non_decode_steps=False, materialize_only_last_token_logits=True,
+            logprobs_mode="processed_logprobs")
         gpt.eval()
         with paged_attention.flash_check_waived():
             self.context = DynamicInferenceContext(gpt.config, config)
@@ -132,16 +134,19 @@ class EngineSampler:
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int,
-                 temperature: float = 1.0, top_p: float = 0.0,
+                 temperature: float = 1.0, top_p: float = 0.0, top_k: int = 0,
                  termination_id: int = -1) -> list[EngineRequest]:
-        """Sample one response per prompt (repeat a prompt for a group); input order kept."""
+        """Sample one response per prompt (repeat a prompt for a group); input order kept.
+        `top_p` 0 and `top_k` 0 filter nothing (megatron's sentinels); the log-probs are those
+        of the distribution drawn from (after temperature and filtering: megatron's
+        "processed" log-probs); `termination_id` -1 never stops early."""
         from megatron.core.inference.sampling_params import SamplingParams
         from megatron.core.inference.utils import InferenceMode
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
         from moe import paged_attention
 
-        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=0,
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
                                 return_log_probs=True, skip_prompt_log_probs=True,
                                 num_tokens_to_generate=max_new_tokens,
                                 termination_id=termination_id)

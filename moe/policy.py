@@ -9,8 +9,8 @@ real tokens. The attention mask is causal and hides padding keys; position ids c
 only, so a left-padded prompt sees the same positions as an unpadded one. Under sequence
 parallel T is padded up to a multiple of tp. Logits beyond the tokenizer's vocabulary (the preset
 vocab is padded) are masked to -inf, so they are never sampled and carry no probability.
-`KVCacheDecoder` gives next-token logits from megatron-core's static KV cache for sampling;
-`moe.decode.LeanKVDecoder` the same logits from a leaner walk over the same modules (default).
+The samplers' KV-cache decoders (`moe.decode`) and megatron's dynamic engine (`moe.engine`)
+run the same model.
 
 This is the RL package's only door into megatron: `megatron_gspo` calls these methods and never
 imports megatron.core itself.
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from moe.compat import apply_cpu_patches
-from moe.decode import DecoderBase, LeanKVDecoder
+from moe.attention import attention_inputs
 from moe.grads import global_grad_norm
 from moe.logprobs import chunked_token_logprobs
 from moe.model import ParallelLayout, Recompute, build_gpt_moe
@@ -33,32 +33,12 @@ from moe.presets import MoEPreset
 from moe.replay import replay_backward
 
 
-def attention_inputs(valid_BT: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Position ids [B, T] and megatron's boolean attention mask [B, 1, T, T] (True = hidden).
-
-    With `start`, only the query rows from `start` on: ids [B, T - start], mask
-    [B, 1, T - start, T] (what a KV-cache step needs, without building the full T x T)."""
-    B, T = valid_BT.shape
-    valid_BT = valid_BT.bool()
-    position_ids_BT = (valid_BT.long().cumsum(dim=1) - 1).clamp(min=0)
-    rows_S = torch.arange(start, T, device=valid_BT.device)
-    cols_T = torch.arange(T, device=valid_BT.device)
-    causal_ST = cols_T[None, :] <= rows_S[:, None]
-    allowed_BST = causal_ST[None] & valid_BT[:, None, :]
-    # A padding query with no visible key would softmax over nothing: let it see itself.
-    allowed_BST |= (cols_T[None, :] == rows_S[:, None])[None]
-    return position_ids_BT[:, start:], ~allowed_BST[:, None]
-
-
 class MoEPolicy:
     """Policy model + optimizer. Build with `MoEPolicy.build(...)` after `init_parallel`."""
 
     def __init__(self, model, optimizer: PolicyOptimizer | None, preset: MoEPreset,
                  layout: ParallelLayout, real_vocab: int, device: torch.device,
-                 recompute: Recompute = Recompute(), decoder: str = "lean"):
-        if decoder not in ("lean", "megatron"):
-            raise ValueError(f"decoder={decoder!r}: expected 'lean' or 'megatron'")
-        self.decoder = decoder  # which KV-cache decode step `kv_decoder` builds
+                 recompute: Recompute = Recompute()):
         self.model, self.optimizer = model, optimizer
         self.preset, self.layout = preset, layout
         self.real_vocab, self.device, self.recompute = real_vocab, device, recompute
@@ -73,12 +53,11 @@ class MoEPolicy:
               dtype: torch.dtype = torch.float32, aux_loss_coeff: float = 0.0,
               optim: OptimSettings | None = OptimSettings(),
               recompute: Recompute = Recompute(),
-              sdpa_attention: bool = True, decoder: str = "lean",
+              sdpa_attention: bool = True,
               inference_graphs: bool = False) -> "MoEPolicy":
         """The GPTModel wrapped in megatron DDP, with megatron's Adam (`moe.optim`; None: no
         optimizer). 16-bit `dtype` trains with fp32 main grads and fp32 master weights.
         `sdpa_attention`: core attention as `moe.attention.SDPAAttention` (local spec);
-        `decoder`: the sampler's KV-cache step, "lean" (`moe.decode`) or "megatron";
         `inference_graphs`: CUDA graphs for megatron's dynamic engine (`moe.engine`)."""
         apply_cpu_patches()
         from megatron.core.distributed import DistributedDataParallel, \
@@ -99,7 +78,7 @@ class MoEPolicy:
                     module.grads_into_main_grad = True
         optimizer = None if optim is None else PolicyOptimizer(model, optim)
         device = next(gpt.parameters()).device
-        return cls(model, optimizer, preset, layout, real_vocab, device, recompute, decoder)
+        return cls(model, optimizer, preset, layout, real_vocab, device, recompute)
 
     # ---------------------------------------------------------------- forward
     def _pad_for_sp(self, *tensors_BT):
@@ -185,18 +164,6 @@ class MoEPolicy:
         return logits_BxV.masked_fill(
             torch.arange(logits_BxV.shape[-1], device=logits_BxV.device) >= self.real_vocab,
             float("-inf"))
-
-    def kv_decoder(self, batch_size: int, max_len: int,
-                   record_routing: bool = False) -> "KVCacheDecoder | LeanKVDecoder | None":
-        """A KV-cached next-token decoder (`self.decoder`: `moe.decode.LeanKVDecoder` or
-        megatron's static-inference `KVCacheDecoder`, same results), or None under sequence
-        parallelism (a single new column cannot be split over the TP ranks; callers fall back to
-        full recompute). As megatron-core requires sequence parallelism for MoE with TP > 1, the
-        cache serves TP=1 layouts (any EP and DP: tested on 2 processes with EP=2 and DP=2)."""
-        if self.layout.sequence_parallel:
-            return None
-        kind = LeanKVDecoder if self.decoder == "lean" else KVCacheDecoder
-        return kind(self, batch_size, max_len, record_routing)
 
     def token_logprobs(self, tokens_BT: torch.Tensor, valid_BT: torch.Tensor,
                        temperature: float = 1.0, with_entropy: bool = False, start: int = 1):
@@ -321,47 +288,3 @@ class MoEPolicy:
         self.model.module.load_state_dict(state["model"], strict=strict)
         if self.optimizer is not None and "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
-
-
-class KVCacheDecoder(DecoderBase):
-    """Next-token logits for sampling, feeding each column through the model only once.
-
-    Built on megatron-core's `StaticInferenceContext` (the per-layer K/V buffers its static-batch
-    generation uses): the first call prefills the prompt columns, later calls run only the new
-    columns and attend to the cached keys and values. `next_logits(tokens_BT, valid_BT)` equals
-    `policy.logits(tokens_BT, valid_BT)[:, -1]` up to float rounding (tests/moe/test_model.py),
-    padding included: the mask hides padding keys exactly as the full forward does. The model
-    runs in eval mode (megatron's inference path needs `not training`); MoE routing is computed
-    as usual.
-
-    With `record_routing`, every call records each MoE layer's top-k ids for the columns it runs
-    (megatron's RECORD action, `moe.replay.record_routing`); `routing(valid_BT)` stitches them
-    into the routing of the whole sequence, the rollout-time routing R3 replays.
-    """
-
-    def __init__(self, policy: MoEPolicy, batch_size: int, max_len: int,
-                 record_routing: bool = False):
-        from megatron.core.inference.contexts import StaticInferenceContext
-
-        super().__init__(policy, batch_size, max_len, record_routing)
-        self.context = StaticInferenceContext(batch_size, max_len)
-
-    @property
-    def seen(self) -> int:
-        """Columns already run through the model (and in the cache)."""
-        return self.context.sequence_len_offset
-
-    @torch.no_grad()
-    def next_logits(self, tokens_BT: torch.Tensor, valid_BT: torch.Tensor) -> torch.Tensor:
-        """Float32 logits [B, V] for the token after column T-1; T grows between calls."""
-        seen, T = self.columns(tokens_BT, valid_BT)
-        policy = self.policy
-        position_ids_BS, mask_B1ST = attention_inputs(valid_BT.to(policy.device), start=seen)
-        if seen:
-            self.context.enable_decode_mode()
-        with self.model_call():
-            logits_BSV = policy.model(tokens_BT[:, seen:].to(policy.device), position_ids_BS,
-                                      mask_B1ST, inference_context=self.context,
-                                      runtime_gather_output=True)
-        self.context.sequence_len_offset = T
-        return policy.mask_vocab(logits_BSV[:, -1].float())

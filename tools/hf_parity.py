@@ -48,7 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def our_side(args, tokenizer, prompts):
     """Our greedy samples (all ranks take part) and our logits on them."""
-    from megatron_gspo.rollout.generate import sample
+    from megatron_gspo.rollout.decoders import sample_prompts
+    from megatron_gspo.rollout.sampler import SamplingParams
     from moe.hf.config import preset_from_hf
     from moe.hf.weights import load_hf_weights
     from moe.model import ParallelLayout
@@ -60,8 +61,9 @@ def our_side(args, tokenizer, prompts):
     policy = MoEPolicy.build(preset, layout, real_vocab=tokenizer.vocab_size, optim=None)
     load_hf_weights(policy.model.module, args.hf_path)
     policy.train(False)
-    tokens_BT, valid_BT, response_BT, _, _ = sample(
-        policy, tokenizer, prompts, max_new_tokens=args.max_new_tokens, greedy=True)
+    s = sample_prompts(policy, tokenizer, prompts,
+                       SamplingParams(max_new_tokens=args.max_new_tokens, greedy=True))
+    tokens_BT, valid_BT, response_BT = s.tokens_BT, s.valid_BT, s.response_BT
     import torch
 
     with torch.no_grad():

@@ -70,6 +70,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from megatron_gspo.config.schema import load_config
     from megatron_gspo.rollout.generate import generate_rollouts
+    from megatron_gspo.rollout.sampler import SamplingParams
     from megatron_gspo.run.setup import setup_runtime
 
     cfg = load_config(args.config, args.overrides)
@@ -77,13 +78,11 @@ def main(argv=None) -> int:
     try:
         gen = torch.Generator().manual_seed(cfg.seed)
         idx = torch.randint(len(rt.train_set), (cfg.rollout.prompts_per_batch,), generator=gen)
-        rt.policy.train(False)
-        batch = generate_rollouts(rt.policy, rt.tokenizer, rt.task,
+        params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
+                                temperature=cfg.rollout.temperature)
+        batch = generate_rollouts(rt.sampler, rt.tokenizer, rt.task,
                                   [rt.train_set[i] for i in idx.tolist()],
-                                  group_size=cfg.rollout.group_size,
-                                  max_new_tokens=cfg.rollout.max_new_tokens,
-                                  temperature=cfg.rollout.temperature, generator=gen)
-        rt.policy.train(True)
+                                  group_size=cfg.rollout.group_size, params=params, generator=gen)
         grid = [measure(rt.policy, batch, std, cfg.rollout.temperature) for std in GRID]
     finally:
         rt.close()

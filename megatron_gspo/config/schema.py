@@ -171,16 +171,35 @@ class RolloutConfig:
     kv_cache: bool = True
     """Sample with megatron-core's static KV cache (one new column per step); False recomputes
     the full forward each step. Sequence parallelism always recomputes."""
+    backend: str = "lean"
+    """The sampler (`megatron_gspo.rollout.sampler`): "lean" (our KV-cache decoder in the
+    trainer process: walks megatron's layers itself, caches rotated keys, attends per K/V group;
+    `moe.decode`), "megatron" (`GPTModel.forward` with megatron-core's static inference context:
+    the same routing and logits to fp32 rounding, slower), "megatron_engine" (megatron-core's
+    dynamic inference engine over the same weights: paged KV cache, CUDA graphs; GPU and
+    megatron-core >= 0.19 only), or any name registered with `register_sampler`."""
     decoder: Literal["lean", "megatron"] = "lean"
-    """KV-cache decode step: "lean" walks megatron's layers itself, caches rotated keys and
-    attends per K/V group (`moe.decode`; the same routing and logits to fp32 rounding, tested),
-    "megatron" runs `GPTModel.forward` with megatron-core's `StaticInferenceContext` (re-applies
-    RoPE to every cached key and expands K/V to every head at every step)."""
+    """The older spelling of backend=lean|megatron: with backend left at "lean",
+    decoder=megatron selects the megatron sampler."""
+    cuda_graphs: bool = True
+    """backend=megatron_engine: replay its decode steps as CUDA graphs (megatron's own,
+    `cuda_graph_impl=local` at block scope; training forwards stay eager)."""
 
     def __post_init__(self):
-        validate(self, ge={"prompts_per_batch": 1, "group_size": 2, "max_new_tokens": 1},
-                  gt={"temperature": 0})
+        validate(self, nonempty=("backend",),
+                 ge={"prompts_per_batch": 1, "group_size": 2, "max_new_tokens": 1},
+                 gt={"temperature": 0})
         check(self, "top_p", 0 < self.top_p <= 1, "must be in (0, 1]")
+
+    @property
+    def sampler(self) -> str:
+        """The sampler's registered name: `backend`, or `decoder` while backend is "lean"."""
+        return self.decoder if self.backend == "lean" else self.backend
+
+    @property
+    def engine_graphs(self) -> bool:
+        """Whether the policy is built with megatron's inference CUDA graphs."""
+        return self.sampler == "megatron_engine" and self.cuda_graphs
 
 
 @dataclass(frozen=True)
@@ -243,8 +262,9 @@ class TrainConfig:
     makes GSPO plain on-policy policy gradient (every ratio is 1, nothing is clipped)."""
     routing_replay: Literal["off", "r2", "r3"] = "off"
     """Routing Replay: off; r2 = replay pi_old's routing from its training-side forward (GSPO
-    paper sec. 5.3); r3 = replay the routing the sampler used, recorded through the KV cache
-    (needs rollout.kv_cache, no sequence parallelism)."""
+    paper sec. 5.3); r3 = replay the routing the sampler used (arXiv 2510.11370): our decoders
+    record it through the KV cache (needs rollout.kv_cache, no sequence parallelism), an
+    inference engine reports its own."""
     flip_every: int = 1
     """Measure per-layer expert flips every k optimizer steps (0 = never)."""
     logprob_max_tokens: int = 4096
@@ -397,8 +417,8 @@ class RunConfig:
             raise ConfigError(f"loss.tis_cap={self.loss.tis_cap} weights by pi_old / pi_sampler: "
                               "with rollout.use_sampler_logprobs=true pi_old is the sampler's, "
                               "so every weight would be 1")
-        if self.train.routing_replay == "r3" and (not self.rollout.kv_cache
-                                                  or self.model.sequence_parallel):
+        if self.train.routing_replay == "r3" and self.rollout.sampler in ("lean", "megatron") \
+                and (not self.rollout.kv_cache or self.model.sequence_parallel):
             raise ConfigError(
                 "train.routing_replay=r3 records routing through the KV-cache sampler: it needs "
                 f"rollout.kv_cache=true (got {self.rollout.kv_cache}) and "

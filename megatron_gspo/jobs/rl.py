@@ -12,7 +12,7 @@ matter; with one minibatch GSPO reduces to on-policy policy gradient (PITFALLS #
 Per optimizer step it also measures expert flips (`megatron_gspo.algo.flips.FlipSchedule`): the top-k
 sets of the same tokens just before and just after the step, and after the step vs pi_old.
 
-Parts: `Trainer(rt, cfg, ref_policy=..., loss_fn=..., generate=...)` runs the loop over parts
+Parts: `Trainer(rt, cfg, ref_policy=..., loss_fn=...)` runs the loop over parts
 built elsewhere (`Trainer.from_config` is the CLI's factory). The rollout batch becomes one
 `Minibatch` (tokens, pi_old log-probs, advantages, routing caches) whose `select(rows)` gives
 each optimizer step's rows; counters live in `TrainerState`, which checkpoints carry.
@@ -44,9 +44,10 @@ from megatron_gspo.rollout.filters import overlong_filter, rollout_health, sampl
 from megatron_gspo.algo.flips import FlipSchedule, layer_flips, loss_positions, token_rows
 from megatron_gspo.algo.losses import PolicyLossFn, get_policy_loss, tis_weights
 from megatron_gspo.run.metrics import Timer, format_progress
-from megatron_gspo.rollout.precision import sampler_precision
 from megatron_gspo.run.preempt import Preempted, Preemption
-from megatron_gspo.rollout.generate import RolloutBatch, generate_rollouts
+from megatron_gspo.rollout.batch import RolloutBatch
+from megatron_gspo.rollout.generate import generate_rollouts
+from megatron_gspo.rollout.sampler import ENGINES, SamplingParams
 from megatron_gspo.run.rundir import forget_run
 from megatron_gspo.run.setup import (Runtime, build_policy, evaluate_runtime, load_init_weights,
                                    save_state, setup_runtime, try_resume)
@@ -117,10 +118,9 @@ class Trainer:
     the way the CLI does; tests pass their own (e.g. a generator with altered routing)."""
 
     def __init__(self, rt: Runtime, cfg: RunConfig, *, ref_policy=None,
-                 loss_fn: PolicyLossFn | None = None, generate=generate_rollouts):
+                 loss_fn: PolicyLossFn | None = None):
         self.rt, self.cfg, self.policy, self.ref_policy = rt, cfg, rt.policy, ref_policy
         self.loss_fn = loss_fn or get_policy_loss(cfg.loss.name)
-        self.generate = generate
         self.local_prompts = local_prompts(cfg, rt.info.dp)
         self.state = TrainerState.from_dict(try_resume(rt) or {})
         self.timer = Timer()
@@ -132,7 +132,7 @@ class Trainer:
     @classmethod
     def from_config(cls, cfg: RunConfig, **parts) -> "Trainer":
         """Claim the run dir and build every part from `cfg` (the CLI's path); `parts`
-        (`loss_fn`, `generate`) replace the default ones."""
+        (`loss_fn`) replace the default ones."""
         rt = setup_runtime(cfg, job="train")
         try:
             ref_policy = None
@@ -265,33 +265,36 @@ class Trainer:
         return torch.cat(out)
 
     def records_sampler_routing(self) -> bool:
-        """Record the sampler's routing: for R3, and to measure a bf16 sampler's routing
-        mismatch where it can (KV cache, one rollout round, no sequence parallelism)."""
+        """Record the sampler's routing: for R3, and to measure the sampler-trainer routing
+        mismatch where it can be: an inference engine's (one rollout round), or our decoder's
+        in another precision (KV cache, one round, no sequence parallelism)."""
         cfg = self.cfg
-        return cfg.train.routing_replay == "r3" or (
-            cfg.rollout.sampler_dtype != "same" and cfg.rollout.kv_cache
-            and not cfg.filter.dynamic_sampling and not cfg.model.sequence_parallel)
+        if cfg.train.routing_replay == "r3":
+            return True
+        if cfg.filter.dynamic_sampling:
+            return False
+        if cfg.rollout.sampler in ENGINES:  # an engine reports its routing anyway
+            return True
+        return cfg.rollout.sampler_dtype != "same" and cfg.rollout.kv_cache \
+            and not cfg.model.sequence_parallel
 
     def rollout(self, it: int) -> RolloutBatch:
         cfg, info = self.cfg, self.rt.info
         # Same draw on every TP rank of a DP replica; deterministic per iteration (resumable).
         gen = torch.Generator().manual_seed(cfg.seed * 7_919 + it * 104_729 + info.dp_rank)
+        params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
+                                temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                record_routing=self.records_sampler_routing())
 
         def draw() -> RolloutBatch:
             idx = torch.randint(len(self.rt.train_set), (self.local_prompts,), generator=gen)
-            return self.generate(self.policy, self.rt.tokenizer, self.rt.task,
+            return generate_rollouts(self.rt.sampler, self.rt.tokenizer, self.rt.task,
                                      [self.rt.train_set[i] for i in idx.tolist()],
-                                     group_size=cfg.rollout.group_size,
-                                     max_new_tokens=cfg.rollout.max_new_tokens,
-                                     temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                     generator=gen, kv_cache=cfg.rollout.kv_cache,
-                                     record_routing=self.records_sampler_routing())
-        self.policy.train(False)
-        with sampler_precision(self.policy, cfg.rollout.sampler_dtype):
-            batch, self.filter_metrics = sample_rollouts(draw, cfg.filter, self.local_prompts,
-                                                         cfg.rollout.group_size,
-                                                         self.rt.tokenizer.pad_id)
-        self.policy.train(True)
+                                     group_size=cfg.rollout.group_size, params=params,
+                                     generator=gen)
+        batch, self.filter_metrics = sample_rollouts(draw, cfg.filter, self.local_prompts,
+                                                     cfg.rollout.group_size,
+                                                     self.rt.tokenizer.pad_id)
         return batch
 
     # ------------------------------------------------------------------ one optimizer step

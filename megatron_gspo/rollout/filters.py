@@ -34,7 +34,7 @@ import torch
 from megatron_gspo.algo.advantages import ZERO_STD_TOL
 from megatron_gspo.dist import max_over_ranks
 from megatron_gspo.tasks.rewards import RAISED, TIMED_OUT
-from megatron_gspo.rollout.generate import RolloutBatch
+from megatron_gspo.rollout.batch import RolloutBatch
 
 
 def rollout_health(batch: RolloutBatch) -> dict[str, float]:

@@ -33,7 +33,9 @@ from megatron_gspo.tasks.datasets import build_task, check_sft_lengths, tokenize
 from megatron_gspo.run.host import tune_malloc
 from megatron_gspo.run.rundir import RunDirLock, claim_run_dir, record_run
 from megatron_gspo.run.metrics import MetricsLogger
+from megatron_gspo.rollout.backends import build_sampler, check_backend
 from megatron_gspo.rollout.generate import evaluate
+from megatron_gspo.rollout.sampler import Sampler
 from megatron_gspo.tasks.tokenizer import Tokenizer, load_tokenizer
 from moe import dist_ckpt
 from moe.model import ParallelLayout, Recompute
@@ -60,6 +62,8 @@ class Runtime:
     """Rank 0's hold on run_dir (None on other ranks and for eval)."""
     first_start: bool = False
     """This start wrote run_dir's record (rank 0; False on other ranks and when resuming)."""
+    sampler: Sampler | None = None
+    """The run's sampler over `policy` (`rollout.backend`): rollouts and the greedy eval."""
 
     def close(self) -> None:
         """Close the metrics log and release run_dir."""
@@ -149,7 +153,7 @@ def build_policy(cfg: RunConfig, vocab_size: int, optim: OptimSettings | None,
                              aux_loss_coeff=cfg.model.aux_loss_coeff,
                              optim=optim, recompute=recompute_of(cfg),
                              sdpa_attention=cfg.model.attention == "sdpa",
-                             decoder=cfg.rollout.decoder)
+                             inference_graphs=cfg.rollout.engine_graphs)
     if cfg.model.hf_path:
         from moe.hf.weights import load_hf_weights
 
@@ -169,7 +173,8 @@ def setup_runtime(cfg: RunConfig, job: str) -> Runtime:
     optim = optim_settings(cfg, job)  # a bad lr schedule fails before the run dir is claimed
     try:
         info = init_parallel(cfg.model.tp, cfg.model.ep, seed=cfg.seed,
-                             timeout_min=cfg.model.dist_timeout_min)
+                             timeout_min=cfg.model.dist_timeout_min,
+                             cudagraph_rng=cfg.rollout.engine_graphs)
     except ValueError as e:  # e.g. model.ep=8 without torchrun --nproc-per-node 8
         raise ConfigError(f"model.tp={cfg.model.tp} model.ep={cfg.model.ep}: {e} (start N "
                           "processes: torchrun --nproc-per-node N -m megatron_gspo.cli ...)"
@@ -178,6 +183,7 @@ def setup_runtime(cfg: RunConfig, job: str) -> Runtime:
         check_init_checkpoint(cfg.init_checkpoint)  # fail before the run dir is claimed
     if cfg.model.hf_path:
         check_hf_path(cfg.model.hf_path, cfg.model.tp, cfg.model.ep)
+    check_backend(cfg)
     writes = job != "eval"
     lock = claim_run_dir(cfg.run_dir, job, config_to_dict(cfg), cfg.resume, info.is_main) \
         if writes else None
@@ -194,6 +200,7 @@ def setup_runtime(cfg: RunConfig, job: str) -> Runtime:
         policy = build_policy(cfg, tokenizer.vocab_size, optim)
         if cfg.init_checkpoint:
             load_init_weights(policy, cfg.init_checkpoint)
+        sampler = build_sampler(cfg, policy, tokenizer)
         first = writes and info.is_main and record_run(cfg.run_dir, job, config_to_dict(cfg),
                                                        lambda p: save_config(cfg, p))
         logger = MetricsLogger(cfg.run_dir, config_to_dict(cfg), wandb_mode=cfg.wandb.mode,
@@ -204,13 +211,13 @@ def setup_runtime(cfg: RunConfig, job: str) -> Runtime:
             lock.release()
         raise
     return Runtime(cfg, info, tokenizer, task, train_set, eval_set, policy, logger, lock,
-                   first_start=bool(first))
+                   first_start=bool(first), sampler=sampler)
 
 
 def evaluate_runtime(rt: Runtime) -> dict[str, float]:
     """Greedy held-out accuracy of `rt.policy` on `rt.eval_set`, sampled as the config says."""
-    return evaluate(rt.policy, rt.tokenizer, rt.task, rt.eval_set,
-                    max_new_tokens=rt.cfg.rollout.max_new_tokens, kv_cache=rt.cfg.rollout.kv_cache)
+    return evaluate(rt.sampler, rt.tokenizer, rt.task, rt.eval_set,
+                    max_new_tokens=rt.cfg.rollout.max_new_tokens)
 
 
 def barrier() -> None:

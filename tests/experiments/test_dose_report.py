@@ -219,7 +219,7 @@ def test_calibrate_main_writes_every_target_the_runner_reads(tmp_path, monkeypat
     cfg = types.SimpleNamespace(seed=0, rollout=types.SimpleNamespace(
         prompts_per_batch=2, group_size=2, max_new_tokens=4, temperature=1.0))
     rt = types.SimpleNamespace(train_set=[0, 1, 2], policy=types.SimpleNamespace(
-        train=lambda mode: None), tokenizer=None, task=None, close=lambda: None)
+        train=lambda mode: None), sampler=None, tokenizer=None, task=None, close=lambda: None)
     monkeypatch.setattr(megatron_gspo.config.schema, "load_config", lambda *a: cfg)
     monkeypatch.setattr(megatron_gspo.run.setup, "setup_runtime", lambda *a, **k: rt)
     monkeypatch.setattr(megatron_gspo.rollout.generate, "generate_rollouts", lambda *a, **k: None)

@@ -39,7 +39,7 @@ def force_early_eos(policy, tokenizer, prompts: list[str], strength: float) -> N
     state over the prompts' tokens: the <eos> logit rises by about `strength` on typical tokens
     (more on some, less on others), so some greedy responses stop after 1 token, others run to
     the length limit."""
-    from megatron_gspo.rollout.generate import encode_prompts
+    from tests.megatron_gspo.sampling import encode_prompts
 
     gpt = policy.model.module
     hidden = []
@@ -60,7 +60,8 @@ def rollout_and_train(trainer, prompts: list[str], adv_B: torch.Tensor,
     advantages `adv_B` and a third with `bad_adv_B` (inf on some rows: a non-finite loss,
     skipped): tensors, step metrics, the third step's local `train/skipped` and the final
     weights."""
-    from megatron_gspo.rollout.generate import RolloutBatch, sample
+    from megatron_gspo.rollout.batch import RolloutBatch
+    from tests.megatron_gspo.sampling import sample
     from megatron_gspo.jobs.rl import Minibatch
     from megatron_gspo.dist import reduce_metrics
     from moe.sharding import gather_full_params
@@ -130,7 +131,7 @@ def worker(rank: int, world: int, port: int, ref_path: str, out_dir: str, eps: l
             trainer = Trainer.from_config(make_config(os.path.join(out_dir, f"run_ep{ep}"), ep))
             load_full_params(trainer.policy.model.module, ref["params"])
             out_timeouts = collective_timeouts_s()
-            acc = evaluate(trainer.policy, trainer.rt.tokenizer, trainer.rt.task,
+            acc = evaluate(trainer.rt.sampler, trainer.rt.tokenizer, trainer.rt.task,
                            ref["eval_examples"][rank], max_new_tokens=MAX_NEW, batch_size=1)
             out = rollout_and_train(trainer, ref["prompts"][rows], ref["adv_B"][rows],
                                     ref["bad_adv_B"][rows])

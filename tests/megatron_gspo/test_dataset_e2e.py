@@ -48,9 +48,10 @@ def test_two_rl_iterations_on_the_fixture(tmp_path, monkeypatch):
         return batch, metrics
 
     monkeypatch.setattr(trainer_mod, "sample_rollouts", spy_sample)
+    monkeypatch.setattr(trainer_mod, "generate_rollouts", spy_generate)
     trainer = trainer_mod.Trainer.from_config(
         config(tmp_path, "train.steps=2", "filter.overlong=true", "filter.dynamic_sampling=true",
-               "filter.max_rounds=2"), generate=spy_generate)
+               "filter.max_rounds=2"))
     tok = trainer.rt.tokenizer
     assert tok.vocab_size == 512 and len(trainer.rt.train_set) == 180
     trainer.train()

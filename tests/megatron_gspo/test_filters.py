@@ -8,7 +8,8 @@ import torch
 from megatron_gspo.rollout.filters import (concat_batches, dynamic_sample, group_has_signal,
                                    overlong_filter, rollout_health, trim_columns)
 from megatron_gspo.tasks.rewards import OK, RAISED, TIMED_OUT
-from megatron_gspo.rollout.generate import RolloutBatch, truncated_rows
+from megatron_gspo.rollout.batch import RolloutBatch
+from megatron_gspo.rollout.generate import truncated_rows
 
 PAD, EOS, STOP2 = 0, 2, 7
 

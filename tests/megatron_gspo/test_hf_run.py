@@ -15,7 +15,7 @@ import torch
 from megatron_gspo.run import checkpoint as ckpt
 from megatron_gspo.cli import main as cli_main
 from megatron_gspo.config.schema import config_to_dict, load_config
-from megatron_gspo.rollout.generate import encode_prompts, sample
+from tests.megatron_gspo.sampling import encode_prompts, sample
 from tests.hf_fixtures import load_hf, make_model
 
 

@@ -51,7 +51,8 @@ def test_agreement_is_local_on_one_process(single_process, monkeypatch):
 
 @pytest.fixture(scope="module")
 def reference(single_process, tmp_path_factory):
-    from megatron_gspo.rollout.generate import evaluate, sample
+    from megatron_gspo.rollout.generate import evaluate
+    from tests.megatron_gspo.sampling import sample
     from megatron_gspo.jobs.rl import Trainer
     from moe.sharding import gather_full_params
 
@@ -71,7 +72,7 @@ def reference(single_process, tmp_path_factory):
            "eval_examples": [examples[:1], examples[4:7]]}
     ref["bad_adv_B"] = ref["adv_B"].clone()
     ref["bad_adv_B"][7] = float("inf")  # rank 1's last row: only rank 1's loss is not finite
-    ref["eval"] = [evaluate(policy, tok, trainer.rt.task, exs, max_new_tokens=sw.MAX_NEW,
+    ref["eval"] = [evaluate(trainer.rt.sampler, tok, trainer.rt.task, exs, max_new_tokens=sw.MAX_NEW,
                             batch_size=1) for exs in ref["eval_examples"]]
     ref.update(sw.rollout_and_train(trainer, ref["prompts"], ref["adv_B"], ref["bad_adv_B"]))
     trainer.rt.logger.close()
@@ -90,7 +91,7 @@ def two_process(reference):
 
 
 def _prompt_len(prompts) -> int:
-    from megatron_gspo.rollout.generate import encode_prompts
+    from tests.megatron_gspo.sampling import encode_prompts
     from megatron_gspo.tasks.tokenizer import CharTokenizer
 
     return encode_prompts(CharTokenizer(), prompts)[0].shape[1]

@@ -6,14 +6,8 @@ import os
 import pytest
 
 from megatron_gspo.run.metrics import read_jsonl
-from megatron_gspo.rollout.generate import generate_rollouts
+from tests.megatron_gspo.samplers import backend, shift_routing
 from tests.megatron_gspo.test_trainer import make_trainer
-
-
-def clean_generate(policy, *args, **kwargs):
-    """The sampler, asserting that no router carries the noisy top-k while it runs."""
-    assert not any("get_replay_topk" in vars(r) for r in policy.router_replays)
-    return generate_rollouts(policy, *args, **kwargs)
 
 
 @pytest.mark.parametrize("mode", ["off", "r2"])
@@ -23,7 +17,14 @@ def test_router_noise_reaches_only_the_unreplayed_loss_forward(tmp_path, mode):
     sampler and pi_old stay clean (their log-probs agree to rounding); under R2 it does nothing."""
     trainer = make_trainer(tmp_path, "train.steps=1", "optim.lr=0.0", "train.num_minibatches=2",
                            "train.router_noise_std=1.0", f"train.routing_replay={mode}",
-                           "train.flip_every=1", generate=clean_generate)
+                           "train.flip_every=1", backend("clean", lambda *a: None))
+    policy = trainer.policy
+    real = trainer.rt.sampler.sample
+
+    def clean(*args, **kwargs):  # no router carries the noisy top-k while the sampler runs
+        assert not any("get_replay_topk" in vars(r) for r in policy.router_replays)
+        return real(*args, **kwargs)
+    trainer.rt.sampler.sample = clean
     trainer.train()
     rows = read_jsonl(os.path.join(trainer.cfg.run_dir, "metrics.jsonl"))
     assert len(rows) == 2
@@ -39,21 +40,13 @@ def test_router_noise_reaches_only_the_unreplayed_loss_forward(tmp_path, mode):
             assert r["policy/log_ratio/abs_max"] < 1e-5
 
 
-def shifted_generate(*args, **kwargs):
-    """The sampler, reporting a routing that differs from the trainer's (ids + 1 mod E)."""
-    batch = generate_rollouts(*args, **kwargs)
-    r = batch.routing
-    r.ids_NLK = ((r.ids_NLK.long() + 1) % r.num_experts).to(r.ids_NLK.dtype)
-    return batch
-
-
 def test_r3_pi_old_replays_the_sampler_routing(tmp_path):
     """Under R3 pi_old's forward routes as the sampler did, so a rollout batch's first
     minibatch (pi == pi_old) has ratio 1 exactly, even when the sampler's routing differs from
     the trainer's (before the fix pi_old used the live routing and the first ratio was not 1)."""
     trainer = make_trainer(tmp_path, "train.steps=2", "train.routing_replay=r3",
                            "train.num_minibatches=2", "train.flip_every=1",
-                           generate=shifted_generate)
+                           backend("shifted", shift_routing))
     trainer.train()
     rows = read_jsonl(os.path.join(trainer.cfg.run_dir, "metrics.jsonl"))
     first = [r for r in rows if r.get("train/minibatch") == 0]
@@ -122,14 +115,13 @@ def test_use_sampler_logprobs_makes_pi_old_the_samplers(tmp_path):
     shifted so they cannot agree with the trainer's recompute by rounding)."""
     import torch
 
-    def shifted(*args, **kwargs):
-        batch = generate_rollouts(*args, **kwargs)
-        batch.sampler_logp_BT = batch.sampler_logp_BT - 0.25 * batch.response_BT
-        return batch
+    def shifted(s, prompts, params):
+        s.logp_BT -= 0.25 * s.response_BT
 
+    shifted_logprobs = backend("shifted_logprobs", shifted)
     for flag in ("true", "false"):
         trainer = make_trainer(tmp_path, "train.steps=1", f"rollout.use_sampler_logprobs={flag}",
-                               name=f"s_{flag}", generate=shifted)
+                               shifted_logprobs, name=f"s_{flag}")
         batch = trainer.rollout(0)
         full, _ = trainer.prepare(batch)
         assert torch.equal(full.old_logp_BT, batch.sampler_logp_BT) == (flag == "true")

@@ -99,21 +99,22 @@ def test_no_update_means_zero_flips_and_update_means_some(tmp_path):
 
 def test_routing_replay_is_confined_to_the_policy_forward(tmp_path, monkeypatch):
     """With r2 the loss forward replays pi_old's routes, but rollout / eval never do."""
-    from megatron_gspo.rollout import generate as rollout
     from moe.replay import assert_routing_idle
 
     trainer = make_trainer(tmp_path, "train.steps=1", "train.routing_replay=r2",
                            "train.eval_every=1")
-    real_sample = rollout.sample
+    real_sample, calls = trainer.rt.sampler.sample, []
 
-    def checked_sample(policy, *args, **kwargs):
-        assert_routing_idle(policy)
-        return real_sample(policy, *args, **kwargs)
+    def checked_sample(*args, **kwargs):  # the run's sampler: rollouts and eval
+        assert_routing_idle(trainer.policy)
+        calls.append(1)
+        return real_sample(*args, **kwargs)
 
-    monkeypatch.setattr(rollout, "sample", checked_sample)
+    trainer.rt.sampler.sample = checked_sample
     replayed, live = _spy_replayed_routes(trainer.policy)
     trainer.train()
     assert_routing_idle(trainer.policy)
+    assert len(calls) >= 3  # the start eval, the rollout, the eval after it
     rows = read_jsonl(os.path.join(trainer.cfg.run_dir, "metrics.jsonl"))
     last = rows[-1]
     assert last["replay/cache_bytes"] > 0
@@ -232,18 +233,11 @@ def test_replay_source_is_pi_old_for_r2_and_the_sampler_for_r3(tmp_path, monkeyp
     test_rollout), so replaying the wrong one is caught."""
     from megatron_gspo.algo import flips as flips_mod
     from megatron_gspo.jobs import rl as trainer_mod
-    from megatron_gspo.rollout.generate import generate_rollouts
-
-    def shifted_generate(*args, **kwargs):
-        batch = generate_rollouts(*args, **kwargs)
-        if batch.routing is not None:  # another valid routing: ids + 1 mod E, still unique
-            r = batch.routing
-            r.ids_NLK = ((r.ids_NLK.long() + 1) % r.num_experts).to(r.ids_NLK.dtype)
-        return batch
+    from tests.megatron_gspo.samplers import backend, shift_routing
 
     trainer = make_trainer(tmp_path, "train.steps=1", f"train.routing_replay={mode}",
                            "train.num_minibatches=2", "train.flip_every=1",
-                           generate=shifted_generate)
+                           backend("shifted", shift_routing))
     real_step, seen = trainer_mod.Trainer.train_step, []
 
     def spy(self, mb, **kwargs):
@@ -282,7 +276,7 @@ def test_r3_without_kv_cache_is_a_config_error():
 
 def test_minibatch_select_keeps_every_part_row_aligned():
     """One `select` slices tokens, pi_old log-probs, advantages and both routing caches."""
-    from megatron_gspo.rollout.generate import RolloutBatch
+    from megatron_gspo.rollout.batch import RolloutBatch
     from megatron_gspo.jobs.rl import Minibatch, TrainerState
     from moe.replay import RoutingReplayCache
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_gspo.run.metrics import read_jsonl
-from megatron_gspo.rollout.generate import generate_rollouts
+from tests.megatron_gspo.samplers import backend
 from tests.megatron_gspo.test_trainer import make_trainer, params
 
 
@@ -46,30 +46,29 @@ def test_a_skipped_step_logs_no_flips(tmp_path):
 
 def test_rollout_draw_is_seeded_by_iteration_and_rank_with_the_configured_sampler(tmp_path):
     """The prompts are the same for the same (iteration, data-parallel rank) and differ across
-    either; the sampler gets rollout.* as configured and the policy in eval mode, back in train
-    mode afterwards."""
+    either; the sampler gets rollout.* as configured (G copies of each prompt, group-major),
+    and the policy is back in train mode afterwards."""
     calls = []
 
-    def spy(policy, tokenizer, task, examples, **kwargs):
-        calls.append(([ex.prompt for ex in examples], kwargs, policy.model.training))
-        return generate_rollouts(policy, tokenizer, task, examples, **kwargs)
+    def spy(s, prompts, params):
+        calls.append((prompts, params))
 
     trainer = make_trainer(tmp_path, "rollout.temperature=0.7", "rollout.top_p=0.9",
-                           "rollout.max_new_tokens=2", generate=spy)
+                           "rollout.max_new_tokens=2", backend("spy", spy))
     for it in (0, 0, 1):
         trainer.rollout(it)
     trainer.rt.info = dataclasses.replace(trainer.rt.info, dp_rank=1)
     trainer.rollout(0)
     trainer.rt.close()
     prompts = [c[0] for c in calls]
-    assert len(prompts[0]) == trainer.local_prompts
+    G = trainer.cfg.rollout.group_size
+    assert len(prompts[0]) == trainer.local_prompts * G == 4 * G
+    assert all(prompts[0][i] == prompts[0][i - i % G] for i in range(len(prompts[0])))
     assert prompts[0] == prompts[1] and prompts[2] != prompts[0] and prompts[3] != prompts[0]
-    kwargs = calls[0][1]
-    assert {k: kwargs[k] for k in ("group_size", "max_new_tokens", "temperature", "top_p",
-                                   "kv_cache")} == {"group_size": 4, "max_new_tokens": 2,
-                                                    "temperature": 0.7, "top_p": 0.9,
-                                                    "kv_cache": True}
-    assert not any(c[2] for c in calls) and trainer.policy.model.training
+    params = calls[0][1]
+    assert (params.max_new_tokens, params.temperature, params.top_p, params.greedy) == \
+        (2, 0.7, 0.9, False)
+    assert trainer.policy.model.training
 
 
 def test_reference_policy_is_the_initial_weights_and_only_with_a_kl(tmp_path):
@@ -156,16 +155,15 @@ def test_routing_mismatch_counts_the_loss_positions_only(tmp_path):
     (the prompt, and the last response token): the logged mismatch stays 0."""
     from megatron_gspo.algo.flips import loss_positions
 
-    def shifted_off_loss(*args, **kwargs):
-        batch = generate_rollouts(*args, **kwargs)
-        r = batch.routing
-        off_N = ~loss_positions(batch.response_BT)[batch.valid_BT]
+    def shifted_off_loss(s, prompts, params):
+        r = s.routing
+        off_N = ~loss_positions(s.response_BT)[s.valid_BT]
         ids = r.ids_NLK.long()
         ids[off_N] = (ids[off_N] + 1) % r.num_experts
         r.ids_NLK = ids.to(r.ids_NLK.dtype)
-        return batch
 
-    trainer = make_trainer(tmp_path, "train.routing_replay=r3", generate=shifted_off_loss)
+    trainer = make_trainer(tmp_path, "train.routing_replay=r3",
+                           backend("shifted_off_loss", shifted_off_loss))
     _, shared = trainer.prepare(trainer.rollout(0))
     trainer.rt.close()
     assert shared["rollout/routing_mismatch/mean"] == 0.0

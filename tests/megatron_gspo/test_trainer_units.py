@@ -96,7 +96,7 @@ def _batch():
     """Four rows of 4 columns; response lengths 2, 1, 3, 1; rewards 1, 0, 0.5, 1.5."""
     import torch
 
-    from megatron_gspo.rollout.generate import RolloutBatch
+    from megatron_gspo.rollout.batch import RolloutBatch
 
     resp_BT = torch.tensor([[0, 1, 1, 0], [0, 0, 1, 0], [0, 1, 1, 1], [0, 0, 0, 1]]).bool()
     sampler_logp_BT = torch.tensor([[9, -1, -2, 9], [9, 9, -0.5, 9], [9, -1, -1, -1],
@@ -166,22 +166,28 @@ def test_entropy_and_small_reward_collapse_alerts():
     assert Trainer.collapse_alerts(edge, {"reward/mean": 0.0})["alert/reward_collapse"] == 0.0
 
 
-@pytest.mark.parametrize("replay, dtype, kv_cache, dynamic, sp, want", [
-    ("r3", "same", True, True, True, True),  # R3 always records
-    ("off", "same", True, False, False, False),  # same precision: nothing to measure
-    ("off", "bf16", True, False, False, True),
-    ("r2", "bf16", True, False, False, True),
-    ("off", "bf16", False, False, False, False),  # no KV cache
-    ("off", "bf16", True, True, False, False),  # dynamic sampling's several rounds
-    ("off", "bf16", True, False, True, False),  # sequence parallelism
+@pytest.mark.parametrize("replay, sampler, dtype, kv_cache, dynamic, sp, want", [
+    ("r3", "lean", "same", True, True, True, True),  # R3 always records
+    ("off", "lean", "same", True, False, False, False),  # same precision: nothing to measure
+    ("off", "lean", "bf16", True, False, False, True),
+    ("r2", "megatron", "bf16", True, False, False, True),
+    ("off", "lean", "bf16", False, False, False, False),  # no KV cache
+    ("off", "lean", "bf16", True, True, False, False),  # dynamic sampling's several rounds
+    ("off", "lean", "bf16", True, False, True, False),  # sequence parallelism
+    ("off", "megatron_engine", "same", True, False, False, True),  # an engine: always
+    ("off", "vllm", "same", False, True, False, False),  # ... but one routing per round
+    ("off", "custom", "same", True, False, False, False),  # another sampler: as the decoders
 ])
-def test_records_sampler_routing_only_where_it_can(replay, dtype, kv_cache, dynamic, sp, want):
-    """The sampler records its routing for R3, or for a different-precision sampler's mismatch
-    when the KV cache, one round and no sequence parallelism make it possible."""
+def test_records_sampler_routing_only_where_it_can(replay, sampler, dtype, kv_cache, dynamic, sp,
+                                                   want):
+    """The sampler records its routing for R3, for an inference engine's mismatch, or for a
+    different-precision decoder's mismatch when the KV cache, one round and no sequence
+    parallelism make it possible."""
     from megatron_gspo.jobs.rl import Trainer
 
     ns = SimpleNamespace
-    cfg = ns(train=ns(routing_replay=replay), rollout=ns(sampler_dtype=dtype, kv_cache=kv_cache),
+    cfg = ns(train=ns(routing_replay=replay),
+             rollout=ns(sampler=sampler, sampler_dtype=dtype, kv_cache=kv_cache),
              filter=ns(dynamic_sampling=dynamic), model=ns(sequence_parallel=sp))
     assert Trainer.records_sampler_routing(ns(cfg=cfg)) is want
 

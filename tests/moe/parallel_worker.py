@@ -106,14 +106,15 @@ def check_kv_decode(policy, ref, rows, tokens_BT, valid_BT, what) -> None:
     the 1-process full-forward logits at each step and record the 1-process routing (none
     under SP)."""
     for kind in ("lean", "megatron"):
-        policy.decoder = kind
-        _check_kv_decoder(policy, ref, rows, tokens_BT, valid_BT, f"{what}, {kind} decoder")
-    policy.decoder = "lean"
+        _check_kv_decoder(policy, kind, ref, rows, tokens_BT, valid_BT,
+                          f"{what}, {kind} decoder")
 
 
-def _check_kv_decoder(policy, ref, rows, tokens_BT, valid_BT, what) -> None:
+def _check_kv_decoder(policy, kind, ref, rows, tokens_BT, valid_BT, what) -> None:
+    from moe.decode import kv_decoder
+
     B, T = tokens_BT.shape
-    decoder = policy.kv_decoder(B, T, record_routing=True)
+    decoder = kv_decoder(policy, kind, B, T, record_routing=True)
     if decoder is None:
         assert policy.layout.sequence_parallel, what
         return

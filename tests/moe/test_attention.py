@@ -10,6 +10,7 @@ import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 import moe.attention
+from moe.decode import kv_decoder
 from moe.attention import SDPAAttention
 from tests.moe import parallel_worker as pw
 from tests.moe.test_experts import build, grads
@@ -58,7 +59,7 @@ def test_sdpa_kv_cache_decode_matches_dot_product_attention(single_process, sdpa
     tokens_BT, valid_BT, _ = pw.batch(policy.preset.vocab_size, B=5, T=14)
 
     def decode() -> torch.Tensor:
-        decoder = policy.kv_decoder(5, 14)
+        decoder = kv_decoder(policy, "lean", 5, 14)
         return torch.stack([decoder.next_logits(tokens_BT[:, :t], valid_BT[:, :t])
                             for t in range(6, 15)])
 
@@ -112,7 +113,7 @@ def test_falls_back_where_sdpa_would_differ(single_process):
 def test_sdpa_uses_the_modules_softmax_scale(single_process):
     """A softmax scale other than SDPA's default 1/sqrt(D) (megatron's `config.softmax_scale`)
     is the one applied: float64 attention with that scale, GQA and left padding."""
-    from moe.policy import attention_inputs
+    from moe.attention import attention_inputs
 
     policy = build("qwen3-moe-tiny", sdpa_attention=True)
     attn, p = attention_modules(policy)[0], policy.preset
@@ -147,7 +148,7 @@ def test_16bit_sdpa_is_closer_to_float64_than_megatrons_unfused_path(single_proc
     """bf16 / fp16 SDPA keeps scores and softmax in fp32; megatron's unfused path rounds the
     scores to 16 bits first. Over random inputs with causal + left-padding masks, SDPA's error
     against float64 is clearly smaller than megatron's (and small)."""
-    from moe.policy import attention_inputs
+    from moe.attention import attention_inputs
 
     policy = build("qwen3-moe-tiny", sdpa_attention=True)
     attn = attention_modules(policy)[0]
@@ -180,7 +181,7 @@ def test_bf16_kv_decode_uses_sdpa_and_matches_the_full_forward(single_process, s
     the decoded next-token logits match the full forward to bf16 rounding."""
     policy = build("qwen3-moe-tiny", dtype=torch.bfloat16, sdpa_attention=True)
     tokens_BT, valid_BT, _ = pw.batch(policy.preset.vocab_size, B=5, T=14)
-    decoder = policy.kv_decoder(5, 14)
+    decoder = kv_decoder(policy, "lean", 5, 14)
     got = torch.stack([decoder.next_logits(tokens_BT[:, :t], valid_BT[:, :t])
                        for t in range(6, 15)])
     L = policy.preset.num_layers
@@ -197,7 +198,7 @@ def test_layers_share_one_additive_mask_equal_to_sdpas_own(single_process, monke
     SDPA derives from the inverted boolean mask (outputs bitwise equal), in the dtype asked for;
     a mask changed in place is converted again."""
     from moe.attention import additive_mask
-    from moe.policy import attention_inputs
+    from moe.attention import attention_inputs
 
     masks = []
     sdpa = torch.nn.functional.scaled_dot_product_attention

@@ -10,7 +10,8 @@ import torch
 from moe.decode import (LeanKVDecoder, grouped_attention, lean_moe_ok, linear, qkv, sdpa_attention,
                         sdpa_ok, unsupported)
 from moe.model import ParallelLayout
-from moe.policy import KVCacheDecoder, MoEPolicy
+from moe.decode import KVCacheDecoder, kv_decoder
+from moe.policy import MoEPolicy
 from moe.presets import get_preset
 
 
@@ -88,7 +89,7 @@ def _gqa_case(core_cls=None, **core_kwargs):
     from megatron.core.transformer.enums import AttnMaskType
 
     from moe.model import transformer_config
-    from moe.policy import attention_inputs
+    from moe.attention import attention_inputs
 
     cfg = transformer_config(get_preset("tiny"), ParallelLayout())
     cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels = 4, 2, 8
@@ -114,12 +115,11 @@ def test_grouped_attention_equals_dot_product_attention_with_gqa(single_process)
     assert not torch.allclose(swapped, want, atol=1e-3)  # head order matters: the check bites
 
 
-def test_policy_picks_the_configured_decoder_and_checks_bad_input(single_process):
+def test_kv_decoder_builds_the_named_decoder_and_checks_bad_input(single_process):
     preset = get_preset("tiny")
     policy = MoEPolicy.build(preset, ParallelLayout(), real_vocab=26, optim=None)
-    assert type(policy.kv_decoder(2, 8)) is LeanKVDecoder
-    policy.decoder = "megatron"
-    assert type(policy.kv_decoder(2, 8)) is KVCacheDecoder
+    assert type(kv_decoder(policy, "lean", 2, 8)) is LeanKVDecoder
+    assert type(kv_decoder(policy, "megatron", 2, 8)) is KVCacheDecoder
     decoder = LeanKVDecoder(policy, 2, 8)
     tokens = torch.zeros(2, 8, dtype=torch.long)
     valid = torch.ones(2, 8, dtype=torch.bool)
@@ -133,7 +133,7 @@ def test_policy_picks_the_configured_decoder_and_checks_bad_input(single_process
     with pytest.raises(RuntimeError, match="record_routing"):
         decoder.routing(valid[:, :5])
     with pytest.raises(ValueError, match="decoder='fast'"):
-        MoEPolicy.build(preset, ParallelLayout(), real_vocab=26, optim=None, decoder="fast")
+        kv_decoder(policy, "fast", 2, 8)
 
 
 def test_unsupported_layouts_are_named(single_process):

@@ -7,6 +7,7 @@ import torch
 from megatron.core.transformer.moe.moe_utils import permute
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
+from moe.decode import kv_decoder
 from moe.dispatch import SyncFreeDispatcher, permute_by_expert
 from moe.experts import grouped_mm_runs
 from tests.moe import parallel_worker as pw
@@ -111,7 +112,7 @@ def test_model_dispatches_without_host_syncs_and_the_same_numbers(single_process
 def test_lean_decode_step_routes_without_host_syncs(single_process):
     policy = build("qwen3-moe-tiny")
     tokens_BT, valid_BT, _ = pw.batch(policy.preset.vocab_size, B=5, T=14)
-    decoder = policy.kv_decoder(5, 14)
+    decoder = kv_decoder(policy, "lean", 5, 14)
     decoder.next_logits(tokens_BT[:, :6], valid_BT[:, :6])  # prefill
 
     counter = WouldSync()

@@ -59,7 +59,9 @@ def test_kv_cache_decoder_matches_full_forward_on_gpu(single_process):
     valid = torch.ones(4, 12, dtype=torch.bool)
     valid[0, :3] = False
     full = policy.logits(tokens, valid)
-    decoder = policy.kv_decoder(4, 12, record_routing=True)
+    from moe.decode import kv_decoder
+
+    decoder = kv_decoder(policy, "lean", 4, 12, record_routing=True)
     for t in range(7, 13):
         step = decoder.next_logits(tokens[:, :t], valid[:, :t])
         torch.testing.assert_close(step, full[:, t - 1], atol=2e-4, rtol=2e-4)
@@ -72,7 +74,8 @@ def test_sampler_draws_on_the_gpu_reproducibly(single_process):
     """The sampler's draws run on the GPU (a device generator seeded from the host one): host
     tensors come back, the same seed gives the same tokens, the log-probs match the trainer's
     recompute."""
-    from megatron_gspo.rollout.generate import sample
+    from megatron_gspo.rollout.decoders import sample_prompts
+    from megatron_gspo.rollout.sampler import SamplingParams
     from megatron_gspo.tasks.toy import CharTokenizer
     from moe.model import ParallelLayout
     from moe.policy import MoEPolicy
@@ -80,19 +83,21 @@ def test_sampler_draws_on_the_gpu_reproducibly(single_process):
 
     policy = MoEPolicy.build(get_preset("qwen3-moe-tiny"), ParallelLayout(), real_vocab=26,
                              optim=None)
-    runs = [sample(policy, CharTokenizer(), ["12+34=", "7+8="] * 4, max_new_tokens=6,
-                   temperature=0.8, top_p=0.9, generator=torch.Generator().manual_seed(s))
-            for s in (4, 4, 5)]
-    tokens_BT, valid_BT, response_BT, logp_BT, _ = runs[0]
-    assert all(t.device.type == "cpu" for t in runs[0][:4])
-    assert torch.equal(runs[1][0], tokens_BT) and not torch.equal(runs[2][0], tokens_BT)
+    params = SamplingParams(max_new_tokens=6, temperature=0.8, top_p=0.9)
+    runs = [sample_prompts(policy, CharTokenizer(), ["12+34=", "7+8="] * 4, params,
+                           generator=torch.Generator().manual_seed(s)) for s in (4, 4, 5)]
+    tokens_BT, valid_BT, response_BT, logp_BT = (runs[0].tokens_BT, runs[0].valid_BT,
+                                                 runs[0].response_BT, runs[0].logp_BT)
+    assert all(t.device.type == "cpu" for t in (tokens_BT, valid_BT, response_BT, logp_BT))
+    assert torch.equal(runs[1].tokens_BT, tokens_BT)
+    assert not torch.equal(runs[2].tokens_BT, tokens_BT)
     recompute_BT = policy.token_logprobs(tokens_BT, valid_BT, temperature=0.8).cpu()
     torch.testing.assert_close(logp_BT[response_BT], recompute_BT[response_BT], atol=2e-4,
                                rtol=2e-4)
 
 
 def test_device_generator_seeds_a_cuda_generator_from_the_host_one():
-    from megatron_gspo.rollout.generate import device_generator
+    from megatron_gspo.rollout.decoders import device_generator
 
     host = torch.Generator().manual_seed(3)
     state = host.get_state()

@@ -5,8 +5,10 @@ import dataclasses
 import pytest
 import torch
 
+from moe.decode import kv_decoder
 from moe.model import ParallelLayout, transformer_config
-from moe.policy import MoEPolicy, OptimSettings, attention_inputs
+from moe.attention import attention_inputs
+from moe.policy import MoEPolicy, OptimSettings
 from moe.presets import PRESETS, get_preset
 from tests.moe.test_presets import QWEN2_STYLE
 
@@ -146,7 +148,7 @@ def test_kv_cache_decoder_matches_full_forward(single_process):
     valid = torch.ones(B, P + N, dtype=torch.bool)
     valid[0, :3] = valid[1, :1] = False
     valid[2, P + 2:] = False
-    decoder = policy.kv_decoder(B, P + N)
+    decoder = kv_decoder(policy, "lean", B, P + N)
     full = policy.logits(tokens, valid)
     for t in range(P, P + N + 1):
         step = decoder.next_logits(tokens[:, :t], valid[:, :t])
@@ -158,7 +160,7 @@ def test_kv_cache_decoder_matches_full_forward(single_process):
     with pytest.raises(ValueError, match="columns"):
         decoder.next_logits(tokens, valid)  # all columns already seen
     with pytest.raises(ValueError, match="max_seq_len"):
-        policy.kv_decoder(B, preset.max_seq_len + 1)
+        kv_decoder(policy, "lean", B, preset.max_seq_len + 1)
 
 
 def test_auto_dispatcher_resolves_by_ep():

@@ -11,8 +11,10 @@ import types
 import pytest
 import torch
 
+from moe.decode import kv_decoder
 from moe.model import ParallelLayout
-from moe.policy import MoEPolicy, attention_inputs
+from moe.attention import attention_inputs
+from moe.policy import MoEPolicy
 from moe.presets import get_preset
 from tests.moe import parallel_worker as pw
 from tests.moe.test_experts import build
@@ -87,7 +89,7 @@ def test_sequence_parallel_bookkeeping_on_one_process(single_process):
         assert seen[-1] == 16 - first
         torch.testing.assert_close(got_BSV, want_BTV[:, first:], atol=1e-5, rtol=1e-5)
     assert {k: getattr(layer, k) for k in flags} == flags
-    assert policy.kv_decoder(3, 13) is None
+    assert kv_decoder(policy, "lean", 3, 13) is None
     assert torch.equal(policy.routed_valid(valid_BT), valid_BT[:, :4])
 
 

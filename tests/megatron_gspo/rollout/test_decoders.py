@@ -1,15 +1,16 @@
-"""Rollout sampling on a real (random-init) qwen3-moe-tiny policy: KV cache vs recompute,
-sampler log-probs vs the trainer's recompute, padding/eos bookkeeping, top-p."""
+"""The decoder samplers ("lean", "megatron") on a real (random-init) qwen3-moe-tiny policy: KV
+cache vs recompute, sampler log-probs vs the trainer's recompute, padding / stop bookkeeping,
+top-p, draws where the logits are, the rank-agreed stop, recorded routing."""
 
 import math
 
 import pytest
 import torch
 
-from megatron_gspo.rollout import generate as rollout
-from megatron_gspo.rollout.generate import (device_generator, draw, encode_prompts, evaluate,
-                                     generate_rollouts, sample, top_p_filter)
-from megatron_gspo.tasks.toy import Addition, CharTokenizer, Example
+from megatron_gspo.rollout import decoders
+from megatron_gspo.rollout.decoders import device_generator, top_p_filter
+from megatron_gspo.tasks.toy import CharTokenizer
+from tests.megatron_gspo.sampling import draw, encode_prompts, sample
 
 PROMPTS = ["12+345=", "7+8=", "99+1=", "3+40="]
 
@@ -22,15 +23,6 @@ def policy(single_process):
 
     return MoEPolicy.build(get_preset("qwen3-moe-tiny"), ParallelLayout(), real_vocab=26,
                            seed=3, optim=None)
-
-
-def test_encode_prompts_left_pads_to_a_common_end():
-    tok = CharTokenizer()
-    tokens_BP, valid_BP = encode_prompts(tok, ["1+2=", "12+34="])
-    assert tokens_BP.shape == (2, 7)
-    assert valid_BP[0].tolist() == [False, False, True, True, True, True, True]
-    assert tokens_BP[0, 2].item() == tok.bos_id and tokens_BP[0, :2].tolist() == [tok.pad_id] * 2
-    assert (tokens_BP[:, -1] == tok.encode("=")[0]).all()
 
 
 def test_top_p_filter_hand_case():
@@ -58,15 +50,6 @@ def test_top_p_filter_maps_the_kept_set_back_to_vocabulary_order():
     probs = torch.tensor([[0.05, 0.3, 0.15, 0.5], [0.6, 0.1, 0.25, 0.05]])
     kept = torch.isfinite(top_p_filter(torch.log(probs), 0.7)).tolist()
     assert kept == [[False, True, False, True], [True, False, True, False]]
-
-
-def test_encode_prompts_without_bos():
-    """A tokenizer without <bos> (bos_id None) gets no extra column, only its prompt tokens."""
-    tok = CharTokenizer()
-    tok.bos_id = None
-    tokens_BP, valid_BP = encode_prompts(tok, ["1+2=", "12+3="])
-    assert tokens_BP.shape == (2, 5) and valid_BP.sum(1).tolist() == [4, 5]
-    assert tokens_BP[0].tolist() == [tok.pad_id] + tok.encode("1+2=")
 
 
 def test_draw_is_invariant_to_a_logit_shift():
@@ -199,22 +182,13 @@ def test_recorded_rollout_routing_is_the_full_forward_routing(policy):
     assert torch.equal(routing.ids_NLK, full.ids_NLK)
     sub = routing.select(torch.tensor([4, 0]))
     assert torch.equal(sub.valid_BT, valid_BT[[4, 0]])
+
+
+def test_recording_routing_without_a_kv_decoder_is_refused(policy, monkeypatch):
+    """A layout with no KV decoder (as under sequence parallelism) cannot record routing."""
+    monkeypatch.setattr(decoders, "kv_decoder", lambda *args, **kwargs: None)
     with pytest.raises(ValueError, match="KV-cache"):
-        sample(_NoKV(policy), tok,
-               PROMPTS, max_new_tokens=2, record_routing=True)
-
-
-class _NoKV:
-    """A policy whose layout has no KV decoder (as under sequence parallelism)."""
-
-    def __init__(self, policy):
-        self._policy = policy
-
-    def kv_decoder(self, *args, **kwargs):
-        return None
-
-    def __getattr__(self, name):
-        return getattr(self._policy, name)
+        sample(policy, CharTokenizer(), PROMPTS, max_new_tokens=2, record_routing=True)
 
 
 def _check_layout(tok, prompts, out, max_new_tokens):
@@ -254,7 +228,7 @@ def test_sampling_stops_at_the_step_the_last_row_finishes(policy):
 
 
 def test_every_rank_decodes_until_all_ranks_are_done(policy, monkeypatch):
-    """PITFALLS #13 in one process: the stop test goes through `all_ranks`; while another rank
+    """docs/pitfalls.md (collectives) in one process: the stop test goes through `all_ranks`; while another rank
     still has live rows (all_ranks -> False) this rank keeps decoding padding to max_new_tokens
     instead of breaking on its own rows."""
     tok, steps = CharTokenizer(), 30
@@ -264,7 +238,7 @@ def test_every_rank_decodes_until_all_ranks_are_done(policy, monkeypatch):
         flags.append(flag)
         return False
 
-    monkeypatch.setattr(rollout, "all_ranks", other_rank_busy)
+    monkeypatch.setattr(decoders, "all_ranks", other_rank_busy)
     out = sample(policy, tok, PROMPTS, max_new_tokens=steps, temperature=1.0,
                  generator=torch.Generator().manual_seed(7))  # as above: all done by step 24
     P = _check_layout(tok, PROMPTS, out, steps)
@@ -287,117 +261,6 @@ def test_every_stop_id_ends_a_row(policy):
     assert int(out[2][0].sum()) == 1 and int(out[0][0, P]) == stop2
 
 
-def test_evaluate_runs_the_agreed_chunk_count_and_restores_the_mode(policy, monkeypatch):
-    """`evaluate` decodes max_over_ranks(chunks) chunks (a rank past its own examples decodes a
-    filler chunk and discards it) with its metrics unchanged, and leaves the policy's
-    train/eval mode as it found it."""
-    tok, task = CharTokenizer(), Addition()
-    examples = [Example(p, str(sum(map(int, p[:-1].split("+"))))) for p in PROMPTS[:3]]
-    was = policy.model.training
-    try:
-        for mode in (True, False):
-            policy.train(mode)
-            want = evaluate(policy, tok, task, examples, max_new_tokens=4, batch_size=2)
-            assert policy.model.training is mode
-        calls = []
-        real_sample = rollout.sample
-
-        def counted(*args, **kwargs):
-            calls.append(len(args[2]))
-            return real_sample(*args, **kwargs)
-
-        monkeypatch.setattr(rollout, "sample", counted)
-        monkeypatch.setattr(rollout, "max_over_ranks", lambda n: n + 2)  # a peer has 4 chunks
-        assert evaluate(policy, tok, task, examples, max_new_tokens=4, batch_size=2) == want
-        assert calls == [2, 1, 1, 1]
-    finally:
-        policy.train(was)
-
-
-def test_generate_rollouts_rows_are_group_major(policy):
-    """Rows [ex0] * G + [ex1] * G: group_B names each row's example, and each row's prompt is
-    that example's."""
-    examples = [Example("12+345=", "357"), Example("7+8=", "15")]
-    batch = generate_rollouts(policy, CharTokenizer(), Addition(), examples, group_size=3,
-                              max_new_tokens=3, generator=torch.Generator().manual_seed(0))
-    assert batch.group_B.tolist() == [0, 0, 0, 1, 1, 1]
-    assert [ex.prompt for ex in batch.examples] == [examples[g].prompt for g in batch.group_B]
-
-
-class _PenaltyTask:
-    """Reward -1 - len(completion) (negative: kept as is); raises for the answer "boom"."""
-
-    def reward(self, example, completion):
-        if example.answer == "boom":
-            raise RuntimeError("verifier bug")
-        return -1.0 - len(completion)
-
-
-def test_generate_rollouts_is_the_sampler_plus_rewards_and_flags(policy):
-    """generate_rollouts passes temperature, top_p, the generator and record_routing on to
-    `sample` (the same draws and log-probs as calling it directly); completions are the
-    decoded response tokens; rewards (negative ones kept) and reward status come from the task;
-    truncation uses all of the tokenizer's stop ids, not just EOS."""
-    from megatron_gspo.tasks.rewards import OK, RAISED
-    from megatron_gspo.rollout.generate import truncated_rows
-
-    tok = CharTokenizer()
-    tok.stop_ids = frozenset({tok.eos_id, *(tok.encode(d)[0] for d in "01234")})
-    examples = [Example("12+3=", "15"), Example("7+8=", "boom")]
-    kw = dict(max_new_tokens=4, temperature=0.7, top_p=0.9)
-    batch = generate_rollouts(policy, tok, _PenaltyTask(), examples, group_size=3,
-                              generator=torch.Generator().manual_seed(11), record_routing=True,
-                              **kw)
-    want = sample(policy, tok, [ex.prompt for ex in batch.examples],
-                  generator=torch.Generator().manual_seed(11), **kw)
-    for got, w in zip((batch.tokens_BT, batch.valid_BT, batch.response_BT,
-                       batch.sampler_logp_BT), want):
-        assert torch.equal(got, w)
-    assert batch.routing is not None and torch.equal(batch.routing.valid_BT, batch.valid_BT)
-    assert batch.completions == [tok.decode(r[m].tolist()) for r, m in zip(want[0], want[2])]
-    assert batch.rewards_B.tolist() == [-1.0 - len(c) for c in batch.completions[:3]] + [0.0] * 3
-    assert batch.reward_status_B.tolist() == [OK] * 3 + [RAISED] * 3
-    assert torch.equal(batch.truncated_B, truncated_rows(want[0], want[2], tok.stop_ids))
-    P = encode_prompts(tok, [ex.prompt for ex in examples])[0].shape[1]
-    last_B = batch.tokens_BT.gather(1, (P + batch.response_lengths_B - 1)[:, None]).squeeze(1)
-    assert ((last_B != tok.eos_id) & ~batch.truncated_B).any()  # a non-EOS stop ended a row
-
-
-def test_evaluate_scores_the_greedy_completions_in_example_order(policy, monkeypatch):
-    """evaluate scores exactly the examples' greedy completions, in order (a filler chunk's
-    are dropped), decoding ceil(n / batch_size) chunks (here 4 / 2, plus the peer's filler) in
-    eval mode with the kv_cache it was given; no examples is a ValueError."""
-    import megatron_gspo.tasks.toy as tasks
-
-    tok = CharTokenizer()
-    examples = [Example(p, "0") for p in PROMPTS]
-    want = []
-    for chunk in (PROMPTS[:2], PROMPTS[2:]):
-        out = sample(policy, tok, chunk, max_new_tokens=2, greedy=True, kv_cache=False)
-        want += rollout.decode_responses(tok, out[0], out[2])
-    seen, calls = [], []
-    real_sample = rollout.sample
-
-    def spy(*args, **kwargs):
-        calls.append((len(args[2]), kwargs["kv_cache"], policy.model.training))
-        return real_sample(*args, **kwargs)
-
-    monkeypatch.setattr(tasks, "score", lambda task, exs, comps: seen.append((exs, comps)) or {})
-    monkeypatch.setattr(rollout, "sample", spy)
-    monkeypatch.setattr(rollout, "max_over_ranks", lambda n: n + 1)  # a peer has 3 chunks
-    was = policy.model.training
-    try:
-        policy.train(True)
-        evaluate(policy, tok, Addition(), examples, max_new_tokens=2, batch_size=2,
-                 kv_cache=False)
-    finally:
-        policy.train(was)
-    assert seen == [(examples, want)]
-    assert calls == [(2, False, False), (2, False, False), (1, False, False)]
-    with pytest.raises(ValueError, match="no examples"):
-        evaluate(policy, tok, Addition(), [], max_new_tokens=3)
-
-
 def test_record_routing_takes_the_kv_decoder_even_with_kv_cache_off(policy):
     """record_routing builds the KV decoder whatever kv_cache says (only a layout without one,
     as under sequence parallelism, is refused): same draws, routing recorded."""
@@ -406,3 +269,15 @@ def test_record_routing_takes_the_kv_decoder_even_with_kv_cache_off(policy):
                   generator=torch.Generator().manual_seed(2)) for kv in (False, True)]
     assert out[0][4] is not None and torch.equal(out[0][0], out[1][0])
     assert torch.equal(out[0][4].ids_NLK, out[1][4].ids_NLK)
+
+
+def test_sampling_restores_the_policy_mode(policy):
+    """The sampler runs the model in eval mode and leaves it as it found it."""
+    was = policy.model.training
+    try:
+        for mode in (True, False):
+            policy.train(mode)
+            sample(policy, CharTokenizer(), PROMPTS, max_new_tokens=2, greedy=True)
+            assert policy.model.training is mode
+    finally:
+        policy.train(was)

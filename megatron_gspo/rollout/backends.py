@@ -1,0 +1,26 @@
+"""`rollout.backend` -> a `Sampler`: the built-in backends registered, and the one lookup.
+
+Importing this module registers "lean" and "megatron" (`rollout.decoders`) and
+"megatron_engine" (`rollout.engine`); a backend defined elsewhere registers itself with
+`megatron_gspo.rollout.sampler.register_sampler` and is found by the same name.
+"""
+
+from __future__ import annotations
+
+from megatron_gspo.config.schema import ConfigError
+from megatron_gspo.rollout import decoders, engine  # noqa: F401  (they register their backends)
+from megatron_gspo.rollout.sampler import SAMPLERS, Sampler
+
+
+def check_backend(cfg) -> None:
+    """ConfigError naming `rollout.backend` unless a sampler of that name is registered."""
+    name = cfg.rollout.sampler
+    if name not in SAMPLERS:
+        key = "rollout.backend" if cfg.rollout.backend == name else "rollout.decoder"
+        raise ConfigError(f"{key}={name!r}: no such sampler; registered: {sorted(SAMPLERS)}")
+
+
+def build_sampler(cfg, policy, tokenizer) -> Sampler:
+    """The run's sampler (`cfg.rollout.sampler`) over `policy`."""
+    check_backend(cfg)
+    return SAMPLERS[cfg.rollout.sampler](policy, tokenizer, cfg)
