@@ -368,21 +368,25 @@ def _this_model(policy: MoEPolicy) -> str:
 def try_resume(rt: Runtime) -> dict | None:
     """Restore the policy (any layout) from run_dir's newest good checkpoint; returns its
     `extra` (None when there is none or resume is off). A corrupt or unreadable latest step
-    is skipped with a warning; every rank resumes the same step. RNG states come back only
+    is skipped with a warning, and so is a `latest` that is missing, empty or names a step dir
+    that is gone (the newest complete step resumes); every rank resumes the same step. RNG states come back only
     with the layout they were saved with."""
     root = os.path.join(rt.cfg.run_dir, "checkpoints")
     try:
-        latest = ckpt.latest_step(root)
+        candidates, problem = ckpt.resume_candidates(root), ckpt.latest_problem(root)
     except ValueError as e:  # a `latest` garbled by hand: which step to resume is the user's
         raise ckpt.CheckpointError(f"{e}; write the step to resume from into it") from None
-    if rt.cfg.resume is False or latest is None:  # a start from step 0
+    if rt.cfg.resume is False or not candidates:  # a start from step 0
         moved = rt.logger.set_aside()  # the rows of an earlier attempt that saved nothing
         if moved:
             print(f"{rt.cfg.run_dir} has no checkpoint to resume: starting from step 0; the "
                   f"metrics logged before are in {moved}", flush=True)
         return None
+    if problem and rt.info.is_main:
+        print(f"WARNING: {problem}: resuming from the newest complete step, {candidates[0]}",
+              flush=True)
     layout = (rt.info.tp, rt.info.ep, rt.info.world_size)
-    for step in ckpt.resume_candidates(root):
+    for step in candidates:
         state, error = None, ""
         dist_dir = os.path.join(ckpt.step_dir(root, step), "dist")
         own = os.path.isfile(ckpt.rank_file(ckpt.step_dir(root, step), rt.info.rank))
@@ -421,5 +425,5 @@ def try_resume(rt: Runtime) -> dict | None:
             ckpt.set_rng_state(state["rng"])
         rt.logger.drop_after(state["extra"].get("opt_step", state["extra"].get("step", step)))
         return state["extra"]
-    raise ckpt.CheckpointError(f"no readable checkpoint in {root} (tried "
-                               f"{ckpt.resume_candidates(root)}); move it away to start afresh")
+    raise ckpt.CheckpointError(f"no readable checkpoint in {root} (tried {candidates}); move "
+                               "it away to start afresh")
