@@ -9,9 +9,11 @@ only for the same layout. Older checkpoints (the policy in the rank files, rank 
 `full_params`) still resume with the same layout and initialise any layout.
 
 A run dir belongs to one run (`megatron_gspo.rundir`): `setup_runtime` locks it and refuses a
-different job or config before anything is written; `eval` only reads. Resume verifies every
-shard and falls back, with a warning, past a corrupt latest step to the newest good one; rows of
-metrics.jsonl logged after the resumed step are dropped, so no step is logged twice.
+different job or config, and data files / tokenizer / chat template whose contents changed since
+the run started (`megatron_gspo.inputs`), before anything is written; `eval` only reads. Resume
+verifies every shard and falls back, with a warning, past a corrupt latest step to the newest
+good one; rows of metrics.jsonl logged after the resumed step are dropped, so no step is logged
+twice.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from megatron_gspo.dist_utils import all_ranks
 from megatron_gspo.config import ConfigError, RunConfig, config_to_dict, save_config
 from megatron_gspo.data import build_task, check_sft_lengths, tokenizer_folder
 from megatron_gspo.host import tune_malloc
-from megatron_gspo.rundir import RunDirLock, claim_run_dir, record_run
+from megatron_gspo.inputs import input_fingerprints
+from megatron_gspo.rundir import RunDirLock, check_inputs, claim_run_dir, record_run
 from megatron_gspo.metrics import MetricsLogger
 from megatron_gspo.rollout import evaluate
 from megatron_gspo.tokenizer import Tokenizer, load_tokenizer
@@ -184,6 +187,10 @@ def setup_runtime(cfg: RunConfig, job: str) -> Runtime:
     try:
         tokenizer = run_tokenizer(cfg)
         task, train_set, eval_set = build_task(cfg, tokenizer, model_max_len(cfg), info.is_main)
+        inputs = input_fingerprints(cfg, tokenizer, train_set, eval_set) \
+            if writes and info.is_main else {}
+        if writes:  # data files, tokenizer, template: as the run started (resume=force: warned)
+            check_inputs(cfg.run_dir, inputs, cfg.resume, info.is_main)
         if job == "sft":  # before the run is recorded: a fixed config may reuse the run dir
             cut = check_sft_lengths(tokenizer, train_set, model_max_len(cfg),
                                     cfg.rollout.max_new_tokens)
@@ -195,7 +202,7 @@ def setup_runtime(cfg: RunConfig, job: str) -> Runtime:
         if cfg.init_checkpoint:
             load_init_weights(policy, cfg.init_checkpoint)
         first = writes and info.is_main and record_run(cfg.run_dir, job, config_to_dict(cfg),
-                                                       lambda p: save_config(cfg, p))
+                                                       lambda p: save_config(cfg, p), inputs)
         logger = MetricsLogger(cfg.run_dir, config_to_dict(cfg), wandb_mode=cfg.wandb.mode,
                                project=cfg.wandb.project, name=cfg.wandb.name,
                                enabled=writes and info.is_main)
