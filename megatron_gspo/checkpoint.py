@@ -269,6 +269,12 @@ def _listing(path: str) -> str:
     return "[" + ", ".join(names) + "]" if names else "nothing (empty directory)"
 
 
+def step_of(path: str) -> int | None:
+    """The step of a step dir `.../step_XXXXXX` (None for another path)."""
+    m = _STEP_RE.match(os.path.basename(os.path.normpath(path)))
+    return int(m.group(1)) if m else None
+
+
 def _is_step_dir(path: str) -> bool:
     return bool(_STEP_RE.match(os.path.basename(os.path.normpath(path))))
 

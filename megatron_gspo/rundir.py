@@ -1,7 +1,8 @@
 """A run directory belongs to one run: owner record, config fingerprint, lock, stale-file cleanup.
 
     run_dir/run.json          {"job": "train", "fingerprint": "...", "config": {...semantic keys},
-                               "inputs": {...}}  (data files, split, tokenizer: megatron_gspo.inputs)
+                               "inputs": {...},  (data files, tokenizer: megatron_gspo.inputs)
+                               "init_step": 6}   (init_checkpoint's step read: the KL reference)
     run_dir/.lock             flock'ed by rank 0 while a process writes the run ("pid job")
     run_dir/{job}_config.yaml the resolved config, written once on first start, never replaced
 
@@ -264,10 +265,20 @@ def check_inputs(run_dir: str, inputs: dict, resume, is_main: bool) -> None:
         raise RunDirError(message)
 
 
+def recorded_value(run_dir: str, key: str, is_main: bool):
+    """run.json's `key` on every rank (rank 0 reads it); None when absent."""
+    text = ""
+    if is_main and os.path.isfile(os.path.join(run_dir, RUN_FILE)):
+        with open(os.path.join(run_dir, RUN_FILE)) as f:
+            text = json.dumps(json.load(f).get(key))
+    return json.loads(_agree(text) or "null")
+
+
 def record_run(run_dir: str, job: str, config: dict, save_config,
-               inputs: dict | None = None) -> bool:
-    """On first start: write run.json (with the `inputs` fingerprints) and `{job}_config.yaml`
-    (both are never replaced); returns whether this call wrote the record."""
+               extra: dict | None = None) -> bool:
+    """On first start: write run.json (with `extra`: the input fingerprints, the step of
+    init_checkpoint read) and `{job}_config.yaml` (both are never replaced); returns whether
+    this call wrote the record."""
     record_path = os.path.join(run_dir, RUN_FILE)
     if os.path.isfile(record_path):
         return False
@@ -278,8 +289,7 @@ def record_run(run_dir: str, job: str, config: dict, save_config,
         save_config(cfg_path)
     semantic = semantic_config(config, job)
     record = {"job": job, "fingerprint": fingerprint(semantic), "config": semantic}
-    if inputs is not None:
-        record["inputs"] = inputs
+    record.update(extra or {})
     text = json.dumps(record, indent=1, default=str)
     atomic_write(record_path, lambda f: f.write(text.encode()))
     return True

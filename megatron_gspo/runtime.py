@@ -34,7 +34,8 @@ from megatron_gspo.config import ConfigError, RunConfig, config_to_dict, save_co
 from megatron_gspo.data import build_task, check_sft_lengths, tokenizer_folder
 from megatron_gspo.host import tune_malloc
 from megatron_gspo.inputs import input_fingerprints
-from megatron_gspo.rundir import RunDirLock, check_inputs, claim_run_dir, record_run
+from megatron_gspo.rundir import (RunDirLock, check_inputs, claim_run_dir, record_run,
+                                  recorded_value)
 from megatron_gspo.metrics import MetricsLogger
 from megatron_gspo.rollout import evaluate
 from megatron_gspo.tokenizer import Tokenizer, load_tokenizer
@@ -63,6 +64,9 @@ class Runtime:
     """Rank 0's hold on run_dir (None on other ranks and for eval)."""
     first_start: bool = False
     """This start wrote run_dir's record (rank 0; False on other ranks and when resuming)."""
+    init_dir: str | None = None
+    """The step dir of init_checkpoint the run started from (None without one, or on a resume
+    that needs no KL reference: its weights are the run's own checkpoint's)."""
 
     def close(self) -> None:
         """Close the metrics log and release run_dir."""
@@ -177,7 +181,9 @@ def setup_runtime(cfg: RunConfig, job: str) -> Runtime:
         raise ConfigError(f"model.tp={cfg.model.tp} model.ep={cfg.model.ep}: {e} (start N "
                           "processes: torchrun --nproc-per-node N -m megatron_gspo.cli ...)"
                           ) from None
-    if cfg.init_checkpoint:
+    resuming = _resumes(cfg, job)  # the weights are then the run's own checkpoint's
+    reference = job == "train" and cfg.loss.kl_coef > 0  # init_checkpoint is the KL reference
+    if cfg.init_checkpoint and (not resuming or reference):
         check_init_checkpoint(cfg.init_checkpoint)  # fail before the run dir is claimed
     if cfg.model.hf_path:
         check_hf_path(cfg.model.hf_path, cfg.model.tp, cfg.model.ep)
@@ -199,10 +205,14 @@ def setup_runtime(cfg: RunConfig, job: str) -> Runtime:
                       f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}: eval and rollouts "
                       "cut such answers", flush=True)
         policy = build_policy(cfg, tokenizer.vocab_size, optim)
-        if cfg.init_checkpoint:
-            load_init_weights(policy, cfg.init_checkpoint)
-        first = writes and info.is_main and record_run(cfg.run_dir, job, config_to_dict(cfg),
-                                                       lambda p: save_config(cfg, p), inputs)
+        init_dir = None
+        if cfg.init_checkpoint and not resuming:
+            init_dir = load_init_weights(policy, cfg.init_checkpoint)
+        elif cfg.init_checkpoint and reference:
+            init_dir = reference_dir(cfg, info.is_main)
+        first = writes and info.is_main and record_run(
+            cfg.run_dir, job, config_to_dict(cfg), lambda p: save_config(cfg, p),
+            {"inputs": inputs, "init_step": init_dir and ckpt.step_of(init_dir)})
         logger = MetricsLogger(cfg.run_dir, config_to_dict(cfg), wandb_mode=cfg.wandb.mode,
                                project=cfg.wandb.project, name=cfg.wandb.name,
                                enabled=writes and info.is_main)
@@ -211,7 +221,17 @@ def setup_runtime(cfg: RunConfig, job: str) -> Runtime:
             lock.release()
         raise
     return Runtime(cfg, info, tokenizer, task, train_set, eval_set, policy, logger, lock,
-                   first_start=bool(first))
+                   first_start=bool(first), init_dir=init_dir)
+
+
+def _resumes(cfg: RunConfig, job: str) -> bool:
+    """Whether this start resumes run_dir's checkpoint (complete steps there, resume on)."""
+    if job == "eval" or cfg.resume is False:
+        return False
+    try:
+        return ckpt.newest_step(os.path.join(cfg.run_dir, "checkpoints")) is not None
+    except ValueError:  # a garbled `latest`: try_resume says so in one line
+        return True
 
 
 def evaluate_runtime(rt: Runtime) -> dict[str, float]:
@@ -303,8 +323,9 @@ def check_hf_path(path: str, tp: int = 1, ep: int = 1) -> None:
 
 
 def check_init_checkpoint(path: str) -> str:
-    """The checkpoint root or step dir `init_checkpoint` names (a run dir means its latest
-    step); ConfigError naming the value when it is missing, a file, or holds no checkpoint."""
+    """The checkpoint root or step dir `init_checkpoint` names (a run dir means its newest
+    complete step); ConfigError naming the value when it is missing, a file, or holds no
+    checkpoint."""
     if not os.path.exists(path):
         raise ConfigError(f"init_checkpoint={path}: no such directory")
     if not os.path.isdir(path):
@@ -313,20 +334,60 @@ def check_init_checkpoint(path: str) -> str:
     root = os.path.join(path, "checkpoints")
     root = root if os.path.isdir(root) else path
     try:
-        latest = ckpt.latest_step(root)
+        newest = ckpt.newest_step(root)
     except ValueError as e:  # a garbled `latest`
         raise ConfigError(f"init_checkpoint={path}: {e}") from None
-    if not (os.path.isfile(ckpt.rank_file(root, 0)) or latest is not None):
-        raise ConfigError(f"init_checkpoint={path} holds no checkpoint (no "
-                          f"checkpoints/{ckpt.LATEST_FILE} and no rank_00000.pt)")
+    if not (os.path.isfile(ckpt.rank_file(root, 0)) or newest is not None):
+        raise ConfigError(f"init_checkpoint={path} holds no checkpoint (no complete "
+                          "checkpoints/step_XXXXXX and no rank_00000.pt)")
     return root
 
 
-def load_init_weights(policy: MoEPolicy, path: str) -> None:
-    """Initialise from a run dir (its latest step) or a step dir, any parallel layout."""
+def init_step_dir(path: str, step: int | None = None) -> str:
+    """The step dir `init_checkpoint=path` reads: the step dir it names, else its run's `step`
+    (None: the newest complete one)."""
     root = check_init_checkpoint(path)
-    step_dir = root if os.path.isfile(ckpt.rank_file(root, 0)) \
-        else ckpt.step_dir(root, ckpt.latest_step(root))
+    if os.path.isfile(ckpt.rank_file(root, 0)):
+        return root
+    return ckpt.step_dir(root, ckpt.newest_step(root) if step is None else step)
+
+
+def load_init_weights(policy: MoEPolicy, path: str, step_dir: str | None = None) -> str:
+    """Initialise from `init_checkpoint=path` (a run dir: its newest complete step; a step
+    dir), any parallel layout, or from its `step_dir` when given (pinned); returns the step dir
+    read."""
+    read = step_dir or init_step_dir(path)
+    _load_step_dir(policy, read, path)
+    return read
+
+
+def reference_dir(cfg: RunConfig, is_main: bool) -> str:
+    """The step dir of `init_checkpoint` a resumed run started from: its KL reference, pinned by
+    run.json's `init_step` (the run writing init_checkpoint may have moved on since). ConfigError
+    naming it when it is gone (resume=force: the newest step, with a warning); a run recorded
+    before `init_step` was takes the newest step, with a warning."""
+    path = cfg.init_checkpoint
+    root = check_init_checkpoint(path)
+    if os.path.isfile(ckpt.rank_file(root, 0)):
+        return root  # a step dir: pinned by its name
+    step, newest = recorded_value(cfg.run_dir, "init_step", is_main), ckpt.newest_step(root)
+    if step is not None and os.path.isdir(ckpt.step_dir(root, step)):
+        return ckpt.step_dir(root, step)
+    if step is not None and cfg.resume != "force":
+        raise ConfigError(f"init_checkpoint={path}: step {step}, which {cfg.run_dir} started "
+                          f"from and keeps as its KL reference (loss.kl_coef={cfg.loss.kl_coef}),"
+                          f" is gone ({root} holds {ckpt.resume_candidates(root)}); restore it, "
+                          f"or resume=force to take step {newest} as the reference")
+    if is_main:
+        why = f"step {step} is gone (resume=force)" if step is not None else \
+            f"{cfg.run_dir} did not record which step it started from"
+        print(f"WARNING: init_checkpoint={path}: {why}: the KL reference is its newest step, "
+              f"{newest}", flush=True)
+    return ckpt.step_dir(root, newest)
+
+
+def _load_step_dir(policy: MoEPolicy, step_dir: str, path: str) -> None:
+    """Load step dir `step_dir` of `init_checkpoint=path` into `policy` (weights only)."""
     dist_dir = os.path.join(step_dir, "dist")
     if dist_ckpt.is_dist_checkpoint(dist_dir):
         error = ""

@@ -138,8 +138,8 @@ class Trainer:
             ref_policy = None
             if cfg.loss.kl_coef > 0:  # frozen reference = the initial weights
                 ref_policy = build_policy(cfg, rt.tokenizer.vocab_size, optim=None)
-                if cfg.init_checkpoint:
-                    load_init_weights(ref_policy, cfg.init_checkpoint)
+                if cfg.init_checkpoint:  # the step the run started from, not today's newest
+                    load_init_weights(ref_policy, cfg.init_checkpoint, step_dir=rt.init_dir)
             return cls(rt, cfg, ref_policy=ref_policy, **parts)
         except BaseException:
             rt.close()

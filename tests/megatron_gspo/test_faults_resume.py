@@ -7,9 +7,10 @@ import os
 import shutil
 
 import pytest
+import torch
 
 from megatron_gspo import checkpoint as ckpt
-from tests.megatron_gspo.test_faults import trainer
+from tests.megatron_gspo.test_faults import TINY, one_line_error, trainer
 
 
 def _digests(root) -> dict:
@@ -49,4 +50,54 @@ def test_a_missing_latest_resumes_the_newest_complete_step(tmp_path, capsys, dam
     now = _digests(root)
     assert {k: now.get(k) for k in kept} == kept
     assert ckpt.latest_step(str(root)) == 4
+
+
+
+def _ref_params(t) -> dict:
+    return {n: p.detach().clone() for n, p in t.ref_policy.model.module.named_parameters()}
+
+
+def test_the_kl_reference_stays_the_step_the_run_started_from(tmp_path, capsys):
+    """loss.kl_coef > 0: the frozen reference was rebuilt from init_checkpoint's *current*
+    latest step at every start, so continuing the SFT run it points at moved the RL run's KL.
+    The step read at the first start is recorded and the reference stays there; once it is
+    gone the resume is refused naming it (resume=force takes the newest step, warned)."""
+    from megatron_gspo.cli import main
+
+    sft = tmp_path / "sft"
+    assert main(["sft", *TINY, f"run_dir={sft}"]) == 0  # saves step 2
+    rl = [f"init_checkpoint={sft}", "loss.kl_coef=0.1"]
+    first = trainer(tmp_path / "rl", *rl, "train.steps=1")
+    want = _ref_params(first)
+    first.train()
+    assert main(["sft", *TINY, f"run_dir={sft}", "sft.steps=4"]) == 0  # the SFT run goes on
+    resumed = trainer(tmp_path / "rl", *rl, "train.steps=2")
+    got = _ref_params(resumed)
+    assert resumed.state.iteration == 1 and all(torch.equal(want[n], got[n]) for n in want)
+    resumed.train()
+    shutil.rmtree(sft / "checkpoints" / "step_000002")
+    capsys.readouterr()
+    err = one_line_error(capsys, "train", *TINY, f"run_dir={tmp_path / 'rl'}", *rl,
+                         "train.steps=3")
+    assert f"init_checkpoint={sft}: step 2, which {tmp_path / 'rl'} started from and keeps " \
+           "as its KL reference (loss.kl_coef=0.1), is gone" in err
+    forced = trainer(tmp_path / "rl", *rl, "train.steps=3", "resume=force")
+    assert "step 2 is gone (resume=force): the KL reference is its newest step" in \
+        capsys.readouterr().out
+    forced.rt.close()
+
+
+def test_a_resume_without_kl_needs_no_init_checkpoint(tmp_path):
+    """With loss.kl_coef=0 the resumed weights are the run's own checkpoint's: deleting the SFT
+    run that init_checkpoint named blocked the RL run's resume ('no such directory')."""
+    from megatron_gspo.cli import main
+
+    sft = tmp_path / "sft"
+    assert main(["sft", *TINY, f"run_dir={sft}"]) == 0
+    trainer(tmp_path / "rl", f"init_checkpoint={sft}", "train.steps=1").train()
+    shutil.rmtree(sft)
+    resumed = trainer(tmp_path / "rl", f"init_checkpoint={sft}", "train.steps=2")
+    assert resumed.state.iteration == 1 and resumed.ref_policy is None
+    resumed.train()
+    assert ckpt.latest_step(str(tmp_path / "rl" / "checkpoints")) == 2
 
