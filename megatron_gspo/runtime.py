@@ -352,13 +352,26 @@ def init_step_dir(path: str, step: int | None = None) -> str:
     return ckpt.step_dir(root, ckpt.newest_step(root) if step is None else step)
 
 
+INIT_RETRIES = 3
+"""Reads of `init_checkpoint`'s newest step, which the run writing it may prune meanwhile."""
+
+
 def load_init_weights(policy: MoEPolicy, path: str, step_dir: str | None = None) -> str:
     """Initialise from `init_checkpoint=path` (a run dir: its newest complete step; a step
     dir), any parallel layout, or from its `step_dir` when given (pinned); returns the step dir
-    read."""
-    read = step_dir or init_step_dir(path)
-    _load_step_dir(policy, read, path)
-    return read
+    read. A step removed while it is read (the run writing `path` keeps
+    train.keep_checkpoints) is retried with the newest step, unless pinned."""
+    for attempt in range(1, INIT_RETRIES + 1):
+        read = step_dir or init_step_dir(path)
+        try:
+            _load_step_dir(policy, read, path)
+            return read
+        except (Exception, CheckpointException):  # every rank (the load's errors are agreed)
+            if step_dir or attempt == INIT_RETRIES or all_ranks(os.path.isdir(read)):
+                raise
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"WARNING: init_checkpoint={path}: {read} was removed while it was read "
+                  "(pruned by the run writing it); reading its newest step", flush=True)
 
 
 def reference_dir(cfg: RunConfig, is_main: bool) -> str:

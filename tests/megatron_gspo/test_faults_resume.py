@@ -101,3 +101,32 @@ def test_a_resume_without_kl_needs_no_init_checkpoint(tmp_path):
     resumed.train()
     assert ckpt.latest_step(str(tmp_path / "rl" / "checkpoints")) == 2
 
+
+def test_an_eval_of_a_run_pruning_its_steps_reads_the_newest_one(tmp_path, capsys,
+                                                                 monkeypatch):
+    """`eval init_checkpoint=RUN` while RUN trains with train.keep_checkpoints=1: the step being
+    read was pruned under it (CheckpointingException: ... dist does not exist). The eval now
+    reads the run's newest step instead."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_gspo.cli import main
+
+    run = tmp_path / "run"
+    trainer(run, "train.steps=1", "train.keep_checkpoints=1").train()
+    root = run / "checkpoints"
+    load, read = dist_checkpointing.load, []
+
+    def pruned_while_read(sharded_state_dict, directory, *args, **kwargs):
+        read.append(directory)
+        if len(read) == 1:  # meanwhile the run saves step 2 and prunes step 1
+            shutil.copytree(root / "step_000001", root / "step_000002")
+            (root / "latest").write_text("2\n")
+            shutil.rmtree(root / "step_000001")
+        return load(sharded_state_dict, directory, *args, **kwargs)
+
+    monkeypatch.setattr(dist_checkpointing, "load", pruned_while_read)
+    capsys.readouterr()
+    assert main(["eval", *TINY, f"init_checkpoint={run}"]) == 0
+    assert read == [str(root / "step_000001" / "dist"), str(root / "step_000002" / "dist")]
+    assert "step_000001 was removed while it was read (pruned by the run writing it); " \
+           "reading its newest step" in capsys.readouterr().out
