@@ -446,6 +446,31 @@ def _this_model(policy: MoEPolicy) -> str:
     return f"{policy.preset.name!r} ({policy.preset.num_layers} layers)"
 
 
+def check_optimizer_format(root: str, state: dict, cfg: RunConfig, layout: tuple) -> None:
+    """ConfigError naming what makes the optimizer state saved in `state` (rank 0's file of a
+    step under checkpoint root `root`) unloadable here: a (tp, ep) change under
+    optim.distributed=true (megatron's dp_reshardable format), or, with resume=force, a change
+    between fp32 and 16-bit weights (16-bit runs keep fp32 masters) or of optim.distributed
+    (another state layout), which megatron's load reports as a KeyError."""
+    saved = tuple(state["layout"])[:2]
+    redo = f"start a new run_dir with init_checkpoint={cfg.run_dir} (weights only)"
+    if cfg.optim.distributed and saved != layout[:2]:  # megatron's dp_reshardable
+        raise ConfigError(f"{root}: saved with (tp, ep)={saved}, resuming with {layout[:2]}: "
+                          "optim.distributed=true reshards its optimizer state over DP only; "
+                          f"{redo}")
+    old = state.get("config") or {}
+    dtype = (old.get("model") or {}).get("dtype", cfg.model.dtype)
+    distributed = (old.get("optim") or {}).get("distributed", cfg.optim.distributed)
+    if (dtype == "fp32") != (cfg.model.dtype == "fp32"):
+        raise ConfigError(f"{root}: saved with model.dtype={dtype}, resuming with "
+                          f"model.dtype={cfg.model.dtype}: the optimizer state of fp32 weights "
+                          f"and of 16-bit weights with fp32 masters differ; {redo}")
+    if distributed != cfg.optim.distributed:
+        raise ConfigError(f"{root}: saved with optim.distributed={str(distributed).lower()}, "
+                          f"resuming with optim.distributed={str(cfg.optim.distributed).lower()}"
+                          f": the optimizer state is laid out otherwise; {redo}")
+
+
 def try_resume(rt: Runtime) -> dict | None:
     """Restore the policy (any layout) from run_dir's newest good checkpoint; returns its
     `extra` (None when there is none or resume is off). A corrupt or unreadable latest step
@@ -482,12 +507,7 @@ def try_resume(rt: Runtime) -> dict | None:
                       f"{error or 'a shard on another rank is bad'}", flush=True)
             continue
         same_layout = tuple(state["layout"]) == layout
-        saved = tuple(state["layout"])[:2]
-        if rt.cfg.optim.distributed and saved != layout[:2]:  # megatron's dp_reshardable
-            raise ConfigError(f"{root}: saved with (tp, ep)={saved}, resuming with "
-                              f"{layout[:2]}: optim.distributed=true reshards its optimizer "
-                              "state over DP only; start a new run_dir with init_checkpoint="
-                              f"{rt.cfg.run_dir} (weights only)")
+        check_optimizer_format(root, state, rt.cfg, layout)
         if dist_ckpt.is_dist_checkpoint(dist_dir):
             try:
                 dist_ckpt.load(rt.policy, dist_dir)  # collective; any layout

@@ -130,3 +130,31 @@ def test_an_eval_of_a_run_pruning_its_steps_reads_the_newest_one(tmp_path, capsy
     assert read == [str(root / "step_000001" / "dist"), str(root / "step_000002" / "dist")]
     assert "step_000001 was removed while it was read (pruned by the run writing it); " \
            "reading its newest step" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("saved, resumed", [
+    ("model.dtype=bf16", "model.dtype=fp32"), ("model.dtype=fp32", "model.dtype=bf16"),
+    ("optim.distributed=false", "optim.distributed=true")])
+def test_resume_force_across_the_optimizer_state_format_is_one_line(tmp_path, capsys, saved,
+                                                                    resumed):
+    """resume=force across model.dtype (bf16 -> fp32: KeyError 'pre_wd_mult' in megatron's
+    optimizer; fp32 -> bf16: KeyError ... fp32_param) or optim.distributed was a traceback."""
+    from megatron_gspo.cli import main
+
+    run = tmp_path / "run"
+    assert main(["train", *TINY, f"run_dir={run}", "train.steps=1", saved]) == 0
+    latest = (run / "checkpoints" / "latest").read_text()
+    capsys.readouterr()
+    err = one_line_error(capsys, "train", *TINY, f"run_dir={run}", "train.steps=2", resumed,
+                         "resume=force")
+    assert f"saved with {saved}, resuming with {resumed}" in err
+    assert f"init_checkpoint={run} (weights only)" in err
+    assert (run / "checkpoints" / "latest").read_text() == latest
+
+
+def test_resume_force_from_bf16_to_fp16_keeps_the_optimizer_state(tmp_path):
+    """Both keep fp32 masters: that change still resumes."""
+    trainer(tmp_path / "run", "train.steps=1", "model.dtype=bf16").train()
+    t = trainer(tmp_path / "run", "train.steps=2", "model.dtype=fp16", "resume=force")
+    assert t.state.iteration == 1
+    t.rt.close()
