@@ -10,10 +10,10 @@ Examples:
 
 Overrides use dotted keys and YAML values; unknown keys are errors. A bad config (typo, wrong
 type, bad value, malformed YAML, missing file or checkpoint), a run dir that belongs to another
-run, a corrupt checkpoint, weights / a loss gone non-finite, or an optional package a setting
-needs (pyarrow, math-verify, wandb, transformers) exits with status 2 and one line naming it;
-nothing already written is lost. SIGTERM / Ctrl-C / SIGHUP saves a checkpoint and exits with
-128 + the signal number. The resolved config is saved in run_dir next to metrics.jsonl on a
+run, a corrupt checkpoint, weights / a loss gone non-finite, a full disk under metrics.jsonl,
+or an optional package a setting needs (pyarrow, math-verify, wandb, transformers) exits with
+status 2 and one line naming it; nothing already written is lost. SIGTERM / Ctrl-C / SIGHUP
+saves a checkpoint and exits with 128 + the signal number. The resolved config is saved in run_dir next to metrics.jsonl on a
 run's first start.
 """
 
@@ -56,6 +56,7 @@ def main(argv=None) -> int:
     from megatron_gspo.config import ConfigError, describe_config, load_config
     from megatron_gspo.preempt import Preempted
     from megatron_gspo.data import DataError
+    from megatron_gspo.metrics import MetricsError
     from megatron_gspo.rundir import RunDirError
     from moe.checks import MissingDependency
 
@@ -77,7 +78,8 @@ def main(argv=None) -> int:
                   file=sys.stderr, flush=True)
         result = run(args.command, cfg)
     except (ConfigError, DataError, FileNotFoundError, RunDirError, CheckpointError,
-            MissingDependency, FloatingPointError) as e:  # FloatingPointError: NaN loss / weights
+            MetricsError, MissingDependency,
+            FloatingPointError) as e:  # FloatingPointError: NaN loss / weights
         return _fail(str(e))  # nothing already written is lost
     except Preempted as e:
         if os.environ.get("RANK", "0") == "0":

@@ -1,0 +1,51 @@
+"""One line and exit 2 where a traceback was (issue 30): a disk filling under metrics.jsonl, out
+of memory in the rollout; a signal during start-up exits quietly with 128 + the signal."""
+
+import os
+import resource
+import signal
+
+import pytest
+
+from megatron_gspo import metrics
+from megatron_gspo.metrics import read_jsonl
+from tests.megatron_gspo.test_faults import TINY, one_line_error
+
+
+def test_a_disk_filling_under_metrics_jsonl_leaves_no_cut_off_row(tmp_path):
+    """A row only part of which fits (a file size limit here: EFBIG; ENOSPC on a full disk)
+    was left cut off, and the OSError came out as a chained traceback."""
+    logger = metrics.MetricsLogger(str(tmp_path))
+    logger.log(1, {"reward/mean": 0.5})
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    sigxfsz = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of the signal
+    resource.setrlimit(resource.RLIMIT_FSIZE, (len(before) + 40, limit[1]))
+    try:
+        with pytest.raises(Exception) as raised:
+            logger.log(2, {f"moe/flip_rate/layer_{i:02d}": 0.1 for i in range(20)})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, sigxfsz)
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before
+    assert raised.type.__name__ == "MetricsError", raised
+    assert "metrics.jsonl: File too large; the row of step 2 is not logged, the rows before " \
+           "it and the checkpoints are unchanged" in str(raised.value)
+    logger.log(3, {"reward/mean": 0.7})  # room again: the log goes on
+    assert [r["step"] for r in read_jsonl(str(tmp_path / "metrics.jsonl"))] == [1, 3]
+    logger.close()
+
+
+def test_a_full_disk_under_metrics_jsonl_is_one_line_from_the_cli(tmp_path, capsys,
+                                                                 monkeypatch):
+    """metrics.jsonl on a full disk (its descriptor on /dev/full: ENOSPC at every write)."""
+    opened = metrics.MetricsLogger.__init__
+
+    def on_a_full_disk(self, *args, **kwargs):
+        opened(self, *args, **kwargs)
+        if self._file is not None:
+            os.dup2(os.open("/dev/full", os.O_WRONLY), self._file.fileno())
+
+    monkeypatch.setattr(metrics.MetricsLogger, "__init__", on_a_full_disk)
+    err = one_line_error(capsys, "train", *TINY, f"run_dir={tmp_path / 'run'}", "train.steps=1")
+    assert "metrics.jsonl: No space left on device; the row of step 1 is not logged" in err
