@@ -11,10 +11,11 @@ Examples:
 Overrides use dotted keys and YAML values; unknown keys are errors. A bad config (typo, wrong
 type, bad value, malformed YAML, missing file or checkpoint), a run dir that belongs to another
 run, a corrupt checkpoint, weights / a loss gone non-finite, a full disk under metrics.jsonl,
-or an optional package a setting needs (pyarrow, math-verify, wandb, transformers) exits with
-status 2 and one line naming it; nothing already written is lost. SIGTERM / Ctrl-C / SIGHUP
-saves a checkpoint and exits with 128 + the signal number. The resolved config is saved in run_dir next to metrics.jsonl on a
-run's first start.
+out of memory in a training phase (naming the settings to lower), or an optional package a
+setting needs (pyarrow, math-verify, wandb, transformers) exits with status 2 and one line
+naming it; nothing already written is lost. SIGTERM / Ctrl-C / SIGHUP saves a checkpoint and
+exits with 128 + the signal number. The resolved config is saved in run_dir next to
+metrics.jsonl on a run's first start.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def main(argv=None) -> int:
     from megatron_gspo.preempt import Preempted
     from megatron_gspo.data import DataError
     from megatron_gspo.metrics import MetricsError
+    from megatron_gspo.oom import OutOfMemory
     from megatron_gspo.rundir import RunDirError
     from moe.checks import MissingDependency
 
@@ -78,7 +80,7 @@ def main(argv=None) -> int:
                   file=sys.stderr, flush=True)
         result = run(args.command, cfg)
     except (ConfigError, DataError, FileNotFoundError, RunDirError, CheckpointError,
-            MetricsError, MissingDependency,
+            MetricsError, OutOfMemory, MissingDependency,
             FloatingPointError) as e:  # FloatingPointError: NaN loss / weights
         return _fail(str(e))  # nothing already written is lost
     except Preempted as e:

@@ -45,6 +45,7 @@ from megatron_gspo.flips import FlipSchedule, layer_flips, loss_positions, token
 from megatron_gspo.losses import PolicyLossFn, get_policy_loss, tis_weights
 from megatron_gspo.metrics import Timer, format_progress
 from megatron_gspo.mismatch import sampler_precision
+from megatron_gspo.oom import OLD_PASS, ROLLOUT, TRAIN_STEP, out_of_memory
 from megatron_gspo.preempt import Preempted, Preemption
 from megatron_gspo.rollout import RolloutBatch, generate_rollouts
 from megatron_gspo.rundir import forget_run
@@ -195,9 +196,10 @@ class Trainer:
         """One rollout batch: sample, pi_old pass, `train.num_minibatches` optimizer steps."""
         cfg, it = self.cfg, self.state.iteration
         self.timer.reset()
-        with self.timer("rollout"):
+        with self.timer("rollout"), out_of_memory("the rollout", cfg, ROLLOUT):
             batch = self.rollout(it)
-        with self.timer("old_forward"):
+        with self.timer("old_forward"), out_of_memory("the no-grad pass over the rollout batch",
+                                                      cfg, OLD_PASS):
             full, shared = self.prepare(batch)
         shared["train/iteration"] = it
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + it)
@@ -205,7 +207,7 @@ class Trainer:
         metrics = {}
         mbs = [full.select(rows) for rows in order.chunk(cfg.train.num_minibatches)]
         for m, mb in enumerate(mbs):
-            with self.timer("train"):
+            with self.timer("train"), out_of_memory("an optimizer step", cfg, TRAIN_STEP):
                 metrics = self.train_step(mb, next_mb=mbs[m + 1] if m + 1 < len(mbs) else None,
                                           first=m == 0)
             metrics = reduce_metrics({**metrics, **shared, "train/minibatch": m})

@@ -49,3 +49,40 @@ def test_a_full_disk_under_metrics_jsonl_is_one_line_from_the_cli(tmp_path, caps
     monkeypatch.setattr(metrics.MetricsLogger, "__init__", on_a_full_disk)
     err = one_line_error(capsys, "train", *TINY, f"run_dir={tmp_path / 'run'}", "train.steps=1")
     assert "metrics.jsonl: No space left on device; the row of step 1 is not logged" in err
+
+
+def _allocate_too_much(*args, **kwargs):
+    """What a rollout of 8192 prompts x 64 asks of the allocator, in one request."""
+    import torch
+
+    torch.empty(1 << 60, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("job, where, target, names", [
+    ("train", "the rollout", "megatron_gspo.trainer.sample_rollouts",
+     "lower rollout.prompts_per_batch=4, rollout.group_size=4, rollout.max_new_tokens=3"),
+    ("sft", "an SFT step", "megatron_gspo.sft.sft_step",
+     "lower sft.batch_size=8, or raise model.recompute_granularity=off")])
+def test_out_of_memory_is_one_line_naming_the_settings(tmp_path, capsys, monkeypatch, job, where,
+                                                       target, names):
+    """The allocator's failure was a traceback with no hint of what to change."""
+    monkeypatch.setattr(target, _allocate_too_much)
+    err = one_line_error(capsys, job, *TINY, f"run_dir={tmp_path / 'run'}", "train.steps=1")
+    assert f"out of memory in {where} (DefaultCPUAllocator: can't allocate memory" in err
+    assert names in err
+
+
+def test_only_allocation_failures_are_called_out_of_memory():
+    import torch
+
+    from megatron_gspo.config import load_config
+    from megatron_gspo.oom import TRAIN_STEP, OutOfMemory, out_of_memory
+
+    cfg = load_config(None, ["model.recompute_granularity=full"])
+    with pytest.raises(OutOfMemory, match=r"CUDA out of memory. Tried to allocate 2.00 GiB\); "
+                                          r"lower .*, or raise train.num_minibatches=4$"):
+        with out_of_memory("an optimizer step", cfg, TRAIN_STEP):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore")
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        with out_of_memory("an optimizer step", cfg, TRAIN_STEP):
+            raise RuntimeError("shape mismatch")
