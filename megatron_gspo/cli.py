@@ -14,7 +14,8 @@ run, a corrupt checkpoint, weights / a loss gone non-finite, a full disk under m
 out of memory in a training phase (naming the settings to lower), or an optional package a
 setting needs (pyarrow, math-verify, wandb, transformers) exits with status 2 and one line
 naming it; nothing already written is lost. SIGTERM / Ctrl-C / SIGHUP saves a checkpoint and
-exits with 128 + the signal number. The resolved config is saved in run_dir next to
+exits with 128 + the signal number (during start-up, before the first step: it exits at once,
+one line, the same status). The resolved config is saved in run_dir next to
 metrics.jsonl on a run's first start.
 """
 
@@ -50,16 +51,20 @@ def _fail(message: str) -> int:
     return 2
 
 
+def _stopped(e) -> int:
+    """A signal stopped the job (`Preempted` after a save, `Interrupted` during start-up): its
+    one line on stderr, exit status 128 + the signal number."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"megatron-gspo: {e}", file=sys.stderr, flush=True)
+    return 128 + e.signum
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_intermixed_args(argv)
     from megatron_gspo.checkpoint import CheckpointError
-    from megatron_gspo.config import ConfigError, describe_config, load_config
-    from megatron_gspo.preempt import Preempted
-    from megatron_gspo.data import DataError
-    from megatron_gspo.metrics import MetricsError
-    from megatron_gspo.oom import OutOfMemory
-    from megatron_gspo.rundir import RunDirError
+    from megatron_gspo.config import describe_config
+    from megatron_gspo.preempt import Interrupted, StartupSignals
     from moe.checks import MissingDependency
 
     if args.command == "config":
@@ -71,6 +76,24 @@ def main(argv=None) -> int:
                             message=".*(`load_state_dict` is deprecated|use DTensor instead).*")
     if args.command == "export":
         return _export(parser, args, (OSError, ValueError, CheckpointError, MissingDependency))
+    try:
+        with StartupSignals():  # a signal before the training loop: one line, no traceback
+            return _run_job(args)
+    except Interrupted as e:
+        return _stopped(e)
+
+
+def _run_job(args) -> int:
+    """sft / train / eval: load the config and `run` it; the one-line errors (exit 2)."""
+    from megatron_gspo.checkpoint import CheckpointError
+    from megatron_gspo.config import ConfigError, load_config
+    from megatron_gspo.data import DataError
+    from megatron_gspo.metrics import MetricsError
+    from megatron_gspo.oom import OutOfMemory
+    from megatron_gspo.preempt import Preempted
+    from megatron_gspo.rundir import RunDirError
+    from moe.checks import MissingDependency
+
     try:
         cfg = load_config(args.config, args.overrides)
         if args.command == "eval" and not cfg.init_checkpoint and not cfg.model.hf_path \
@@ -84,9 +107,7 @@ def main(argv=None) -> int:
             FloatingPointError) as e:  # FloatingPointError: NaN loss / weights
         return _fail(str(e))  # nothing already written is lost
     except Preempted as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"megatron-gspo: {e}", file=sys.stderr, flush=True)
-        return 128 + e.signum
+        return _stopped(e)
     if result and os.environ.get("RANK", "0") == "0":  # once under torchrun
         print(json.dumps({k: v for k, v in result.items() if k.startswith(("eval/", "reward/"))}))
     return 0

@@ -86,3 +86,38 @@ def test_only_allocation_failures_are_called_out_of_memory():
     with pytest.raises(RuntimeError, match="shape mismatch"):
         with out_of_memory("an optimizer step", cfg, TRAIN_STEP):
             raise RuntimeError("shape mismatch")
+
+
+_SIGNAL_DURING = """
+import os, sys
+from megatron_gspo import cli, runtime, trainer
+where, signum = sys.argv[1], int(sys.argv[2])
+module, name = {"the model build": (runtime, "build_policy"),
+                "the first eval": (trainer, "evaluate_runtime")}[where]
+real = getattr(module, name)
+def signalled(*args, **kwargs):
+    os.kill(os.getpid(), signum)
+    return real(*args, **kwargs)
+setattr(module, name, signalled)
+sys.exit(cli.main(["train", *sys.argv[3:]]))
+"""
+
+
+@pytest.mark.parametrize("where, signum", [("the model build", signal.SIGINT),
+                                           ("the first eval", signal.SIGTERM)])
+def test_a_signal_during_start_up_exits_quietly_with_128_plus_it(tmp_path, where, signum):
+    """Ctrl-C while the model was built (or the first eval ran) was a KeyboardInterrupt
+    traceback; SIGTERM killed the process. Now one line and 128 + the signal, as a signal
+    during training gives (after its save)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+    proc = subprocess.run([sys.executable, "-c", _SIGNAL_DURING, where, str(int(signum)), *TINY,
+                           f"run_dir={tmp_path / 'run'}", "train.eval_every=1"],
+                          capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 128 + signum, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip() == f"megatron-gspo: {signal.Signals(signum).name} received during " \
+        "start-up: stopped before training; nothing was saved and nothing already written changed"
+    assert not (tmp_path / "run" / "checkpoints").exists()
