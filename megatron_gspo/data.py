@@ -58,6 +58,8 @@ class DatasetTask:
     reward_name: str = "math"
     reward_timeout_s: float = 5.0
     """Per-answer time limit used by `rewards.compute_rewards` (0 = none)."""
+    reward_batch_timeout_s: float | None = None
+    """Time limit of one batch's scoring (`rewards.compute_rewards`; None = none)."""
     format_weight: float = 0.0
     """Reward of a wrong answer that passes the reward's format check."""
     name: ClassVar[str] = "dataset"
@@ -323,6 +325,8 @@ def build_task(cfg, tokenizer, model_max_len: int, verbose: bool = False):
         return task, train, evals
     task = DatasetTask(reward_name=cfg.reward.name or "math",
                        reward_timeout_s=cfg.reward.timeout_s,
+                       reward_batch_timeout_s=cfg.reward.batch_timeout_s
+                       or cfg.model.dist_timeout_min * 30,
                        format_weight=cfg.reward.format_weight)
     room = model_max_len - cfg.rollout.max_new_tokens  # the longest prompt a rollout can take
     if cfg.data.max_prompt_tokens and cfg.data.max_prompt_tokens > room:
