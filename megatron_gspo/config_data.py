@@ -157,9 +157,9 @@ def check_data_sections(cfg) -> None:
     collective_s = cfg.model.dist_timeout_min * 60
     if cfg.reward.batch_timeout_s is not None and cfg.reward.batch_timeout_s >= collective_s:
         raise ConfigError(f"reward.batch_timeout_s={cfg.reward.batch_timeout_s:g}: not below the "
-                          f"collective timeout model.dist_timeout_min={cfg.model.dist_timeout_min:g}"
-                          f" ({collective_s:g} s), which the other ranks wait under while one "
-                          "scores its batch")
+                          "collective timeout model.dist_timeout_min="
+                          f"{cfg.model.dist_timeout_min:g} ({collective_s:g} s), which the other "
+                          "ranks wait under while one scores its batch")
     if cfg.filter.dynamic_sampling and cfg.train.routing_replay == "r3":
         raise ConfigError("filter.dynamic_sampling=true with train.routing_replay=r3: the "
                           "sampler's routing of several rollout rounds is not merged; use r2")

@@ -475,8 +475,8 @@ def try_resume(rt: Runtime) -> dict | None:
     """Restore the policy (any layout) from run_dir's newest good checkpoint; returns its
     `extra` (None when there is none or resume is off). A corrupt or unreadable latest step
     is skipped with a warning, and so is a `latest` that is missing, empty or names a step dir
-    that is gone (the newest complete step resumes); every rank resumes the same step. RNG states come back only
-    with the layout they were saved with."""
+    that is gone (the newest complete step resumes); every rank resumes the same step. RNG
+    states come back only with the layout they were saved with."""
     root = os.path.join(rt.cfg.run_dir, "checkpoints")
     try:
         candidates, problem = ckpt.resume_candidates(root), ckpt.latest_problem(root)
