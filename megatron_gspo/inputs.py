@@ -12,9 +12,8 @@ run's first start (`rundir.record_run`); `changed_inputs` names what differs on 
 which `rundir.check_inputs` refuses (resume=force continues and says so).
 
 What is hashed: each data file's bytes; the split as the ordered train and eval examples (prompt,
-target, ground truth and source row); a Hugging Face tokenizer's full serialisation (vocabulary,
-merges, added and special tokens, normaliser) with its eos / pad / bos / stop ids; the chat
-template. The character tokenizer is code, not a file: it is not recorded.
+target, ground truth and source row); a Hugging Face tokenizer's vocabulary (every token's id),
+merges, added and special tokens and eos / pad / bos / stop ids; the chat template. The character tokenizer is code, not a file: it is not recorded.
 """
 
 from __future__ import annotations
@@ -45,18 +44,28 @@ def split_sha256(train_set, eval_set) -> str:
     return sha.hexdigest()
 
 
+def _merges(hf) -> list:
+    """A fast BPE tokenizer's merges as [left, right] pairs (tokenizers writes them as "a b"
+    strings or as pairs, depending on its version), else []."""
+    if not getattr(hf, "is_fast", False):
+        return []
+    model = json.loads(hf.backend_tokenizer.to_str()).get("model") or {}
+    return [m.split(" ", 1) if isinstance(m, str) else list(m) for m in model.get("merges", [])]
+
+
 def tokenizer_sha256(tokenizer) -> tuple[str, str] | None:
     """(tokenizer, chat template) fingerprints of a Hugging Face tokenizer; None for the
-    character tokenizer."""
+    character tokenizer. The tokenizer's is its contents, not its file's serialisation (which
+    differs between `tokenizers` versions): every token's id, the merges, the added tokens and
+    whether they are special, and the eos / pad / bos / stop ids."""
     hf = getattr(tokenizer, "hf", None)
     if hf is None:
         return None
-    if getattr(hf, "is_fast", False):
-        body = hf.backend_tokenizer.to_str()
-    else:  # a slow (e.g. sentencepiece) tokenizer: its vocabulary
-        body = json.dumps(sorted(hf.get_vocab().items()))
+    vocab = sorted(hf.get_vocab().items(), key=lambda item: (item[1], item[0]))
+    added = sorted((i, t.content, bool(t.special)) for i, t in hf.added_tokens_decoder.items())
     ids = [tokenizer.eos_id, tokenizer.pad_id, tokenizer.bos_id, sorted(tokenizer.stop_ids)]
-    return _sha(body + json.dumps(ids)), _sha(hf.chat_template or "")
+    body = json.dumps([vocab, _merges(hf), added, ids])
+    return _sha(body), _sha(hf.chat_template or "")
 
 
 def input_fingerprints(cfg, tokenizer, train_set, eval_set) -> dict[str, str]:
