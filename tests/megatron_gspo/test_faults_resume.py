@@ -52,7 +52,6 @@ def test_a_missing_latest_resumes_the_newest_complete_step(tmp_path, capsys, dam
     assert ckpt.latest_step(str(root)) == 4
 
 
-
 def _ref_params(t) -> dict:
     return {n: p.detach().clone() for n, p in t.ref_policy.model.module.named_parameters()}
 
