@@ -10,11 +10,13 @@ Examples:
 
 Overrides use dotted keys and YAML values; unknown keys are errors. A bad config (typo, wrong
 type, bad value, malformed YAML, missing file or checkpoint), a run dir that belongs to another
-run, a corrupt checkpoint, weights / a loss gone non-finite, or an optional package a setting
-needs (pyarrow, math-verify, wandb, transformers) exits with status 2 and one line naming it;
-nothing already written is lost. SIGTERM / Ctrl-C / SIGHUP saves a checkpoint and exits with
-128 + the signal number. The resolved config is saved in run_dir next to metrics.jsonl on a
-run's first start.
+run, a corrupt checkpoint, weights / a loss gone non-finite, a full disk under metrics.jsonl,
+out of memory in a training phase (naming the settings to lower), or an optional package a
+setting needs (pyarrow, math-verify, wandb, transformers) exits with status 2 and one line
+naming it; nothing already written is lost. SIGTERM / Ctrl-C / SIGHUP saves a checkpoint and
+exits with 128 + the signal number (during start-up, before the first step: it exits at once,
+one line, the same status). The resolved config is saved in run_dir next to
+metrics.jsonl on a run's first start.
 """
 
 from __future__ import annotations
@@ -49,14 +51,20 @@ def _fail(message: str) -> int:
     return 2
 
 
+def _stopped(e) -> int:
+    """A signal stopped the job (`Preempted` after a save, `Interrupted` during start-up): its
+    one line on stderr, exit status 128 + the signal number."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"megatron-gspo: {e}", file=sys.stderr, flush=True)
+    return 128 + e.signum
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_intermixed_args(argv)
     from megatron_gspo.run.checkpoint import CheckpointError
-    from megatron_gspo.config.schema import ConfigError, describe_config, load_config
-    from megatron_gspo.run.preempt import Preempted
-    from megatron_gspo.tasks.datasets import DataError
-    from megatron_gspo.run.rundir import RunDirError
+    from megatron_gspo.config.schema import describe_config
+    from megatron_gspo.run.preempt import Interrupted, StartupSignals
     from moe.checks import MissingDependency
 
     if args.command == "config":
@@ -69,6 +77,24 @@ def main(argv=None) -> int:
     if args.command == "export":
         return _export(parser, args, (OSError, ValueError, CheckpointError, MissingDependency))
     try:
+        with StartupSignals():  # a signal before the training loop: one line, no traceback
+            return _run_job(args)
+    except Interrupted as e:
+        return _stopped(e)
+
+
+def _run_job(args) -> int:
+    """sft / train / eval: load the config and `run` it; the one-line errors (exit 2)."""
+    from megatron_gspo.run.checkpoint import CheckpointError
+    from megatron_gspo.config.schema import ConfigError, load_config
+    from megatron_gspo.tasks.datasets import DataError
+    from megatron_gspo.run.metrics import MetricsError
+    from megatron_gspo.run.oom import OutOfMemory
+    from megatron_gspo.run.preempt import Preempted
+    from megatron_gspo.run.rundir import RunDirError
+    from moe.checks import MissingDependency
+
+    try:
         cfg = load_config(args.config, args.overrides)
         if args.command == "eval" and not cfg.init_checkpoint and not cfg.model.hf_path \
                 and os.environ.get("RANK", "0") == "0":  # run_dir's checkpoints are not read
@@ -77,12 +103,11 @@ def main(argv=None) -> int:
                   file=sys.stderr, flush=True)
         result = run(args.command, cfg)
     except (ConfigError, DataError, FileNotFoundError, RunDirError, CheckpointError,
-            MissingDependency, FloatingPointError) as e:  # FloatingPointError: NaN loss / weights
+            MetricsError, OutOfMemory, MissingDependency,
+            FloatingPointError) as e:  # FloatingPointError: NaN loss / weights
         return _fail(str(e))  # nothing already written is lost
     except Preempted as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"megatron-gspo: {e}", file=sys.stderr, flush=True)
-        return 128 + e.signum
+        return _stopped(e)
     if result and os.environ.get("RANK", "0") == "0":  # once under torchrun
         print(json.dumps({k: v for k, v in result.items() if k.startswith(("eval/", "reward/"))}))
     return 0

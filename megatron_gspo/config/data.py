@@ -65,6 +65,12 @@ class DataConfig:
     and counted with data.skip_overlong_prompts."""
     skip_overlong_prompts: bool = False
     """Skip (and count) prompts longer than max_prompt_tokens instead of failing."""
+    special_tokens_in_text: Literal["forbid", "allow", "escape"] = "forbid"
+    """A special token's text inside a row's prompt or SFT target (`<|im_end|>`,
+    `<|im_start|>`), which the tokenizer would read as the token itself: a row could forge a
+    chat turn, and an end-of-turn id also stops sampling. forbid: an error naming the file, line
+    and token; escape: a zero-width space after its first character makes it ordinary text;
+    allow: read as the token (Hugging Face's and verl's default)."""
     tokenizer_path: Optional[str] = None
     """Local tokenizer folder (tokenizer.json + tokenizer_config.json). Precedence:
     data.tokenizer_path, else model.hf_path (the model's folder), else the toy character
@@ -98,12 +104,17 @@ class RewardConfig:
     timeout_s: float = 5.0
     """Per-answer time limit in seconds of a dataset task's reward (0 = none); a reward that
     raises or runs out of time scores 0 and is counted in reward/errors."""
+    batch_timeout_s: Optional[float] = None
+    """Time limit in seconds of scoring one batch on a rank (a rollout batch, an eval), so that
+    a rank never keeps its peers waiting in a collective past model.dist_timeout_min: answers
+    not reached in time score 0 and are counted in reward/timeouts. None = half the collective
+    timeout (model.dist_timeout_min * 30); must be below model.dist_timeout_min * 60."""
     format_weight: float = 0.0
     """Reward of a wrong answer in the right format (the reward's format check, e.g. a
     \\boxed{} or '#### ' answer for math); 0 = off. In [0, 1): a correct answer scores 1."""
 
     def __post_init__(self):
-        validate(self, nonempty=("name",), ge={"timeout_s": 0})
+        validate(self, nonempty=("name",), ge={"timeout_s": 0}, gt={"batch_timeout_s": 0})
         check(self, "format_weight", 0 <= self.format_weight < 1, "must be in [0, 1)")
         if self.name is not None:
             from megatron_gspo.tasks.rewards import REWARDS
@@ -143,6 +154,12 @@ def check_data_sections(cfg) -> None:
     if not dataset and cfg.reward.name is not None:
         raise ConfigError(f"reward.name={cfg.reward.name}: toy task {cfg.task.name} has its "
                           "own verifier (reward.name applies to task.name=dataset)")
+    collective_s = cfg.model.dist_timeout_min * 60
+    if cfg.reward.batch_timeout_s is not None and cfg.reward.batch_timeout_s >= collective_s:
+        raise ConfigError(f"reward.batch_timeout_s={cfg.reward.batch_timeout_s:g}: not below the "
+                          "collective timeout model.dist_timeout_min="
+                          f"{cfg.model.dist_timeout_min:g} ({collective_s:g} s), which the other "
+                          "ranks wait under while one scores its batch")
     if cfg.filter.dynamic_sampling and cfg.train.routing_replay == "r3":
         raise ConfigError("filter.dynamic_sampling=true with train.routing_replay=r3: the "
                           "sampler's routing of several rollout rounds is not merged; use r2")

@@ -44,6 +44,7 @@ from megatron_gspo.rollout.filters import overlong_filter, rollout_health, sampl
 from megatron_gspo.algo.flips import FlipSchedule, layer_flips, loss_positions, token_rows
 from megatron_gspo.algo.losses import PolicyLossFn, get_policy_loss, tis_weights
 from megatron_gspo.run.metrics import Timer, format_progress
+from megatron_gspo.run.oom import OLD_PASS, ROLLOUT, TRAIN_STEP, out_of_memory
 from megatron_gspo.run.preempt import Preempted, Preemption
 from megatron_gspo.rollout.batch import RolloutBatch
 from megatron_gspo.rollout.generate import generate_rollouts
@@ -138,8 +139,8 @@ class Trainer:
             ref_policy = None
             if cfg.loss.kl_coef > 0:  # frozen reference = the initial weights
                 ref_policy = build_policy(cfg, rt.tokenizer.vocab_size, optim=None)
-                if cfg.init_checkpoint:
-                    load_init_weights(ref_policy, cfg.init_checkpoint)
+                if cfg.init_checkpoint:  # the step the run started from, not today's newest
+                    load_init_weights(ref_policy, cfg.init_checkpoint, step_dir=rt.init_dir)
             return cls(rt, cfg, ref_policy=ref_policy, **parts)
         except BaseException:
             rt.close()
@@ -195,9 +196,10 @@ class Trainer:
         """One rollout batch: sample, pi_old pass, `train.num_minibatches` optimizer steps."""
         cfg, it = self.cfg, self.state.iteration
         self.timer.reset()
-        with self.timer("rollout"):
+        with self.timer("rollout"), out_of_memory("the rollout", cfg, ROLLOUT):
             batch = self.rollout(it)
-        with self.timer("old_forward"):
+        with self.timer("old_forward"), out_of_memory("the no-grad pass over the rollout batch",
+                                                      cfg, OLD_PASS):
             full, shared = self.prepare(batch)
         shared["train/iteration"] = it
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + it)
@@ -205,7 +207,7 @@ class Trainer:
         metrics = {}
         mbs = [full.select(rows) for rows in order.chunk(cfg.train.num_minibatches)]
         for m, mb in enumerate(mbs):
-            with self.timer("train"):
+            with self.timer("train"), out_of_memory("an optimizer step", cfg, TRAIN_STEP):
                 metrics = self.train_step(mb, next_mb=mbs[m + 1] if m + 1 < len(mbs) else None,
                                           first=m == 0)
             metrics = reduce_metrics({**metrics, **shared, "train/minibatch": m})

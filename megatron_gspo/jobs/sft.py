@@ -16,6 +16,7 @@ from megatron_gspo.jobs.band import AccuracyBandError, SFTBand, fmt_band
 from megatron_gspo.config.schema import RunConfig
 from megatron_gspo.run.metrics import format_progress
 from megatron_gspo.dist import reduce_metrics
+from megatron_gspo.run.oom import SFT_STEP, out_of_memory
 from megatron_gspo.run.preempt import Preempted, Preemption
 from megatron_gspo.run.setup import (evaluate_runtime, save_state, setup_runtime,
                                    try_resume)
@@ -81,7 +82,8 @@ def _sft_loop(rt) -> dict:
     policy.train(True)
     with Preemption() as stop:
         for step in range(start, cfg.sft.steps + 1):
-            metrics = sft_step(rt, gen)
+            with out_of_memory("an SFT step", cfg, SFT_STEP):
+                metrics = sft_step(rt, gen)
             evaluated = cfg.sft.eval_every and (step % cfg.sft.eval_every == 0
                                                 or step == cfg.sft.steps)
             if evaluated:

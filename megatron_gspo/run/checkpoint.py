@@ -16,8 +16,9 @@ Verified: each shard's sha256 and size are written beside it (`rank_XXXXX.pt.sha
 checked before it is loaded, so a truncated or overwritten file is a `CheckpointError` naming the
 file instead of silently wrong tensors. `mark_latest` also marks the step dir `complete`;
 `resume_candidates` lists the complete steps newest first, for a resume that falls back past a
-corrupt latest step. A write that fails (disk full) raises `CheckpointError` with the OSError and
-leaves the previous checkpoint as it was. Files get the user's umask (mkstemp would give 0600).
+corrupt latest step, or past a `latest` that is missing, empty or names a step dir that is gone.
+A write that fails (disk full) raises `CheckpointError` with the OSError and leaves the previous
+checkpoint as it was. Files get the user's umask (mkstemp would give 0600).
 
 Files are our own, so they are loaded with `torch.load(weights_only=False)` (they hold Python
 objects: RNG states, config dicts, counters).
@@ -213,20 +214,52 @@ def mark_latest(root: str, step: int) -> None:
     atomic_write(os.path.join(root, LATEST_FILE), lambda f: f.write(f"{step}\n".encode()))
 
 
-def latest_step(root: str) -> int | None:
-    """The step root/latest points to; None when there is no `latest` (no complete save)."""
+def _read_latest(root: str) -> int | None:
+    """The number in root/latest; None when the file is missing or empty (a hand edit, a copy
+    cut short). ValueError for any other text: which step to resume is then the user's."""
     path = os.path.join(root, LATEST_FILE)
     if not os.path.isfile(path):
         return None
     with open(path) as f:
         text = f.read().strip()
+    if not text:
+        return None
     if not text.isdigit():
         raise ValueError(f"{path}: expected a step number, got {text!r}")
-    step = int(text)
-    if not os.path.isdir(step_dir(root, step)):
+    return int(text)
+
+
+def latest_step(root: str) -> int | None:
+    """The step root/latest points to; None when there is no `latest` (no complete save)."""
+    step = _read_latest(root)
+    if step is not None and not os.path.isdir(step_dir(root, step)):
+        path = os.path.join(root, LATEST_FILE)
         raise FileNotFoundError(f"{path} points to step {step}, but {step_dir(root, step)} "
                                 f"does not exist; {root} holds {_listing(root)}")
     return step
+
+
+def complete_steps(root: str) -> list[int]:
+    """The step dirs under root marked complete (every rank saved them), newest first."""
+    if not os.path.isdir(root):
+        return []
+    steps = [int(m.group(1)) for n in os.listdir(root) if (m := _STEP_RE.match(n))]
+    return sorted((s for s in steps if os.path.isfile(os.path.join(step_dir(root, s),
+                                                                   COMPLETE_FILE))),
+                  reverse=True)
+
+
+def latest_problem(root: str) -> str:
+    """Why root/latest cannot name the step to resume while complete steps exist (it is
+    missing, empty, or names a step dir that is gone), or "" when it can (or nothing is there).
+    ValueError for a `latest` holding something other than a step number."""
+    step = _read_latest(root)
+    if step is not None and os.path.isdir(step_dir(root, step)) or not complete_steps(root):
+        return ""
+    path = os.path.join(root, LATEST_FILE)
+    if step is not None:
+        return f"{path} points to step {step}, whose dir {step_dir(root, step)} is gone"
+    return f"{path} is {'empty' if os.path.isfile(path) else 'missing'}"
 
 
 def _listing(path: str) -> str:
@@ -234,6 +267,12 @@ def _listing(path: str) -> str:
         return "nothing (no such directory)"
     names = sorted(n for n in os.listdir(path) if not n.endswith(".tmp"))
     return "[" + ", ".join(names) + "]" if names else "nothing (empty directory)"
+
+
+def step_of(path: str) -> int | None:
+    """The step of a step dir `.../step_XXXXXX` (None for another path)."""
+    m = _STEP_RE.match(os.path.basename(os.path.normpath(path)))
+    return int(m.group(1)) if m else None
 
 
 def _is_step_dir(path: str) -> bool:
@@ -273,15 +312,20 @@ def load_checkpoint(root_or_step_dir: str, rank: int = 0, step: int | None = Non
 
 
 def resume_candidates(root: str) -> list[int]:
-    """Steps to resume from, newest first: `latest`, then older steps marked complete."""
-    latest = latest_step(root)
-    if latest is None:
-        return []
-    steps = [int(m.group(1)) for n in os.listdir(root) if (m := _STEP_RE.match(n))]
-    older = sorted((s for s in steps if s < latest
-                    and os.path.isfile(os.path.join(step_dir(root, s), COMPLETE_FILE))),
-                   reverse=True)
-    return [latest] + older
+    """Steps to resume from, newest first: `latest`, then older steps marked complete. When
+    `latest` is missing, empty or names a step dir that is gone (`latest_problem`): every
+    complete step, so a run never restarts from step 0 over complete steps."""
+    latest = _read_latest(root)
+    complete = complete_steps(root)
+    if latest is None or not os.path.isdir(step_dir(root, latest)):
+        return complete
+    return [latest] + [s for s in complete if s < latest]
+
+
+def newest_step(root: str) -> int | None:
+    """The first of `resume_candidates` (None when root holds no complete step)."""
+    candidates = resume_candidates(root)
+    return candidates[0] if candidates else None
 
 
 def prune_steps(root: str, keep: int) -> list[int]:

@@ -10,10 +10,17 @@ trained with: `data.tokenizer_path`'s files when set (over the source folder's),
 folder's; the character tokenizer has no Hugging Face files, so none are written.
 `transformers.AutoModelForCausalLM.from_pretrained(OUT)` loads the result (tests/moe/test_hf.py).
 OUT must be new or empty: nothing is overwritten.
+
+Atomic: everything is written into the sibling `OUT.partial` (fsync'ed), which is renamed to OUT
+only when complete, so an export killed or failing part-way (disk full at the tokenizer) leaves
+no OUT that transformers would load with a tokenizer missing or cut short. A failure removes
+`OUT.partial`; a re-run removes the one a killed export left (it holds `PARTIAL_MARKER`), saying
+so. Every file gets the user's umask.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -27,6 +34,8 @@ from megatron_gspo.run import checkpoint as ckpt
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
 _SKIP = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+PARTIAL_MARKER = ".megatron-gspo-export-partial"
+"""In `OUT.partial` while an export writes it: what a re-run may remove as an export's leftovers."""
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt",
                     "vocab.txt", "chat_template.jinja", "chat_template.json")
@@ -89,15 +98,31 @@ def export_run(run_dir: str, out: str, hf_path: str | None = None,
 
     `hf_path` overrides the run's model.hf_path (the source folder moved). Returns a summary.
     """
-    from moe import dist_ckpt
-    from moe.hf.config import hf_config_dict
-    from moe.hf.weights import export_hf
-
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         # never overwrite: the source folder's weights, or a previous export's shards that
         # transformers would load in place of the new ones (model.safetensors beats an index)
         raise FileExistsError(f"--to-hf {out!r} exists and is not an empty folder; export into "
                               "a new or empty one")
+    full, config, preset, model_cfg, hf_path, tok_path = _read_run(run_dir, hf_path)
+    with _staging(out) as tmp:
+        from moe.hf.weights import export_hf
+
+        files = export_hf(full, tmp, config, max_shard_bytes=max_shard_bytes)
+        copied = _copy_tokenizer_files(hf_path, tmp) if hf_path else []
+        if tok_path and tok_path != hf_path:  # the run's own tokenizer replaces the source's
+            copied = sorted(set(copied) | set(_copy_tokenizer_files(tok_path, tmp,
+                                                                    _TOKENIZER_FILES)))
+    return {"out": out, "files": files + copied,
+            "tokenizer": any(name in _TOKENIZER_FILES for name in copied),
+            "model_type": preset.hf_model_type}
+
+
+def _read_run(run_dir: str, hf_path: str | None) -> tuple:
+    """(full parameters, config.json dict, preset, the run's model config, source folder,
+    tokenizer folder) of `run_dir`'s latest checkpoint."""
+    from moe import dist_ckpt
+    from moe.hf.config import hf_config_dict
+
     root = os.path.join(run_dir, "checkpoints")
     root = root if os.path.isdir(root) else run_dir
     if not os.path.isdir(root):
@@ -132,11 +157,45 @@ def export_run(run_dir: str, out: str, hf_path: str | None = None,
     if vocab > rows:
         raise ValueError(f"{hf_path}: config.json / tokenizer vocab_size={vocab} exceeds the "
                          f"checkpoint's {rows} embedding rows (a different model?)")
-    files = export_hf(full, out, hf_config_dict(preset, vocab, base=base),
-                      max_shard_bytes=max_shard_bytes)
-    copied = _copy_tokenizer_files(hf_path, out) if hf_path else []
-    if tok_path and tok_path != hf_path:  # the run's own tokenizer replaces the source's
-        copied = sorted(set(copied) | set(_copy_tokenizer_files(tok_path, out, _TOKENIZER_FILES)))
-    return {"out": out, "files": files + copied,
-            "tokenizer": any(name in _TOKENIZER_FILES for name in copied),
-            "model_type": preset.hf_model_type}
+    return full, hf_config_dict(preset, vocab, base=base), preset, model_cfg, hf_path, tok_path
+
+
+@contextlib.contextmanager
+def _staging(out: str):
+    """Yield the empty sibling `out.partial` to write into; rename it to `out` once the block
+    ends (files and folder fsync'ed), or remove it if the block fails."""
+    tmp = out.rstrip("/") + ".partial"
+    if os.path.lexists(tmp):
+        if not os.path.isfile(os.path.join(tmp, PARTIAL_MARKER)):
+            raise FileExistsError(f"{tmp!r} exists and was not left by an export; move it away "
+                                  f"to export into {out!r}")
+        print(f"megatron-gspo: removing {tmp}, left by an export that did not finish",
+              file=sys.stderr, flush=True)
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
+    try:
+        open(os.path.join(tmp, PARTIAL_MARKER), "w").close()
+        yield tmp
+        for name in os.listdir(tmp):
+            _fsync(os.path.join(tmp, name))
+        _fsync(tmp)
+        os.replace(tmp, out)  # onto a missing or empty folder
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    os.remove(os.path.join(out, PARTIAL_MARKER))
+    _fsync(os.path.dirname(os.path.abspath(out)))
+
+
+def _fsync(path: str) -> None:
+    """Persist a file, or a folder's entries (best effort where the OS refuses it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -3,7 +3,9 @@
     logger = MetricsLogger(run_dir, config_to_dict(cfg), wandb_mode="disabled")
     logger.log(step, {"reward/mean": 0.41, "policy/clip_frac/token": 0.012})
 
-Each line is {"step": int, "time": unix seconds, **metrics}. A resumed run calls
+Each line is {"step": int, "time": unix seconds, **metrics}, appended with unbuffered writes: a
+write that fails (disk full) truncates the file back to its last whole row and raises
+`MetricsError`, one line naming the file and the OS reason (the CLI exits 2). A resumed run calls
 `drop_after(step)` first, so the rows of steps it will redo are not logged twice. Keys follow `group/name[/stat]`.
 Tensors and numpy scalars become Python numbers; non-finite floats are written as the strings
 "nan", "inf", "-inf" (JSON has no NaN, and null would hide a blow-up). The file is opened in
@@ -28,6 +30,10 @@ from moe.checks import MissingDependency
 
 METRICS_FILE = "metrics.jsonl"
 WANDB_MODES = ("offline", "online", "disabled")
+
+
+class MetricsError(RuntimeError):
+    """metrics.jsonl cannot be appended to (one line: the file, the OS reason)."""
 
 
 def _to_json_value(key: str, v):
@@ -78,9 +84,9 @@ class MetricsLogger:
         os.makedirs(run_dir, exist_ok=True)
         needs_newline = os.path.exists(self.path) and os.path.getsize(self.path) > 0 \
             and not _ends_with_newline(self.path)
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._open()
         if needs_newline:  # a crash mid-line: keep it, but start ours on a fresh line
-            self._file.write("\n")
+            self._append(b"\n", "a line break")
         if wandb_mode != "disabled":
             wandb = _import_wandb(wandb_mode)
             if wandb_mode == "online":
@@ -103,7 +109,7 @@ class MetricsLogger:
             self._file.close()
             text = "".join(ln + "\n" for ln in kept)
             atomic_write(self.path, lambda f: f.write(text.encode("utf-8")))
-            self._file = open(self.path, "a", encoding="utf-8")
+            self._open()
         return dropped
 
     def set_aside(self) -> str | None:
@@ -118,7 +124,7 @@ class MetricsLogger:
             k += 1
         self._file.close()
         os.replace(self.path, f"{stem}.prev{k}{ext}")
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._open()
         return f"{stem}.prev{k}{ext}"
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -132,13 +138,32 @@ class MetricsLogger:
             if not isinstance(key, str) or key in record:
                 raise ValueError(f"metric key {key!r}: must be a str other than 'step'/'time'")
             record[key] = _to_json_value(key, value)
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()
+        self._append((json.dumps(record, allow_nan=False) + "\n").encode("utf-8"),
+                     f"the row of step {int(step)}")
         if self._wandb_run is not None:
             numeric = {k: float(v) if isinstance(v, str) else v
                        for k, v in record.items() if k not in ("step", "time")
                        and (not isinstance(v, str) or v in ("nan", "inf", "-inf"))}
             self._wandb_run.log(numeric, step=int(step))
+
+    def _open(self) -> None:
+        self._file = open(self.path, "ab", buffering=0)  # every write reaches the OS at once
+
+    def _append(self, data: bytes, what: str) -> None:
+        """Append `data` whole, or truncate back to the size before and raise MetricsError."""
+        start = os.fstat(self._file.fileno()).st_size
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[self._file.write(view):]
+        except OSError as e:
+            try:
+                os.ftruncate(self._file.fileno(), start)  # no cut-off row
+            except OSError:
+                pass
+            raise MetricsError(f"cannot append to {self.path}: {e.strerror or e}; {what} is not "
+                               "logged, the rows before it and the checkpoints are unchanged") \
+                from None
 
     def close(self) -> None:
         """Close the file and finish wandb; safe to call twice."""

@@ -19,6 +19,12 @@ one after). Under torchrun the save must end within its `--shutdown-timeout` (to
 by default), after which it SIGKILLs the workers. Ranks may receive the signal at different
 moments: `requested()` all-reduces it (MAX), so every rank stops after the same step. SIGHUP is
 left alone where it is ignored already (`nohup`).
+
+Before the loop (config, model build, dataset load, the first eval) there is no step to finish:
+under `StartupSignals` the same signals raise `Interrupted` (a BaseException, as
+KeyboardInterrupt is, so no `except Exception` swallows it) where the process is, which the CLI
+turns into one line and exit status 128 + signal number; nothing is saved and nothing already
+written is touched. `Preemption` replaces those handlers for the loop and puts them back after.
 """
 
 from __future__ import annotations
@@ -38,6 +44,40 @@ class Preempted(Exception):
     def __init__(self, signum: int, message: str):
         super().__init__(message)
         self.signum = signum
+
+
+class Interrupted(BaseException):
+    """A signal before the training loop started (under `StartupSignals`); `signum` is it."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"{signal.Signals(signum).name} received during start-up: stopped "
+                         "before training; nothing was saved and nothing already written changed")
+        self.signum = signum
+
+
+class StartupSignals:
+    """SIGTERM / SIGINT / SIGHUP raise `Interrupted` inside the block (main thread only; SIGHUP
+    stays ignored under nohup); the handlers before come back on exit."""
+
+    def __init__(self) -> None:
+        self._previous: dict = {}
+
+    def _raise(self, signum, frame) -> None:
+        raise Interrupted(signum)
+
+    def __enter__(self) -> "StartupSignals":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.getsignal(s) for s in SIGNALS}
+            if self._previous[signal.SIGHUP] is signal.SIG_IGN:
+                del self._previous[signal.SIGHUP]
+            for s in self._previous:
+                signal.signal(s, self._raise)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
 
 
 class Preemption:

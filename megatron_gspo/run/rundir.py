@@ -1,6 +1,8 @@
 """A run directory belongs to one run: owner record, config fingerprint, lock, stale-file cleanup.
 
-    run_dir/run.json          {"job": "train", "fingerprint": "...", "config": {...semantic keys}}
+    run_dir/run.json          {"job": "train", "fingerprint": "...", "config": {...semantic keys},
+                               "inputs": {...},  (data files, tokenizer: megatron_gspo.run.inputs)
+                               "init_step": 6}   (init_checkpoint's step read: the KL reference)
     run_dir/.lock             flock'ed by rank 0 while a process writes the run ("pid job")
     run_dir/{job}_config.yaml the resolved config, written once on first start, never replaced
 
@@ -8,7 +10,9 @@
 the record, every rank gets the same verdict (one collective). Refused, with a one-line
 `RunDirError` naming what differs: a run dir owned by another job (`sft` into an RL run), a
 config whose semantic keys differ from the recorded ones (unless `resume=force`), a second
-process writing the same run dir, an unwritable path. `record_run` writes the record and the
+process writing the same run dir, an unwritable path; once the data is loaded, `check_inputs`
+refuses data files, a tokenizer or a chat template whose contents changed since the run started
+(unless `resume=force`, which says what changed). `record_run` writes the record and the
 config once the run has really started (policy built, init weights loaded), so a run that fails
 its set-up leaves nothing that would refuse its corrected re-run; `forget_run` undoes it for an
 RL start refused by `train.start_accuracy` before anything was saved.
@@ -237,9 +241,44 @@ def forget_run(run_dir: str, job: str) -> None:
             os.remove(os.path.join(run_dir, name))
 
 
-def record_run(run_dir: str, job: str, config: dict, save_config) -> bool:
-    """On first start: write run.json and `{job}_config.yaml` (both are never replaced);
-    returns whether this call wrote the record."""
+def check_inputs(run_dir: str, inputs: dict, resume, is_main: bool) -> None:
+    """RunDirError on every rank when the inputs recorded at the run's first start
+    (`megatron_gspo.run.inputs`: data files, split, tokenizer, chat template) differ from this
+    start's `inputs` (rank 0's); resume=force goes on with a warning naming them. A record from
+    before inputs were recorded, or none yet, passes."""
+    message = ""
+    if is_main and os.path.isfile(os.path.join(run_dir, RUN_FILE)):
+        from megatron_gspo.run.inputs import changed_inputs
+
+        with open(os.path.join(run_dir, RUN_FILE)) as f:
+            recorded = json.load(f).get("inputs")
+        changed = changed_inputs(recorded, inputs) if recorded is not None else []
+        if changed and resume == "force":
+            print(f"WARNING: resume=force: {run_dir} continues with inputs other than it started "
+                  f"with: {'; '.join(changed)}", flush=True)
+        elif changed:
+            message = (f"run_dir={run_dir} was started with other inputs: {'; '.join(changed)} "
+                       "changed since; restore them, use a new run_dir, or resume=force to "
+                       "continue with these")
+    message = _agree(message)
+    if message:
+        raise RunDirError(message)
+
+
+def recorded_value(run_dir: str, key: str, is_main: bool):
+    """run.json's `key` on every rank (rank 0 reads it); None when absent."""
+    text = ""
+    if is_main and os.path.isfile(os.path.join(run_dir, RUN_FILE)):
+        with open(os.path.join(run_dir, RUN_FILE)) as f:
+            text = json.dumps(json.load(f).get(key))
+    return json.loads(_agree(text) or "null")
+
+
+def record_run(run_dir: str, job: str, config: dict, save_config,
+               extra: dict | None = None) -> bool:
+    """On first start: write run.json (with `extra`: the input fingerprints, the step of
+    init_checkpoint read) and `{job}_config.yaml` (both are never replaced); returns whether
+    this call wrote the record."""
     record_path = os.path.join(run_dir, RUN_FILE)
     if os.path.isfile(record_path):
         return False
@@ -250,6 +289,7 @@ def record_run(run_dir: str, job: str, config: dict, save_config) -> bool:
         save_config(cfg_path)
     semantic = semantic_config(config, job)
     record = {"job": job, "fingerprint": fingerprint(semantic), "config": semantic}
+    record.update(extra or {})
     text = json.dumps(record, indent=1, default=str)
     atomic_write(record_path, lambda f: f.write(text.encode()))
     return True

@@ -9,9 +9,11 @@ only for the same layout. Older checkpoints (the policy in the rank files, rank 
 `full_params`) still resume with the same layout and initialise any layout.
 
 A run dir belongs to one run (`megatron_gspo.run.rundir`): `setup_runtime` locks it and refuses a
-different job or config before anything is written; `eval` only reads. Resume verifies every
-shard and falls back, with a warning, past a corrupt latest step to the newest good one; rows of
-metrics.jsonl logged after the resumed step are dropped, so no step is logged twice.
+different job or config, and data files / tokenizer / chat template whose contents changed since
+the run started (`megatron_gspo.run.inputs`), before anything is written; `eval` only reads.
+Resume verifies every shard and falls back, with a warning, past a corrupt latest step to the
+newest good one; rows of metrics.jsonl logged after the resumed step are dropped, so no step is
+logged twice.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ from megatron_gspo.dist import all_ranks
 from megatron_gspo.config.schema import ConfigError, RunConfig, config_to_dict, save_config
 from megatron_gspo.tasks.datasets import build_task, check_sft_lengths, tokenizer_folder
 from megatron_gspo.run.host import tune_malloc
-from megatron_gspo.run.rundir import RunDirLock, claim_run_dir, record_run
+from megatron_gspo.run.inputs import input_fingerprints
+from megatron_gspo.run.rundir import (RunDirLock, check_inputs, claim_run_dir, record_run,
+                                      recorded_value)
 from megatron_gspo.run.metrics import MetricsLogger
 from megatron_gspo.rollout.backends import build_sampler, check_backend
 from megatron_gspo.rollout.generate import evaluate
@@ -62,6 +66,9 @@ class Runtime:
     """Rank 0's hold on run_dir (None on other ranks and for eval)."""
     first_start: bool = False
     """This start wrote run_dir's record (rank 0; False on other ranks and when resuming)."""
+    init_dir: str | None = None
+    """The step dir of init_checkpoint the run started from (None without one, or on a resume
+    that needs no KL reference: its weights are the run's own checkpoint's)."""
     sampler: Sampler | None = None
     """The run's sampler over `policy` (`rollout.backend`): rollouts and the greedy eval."""
 
@@ -179,7 +186,9 @@ def setup_runtime(cfg: RunConfig, job: str) -> Runtime:
         raise ConfigError(f"model.tp={cfg.model.tp} model.ep={cfg.model.ep}: {e} (start N "
                           "processes: torchrun --nproc-per-node N -m megatron_gspo.cli ...)"
                           ) from None
-    if cfg.init_checkpoint:
+    resuming = _resumes(cfg, job)  # the weights are then the run's own checkpoint's
+    reference = job == "train" and cfg.loss.kl_coef > 0  # init_checkpoint is the KL reference
+    if cfg.init_checkpoint and (not resuming or reference):
         check_init_checkpoint(cfg.init_checkpoint)  # fail before the run dir is claimed
     if cfg.model.hf_path:
         check_hf_path(cfg.model.hf_path, cfg.model.tp, cfg.model.ep)
@@ -190,6 +199,10 @@ def setup_runtime(cfg: RunConfig, job: str) -> Runtime:
     try:
         tokenizer = run_tokenizer(cfg)
         task, train_set, eval_set = build_task(cfg, tokenizer, model_max_len(cfg), info.is_main)
+        inputs = input_fingerprints(cfg, tokenizer, train_set, eval_set) \
+            if writes and info.is_main else {}
+        if writes:  # data files, tokenizer, template: as the run started (resume=force: warned)
+            check_inputs(cfg.run_dir, inputs, cfg.resume, info.is_main)
         if job == "sft":  # before the run is recorded: a fixed config may reuse the run dir
             cut = check_sft_lengths(tokenizer, train_set, model_max_len(cfg),
                                     cfg.rollout.max_new_tokens)
@@ -198,11 +211,15 @@ def setup_runtime(cfg: RunConfig, job: str) -> Runtime:
                       f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}: eval and rollouts "
                       "cut such answers", flush=True)
         policy = build_policy(cfg, tokenizer.vocab_size, optim)
-        if cfg.init_checkpoint:
-            load_init_weights(policy, cfg.init_checkpoint)
+        init_dir = None
+        if cfg.init_checkpoint and not resuming:
+            init_dir = load_init_weights(policy, cfg.init_checkpoint)
+        elif cfg.init_checkpoint and reference:
+            init_dir = reference_dir(cfg, info.is_main)
         sampler = build_sampler(cfg, policy, tokenizer)
-        first = writes and info.is_main and record_run(cfg.run_dir, job, config_to_dict(cfg),
-                                                       lambda p: save_config(cfg, p))
+        first = writes and info.is_main and record_run(
+            cfg.run_dir, job, config_to_dict(cfg), lambda p: save_config(cfg, p),
+            {"inputs": inputs, "init_step": init_dir and ckpt.step_of(init_dir)})
         logger = MetricsLogger(cfg.run_dir, config_to_dict(cfg), wandb_mode=cfg.wandb.mode,
                                project=cfg.wandb.project, name=cfg.wandb.name,
                                enabled=writes and info.is_main)
@@ -211,7 +228,18 @@ def setup_runtime(cfg: RunConfig, job: str) -> Runtime:
             lock.release()
         raise
     return Runtime(cfg, info, tokenizer, task, train_set, eval_set, policy, logger, lock,
-                   first_start=bool(first), sampler=sampler)
+                   first_start=bool(first), init_dir=init_dir,
+                   sampler=sampler)
+
+
+def _resumes(cfg: RunConfig, job: str) -> bool:
+    """Whether this start resumes run_dir's checkpoint (complete steps there, resume on)."""
+    if job == "eval" or cfg.resume is False:
+        return False
+    try:
+        return ckpt.newest_step(os.path.join(cfg.run_dir, "checkpoints")) is not None
+    except ValueError:  # a garbled `latest`: try_resume says so in one line
+        return True
 
 
 def evaluate_runtime(rt: Runtime) -> dict[str, float]:
@@ -303,8 +331,9 @@ def check_hf_path(path: str, tp: int = 1, ep: int = 1) -> None:
 
 
 def check_init_checkpoint(path: str) -> str:
-    """The checkpoint root or step dir `init_checkpoint` names (a run dir means its latest
-    step); ConfigError naming the value when it is missing, a file, or holds no checkpoint."""
+    """The checkpoint root or step dir `init_checkpoint` names (a run dir means its newest
+    complete step); ConfigError naming the value when it is missing, a file, or holds no
+    checkpoint."""
     if not os.path.exists(path):
         raise ConfigError(f"init_checkpoint={path}: no such directory")
     if not os.path.isdir(path):
@@ -313,20 +342,73 @@ def check_init_checkpoint(path: str) -> str:
     root = os.path.join(path, "checkpoints")
     root = root if os.path.isdir(root) else path
     try:
-        latest = ckpt.latest_step(root)
+        newest = ckpt.newest_step(root)
     except ValueError as e:  # a garbled `latest`
         raise ConfigError(f"init_checkpoint={path}: {e}") from None
-    if not (os.path.isfile(ckpt.rank_file(root, 0)) or latest is not None):
-        raise ConfigError(f"init_checkpoint={path} holds no checkpoint (no "
-                          f"checkpoints/{ckpt.LATEST_FILE} and no rank_00000.pt)")
+    if not (os.path.isfile(ckpt.rank_file(root, 0)) or newest is not None):
+        raise ConfigError(f"init_checkpoint={path} holds no checkpoint (no complete "
+                          "checkpoints/step_XXXXXX and no rank_00000.pt)")
     return root
 
 
-def load_init_weights(policy: MoEPolicy, path: str) -> None:
-    """Initialise from a run dir (its latest step) or a step dir, any parallel layout."""
+def init_step_dir(path: str, step: int | None = None) -> str:
+    """The step dir `init_checkpoint=path` reads: the step dir it names, else its run's `step`
+    (None: the newest complete one)."""
     root = check_init_checkpoint(path)
-    step_dir = root if os.path.isfile(ckpt.rank_file(root, 0)) \
-        else ckpt.step_dir(root, ckpt.latest_step(root))
+    if os.path.isfile(ckpt.rank_file(root, 0)):
+        return root
+    return ckpt.step_dir(root, ckpt.newest_step(root) if step is None else step)
+
+
+INIT_RETRIES = 3
+"""Reads of `init_checkpoint`'s newest step, which the run writing it may prune meanwhile."""
+
+
+def load_init_weights(policy: MoEPolicy, path: str, step_dir: str | None = None) -> str:
+    """Initialise from `init_checkpoint=path` (a run dir: its newest complete step; a step
+    dir), any parallel layout, or from its `step_dir` when given (pinned); returns the step dir
+    read. A step removed while it is read (the run writing `path` keeps
+    train.keep_checkpoints) is retried with the newest step, unless pinned."""
+    for attempt in range(1, INIT_RETRIES + 1):
+        read = step_dir or init_step_dir(path)
+        try:
+            _load_step_dir(policy, read, path)
+            return read
+        except (Exception, CheckpointException):  # every rank (the load's errors are agreed)
+            if step_dir or attempt == INIT_RETRIES or all_ranks(os.path.isdir(read)):
+                raise
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"WARNING: init_checkpoint={path}: {read} was removed while it was read "
+                  "(pruned by the run writing it); reading its newest step", flush=True)
+
+
+def reference_dir(cfg: RunConfig, is_main: bool) -> str:
+    """The step dir of `init_checkpoint` a resumed run started from: its KL reference, pinned by
+    run.json's `init_step` (the run writing init_checkpoint may have moved on since). ConfigError
+    naming it when it is gone (resume=force: the newest step, with a warning); a run recorded
+    before `init_step` was takes the newest step, with a warning."""
+    path = cfg.init_checkpoint
+    root = check_init_checkpoint(path)
+    if os.path.isfile(ckpt.rank_file(root, 0)):
+        return root  # a step dir: pinned by its name
+    step, newest = recorded_value(cfg.run_dir, "init_step", is_main), ckpt.newest_step(root)
+    if step is not None and os.path.isdir(ckpt.step_dir(root, step)):
+        return ckpt.step_dir(root, step)
+    if step is not None and cfg.resume != "force":
+        raise ConfigError(f"init_checkpoint={path}: step {step}, which {cfg.run_dir} started "
+                          f"from and keeps as its KL reference (loss.kl_coef={cfg.loss.kl_coef}),"
+                          f" is gone ({root} holds {ckpt.resume_candidates(root)}); restore it, "
+                          f"or resume=force to take step {newest} as the reference")
+    if is_main:
+        why = f"step {step} is gone (resume=force)" if step is not None else \
+            f"{cfg.run_dir} did not record which step it started from"
+        print(f"WARNING: init_checkpoint={path}: {why}: the KL reference is its newest step, "
+              f"{newest}", flush=True)
+    return ckpt.step_dir(root, newest)
+
+
+def _load_step_dir(policy: MoEPolicy, step_dir: str, path: str) -> None:
+    """Load step dir `step_dir` of `init_checkpoint=path` into `policy` (weights only)."""
     dist_dir = os.path.join(step_dir, "dist")
     if dist_ckpt.is_dist_checkpoint(dist_dir):
         error = ""
@@ -372,24 +454,53 @@ def _this_model(policy: MoEPolicy) -> str:
     return f"{policy.preset.name!r} ({policy.preset.num_layers} layers)"
 
 
+def check_optimizer_format(root: str, state: dict, cfg: RunConfig, layout: tuple) -> None:
+    """ConfigError naming what makes the optimizer state saved in `state` (rank 0's file of a
+    step under checkpoint root `root`) unloadable here: a (tp, ep) change under
+    optim.distributed=true (megatron's dp_reshardable format), or, with resume=force, a change
+    between fp32 and 16-bit weights (16-bit runs keep fp32 masters) or of optim.distributed
+    (another state layout), which megatron's load reports as a KeyError."""
+    saved = tuple(state["layout"])[:2]
+    redo = f"start a new run_dir with init_checkpoint={cfg.run_dir} (weights only)"
+    if cfg.optim.distributed and saved != layout[:2]:  # megatron's dp_reshardable
+        raise ConfigError(f"{root}: saved with (tp, ep)={saved}, resuming with {layout[:2]}: "
+                          "optim.distributed=true reshards its optimizer state over DP only; "
+                          f"{redo}")
+    old = state.get("config") or {}
+    dtype = (old.get("model") or {}).get("dtype", cfg.model.dtype)
+    distributed = (old.get("optim") or {}).get("distributed", cfg.optim.distributed)
+    if (dtype == "fp32") != (cfg.model.dtype == "fp32"):
+        raise ConfigError(f"{root}: saved with model.dtype={dtype}, resuming with "
+                          f"model.dtype={cfg.model.dtype}: the optimizer state of fp32 weights "
+                          f"and of 16-bit weights with fp32 masters differ; {redo}")
+    if distributed != cfg.optim.distributed:
+        raise ConfigError(f"{root}: saved with optim.distributed={str(distributed).lower()}, "
+                          f"resuming with optim.distributed={str(cfg.optim.distributed).lower()}"
+                          f": the optimizer state is laid out otherwise; {redo}")
+
+
 def try_resume(rt: Runtime) -> dict | None:
     """Restore the policy (any layout) from run_dir's newest good checkpoint; returns its
     `extra` (None when there is none or resume is off). A corrupt or unreadable latest step
-    is skipped with a warning; every rank resumes the same step. RNG states come back only
-    with the layout they were saved with."""
+    is skipped with a warning, and so is a `latest` that is missing, empty or names a step dir
+    that is gone (the newest complete step resumes); every rank resumes the same step. RNG
+    states come back only with the layout they were saved with."""
     root = os.path.join(rt.cfg.run_dir, "checkpoints")
     try:
-        latest = ckpt.latest_step(root)
+        candidates, problem = ckpt.resume_candidates(root), ckpt.latest_problem(root)
     except ValueError as e:  # a `latest` garbled by hand: which step to resume is the user's
         raise ckpt.CheckpointError(f"{e}; write the step to resume from into it") from None
-    if rt.cfg.resume is False or latest is None:  # a start from step 0
+    if rt.cfg.resume is False or not candidates:  # a start from step 0
         moved = rt.logger.set_aside()  # the rows of an earlier attempt that saved nothing
         if moved:
             print(f"{rt.cfg.run_dir} has no checkpoint to resume: starting from step 0; the "
                   f"metrics logged before are in {moved}", flush=True)
         return None
+    if problem and rt.info.is_main:
+        print(f"WARNING: {problem}: resuming from the newest complete step, {candidates[0]}",
+              flush=True)
     layout = (rt.info.tp, rt.info.ep, rt.info.world_size)
-    for step in ckpt.resume_candidates(root):
+    for step in candidates:
         state, error = None, ""
         dist_dir = os.path.join(ckpt.step_dir(root, step), "dist")
         own = os.path.isfile(ckpt.rank_file(ckpt.step_dir(root, step), rt.info.rank))
@@ -404,12 +515,7 @@ def try_resume(rt: Runtime) -> dict | None:
                       f"{error or 'a shard on another rank is bad'}", flush=True)
             continue
         same_layout = tuple(state["layout"]) == layout
-        saved = tuple(state["layout"])[:2]
-        if rt.cfg.optim.distributed and saved != layout[:2]:  # megatron's dp_reshardable
-            raise ConfigError(f"{root}: saved with (tp, ep)={saved}, resuming with "
-                              f"{layout[:2]}: optim.distributed=true reshards its optimizer "
-                              "state over DP only; start a new run_dir with init_checkpoint="
-                              f"{rt.cfg.run_dir} (weights only)")
+        check_optimizer_format(root, state, rt.cfg, layout)
         if dist_ckpt.is_dist_checkpoint(dist_dir):
             try:
                 dist_ckpt.load(rt.policy, dist_dir)  # collective; any layout
@@ -428,5 +534,5 @@ def try_resume(rt: Runtime) -> dict | None:
             ckpt.set_rng_state(state["rng"])
         rt.logger.drop_after(state["extra"].get("opt_step", state["extra"].get("step", step)))
         return state["extra"]
-    raise ckpt.CheckpointError(f"no readable checkpoint in {root} (tried "
-                               f"{ckpt.resume_candidates(root)}); move it away to start afresh")
+    raise ckpt.CheckpointError(f"no readable checkpoint in {root} (tried {candidates}); move "
+                               "it away to start afresh")

@@ -58,6 +58,8 @@ class DatasetTask:
     reward_name: str = "math"
     reward_timeout_s: float = 5.0
     """Per-answer time limit used by `rewards.compute_rewards` (0 = none)."""
+    reward_batch_timeout_s: float | None = None
+    """Time limit of one batch's scoring (`rewards.compute_rewards`; None = none)."""
     format_weight: float = 0.0
     """Reward of a wrong answer that passes the reward's format check."""
     name: ClassVar[str] = "dataset"
@@ -219,8 +221,37 @@ def row_to_example(row: dict, where: str, data, tokenizer) -> Example:
         truth = _ground_truth(truth.rsplit("####", 1)[1], where, answer_key)  # GSM8K style
     target = truth_raw if data.sft_key is None else _sft_target(row, where, data.sft_key)
     source = row.get(source_key, "") if source_key else ""
+    specials = getattr(tokenizer, "special_texts", ())
+    messages = [dict(m, content=special_text(m["content"], specials, data, where, prompt_key))
+                for m in messages]
+    target = special_text(str(target).strip(), specials, data, where,
+                          data.sft_key or answer_key)
     prompt = render_prompt(messages, tokenizer, data.template, where)
-    return Example(prompt, str(target).strip(), (truth, str(source), where))
+    return Example(prompt, target, (truth, str(source), where))
+
+
+ESCAPE = "\u200b"
+"""What `data.special_tokens_in_text=escape` puts after a special token's first character (a
+zero-width space): the text then tokenizes as ordinary text."""
+
+
+def special_text(text: str, specials: tuple, data, where: str, key: str) -> str:
+    """`text` of a row (a message's content, the SFT target) under
+    data.special_tokens_in_text: a special token's text in it (`<|im_end|>`) would be read as
+    the token itself (a row could forge a turn; the end-of-turn id also stops sampling).
+    forbid: DataError naming the row, the field and the token; escape: each occurrence broken
+    by `ESCAPE`; allow: unchanged."""
+    found = [t for t in specials if t in text]
+    if not found or data.special_tokens_in_text == "allow":
+        return text
+    if data.special_tokens_in_text == "forbid":
+        raise DataError(f"{where}: field {key!r} holds {found[0]!r}, a special token of the "
+                        "tokenizer, which would be read as that token (a row could forge a turn "
+                        "or end a response); set data.special_tokens_in_text=escape to keep it "
+                        "as text (or allow)")
+    for t in found:  # longest first (`specials` is sorted so): no token inside another's escape
+        text = text.replace(t, t[0] + ESCAPE + t[1:])
+    return text
 
 
 # ----------------------------------------------------------------------------- files -> splits
@@ -323,6 +354,8 @@ def build_task(cfg, tokenizer, model_max_len: int, verbose: bool = False):
         return task, train, evals
     task = DatasetTask(reward_name=cfg.reward.name or "math",
                        reward_timeout_s=cfg.reward.timeout_s,
+                       reward_batch_timeout_s=cfg.reward.batch_timeout_s
+                       or cfg.model.dist_timeout_min * 30,
                        format_weight=cfg.reward.format_weight)
     room = model_max_len - cfg.rollout.max_new_tokens  # the longest prompt a rollout can take
     if cfg.data.max_prompt_tokens and cfg.data.max_prompt_tokens > room:

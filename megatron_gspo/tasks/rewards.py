@@ -19,9 +19,11 @@ format check `format_ok(completion) -> bool` (`get_format_check`):
              (as verl's math_verify scorer does). Format: a `\\boxed{` or a `#### ` answer line.
 
 `compute_rewards` is the one place rewards are computed (rollouts and eval, toy tasks and
-datasets): it calls `task.reward(example, completion)` under a per-answer time limit; a reward
-that raises or runs out of time scores 0.0 and is reported in the returned status (0 ok,
-1 raised, 2 timed out), so a bad verifier never kills a run.
+datasets): it calls `task.reward(example, completion)` under a per-answer time limit, and the
+whole batch under a batch limit (`reward.batch_timeout_s`, below the collective timeout: the
+other ranks wait in a collective while one scores); a reward that raises or runs out of time,
+or is not reached before the batch's time is up, scores 0.0 and is reported in the returned
+status (0 ok, 1 raised, 2 timed out), so a bad verifier never kills a run.
 
 The time limit. math-verify's own timeouts use `signal.alarm` (whole seconds, main thread only, a
 ValueError in any other thread) per parse and per comparison, and swallow the timeout into a
@@ -262,21 +264,40 @@ def _report(example, error: BaseException) -> None:
 
 
 def compute_rewards(task, examples: Sequence, completions: Sequence[str],
-                    timeout_s: float | None = None) -> tuple[list[float], list[int]]:
-    """`task.reward(example, completion)` for each pair under a per-answer time limit.
+                    timeout_s: float | None = None, batch_timeout_s: float | None = None,
+                    clock: Callable[[], float] = time.monotonic
+                    ) -> tuple[list[float], list[int]]:
+    """`task.reward(example, completion)` for each pair under a per-answer time limit, the
+    whole batch under `batch_timeout_s`.
 
     Returns (rewards, status): a reward that raises, times out or is not a finite number scores
     0.0 with status RAISED / TIMED_OUT. `timeout_s` None takes the task's `reward_timeout_s`
-    (0 = no limit: the toy tasks' verifiers are linear-time)."""
+    (0 = no limit: the toy tasks' verifiers are linear-time). `batch_timeout_s` None takes the
+    task's `reward_batch_timeout_s` (absent or 0: none): each answer's limit is then the smaller
+    of its own and the time left, and the answers not reached in time score 0 as TIMED_OUT
+    without running, so a rank scoring its batch serially never outlives the collective
+    timeout its peers wait under (128 answers x a 5 s limit is 640 s)."""
     if len(examples) != len(completions):
         raise ValueError(f"compute_rewards: {len(examples)} examples but {len(completions)} "
                          "completions")
     if timeout_s is None:
         timeout_s = getattr(task, "reward_timeout_s", 0.0)
-    rewards, status = [], []
+    if batch_timeout_s is None:
+        batch_timeout_s = getattr(task, "reward_batch_timeout_s", None)
+    deadline = clock() + batch_timeout_s if batch_timeout_s else None
+    rewards, status, late = [], [], 0
     for ex, completion in zip(examples, completions):
+        limit = timeout_s
+        if deadline is not None:
+            left = deadline - clock()
+            if left <= 0:  # the batch's time is up: not run
+                late += 1
+                rewards.append(0.0)
+                status.append(TIMED_OUT)
+                continue
+            limit = min(limit, left) if limit and limit > 0 else left
         try:
-            with time_limit(timeout_s):
+            with time_limit(limit):
                 r = float(task.reward(ex, completion))
             if not math.isfinite(r):
                 raise ValueError(f"reward is {r}")
@@ -290,4 +311,8 @@ def compute_rewards(task, examples: Sequence, completions: Sequence[str],
             _report(ex, e)
             rewards.append(0.0)
             status.append(RAISED)
+    if late:
+        print(f"reward: the batch time limit ({batch_timeout_s:g} s) ran out with {late} of "
+              f"{len(completions)} answers not scored: 0 each, counted in reward/timeouts",
+              flush=True)
     return rewards, status

@@ -6,7 +6,9 @@
 What the library reads (`Tokenizer`): `encode`, `decode`, `vocab_size` (the real size; the model's
 embedding is padded beyond it and the padded logits are masked), `pad_id`, `eos_id`, `bos_id`
 (prepended to every prompt when not None; Qwen has none), `stop_ids` (sampling stops a row on any
-of them: EOS and the chat template's end-of-turn token) and `apply_chat_template(messages)`,
+of them: EOS and the chat template's end-of-turn token), `special_texts` (the special tokens'
+texts, longest first, which `encode` reads as those tokens: `data.special_tokens_in_text`) and
+`apply_chat_template(messages)`,
 which returns the prompt text with the generation prompt appended, or None when the tokenizer
 has no template (base models, the toy vocabulary).
 
@@ -35,6 +37,7 @@ class Tokenizer(Protocol):
     eos_id: int
     bos_id: int | None
     stop_ids: frozenset
+    special_texts: tuple
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -49,6 +52,7 @@ class CharTokenizer:
     def __init__(self) -> None:
         self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
         self.stop_ids = frozenset({self.eos_id})
+        self.special_texts = ()  # '<eos>' in text is characters ('<' is not in the vocabulary)
         self.chars = _CHARS
         self.vocab_size = len(_SPECIALS) + len(_CHARS)
         self._id_of = {ch: i + len(_SPECIALS) for i, ch in enumerate(_CHARS)}
@@ -122,6 +126,9 @@ class HFTokenizer:
         if end_of_turn is not None and self.hf.chat_template:
             stops.add(int(end_of_turn))
         self.stop_ids = frozenset(stops)
+        special = {t.content for t in self.hf.added_tokens_decoder.values() if t.special}
+        self.special_texts = tuple(sorted(special | set(self.hf.all_special_tokens),
+                                          key=lambda t: (-len(t), t)))
 
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=False))

@@ -8,7 +8,7 @@ A folder may hold one `model.safetensors`, or shards with or without a
 
 `write_safetensors` writes Hugging Face's layout: `model.safetensors` when everything fits in one
 shard, else `model-0000i-of-0000n.safetensors` plus the index (`metadata.total_size`,
-`weight_map`).
+`weight_map`). The shards get the user's umask like every other file (safetensors writes 0600).
 """
 
 from __future__ import annotations
@@ -112,8 +112,11 @@ def write_safetensors(tensors: dict[str, torch.Tensor], folder: str,
     n = len(shards)
     files = ["model.safetensors"] if n == 1 else \
         [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    mask = os.umask(0)
+    os.umask(mask)
     for file, shard in zip(files, shards):
         save_file(shard, os.path.join(folder, file), metadata={"format": "pt"})
+        os.chmod(os.path.join(folder, file), 0o666 & ~mask)
     if n > 1:
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         index = {"metadata": {"total_size": total},

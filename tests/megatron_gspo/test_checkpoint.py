@@ -117,7 +117,8 @@ def test_mark_latest_refuses_a_step_without_rank_0(tmp_path):
 
 
 def test_bad_latest_pointer_names_the_file(tmp_path):
-    """A `latest` that holds no number, or points to a missing step, is an error naming it."""
+    """A `latest` that holds no number, or points to a missing step, is an error naming it;
+    resume falls back past the missing step to the complete ones (not past a garbled one)."""
     root = str(tmp_path)
     ckpt.save_checkpoint(root, 1, _state(1))
     ckpt.mark_latest(root, 1)
@@ -130,7 +131,10 @@ def test_bad_latest_pointer_names_the_file(tmp_path):
         f.write("7\n")
     with pytest.raises(FileNotFoundError, match=r"points to step 7, but .*step_000007 does not "
                                                 r"exist; .* holds \[latest, step_000001\]"):
-        ckpt.resume_candidates(root)
+        ckpt.latest_step(root)
+    assert ckpt.resume_candidates(root) == [1]
+    assert ckpt.latest_problem(root) == f"{latest} points to step 7, whose dir " \
+        f"{ckpt.step_dir(root, 7)} is gone"
 
 
 def test_resume_candidates_are_latest_then_older_complete_steps(tmp_path):
@@ -199,18 +203,22 @@ def test_step_with_a_step_dir_is_refused(tmp_path):
 
 
 def test_resume_candidates_without_latest_and_never_newer_than_latest(tmp_path):
-    """No `latest` means nothing to resume (steps saved but never marked do not count); a
-    complete step newer than `latest` (latest moved back by hand) is not a candidate."""
+    """No complete step means nothing to resume (steps saved but never marked do not count); a
+    complete step newer than `latest` (latest moved back by hand) is not a candidate; with
+    `latest` gone, every complete step is."""
     root = str(tmp_path)
     assert ckpt.resume_candidates(root) == []
     ckpt.save_checkpoint(root, 1, _state(1))
-    assert ckpt.resume_candidates(root) == []
+    assert ckpt.resume_candidates(root) == [] and ckpt.latest_problem(root) == ""
     for s in (1, 2, 3):
         ckpt.save_checkpoint(root, s, _state(s))
         ckpt.mark_latest(root, s)
     with open(os.path.join(root, "latest"), "w") as f:
         f.write("2\n")
-    assert ckpt.resume_candidates(root) == [2, 1]
+    assert ckpt.resume_candidates(root) == [2, 1] and ckpt.latest_problem(root) == ""
+    os.remove(os.path.join(root, "latest"))
+    assert ckpt.resume_candidates(root) == [3, 2, 1] and ckpt.newest_step(root) == 3
+    assert ckpt.latest_problem(root).endswith("latest is missing")
 
 
 def test_only_exact_step_dir_names_are_steps(tmp_path):

@@ -146,9 +146,9 @@ def test_a_garbled_latest_or_checksum_is_one_line_or_a_fallback(tmp_path, capsys
     assert resumed.state.iteration == 1
     assert "skipping checkpoint step 2: checksum file" in capsys.readouterr().out
     resumed.rt.close()
-    (root / "latest").write_text("")
+    (root / "latest").write_text("2 or 1")
     err = one_line_error(capsys, "train", *TINY, f"run_dir={run}", "train.steps=2")
-    assert f"{root}/latest: expected a step number, got ''" in err
+    assert f"{root}/latest: expected a step number, got '2 or 1'" in err
     err = one_line_error(capsys, "eval", *TINY, f"init_checkpoint={run}")
     assert f"init_checkpoint={run}: {root}/latest: expected a step number" in err
 

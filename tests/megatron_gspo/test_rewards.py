@@ -321,3 +321,44 @@ def test_reward_error_of_a_non_dataset_meta_names_the_prompt(monkeypatch, capsys
 
     compute_rewards(_Task(boom), [Example("q:1", "a", (1, 2, 3))], ["x"])
     assert capsys.readouterr().out.strip().endswith("bug [prompt 'q:1']")
+
+
+class _SlowTask(_Task):
+    reward_batch_timeout_s = 0.7
+
+
+def test_a_batch_of_answers_that_all_time_out_stays_within_the_batch_limit(capsys):
+    """Scoring was serial, up to reward.timeout_s per answer, while the other ranks wait in a
+    collective: 128 answers that all time out took 640 s, past its 10-minute timeout. The
+    batch limit bounds the whole batch: 0.3 s + 0.3 s + the 0.1 s left, then the answers not
+    reached are not run (however slow the machine, never more than three calls)."""
+    calls = []
+
+    def sleeps(example, completion):
+        calls.append(completion)
+        time.sleep(30)  # interrupted by the per-answer limit
+
+    rewards, status = compute_rewards(_SlowTask(sleeps), [Example("p", "a")] * 16, ["x"] * 16)
+    assert rewards == [0.0] * 16 and status == [TIMED_OUT] * 16
+    assert 1 <= len(calls) <= 3, calls
+    assert f"the batch time limit (0.7 s) ran out with {16 - len(calls)} of 16 answers not " \
+           "scored" in capsys.readouterr().out
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+def test_the_batch_limit_stays_below_the_collective_timeout():
+    """reward.batch_timeout_s defaults to half of model.dist_timeout_min and may not reach it."""
+    import os
+
+    from megatron_gspo.config.schema import ConfigError, load_config
+    from megatron_gspo.tasks.datasets import build_task
+    from megatron_gspo.tasks.tokenizer import load_tokenizer
+
+    pytest.importorskip("transformers")
+    fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "gsm_tiny")
+    cfg = load_config(None, ["task.name=dataset", f"data.train_files={fixture}/train.jsonl",
+                             "reward.name=exact", "model.dist_timeout_min=4"])
+    assert build_task(cfg, load_tokenizer(fixture), 512)[0].reward_batch_timeout_s == 120
+    with pytest.raises(ConfigError, match=r"reward.batch_timeout_s=600: not below the collective "
+                                          r"timeout model.dist_timeout_min=10 \(600 s\)"):
+        load_config(None, ["reward.batch_timeout_s=600"])

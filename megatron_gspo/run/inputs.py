@@ -1,0 +1,95 @@
+"""What a run reads besides its config, fingerprinted: data files, the split, tokenizer, template.
+
+    run.json  {"job": ..., "fingerprint": ..., "config": {...},
+               "inputs": {"data file a.jsonl": sha256, "train / eval split": sha256,
+                          "tokenizer": sha256, "chat template": sha256}}
+
+A config names its data files and tokenizer folder by path; what is in them may change between a
+run and its resume (rows shuffled or appended, token ids renumbered, another chat template) and
+the resume would go on silently: with `data.eval_fraction` the held-out split is redrawn from
+training rows, and the embeddings belong to other ids. `input_fingerprints` is recorded at a
+run's first start (`rundir.record_run`); `changed_inputs` names what differs on a later start,
+which `rundir.check_inputs` refuses (resume=force continues and says so).
+
+What is hashed: each data file's bytes; the split as the ordered train and eval examples (prompt,
+target, ground truth and source row); a Hugging Face tokenizer's vocabulary (every token's id),
+merges, added and special tokens and eos / pad / bos / stop ids; the chat template. The character tokenizer is code, not a file: it is not recorded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def file_sha256(path: str) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+def split_sha256(train_set, eval_set) -> str:
+    """The train / eval examples in order (what the split and the shuffle made of the rows)."""
+    sha = hashlib.sha256()
+    for name, examples in (("train", train_set), ("eval", eval_set)):
+        sha.update(f"{name} {len(examples)}\n".encode())
+        for ex in examples:
+            sha.update(repr((ex.prompt, ex.answer, ex.meta)).encode("utf-8") + b"\n")
+    return sha.hexdigest()
+
+
+def _merges(hf) -> list:
+    """A fast BPE tokenizer's merges as [left, right] pairs (tokenizers writes them as "a b"
+    strings or as pairs, depending on its version), else []."""
+    if not getattr(hf, "is_fast", False):
+        return []
+    model = json.loads(hf.backend_tokenizer.to_str()).get("model") or {}
+    return [m.split(" ", 1) if isinstance(m, str) else list(m) for m in model.get("merges", [])]
+
+
+def tokenizer_sha256(tokenizer) -> tuple[str, str] | None:
+    """(tokenizer, chat template) fingerprints of a Hugging Face tokenizer; None for the
+    character tokenizer. The tokenizer's is its contents, not its file's serialisation (which
+    differs between `tokenizers` versions): every token's id, the merges, the added tokens and
+    whether they are special, and the eos / pad / bos / stop ids."""
+    hf = getattr(tokenizer, "hf", None)
+    if hf is None:
+        return None
+    vocab = sorted(hf.get_vocab().items(), key=lambda item: (item[1], item[0]))
+    added = sorted((i, t.content, bool(t.special)) for i, t in hf.added_tokens_decoder.items())
+    ids = [tokenizer.eos_id, tokenizer.pad_id, tokenizer.bos_id, sorted(tokenizer.stop_ids)]
+    body = json.dumps([vocab, _merges(hf), added, ids])
+    return _sha(body), _sha(hf.chat_template or "")
+
+
+def input_fingerprints(cfg, tokenizer, train_set, eval_set) -> dict[str, str]:
+    """{what: sha256} of everything the run reads besides its config (module docstring)."""
+    out = {}
+    if cfg.task.name == "dataset":
+        for path in [*cfg.data.train_files, *cfg.data.eval_files]:
+            out[f"data file {path}"] = file_sha256(path)
+    out["train / eval split"] = split_sha256(train_set, eval_set)
+    tok = tokenizer_sha256(tokenizer)
+    if tok is not None:
+        out["tokenizer"], out["chat template"] = tok
+    return out
+
+
+def changed_inputs(recorded: dict, now: dict) -> list[str]:
+    """One phrase per input that differs between a run's record and this start."""
+    out = []
+    for what in sorted(set(recorded) | set(now)):
+        old, new = recorded.get(what), now.get(what)
+        if old is None:
+            out.append(f"{what} (not read when the run started)")
+        elif new is None:
+            out.append(f"{what} (no longer read)")
+        elif old != new:
+            out.append(f"{what} (sha256 {old[:12]} -> {new[:12]})")
+    return out
