@@ -15,7 +15,7 @@
 #                  routing and log-probs against the trainer's recompute of the same tokens
 #   train   (150)  train steps at the same shapes, 1k/2k/4k-token sequences: tokens/s, MFU,
 #                  peak memory, and a torch.profiler table of one step
-#   tests   (120)  the GPU tests (`pytest -m gpu`)
+#   tests   (150)  the GPU tests (`pytest -m gpu`)
 #   report    (-)  $OUT/README.md from the JSON files
 #
 # Wheels for packages the machine lacks (megatron-core for its Python) go in .whl/ (gitignored,
@@ -63,8 +63,9 @@ EOF
     train)
       timeout 150 "${LEASE[@]}" train --out "$OUT" 2>&1 | tee "$OUT/train.log" | tail -25 ;;
     tests)
-      timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/moe/test_gpu.py \
-        tests/moe/test_engine.py > "$OUT/tests.log" 2>&1
+      timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/moe/test_gpu.py \
+        tests/moe/test_engine.py tests/megatron_gspo/rollout/test_engine_backend.py \
+        > "$OUT/tests.log" 2>&1
       rc=$?; tail -15 "$OUT/tests.log"; [ $rc -eq 0 ] ;;
     report)
       "${LEASE[@]}" report --out "$OUT" && cat "$OUT/README.md" ;;

@@ -13,11 +13,15 @@ from megatron_gspo.rollout.sampler import SAMPLERS, Sampler
 
 
 def check_backend(cfg) -> None:
-    """ConfigError naming `rollout.backend` unless a sampler of that name is registered."""
+    """ConfigError naming `rollout.backend` unless a sampler of that name is registered and
+    can run here (a factory's optional `unavailable()` says why not in one line)."""
     name = cfg.rollout.sampler
     if name not in SAMPLERS:
         key = "rollout.backend" if cfg.rollout.backend == name else "rollout.decoder"
         raise ConfigError(f"{key}={name!r}: no such sampler; registered: {sorted(SAMPLERS)}")
+    why = getattr(SAMPLERS[name], "unavailable", lambda: None)()
+    if why:
+        raise ConfigError(why)
 
 
 def build_sampler(cfg, policy, tokenizer) -> Sampler:

@@ -65,3 +65,6 @@ def _factory(policy, tokenizer, cfg) -> MegatronEngineSampler:
     rows = cfg.rollout.prompts_per_batch * cfg.rollout.group_size
     return MegatronEngineSampler(policy, tokenizer, max_requests=max(rows, 4),
                                  cuda_graphs=cfg.rollout.cuda_graphs)
+
+
+_factory.unavailable = moe_engine.unavailable  # checked before any set-up

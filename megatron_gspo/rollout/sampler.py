@@ -67,7 +67,9 @@ class Sampler(Protocol):
 
 SamplerFactory = Callable[..., Sampler]
 """`factory(policy, tokenizer, cfg) -> Sampler`: the run's policy (`moe.policy.MoEPolicy`),
-tokenizer (`pad_id`, `stop_ids`) and config (`megatron_gspo.config.schema.RunConfig`)."""
+tokenizer (`pad_id`, `stop_ids`) and config (`megatron_gspo.config.schema.RunConfig`). A factory
+may carry `unavailable() -> str | None`, checked before the run sets anything up (a backend
+that needs a GPU or an optional package says so in one line)."""
 
 SAMPLERS: dict[str, SamplerFactory] = {}
 

@@ -178,6 +178,7 @@ def setup_runtime(cfg: RunConfig, job: str) -> Runtime:
     allocator first (`megatron_gspo.run.host`)."""
     tune_malloc()
     optim = optim_settings(cfg, job)  # a bad lr schedule fails before the run dir is claimed
+    check_backend(cfg)  # an unknown sampler, or one that cannot run here: before any set-up
     try:
         info = init_parallel(cfg.model.tp, cfg.model.ep, seed=cfg.seed,
                              timeout_min=cfg.model.dist_timeout_min,
@@ -192,7 +193,6 @@ def setup_runtime(cfg: RunConfig, job: str) -> Runtime:
         check_init_checkpoint(cfg.init_checkpoint)  # fail before the run dir is claimed
     if cfg.model.hf_path:
         check_hf_path(cfg.model.hf_path, cfg.model.tp, cfg.model.ep)
-    check_backend(cfg)
     writes = job != "eval"
     lock = claim_run_dir(cfg.run_dir, job, config_to_dict(cfg), cfg.resume, info.is_main) \
         if writes else None
