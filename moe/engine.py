@@ -24,6 +24,7 @@ stops a request in the engine, further stop ids are cut afterwards (`cut_at_stop
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -98,9 +99,13 @@ class EngineSampler:
         problems = paged_attention.check(gpt.config)
         if problems:
             raise ValueError(f"rollout.backend=megatron_engine does not support {problems}")
+        if cuda_graphs and gpt.config.params_dtype == torch.float32:
+            raise ValueError("rollout.cuda_graphs=true needs a 16-bit model (model.dtype=bf16): "
+                             "torch's float32 grouped GEMM reads the experts' offsets on the "
+                             "host, which a CUDA graph cannot capture; or rollout.cuda_graphs="
+                             "false")
         self.policy, self.gpt = policy, gpt
         paged_attention.install(gpt)
-        self._mask_padding_vocab()
         config = InferenceConfig(
             block_size_tokens=block_size, buffer_size_gb=buffer_size_gb,
             max_requests=max_requests, max_tokens=max_tokens, max_sequence_length=max_seq_len,
@@ -108,7 +113,7 @@ class EngineSampler:
             use_cuda_graphs_for_non_decode_steps=False, materialize_only_last_token_logits=True,
             logprobs_mode="processed_logprobs")
         gpt.eval()
-        with paged_attention.flash_check_waived():
+        with paged_attention.flash_check_waived(), self._padding_vocab_masked():
             self.context = DynamicInferenceContext(gpt.config, config)
             wrapper = GPTInferenceWrapper(gpt, self.context)
             controller = TextGenerationController(inference_wrapped_model=wrapper,
@@ -119,10 +124,14 @@ class EngineSampler:
         # active only inside `generate`, so the trainer's forwards stay training forwards.
         InferenceMode.unset_active()
 
-    def _mask_padding_vocab(self) -> None:
-        """-inf on the preset's padding logits (ids >= the tokenizer's vocabulary)."""
+    @contextlib.contextmanager
+    def _padding_vocab_masked(self):
+        """Within (the engine's forwards, and its CUDA graphs' capture): -inf on the preset's
+        padding logits (ids >= the tokenizer's vocabulary). The trainer's forwards mask them
+        themselves (`MoEPolicy.mask_vocab`)."""
         real, layer = self.policy.real_vocab, self.gpt.output_layer
         if real >= self.policy.preset.vocab_size:
+            yield
             return
 
         def hook(module, args, output):
@@ -130,7 +139,11 @@ class EngineSampler:
             logits[..., real:] = float("-inf")
             return output
 
-        layer.register_forward_hook(hook)
+        handle = layer.register_forward_hook(hook)
+        try:
+            yield
+        finally:
+            handle.remove()
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int,
@@ -153,7 +166,8 @@ class EngineSampler:
         was_training = self.gpt.training
         self.gpt.eval()
         try:
-            with paged_attention.flash_check_waived(), InferenceMode.active():
+            with paged_attention.flash_check_waived(), InferenceMode.active(), \
+                    self._padding_vocab_masked():
                 records = self.engine.generate([list(p) for p in prompts], params)
         finally:  # graphed steps leave megatron's static routing buffers installed
             RouterReplay.clear_global_static_buffers()

@@ -71,11 +71,15 @@ def verdicts(train, rollout) -> list[str]:
 def render() -> str:
     env, train, rollout = read("env.txt"), read("train.json"), read("rollout.json")
     tests = read("tests.log")
-    lines = [HEADER, "## Where it ran\n"]
-    lines += [f"    {line}" for line in (env or "not run\n").strip().splitlines()]
+    lines = [HEADER, "## Where it ran\n", "The software, on every lease (each section below names "
+             "its GPU; leases draw an H100 or an H200):\n"]
+    lines += [f"    {line}" for line in (env or "not run\n").strip().splitlines()
+              if not line.startswith("gpu ")]
     if tests:
         summary = [line for line in tests.splitlines() if " passed" in line or " failed" in line]
-        lines += ["", f"GPU tests (`pytest -m gpu`): {summary[-1] if summary else 'no summary'}"]
+        where = tests.splitlines()[0].rsplit("(", 1)[-1].rstrip(")") if "(" in tests else "?"
+        lines += ["", f"GPU tests (`make test-gpu`, on the {where}): "
+                      f"{summary[-1] if summary else 'no summary'}"]
     lines += ["", "## Goals", "", *verdicts(train, rollout), ""]
     for name, r, render_fn in (("Train step", train, _train_lines),
                                ("Rollouts", rollout, _rollout_lines)):

@@ -39,10 +39,13 @@ class MegatronEngineSampler:
                               "megatron's inference coordinator (not wired); use "
                               "rollout.backend=lean")
         self.policy, self.tokenizer = policy, tokenizer
-        self.engine = moe_engine.EngineSampler(
-            policy, max_requests=-(-max_requests // 4) * 4,
-            max_seq_len=policy.preset.max_seq_len, cuda_graphs=cuda_graphs,
-            eod=tokenizer.eos_id)
+        try:
+            self.engine = moe_engine.EngineSampler(
+                policy, max_requests=-(-max_requests // 4) * 4,
+                max_seq_len=policy.preset.max_seq_len, cuda_graphs=cuda_graphs,
+                eod=tokenizer.eos_id)
+        except ValueError as e:  # a model the engine cannot serve: one line naming why
+            raise ConfigError(str(e)) from None
 
     def sample(self, prompts: list[list[int]], params: SamplingParams,
                generator: torch.Generator | None = None) -> Samples:

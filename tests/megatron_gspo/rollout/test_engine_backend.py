@@ -28,10 +28,11 @@ def test_the_engine_backend_on_cpu_is_one_config_error_before_the_run_dir(tmp_pa
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("graphs", [False, True])
-def test_rl_with_r3_from_the_engine(tmp_path, graphs):
+@pytest.mark.parametrize("dtype, graphs, tol", [("fp32", False, 1e-3), ("bf16", True, 0.1)])
+def test_rl_with_r3_from_the_engine(tmp_path, dtype, graphs, tol):
     """Two iterations: pi_old replays the engine's routing, so each rollout batch's first
-    minibatch has ratio 1; the engine-vs-trainer routing mismatch is logged per layer."""
+    minibatch has ratio 1; the engine-vs-trainer routing mismatch is logged per layer (the
+    tiny model's padded vocabulary masked in the engine's logits, not in the trainer's grads)."""
     from moe.engine import unavailable
 
     if unavailable():
@@ -39,7 +40,7 @@ def test_rl_with_r3_from_the_engine(tmp_path, graphs):
     from megatron_gspo.jobs.rl import Trainer
 
     cfg = load_config(None, [*BASE, "train.steps=2", "train.routing_replay=r3",
-                             f"rollout.cuda_graphs={str(graphs).lower()}",
+                             f"model.dtype={dtype}", f"rollout.cuda_graphs={str(graphs).lower()}",
                              f"run_dir={tmp_path / 'run'}"])
     Trainer.from_config(cfg).train()
     rows = read_jsonl(os.path.join(cfg.run_dir, "metrics.jsonl"))
@@ -47,7 +48,7 @@ def test_rl_with_r3_from_the_engine(tmp_path, graphs):
     assert len(steps) == 4
     for r in steps:
         assert "rollout/routing_mismatch/layer_00" in r
-        assert r["rollout/logprob_mismatch/mean"] < 1e-3  # fp32 engine vs fp32 trainer
+        assert r["rollout/logprob_mismatch/mean"] < tol  # engine vs trainer, same weights
     for r in (r for r in steps if r["train/minibatch"] == 0):
-        assert r["policy/log_ratio/abs_max"] < 1e-4
+        assert r["policy/log_ratio/abs_max"] < tol  # pi_old: the same routing, same weights
     assert "eval/accuracy" in rows[-1]
