@@ -52,6 +52,7 @@ import importlib.util, sys, torch, megatron.core as m
 print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
       "megatron-core", m.__version__)
 print("gpu", torch.cuda.get_device_name() if torch.cuda.is_available() else "none")
+import datetime; print("date", datetime.date.today().isoformat())
 for name in ("flash_attn", "flash_attn_3", "transformer_engine", "flashinfer", "zmq"):
     print(name, "present" if importlib.util.find_spec(name) else "absent")
 import megatron.core.inference.engines.dynamic_engine  # noqa: F401  (imports on this stack)
