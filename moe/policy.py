@@ -25,7 +25,6 @@ import torch.nn.functional as F
 
 from moe.compat import apply_cpu_patches
 from moe.attention import attention_inputs
-from moe.grads import global_grad_norm
 from moe.logprobs import chunked_token_logprobs
 from moe.model import ParallelLayout, Recompute, build_gpt_moe
 from moe.optim import OptimSettings, PolicyOptimizer
@@ -44,7 +43,6 @@ class MoEPolicy:
         self.real_vocab, self.device, self.recompute = real_vocab, device, recompute
         # per replayed forward, the routing its recompute must replay (`moe.replay`)
         self.backward_replays: list[list[torch.Tensor]] = []
-        self._grads_exposed = False  # `reduce_grads` set `.grad` = `main_grad`
         self.router_replays = model.module.router_replays if hasattr(model, "module") \
             else model.router_replays
 
@@ -217,10 +215,6 @@ class MoEPolicy:
 
     def zero_grad(self) -> None:
         self.backward_replays.clear()
-        if self._grads_exposed:  # `.grad` aliases `main_grad` (`reduce_grads`): drop the alias,
-            for p in self.model.module.parameters():  # or the next backward adds twice
-                p.grad = None
-            self._grads_exposed = False
         self.model.zero_grad_buffer()
         if self.optimizer is not None:
             self.optimizer.zero_grad()
@@ -228,23 +222,9 @@ class MoEPolicy:
     def backward(self, loss: torch.Tensor) -> None:
         """`loss.backward()`, times the fp16 loss scale when there is one. Under activation
         recompute, routers re-run in the backward replay what the forward replayed."""
-        self._check_not_reduced("backward")
         replays, self.backward_replays = self.backward_replays, []
         with replay_backward(self, replays):
             (loss if self.optimizer is None else self.optimizer.scale_loss(loss)).backward()
-
-    def reduce_grads(self) -> float:
-        """Reduce grads across DP/TP (megatron's finalize), expose them as `.grad` and return the
-        global grad norm (`moe.grads`). For inspecting an fp32 model's grads (tests); training
-        goes through `step`, which leaves the grads to megatron's optimizer."""
-        from megatron.core.distributed import finalize_model_grads
-
-        finalize_model_grads([self.model])
-        params = [p for p in self.model.module.parameters() if p.requires_grad]
-        for p in params:
-            p.grad = p.main_grad
-        self._grads_exposed = True
-        return global_grad_norm(params)
 
     def step(self) -> tuple[bool, float]:
         """Reduce grads (megatron's finalize), then megatron's optimizer: clip to `grad_clip`,
@@ -254,16 +234,8 @@ class MoEPolicy:
         """
         from megatron.core.distributed import finalize_model_grads
 
-        self._check_not_reduced("step")
         finalize_model_grads([self.model])
         return self.optimizer.step()
-
-    def _check_not_reduced(self, what: str) -> None:
-        """After `reduce_grads` the grads are reduced and aliased as `.grad`: a backward would
-        add into them twice, a step reduce them again (tp x the layernorm grads under SP)."""
-        if self._grads_exposed:
-            raise RuntimeError(f"{what}() after reduce_grads(): call zero_grad() first (the "
-                               "grads were already reduced and exposed as .grad)")
 
     def weights_changed(self) -> None:
         """Call after writing the model's weights outside the optimizer (init checkpoint, HF

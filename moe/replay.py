@@ -95,13 +95,6 @@ class RoutingReplayCache:
         return cls(ids_NLK.to(ids_dtype(num_experts)).cpu(), valid_BT.cpu().bool(), num_experts)
 
     @classmethod
-    def from_dense(cls, ids_BTLK: torch.Tensor, valid_BT: torch.Tensor,
-                   num_experts: int) -> "RoutingReplayCache":
-        """Build from batch-first ids [B, T, L, K] (e.g. a forced routing in tests/tools)."""
-        ids_NLK = ids_BTLK[valid_BT.bool()]
-        return cls(ids_NLK.to(ids_dtype(num_experts)), valid_BT.bool(), num_experts)
-
-    @classmethod
     def cat(cls, caches: list["RoutingReplayCache"]) -> "RoutingReplayCache":
         """The caches of consecutive row blocks as one (sequence order kept)."""
         if len(caches) == 1:

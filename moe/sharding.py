@@ -120,7 +120,8 @@ def load_full_params(model, full: dict[str, torch.Tensor]) -> None:
 
 @torch.no_grad()
 def gather_full_params(model, grads: bool = False) -> dict[str, torch.Tensor]:
-    """The full parameter (or, with `grads`, gradient) dict assembled from all TP/EP ranks.
+    """The full parameter (or, with `grads`, reduced gradient: `main_grad` after megatron's
+    finalize, `tests/moe/grads.reduce_grads`) dict assembled from all TP/EP ranks.
 
     Collective over the TP and EP groups; every rank gets the whole dict, on CPU.
     """
@@ -132,7 +133,7 @@ def gather_full_params(model, grads: bool = False) -> dict[str, torch.Tensor]:
     plan = shard_plan(model, ps.get_tensor_model_parallel_rank(), tp, 0)
     full: dict[str, torch.Tensor] = {}
     for name, param in params.items():
-        tensor = (param.grad if grads else param).detach()
+        tensor = (param.main_grad if grads else param).detach()
         is_expert = param.is_moe_expert
         if plan[name].dim is not None:
             parts = [torch.empty_like(tensor) for _ in range(tp)]

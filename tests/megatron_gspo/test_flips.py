@@ -6,6 +6,7 @@ import torch
 
 from megatron_gspo.algo.flips import flip_counts, layer_flips, loss_positions, token_rows
 from moe.replay import RoutingReplayCache
+from tests.moe.grads import dense_cache
 
 E = 4
 
@@ -31,8 +32,8 @@ def constructed():
     new_BTLK[0, 0, 0] = torch.tensor([2, 3])  # prompt token, 2 flips, layer 0
     new_BTLK[1, 0, 0] = torch.tensor([0, 2])  # prompt token, 1 flip, layer 0
     new_BTLK[0, 2, 1] = torch.tensor([0, 3])  # predicts response token (0, 3): 1 flip, layer 1
-    old = RoutingReplayCache.from_dense(old_BTLK, valid_BT, E)
-    new = RoutingReplayCache.from_dense(new_BTLK, valid_BT, E)
+    old = dense_cache(old_BTLK, valid_BT, E)
+    new = dense_cache(new_BTLK, valid_BT, E)
     return old, new, valid_BT, response_BT
 
 
@@ -82,8 +83,8 @@ def test_load_imbalance_is_the_new_routings():
     valid_BT = torch.ones(1, 4, dtype=torch.bool)
     old_BTLK = torch.tensor([0, 1]).expand(1, 4, 1, 2).clone()
     new_BTLK = torch.tensor([[0, 1], [2, 3]]).repeat(2, 1).reshape(1, 4, 1, 2)
-    old = RoutingReplayCache.from_dense(old_BTLK, valid_BT, E)
-    new = RoutingReplayCache.from_dense(new_BTLK, valid_BT, E)
+    old = dense_cache(old_BTLK, valid_BT, E)
+    new = dense_cache(new_BTLK, valid_BT, E)
     every_N = torch.ones(4, dtype=torch.bool)
     assert flip_counts(old, new, every_N)["load_imbalance"] == [1.0]
     assert flip_counts(new, old, every_N)["load_imbalance"] == [2.0]
@@ -107,8 +108,8 @@ def step_flips_case(monkeypatch):
     after_BTLK[0, 1, 0] = torch.tensor([2, 3])
     after_BTLK[1, 2, 0] = torch.tensor([3, 2])
     after_BTLK[1, 0, 0] = torch.tensor([0, 2])
-    before = RoutingReplayCache.from_dense(before_BTLK, valid_BT, E)
-    after = RoutingReplayCache.from_dense(after_BTLK, valid_BT, E)
+    before = dense_cache(before_BTLK, valid_BT, E)
+    after = dense_cache(after_BTLK, valid_BT, E)
     monkeypatch.setattr(flips, "routing_of", lambda policy, tokens_BT, valid_BT: after)
     mb = SimpleNamespace(replay=before, old_routing=before, valid_BT=valid_BT,
                          tokens_BT=torch.zeros(2, 4, dtype=torch.long), response_BT=response_BT)
@@ -189,7 +190,7 @@ def test_load_imbalance_is_per_layer():
     valid_BT = torch.ones(1, 4, dtype=torch.bool)
     new_BTLK = torch.tensor([0, 1]).expand(1, 4, 2, 2).clone()
     new_BTLK[0, 1::2, 0] = torch.tensor([2, 3])
-    new = RoutingReplayCache.from_dense(new_BTLK, valid_BT, E)
+    new = dense_cache(new_BTLK, valid_BT, E)
     assert flip_counts(new, new, torch.ones(4, dtype=torch.bool))["load_imbalance"] == [1.0, 2.0]
 
 
@@ -233,7 +234,7 @@ def test_an_inactive_step_routes_nothing_and_logs_nothing(monkeypatch):
 
 def dense(BTK_rows, valid_BT):
     """A 1-layer cache from per-token top-2 rows [B][T][2]."""
-    return RoutingReplayCache.from_dense(torch.tensor(BTK_rows)[:, :, None], valid_BT, E)
+    return dense_cache(torch.tensor(BTK_rows)[:, :, None], valid_BT, E)
 
 
 def test_replayed_step_compares_each_routing_with_the_right_one(monkeypatch):
@@ -340,7 +341,7 @@ def test_hand_over_pass_splits_the_rows_between_the_two_minibatches(monkeypatch)
     def by_token(policy, tokens_BT, valid_BT):  # expert set of a token: {t, t + 1} mod 4
         calls.append(tokens_BT.shape[0])
         t = tokens_BT.clamp(min=0)
-        return RoutingReplayCache.from_dense(torch.stack([t % E, (t + 1) % E], -1)[:, :, None],
+        return dense_cache(torch.stack([t % E, (t + 1) % E], -1)[:, :, None],
                                              valid_BT, E)
 
     calls = []

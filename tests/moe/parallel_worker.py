@@ -12,6 +12,7 @@ import warnings
 import torch
 import torch.multiprocessing as mp
 
+from tests.moe.grads import dense_cache, reduce_grads
 from moe.parallel import free_port  # noqa: F401 (the tests' rendezvous port)
 
 warnings.filterwarnings("ignore")
@@ -63,7 +64,7 @@ def run_model(policy, tokens_BT, valid_BT, readout_BTV, first: int = 0):
     policy.zero_grad()
     logits_BTV = policy.logits(tokens_BT, valid_BT, first=first)
     loss_fn(logits_BTV, valid_BT[:, first:], readout_BTV[:, first:]).backward()
-    grad_norm = policy.reduce_grads()
+    grad_norm = reduce_grads(policy)
     return logits_BTV.detach(), grad_norm
 
 
@@ -90,7 +91,7 @@ def check_replay(policy, info, ref, rows, tokens_BT, valid_BT, what) -> None:
     E = policy.preset.num_experts
     cols = local_columns(policy, info, tokens_BT.shape[1])
     forced = ref["forced_ids_BTLK"][rows][:, cols]
-    local = RoutingReplayCache.from_dense(forced, valid_BT[:, cols], E)
+    local = dense_cache(forced, valid_BT[:, cols], E)
     with torch.no_grad(), replay_routing(policy, local):
         logits = policy.logits(tokens_BT, valid_BT)
     torch.testing.assert_close(logits[valid_BT], ref["forced_logits"][rows][valid_BT], atol=ATOL,

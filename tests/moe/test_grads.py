@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from moe.grads import global_grad_norm
+from tests.moe.grads import global_grad_norm
 
 
 def param(*grad: float, expert: bool = False, tp_split: bool = False) -> torch.nn.Parameter:

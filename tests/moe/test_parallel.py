@@ -56,7 +56,8 @@ def single_process_reference(policy) -> dict:
 
 def replay_reference(policy, preset, tokens_BT, valid_BT) -> dict:
     """1-process live routing, and logits under a forced routing distinct for every token."""
-    from moe.replay import RoutingReplayCache, current_routing, replay_routing
+    from moe.replay import current_routing, replay_routing
+    from tests.moe.grads import dense_cache
 
     B, T = tokens_BT.shape
     L, K, E = preset.num_layers, preset.topk, preset.num_experts
@@ -64,8 +65,7 @@ def replay_reference(policy, preset, tokens_BT, valid_BT) -> dict:
     g = torch.Generator().manual_seed(11)
     forced = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(B * T * L)])
     forced = forced.reshape(B, T, L, K)
-    with torch.no_grad(), replay_routing(policy, RoutingReplayCache.from_dense(forced, valid_BT,
-                                                                               E)):
+    with torch.no_grad(), replay_routing(policy, dense_cache(forced, valid_BT, E)):
         forced_logits = policy.logits(tokens_BT, valid_BT)
     return {"live_ids_BTLK": pw.dense_ids(live, B, T), "forced_ids_BTLK": forced,
             "forced_logits": forced_logits}

@@ -4,6 +4,7 @@ gradients unchanged, with and without Routing Replay."""
 import pytest
 import torch
 
+from tests.moe.grads import reduce_grads, reduced_grads
 from moe.model import ParallelLayout, Recompute
 from moe.policy import MoEPolicy
 from moe.presets import get_preset
@@ -23,9 +24,9 @@ def grads_after(recompute: Recompute, forwards):
                              optim=None, recompute=recompute)
     policy.zero_grad()
     policy.backward(sum(forwards(policy)))
-    policy.reduce_grads()
+    reduce_grads(policy)
     assert_routing_idle(policy)
-    return {n: p.grad.clone() for n, p in policy.model.module.named_parameters()}, policy
+    return reduced_grads(policy), policy
 
 
 def grads(recompute: Recompute, replay_from: RoutingReplayCache | None = None):

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from tests.moe.grads import dense_cache
 from moe.model import ParallelLayout
 from moe.presets import get_preset
 from moe.replay import (RoutingReplayCache, assert_routing_idle, ids_dtype, record_routing,
@@ -69,7 +70,7 @@ def test_forced_distinct_routes_follow_token_layout(policy):
     g = torch.Generator().manual_seed(5)
     ids_BTLK = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(B * T * L)])
     ids_BTLK = ids_BTLK.reshape(B, T, L, K)
-    cache = RoutingReplayCache.from_dense(ids_BTLK, valid_BT, E)
+    cache = dense_cache(ids_BTLK, valid_BT, E)
     maps = routed_maps(policy)
     with torch.no_grad(), replay_routing(policy, cache):
         policy.logits(tokens_BT, valid_BT)
@@ -244,9 +245,9 @@ def test_select_keeps_each_rows_padding_in_the_given_order():
     B, T, L, K, E = 3, 4, 2, 2, 64
     ids_BTLK = torch.arange(B * T * L * K).reshape(B, T, L, K)  # every id distinct
     valid_BT = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1], [0, 0, 1, 1]], dtype=torch.bool)
-    cache = RoutingReplayCache.from_dense(ids_BTLK, valid_BT, E)
+    cache = dense_cache(ids_BTLK, valid_BT, E)
     for rows in (torch.tensor([2, 0]), torch.tensor([1, 2, 0]), slice(1, 3)):
-        want = RoutingReplayCache.from_dense(ids_BTLK[rows], valid_BT[rows], E)
+        want = dense_cache(ids_BTLK[rows], valid_BT[rows], E)
         got = cache.select(rows)
         assert torch.equal(got.valid_BT, want.valid_BT), rows
         assert torch.equal(got.ids_NLK, want.ids_NLK), rows
