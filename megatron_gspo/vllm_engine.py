@@ -28,23 +28,31 @@ Where this departs from vLLM's defaults, and why:
   routing would be missing) and eager mode (`enforce_eager=True`): vLLM compiles the model
   without guards, so hooks installed after start-up are silently skipped in a compiled model.
 
-Routing capture (CPU or GPU, V1 model runner): each MoE layer's router (`FusedMoE` runner's
+Routing capture (shown on CPU with the V1 model runner; on a GPU vLLM's own
+`enable_return_routed_experts` is the path): each MoE layer's router (the `MoERunner`'s
 `router`, a vLLM `BaseRouter`) calls a capture function with the top-k ids it hands to the
-expert kernel (`set_capture_fn`, the hook vLLM's own `RoutedExpertsCapturer` binds on GPU). A
+expert kernel (`set_capture_fn`, the hook vLLM's `RoutedExpertsCapturer` binds on GPU). A
 pre-hook on the model records, per step, the runner's request order, `query_start_loc` and the
 token positions, so each captured row lands at (request, position) however requests were
 batched or prefills chunked; a request is identified by an index in its SamplingParams'
-`extra_args`. Private vLLM internals used: `WorkerWrapperBase.worker.model_runner`
-(`input_batch.req_ids`, `query_start_loc`, `requests`, `sampler`), `MoERunner.router`,
-`RoutedExperts.quant_method.moe_kernel.fused_experts`.
+`extra_args`.
 
-Weight push on CPU (vLLM 0.32.0): `reload_weights` re-runs the layers' weight processing but
-`UnquantizedFusedMoEMethod._setup_kernel` calls the experts' `process_weights_after_loading`
-only on the first load, so the CPU experts' weights stay in checkpoint layout while the kernel
-reads its prepacked layout (silently wrong log-probs): `push_weights` prepacks them again, for
-exactly the layers it pushed. With prefix caching on, cached prompt blocks keep the old keys
-and values: `push_weights` resets the prefix cache. `logprobs_of` cannot see a stale prefix
-cache (prompt log-prob requests skip reading it), only stale weights.
+Weight push on CPU (vLLM 0.32.0): `reload_weights` re-runs each reloaded layer's weight
+processing, with two gaps, each silently wrong log-probs: (1) `UnquantizedFusedMoEMethod.
+_setup_kernel` calls the experts' `process_weights_after_loading` (the CPU prepack) only on the
+first load, so reloaded experts stay in checkpoint layout: `push_weights` prepacks them again,
+for exactly the layers it pushed; (2) an output layer tied to the embedding gets no tensor of
+its own, so its packed CPU matmul weight is never rebuilt: `push_weights` rebuilds it. With
+prefix caching on, cached prompt blocks keep the old keys and values: `push_weights` resets
+the prefix cache. `logprobs_of` cannot see a stale prefix cache (prompt log-prob requests skip
+reading it), only stale weights.
+
+Private vLLM internals used: `WorkerWrapperBase.worker.model_runner` and on it
+`input_batch.req_ids`, `query_start_loc`, `requests`, `sampler.topk_topp_sampler.forward`;
+`MoERunner.router.set_capture_fn`, `MoERunner.gate`; `RoutedExperts.quant_method.moe_kernel.
+fused_experts` (`isa`, `_use_zentorch`); `vllm._custom_ops.cpu_prepack_moe_weight`; the output
+layer's `quant_method.process_weights_after_loading`. Side effect of vLLM's CPU worker: while
+an engine lives, `torch.set_num_threads` is a no-op (`close()` puts it back).
 """
 
 from __future__ import annotations
