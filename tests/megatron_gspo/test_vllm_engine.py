@@ -86,9 +86,11 @@ def hf(dirs):
 
 
 def _start(folder, **kw):
+    set_num_threads = torch.set_num_threads
     engine = vllm_engine.VLLMEngine(folder, max_model_len=256, kv_cache_gb=1, **kw)
     yield engine
     engine.close()
+    assert torch.set_num_threads is set_num_threads  # vLLM's CPU worker had replaced it
 
 
 @pytest.fixture(scope="module")
