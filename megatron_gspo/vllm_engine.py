@@ -16,50 +16,46 @@ Where this departs from vLLM's defaults, and why:
   tensors and the routing hooks run inside the model, both without crossing a process.
 - KV cache size explicit (`kv_cache_gb` -> `kv_cache_memory_bytes`): on CPU vLLM otherwise
   reserves a fraction of the host's memory (14.6 GiB measured) and starts slower.
-- Log-probs: vLLM returns `raw_logprobs` by default, log softmax of the logits before
-  temperature, top-k and top-p (`vllm/v1/sample/sampler.py`, Sampler.forward);
-  `processed_logprobs` is after temperature and after the top-k / top-p mask, i.e. the
-  renormalised nucleus. Ours are log pi(y) under the temperature-scaled distribution before
-  top-p (`megatron_gspo.rollout.draw`): the engine runs with `processed_logprobs` and the
-  sampler's top-k/top-p step is wrapped to return the log-softmax of the logits it receives,
-  which are already divided by the temperature. With top_p = 1 both are the same.
+- Log-probs: vLLM's default `raw_logprobs` are taken before temperature (`v1/sample/sampler.py`),
+  `processed_logprobs` after the top-k / top-p mask (the renormalised nucleus). Ours are under
+  the temperature-scaled distribution before top-p (`megatron_gspo.rollout.draw`): the engine
+  runs `processed_logprobs` with the sampler's top-k/top-p step wrapped to return the
+  log-softmax of the (temperature-divided) logits it receives. Equal where top_p = 1.
 - Stop tokens: only `stop_ids` stop a sample (`ignore_eos=True`); the stop token is kept.
 - `capture_routing`: prefix caching off (a cached prompt block is never run again, so its
   routing would be missing) and eager mode (`enforce_eager=True`): vLLM compiles the model
   without guards, so hooks installed after start-up are silently skipped in a compiled model.
 
-Routing capture (shown on CPU with the V1 model runner; on a GPU vLLM's own
-`enable_return_routed_experts` is the path): each MoE layer's router (the `MoERunner`'s
-`router`, a vLLM `BaseRouter`) calls a capture function with the top-k ids it hands to the
-expert kernel (`set_capture_fn`, the hook vLLM's `RoutedExpertsCapturer` binds on GPU). A
-pre-hook on the model records, per step, the runner's request order, `query_start_loc` and the
-token positions, so each captured row lands at (request, position) however requests were
-batched or prefills chunked; a request is identified by an index in its SamplingParams'
-`extra_args`.
+Routing capture (shown on CPU, V1 model runner; on a GPU vLLM's `enable_return_routed_experts`
+is the path): each MoE layer's router calls a capture function with the top-k ids it hands to
+the expert kernel (`BaseRouter.set_capture_fn`, which vLLM's GPU `RoutedExpertsCapturer` uses).
+A pre-hook on the model records each step's request order, `query_start_loc` and positions, so
+every row lands at its (request, position) whatever the batching or prefill chunking; requests
+are told apart by an index in their SamplingParams' `extra_args`.
 
-Weight push on CPU (vLLM 0.32.0): `reload_weights` re-runs each reloaded layer's weight
-processing, with two gaps, each silently wrong log-probs: (1) `UnquantizedFusedMoEMethod.
-_setup_kernel` calls the experts' `process_weights_after_loading` (the CPU prepack) only on the
-first load, so reloaded experts stay in checkpoint layout: `push_weights` prepacks them again,
-for exactly the layers it pushed; (2) an output layer tied to the embedding gets no tensor of
-its own, so its packed CPU matmul weight is never rebuilt: `push_weights` rebuilds it. With
-prefix caching on, cached prompt blocks keep the old keys and values: `push_weights` resets
-the prefix cache. `logprobs_of` cannot see a stale prefix cache (prompt log-prob requests skip
-reading it), only stale weights.
+Weight push on CPU (vLLM 0.32.0): `reload_weights` leaves two gaps, each silently wrong
+log-probs: (1) `UnquantizedFusedMoEMethod._setup_kernel` runs the CPU experts' prepack only on
+the first load, so reloaded experts stay in checkpoint layout: `push_weights` prepacks the
+layers it pushed again; (2) an output layer tied to the embedding gets no tensor of its own,
+so its packed CPU matmul weight is never rebuilt: `push_weights` rebuilds it. With prefix
+caching on, cached prompt blocks keep old keys and values: `push_weights` resets the cache.
+`logprobs_of` cannot see a stale prefix cache (prompt log-prob requests skip reading it).
 
-Private vLLM internals used: `WorkerWrapperBase.worker.model_runner` and on it
-`input_batch.req_ids`, `query_start_loc`, `requests`, `sampler.topk_topp_sampler.forward`;
-`MoERunner.router.set_capture_fn`, `MoERunner.gate`; `RoutedExperts.quant_method.moe_kernel.
-fused_experts` (`isa`, `_use_zentorch`); `vllm._custom_ops.cpu_prepack_moe_weight`; the output
-layer's `quant_method.process_weights_after_loading`. Side effect of vLLM's CPU worker: while
-an engine lives, `torch.set_num_threads` is a no-op (`close()` puts it back).
+Private vLLM internals used: the worker's `model_runner` (`input_batch`, `query_start_loc`,
+`requests`, `sampler`), `MoERunner.router` / `.gate`, the CPU experts kernel (`isa`),
+`cpu_prepack_moe_weight`, the output layer's `process_weights_after_loading` (docs/vllm.md).
+vLLM patches torch process-wide (stream stand-ins, a no-op `set_num_threads`) and its shutdown
+destroys the default process group even where megatron made it: `close()` undoes both.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import json
 import os
 import re
+import sys
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
@@ -67,8 +63,7 @@ import numpy as np
 import torch
 
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-# vLLM versions whose weight reload leaves CPU MoE experts un-prepacked (read in their source
-# and shown by tests/megatron_gspo/test_vllm_engine.py); others need that check redone.
+# vLLM versions whose CPU weight reload gaps (module docstring) were read and tested here
 REPREPACK_VERSIONS = ("0.32.0",)
 _ROW_KEY = "megatron_gspo_row"
 _EXPERT_LAYER = re.compile(r"layers\.(\d+)\.mlp\.experts\.")
@@ -103,6 +98,21 @@ class EngineResult:
     logprobs: list[float]
     routing: np.ndarray | None
     finish_reason: str
+
+
+# torch attributes vLLM's CPU worker replaces in the whole process: on import
+# (`vllm/v1/worker/cpu/shm.py`: stand-ins for CUDA streams and events, pin_memory) and in
+# `CPUWorker.init_device` (set_num_threads becomes a no-op)
+_TORCH_PATCHED = ("Event", "cuda.Event", "cuda.Stream", "cuda.set_stream", "cuda.current_stream",
+                  "cuda.stream", "accelerator.synchronize", "accelerator.empty_cache",
+                  "accelerator.get_memory_info", "Tensor.pin_memory", "Tensor.record_stream",
+                  "set_num_threads")
+
+
+def _torch_attrs() -> list:
+    """(owner, name, value) of each attribute in `_TORCH_PATCHED`, to put back later."""
+    return [(functools.reduce(getattr, p.split(".")[:-1], torch), p.split(".")[-1],
+             functools.reduce(getattr, p.split("."), torch)) for p in _TORCH_PATCHED]
 
 
 def _runner(worker):
@@ -193,7 +203,11 @@ class VLLMEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         import vllm
 
-        self._threads = (torch.set_num_threads, torch.get_num_threads())
+        dist = torch.distributed
+        self._host = (_torch_attrs(), torch.get_num_threads(),
+                      dist.is_available() and dist.is_initialized())
+        if (shm := sys.modules.get("vllm.v1.worker.cpu.shm")) is not None:
+            importlib.reload(shm)  # its patches again, where an earlier close() undid them
         self.llm = vllm.LLM(
             model=hf_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
             kv_cache_memory_bytes=int(kv_cache_gb * 2**30), skip_tokenizer_init=True,
@@ -235,11 +249,25 @@ class VLLMEngine:
         sampler.forward = forward
 
     def close(self) -> None:
-        """Drop the engine; give torch back `set_num_threads` (vLLM's CPU worker replaces it
-        with a no-op) and the thread count it had."""
-        self.llm, self.captures = None, []
-        torch.set_num_threads = self._threads[0]
-        torch.set_num_threads(self._threads[1])
+        """Shut the engine down and undo what vLLM changed in this process: a default process
+        group that existed before the engine (megatron's) is kept, where vLLM's shutdown would
+        destroy it; the torch attributes in `_TORCH_PATCHED` and the thread count are put back.
+        Both are process-wide: close the engines of a process together, last opened first."""
+        if self.llm is None:
+            return
+        llm, self.llm, self.captures = self.llm, None, []
+        attrs, threads, found_group = self._host
+        dist, destroy = torch.distributed, torch.distributed.destroy_process_group
+        if found_group:  # vLLM's shutdown destroys the default group (cleanup_dist_env_and_memory)
+            dist.destroy_process_group = lambda group=None: (
+                None if group in (None, dist.GroupMember.WORLD) else destroy(group))
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        finally:
+            dist.destroy_process_group = destroy
+        for obj, name, value in attrs:
+            setattr(obj, name, value)
+        torch.set_num_threads(threads)
 
     # ---------------------------------------------------------------- sampling
     def generate(self, prompt_ids: list[list[int]], *, n: int = 1, temperature: float = 1.0,
