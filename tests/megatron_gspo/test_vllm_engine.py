@@ -1,13 +1,14 @@
 """megatron_gspo.vllm_engine: vLLM in-process vs transformers and vs our megatron policy.
 
-A tiny Qwen3-MoE (head_dim 32, which vLLM's CPU attention supports; 8 experts, top-3) is built
-locally and compared in float32 with transformers (log-probs within 1e-5, router top-k equal)
-and with `moe.policy.MoEPolicy` before and after optimizer updates pushed into the engine. Each
-of the two CPU fixes in `push_weights` (re-prepacking the MoE experts, resetting the prefix
-cache) has a test that turns it off and sees the engine go wrong. Two engines are shared by the
-module: `engine` captures routing (prefix caching off, eager, small batches so prompts are
-prefilled in chunks and steps mix requests), `cached` has prefix caching on. Skipped without
-vLLM (it needs Python >= 3.11; docs/vllm.md).
+Tiny MoE models with head_dim 32 (which vLLM's CPU attention supports) are built locally and
+compared in float32 with transformers (log-probs within 1e-5, router top-k equal) and with
+`moe.policy.MoEPolicy` before and after optimizer updates pushed into the engine. Each CPU fix
+in `push_weights` (re-prepacking the MoE experts, rebuilding a tied output layer, resetting the
+prefix cache) has a test that turns it off and sees the engine go wrong. Three engines are
+shared by the module: `engine` (Qwen3-MoE, 8 experts, top-3) captures routing (prefix caching
+off, eager, 32-token steps so prompts are prefilled in chunks and steps mix requests), `cached`
+has prefix caching on, `tied` is a Qwen2-MoE with tied embeddings and a shared expert. Skipped
+without vLLM (it needs Python >= 3.11; docs/vllm.md).
 """
 
 import importlib.util
@@ -86,11 +87,13 @@ def hf(dirs):
 
 
 def _start(folder, **kw):
-    set_num_threads = torch.set_num_threads
+    before = [value for _, _, value in vllm_engine._torch_attrs()]
     engine = vllm_engine.VLLMEngine(folder, max_model_len=256, kv_cache_gb=1, **kw)
     yield engine
     engine.close()
-    assert torch.set_num_threads is set_num_threads  # vLLM's CPU worker had replaced it
+    # vLLM's CPU worker had patched torch (streams, set_num_threads): put back by close()
+    assert [value for _, _, value in vllm_engine._torch_attrs()] == before
+    assert torch.distributed.is_initialized()  # megatron's process group outlives the engine
 
 
 @pytest.fixture(scope="module")
