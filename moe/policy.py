@@ -39,6 +39,9 @@ class MoEPolicy:
                  layout: ParallelLayout, real_vocab: int, device: torch.device,
                  recompute: Recompute = Recompute()):
         self.model, self.optimizer = model, optimizer
+        self.version = 0
+        """Counts weight changes (optimizer steps taken, `weights_changed` calls): a sampler
+        holding its own copy of the weights pushes when this moved."""
         self.preset, self.layout = preset, layout
         self.real_vocab, self.device, self.recompute = real_vocab, device, recompute
         # per replayed forward, the routing its recompute must replay (`moe.replay`)
@@ -235,12 +238,15 @@ class MoEPolicy:
         from megatron.core.distributed import finalize_model_grads
 
         finalize_model_grads([self.model])
-        return self.optimizer.step()
+        stepped, grad_norm = self.optimizer.step()
+        self.version += int(stepped)
+        return stepped, grad_norm
 
     def weights_changed(self) -> None:
         """Call after writing the model's weights outside the optimizer (init checkpoint, HF
         import): 16-bit models' fp32 master copies are refreshed from them (megatron's
         `reload_model_params`)."""
+        self.version += 1
         if self.optimizer is not None:
             self.optimizer.optimizer.reload_model_params()
 
@@ -257,6 +263,7 @@ class MoEPolicy:
         return state
 
     def load_state_dict(self, state: dict, strict: bool = True) -> None:
+        self.version += 1
         self.model.module.load_state_dict(state["model"], strict=strict)
         if self.optimizer is not None and "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])

@@ -20,6 +20,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from typing import Iterator
+
 import torch
 import torch.distributed as dist
 
@@ -118,20 +120,28 @@ def load_full_params(model, full: dict[str, torch.Tensor]) -> None:
         params[name].copy_(tensor.to(params[name].dtype))
 
 
-@torch.no_grad()
 def gather_full_params(model, grads: bool = False) -> dict[str, torch.Tensor]:
     """The full parameter (or, with `grads`, reduced gradient: `main_grad` after megatron's
     finalize, `tests/moe/grads.reduce_grads`) dict assembled from all TP/EP ranks.
 
     Collective over the TP and EP groups; every rank gets the whole dict, on CPU.
     """
+    return dict(iter_full_params(model, grads))
+
+
+@torch.no_grad()
+def iter_full_params(model, grads: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor on CPU) of each parameter, one at a time, in the model's order (a
+    layer's tensors together); names as in a 1-process model (global expert indices).
+    Collective over the TP and EP groups per tensor: every rank must iterate to the end.
+    Streams a model to a consumer (an inference engine's weight push) without holding it
+    whole twice."""
     from megatron.core import parallel_state as ps
 
     tp, ep = ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size()
     params = _model_params(model)
     n_local = _local_experts_per_layer(params)
     plan = shard_plan(model, ps.get_tensor_model_parallel_rank(), tp, 0)
-    full: dict[str, torch.Tensor] = {}
     for name, param in params.items():
         tensor = (param.main_grad if grads else param).detach()
         is_expert = param.is_moe_expert
@@ -143,7 +153,6 @@ def gather_full_params(model, grads: bool = False) -> dict[str, torch.Tensor]:
             parts = [torch.empty_like(tensor) for _ in range(ep)]
             dist.all_gather(parts, tensor.contiguous(), group=ps.get_expert_model_parallel_group())
             for r, part in enumerate(parts):
-                full[_global_name(name, r, n_local)] = part.cpu().clone()
+                yield _global_name(name, r, n_local), part.cpu().clone()
             continue
-        full[_global_name(name, 0, n_local) if is_expert else name] = tensor.cpu().clone()
-    return full
+        yield (_global_name(name, 0, n_local) if is_expert else name), tensor.cpu().clone()

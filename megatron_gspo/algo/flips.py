@@ -121,6 +121,33 @@ def _keyed(per_layer: dict[str, list[float]], stats: dict[str, str]) -> dict[str
     return out
 
 
+def sampler_mismatch(live: RoutingReplayCache, sampler: RoutingReplayCache,
+                     rows_N: torch.Tensor) -> dict:
+    """The sampler's routing vs the trainer's live recompute of the same tokens at the same
+    weights, on the loss rows `rows_N` (collective), as the R3 paper (arXiv 2510.11370) counts:
+    `rollout/routing_mismatch/layer_XX|mean|max`, the fraction of routers (token, layer) whose
+    top-k sets differ; `rollout/routing_any_diff`, the fraction of tokens whose top-k differs in
+    at least one layer; `rollout/routing_mismatch_experts/...`, the fraction of (token, expert)
+    activations that differ (the flip rate); `rollout/routing_mismatch_all/...`, that flip rate
+    on every valid token."""
+    every_N = torch.ones_like(rows_N, dtype=torch.bool)
+    on_rows, on_all = flip_counts_over(live, sampler, [rows_N, every_N])
+    out = _keyed(on_rows, {"any_flip": "rollout/routing_mismatch/",
+                           "flip_rate": "rollout/routing_mismatch_experts/"})
+    out["rollout/routing_mismatch/max"] = max(on_rows["any_flip"])
+    out.update(_keyed(on_all, {"flip_rate": "rollout/routing_mismatch_all/"}))
+    differs_N = torch.zeros(rows_N.shape, dtype=torch.bool)
+    for layer in range(live.num_layers):
+        a_NE = topk_mask(live.layer_ids(layer), live.num_experts)
+        b_NE = topk_mask(sampler.layer_ids(layer).to(a_NE.device), live.num_experts)
+        differs_N |= (a_NE != b_NE).any(1).cpu()
+    rows_N = rows_N.bool().cpu()
+    n, total = sum_over_ranks(torch.tensor([float((differs_N & rows_N).sum()),
+                                            float(rows_N.sum())], dtype=torch.float64)).tolist()
+    out["rollout/routing_any_diff"] = n / total if total else float("nan")
+    return out
+
+
 def layer_flips(old: RoutingReplayCache, new: RoutingReplayCache, prefix: str,
                 rows_N: torch.Tensor) -> dict:
     """Flip rate of `new` vs `old` per layer, `mean` and `max`: on the rows `rows_N` (the loss

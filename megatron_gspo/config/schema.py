@@ -184,11 +184,21 @@ class RolloutConfig:
     cuda_graphs: bool = True
     """backend=megatron_engine: replay its decode steps as CUDA graphs (megatron's own,
     `cuda_graph_impl=local` at block scope; training forwards stay eager)."""
+    engine_dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """backend=vllm: the engine's precision ("auto": the model's, model.dtype); bf16 with an
+    fp32 trainer is the train-inference mismatch R3 removes."""
+    engine_kv_cache_gb: float = 1.0
+    """backend=vllm: the engine's KV cache, in GiB (vLLM otherwise reserves a fraction of the
+    host's or GPU's memory)."""
+    push_check_tol: Optional[float] = None
+    """backend=vllm: after each weight push the engine's and the trainer's log-probs of a fixed
+    probe sequence may differ by at most this (nats) or the run stops before sampling; None:
+    1e-4 for a float32 engine, 0.25 for bfloat16."""
 
     def __post_init__(self):
         validate(self, nonempty=("backend",),
                  ge={"prompts_per_batch": 1, "group_size": 2, "max_new_tokens": 1},
-                 gt={"temperature": 0})
+                 gt={"temperature": 0, "engine_kv_cache_gb": 0, "push_check_tol": 0})
         check(self, "top_p", 0 < self.top_p <= 1, "must be in (0, 1]")
 
     @property

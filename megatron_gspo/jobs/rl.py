@@ -41,7 +41,8 @@ from megatron_gspo.jobs.band import AccuracyBandError, check_start_accuracy
 from megatron_gspo.config.schema import ConfigError, RunConfig
 from megatron_gspo.dist import all_ranks, max_over_ranks, reduce_metrics
 from megatron_gspo.rollout.filters import overlong_filter, rollout_health, sample_rollouts
-from megatron_gspo.algo.flips import FlipSchedule, layer_flips, loss_positions, token_rows
+from megatron_gspo.algo.flips import (FlipSchedule, loss_positions, sampler_mismatch,
+                                      token_rows)
 from megatron_gspo.algo.losses import PolicyLossFn, get_policy_loss, tis_weights
 from megatron_gspo.run.metrics import Timer, format_progress
 from megatron_gspo.run.oom import OLD_PASS, ROLLOUT, TRAIN_STEP, out_of_memory
@@ -247,8 +248,7 @@ class Trainer:
             shared["replay/cache_bytes"] = replay.nbytes
         if batch.routing is not None:  # how far the sampler's routing is from the recompute's
             rows_N = token_rows(self.policy, live_routing, loss_positions(batch.response_BT))
-            shared.update(layer_flips(live_routing, batch.routing, "rollout/routing_mismatch/",
-                                      rows_N))
+            shared.update(sampler_mismatch(live_routing, batch.routing, rows_N))
             if cfg.train.routing_replay == "r3":
                 shared.update(rollout_metrics(batch, old_logp_BT, "rollout/logprob_mismatch_r3/"))
         pi_old_BT = batch.sampler_logp_BT if cfg.rollout.use_sampler_logprobs else old_logp_BT
@@ -297,6 +297,7 @@ class Trainer:
         batch, self.filter_metrics = sample_rollouts(draw, cfg.filter, self.local_prompts,
                                                      cfg.rollout.group_size,
                                                      self.rt.tokenizer.pad_id)
+        self.filter_metrics.update(getattr(self.rt.sampler, "metrics", {}))  # e.g. weight sync
         return batch
 
     # ------------------------------------------------------------------ one optimizer step

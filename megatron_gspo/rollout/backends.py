@@ -1,14 +1,14 @@
 """`rollout.backend` -> a `Sampler`: the built-in backends registered, and the one lookup.
 
-Importing this module registers "lean" and "megatron" (`rollout.decoders`) and
-"megatron_engine" (`rollout.engine`); a backend defined elsewhere registers itself with
+Importing this module registers "lean" and "megatron" (`rollout.decoders`), "megatron_engine"
+(`rollout.engine`) and "vllm" (`rollout.vllm`); a backend defined elsewhere registers itself with
 `megatron_gspo.rollout.sampler.register_sampler` and is found by the same name.
 """
 
 from __future__ import annotations
 
 from megatron_gspo.config.schema import ConfigError
-from megatron_gspo.rollout import decoders, engine  # noqa: F401  (they register their backends)
+from megatron_gspo.rollout import decoders, engine, vllm  # noqa: F401  (they register backends)
 from megatron_gspo.rollout.sampler import SAMPLERS, Sampler
 
 

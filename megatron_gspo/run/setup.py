@@ -73,8 +73,10 @@ class Runtime:
     """The run's sampler over `policy` (`rollout.backend`): rollouts and the greedy eval."""
 
     def close(self) -> None:
-        """Close the metrics log and release run_dir."""
+        """Close the metrics log and the sampler (an engine's memory), release run_dir."""
         self.logger.close()
+        if self.sampler is not None and hasattr(self.sampler, "close"):
+            self.sampler.close()
         if self.lock is not None:
             self.lock.release()
             self.lock = None

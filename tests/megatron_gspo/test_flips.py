@@ -374,3 +374,25 @@ def test_replayed_step_without_a_known_before_routes_it_live(monkeypatch):
     with step.watch():
         pass
     assert step.before is live and step.used is step.mb.replay
+
+
+def test_sampler_mismatch_counts_routers_tokens_and_activations(single_process):
+    """3 loss-row tokens, 2 layers, K=2 of E=4: token 0 differs in layer 0 by one expert, token
+    1 in both layers (sets disjoint in layer 1), token 2 nowhere; a 4th token off the loss
+    rows differs in both layers and counts only in the `_all` keys."""
+    from megatron_gspo.algo.flips import sampler_mismatch
+
+    E = 4
+    valid_BT = torch.ones(1, 4, dtype=torch.bool)
+    live = torch.tensor([[[0, 1], [2, 3]], [[0, 1], [0, 1]], [[1, 2], [0, 3]], [[0, 1], [0, 1]]])
+    samp = torch.tensor([[[0, 2], [2, 3]], [[1, 0], [2, 3]], [[2, 1], [3, 0]], [[2, 3], [2, 3]]])
+    samp[1, 0] = torch.tensor([0, 3])  # token 1, layer 0: one expert differs
+    rows_N = torch.tensor([True, True, True, False])
+    m = sampler_mismatch(RoutingReplayCache(live, valid_BT, E),
+                         RoutingReplayCache(samp, valid_BT, E), rows_N)
+    assert m["rollout/routing_mismatch/layer_00"] == pytest.approx(2 / 3)  # tokens 0, 1
+    assert m["rollout/routing_mismatch/layer_01"] == pytest.approx(1 / 3)  # token 1
+    assert m["rollout/routing_mismatch/max"] == pytest.approx(2 / 3)
+    assert m["rollout/routing_any_diff"] == pytest.approx(2 / 3)
+    assert m["rollout/routing_mismatch_experts/layer_01"] == pytest.approx(2 / 6)
+    assert m["rollout/routing_mismatch_all/layer_01"] == pytest.approx(4 / 8)

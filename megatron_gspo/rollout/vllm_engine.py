@@ -18,7 +18,7 @@ Where this departs from vLLM's defaults, and why:
   reserves a fraction of the host's memory (14.6 GiB measured) and starts slower.
 - Log-probs: vLLM's default `raw_logprobs` are taken before temperature (`v1/sample/sampler.py`),
   `processed_logprobs` after the top-k / top-p mask (the renormalised nucleus). Ours are under
-  the temperature-scaled distribution before top-p (`megatron_gspo.rollout.draw`): the engine
+  the temperature-scaled distribution before top-p (`megatron_gspo.rollout.decoders.draw`): the engine
   runs `processed_logprobs` with the sampler's top-k/top-p step wrapped to return the
   log-softmax of the (temperature-divided) logits it receives. Equal where top_p = 1.
 - Stop tokens: only `stop_ids` stop a sample (`ignore_eos=True`); the stop token is kept.
@@ -271,12 +271,14 @@ class VLLMEngine:
 
     # ---------------------------------------------------------------- sampling
     def generate(self, prompt_ids: list[list[int]], *, n: int = 1, temperature: float = 1.0,
-                 top_p: float = 1.0, max_new_tokens: int = 64,
-                 stop_ids: Iterable[int] = ()) -> list[EngineResult]:
-        """`n` samples per prompt, prompt-major ([p0 s0, p0 s1, ..., p1 s0, ...])."""
+                 top_p: float = 1.0, max_new_tokens: int = 64, stop_ids: Iterable[int] = (),
+                 greedy: bool = False, seed: int | None = None) -> list[EngineResult]:
+        """`n` samples per prompt, prompt-major ([p0 s0, p0 s1, ..., p1 s0, ...]). `greedy`:
+        arg-max decoding (vLLM's temperature 0; temperature and top_p ignored); `seed`: sample
+        k draws with seed + k (reproducible per seed), None: vLLM's own stream."""
         from vllm import SamplingParams
 
-        if not temperature > 0:
+        if not (greedy or temperature > 0):
             raise ValueError(f"temperature={temperature}: sampling needs temperature > 0")
         longest = max(len(p) for p in prompt_ids) + max_new_tokens
         if longest > self.max_model_len:
@@ -287,9 +289,11 @@ class VLLMEngine:
             for j in range(n):
                 requests.append({"prompt_token_ids": list(prompt)})
                 params.append(SamplingParams(
-                    n=1, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens,
+                    n=1, temperature=0.0 if greedy else temperature,
+                    top_p=1.0 if greedy else top_p, max_tokens=max_new_tokens,
                     stop_token_ids=list(stop_ids), ignore_eos=True, logprobs=0,
-                    detokenize=False, extra_args={_ROW_KEY: i * n + j}))
+                    detokenize=False, extra_args={_ROW_KEY: i * n + j},
+                    seed=None if seed is None else seed + i * n + j))
         for capture in self.captures:
             capture.rows, capture.active = {}, True
         try:

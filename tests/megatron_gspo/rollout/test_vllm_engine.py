@@ -1,4 +1,4 @@
-"""megatron_gspo.vllm_engine: vLLM in-process vs transformers and vs our megatron policy.
+"""megatron_gspo.rollout.vllm_engine: vLLM in-process vs transformers and vs our megatron policy.
 
 Tiny MoE models with head_dim 32 (which vLLM's CPU attention supports) are built locally and
 compared in float32 with transformers (log-probs within 1e-5, router top-k equal) and with
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_gspo import vllm_engine
+from megatron_gspo.rollout import vllm_engine
 from tests.hf_fixtures import load_hf, make_model
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -171,7 +171,7 @@ def test_logprobs_equal_transformers(engine, hf):
 def test_vllm_processed_logprobs_are_the_nucleus_ours_are_not(engine, hf):
     """vLLM's processed_logprobs renormalise over the top-p nucleus; the engine reports the
     temperature-scaled distribution before top-p, as our sampler does."""
-    from megatron_gspo.rollout import top_p_filter
+    from megatron_gspo.rollout.decoders import top_p_filter
 
     engine._pre_top_p = False
     try:

@@ -1,0 +1,179 @@
+"""The "vllm" sampler: vLLM in this process, its weights pushed from the trainer after updates.
+
+Shape legend: B sequences, T columns, L MoE layers, K top-k.
+
+`VLLMSampler` runs `rollout.vllm_engine.VLLMEngine` (an in-process `vllm.LLM`) over a
+config.json written from the policy's preset (any `model.preset`, or `model.hf_path`'s own
+config.json with the vocabulary cut to the tokenizer's), with random weights at start
+(`load_format="dummy"`): before sampling, whenever the policy's weights changed since the last
+push (`MoEPolicy.version`: an optimizer step, a checkpoint load), it streams them to the engine
+one tensor at a time (`moe.sharding.iter_full_params`: gathered over TP / EP on every rank,
+never the whole model at once), named as Hugging Face names by `moe.hf.mapping`. After each
+push a guard scores a fixed probe sequence with both engine and trainer: log-probs further
+apart than `rollout.push_check_tol` stop the run in one line before anything is sampled from
+wrong weights. The engine records each MoE layer's top-k per token (`capture_routing`): R3
+replays the engine's routing, and the trainer logs the engine-vs-trainer mismatch per layer.
+
+`metrics` after a sample: `time/weight_sync` (seconds of the last push, 0 without one) and
+`rollout/push_probe_diff` (the guard's largest |log-prob difference|).
+
+Departures: the engine's precision is `rollout.engine_dtype` (default: the model's); one engine
+per data-parallel rank, each sampling its own prompts; vLLM's own seeded draws (per request,
+from the run's generator), so its tokens are not our decoders' for a seed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+
+import torch
+
+from megatron_gspo.config.schema import ConfigError
+from megatron_gspo.rollout.sampler import Samples, SamplingParams, register_sampler
+from moe.engine import to_batch
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+CHECK_TOL = {"float32": 1e-4, "bfloat16": 0.25}
+"""Default `rollout.push_check_tol` by engine dtype: a stale or mis-packed weight moves the
+probe's log-probs by nats (docs/vllm.md), float32 parity is ~1e-5, bfloat16 rounding ~0.1."""
+PROBE_LEN = 16
+
+
+class VLLMSampler:
+    """`Sampler` over an in-process vLLM engine (see the module docstring)."""
+
+    def __init__(self, policy, tokenizer, cfg):
+        from megatron_gspo.rollout.vllm_engine import VLLMEngine
+
+        self.policy, self.tokenizer, self.num_experts = policy, tokenizer, \
+            policy.preset.num_experts
+        self.dtype = DTYPES.get(cfg.rollout.engine_dtype) or DTYPES.get(cfg.model.dtype,
+                                                                          "float32")
+        self.tol = cfg.rollout.push_check_tol or CHECK_TOL[self.dtype]
+        self.folder = tempfile.TemporaryDirectory(prefix="megatron_gspo_vllm_")
+        self.hf_config = write_config(self.folder.name, policy, cfg)
+        try:
+            self.engine = VLLMEngine(self.folder.name, dtype=self.dtype, seed=cfg.seed,
+                                     max_model_len=policy.preset.max_seq_len,
+                                     kv_cache_gb=cfg.rollout.engine_kv_cache_gb,
+                                     capture_routing=True,
+                                     engine_args={"load_format": "dummy"})
+        except Exception as e:  # vLLM's start-up errors: one line naming what failed
+            raise ConfigError(f"rollout.backend=vllm: the engine did not start: "
+                              f"{type(e).__name__}: {str(e).splitlines()[0][:300]}") from None
+        g = torch.Generator().manual_seed(cfg.seed)
+        self.probe = torch.randint(0, tokenizer.vocab_size, (PROBE_LEN,), generator=g).tolist()
+        self.pushed = None  # the policy version the engine holds
+        self.metrics: dict[str, float] = {}
+
+    def close(self) -> None:
+        """Shut the engine down (`VLLMEngine.close`) and remove its config folder."""
+        self.engine.close()
+        self.folder.cleanup()
+
+    def sample(self, prompts: list[list[int]], params: SamplingParams,
+               generator: torch.Generator | None = None) -> Samples:
+        self.sync()
+        seed = None if generator is None else \
+            int(torch.randint(2 ** 31 - 1 - len(prompts), (1,), generator=generator))
+        results = self.engine.generate(
+            prompts, temperature=params.temperature, top_p=params.top_p,
+            max_new_tokens=params.max_new_tokens, stop_ids=sorted(self.tokenizer.stop_ids),
+            greedy=params.greedy, seed=seed)
+        tokens_BT, valid_BT, response_BT, logp_BT, routing = to_batch(
+            results, self.tokenizer.pad_id, self.num_experts)
+        return Samples(tokens_BT, valid_BT, response_BT, logp_BT,
+                       routing if params.record_routing else None)
+
+    def sync(self) -> None:
+        """Push the policy's weights if they changed since the last push, then check them."""
+        self.metrics = {"time/weight_sync": 0.0}
+        if self.pushed == self.policy.version:
+            return
+        t0 = time.perf_counter()
+        try:
+            self.engine.push_weights(hf_stream(self.policy, self.hf_config))
+        except Exception as e:  # a push that fails: one line, nothing sampled
+            raise ConfigError(f"rollout.backend=vllm: pushing the weights (version "
+                              f"{self.policy.version}) failed: {type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:300]}") from None
+        self.metrics["time/weight_sync"] = time.perf_counter() - t0
+        self.metrics["rollout/push_probe_diff"] = diff = self.probe_diff()
+        if not diff <= self.tol:
+            raise ConfigError(f"rollout.backend=vllm: after pushing the weights (version "
+                              f"{self.policy.version}) the engine's log-probs of a probe "
+                              f"sequence differ from the trainer's by {diff:.3g} > "
+                              f"rollout.push_check_tol={self.tol:g}: stopping before sampling "
+                              "from wrong weights")
+        self.pushed = self.policy.version
+
+    @torch.no_grad()
+    def probe_diff(self) -> float:
+        """max |engine - trainer| log-prob of the probe's tokens (temperature 1)."""
+        ids_1T = torch.tensor([self.probe])
+        was = self.policy.model.training
+        self.policy.train(False)
+        try:
+            ours = self.policy.token_logprobs(ids_1T, torch.ones_like(ids_1T, dtype=torch.bool))
+        finally:
+            self.policy.train(was)
+        theirs = torch.tensor(self.engine.logprobs_of(self.probe))
+        return float((ours[0, 1:].cpu().double() - theirs.double()).abs().max())
+
+
+def write_config(folder: str, policy, cfg) -> dict:
+    """config.json of the policy's architecture with the tokenizer's vocabulary (the preset's
+    padding rows are never pushed, so vLLM never samples them); `model.hf_path`'s other keys
+    kept. Returns it."""
+    from moe.hf.config import hf_config_dict, read_hf_config
+
+    base = read_hf_config(cfg.model.hf_path) if cfg.model.hf_path else None
+    try:
+        hf_config = hf_config_dict(policy.preset, policy.real_vocab, DTYPES[cfg.model.dtype]
+                                   if cfg.model.dtype in DTYPES else "float32", base)
+    except ValueError as e:
+        raise ConfigError(f"rollout.backend=vllm: {e}") from None
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(hf_config, f)
+    return hf_config
+
+
+def hf_stream(policy, hf_config: dict):
+    """The policy's weights as (Hugging Face name, tensor), one megatron parameter at a time,
+    gathered over TP / EP (collective: every rank pulls the whole stream), vocabulary padding
+    cut."""
+    from moe.hf.mapping import HFMapping, local_to_te
+    from moe.sharding import iter_full_params
+
+    mapping, vocab = HFMapping(hf_config), hf_config["vocab_size"]
+    # which layers are MoE (local_to_te reads it off the router names)
+    routers = [n for n, _ in policy.model.module.named_parameters() if ".mlp.router." in n]
+    for name, tensor in iter_full_params(policy.model.module):
+        te_name = local_to_te([name, *routers])[name]
+        for hf_name, part in mapping.to_hf(te_name, tensor):
+            if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                part = part[:vocab]
+            yield hf_name, part.contiguous()
+
+
+def _unavailable() -> str | None:
+    from megatron_gspo.rollout.vllm_engine import unavailable
+
+    return unavailable()
+
+
+@register_sampler("vllm")
+def _factory(policy, tokenizer, cfg) -> VLLMSampler:
+    from megatron_gspo.rollout.vllm_engine import CPU_HEAD_DIMS
+
+    if not torch.cuda.is_available() and policy.preset.kv_channels not in CPU_HEAD_DIMS:
+        raise ConfigError(f"rollout.backend=vllm: head_dim={policy.preset.kv_channels} is not "
+                          f"supported by vLLM's CPU attention (needs one of "
+                          f"{', '.join(map(str, CPU_HEAD_DIMS))})")
+    return VLLMSampler(policy, tokenizer, cfg)
+
+
+_factory.unavailable = _unavailable  # checked before any set-up

@@ -1,0 +1,122 @@
+"""rollout.backend=vllm through the trainer: weights pushed after every update (the engine's
+log-probs stay the trainer's, float32), R3 from the engine's routing, the stale-weight guard,
+and bad input. A tiny Qwen3-MoE of head_dim 32 (vLLM's CPU attention needs >= 32) on the
+committed GSM8K-style fixture; skipped without vLLM (Python >= 3.11, docs/vllm.md)."""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from megatron_gspo.config.schema import ConfigError, load_config
+from megatron_gspo.run.metrics import read_jsonl
+from tests.hf_fixtures import make_model
+
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vLLM is not installed (pip install -e '.[vllm]')")
+FIXTURE = os.path.join(os.path.dirname(__file__), "..", "..", "fixtures", "gsm_tiny")
+MODEL = dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+             num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+             max_position_embeddings=256)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """The model folder; its output layer halved (float32 noise floor: test_vllm_engine)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = str(tmp_path_factory.mktemp("qwen3_hd32"))
+    make_model(folder, **MODEL)
+    tensors = load_file(f"{folder}/model.safetensors")
+    tensors["lm_head.weight"] = (0.5 * tensors["lm_head.weight"]).contiguous()
+    save_file(tensors, f"{folder}/model.safetensors")
+    return folder
+
+
+def config(tmp_path, hf_dir, *overrides):
+    return load_config(None, [
+        f"model.hf_path={hf_dir}", "model.max_seq_len=256", "task.name=dataset",
+        f"data.train_files=[{FIXTURE}/train.jsonl]", f"data.eval_files=[{FIXTURE}/test.jsonl]",
+        "reward.name=math", "rollout.max_new_tokens=8", "rollout.prompts_per_batch=2",
+        "rollout.group_size=4", "train.num_minibatches=2", "train.eval_every=0",
+        "train.save_every=0", "wandb.mode=disabled", "rollout.backend=vllm",
+        "optim.lr=1e-3", f"run_dir={tmp_path / 'run'}", *overrides])
+
+
+@needs_vllm
+def test_rl_with_r3_from_vllm_keeps_the_engine_on_the_trainers_weights(tmp_path, hf_dir):
+    """Two iterations of two minibatches (4 updates, a push before each rollout batch): the
+    engine's log-probs equal the trainer's recompute within 1e-5 and its routing the trainer's
+    (float32, same weights), pi_old replays the engine's routing (first-minibatch ratio 1)."""
+    from megatron_gspo.jobs.rl import Trainer
+
+    cfg = config(tmp_path, hf_dir, "train.steps=2", "train.routing_replay=r3")
+    trainer = Trainer.from_config(cfg)
+    # rewards with variance in every group (an untrained model scores 0 on math): real updates
+    object.__setattr__(trainer.rt.task, "reward", lambda example, completion:
+                       float(len(completion) % 2))
+    start = trainer.policy.version
+    before = [p.detach().clone() for p in trainer.policy.model.module.parameters()]
+    trainer.train()
+    after = list(trainer.policy.model.module.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(after, before))  # the pushes mattered
+    rows = read_jsonl(os.path.join(cfg.run_dir, "metrics.jsonl"))
+    assert [r["train/minibatch"] for r in rows] == [0, 1, 0, 1]
+    for r in rows:
+        assert r["rollout/logprob_mismatch/max"] <= 1e-5
+        assert r["rollout/routing_mismatch/max"] == 0.0
+        assert r["rollout/routing_any_diff"] == 0.0
+        assert "rollout/routing_mismatch/layer_01" in r
+    for r in rows[::2]:
+        assert r["policy/log_ratio/abs_max"] < 1e-5  # pi_old routed as the engine did
+        assert r["rollout/push_probe_diff"] <= 1e-5 and r["time/weight_sync"] > 0
+    assert trainer.policy.version == start + 4  # four updates; pushed before each batch
+
+
+@needs_vllm
+def test_weights_the_engine_did_not_get_stop_the_run_before_sampling(tmp_path, hf_dir):
+    """A push that delivers nothing (the engine keeps the old weights) is caught by the probe
+    once the policy has moved: one ConfigError naming the difference, no batch sampled."""
+    from megatron_gspo.jobs.rl import Trainer
+
+    trainer = Trainer.from_config(config(tmp_path, hf_dir, "train.steps=2"))
+    sampler = trainer.rt.sampler
+    trainer.rollout(0)  # the first push: the engine holds the policy's weights
+    with torch.no_grad():  # the policy moves (as an update would)
+        for p in trainer.policy.model.module.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
+    trainer.policy.weights_changed()
+    pushes, calls = [], []
+    sampler.engine.push_weights = lambda stream: pushes.append(sum(1 for _ in stream)) or 0
+    real = sampler.engine.generate
+    sampler.engine.generate = lambda *a, **k: calls.append(1) or real(*a, **k)
+    with pytest.raises(ConfigError, match=r"probe sequence differ from the trainer's by .* > "
+                                          r"rollout.push_check_tol=0.0001"):
+        trainer.rollout(1)
+    assert pushes and pushes[0] > 0 and not calls
+    trainer.rt.close()
+
+
+@needs_vllm
+def test_an_unsupported_cpu_head_dim_is_one_line_and_writes_nothing(tmp_path):
+    from megatron_gspo.jobs.rl import Trainer
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU attention's limit")
+    cfg = load_config(None, ["model.preset=tiny", "rollout.backend=vllm", "wandb.mode=disabled",
+                             f"run_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match="head_dim=8 is not supported by vLLM's CPU"):
+        Trainer.from_config(cfg)
+    assert not os.path.exists(os.path.join(cfg.run_dir, "metrics.jsonl"))
+
+
+def test_without_vllm_the_backend_names_the_extra(tmp_path, monkeypatch):
+    """vLLM missing: one ConfigError naming the extra, before any set-up."""
+    import sys
+
+    from megatron_gspo.rollout.backends import check_backend
+
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(ConfigError, match=r"pip install -e '.\[vllm\]'"):
+        check_backend(load_config(None, ["rollout.backend=vllm"]))
