@@ -120,3 +120,42 @@ def test_without_vllm_the_backend_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)
     with pytest.raises(ConfigError, match=r"pip install -e '.\[vllm\]'"):
         check_backend(load_config(None, ["rollout.backend=vllm"]))
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_under_ep2_each_rank_engine_gets_the_gathered_weights(tmp_path, hf_dir):
+    """`torchrun --nproc-per-node 2 ... model.ep=2 rollout.backend=vllm`: each rank's engine is
+    pushed the experts of both ranks (gathered per tensor), and its log-probs equal the
+    trainer's within 1e-5 before and after the updates (weight decay moves every weight even
+    where the math reward gives no gradient)."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "megatron_gspo.cli", "train", f"model.hf_path={hf_dir}",
+           "model.max_seq_len=256", "task.name=dataset", f"data.train_files=[{FIXTURE}/train.jsonl]",
+           f"data.eval_files=[{FIXTURE}/test.jsonl]", "reward.name=math",
+           "rollout.max_new_tokens=8", "rollout.prompts_per_batch=2", "rollout.group_size=4",
+           "train.num_minibatches=2", "train.eval_every=0", "train.save_every=0",
+           "wandb.mode=disabled", "rollout.backend=vllm", "optim.lr=1e-2",
+           "optim.weight_decay=0.1", "train.steps=2", "train.routing_replay=r3", "model.ep=2",
+           f"run_dir={run_dir}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, err[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train/iteration"] for r in rows] == [0, 0, 1, 1]
+    assert rows[-1]["policy/log_ratio/abs_max"] > 1e-4  # the weights moved between pushes
+    for r in rows:
+        assert r["rollout/logprob_mismatch/max"] <= 1e-5
+        assert r["rollout/push_probe_diff"] <= 1e-5 and r["rollout/routing_any_diff"] == 0.0
