@@ -50,8 +50,9 @@ from megatron_gspo.rollout.batch import RolloutBatch
 from megatron_gspo.rollout.generate import generate_rollouts
 from megatron_gspo.rollout.sampler import ENGINES, SamplingParams
 from megatron_gspo.run.rundir import forget_run
-from megatron_gspo.run.setup import (Runtime, build_policy, evaluate_runtime, load_init_weights,
-                                   save_state, setup_runtime, try_resume)
+from megatron_gspo.run.init import load_init_weights
+from megatron_gspo.run.resume import save_state, try_resume
+from megatron_gspo.run.setup import Runtime, build_policy, evaluate_runtime, setup_runtime
 from moe.replay import (RoutingReplayCache, chunk_count, current_routing, replay_routing,
                         row_chunks)
 from moe.router_noise import router_noise

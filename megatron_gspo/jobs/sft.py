@@ -18,8 +18,8 @@ from megatron_gspo.run.metrics import format_progress
 from megatron_gspo.dist import reduce_metrics
 from megatron_gspo.run.oom import SFT_STEP, out_of_memory
 from megatron_gspo.run.preempt import Preempted, Preemption
-from megatron_gspo.run.setup import (evaluate_runtime, save_state, setup_runtime,
-                                   try_resume)
+from megatron_gspo.run.resume import save_state, try_resume
+from megatron_gspo.run.setup import evaluate_runtime, setup_runtime
 
 
 def sft_batch(tokenizer, examples) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
