@@ -50,6 +50,7 @@ from megatron_gspo.rollout.batch import RolloutBatch
 from megatron_gspo.rollout.generate import generate_rollouts
 from megatron_gspo.rollout.sampler import ENGINES, SamplingParams
 from megatron_gspo.run.rundir import forget_run
+from megatron_gspo.run import seeds
 from megatron_gspo.run.init import load_init_weights
 from megatron_gspo.run.resume import save_state, try_resume
 from megatron_gspo.run.setup import Runtime, build_policy, evaluate_runtime, setup_runtime
@@ -203,8 +204,7 @@ class Trainer:
                                                       cfg, OLD_PASS):
             full, shared = self.prepare(batch)
         shared["train/iteration"] = it
-        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + it)
-        order = torch.randperm(len(batch), generator=gen)
+        order = torch.randperm(len(batch), generator=seeds.minibatch_order(cfg.seed, it))
         metrics = {}
         mbs = [full.select(rows) for rows in order.chunk(cfg.train.num_minibatches)]
         for m, mb in enumerate(mbs):
@@ -284,7 +284,7 @@ class Trainer:
     def rollout(self, it: int) -> RolloutBatch:
         cfg, info = self.cfg, self.rt.info
         # Same draw on every TP rank of a DP replica; deterministic per iteration (resumable).
-        gen = torch.Generator().manual_seed(cfg.seed * 7_919 + it * 104_729 + info.dp_rank)
+        gen = seeds.rollout_prompts(cfg.seed, it, info.dp_rank)
         params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
                                 temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                 record_routing=self.records_sampler_routing())
@@ -347,8 +347,7 @@ class Trainer:
         std = self.cfg.train.router_noise_std
         if not std or mb.replay is not None:
             return router_noise(self.policy, 0.0, None)
-        gen = torch.Generator(self.policy.device).manual_seed(
-            self.cfg.seed * 1_000_033 + self.state.opt_step + 17)
+        gen = seeds.router_noise(self.cfg.seed, self.state.opt_step, self.policy.device)
         return router_noise(self.policy, std, gen)
 
     def guard(self, stepped: bool) -> dict:

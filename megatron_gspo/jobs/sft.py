@@ -16,6 +16,7 @@ from megatron_gspo.jobs.band import AccuracyBandError, SFTBand, fmt_band
 from megatron_gspo.config.schema import RunConfig
 from megatron_gspo.run.metrics import format_progress
 from megatron_gspo.dist import reduce_metrics
+from megatron_gspo.run import seeds
 from megatron_gspo.run.oom import SFT_STEP, out_of_memory
 from megatron_gspo.run.preempt import Preempted, Preemption
 from megatron_gspo.run.resume import save_state, try_resume
@@ -57,7 +58,7 @@ def _sft_loop(rt) -> dict:
     if cfg.sft.batch_size % info.dp:
         raise ValueError(f"sft.batch_size={cfg.sft.batch_size} is not divisible by the "
                          f"data-parallel size {info.dp}")
-    gen = torch.Generator().manual_seed(cfg.seed * 31 + info.dp_rank)
+    gen = seeds.sft_batches(cfg.seed, info.dp_rank)
     band = SFTBand(cfg)
     resumed = try_resume(rt)
     if resumed is not None:
