@@ -4,10 +4,10 @@ restart takes up the newest good step (`try_resume`).
 Layout (`megatron_gspo.run.checkpoint`, `latest` marker): in each step dir, `dist/` is the
 policy (model, optimizer, lr schedule) written by `moe.dist_ckpt` through megatron-core's
 dist_checkpointing, each rank writing only its own shards (checksummed like the rank files);
-`rank_XXXXX.pt` holds each rank's job state (`extra`: counters, streams), RNG state and config.
-A checkpoint resumes with any TP / EP / DP layout; RNG states are restored only for the same
-layout. Checkpoints written before dist checkpoints (the policy in the rank files) still resume
-with the same layout.
+`rank_XXXXX.pt` holds each rank's job state (`extra`: the run loop's `JobState` and row,
+`megatron_gspo.run.loop`), RNG state and config. A checkpoint resumes with any TP / EP / DP
+layout; RNG states are restored only for the same layout. Checkpoints written before dist
+checkpoints (the policy in the rank files) still resume with the same layout.
 
 Resume verifies every shard and falls back, with a warning, past a corrupt latest step to the
 newest good one; rows of metrics.jsonl logged after the resumed step are dropped, so no step is

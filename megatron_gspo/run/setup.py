@@ -5,7 +5,7 @@
 data files / tokenizer / chat template whose contents changed since the run started
 (`megatron_gspo.run.inputs`), all before anything is written; `eval` only reads. The policy's
 weights come from `init_checkpoint` (`megatron_gspo.run.init`) or, on a resume, from the run's
-own checkpoint, which the job restores (`megatron_gspo.run.resume`).
+own checkpoint, which the run loop restores (`megatron_gspo.run.resume`, `megatron_gspo.run.loop`).
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ class Runtime:
     that needs no KL reference: its weights are the run's own checkpoint's)."""
     sampler: Sampler | None = None
     """The run's sampler over `policy` (`rollout.backend`): rollouts and the greedy eval."""
+    job: str = "train"
+    """The job that claimed run_dir: "train", "sft" or "eval"."""
 
     def close(self) -> None:
         """Close the metrics log and release run_dir."""
@@ -181,7 +183,7 @@ def setup_runtime(cfg: RunConfig, job: str) -> Runtime:
             lock.release()
         raise
     return Runtime(cfg, info, tokenizer, task, train_set, eval_set, policy, logger, lock,
-                   first_start=bool(first), init_dir=init_dir, sampler=sampler)
+                   first_start=bool(first), init_dir=init_dir, sampler=sampler, job=job)
 
 
 def _preflight(cfg: RunConfig, job: str) -> tuple[OptimSettings | None, ParallelInfo, bool]:
