@@ -261,3 +261,20 @@ def test_rl_evaluates_the_initial_policy_only_for_an_eval_cadence_or_a_start_ban
     assert start_eval("train.eval_every=0", "train.start_accuracy=[0,0.5]")
     s = rl.schedule(load_config(None, ["train.steps=5", "train.eval_every=2"]))
     assert [n for n in range(1, 6) if s.eval_due(n)] == [2, 4]  # not forced at the last
+
+
+def test_the_run_room_never_imports_the_jobs():
+    """Jobs plug into the run loop through its protocol; no module of megatron_gspo.run imports
+    megatron_gspo.jobs, at module level or inside a function."""
+    import ast
+
+    room = os.path.dirname(loop.__file__)
+    for name in sorted(os.listdir(room)):
+        if not name.endswith(".py"):
+            continue
+        with open(os.path.join(room, name), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        imported += [f"{n.module}.{a.name}" for n in ast.walk(tree)
+                     if isinstance(n, ast.ImportFrom) for a in n.names]
+        assert not [m for m in imported if m.startswith("megatron_gspo.jobs")], name
