@@ -143,9 +143,10 @@ class RunLoop:
     def __init__(self, rt, job: Job, preemption: Callable[[], Preemption] | None = None):
         self.rt, self.job = rt, job
         self.preemption = preemption or Preemption
-        self.resumed = try_resume(rt) or {}
-        if self.resumed:
-            job.restore(self.resumed)
+        extra = try_resume(rt)
+        self.resumed = extra or {}
+        if extra is not None:
+            job.restore(extra)
 
     def run(self) -> dict:
         """Run to the end of the schedule (or into the band); returns the last row. A signal
@@ -156,6 +157,8 @@ class RunLoop:
             self.rt.close()
 
     def _run(self) -> dict:
+        """Nothing to do, or the start eval, then the steps under the signal handlers, then
+        the band's last word."""
         job = self.job
         done = self._nothing_to_do()
         if done is not None:
