@@ -61,12 +61,37 @@ def check_start_accuracy(cfg: RunConfig, metrics: dict) -> None:
         f"sft.target_accuracy={fmt_band(band)}, or change the band)")
 
 
+class StartBand:
+    """`train.start_accuracy` as RL's band in the run loop (`megatron_gspo.run.loop.Band`):
+    the eval of the initial policy (step 0) must be inside it (`check_start_accuracy`); RL never
+    stops inside a band, and its later evals are not checked."""
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+
+    def update(self, step: int, accuracy: float) -> bool:
+        if step == 0:
+            check_start_accuracy(self.cfg, {ACC: accuracy})
+        return False
+
+    def record(self) -> dict:
+        return {}
+
+    def summary(self) -> str:
+        return ""
+
+    def finish(self) -> None:
+        return None
+
+
 class SFTBand:
     """`sft.target_accuracy`'s stopping rule over SFT's evals, in step order.
 
     `update(step, accuracy)` returns True when SFT should stop here (the accuracy entered the
     band) and raises AccuracyBandError when it jumped past the band; `exhausted()` is the error
-    for a budget spent below the band. `record()` is what the final checkpoint / metrics keep.
+    for a budget spent below the band, which `finish()` raises. `record()` is what the final
+    checkpoint / metrics keep; `resume` takes up a resumed run's. SFT's band in the run loop
+    (`megatron_gspo.run.loop.Band`).
     """
 
     def __init__(self, cfg: RunConfig):
@@ -103,12 +128,32 @@ class SFTBand:
             f"{self.cfg.sft.steps} ({last}checkpoint saved in {self.cfg.run_dir}); raise "
             "sft.steps and run the same command to go on")
 
+    def finish(self) -> None:
+        """At the end of sft.steps: `exhausted()` when a band was set (SFT stops on entering
+        it, so reaching the end means it was not)."""
+        if self.band is not None:
+            raise self.exhausted()
+
     def record(self) -> dict:
         """{"sft/start_accuracy": the checkpoint's accuracy, where RL starts, "sft/band_step":
         the step it entered the band}; {} before it did."""
         if self.entered is None:
             return {}
         return {"sft/start_accuracy": self.last[1], "sft/band_step": float(self.entered)}
+
+    def summary(self) -> str:
+        """Where SFT entered the band, in words (once it did)."""
+        return (f"SFT entered sft.target_accuracy={fmt_band(self.band)} at step {self.entered}: "
+                f"held-out accuracy {self.last[1]:.4f}")
+
+    def resume(self, step: int, row: dict, record: dict) -> None:
+        """Take up a resumed run at step `step`: its `record()` if it had stopped inside the
+        band, else the eval in the saved step's row (the previous eval a jump is named from)."""
+        if record:
+            self.entered = int(record["sft/band_step"])
+            self.last = (self.entered, record["sft/start_accuracy"])
+        elif ACC in row:
+            self.last = (step, row[ACC])
 
 
 def cold_start_line(sft_dir: str) -> str:

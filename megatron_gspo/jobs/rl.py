@@ -9,13 +9,15 @@ in one no-grad forward, compute group advantages, then split the rollout batch i
 that has moved m-1 times since pi_old, which is what makes the importance ratio (and clipping)
 matter; with one minibatch GSPO reduces to on-policy policy gradient (PITFALLS #4).
 
-Per optimizer step it also measures expert flips (`megatron_gspo.algo.flips.FlipSchedule`): the top-k
-sets of the same tokens just before and just after the step, and after the step vs pi_old.
+Per optimizer step it also measures expert flips (`megatron_gspo.algo.flips.FlipSchedule`): the
+top-k sets of the same tokens just before and just after the step, and after the step vs pi_old.
 
-Parts: `Trainer(rt, cfg, ref_policy=..., loss_fn=...)` runs the loop over parts
-built elsewhere (`Trainer.from_config` is the CLI's factory). The rollout batch becomes one
-`Minibatch` (tokens, pi_old log-probs, advantages, routing caches) whose `select(rows)` gives
-each optimizer step's rows; counters live in `TrainerState`, which checkpoints carry.
+Parts: `Trainer(rt, cfg, ref_policy=..., loss_fn=...)` is the RL job over parts built elsewhere
+(`Trainer.from_config` is the CLI's factory); the run loop (`megatron_gspo.run.loop`) drives it
+as it drives SFT: resume, the start eval and `train.start_accuracy`, logging, saves, preemption.
+The rollout batch becomes one `Minibatch` (tokens, pi_old log-probs, advantages, routing caches)
+whose `select(rows)` gives each optimizer step's rows; counters live in `TrainerState`, which
+checkpoints carry. The metrics helpers are `megatron_gspo.jobs.rl_metrics`.
 
 Routing Replay: `r2` replays pi_old's routing from the no-grad training-side forward (GSPO
 paper, sec. 5.3); `r3` replays the routing the sampler itself used (recorded step by step through
@@ -25,8 +27,8 @@ rate of the sampler's routing vs the training-side live recompute of the same we
 `rollout/logprob_mismatch_r3/...`, the sampler's log-probs vs pi_old's replayed ones (what is
 left after R3: the precision). Departure: by default both sides run the same weights in the same
 framework and precision, so the mismatch is float rounding only (`rollout.sampler_dtype=bf16`
-makes it real, `megatron_gspo.rollout.precision`); with a separate inference engine (vLLM/SGLang kernels,
-bf16) it is what R3 exists to remove.
+makes it real, `megatron_gspo.rollout.precision`); with a separate inference engine (vLLM/SGLang
+kernels, bf16) it is what R3 exists to remove.
 """
 
 from __future__ import annotations
@@ -37,22 +39,23 @@ from dataclasses import dataclass
 import torch
 
 from megatron_gspo.algo.advantages import group_advantages
-from megatron_gspo.jobs.band import AccuracyBandError, check_start_accuracy
-from megatron_gspo.config.schema import ConfigError, RunConfig
-from megatron_gspo.dist import all_ranks, max_over_ranks, reduce_metrics
-from megatron_gspo.rollout.filters import overlong_filter, rollout_health, sample_rollouts
 from megatron_gspo.algo.flips import (FlipSchedule, loss_positions, sampler_mismatch,
                                       token_rows)
 from megatron_gspo.algo.losses import PolicyLossFn, get_policy_loss, tis_weights
-from megatron_gspo.run.metrics import Timer, format_progress
-from megatron_gspo.run.oom import OLD_PASS, ROLLOUT, TRAIN_STEP, out_of_memory
-from megatron_gspo.run.preempt import Preempted, Preemption
+from megatron_gspo.config.schema import ConfigError, RunConfig
+from megatron_gspo.dist import all_ranks, max_over_ranks, reduce_metrics
+from megatron_gspo.jobs.band import StartBand
+from megatron_gspo.jobs.rl_metrics import response_metrics, rollout_metrics, throughput
 from megatron_gspo.rollout.batch import RolloutBatch
+from megatron_gspo.rollout.filters import overlong_filter, rollout_health, sample_rollouts
 from megatron_gspo.rollout.generate import generate_rollouts
 from megatron_gspo.rollout.sampler import ENGINES, SamplingParams
-from megatron_gspo.run.rundir import forget_run
-from megatron_gspo.run.setup import (Runtime, build_policy, evaluate_runtime, load_init_weights,
-                                   save_state, setup_runtime, try_resume)
+from megatron_gspo.run import seeds
+from megatron_gspo.run.init import load_init_weights
+from megatron_gspo.run.loop import RunLoop, Schedule
+from megatron_gspo.run.metrics import Timer
+from megatron_gspo.run.oom import OLD_PASS, ROLLOUT, TRAIN_STEP, out_of_memory
+from megatron_gspo.run.setup import Runtime, build_policy, evaluate_runtime, setup_runtime
 from moe.replay import (RoutingReplayCache, chunk_count, current_routing, replay_routing,
                         row_chunks)
 from moe.router_noise import router_noise
@@ -108,28 +111,39 @@ class TrainerState:
     reward_ema: float | None = None
     best_reward_ema: float | None = None
 
+    done = property(lambda self: self.iteration)
+    log_step = property(lambda self: self.opt_step)
+
+    def to_checkpoint(self) -> dict:
+        return dataclasses.asdict(self)
+
     @classmethod
-    def from_dict(cls, d: dict) -> "TrainerState":
-        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+    def from_checkpoint(cls, extra: dict) -> "TrainerState":
+        """The state saved in `extra` (keys it does not know, the run loop's included, are
+        left)."""
+        return cls(**{f.name: extra[f.name] for f in dataclasses.fields(cls) if f.name in extra})
 
 
 class Trainer:
-    """The RL loop over parts built elsewhere: `rt` (process groups, policy, tokenizer, task and
-    splits, metrics logger, run dir), the config's sections, a reference policy for the KL (or
-    None), the loss function and the rollout generator. `Trainer.from_config` builds the parts
-    the way the CLI does; tests pass their own (e.g. a generator with altered routing)."""
+    """The RL job over parts built elsewhere: `rt` (process groups, policy, tokenizer, task and
+    splits, sampler, metrics logger, run dir), the config's sections, a reference policy for the
+    KL (or None) and the loss function. `Trainer.from_config` builds the parts the way the CLI
+    does; tests pass their own. Building it resumes run_dir's checkpoint (`self.loop`, the run
+    loop of `megatron_gspo.run.loop`, which `train()` runs); the job's part is one rollout batch
+    (`iteration`), the eval, its state (`TrainerState`) and its band (`train.start_accuracy`)."""
 
     def __init__(self, rt: Runtime, cfg: RunConfig, *, ref_policy=None,
                  loss_fn: PolicyLossFn | None = None):
         self.rt, self.cfg, self.policy, self.ref_policy = rt, cfg, rt.policy, ref_policy
         self.loss_fn = loss_fn or get_policy_loss(cfg.loss.name)
         self.local_prompts = local_prompts(cfg, rt.info.dp)
-        self.state = TrainerState.from_dict(try_resume(rt) or {})
+        self.state, self.band, self.schedule = TrainerState(), StartBand(cfg), schedule(cfg)
         self.timer = Timer()
         self.filter_metrics: dict = {}  # dynamic sampling's, of the last rollout
         # pi_old's routing is the live one at its weights, except under R3 (the sampler's)
         self.flips = FlipSchedule(cfg.train.flip_every,
                                   old_is_live=cfg.train.routing_replay != "r3")
+        self.loop = RunLoop(rt, self)  # resumes: self.state is the checkpoint's from here on
 
     @classmethod
     def from_config(cls, cfg: RunConfig, **parts) -> "Trainer":
@@ -147,54 +161,22 @@ class Trainer:
             rt.close()
             raise
 
-    # ------------------------------------------------------------------ loop
     def train(self) -> dict:
-        """Run to `train.steps` rollout batches; a signal saves and raises `Preempted`."""
-        cfg, state, last = self.cfg, self.state, {}
-        try:
-            if state.iteration >= cfg.train.steps:
-                if self.rt.info.is_main:
-                    print(f"{cfg.run_dir} already finished {state.iteration} of "
-                          f"train.steps={cfg.train.steps} rollout batches; nothing to do "
-                          "(raise train.steps to continue it)", flush=True)
-                return last
-            if state.iteration == 0 and (cfg.train.eval_every or cfg.train.start_accuracy):
-                self._log(state.opt_step, first := self.evaluate())
-                self.check_start(first)
-            with Preemption() as stop:
-                while state.iteration < cfg.train.steps:
-                    last = self.iteration()
-                    it = state.iteration
-                    self.check_weights(it)  # never save (or sample from) NaN weights
-                    if self.rt.info.is_main and it % cfg.train.log_every == 0:
-                        print(format_progress(it, cfg.train.steps, last, PROGRESS_KEYS),
-                              flush=True)
-                    signum = stop.requested()
-                    if self.should_save(it) or signum:
-                        save_state(self.rt, it, dataclasses.asdict(state))
-                    if signum and it < cfg.train.steps:
-                        raise Preempted(signum, f"stopped at rollout batch {it} of "
-                                        f"{cfg.train.steps}; checkpoint saved in {cfg.run_dir}; "
-                                        "run the same command to resume")
-        finally:
-            self.rt.close()
-        return last
+        """Run to `train.steps` rollout batches (`megatron_gspo.run.loop.RunLoop.run`); a signal
+        saves and raises `Preempted`. Returns the last rollout batch's row."""
+        return self.loop.run()
 
-    def check_start(self, first_eval: dict) -> None:
-        """`train.start_accuracy` (megatron_gspo.jobs.band); a refused start leaves no run record."""
-        try:
-            check_start_accuracy(self.cfg, first_eval)
-        except AccuracyBandError:
-            if self.rt.first_start:  # not the record of a run finished before (save_every 0)
-                forget_run(self.cfg.run_dir, "train")
-            raise
+    def restore(self, extra: dict) -> None:
+        self.state = TrainerState.from_checkpoint(extra)
 
-    def should_save(self, iteration: int) -> bool:
-        every = self.cfg.train.save_every
-        return bool(every) and (iteration % every == 0 or iteration == self.cfg.train.steps)
+    def evaluate(self) -> dict:
+        return evaluate_runtime(self.rt)
 
+    # ------------------------------------------------------------------ one rollout batch
     def iteration(self) -> dict:
-        """One rollout batch: sample, pi_old pass, `train.num_minibatches` optimizer steps."""
+        """One rollout batch: sample, pi_old pass, `train.num_minibatches` optimizer steps. Logs
+        each minibatch's row but the last, whose metrics (with timings, throughput, collapse
+        alerts) it returns for the run loop to log."""
         cfg, it = self.cfg, self.state.iteration
         self.timer.reset()
         with self.timer("rollout"), out_of_memory("the rollout", cfg, ROLLOUT):
@@ -203,8 +185,7 @@ class Trainer:
                                                       cfg, OLD_PASS):
             full, shared = self.prepare(batch)
         shared["train/iteration"] = it
-        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + it)
-        order = torch.randperm(len(batch), generator=gen)
+        order = torch.randperm(len(batch), generator=seeds.minibatch_order(cfg.seed, it))
         metrics = {}
         mbs = [full.select(rows) for rows in order.chunk(cfg.train.num_minibatches)]
         for m, mb in enumerate(mbs):
@@ -213,14 +194,11 @@ class Trainer:
                                           first=m == 0)
             metrics = reduce_metrics({**metrics, **shared, "train/minibatch": m})
             if m < cfg.train.num_minibatches - 1:
-                self._log(self.state.opt_step, metrics)
+                self.rt.logger.log(self.state.opt_step, metrics)
         self.state.iteration = it + 1
         metrics.update(self.timer.as_metrics())
         metrics.update(throughput(batch, self.timer))
         metrics.update(self.collapse_alerts(metrics))
-        if cfg.train.eval_every and self.state.iteration % cfg.train.eval_every == 0:
-            metrics.update(self.evaluate())
-        self._log(self.state.opt_step, metrics)
         return metrics
 
     def prepare(self, batch: RolloutBatch) -> tuple[Minibatch, dict]:
@@ -283,7 +261,7 @@ class Trainer:
     def rollout(self, it: int) -> RolloutBatch:
         cfg, info = self.cfg, self.rt.info
         # Same draw on every TP rank of a DP replica; deterministic per iteration (resumable).
-        gen = torch.Generator().manual_seed(cfg.seed * 7_919 + it * 104_729 + info.dp_rank)
+        gen = seeds.rollout_prompts(cfg.seed, it, info.dp_rank)
         params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
                                 temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                 record_routing=self.records_sampler_routing())
@@ -347,8 +325,7 @@ class Trainer:
         std = self.cfg.train.router_noise_std
         if not std or mb.replay is not None:
             return router_noise(self.policy, 0.0, None)
-        gen = torch.Generator(self.policy.device).manual_seed(
-            self.cfg.seed * 1_000_033 + self.state.opt_step + 17)
+        gen = seeds.router_noise(self.cfg.seed, self.state.opt_step, self.policy.device)
         return router_noise(self.policy, std, gen)
 
     def guard(self, stepped: bool) -> dict:
@@ -361,15 +338,6 @@ class Trainer:
                 f"loss or grad norm (train.max_skipped_steps={self.cfg.train.max_skipped_steps}); "
                 f"checkpoints in {self.cfg.run_dir} are untouched")
         return {"train/skipped": float(not stepped)}
-
-    def check_weights(self, iteration: int) -> None:
-        """FloatingPointError once an update has left a weight NaN / inf (every rank agrees)."""
-        finite = torch.stack([p.isfinite().all() for p in self.policy.model.module.parameters()])
-        if not all_ranks(bool(finite.all())):  # one device sync, not one per parameter
-            raise FloatingPointError(
-                f"the policy's weights are not finite after rollout batch {iteration} "
-                f"(optimizer step {self.state.opt_step}; lr too high?); not saved: checkpoints "
-                f"in {self.cfg.run_dir} are untouched")
 
     def collapse_alerts(self, metrics: dict) -> dict:
         """Flag a reward crash (EMA below best by `collapse_reward_drop`) or entropy collapse."""
@@ -386,11 +354,18 @@ class Trainer:
         return {"alert/reward_collapse": float(reward_crash),
                 "alert/entropy_collapse": float(entropy_crash)}
 
-    def evaluate(self) -> dict:
-        return evaluate_runtime(self.rt)
 
-    def _log(self, step: int, metrics: dict) -> None:
-        self.rt.logger.log(step, metrics)
+def schedule(cfg: RunConfig) -> Schedule:
+    """RL's steps for the run loop: `train.steps` rollout batches; the initial policy's eval
+    when `train.eval_every` or `train.start_accuracy` asks for it, then every `eval_every`; a
+    checkpoint every `train.save_every` and after the last (none with 0); a progress line every
+    `train.log_every`."""
+    t = cfg.train
+    return Schedule(total=t.steps, steps_key="train.steps", unit="rollout batch",
+                    units="rollout batches", start_eval=bool(t.eval_every or t.start_accuracy),
+                    eval_every=t.eval_every, save_every=t.save_every,
+                    save_last=bool(t.save_every), progress_every=t.log_every,
+                    progress_keys=PROGRESS_KEYS)
 
 
 def local_prompts(cfg: RunConfig, dp: int) -> int:
@@ -406,41 +381,3 @@ def local_prompts(cfg: RunConfig, dp: int) -> int:
                           f"{prompts // dp * group} rollout rows (rollout.prompts_per_batch / "
                           f"dp * rollout.group_size = {prompts} / {dp} * {group})")
     return prompts // dp
-
-
-def rollout_metrics(batch: RolloutBatch, recompute_logp_BT: torch.Tensor,
-                    mismatch: str | None = None) -> dict:
-    """Reward and length statistics, and `rollout/logprob_mismatch/{mean,max}`: |sampler's
-    log-prob - the trainer's recompute| over response tokens. With `mismatch` (a key prefix),
-    only that mismatch, under the prefix."""
-    resp_BT = batch.response_BT
-    lengths_B = batch.response_lengths_B.float()
-    diff_BT = (batch.sampler_logp_BT - recompute_logp_BT.cpu()).abs() * resp_BT
-    if mismatch is not None:
-        return {f"{mismatch}mean": float(diff_BT.sum() / resp_BT.sum()),
-                f"{mismatch}max": float(diff_BT.max())}
-    return {"reward/mean": float(batch.rewards_B.mean()),
-            "reward/std": float(batch.rewards_B.std(unbiased=False)),
-            "reward/accuracy": float((batch.rewards_B >= 1.0).float().mean()),
-            "response/length/mean": float(lengths_B.mean()),
-            "response/length/max": float(lengths_B.max()),
-            "rollout/logprob_mismatch/mean": float(diff_BT.sum() / resp_BT.sum()),
-            "rollout/logprob_mismatch/max": float(diff_BT.max())}
-
-
-def response_metrics(mb: Minibatch, logp_BT: torch.Tensor, entropy_BT: torch.Tensor) -> dict:
-    """Token-mean entropy and |log pi - log pi_old| over the response tokens. On a rollout
-    batch's first minibatch pi == pi_old, so a log-ratio there comes from the router noise (or
-    the sampler, with `rollout.use_sampler_logprobs`)."""
-    resp_BT = mb.response_BT.to(entropy_BT.device)
-    abs_lr_BT = (logp_BT.detach() - mb.old_logp_BT.to(logp_BT.device)).abs() * resp_BT
-    return {"policy/entropy": float((entropy_BT.detach() * resp_BT).sum() / resp_BT.sum()),
-            "policy/log_ratio/abs_mean": float(abs_lr_BT.sum() / resp_BT.sum())}
-
-
-def throughput(batch: RolloutBatch, timer: Timer) -> dict:
-    t = timer.as_metrics()
-    gen_tokens = float(batch.response_BT.sum())
-    train_tokens = float(batch.valid_BT.sum())
-    return {"perf/rollout_tokens_per_s": gen_tokens / max(t.get("time/rollout", 0.0), 1e-9),
-            "perf/train_tokens_per_s": train_tokens / max(t.get("time/train", 0.0), 1e-9)}

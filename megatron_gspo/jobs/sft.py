@@ -6,20 +6,25 @@ Cross-entropy on the reference answer (and <eos>) given `<bos> prompt`, token-me
 batch. The GSPO paper starts RL from a cold-start fine-tuned model; here SFT is run only until
 the policy is partially right (`eval/accuracy` well inside (0, 1)), so that groups of G samples
 have non-zero reward variance and RL has something to learn.
+
+The job gives the run loop (`megatron_gspo.run.loop`) its step, its eval, its state (`SFTState`)
+and its band (`sft.target_accuracy`, `megatron_gspo.jobs.band.SFTBand`); resume, preemption, the
+save at the end and "already finished" are the loop's, as for RL.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from megatron_gspo.jobs.band import AccuracyBandError, SFTBand, fmt_band
-from megatron_gspo.config.schema import RunConfig
-from megatron_gspo.run.metrics import format_progress
+from megatron_gspo.config.schema import ConfigError, RunConfig
 from megatron_gspo.dist import reduce_metrics
+from megatron_gspo.jobs.band import SFTBand
+from megatron_gspo.run import seeds
+from megatron_gspo.run.loop import RunLoop, Schedule
 from megatron_gspo.run.oom import SFT_STEP, out_of_memory
-from megatron_gspo.run.preempt import Preempted, Preemption
-from megatron_gspo.run.setup import (evaluate_runtime, save_state, setup_runtime,
-                                   try_resume)
+from megatron_gspo.run.setup import evaluate_runtime, setup_runtime
 
 
 def sft_batch(tokenizer, examples) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -40,6 +45,77 @@ def sft_batch(tokenizer, examples) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return tokens_BT, valid_BT, target_BT
 
 
+@dataclass
+class SFTState:
+    """What an SFT checkpoint carries besides the weights, under the keys SFT checkpoints have
+    always had (`job`, `step`, `gen`; the run loop adds the row and the band's record)."""
+
+    gen: torch.Generator
+    """This data-parallel rank's batch stream (`megatron_gspo.run.seeds.sft_batches`): one
+    stream for the whole job, so its state is saved, not re-derived."""
+    step: int = 0
+    """SFT steps done (one optimizer step each: the metrics' step)."""
+
+    done = property(lambda self: self.step)
+    log_step = property(lambda self: self.step)
+
+    def to_checkpoint(self) -> dict:
+        return {"job": "sft", "step": self.step, "gen": self.gen.get_state()}
+
+    @classmethod
+    def from_checkpoint(cls, extra: dict) -> "SFTState":
+        gen = torch.Generator()
+        gen.set_state(extra["gen"])
+        return cls(gen=gen, step=extra["step"])
+
+
+@dataclass
+class SFTJob:
+    """Cold-start SFT as a job of the run loop: `sft.steps` cross-entropy steps on this rank's
+    share of `sft.batch_size`, evaluated every `sft.eval_every` steps and at the last, saved at
+    the last, stopped early inside `sft.target_accuracy` (`SFTBand`). ConfigError when the batch
+    does not split evenly over the data-parallel ranks."""
+
+    rt: object
+    """The run's `megatron_gspo.run.setup.Runtime`."""
+    state: SFTState = field(init=False)
+    band: SFTBand = field(init=False)
+    schedule: Schedule = field(init=False)
+
+    def __post_init__(self):
+        cfg, info = self.rt.cfg, self.rt.info
+        if cfg.sft.batch_size % info.dp:
+            raise ConfigError(f"sft.batch_size={cfg.sft.batch_size} is not divisible by the "
+                              f"data-parallel size {info.dp}")
+        self.state = SFTState(gen=seeds.sft_batches(cfg.seed, info.dp_rank))
+        self.band, self.schedule = SFTBand(cfg), schedule(cfg)
+
+    def iteration(self) -> dict:
+        self.rt.policy.train(True)  # the sampler puts it back after an eval; the guard is cheap
+        with out_of_memory("an SFT step", self.rt.cfg, SFT_STEP):
+            metrics = sft_step(self.rt, self.state.gen)
+        self.state.step += 1
+        return reduce_metrics(metrics)
+
+    def evaluate(self) -> dict:
+        return evaluate_runtime(self.rt)
+
+    def restore(self, extra: dict) -> None:
+        self.state = SFTState.from_checkpoint(extra)
+        self.band.resume(self.state.step, extra.get("eval", {}), extra.get("band") or {})
+
+
+def schedule(cfg: RunConfig) -> Schedule:
+    """SFT's steps for the run loop: `sft.steps`, after an eval of the initial policy; an eval
+    and a progress line every `sft.eval_every` steps and at the last (none with 0); one
+    checkpoint, at the last step (or where the band stops SFT)."""
+    every = cfg.sft.eval_every
+    return Schedule(total=cfg.sft.steps, steps_key="sft.steps", unit="SFT step",
+                    units="SFT steps", eval_every=every, eval_last=bool(every), save_last=True,
+                    progress_every=every, progress_last=bool(every),
+                    progress_keys=("sft/loss", "eval/accuracy"))
+
+
 def run_sft(cfg: RunConfig) -> dict:
     """Train `cfg.sft.steps` steps, evaluating every `cfg.sft.eval_every`; save a checkpoint at
     the end (and on SIGTERM / Ctrl-C / SIGHUP, then raise `Preempted`); resume a stopped run. With
@@ -47,87 +123,9 @@ def run_sft(cfg: RunConfig) -> dict:
     `AccuracyBandError` past it or when sft.steps runs out (`megatron_gspo.jobs.band`)."""
     rt = setup_runtime(cfg, job="sft")
     try:
-        return _sft_loop(rt)
+        return RunLoop(rt, SFTJob(rt)).run()
     finally:
-        rt.close()
-
-
-def _sft_loop(rt) -> dict:
-    cfg, policy, info = rt.cfg, rt.policy, rt.info
-    if cfg.sft.batch_size % info.dp:
-        raise ValueError(f"sft.batch_size={cfg.sft.batch_size} is not divisible by the "
-                         f"data-parallel size {info.dp}")
-    gen = torch.Generator().manual_seed(cfg.seed * 31 + info.dp_rank)
-    band = SFTBand(cfg)
-    resumed = try_resume(rt)
-    if resumed is not None:
-        gen.set_state(resumed["gen"])
-        metrics = resumed["eval"]
-        if resumed.get("band"):  # stopped in the band: done
-            if info.is_main:
-                print(f"{cfg.run_dir} entered sft.target_accuracy at step "
-                      f"{resumed['band']['sft/band_step']:.0f}; nothing to do", flush=True)
-            return {**metrics, **resumed["band"]}
-        if "eval/accuracy" in metrics:
-            band.last = (resumed["step"], metrics["eval/accuracy"])
-    else:
-        metrics = evaluate_runtime(rt)
-        if band.band is not None and band.update(0, reduce_metrics(metrics)["eval/accuracy"]):
-            return _stop_in_band(rt, band, 0, metrics, gen, reduce_metrics(metrics))
-        rt.logger.log(0, metrics)
-    start = resumed["step"] + 1 if resumed else 1
-    if start > cfg.sft.steps and info.is_main:
-        print(f"{cfg.run_dir} already finished sft.steps={cfg.sft.steps}; nothing to do",
-              flush=True)
-    policy.train(True)
-    with Preemption() as stop:
-        for step in range(start, cfg.sft.steps + 1):
-            with out_of_memory("an SFT step", cfg, SFT_STEP):
-                metrics = sft_step(rt, gen)
-            evaluated = cfg.sft.eval_every and (step % cfg.sft.eval_every == 0
-                                                or step == cfg.sft.steps)
-            if evaluated:
-                metrics.update(evaluate_runtime(rt))
-                if info.is_main:
-                    print(format_progress(step, cfg.sft.steps, metrics,
-                                          ("sft/loss", "eval/accuracy")), flush=True)
-            reduced = reduce_metrics(metrics)
-            try:
-                done = bool(evaluated) and band.update(step, reduced["eval/accuracy"])
-            except AccuracyBandError:  # past the band: keep what was trained, then say so
-                rt.logger.log(step, reduced)
-                _save(rt, step, metrics, gen)
-                raise
-            if done:
-                return _stop_in_band(rt, band, step, metrics, gen, reduced)
-            rt.logger.log(step, reduced)
-            signum = stop.requested()
-            if step == cfg.sft.steps or signum:
-                _save(rt, step, metrics, gen)
-            if signum and step < cfg.sft.steps:
-                raise Preempted(signum, f"stopped at SFT step {step} of {cfg.sft.steps}; "
-                                f"checkpoint saved in {cfg.run_dir}; run the same command "
-                                "to resume")
-    if band.band is not None:
-        raise band.exhausted()
-    return metrics
-
-
-def _stop_in_band(rt, band: SFTBand, step: int, metrics: dict, gen, reduced: dict) -> dict:
-    """Log and save the step whose eval entered sft.target_accuracy (the record included)."""
-    record = band.record()
-    rt.logger.log(step, {**reduced, **record})
-    _save(rt, step, metrics, gen, band=record)
-    if rt.info.is_main:
-        print(f"SFT entered sft.target_accuracy={fmt_band(band.band)} at step {step}: "
-              f"held-out accuracy {record['sft/start_accuracy']:.4f}; saved in "
-              f"{rt.cfg.run_dir}", flush=True)
-    return {**metrics, **record}
-
-
-def _save(rt, step: int, metrics: dict, gen: torch.Generator, **extra) -> None:
-    save_state(rt, step, {"job": "sft", "step": step, "eval": metrics, **extra,
-                          "gen": gen.get_state()})
+        rt.close()  # also when the job or the resume refused to start
 
 
 def sft_step(rt, gen: torch.Generator) -> dict:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.megatron_gspo.test_trainer import make_trainer
+from tests.megatron_gspo.jobs.trainers import make_trainer
 from bench.profile_iteration import OPTIMIZER_PARTS, STEP_PARTS, step_breakdown
 
 

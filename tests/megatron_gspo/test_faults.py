@@ -1,11 +1,12 @@
 """Fault injection (issue 17): every way a run can be hurt from outside gets a clear refusal or a
 clean recovery, and nothing already written is lost.
 
-Run dirs (PITFALLS #16), verified checkpoints, preemption, one-line CLI errors, wandb offline
-fallback. Collective-safe sampling (PITFALLS #13) is guarded in tests/moe (2 processes).
+Run dirs (PITFALLS #16), verified checkpoints, one-line CLI errors, wandb offline fallback.
+Preemption is in run/test_preempt.py and run/test_lifetime.py, resume faults in
+run/test_resume.py. Collective-safe sampling (PITFALLS #13) is guarded in tests/moe
+(2 processes).
 """
 
-import json
 import os
 import signal
 import socket
@@ -52,10 +53,6 @@ def trainer(run_dir, *overrides):
     t = Trainer.from_config(load_config(None, [*TINY, f"run_dir={run_dir}", *overrides]))
     object.__setattr__(t.rt.task, "reward", digit_first)  # groups with reward variance
     return t
-
-
-def params(t) -> dict:
-    return {n: p.detach().clone() for n, p in t.policy.model.module.named_parameters()}
 
 
 # ----------------------------------------------------------------------------- run dirs
@@ -277,95 +274,6 @@ def test_disk_filling_mid_save_names_the_file(tmp_path):
     assert ckpt.latest_step(root) == 1 and os.listdir(ckpt.step_dir(root, 2)) == []
 
 
-# ----------------------------------------------------------------------------- preemption
-
-
-def test_sigterm_saves_then_resume_matches_the_uninterrupted_run(tmp_path, capsys):
-    from megatron_gspo.run.preempt import Preempted
-
-    straight = trainer(tmp_path / "straight", "train.steps=3", "train.save_every=0")
-    straight.train()
-    t = trainer(tmp_path / "cut", "train.steps=3", "train.save_every=0")
-    calls = []
-
-    def reward_then_sigterm(example, completion):
-        calls.append(1)
-        if len(calls) == 20:  # inside the 2nd rollout batch (16 samples each)
-            os.kill(os.getpid(), signal.SIGTERM)
-        return digit_first(example, completion)
-
-    object.__setattr__(t.rt.task, "reward", reward_then_sigterm)
-    with pytest.raises(Preempted, match="stopped at rollout batch 2 of 3"):
-        t.train()
-    cut = tmp_path / "cut"
-    assert ckpt.latest_step(str(cut / "checkpoints")) == 2
-    (cut / "metrics.jsonl").open("a").write(json.dumps({"step": 99, "x": 1}) + "\n")
-    resumed = trainer(cut, "train.steps=3", "train.save_every=3")  # saves at the end
-    resumed.train()
-    steps = [r["step"] for r in read_jsonl(cut / "metrics.jsonl")]
-    assert steps == sorted(steps) and len(steps) == len(set(steps)) and 99 not in steps
-    a, b = params(straight), params(resumed)
-    for n in a:
-        torch.testing.assert_close(a[n], b[n], atol=1e-6, rtol=1e-6, msg=n)
-    again = trainer(cut, "train.steps=3")
-    assert again.train() == {}
-    assert "already finished 3 of train.steps=3" in capsys.readouterr().out
-
-
-def test_first_signal_arms_the_default_action_for_the_other_and_filters_its_copy():
-    from megatron_gspo.run.preempt import Preemption
-
-    # the handlers in force before (pytest's default_int_handler, or SIG_IGN when the suite
-    # runs in the background under nohup) come back on exit
-    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # the process must see the kill
-    try:
-        with Preemption() as stop:
-            os.kill(os.getpid(), signal.SIGINT)
-            assert stop.signum == signal.SIGINT and stop.requested() == signal.SIGINT
-            assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the other one kills
-            os.kill(os.getpid(), signal.SIGINT)  # a copy at once (torchrun's forward): ignored
-            assert stop.signum == signal.SIGINT
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-        assert signal.getsignal(signal.SIGTERM) is before[1]
-    finally:
-        signal.signal(signal.SIGINT, before[0])
-
-
-def _python(code: str, *args: str) -> subprocess.CompletedProcess:
-    """`code` run by a fresh interpreter in the repository root (signals there cannot reach
-    pytest)."""
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
-                          timeout=60,
-                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-
-
-_SIGNAL_TWICE = """
-import os, signal, sys, time
-from megatron_gspo.run import preempt
-with preempt.Preemption() as stop:
-    os.kill(os.getpid(), signal.SIGTERM)
-    time.sleep(0.05)
-    stop._first_at -= float(sys.argv[1])  # as if that long had passed
-    os.kill(os.getpid(), signal.SIGTERM)
-    time.sleep(0.05)
-    print("saved", stop.requested())
-"""
-
-
-@pytest.mark.parametrize("later_s, survives", [(0.0, True), (2.5, False)])
-def test_a_repeat_of_the_first_signal_exits_at_once_only_after_the_duplicate_window(
-        later_s, survives):
-    """torchrun forwards a SIGTERM its workers got already (a scheduler that signals every
-    process of the job): that copy used to kill the worker before it saved. A repeat
-    DUPLICATE_S (2 s) or more after the first still exits at once."""
-    proc = _python(_SIGNAL_TWICE, str(later_s))
-    if survives:
-        assert proc.returncode == 0 and f"saved {int(signal.SIGTERM)}" in proc.stdout, proc
-    else:
-        assert proc.returncode == -signal.SIGTERM and "saved" not in proc.stdout, proc
-
-
 # ----------------------------------------------------------------------------- CLI errors
 
 
@@ -459,25 +367,3 @@ def test_minibatches_must_divide_each_data_parallel_ranks_share():
         local_prompts(cfg, dp=3)
 
 
-_HANGUP = """
-import os, signal, sys
-from megatron_gspo.run import preempt
-if sys.argv[1] == "nohup":
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
-with preempt.Preemption() as stop:
-    print("handler", signal.getsignal(signal.SIGHUP) == stop._handle, flush=True)
-    os.kill(os.getpid(), signal.SIGHUP)
-    print("saved", stop.requested(), flush=True)
-"""
-
-
-@pytest.mark.parametrize("mode", ["terminal", "nohup"])
-def test_a_closed_terminal_saves_and_nohup_stays_ignored(mode):
-    """SIGHUP (an ssh session or terminal gone) ended a run without a checkpoint; it now stops
-    it like SIGTERM. Under nohup SIGHUP stays ignored: the run goes on."""
-    proc = _python(_HANGUP, mode)
-    lines = [ln for ln in proc.stdout.splitlines() if ln]
-    want = ["handler True", "SIGHUP received: stopping after this step and saving a checkpoint "
-            "(send it again to exit at once)", "saved 1"] if mode == "terminal" else \
-        ["handler False", "saved 0"]
-    assert proc.returncode == 0 and lines == want, proc

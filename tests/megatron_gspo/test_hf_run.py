@@ -62,8 +62,9 @@ def test_hub_name_is_a_clear_error(single_process, tmp_path):
 
 
 def save_run(policy, cfg, run_dir: str, legacy: bool = False) -> None:
-    """What runtime.save_state writes and the export reads: the dist checkpoint and rank 0's
-    config (`legacy`: rank 0's gathered full_params, as checkpoints before dist ones had)."""
+    """What megatron_gspo.run.resume.save_state writes and the export reads: the dist checkpoint
+    and rank 0's config (`legacy`: rank 0's gathered full_params, as checkpoints before dist
+    ones had)."""
     from moe import dist_ckpt
     from moe.sharding import gather_full_params
 

@@ -9,7 +9,7 @@ from tests.megatron_gspo.test_faults import overwrite_two_floats
 import torch
 
 from megatron_gspo.run.metrics import read_jsonl
-from tests.megatron_gspo.test_trainer import make_trainer, params
+from tests.megatron_gspo.jobs.trainers import make_trainer, params
 
 BF16 = ["model.dtype=bf16", "optim.warmup_steps=3", "optim.lr_decay_style=linear",
         "optim.min_lr=1e-4", "optim.lr_decay_steps=8"]  # pinned: the first half runs 1 of 2 steps

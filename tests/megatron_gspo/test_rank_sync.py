@@ -194,7 +194,8 @@ def test_pitfall13_torchrun_train_ep2_with_early_eos_completes(single_process, t
     different numbers of decode steps: it finishes both iterations (it hung after the step-0
     eval until the process-group timeout)."""
     from megatron_gspo.config.schema import load_config
-    from megatron_gspo.run.setup import save_state, setup_runtime
+    from megatron_gspo.run.resume import save_state
+    from megatron_gspo.run.setup import setup_runtime
 
     init = str(tmp_path / "init")
     rt = setup_runtime(load_config("experiments/demo/gspo.yaml", [f"run_dir={init}",

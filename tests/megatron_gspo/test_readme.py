@@ -92,7 +92,7 @@ def test_every_sft_metric_is_in_the_readme():
 
     from megatron_gspo.jobs.band import SFTBand
     from megatron_gspo.jobs.sft import sft_step
-    from tests.megatron_gspo.test_sft import fake_runtime
+    from tests.megatron_gspo.jobs.test_sft import fake_runtime
 
     band = SFTBand(load_config(None, ["sft.target_accuracy=[0.2,0.5]"]))
     band.update(0, 0.1)

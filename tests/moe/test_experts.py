@@ -149,7 +149,7 @@ def test_the_trainer_runs_the_grouped_experts(tmp_path, monkeypatch):
     grouped: `GroupedLinear` in the optimizer steps, stacked weights in the no-grad passes and
     the sampler (the probe's cache starts empty, so the sampler probes under inference mode)."""
     from moe.experts import GroupedLinear
-    from tests.megatron_gspo.test_trainer import make_trainer
+    from tests.megatron_gspo.jobs.trainers import make_trainer
 
     grouped_mm_runs.cache_clear()
     trained, stacked = [], []

@@ -1,5 +1,7 @@
 """megatron_gspo.run.setup: the parts a run is built from (layout, preset, recompute, optimizer
-settings, policy) as the config says, and `setup_runtime`'s checks and clean-up."""
+settings, policy) as the config says, `setup_runtime`'s checks and clean-up, and the checkpoints
+it reads (`init_checkpoint`: megatron_gspo.run.init; a resume's optimizer format:
+megatron_gspo.run.resume)."""
 
 import json
 import os
@@ -8,12 +10,13 @@ import shutil
 import pytest
 import torch
 
-from megatron_gspo.run.checkpoint import CheckpointError
 from megatron_gspo.config.schema import ConfigError, load_config
+from megatron_gspo.run.checkpoint import CheckpointError
+from megatron_gspo.run.init import check_init_checkpoint, load_init_weights
+from megatron_gspo.run.resume import save_state
+from megatron_gspo.run.setup import (build_policy, layout_of, model_max_len, optim_settings,
+                                     recompute_of, resolve_preset, setup_runtime)
 from megatron_gspo.tasks.datasets import DataError
-from megatron_gspo.run.setup import (build_policy, check_init_checkpoint, layout_of,
-                                   load_init_weights, model_max_len, optim_settings,
-                                   recompute_of, resolve_preset, save_state, setup_runtime)
 from moe.dist_ckpt import files_written_by
 from moe.model import Recompute
 from tests.hf_fixtures import make_model
@@ -207,7 +210,7 @@ def test_an_sft_target_longer_than_the_model_fails_before_the_run_is_recorded(si
     step that drew it (a ValueError traceback mid-run). Now a DataError naming the row at
     setup, before the run is recorded (so the fixed config can reuse the run dir); train
     does not check it (RL never feeds the SFT target)."""
-    fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "gsm_tiny")
+    fixture = os.path.join(os.path.dirname(__file__), "..", "..", "fixtures", "gsm_tiny")
     row = {"prompt": "What is 2 + 2?", "reward_model": {"ground_truth": "4"},
            "extra_info": {"answer": "2 + 2 = 4. " * 40 + "#### 4"}}
     data = tmp_path / "t.jsonl"
@@ -244,7 +247,7 @@ def test_a_distributed_optimizer_run_resumed_with_another_tp_ep_is_refused(singl
     listing every shard). Another DP size alone resumes."""
     from megatron_gspo.run import checkpoint as ckpt
     from megatron_gspo.cli import main
-    from megatron_gspo.run.setup import try_resume
+    from megatron_gspo.run.resume import try_resume
 
     args = [*TOY, "optim.distributed=true", f"run_dir={tmp_path / 'run'}", "train.steps=1",
             "rollout.prompts_per_batch=2", "rollout.group_size=2", "train.num_minibatches=1"]
@@ -278,7 +281,7 @@ def test_sft_targets_longer_than_max_new_tokens_are_counted_and_warned(single_pr
     assert check_sft_lengths(CharTokenizer(), examples, 64, max_new_tokens=4) == 1
     assert check_sft_lengths(CharTokenizer(), examples, 64, max_new_tokens=5) == 0
     data = tmp_path / "t.jsonl"
-    fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "gsm_tiny")
+    fixture = os.path.join(os.path.dirname(__file__), "..", "..", "fixtures", "gsm_tiny")
     data.write_text(open(os.path.join(fixture, "train.jsonl")).read())
     over = [*TOY, "task.name=dataset", f"data.train_files={data}", f"data.tokenizer_path={fixture}",
             "data.sft_key=extra_info.answer", "reward.name=exact", "model.max_seq_len=160",
@@ -298,7 +301,7 @@ def test_a_data_tokenizer_that_renumbers_the_models_tokens_is_refused(hf_dir, tm
 
     from megatron_gspo.run.setup import run_tokenizer
 
-    gsm = os.path.join(os.path.dirname(__file__), "..", "fixtures", "gsm_tiny")
+    gsm = os.path.join(os.path.dirname(__file__), "..", "..", "fixtures", "gsm_tiny")
     cfg = load_config(None, [f"model.hf_path={hf_dir}", f"data.tokenizer_path={gsm}"])
     with pytest.raises(ConfigError, match=r"gsm_tiny is not model.hf_path's tokenizer "
                                           r"\(\d+ of its 300 tokens differ"):

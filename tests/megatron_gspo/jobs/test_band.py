@@ -1,13 +1,14 @@
 """Accuracy bands: SFT stops in sft.target_accuracy, RL refuses a start outside
-train.start_accuracy, and both fields are validated (megatron_gspo.jobs.band)."""
+train.start_accuracy, and both fields are validated (megatron_gspo.jobs.band); both as the run
+loop's band (megatron_gspo.run.loop.Band)."""
 
 import os
 
 import pytest
 
 from megatron_gspo.run import checkpoint as ckpt
-from megatron_gspo.jobs.band import (AccuracyBandError, SFTBand, check_start_accuracy,
-                                cold_start_line)
+from megatron_gspo.jobs.band import (AccuracyBandError, SFTBand, StartBand,
+                                     check_start_accuracy, cold_start_line)
 from megatron_gspo.config.schema import ConfigError, load_config
 from megatron_gspo.run.metrics import read_jsonl
 from tests.jsonl import write_metrics
@@ -225,3 +226,26 @@ def test_a_refused_rerun_of_a_finished_run_without_checkpoints_loses_nothing(tmp
         Trainer.from_config(refused).train()
     assert (tmp_path / RUN_FILE).exists() and (tmp_path / "train_config.yaml").exists()
     assert read_jsonl(tmp_path / "metrics.prev1.jsonl") == rows
+
+
+def test_rl_start_band_checks_the_initial_policy_only_and_never_stops_rl():
+    """StartBand (RL's band in the run loop): step 0 is `check_start_accuracy`; later evals
+    are not checked; RL never stops inside it, and its end asks nothing."""
+    band = StartBand(load_config(None, ["train.start_accuracy=[0.25,0.45]"]))
+    assert band.update(0, 0.3) is False
+    with pytest.raises(AccuracyBandError, match=r"held-out accuracy 0\.1000, outside the band"):
+        band.update(0, 0.1)
+    assert band.update(5, 0.99) is False  # mid-run evals: no check
+    assert band.record() == {} and band.finish() is None
+    assert StartBand(load_config(None, [])).update(0, 0.99) is False  # no band: no check
+
+
+def test_sft_band_finish_is_the_exhausted_budget_only_with_a_band():
+    """The run loop calls finish() after SFT's last step: an error only with a band set (SFT
+    stops on entering it, so reaching the end means it did not)."""
+    assert SFTBand(load_config(None, ["run_dir=r"])).finish() is None
+    band = SFTBand(load_config(None, ["sft.target_accuracy=[0.25,0.5]", "run_dir=r"]))
+    band.update(10, 0.1)
+    with pytest.raises(AccuracyBandError, match=r"not reached in sft\.steps=.*held-out "
+                                                r"accuracy 0\.1000 at step 10"):
+        band.finish()

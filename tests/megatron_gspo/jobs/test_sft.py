@@ -1,5 +1,5 @@
 """Cold-start SFT (megatron_gspo.jobs.sft): the batch and its masks, the loss, the data-parallel
-split, and a stopped run resuming to the same steps."""
+split, its state in checkpoints old and new, and a stopped run resuming to the same steps."""
 
 import os
 import signal
@@ -8,12 +8,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megatron_gspo.config.schema import ConfigError, load_config
 from megatron_gspo.jobs import sft
-from megatron_gspo.config.schema import load_config
+from megatron_gspo.run import loop
 from megatron_gspo.run.metrics import read_jsonl
-from megatron_gspo.tasks.toy import Example
+from megatron_gspo.run.preempt import Preempted
 from megatron_gspo.tasks.tokenizer import CharTokenizer
-from tests.megatron_gspo.test_band import BASE, _scripted_eval
+from megatron_gspo.tasks.toy import Example
+from tests.megatron_gspo.jobs.test_band import BASE, _scripted_eval
 
 EXAMPLES = [Example("1+2=", "3"), Example("12+3=", "15")]
 
@@ -85,11 +87,12 @@ def test_step_loss_is_the_token_mean_over_answer_tokens_of_this_ranks_share():
 
 
 def test_batch_size_must_split_over_data_parallel_ranks():
-    """Refused before anything runs: each rank trains on an equal share."""
+    """Refused before anything runs: each rank trains on an equal share. A ConfigError (one
+    line, exit 2 from the CLI), not the bare ValueError (a traceback) it was."""
     rt = fake_runtime(batch_size=8, dp=3)
-    with pytest.raises(ValueError, match="sft.batch_size=8 is not divisible by the "
-                                         "data-parallel size 3"):
-        sft._sft_loop(rt)
+    with pytest.raises(ConfigError, match="sft.batch_size=8 is not divisible by the "
+                                          "data-parallel size 3"):
+        sft.SFTJob(rt)
 
 
 class StopAt:
@@ -119,10 +122,10 @@ def test_stopped_run_resumes_to_the_same_steps(tmp_path, monkeypatch):
     args = [*BASE, "sft.steps=3", "sft.eval_every=2", "sft.batch_size=8"]
     sft.run_sft(load_config(None, [*args, f"run_dir={tmp_path / 'straight'}"]))
     cut = load_config(None, [*args, f"run_dir={tmp_path / 'cut'}"])
-    monkeypatch.setattr(sft, "Preemption", StopAt(1))
-    with pytest.raises(sft.Preempted, match="stopped at SFT step 1 of 3"):
+    monkeypatch.setattr(loop, "Preemption", StopAt(1))
+    with pytest.raises(Preempted, match="stopped at SFT step 1 of 3"):
         sft.run_sft(cut)
-    monkeypatch.setattr(sft, "Preemption", StopAt(0))
+    monkeypatch.setattr(loop, "Preemption", StopAt(0))
     sft.run_sft(cut)
 
     def rows(name):
@@ -132,3 +135,34 @@ def test_stopped_run_resumes_to_the_same_steps(tmp_path, monkeypatch):
     straight = rows("straight")
     assert [s for s, _, acc in straight if acc is not None] == [0, 2, 3]
     assert rows("cut") == straight
+
+
+def test_an_sft_checkpoint_from_before_the_state_dataclass_resumes(tmp_path):
+    """SFT checkpoints have always held loose keys (`job`, `step`, `eval`: the saved step's
+    metrics, `band` once SFT stopped inside sft.target_accuracy, `gen`: the batch stream). The
+    state dataclass writes the same keys and reads old checkpoints: the step, the stream where
+    it was, and the band's memory (the previous eval a jump is named from, or where it
+    stopped)."""
+    gen = torch.Generator().manual_seed(5)
+    torch.randint(10, (3,), generator=gen)
+    old = {"job": "sft", "step": 4, "eval": {"sft/loss": 1.5, "eval/accuracy": 0.25},
+           "gen": gen.get_state()}
+    rt = fake_runtime(batch_size=8, dp=1)
+    rt.info.dp_rank = 0
+    rt.cfg = load_config(None, ["sft.batch_size=8", "sft.target_accuracy=[0.5,0.6]",
+                                "sft.eval_every=2", "run_dir=r"])
+    job = sft.SFTJob(rt)
+    job.restore(old)
+    assert job.state.step == 4 and job.state.done == job.state.log_step == 4
+    assert torch.equal(torch.randint(10, (3,), generator=job.state.gen),
+                       torch.randint(10, (3,), generator=gen))
+    assert job.band.last == (4, 0.25) and job.band.record() == {}
+    with pytest.raises(ConfigError, match=r"jumped from 0\.2500 at step 4 to 0\.9000 at step 6"):
+        job.band.update(6, 0.9)
+    new = job.state.to_checkpoint()
+    assert set(new) == {"job", "step", "gen"} and new["job"] == "sft" and new["step"] == 4
+    stopped = sft.SFTJob(rt)
+    stopped.restore({**old, "band": {"sft/start_accuracy": 0.55, "sft/band_step": 4.0}})
+    assert stopped.band.record() == {"sft/start_accuracy": 0.55, "sft/band_step": 4.0}
+    assert stopped.band.summary() == ("SFT entered sft.target_accuracy=[0.5, 0.6] at step 4: "
+                                      "held-out accuracy 0.5500")

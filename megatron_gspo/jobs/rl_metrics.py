@@ -1,0 +1,52 @@
+"""RL's metrics of one rollout batch and of one optimizer step (GSPO paper, sec. 5: the reward,
+response length, clipping and entropy curves; here also the sampler-vs-trainer log-prob gap
+Routing Replay is about, sec. 5.3), computed from tensors the trainer already has: no forward.
+
+Shape legend: B sequences, T tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_gspo.rollout.batch import RolloutBatch
+from megatron_gspo.run.metrics import Timer
+
+
+def rollout_metrics(batch: RolloutBatch, recompute_logp_BT: torch.Tensor,
+                    mismatch: str | None = None) -> dict:
+    """Reward and length statistics, and `rollout/logprob_mismatch/{mean,max}`: |sampler's
+    log-prob - the trainer's recompute| over response tokens. With `mismatch` (a key prefix),
+    only that mismatch, under the prefix."""
+    resp_BT = batch.response_BT
+    lengths_B = batch.response_lengths_B.float()
+    diff_BT = (batch.sampler_logp_BT - recompute_logp_BT.cpu()).abs() * resp_BT
+    if mismatch is not None:
+        return {f"{mismatch}mean": float(diff_BT.sum() / resp_BT.sum()),
+                f"{mismatch}max": float(diff_BT.max())}
+    return {"reward/mean": float(batch.rewards_B.mean()),
+            "reward/std": float(batch.rewards_B.std(unbiased=False)),
+            "reward/accuracy": float((batch.rewards_B >= 1.0).float().mean()),
+            "response/length/mean": float(lengths_B.mean()),
+            "response/length/max": float(lengths_B.max()),
+            "rollout/logprob_mismatch/mean": float(diff_BT.sum() / resp_BT.sum()),
+            "rollout/logprob_mismatch/max": float(diff_BT.max())}
+
+
+def response_metrics(mb, logp_BT: torch.Tensor, entropy_BT: torch.Tensor) -> dict:
+    """Token-mean entropy and |log pi - log pi_old| over the response tokens. On a rollout
+    batch's first minibatch pi == pi_old, so a log-ratio there comes from the router noise (or
+    the sampler, with `rollout.use_sampler_logprobs`)."""
+    resp_BT = mb.response_BT.to(entropy_BT.device)
+    abs_lr_BT = (logp_BT.detach() - mb.old_logp_BT.to(logp_BT.device)).abs() * resp_BT
+    return {"policy/entropy": float((entropy_BT.detach() * resp_BT).sum() / resp_BT.sum()),
+            "policy/log_ratio/abs_mean": float(abs_lr_BT.sum() / resp_BT.sum())}
+
+
+def throughput(batch: RolloutBatch, timer: Timer) -> dict:
+    """Response tokens per second of sampling and valid tokens per second of training."""
+    t = timer.as_metrics()
+    gen_tokens = float(batch.response_BT.sum())
+    train_tokens = float(batch.valid_BT.sum())
+    return {"perf/rollout_tokens_per_s": gen_tokens / max(t.get("time/rollout", 0.0), 1e-9),
+            "perf/train_tokens_per_s": train_tokens / max(t.get("time/train", 0.0), 1e-9)}

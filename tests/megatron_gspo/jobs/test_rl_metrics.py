@@ -1,0 +1,89 @@
+"""RL's metrics (megatron_gspo.jobs.rl_metrics) on hand-made batches, and the collapse alerts
+(megatron_gspo.jobs.rl.Trainer.collapse_alerts) on a stub."""
+
+import pytest
+
+from megatron_gspo.jobs.rl import Trainer
+from tests.megatron_gspo.jobs.trainers import stub
+
+
+def _batch():
+    """Four rows of 4 columns; response lengths 2, 1, 3, 1; rewards 1, 0, 0.5, 1.5."""
+    import torch
+
+    from megatron_gspo.rollout.batch import RolloutBatch
+
+    resp_BT = torch.tensor([[0, 1, 1, 0], [0, 0, 1, 0], [0, 1, 1, 1], [0, 0, 0, 1]]).bool()
+    sampler_logp_BT = torch.tensor([[9, -1, -2, 9], [9, 9, -0.5, 9], [9, -1, -1, -1],
+                                    [9, 9, 9, -3]], dtype=torch.float64)
+    return RolloutBatch(tokens_BT=torch.zeros(4, 4, dtype=torch.long),
+                        valid_BT=torch.ones(4, 4, dtype=torch.bool), response_BT=resp_BT,
+                        sampler_logp_BT=sampler_logp_BT,
+                        rewards_B=torch.tensor([1.0, 0.0, 0.5, 1.5], dtype=torch.float64),
+                        group_B=torch.zeros(4, dtype=torch.long), completions=list("abcd"),
+                        examples=list("ABCD"))
+
+
+def test_rollout_metrics_by_hand():
+    """Reward mean / population std / accuracy (reward >= 1), response lengths, and the
+    sampler-vs-recompute |log-prob| gap over response tokens only (prompt columns hold 9)."""
+    import math
+
+    import torch
+
+    from megatron_gspo.jobs.rl_metrics import rollout_metrics
+
+    recompute_BT = torch.tensor([[0, -1.5, -1, 0], [0, 0, -0.75, 0], [0, -1, -1, -1],
+                                 [0, 0, 0, -2]], dtype=torch.float64)
+    # response gaps: 0.5, 1.0 | 0.25 | 0, 0, 0 | 1.0: sum 2.75 over 7 tokens, max 1.0
+    got = rollout_metrics(_batch(), recompute_BT)
+    assert got == pytest.approx({
+        "reward/mean": 0.75, "reward/std": math.sqrt(1.25 / 4), "reward/accuracy": 0.5,
+        "response/length/mean": 1.75, "response/length/max": 3.0,
+        "rollout/logprob_mismatch/mean": 2.75 / 7, "rollout/logprob_mismatch/max": 1.0})
+    assert rollout_metrics(_batch(), recompute_BT, "x/") == pytest.approx(
+        {"x/mean": 2.75 / 7, "x/max": 1.0})
+
+
+def test_throughput_divides_tokens_by_their_phase_time():
+    """Rollout tokens/s = response tokens / rollout time; train tokens/s = all valid tokens /
+    train time."""
+    from megatron_gspo.run.metrics import Timer
+    from megatron_gspo.jobs.rl_metrics import throughput
+
+    clock = iter([0.0, 2.0, 10.0, 14.0])
+    timer = Timer(clock=lambda: next(clock), cuda_sync=False)
+    with timer("rollout"):  # 2 s
+        pass
+    with timer("train"):  # 4 s
+        pass
+    assert throughput(_batch(), timer) == pytest.approx(
+        {"perf/rollout_tokens_per_s": 7 / 2, "perf/train_tokens_per_s": 16 / 4})
+
+
+def test_reward_collapse_alert_follows_the_ema():
+    t = stub(collapse_reward_drop=0.5)
+    assert Trainer.collapse_alerts(t, {"reward/mean": 1.0})["alert/reward_collapse"] == 0.0
+    out = Trainer.collapse_alerts(t, {"reward/mean": 0.0})  # ema 0.7 of best 1.0: no alert
+    assert t.state.reward_ema == pytest.approx(0.7) and out["alert/reward_collapse"] == 0.0
+    Trainer.collapse_alerts(t, {"reward/mean": 0.0})  # 0.49 < 0.5: alert
+    assert t.state.reward_ema == pytest.approx(0.49) and t.state.best_reward_ema == 1.0
+    assert Trainer.collapse_alerts(t, {"reward/mean": 0.0})["alert/reward_collapse"] == 1.0
+
+
+def test_entropy_and_small_reward_collapse_alerts():
+    """Entropy below the floor (strictly) alerts, a metrics dict without entropy does not, a
+    reward that never rose above 0.05 cannot "crash", and one exactly at the drop does not."""
+    t = stub(collapse_entropy_floor=0.05, collapse_reward_drop=0.5)
+    at_floor = Trainer.collapse_alerts(t, {"reward/mean": 1.0, "policy/entropy": 0.05})
+    assert at_floor == {"alert/reward_collapse": 0.0, "alert/entropy_collapse": 0.0}
+    below = Trainer.collapse_alerts(t, {"reward/mean": 1.0, "policy/entropy": 0.04})
+    assert below == {"alert/reward_collapse": 0.0, "alert/entropy_collapse": 1.0}
+    assert Trainer.collapse_alerts(t, {"reward/mean": 1.0})["alert/entropy_collapse"] == 0.0
+    low = stub(collapse_reward_drop=0.5)
+    for r in (0.04, 0.0, 0.0, 0.0):  # ema 0.04, 0.028, 0.0196, 0.01372: below half the best
+        out = Trainer.collapse_alerts(low, {"reward/mean": r})
+    assert low.state.reward_ema < 0.02 and out["alert/reward_collapse"] == 0.0
+    edge = stub(collapse_reward_drop=0.3)  # ema 0.7 after 1, 0 is exactly 0.7 of the best
+    Trainer.collapse_alerts(edge, {"reward/mean": 1.0})
+    assert Trainer.collapse_alerts(edge, {"reward/mean": 0.0})["alert/reward_collapse"] == 0.0
