@@ -51,16 +51,11 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from megatron_gspo.errors import UnknownName
+
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 _PAPER_EPS: dict[str, tuple[float, float]] = {}  # name -> (eps_low, eps_high) defaults
-
-
-class UnknownPolicyLossError(KeyError, ValueError):
-    """An unregistered policy loss name (a KeyError, and a ValueError for config loaders)."""
-
-    def __str__(self) -> str:  # KeyError would repr() the message
-        return str(self.args[0])
 
 
 def register_policy_loss(name: str, *, eps: tuple[float, float] | None = None):
@@ -78,7 +73,7 @@ def register_policy_loss(name: str, *, eps: tuple[float, float] | None = None):
 def get_policy_loss(name: str) -> PolicyLossFn:
     """The registered loss called `name`; KeyError listing the valid names otherwise."""
     if name not in POLICY_LOSSES:
-        raise UnknownPolicyLossError(
+        raise UnknownName(
             f"unknown policy loss {name!r}; valid names: {sorted(POLICY_LOSSES)}")
     return POLICY_LOSSES[name]
 
@@ -109,7 +104,7 @@ class PolicyLossConfig:
     def __post_init__(self):
         if self.name not in POLICY_LOSSES:
             self._fail("name", f"unknown policy loss; valid: {sorted(POLICY_LOSSES)}",
-                       UnknownPolicyLossError)
+                       UnknownName)
         default_low, default_high = _PAPER_EPS.get(self.name, (None, None))
         for field, default in (("eps_low", default_low), ("eps_high", default_high)):
             if getattr(self, field) is None:

@@ -24,10 +24,7 @@ from typing import get_origin as _typing_origin
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A bad config key or value; the message names the dotted key."""
-
+from megatron_gspo.errors import ConfigError
 
 
 # ----------------------------------------------------------------------------- field typing

@@ -38,7 +38,8 @@ import torch
 
 from megatron_gspo.algo.advantages import group_advantages
 from megatron_gspo.jobs.band import AccuracyBandError, check_start_accuracy
-from megatron_gspo.config.schema import ConfigError, RunConfig
+from megatron_gspo.config.schema import RunConfig
+from megatron_gspo.errors import ConfigError
 from megatron_gspo.dist import all_ranks, max_over_ranks, reduce_metrics
 from megatron_gspo.rollout.filters import overlong_filter, rollout_health, sample_rollouts
 from megatron_gspo.algo.flips import FlipSchedule, layer_flips, loss_positions, token_rows

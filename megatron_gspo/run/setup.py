@@ -30,7 +30,8 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 from megatron_gspo.run import checkpoint as ckpt
 from megatron_gspo.dist import all_ranks
-from megatron_gspo.config.schema import ConfigError, RunConfig, config_to_dict, save_config
+from megatron_gspo.config.schema import RunConfig, config_to_dict, save_config
+from megatron_gspo.errors import ConfigError
 from megatron_gspo.tasks.datasets import build_task, check_sft_lengths, tokenizer_folder
 from megatron_gspo.run.host import tune_malloc
 from megatron_gspo.run.inputs import input_fingerprints

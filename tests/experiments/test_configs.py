@@ -8,7 +8,8 @@ import os
 import pytest
 
 from experiments.ablation import run as ablation_run
-from megatron_gspo.config.schema import ConfigError, config_to_dict, load_config
+from megatron_gspo.config.schema import config_to_dict, load_config
+from megatron_gspo.errors import ConfigError
 from megatron_gspo.config.loader import load_yaml
 from moe.presets import get_preset
 

@@ -6,9 +6,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_gspo.config.schema import ConfigError, DataConfig, load_config
-from megatron_gspo.tasks.datasets import (DataError, DatasetTask, dataset_splits, freeze, read_rows,
-                                tokenizer_folder)
+from megatron_gspo.config.schema import DataConfig, load_config
+from megatron_gspo.errors import ConfigError, DataError
+from megatron_gspo.tasks.datasets import (DatasetTask, dataset_splits, freeze, read_rows,
+                                          tokenizer_folder)
 from megatron_gspo.tasks.toy import Example
 from tests.jsonl import write_jsonl
 

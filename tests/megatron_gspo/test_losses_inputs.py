@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from megatron_gspo.algo import losses
-from megatron_gspo.algo.losses import (PolicyLossConfig, UnknownPolicyLossError, get_policy_loss,
-                                  policy_loss, register_policy_loss)
+from megatron_gspo.algo.losses import (PolicyLossConfig, get_policy_loss, policy_loss,
+                                       register_policy_loss)
+from megatron_gspo.errors import UnknownName
 
 NAMES = ("gspo", "gspo_token", "grpo")
 D = torch.float64
@@ -38,11 +39,11 @@ def test_config_accepts_zero_eps_low_and_rejects_non_numbers():
 
 
 def test_unknown_loss_error_is_a_value_error_with_a_plain_message():
-    """Guards UnknownPolicyLossError: config loaders catch ValueError, and str() is the message
+    """Guards UnknownName: config loaders catch ValueError, and str() is the message
     itself, not KeyError's repr() of it (quoted, with escaped quotes)."""
     with pytest.raises(ValueError) as info:
         PolicyLossConfig("ppo")
-    assert isinstance(info.value, KeyError) and isinstance(info.value, UnknownPolicyLossError)
+    assert isinstance(info.value, KeyError) and isinstance(info.value, UnknownName)
     assert str(info.value).startswith("PolicyLossConfig.name='ppo': unknown policy loss")
     with pytest.raises(ValueError) as info:
         get_policy_loss("ppo")

@@ -85,7 +85,8 @@ def test_bf16_sampler_is_a_real_mismatch_that_tis_reweights(tmp_path, mode):
 
 
 def test_tis_with_sampler_logprobs_is_a_config_error():
-    from megatron_gspo.config.schema import ConfigError, load_config
+    from megatron_gspo.config.schema import load_config
+    from megatron_gspo.errors import ConfigError
 
     with pytest.raises(ConfigError, match="loss.tis_cap"):
         load_config(None, ["loss.tis_cap=2", "rollout.use_sampler_logprobs=true"])

@@ -8,9 +8,8 @@ import shutil
 import pytest
 import torch
 
-from megatron_gspo.run.checkpoint import CheckpointError
-from megatron_gspo.config.schema import ConfigError, load_config
-from megatron_gspo.tasks.datasets import DataError
+from megatron_gspo.errors import CheckpointError, ConfigError, DataError
+from megatron_gspo.config.schema import load_config
 from megatron_gspo.run.setup import (build_policy, check_init_checkpoint, layout_of,
                                    load_init_weights, model_max_len, optim_settings,
                                    recompute_of, resolve_preset, save_state, setup_runtime)
