@@ -9,7 +9,7 @@ Examples:
     torchrun --nproc-per-node 2 -m megatron_gspo.cli train --config ... model.ep=2
 
 Overrides use dotted keys and YAML values; unknown keys are errors. A bad config (typo, wrong
-type, bad value, malformed YAML, missing file or checkpoint), a run dir that
+type, bad value, unregistered name, malformed YAML, missing file or checkpoint), a run dir that
 belongs to another run, a corrupt checkpoint, weights / a loss gone non-finite, a full disk under
 metrics.jsonl, out of memory in a training phase (naming the settings to lower), or an optional
 package a setting needs (pyarrow, math-verify, wandb, transformers) exits with status 2 and one
@@ -91,12 +91,15 @@ def main(argv=None) -> int:
 
 
 def _run_job(args) -> int:
-    """sft / train / eval: load the config and `run` it; the one-line errors (exit 2)."""
+    """sft / train / eval: load the config, check its registered names, and `run` it; the
+    one-line errors (exit 2)."""
     from megatron_gspo.config.schema import load_config
+    from megatron_gspo.run.names import check_names
     from megatron_gspo.run.preempt import Preempted
 
     try:
         cfg = load_config(args.config, args.overrides)
+        check_names(cfg)  # before anything is written
         if args.command == "eval" and not cfg.init_checkpoint and not cfg.model.hf_path \
                 and os.environ.get("RANK", "0") == "0":  # run_dir's checkpoints are not read
             print("megatron-gspo: warning: eval without init_checkpoint or model.hf_path scores "

@@ -38,7 +38,8 @@ from megatron_gspo.run.inputs import input_fingerprints
 from megatron_gspo.run.rundir import (RunDirLock, check_inputs, claim_run_dir, record_run,
                                       recorded_value)
 from megatron_gspo.run.metrics import MetricsLogger
-from megatron_gspo.rollout.backends import build_sampler, check_backend
+from megatron_gspo.run.names import check_names
+from megatron_gspo.rollout.backends import build_sampler
 from megatron_gspo.rollout.generate import evaluate
 from megatron_gspo.rollout.sampler import Sampler
 from megatron_gspo.tasks.tokenizer import Tokenizer, load_tokenizer
@@ -179,7 +180,7 @@ def setup_runtime(cfg: RunConfig, job: str) -> Runtime:
     allocator first (`megatron_gspo.run.host`)."""
     tune_malloc()
     optim = optim_settings(cfg, job)  # a bad lr schedule fails before the run dir is claimed
-    check_backend(cfg)  # an unknown sampler, or one that cannot run here: before any set-up
+    check_names(cfg)  # unknown task / loss / reward / sampler (or one not runnable here): first
     try:
         info = init_parallel(cfg.model.tp, cfg.model.ep, seed=cfg.seed,
                              timeout_min=cfg.model.dist_timeout_min,

@@ -10,7 +10,7 @@ import pytest
 from experiments.ablation import run as ablation_run
 from megatron_gspo.config.schema import config_to_dict, load_config
 from megatron_gspo.errors import ConfigError
-from megatron_gspo.config.loader import load_yaml
+from megatron_gspo.config.yamlfile import load_yaml
 from moe.presets import get_preset
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")

@@ -73,6 +73,15 @@ def test_every_project_error_is_one_user_error():
     assert str(UnknownName("plain 'text'")) == "plain 'text'"  # not KeyError's repr()
 
 
+def test_an_unregistered_name_exits_2_before_the_command_runs(ran, capsys):
+    """The CLI checks the registries' names (`megatron_gspo.run.names`) before it runs the
+    command, so nothing is written."""
+    assert cli.main(["train", "loss.name=ppo"]) == 2
+    assert ran.calls == []
+    assert capsys.readouterr().err == ("megatron-gspo: error: loss.name=ppo: unknown policy "
+                                       "loss; valid: ['grpo', 'gspo', 'gspo_token']\n")
+
+
 def test_eval_of_untrained_weights_warns_with_the_fix(ran, capsys):
     """eval does not read run_dir's checkpoints: without init_checkpoint (or model.hf_path) it
     scored a fresh random init, silently; now a warning says so and names the setting."""
