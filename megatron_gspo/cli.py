@@ -9,11 +9,12 @@ Examples:
     torchrun --nproc-per-node 2 -m megatron_gspo.cli train --config ... model.ep=2
 
 Overrides use dotted keys and YAML values; unknown keys are errors. A bad config (typo, wrong
-type, bad value, malformed YAML, missing file or checkpoint), a run dir that belongs to another
-run, a corrupt checkpoint, weights / a loss gone non-finite, a full disk under metrics.jsonl,
-out of memory in a training phase (naming the settings to lower), or an optional package a
-setting needs (pyarrow, math-verify, wandb, transformers) exits with status 2 and one line
-naming it; nothing already written is lost. SIGTERM / Ctrl-C / SIGHUP saves a checkpoint and
+type, bad value, unregistered name, malformed YAML, missing file or checkpoint), a run dir that
+belongs to another run, a corrupt checkpoint, weights / a loss gone non-finite, a full disk under
+metrics.jsonl, out of memory in a training phase (naming the settings to lower), or an optional
+package a setting needs (pyarrow, math-verify, wandb, transformers) exits with status 2 and one
+line naming it (`megatron_gspo.errors.UserError`, and the few other types `USER_ERRORS` lists);
+nothing already written is lost. SIGTERM / Ctrl-C / SIGHUP saves a checkpoint and
 exits with 128 + the signal number (during start-up, before the first step: it exits at once,
 one line, the same status). The resolved config is saved in run_dir next to
 metrics.jsonl on a run's first start.
@@ -26,6 +27,14 @@ import json
 import os
 import sys
 import warnings
+
+from megatron_gspo.errors import UserError
+from moe.checks import MissingDependency
+
+# What exits 2 with its one line: the project's UserError, and what it cannot subclass: a
+# missing file (raised by moe and the stdlib as FileNotFoundError), a missing optional package
+# (moe's own type: moe does not import megatron_gspo), weights or a loss gone non-finite.
+USER_ERRORS = (UserError, FileNotFoundError, MissingDependency, FloatingPointError)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,10 +71,8 @@ def _stopped(e) -> int:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_intermixed_args(argv)
-    from megatron_gspo.run.checkpoint import CheckpointError
     from megatron_gspo.config.schema import describe_config
     from megatron_gspo.run.preempt import Interrupted, StartupSignals
-    from moe.checks import MissingDependency
 
     if args.command == "config":
         print(describe_config())
@@ -75,7 +82,7 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning,
                             message=".*(`load_state_dict` is deprecated|use DTensor instead).*")
     if args.command == "export":
-        return _export(parser, args, (OSError, ValueError, CheckpointError, MissingDependency))
+        return _export(parser, args, (OSError, ValueError, UserError, MissingDependency))
     try:
         with StartupSignals():  # a signal before the training loop: one line, no traceback
             return _run_job(args)
@@ -84,27 +91,22 @@ def main(argv=None) -> int:
 
 
 def _run_job(args) -> int:
-    """sft / train / eval: load the config and `run` it; the one-line errors (exit 2)."""
-    from megatron_gspo.run.checkpoint import CheckpointError
-    from megatron_gspo.config.schema import ConfigError, load_config
-    from megatron_gspo.tasks.datasets import DataError
-    from megatron_gspo.run.metrics import MetricsError
-    from megatron_gspo.run.oom import OutOfMemory
+    """sft / train / eval: load the config, check its registered names, and `run` it; the
+    one-line errors (exit 2)."""
+    from megatron_gspo.config.schema import load_config
+    from megatron_gspo.run.names import check_names
     from megatron_gspo.run.preempt import Preempted
-    from megatron_gspo.run.rundir import RunDirError
-    from moe.checks import MissingDependency
 
     try:
         cfg = load_config(args.config, args.overrides)
+        check_names(cfg)  # before anything is written
         if args.command == "eval" and not cfg.init_checkpoint and not cfg.model.hf_path \
                 and os.environ.get("RANK", "0") == "0":  # run_dir's checkpoints are not read
             print("megatron-gspo: warning: eval without init_checkpoint or model.hf_path scores "
                   f"untrained weights; init_checkpoint={cfg.run_dir} evaluates that run",
                   file=sys.stderr, flush=True)
         result = run(args.command, cfg)
-    except (ConfigError, DataError, FileNotFoundError, RunDirError, CheckpointError,
-            MetricsError, OutOfMemory, MissingDependency,
-            FloatingPointError) as e:  # FloatingPointError: NaN loss / weights
+    except USER_ERRORS as e:
         return _fail(str(e))  # nothing already written is lost
     except Preempted as e:
         return _stopped(e)

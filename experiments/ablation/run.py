@@ -32,7 +32,7 @@ import sys
 import time
 
 from megatron_gspo.jobs.band import cold_start_line
-from megatron_gspo.config.loader import load_yaml, mapping_to_overrides
+from megatron_gspo.config.yamlfile import load_yaml, mapping_to_overrides
 from tools import plot_run
 from bench import result_table
 

@@ -46,21 +46,16 @@ clipped sequences), see PITFALLS.md #3.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
 
+from megatron_gspo.config.sections import LossConfig as PolicyLossConfig
+from megatron_gspo.errors import ConfigError, UnknownName
+
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 _PAPER_EPS: dict[str, tuple[float, float]] = {}  # name -> (eps_low, eps_high) defaults
-
-
-class UnknownPolicyLossError(KeyError, ValueError):
-    """An unregistered policy loss name (a KeyError, and a ValueError for config loaders)."""
-
-    def __str__(self) -> str:  # KeyError would repr() the message
-        return str(self.args[0])
 
 
 def register_policy_loss(name: str, *, eps: tuple[float, float] | None = None):
@@ -78,61 +73,25 @@ def register_policy_loss(name: str, *, eps: tuple[float, float] | None = None):
 def get_policy_loss(name: str) -> PolicyLossFn:
     """The registered loss called `name`; KeyError listing the valid names otherwise."""
     if name not in POLICY_LOSSES:
-        raise UnknownPolicyLossError(
+        raise UnknownName(
             f"unknown policy loss {name!r}; valid names: {sorted(POLICY_LOSSES)}")
     return POLICY_LOSSES[name]
 
 
-@dataclass(frozen=True)
-class PolicyLossConfig:
-    """Hyper-parameters of a policy loss; eps None resolves to the paper default for `name`."""
-
-    name: str = "gspo"
-    """Registered loss: "gspo" (sequence ratio), "gspo_token" (sequence ratio, token
-    advantages) or "grpo" (token ratio)."""
-    eps_low: float | None = None
-    """Lower clip range, ratio >= 1 - eps_low, in [0, 1). None = paper default (sec. 5.1):
-    3e-4 for gspo / gspo_token, 0.2 for grpo."""
-    eps_high: float | None = None
-    """Upper clip range, ratio <= 1 + eps_high, >= 0. None = paper default: 4e-4 for gspo /
-    gspo_token, 0.27 for grpo."""
-    kl_coef: float = 0.0
-    """Weight of the k3 KL to the reference policy (>= 0; 0 = off, as in the paper)."""
-    max_log_ratio: float = 20.0
-    """Clamp of |log-ratio| before exp (> 0): a numerical guard, not in the paper; the
-    gradient is zero beyond it."""
-    tis_cap: float | None = None
-    """Truncated importance sampling against the train-inference mismatch (None = off): each
-    response token's loss term is weighted by min(pi_old / pi_sampler, tis_cap), pi_old being the
-    trainer's recompute (verl's rollout IS `truncate`, slime's `tis_clip`). > 0."""
-
-    def __post_init__(self):
-        if self.name not in POLICY_LOSSES:
-            self._fail("name", f"unknown policy loss; valid: {sorted(POLICY_LOSSES)}",
-                       UnknownPolicyLossError)
-        default_low, default_high = _PAPER_EPS.get(self.name, (None, None))
-        for field, default in (("eps_low", default_low), ("eps_high", default_high)):
-            if getattr(self, field) is None:
-                if default is None:
-                    self._fail(field, f"loss {self.name!r} has no paper default, set it")
-                object.__setattr__(self, field, default)
-        self._check("eps_low", lambda v: 0 <= v < 1, "must be in [0, 1)")
-        self._check("eps_high", lambda v: v >= 0, "must be >= 0")
-        self._check("kl_coef", lambda v: v >= 0, "must be >= 0")
-        self._check("max_log_ratio", lambda v: v > 0, "must be > 0")
-        if self.tis_cap is not None:
-            self._check("tis_cap", lambda v: v > 0, "must be > 0 or None")
-
-    def _check(self, field: str, ok: Callable[[float], bool], why: str) -> None:
-        v = getattr(self, field)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
-                or not ok(v):
-            self._fail(field, f"{why} (a finite number)")
-
-    def _fail(self, field: str, why: str, error: type[Exception] = ValueError) -> None:
-        """Raise `error` naming the field; the run config (`config.LossConfig`) names it by its
-        dotted key instead."""
-        raise error(f"{type(self).__name__}.{field}={getattr(self, field)!r}: {why}")
+def clip_range(cfg: PolicyLossConfig) -> tuple[float, float]:
+    """(eps_low, eps_high) of `cfg`: its own, or where None its loss's paper default (the
+    `eps` it was registered with). Computed here, where the registry is; the config keeps None.
+    UnknownName for an unregistered loss, ConfigError for a None without a default."""
+    get_policy_loss(cfg.name)
+    defaults = _PAPER_EPS.get(cfg.name, (None, None))
+    out = []
+    for field, given, default in zip(("eps_low", "eps_high"), (cfg.eps_low, cfg.eps_high),
+                                     defaults):
+        if given is None and default is None:
+            raise ConfigError(f"loss.{field}=None: loss {cfg.name!r} has no paper default, "
+                              "set it")
+        out.append(default if given is None else given)
+    return out[0], out[1]
 
 
 # ----------------------------------------------------------------------------- shared pieces
@@ -284,8 +243,7 @@ def grpo_loss(logp_BT, old_logp_BT, adv_B, mask_BT, cfg: PolicyLossConfig, ref_l
     b = _prepare(logp_BT, old_logp_BT, adv_B, mask_BT, ref_logp_BT, token_adv=False,
                  is_weight_BT=is_weight_BT)
     ratio_BT = torch.exp(b.log_ratio_BT.clamp(-cfg.max_log_ratio, cfg.max_log_ratio))
-    term_BT, low_BT, high_BT = clipped_surrogate(ratio_BT, b.adv[:, None], cfg.eps_low,
-                                                 cfg.eps_high)
+    term_BT, low_BT, high_BT = clipped_surrogate(ratio_BT, b.adv[:, None], *clip_range(cfg))
     obj_B = _token_mean(term_BT * b.w_BT, b)
     return _finish(obj_B, ratio_BT.detach()[b.mask_BT], low_BT & b.mask_BT,
                    high_BT & b.mask_BT, b.log_ratio_BT.detach().abs(), b, cfg)
@@ -307,7 +265,7 @@ def gspo_loss(logp_BT, old_logp_BT, adv_B, mask_BT, cfg: PolicyLossConfig, ref_l
                  is_weight_BT=is_weight_BT)
     seq_lr_B = _seq_log_ratio(b)
     s_B = torch.exp(seq_lr_B.clamp(-cfg.max_log_ratio, cfg.max_log_ratio))
-    term_B, low_B, high_B = clipped_surrogate(s_B, b.adv, cfg.eps_low, cfg.eps_high)
+    term_B, low_B, high_B = clipped_surrogate(s_B, b.adv, *clip_range(cfg))
     return _finish(term_B * _token_mean(b.w_BT, b), s_B.detach(), low_B[:, None] & b.mask_BT,
                    high_B[:, None] & b.mask_BT, seq_lr_B.detach().abs(), b, cfg)
 
@@ -331,7 +289,7 @@ def gspo_token_loss(logp_BT, old_logp_BT, adv_B, mask_BT, cfg: PolicyLossConfig,
     s_BT = torch.exp((seq_lr_B[:, None] + token_BT).clamp(-cfg.max_log_ratio,
                                                            cfg.max_log_ratio))
     adv_BT = b.adv[:, None] if b.adv.ndim == 1 else b.adv
-    term_BT, low_BT, high_BT = clipped_surrogate(s_BT, adv_BT, cfg.eps_low, cfg.eps_high)
+    term_BT, low_BT, high_BT = clipped_surrogate(s_BT, adv_BT, *clip_range(cfg))
     obj_B = _token_mean(term_BT * b.w_BT, b)
     return _finish(obj_B, torch.exp(clamped_B), low_BT & b.mask_BT, high_BT & b.mask_BT,
                    seq_lr_B.abs(), b, cfg)

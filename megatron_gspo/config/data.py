@@ -1,26 +1,16 @@
 """Run configuration sections for files of prompts: `data`, `reward`, `filter` (`task.name=dataset`
-and DAPO's rollout filters). Part of the schema in `megatron_gspo.config.schema`, which re-exports them;
-the same conventions hold (a docstring under every field, checks in `__post_init__`)."""
+and DAPO's rollout filters), and their rules across sections. Part of the schema in
+`megatron_gspo.config.schema`, which re-exports them; the conventions of
+`megatron_gspo.config.sections` hold (a docstring under every field, `__post_init__` only
+checks)."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Optional
 
-from megatron_gspo.config.loader import ConfigError, check, validate
-
-
-def expand_user_paths(section, *names: str) -> None:
-    """`~` in these path fields (a str or a list of them) is the home directory: the shell
-    leaves `key=~/x` alone, and a YAML value `~/x` is that string."""
-    for name in names:
-        value = getattr(section, name)
-        if isinstance(value, str):
-            object.__setattr__(section, name, os.path.expanduser(value))
-        elif isinstance(value, list):
-            object.__setattr__(section, name, [os.path.expanduser(v) if isinstance(v, str)
-                                               else v for v in value])
+from megatron_gspo.config.fields import OptionalPath, Paths, check, validate
+from megatron_gspo.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -28,10 +18,10 @@ class DataConfig:
     """Prompts from files (task.name=dataset; task.n_train / n_eval / seed do not apply)."""
     _section: ClassVar[str] = "data"
 
-    train_files: list = field(default_factory=list)
+    train_files: Paths = field(default_factory=list)
     """Training files (.jsonl, or .parquet with pyarrow installed); a string is one file. Set
     exactly when task.name=dataset."""
-    eval_files: list = field(default_factory=list)
+    eval_files: Paths = field(default_factory=list)
     """Held-out files; empty = split data.eval_fraction of the (shuffled) train rows off."""
     format: Literal["verl", "plain"] = "verl"
     """Row schema. verl: `prompt` = list of chat messages ({role, content}),
@@ -71,17 +61,12 @@ class DataConfig:
     chat turn, and an end-of-turn id also stops sampling. forbid: an error naming the file, line
     and token; escape: a zero-width space after its first character makes it ordinary text;
     allow: read as the token (Hugging Face's and verl's default)."""
-    tokenizer_path: Optional[str] = None
+    tokenizer_path: OptionalPath = None
     """Local tokenizer folder (tokenizer.json + tokenizer_config.json). Precedence:
     data.tokenizer_path, else model.hf_path (the model's folder), else the toy character
     tokenizer."""
 
     def __post_init__(self):
-        for name in ("train_files", "eval_files"):
-            value = getattr(self, name)
-            if isinstance(value, str):
-                object.__setattr__(self, name, [value])
-        expand_user_paths(self, "train_files", "eval_files", "tokenizer_path")
         validate(self, nonempty=("prompt_key", "answer_key", "sft_key", "tokenizer_path"),
                  ge={"max_eval": 1, "max_prompt_tokens": 1})
         for name in ("train_files", "eval_files"):
@@ -99,8 +84,9 @@ class RewardConfig:
     _section: ClassVar[str] = "reward"
 
     name: Optional[str] = None
-    """Reward: exact, countdown or math (math-verify, pip install -e .[math]). None = the
-    task's own verifier (toy tasks; task.name=dataset uses math). Toy tasks take no name."""
+    """Reward: exact, countdown or math (math-verify, pip install -e .[math]), or any name
+    registered with `register_reward` (checked at set-up). None = the task's own verifier (toy
+    tasks; task.name=dataset uses math). Toy tasks take no name."""
     timeout_s: float = 5.0
     """Per-answer time limit in seconds of a dataset task's reward (0 = none); a reward that
     raises or runs out of time scores 0 and is counted in reward/errors."""
@@ -116,10 +102,6 @@ class RewardConfig:
     def __post_init__(self):
         validate(self, nonempty=("name",), ge={"timeout_s": 0}, gt={"batch_timeout_s": 0})
         check(self, "format_weight", 0 <= self.format_weight < 1, "must be in [0, 1)")
-        if self.name is not None:
-            from megatron_gspo.tasks.rewards import REWARDS
-
-            check(self, "name", self.name in REWARDS, f"valid names: {sorted(REWARDS)}")
 
 
 @dataclass(frozen=True)

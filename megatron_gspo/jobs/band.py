@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import os
 
-from megatron_gspo.config.schema import ConfigError, RunConfig
+from megatron_gspo.config.schema import RunConfig
+from megatron_gspo.errors import ConfigError
 from megatron_gspo.run.metrics import read_jsonl
 
 ACC = "eval/accuracy"

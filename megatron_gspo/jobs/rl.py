@@ -42,7 +42,8 @@ from megatron_gspo.algo.advantages import group_advantages
 from megatron_gspo.algo.flips import (FlipSchedule, loss_positions, sampler_mismatch,
                                       token_rows)
 from megatron_gspo.algo.losses import PolicyLossFn, get_policy_loss, tis_weights
-from megatron_gspo.config.schema import ConfigError, RunConfig
+from megatron_gspo.config.schema import RunConfig
+from megatron_gspo.errors import ConfigError
 from megatron_gspo.dist import all_ranks, max_over_ranks, reduce_metrics
 from megatron_gspo.jobs.band import StartBand
 from megatron_gspo.jobs.rl_metrics import response_metrics, rollout_metrics, throughput

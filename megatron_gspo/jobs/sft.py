@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_gspo.config.schema import ConfigError, RunConfig
+from megatron_gspo.config.schema import RunConfig
+from megatron_gspo.errors import ConfigError
 from megatron_gspo.dist import reduce_metrics
 from megatron_gspo.jobs.band import SFTBand
 from megatron_gspo.run import seeds

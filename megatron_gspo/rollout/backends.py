@@ -7,7 +7,7 @@ Importing this module registers "lean" and "megatron" (`rollout.decoders`), "meg
 
 from __future__ import annotations
 
-from megatron_gspo.config.schema import ConfigError
+from megatron_gspo.errors import ConfigError
 from megatron_gspo.rollout import decoders, engine, vllm  # noqa: F401  (they register backends)
 from megatron_gspo.rollout.sampler import SAMPLERS, Sampler
 

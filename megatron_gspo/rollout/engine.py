@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_gspo.config.schema import ConfigError
+from megatron_gspo.errors import ConfigError
 from megatron_gspo.rollout.sampler import Samples, SamplingParams, register_sampler
 from moe import engine as moe_engine
 

@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from megatron_gspo.config.schema import ConfigError
+from megatron_gspo.errors import ConfigError
 from megatron_gspo.rollout.sampler import Samples, SamplingParams, register_sampler
 from moe.engine import to_batch
 

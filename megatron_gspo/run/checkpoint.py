@@ -37,6 +37,8 @@ import tempfile
 import numpy as np
 import torch
 
+from megatron_gspo.errors import CheckpointError
+
 LATEST_FILE = "latest"
 COMPLETE_FILE = "complete"
 CHECKSUM_SUFFIX = ".sha256"
@@ -69,10 +71,6 @@ def _fsync_dir(path: str) -> None:
         pass
     finally:
         os.close(fd)
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be written or trusted (one line, names the file)."""
 
 
 class _HashingWriter:

@@ -15,7 +15,8 @@ import os
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
-from megatron_gspo.config.schema import ConfigError, RunConfig
+from megatron_gspo.config.schema import RunConfig
+from megatron_gspo.errors import ConfigError
 from megatron_gspo.dist import all_ranks
 from megatron_gspo.run import checkpoint as ckpt
 from megatron_gspo.run.rundir import recorded_value

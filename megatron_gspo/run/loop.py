@@ -33,7 +33,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from megatron_gspo.config.schema import ConfigError
+from megatron_gspo.errors import ConfigError
 from megatron_gspo.dist import all_ranks, reduce_metrics
 from megatron_gspo.run.metrics import format_progress
 from megatron_gspo.run.preempt import Preempted, Preemption

@@ -5,7 +5,7 @@
 
 Each line is {"step": int, "time": unix seconds, **metrics}, appended with unbuffered writes: a
 write that fails (disk full) truncates the file back to its last whole row and raises
-`MetricsError`, one line naming the file and the OS reason (the CLI exits 2). A resumed run calls
+a `UserError`, one line naming the file and the OS reason (the CLI exits 2). A resumed run calls
 `drop_after(step)` first, so the rows of steps it will redo are not logged twice. Keys follow `group/name[/stat]`.
 Tensors and numpy scalars become Python numbers; non-finite floats are written as the strings
 "nan", "inf", "-inf" (JSON has no NaN, and null would hide a blow-up). The file is opened in
@@ -26,14 +26,11 @@ import sys
 import time
 from typing import Callable, Iterator, Sequence
 
+from megatron_gspo.errors import UserError
 from moe.checks import MissingDependency
 
 METRICS_FILE = "metrics.jsonl"
 WANDB_MODES = ("offline", "online", "disabled")
-
-
-class MetricsError(RuntimeError):
-    """metrics.jsonl cannot be appended to (one line: the file, the OS reason)."""
 
 
 def _to_json_value(key: str, v):
@@ -150,7 +147,7 @@ class MetricsLogger:
         self._file = open(self.path, "ab", buffering=0)  # every write reaches the OS at once
 
     def _append(self, data: bytes, what: str) -> None:
-        """Append `data` whole, or truncate back to the size before and raise MetricsError."""
+        """Append `data` whole, or truncate back to the size before and raise UserError."""
         start = os.fstat(self._file.fileno()).st_size
         view = memoryview(data)
         try:
@@ -161,7 +158,7 @@ class MetricsLogger:
                 os.ftruncate(self._file.fileno(), start)  # no cut-off row
             except OSError:
                 pass
-            raise MetricsError(f"cannot append to {self.path}: {e.strerror or e}; {what} is not "
+            raise UserError(f"cannot append to {self.path}: {e.strerror or e}; {what} is not "
                                "logged, the rows before it and the checkpoints are unchanged") \
                 from None
 

@@ -6,7 +6,7 @@
 torch reports an allocation it cannot make as `torch.OutOfMemoryError` (CUDA: "CUDA out of
 memory. Tried to allocate ...") or, on the CPU, a RuntimeError from its allocator
 ("DefaultCPUAllocator: can't allocate memory: you tried to allocate 7516192768 bytes"); Python's
-own is a MemoryError. Inside the block any of these becomes `OutOfMemory`: where it happened, the
+own is a MemoryError. Inside the block any of these becomes a `UserError`: where it happened, the
 allocator's first line, and the config keys (with their values) that size that phase, which the
 CLI prints as one line (exit 2). Other RuntimeErrors pass unchanged.
 """
@@ -14,6 +14,8 @@ CLI prints as one line (exit 2). Other RuntimeErrors pass unchanged.
 from __future__ import annotations
 
 import contextlib
+
+from megatron_gspo.errors import UserError
 
 ROLLOUT = (("rollout.prompts_per_batch", "rollout.group_size", "rollout.max_new_tokens"), ())
 """What sizes sampling (keys to lower, keys to raise): rows x length of the KV cache."""
@@ -23,10 +25,6 @@ TRAIN_STEP = (("rollout.prompts_per_batch", "rollout.group_size"),
               ("train.num_minibatches", "model.recompute_granularity"))
 """What sizes one optimizer step's forward and backward (recompute: off -> selective -> full)."""
 SFT_STEP = (("sft.batch_size",), ("model.recompute_granularity",))
-
-
-class OutOfMemory(RuntimeError):
-    """An allocation failed; the message names the phase and the settings that size it."""
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -59,7 +57,7 @@ def remedy(cfg, settings: tuple) -> str:
 
 @contextlib.contextmanager
 def out_of_memory(where: str, cfg, settings: tuple):
-    """Re-raise an allocation failure inside the block as `OutOfMemory` naming `settings`
+    """Re-raise an allocation failure inside the block as a `UserError` naming `settings`
     (keys to lower, keys to raise: `remedy`)."""
     try:
         yield
@@ -69,5 +67,5 @@ def out_of_memory(where: str, cfg, settings: tuple):
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         first = first[first.find("DefaultCPUAllocator"):] if "DefaultCPUAllocator" in first \
             else first
-        raise OutOfMemory(f"out of memory in {where} ({first[:160]}); "
+        raise UserError(f"out of memory in {where} ({first[:160]}); "
                           f"{remedy(cfg, settings)}") from None

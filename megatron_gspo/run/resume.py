@@ -24,7 +24,8 @@ import shutil
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
-from megatron_gspo.config.schema import ConfigError, RunConfig, config_to_dict
+from megatron_gspo.config.schema import RunConfig, config_to_dict
+from megatron_gspo.errors import ConfigError
 from megatron_gspo.dist import all_ranks
 from megatron_gspo.run import checkpoint as ckpt
 from megatron_gspo.run.init import built_model, saved_model

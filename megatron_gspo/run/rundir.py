@@ -33,6 +33,8 @@ import os
 import shutil
 from dataclasses import dataclass
 
+from megatron_gspo.errors import RunDirError
+
 RUN_FILE = "run.json"
 LOCK_FILE = ".lock"
 # Keys that may change when a run is resumed (dotted prefixes of config_to_dict's keys).
@@ -46,10 +48,6 @@ UNUSED_BY_JOB = {"train": ("sft",), "sft": ("train", "loss", "rollout")}
 # The parallel layout: a checkpoint reshards over it (moe.dist_ckpt), so a resume may change it,
 # except TP / EP under the distributed optimizer (its state reshards over DP only).
 LAYOUT = ("model.tp", "model.ep", "model.sequence_parallel", "model.dispatcher")
-
-
-class RunDirError(RuntimeError):
-    """This run may not write this run dir (one line, names the reason)."""
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

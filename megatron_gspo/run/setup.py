@@ -16,8 +16,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from megatron_gspo.config.schema import ConfigError, RunConfig, config_to_dict, save_config
-from megatron_gspo.rollout.backends import build_sampler, check_backend
+from megatron_gspo.config.schema import RunConfig, config_to_dict, save_config
+from megatron_gspo.errors import ConfigError
+from megatron_gspo.rollout.backends import build_sampler
+from megatron_gspo.run.names import check_names
 from megatron_gspo.rollout.generate import evaluate
 from megatron_gspo.rollout.sampler import Sampler
 from megatron_gspo.run import checkpoint as ckpt
@@ -194,7 +196,7 @@ def _preflight(cfg: RunConfig, job: str) -> tuple[OptimSettings | None, Parallel
     returns (optimizer settings, parallel info, whether this start resumes run_dir)."""
     tune_malloc()
     optim = optim_settings(cfg, job)  # a bad lr schedule fails before the run dir is claimed
-    check_backend(cfg)  # an unknown sampler, or one that cannot run here: before any set-up
+    check_names(cfg)  # unknown task / loss / reward / sampler (or one not runnable here): first
     try:
         info = init_parallel(cfg.model.tp, cfg.model.ep, seed=cfg.seed,
                              timeout_min=cfg.model.dist_timeout_min,

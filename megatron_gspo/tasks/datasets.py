@@ -37,18 +37,14 @@ import random
 from dataclasses import dataclass
 from typing import Any, ClassVar, Iterator
 
+from megatron_gspo.errors import ConfigError, DataError
 from megatron_gspo.tasks.rewards import check_math_available, get_format_check, get_reward
-from megatron_gspo.config.loader import ConfigError
 from megatron_gspo.tasks.toy import Example, make_splits, make_task
 from moe.checks import MissingDependency
 
 _DEFAULT_KEYS = {"verl": ("prompt", "reward_model.ground_truth", "data_source"),
                  "plain": ("question", "answer", None)}
 _SUFFIXES = (".jsonl", ".parquet")
-
-
-class DataError(ValueError):
-    """Bad dataset content; the message names the file, row and field."""
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ import time
 import warnings
 from typing import Any, Callable, Sequence
 
+from megatron_gspo.errors import UnknownName
 from megatron_gspo.tasks.expression import parse_expression
 from moe.checks import MissingDependency
 
@@ -58,13 +59,6 @@ FORMAT_CHECKS: dict[str, Callable[[str], bool]] = {}
 
 OK, RAISED, TIMED_OUT = 0, 1, 2
 """Per-answer status codes of `compute_rewards`."""
-
-
-class UnknownRewardError(KeyError, ValueError):
-    """An unregistered reward name (a KeyError, and a ValueError for config loaders)."""
-
-    def __str__(self) -> str:
-        return str(self.args[0])
 
 
 class RewardTimeout(BaseException):
@@ -86,7 +80,7 @@ def register_reward(name: str, *, format_check: Callable[[str], bool]):
 def get_reward(name: str) -> RewardFn:
     """The registered reward called `name`; KeyError listing the valid names otherwise."""
     if name not in REWARDS:
-        raise UnknownRewardError(f"unknown reward {name!r}; valid names: {sorted(REWARDS)}")
+        raise UnknownName(f"unknown reward {name!r}; valid names: {sorted(REWARDS)}")
     return REWARDS[name]
 
 

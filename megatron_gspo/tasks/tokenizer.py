@@ -22,7 +22,7 @@ import json
 import os
 from typing import Protocol, Sequence
 
-from megatron_gspo.config.loader import ConfigError
+from megatron_gspo.errors import ConfigError
 from moe.checks import MissingDependency
 from moe.hf.config import check_local_folder  # noqa: F401 (one hub-name error for both)
 

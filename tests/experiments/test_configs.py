@@ -8,8 +8,10 @@ import os
 import pytest
 
 from experiments.ablation import run as ablation_run
-from megatron_gspo.config.schema import ConfigError, config_to_dict, load_config
-from megatron_gspo.config.loader import load_yaml
+from megatron_gspo.config.schema import config_to_dict, load_config
+from megatron_gspo.config.yamlfile import load_yaml
+from megatron_gspo.errors import ConfigError
+from megatron_gspo.run.names import check_names
 from moe.presets import get_preset
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
@@ -41,6 +43,7 @@ def _diff(a, b) -> set[str]:
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: os.path.relpath(p, ROOT))
 def test_experiment_yaml_loads(path):
     cfg = load_config(path)
+    check_names(cfg)  # its task, loss, reward and sampler are registered ones
     get_preset(cfg.model.preset)
 
 

@@ -10,11 +10,10 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_gspo import cli
-from megatron_gspo.run.checkpoint import CheckpointError
-from megatron_gspo.config.schema import ConfigError
-from megatron_gspo.tasks.datasets import DataError
+from megatron_gspo.errors import (CheckpointError, ConfigError, DataError, RunDirError,
+                                  UnknownName, UserError)
+from megatron_gspo.jobs.band import AccuracyBandError
 from megatron_gspo.run.preempt import Preempted
-from megatron_gspo.run.rundir import RunDirError
 from moe.checks import MissingDependency
 
 
@@ -51,11 +50,36 @@ def test_only_eval_and_reward_metrics_are_printed(ran, capsys):
 @pytest.mark.parametrize("error", [ConfigError("bad key"), DataError("bad row"),
                                    FileNotFoundError("no file"), RunDirError("taken"),
                                    CheckpointError("corrupt"),
-                                   MissingDependency("needs pyarrow: pip install pyarrow")])
+                                   MissingDependency("needs pyarrow: pip install pyarrow"),
+                                   UserError("out of memory in the rollout; lower ..."),
+                                   UnknownName("unknown reward 'x'; valid names: ['exact']"),
+                                   AccuracyBandError("sft.target_accuracy=[0.2, 0.4]: ..."),
+                                   FloatingPointError("non-finite loss")])
 def test_user_errors_exit_2_with_one_line(ran, capsys, error):
     ran.result = error
     assert cli.main(["train"]) == 2
     assert capsys.readouterr().err == f"megatron-gspo: error: {error}\n"
+
+
+def test_every_project_error_is_one_user_error():
+    """The CLI catches one base: every project error class is a UserError, and the few others
+    it catches are types the project cannot subclass (moe's, the stdlib's)."""
+    for cls in (ConfigError, DataError, RunDirError, CheckpointError, UnknownName,
+                AccuracyBandError):
+        assert issubclass(cls, UserError), cls
+    assert cli.USER_ERRORS == (UserError, FileNotFoundError, MissingDependency,
+                               FloatingPointError)
+    assert issubclass(UnknownName, KeyError) and issubclass(ConfigError, ValueError)
+    assert str(UnknownName("plain 'text'")) == "plain 'text'"  # not KeyError's repr()
+
+
+def test_an_unregistered_name_exits_2_before_the_command_runs(ran, capsys):
+    """The CLI checks the registries' names (`megatron_gspo.run.names`) before it runs the
+    command, so nothing is written."""
+    assert cli.main(["train", "loss.name=ppo"]) == 2
+    assert ran.calls == []
+    assert capsys.readouterr().err == ("megatron-gspo: error: loss.name=ppo: unknown policy "
+                                       "loss; valid: ['grpo', 'gspo', 'gspo_token']\n")
 
 
 def test_eval_of_untrained_weights_warns_with_the_fix(ran, capsys):

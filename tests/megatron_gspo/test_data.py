@@ -6,9 +6,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_gspo.config.schema import ConfigError, DataConfig, load_config
-from megatron_gspo.tasks.datasets import (DataError, DatasetTask, dataset_splits, freeze, read_rows,
-                                tokenizer_folder)
+from megatron_gspo.config.schema import DataConfig, load_config
+from megatron_gspo.errors import ConfigError, DataError
+from megatron_gspo.run.names import check_names
+from megatron_gspo.tasks.datasets import (DatasetTask, dataset_splits, freeze, read_rows,
+                                          tokenizer_folder)
 from megatron_gspo.tasks.toy import Example
 from tests.jsonl import write_jsonl
 
@@ -282,7 +284,6 @@ def test_config_rules():
         (["task.name=dataset"], "set task.name=dataset together with data.train_files"),
         (["data.train_files=[a.jsonl]"], "task.name=addition with data.train_files"),
         (["reward.name=math"], "toy task addition has its own verifier"),
-        ([*base, "reward.name=mth"], "reward.name=mth: valid names: ['countdown', 'exact'"),
         ([*base, "reward.format_weight=1.0"], "reward.format_weight=1.0: must be in [0, 1)"),
         ([*base, "data.template=Answer"], "data.template=Answer: must contain {prompt}"),
         ([*base, "data.eval_fraction=0"], "data.eval_fraction=0.0: must be in (0, 1)"),
@@ -295,6 +296,9 @@ def test_config_rules():
             load_config(None, bad)
         assert fragment in str(e.value), (bad, str(e.value))
     assert load_config(None, [*base, "data.eval_fraction=0", "data.eval_files=b.jsonl"])
+    with pytest.raises(ConfigError) as e:  # a registry's name: checked at set-up
+        check_names(load_config(None, [*base, "reward.name=mth"]))
+    assert "reward.name=mth: valid names: ['countdown', 'exact'" in str(e.value)
 
 
 def test_tokenizer_folder_precedence():

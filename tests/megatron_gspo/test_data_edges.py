@@ -7,7 +7,8 @@ import pytest
 
 import megatron_gspo.tasks.rewards as rewards_mod
 from megatron_gspo.config.schema import load_config
-from megatron_gspo.tasks.datasets import DataError, DatasetTask, build_task, dataset_splits
+from megatron_gspo.tasks.datasets import DatasetTask, build_task, dataset_splits
+from megatron_gspo.errors import DataError
 from megatron_gspo.tasks.rewards import REWARDS, FORMAT_CHECKS, register_reward
 from megatron_gspo.tasks.toy import Example
 from tests.jsonl import write_jsonl

@@ -21,7 +21,7 @@ from megatron_gspo.run import checkpoint as ckpt
 from megatron_gspo.cli import main
 from megatron_gspo.config.schema import load_config
 from megatron_gspo.run.metrics import read_jsonl
-from megatron_gspo.run.rundir import RunDirError
+from megatron_gspo.errors import RunDirError
 from tests.megatron_gspo.test_rundir import claim, lock_holder
 
 TINY = ["model.preset=tiny", "task.name=addition", "task.kwargs.num_digits=1",
@@ -354,7 +354,7 @@ def test_resume_force_is_a_config_value():
 
 
 def test_minibatches_must_divide_each_data_parallel_ranks_share():
-    from megatron_gspo.config.schema import ConfigError
+    from megatron_gspo.errors import ConfigError
     from megatron_gspo.jobs.rl import local_prompts
 
     cfg = load_config(None, ["rollout.prompts_per_batch=4", "rollout.group_size=2",

@@ -7,6 +7,7 @@ import signal
 
 import pytest
 
+from megatron_gspo.errors import UserError
 from megatron_gspo.run import metrics
 from megatron_gspo.run.metrics import read_jsonl
 from tests.megatron_gspo.test_faults import TINY, one_line_error
@@ -28,7 +29,7 @@ def test_a_disk_filling_under_metrics_jsonl_leaves_no_cut_off_row(tmp_path):
         resource.setrlimit(resource.RLIMIT_FSIZE, limit)
         signal.signal(signal.SIGXFSZ, sigxfsz)
     assert (tmp_path / "metrics.jsonl").read_bytes() == before
-    assert raised.type.__name__ == "MetricsError", raised
+    assert raised.type is UserError, raised  # the CLI's one line, exit 2
     assert "metrics.jsonl: File too large; the row of step 2 is not logged, the rows before " \
            "it and the checkpoints are unchanged" in str(raised.value)
     logger.log(3, {"reward/mean": 0.7})  # room again: the log goes on
@@ -76,10 +77,10 @@ def test_only_allocation_failures_are_called_out_of_memory():
     import torch
 
     from megatron_gspo.config.schema import load_config
-    from megatron_gspo.run.oom import TRAIN_STEP, OutOfMemory, out_of_memory
+    from megatron_gspo.run.oom import TRAIN_STEP, out_of_memory
 
     cfg = load_config(None, ["model.recompute_granularity=full"])
-    with pytest.raises(OutOfMemory, match=r"CUDA out of memory. Tried to allocate 2.00 GiB\); "
+    with pytest.raises(UserError, match=r"CUDA out of memory. Tried to allocate 2.00 GiB\); "
                                           r"lower .*, or raise train.num_minibatches=4$"):
         with out_of_memory("an optimizer step", cfg, TRAIN_STEP):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore")

@@ -338,7 +338,7 @@ def test_a_bf16_run_exports_bf16_tensors(single_process, hf_dir, tmp_path):
 def test_init_from_another_models_run_names_its_hf_path(single_process, hf_dir, tmp_path):
     """A run started from model.hf_path recorded the default model.preset, which it ignored:
     the refusal names the folder it came from, not that preset."""
-    from megatron_gspo.config.schema import ConfigError
+    from megatron_gspo.errors import ConfigError
     from megatron_gspo.run.setup import build_policy, load_init_weights
 
     cfg = run_config(hf_dir, tmp_path / "run")

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from megatron_gspo.algo.losses import (POLICY_LOSSES, PolicyLossConfig, clipped_surrogate,
-                                  get_policy_loss, policy_loss)
+from megatron_gspo.algo.losses import (POLICY_LOSSES, PolicyLossConfig, clip_range,
+                                       clipped_surrogate, get_policy_loss, policy_loss)
 
 NAMES = ("gspo", "gspo_token", "grpo")
 D = torch.float64
@@ -94,8 +94,7 @@ def test_matches_float64_loop_reference(name, scale):
     cfg = PolicyLossConfig(name)
     loss, grad, m = run(name, logp, old, adv, mask)
     lp = logp.clone().requires_grad_(True)
-    ref_loss, tok_frac, seq_frac = reference_loss(name, lp, old, adv, mask, cfg.eps_low,
-                                                  cfg.eps_high)
+    ref_loss, tok_frac, seq_frac = reference_loss(name, lp, old, adv, mask, *clip_range(cfg))
     ref_loss.backward()
     assert 0 < tok_frac < 1 and 0 < seq_frac < 1  # the case exercises clipping
     assert loss.item() == pytest.approx(ref_loss.item(), abs=1e-12)
@@ -286,16 +285,17 @@ def test_config_defaults_validation_and_registry():
     assert sorted(POLICY_LOSSES) == ["grpo", "gspo", "gspo_token"]
     for name, lo, hi in (("gspo", 3e-4, 4e-4), ("gspo_token", 3e-4, 4e-4), ("grpo", 0.2, 0.27)):
         cfg = PolicyLossConfig(name)
-        assert (cfg.eps_low, cfg.eps_high, cfg.kl_coef, cfg.max_log_ratio) == (lo, hi, 0.0, 20.0)
+        assert (*clip_range(cfg), cfg.kl_coef, cfg.max_log_ratio) == (lo, hi, 0.0, 20.0)
+        assert (cfg.eps_low, cfg.eps_high) == (None, None)  # the default is derived, not stored
     assert PolicyLossConfig().name == "gspo"
     cfg = PolicyLossConfig("grpo", eps_low=0.1, eps_high=0.0)
-    assert (cfg.eps_low, cfg.eps_high) == (0.1, 0.0)
+    assert (cfg.eps_low, cfg.eps_high) == (0.1, 0.0) == clip_range(cfg)
     for field, value in (("eps_low", -0.1), ("eps_low", 1.0), ("eps_high", -1e-3),
                          ("kl_coef", -1.0), ("max_log_ratio", 0.0), ("max_log_ratio", math.nan),
                          ("eps_high", math.inf)):
-        with pytest.raises(ValueError, match=f"PolicyLossConfig.{field}="):
+        with pytest.raises(ValueError, match=f"^loss.{field}="):
             PolicyLossConfig("gspo", **{field: value})
-    for call in (lambda: get_policy_loss("ppo"), lambda: PolicyLossConfig("ppo")):
+    for call in (lambda: get_policy_loss("ppo"), lambda: clip_range(PolicyLossConfig("ppo"))):
         with pytest.raises(KeyError, match=r"'ppo'.*\['grpo', 'gspo', 'gspo_token'\]"):
             call()
     with pytest.raises(AttributeError):

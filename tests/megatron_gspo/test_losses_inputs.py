@@ -7,8 +7,11 @@ import pytest
 import torch
 
 from megatron_gspo.algo import losses
-from megatron_gspo.algo.losses import (PolicyLossConfig, UnknownPolicyLossError, get_policy_loss,
-                                  policy_loss, register_policy_loss)
+from megatron_gspo.algo.losses import (PolicyLossConfig, clip_range, get_policy_loss,
+                                       policy_loss, register_policy_loss)
+from megatron_gspo.config.schema import load_config
+from megatron_gspo.errors import ConfigError, UnknownName
+from megatron_gspo.run.names import check_names
 
 NAMES = ("gspo", "gspo_token", "grpo")
 D = torch.float64
@@ -27,26 +30,32 @@ def small_batch():
 
 
 def test_config_accepts_zero_eps_low_and_rejects_non_numbers():
-    """Guards PolicyLossConfig._check: eps_low = 0 is in [0, 1); a bool, a string or a tiny
-    negative kl_coef is a ValueError naming the field (not a TypeError or silently accepted)."""
+    """Guards the loss section's checks: eps_low = 0 is in [0, 1); a bool, a string or a tiny
+    negative kl_coef is a ConfigError (a ValueError) naming the key (not a TypeError or
+    silently accepted)."""
     cfg = PolicyLossConfig("grpo", eps_low=0.0, eps_high=0.1)
     assert (cfg.eps_low, cfg.eps_high) == (0.0, 0.1)
     for field, value in (("eps_high", True), ("eps_low", "0.1"), ("kl_coef", -1e-3),
                          ("max_log_ratio", None), ("tis_cap", False)):
-        with pytest.raises(ValueError, match=f"PolicyLossConfig.{field}="):
+        with pytest.raises(ConfigError, match=f"^loss.{field}="):
             PolicyLossConfig("gspo", **{field: value})
 
 
 def test_unknown_loss_error_is_a_value_error_with_a_plain_message():
-    """Guards UnknownPolicyLossError: config loaders catch ValueError, and str() is the message
-    itself, not KeyError's repr() of it (quoted, with escaped quotes)."""
+    """Guards UnknownName: config loaders catch ValueError, and str() is the message itself,
+    not KeyError's repr() of it (quoted, with escaped quotes). A config naming the loss is
+    refused by the set-up check, naming the key."""
     with pytest.raises(ValueError) as info:
-        PolicyLossConfig("ppo")
-    assert isinstance(info.value, KeyError) and isinstance(info.value, UnknownPolicyLossError)
-    assert str(info.value).startswith("PolicyLossConfig.name='ppo': unknown policy loss")
+        clip_range(PolicyLossConfig("ppo"))
+    assert isinstance(info.value, KeyError) and isinstance(info.value, UnknownName)
+    assert str(info.value).startswith("unknown policy loss 'ppo'")
     with pytest.raises(ValueError) as info:
         get_policy_loss("ppo")
     assert str(info.value) == ("unknown policy loss 'ppo'; valid names: "
+                               "['grpo', 'gspo', 'gspo_token']")
+    with pytest.raises(ConfigError) as info:
+        check_names(load_config(None, ["loss.name=ppo"]))
+    assert str(info.value) == ("loss.name=ppo: unknown policy loss; valid: "
                                "['grpo', 'gspo', 'gspo_token']")
 
 
@@ -61,9 +70,11 @@ def test_register_refuses_a_duplicate_name_and_a_loss_without_eps_needs_them(mon
     assert losses.POLICY_LOSSES["grpo"] is grpo
     register_policy_loss("no_eps")(grpo)
     with pytest.raises(ValueError, match=r"eps_low=None: loss 'no_eps' has no paper default"):
-        PolicyLossConfig("no_eps")
+        clip_range(PolicyLossConfig("no_eps"))
+    with pytest.raises(ConfigError, match=r"^loss.eps_low=None: loss 'no_eps' has no paper"):
+        check_names(load_config(None, ["loss.name=no_eps"]))
     cfg = PolicyLossConfig("no_eps", eps_low=0.1, eps_high=0.2)
-    assert (cfg.eps_low, cfg.eps_high) == (0.1, 0.2)
+    assert (cfg.eps_low, cfg.eps_high) == (0.1, 0.2) == clip_range(cfg)
 
 
 # ----------------------------------------------------------------------------- input validation

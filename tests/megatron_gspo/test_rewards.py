@@ -7,8 +7,9 @@ import time
 import pytest
 
 import megatron_gspo.tasks.rewards as rewards_mod
+from megatron_gspo.errors import UnknownName
 from megatron_gspo.tasks.rewards import (FORMAT_CHECKS, OK, RAISED, REWARDS, TIMED_OUT,
-                                   UnknownRewardError, compute_rewards, countdown_reward,
+                                   compute_rewards, countdown_reward,
                                    exact_reward, get_format_check, get_reward, math_gold_text,
                                    register_reward)
 from megatron_gspo.tasks.toy import Example, make_task
@@ -21,7 +22,7 @@ def test_registry_names_and_unknown_name_lists_valid_ones():
         get_reward("bogus")
     with pytest.raises(ValueError):  # also a ValueError, for config loaders
         get_reward("bogus")
-    assert issubclass(UnknownRewardError, ValueError)
+    assert issubclass(UnknownName, ValueError)
 
 
 def test_register_reward_refuses_a_second_reward_under_a_taken_name():
@@ -239,7 +240,7 @@ def test_first_three_reward_errors_are_printed_then_only_counted(monkeypatch, ca
 
 def test_get_format_check_of_an_unknown_name_lists_the_valid_ones():
     """The format check lookup gives the same error as get_reward, not a bare KeyError."""
-    with pytest.raises(UnknownRewardError, match=r"unknown reward 'bogus'; valid names"):
+    with pytest.raises(UnknownName, match=r"unknown reward 'bogus'; valid names"):
         get_format_check("bogus")
 
 
@@ -350,7 +351,8 @@ def test_the_batch_limit_stays_below_the_collective_timeout():
     """reward.batch_timeout_s defaults to half of model.dist_timeout_min and may not reach it."""
     import os
 
-    from megatron_gspo.config.schema import ConfigError, load_config
+    from megatron_gspo.config.schema import load_config
+    from megatron_gspo.errors import ConfigError
     from megatron_gspo.tasks.datasets import build_task
     from megatron_gspo.tasks.tokenizer import load_tokenizer
 

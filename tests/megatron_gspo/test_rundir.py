@@ -12,8 +12,9 @@ import textwrap
 import pytest
 
 from megatron_gspo.config.schema import config_to_dict, load_config
-from megatron_gspo.run.rundir import (LOCK_FILE, NON_SEMANTIC, RunDirError, claim_run_dir,
-                                  record_run, semantic_config)
+from megatron_gspo.run.rundir import (LOCK_FILE, NON_SEMANTIC, claim_run_dir, record_run,
+                                      semantic_config)
+from megatron_gspo.errors import RunDirError
 
 
 @contextlib.contextmanager

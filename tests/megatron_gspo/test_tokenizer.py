@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from megatron_gspo.config.loader import ConfigError
+from megatron_gspo.errors import ConfigError
 from megatron_gspo.tasks.tokenizer import CharTokenizer, HFTokenizer, load_tokenizer
 from tests.hf_fixtures import SPECIALS, make_tokenizer
 

@@ -80,7 +80,8 @@ def test_default_model_uses_sdpa_and_megatron_attention_is_kept_on_request(singl
 
 
 def test_config_selects_attention():
-    from megatron_gspo.config.schema import ConfigError, load_config
+    from megatron_gspo.config.schema import load_config
+    from megatron_gspo.errors import ConfigError
 
     assert load_config(None, []).model.attention == "sdpa"
     assert load_config(None, ["model.attention=megatron"]).model.attention == "megatron"

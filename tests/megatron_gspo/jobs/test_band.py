@@ -9,7 +9,8 @@ import pytest
 from megatron_gspo.run import checkpoint as ckpt
 from megatron_gspo.jobs.band import (AccuracyBandError, SFTBand, StartBand,
                                      check_start_accuracy, cold_start_line)
-from megatron_gspo.config.schema import ConfigError, load_config
+from megatron_gspo.config.schema import load_config
+from megatron_gspo.errors import ConfigError
 from megatron_gspo.run.metrics import read_jsonl
 from tests.jsonl import write_metrics
 

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_gspo.config.schema import ConfigError, load_config
+from megatron_gspo.config.schema import load_config
+from megatron_gspo.errors import ConfigError
 from megatron_gspo.jobs import sft
 from megatron_gspo.run import loop
 from megatron_gspo.run.metrics import read_jsonl

@@ -6,7 +6,8 @@ import os
 import pytest
 import torch
 
-from megatron_gspo.config.schema import ConfigError, load_config
+from megatron_gspo.config.schema import load_config
+from megatron_gspo.errors import ConfigError
 from megatron_gspo.run.metrics import read_jsonl
 
 BASE = ["model.preset=qwen3-moe-tiny", "task.name=addition", "task.kwargs.num_digits=1",

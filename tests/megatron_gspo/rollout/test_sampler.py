@@ -6,7 +6,8 @@ import os
 import pytest
 import torch
 
-from megatron_gspo.config.schema import ConfigError, load_config
+from megatron_gspo.config.schema import load_config
+from megatron_gspo.errors import ConfigError
 from megatron_gspo.rollout.sampler import (SAMPLERS, Samples, SamplingParams, left_pad,
                                            prompt_ids, register_sampler)
 from megatron_gspo.run.metrics import read_jsonl

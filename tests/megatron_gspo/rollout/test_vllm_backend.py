@@ -9,7 +9,8 @@ import os
 import pytest
 import torch
 
-from megatron_gspo.config.schema import ConfigError, load_config
+from megatron_gspo.config.schema import load_config
+from megatron_gspo.errors import ConfigError
 from megatron_gspo.run.metrics import read_jsonl
 from tests.hf_fixtures import make_model
 

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_gspo.config.schema import ConfigError, load_config
+from megatron_gspo.config.schema import load_config
+from megatron_gspo.errors import ConfigError
 from megatron_gspo.jobs import rl, sft
 from megatron_gspo.run import loop
 from megatron_gspo.run.preempt import Preempted

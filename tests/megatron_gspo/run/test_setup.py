@@ -10,13 +10,13 @@ import shutil
 import pytest
 import torch
 
-from megatron_gspo.config.schema import ConfigError, load_config
-from megatron_gspo.run.checkpoint import CheckpointError
+from megatron_gspo.config.schema import load_config
+from megatron_gspo.errors import CheckpointError, ConfigError
 from megatron_gspo.run.init import check_init_checkpoint, load_init_weights
 from megatron_gspo.run.resume import save_state
 from megatron_gspo.run.setup import (build_policy, layout_of, model_max_len, optim_settings,
                                      recompute_of, resolve_preset, setup_runtime)
-from megatron_gspo.tasks.datasets import DataError
+from megatron_gspo.errors import DataError
 from moe.dist_ckpt import files_written_by
 from moe.model import Recompute
 from tests.hf_fixtures import make_model

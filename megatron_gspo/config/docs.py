@@ -1,0 +1,48 @@
+"""Field docstrings (a string literal right under each field, as in megatron-core's
+TransformerConfig) read with `ast`, and the key listing of `megatron-gspo config`."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import textwrap
+
+from megatron_gspo.config.fields import field_types, type_name
+
+
+@functools.lru_cache(maxsize=None)
+def field_docs(cls) -> dict[str, str]:
+    """{field: docstring} from the string literal right under each annotated field (ast), in
+    `cls` and its dataclass bases (a section may subclass a settings class defined elsewhere)."""
+    docs = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        for node, nxt in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                    and isinstance(nxt.value.value, str)):
+                docs[node.target.id] = inspect.cleandoc(nxt.value.value)
+    return {name: docs[name] for name in field_types(cls) if name in docs}
+
+
+def describe_fields(cls, prefix: str, lines: list[str]) -> None:
+    """Append `prefix.key: type = default` and its docstring for every field of `cls`, then
+    each section (a dataclass field) under a `[section]` header, to `lines`."""
+    docs = field_docs(cls)
+    defaults = {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
+                for f in dataclasses.fields(cls)}  # as declared
+    sections = []
+    for name, tp in field_types(cls).items():
+        if dataclasses.is_dataclass(tp):
+            sections.append((name, tp))
+            continue
+        lines.append(f"{prefix}{name}: {type_name(tp)} = {defaults[name]!r}")
+        lines.extend("    " + ln for ln in docs.get(name, "(undocumented)").splitlines())
+    for name, tp in sections:
+        doc = " ".join((tp.__doc__ or "").split())  # one line per section header
+        lines.append(f"\n[{prefix}{name}] {doc}")
+        describe_fields(tp, f"{prefix}{name}.", lines)

@@ -1,0 +1,350 @@
+"""The run config's sections, one frozen dataclass per component: the model and its layout, the
+task, rollout sampling, the policy loss, the optimizer, the RL loop, the SFT cold start, wandb.
+(The dataset sections are in `megatron_gspo.config.data`, the top level in `.schema`.)
+
+Every field has a docstring (a string literal right under it) that `megatron-gspo config`
+prints. `__post_init__` only checks (`fields.validate` / `fields.check`: one-line ConfigErrors
+naming the dotted key); it never changes a value, so the saved config is the one given. Values
+derived from others are properties (`ModelConfig.resolved_dispatcher`, `RolloutConfig.sampler`).
+Names that a registry of a higher room holds (task, loss, reward, sampler) are checked at set-up,
+`megatron_gspo.run.names`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal, Optional
+
+from megatron_gspo.config.fields import Band, OptionalPath, check, check_band, validate
+from moe.model import RECOMPUTE_MODULES, layout_problems, resolve_dispatcher
+from moe.optim import OptimSettings
+from moe.presets import PRESETS
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Policy architecture and parallel layout."""
+    _section: ClassVar[str] = "model"
+
+    preset: str = "qwen3-moe-tiny"
+    """Model preset name (validated by `moe.presets`); ignored when hf_path is set."""
+    tp: int = 1
+    """Tensor-parallel size."""
+    ep: int = 1
+    """Expert-parallel size."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism: required when tp > 1 (megatron-core's rule for MoE),
+    invalid when tp == 1."""
+    dispatcher: Literal["auto", "alltoall", "allgather"] = "auto"
+    """MoE token dispatcher; 'auto' is 'alltoall' when ep > 1, else 'allgather' (same numbers
+    on one EP rank, without the all-to-all's identity sort copies; `resolved_dispatcher`)."""
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Parameter / compute dtype. bf16 / fp16 train with fp32 main grads and fp32 master weights
+    (megatron's Float16 optimizer); fp16 adds loss scaling (optim.loss_scale)."""
+    aux_loss_coeff: float = 0.0
+    """MoE load-balancing auxiliary loss coefficient (0 = off)."""
+    dist_timeout_min: float = 10.0
+    """Timeout of every collective (torch.distributed and megatron's groups), in minutes: a rank
+    waiting longer on its peers fails with the backend's timeout error instead of hanging
+    (torch's default is 30)."""
+    hf_path: OptionalPath = None
+    """Local Hugging Face model folder (config.json, *.safetensors, tokenizer files) to start
+    from: the architecture comes from its config.json (model.preset is then ignored), the
+    weights are loaded into this run's TP/EP layout, the tokenizer and chat template are its own.
+    Qwen3-MoE and Qwen2-MoE. Nothing is downloaded: a hub name is an error."""
+    vocab_multiple: int = 128
+    """With hf_path: the embedding is padded to a multiple of vocab_multiple * tp rows (megatron's
+    make-vocab-size-divisible-by); padded logits are masked. The toy tokenizer pads to 16 * tp."""
+    max_seq_len: Optional[int] = None
+    """Maximum sequence length (prompt + response tokens) the model is built for; None = the
+    preset's (64 for the tiny presets; long-response tasks and datasets need more), or
+    config.json's with hf_path. RoPE has no length-bound parameters, so this changes no weight."""
+    num_layers: Optional[int] = None
+    """The preset's architecture with this many decoder layers (random init): a real model's
+    layer shapes (e.g. qwen3-30b-a3b's 128 experts of hidden 2048) at a depth one device holds,
+    for throughput and memory measurements. None = the preset's depth. Not with hf_path (a
+    checkpoint's depth is its config.json's)."""
+    recompute_granularity: Literal["off", "selective", "full"] = "off"
+    """megatron's activation recompute for long responses: 'selective' re-runs
+    recompute_modules in the backward, 'full' every transformer layer. Same grads (routing
+    replay included), less activation memory, one more forward."""
+    recompute_modules: str = "moe"
+    """Comma-separated modules for 'selective': moe (the whole MoE layer: router, dispatch,
+    experts), core_attn."""
+    attention: Literal["megatron", "sdpa"] = "sdpa"
+    """Core attention of the local (CPU) layer spec: one torch SDPA call (`moe.attention`), or
+    megatron's unfused DotProductAttention (the experiments up to issue 16 ran with it and pin
+    it; equal to fp32 rounding, which can flip an occasional sampled token). In bf16 / fp16,
+    SDPA keeps scores and softmax in fp32 where megatron's unfused path rounds the scores to 16
+    bits: closer to exact, and no [B, H, T, T] scores tensor."""
+
+    def __post_init__(self):
+        validate(self, nonempty=("preset", "hf_path"),
+                 ge={"tp": 1, "ep": 1, "aux_loss_coeff": 0, "vocab_multiple": 1,
+                     "max_seq_len": 2, "num_layers": 1},
+                 gt={"dist_timeout_min": 0})
+        modules = [m.strip() for m in self.recompute_modules.split(",")]
+        check(self, "recompute_modules", all(m in RECOMPUTE_MODULES for m in modules),
+              f"expected a comma-separated subset of {', '.join(RECOMPUTE_MODULES)}")
+        check(self, "preset", self.preset in PRESETS, f"unknown preset; valid: {sorted(PRESETS)}")
+        check(self, "num_layers", self.num_layers is None or self.hf_path is None,
+              "only with model.preset (model.hf_path's depth comes from its config.json)")
+        for name, msg in layout_problems(self):  # the rules live in moe.model
+            check(self, name, False, msg)
+
+    @property
+    def resolved_dispatcher(self) -> str:
+        """The dispatcher the model is built with: `dispatcher`, 'auto' resolved
+        (`moe.model.resolve_dispatcher`)."""
+        return resolve_dispatcher(self.dispatcher, self.ep)
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """Verifiable task and its train / eval splits."""
+    _section: ClassVar[str] = "task"
+
+    name: str = "addition"
+    """Task name (see `megatron_gspo.tasks.toy`), or dataset (prompts from files: the data
+    section). Checked against the registry at set-up (`megatron_gspo.run.names`)."""
+    kwargs: dict = field(default_factory=dict)
+    """Keyword arguments for the task constructor, e.g. {num_digits: 2}."""
+    n_train: int = 2000
+    """Number of training prompts."""
+    n_eval: int = 128
+    """Number of held-out eval prompts."""
+    seed: int = 1234
+    """Seed of the train / eval split."""
+
+    def __post_init__(self):
+        validate(self, nonempty=("name",), ge={"n_train": 1, "n_eval": 0})
+        check(self, "kwargs", all(isinstance(k, str) for k in self.kwargs), "keys must be str")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Sampling of G responses per prompt."""
+    _section: ClassVar[str] = "rollout"
+
+    prompts_per_batch: int = 8
+    """Prompts per rollout batch (over all data-parallel ranks)."""
+    group_size: int = 8
+    """G: responses sampled per prompt (>= 2, advantages are group-normalised)."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0); log-probs are computed at the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (0 < top_p <= 1)."""
+    max_new_tokens: int = 8
+    """Maximum response length in tokens."""
+    use_sampler_logprobs: bool = False
+    """Use the sampler's log-probs as pi_old instead of a recompute forward (the GSPO paper's
+    claim that inference-engine likelihoods can be used directly, sec. 4.3)."""
+    sampler_dtype: Literal["same", "bf16"] = "same"
+    """Precision of the sampler's forwards: "same" as the trainer, or "bf16" (autocast) for a
+    real train-inference mismatch with an fp32 trainer (`megatron_gspo.rollout.precision`):
+    log-probs and MoE routing then differ between sampler and trainer; pi_old, loss and eval
+    stay as trained."""
+    kv_cache: bool = True
+    """Sample with megatron-core's static KV cache (one new column per step); False recomputes
+    the full forward each step. Sequence parallelism always recomputes."""
+    backend: str = "lean"
+    """The sampler (`megatron_gspo.rollout.sampler`): "lean" (our KV-cache decoder in the
+    trainer process: walks megatron's layers itself, caches rotated keys, attends per K/V group;
+    `moe.decode`), "megatron" (`GPTModel.forward` with megatron-core's static inference context:
+    the same routing and logits to fp32 rounding, slower), "megatron_engine" (megatron-core's
+    dynamic inference engine over the same weights: paged KV cache, CUDA graphs; GPU and
+    megatron-core >= 0.19 only), or any name registered with `register_sampler`."""
+    decoder: Literal["lean", "megatron"] = "lean"
+    """The older spelling of backend=lean|megatron: with backend left at "lean",
+    decoder=megatron selects the megatron sampler."""
+    cuda_graphs: bool = True
+    """backend=megatron_engine: replay its decode steps as CUDA graphs (megatron's own,
+    `cuda_graph_impl=local` at block scope; training forwards stay eager)."""
+    engine_dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """backend=vllm: the engine's precision ("auto": the model's, model.dtype); bf16 with an
+    fp32 trainer is the train-inference mismatch R3 removes."""
+    engine_kv_cache_gb: float = 1.0
+    """backend=vllm: the engine's KV cache, in GiB (vLLM otherwise reserves a fraction of the
+    host's or GPU's memory)."""
+    push_check_tol: Optional[float] = None
+    """backend=vllm: after each weight push the engine's and the trainer's log-probs of a fixed
+    probe sequence may differ by at most this (nats) or the run stops before sampling; None:
+    1e-4 for a float32 engine, 0.25 for bfloat16."""
+
+    def __post_init__(self):
+        validate(self, nonempty=("backend",),
+                 ge={"prompts_per_batch": 1, "group_size": 2, "max_new_tokens": 1},
+                 gt={"temperature": 0, "engine_kv_cache_gb": 0, "push_check_tol": 0})
+        check(self, "top_p", 0 < self.top_p <= 1, "must be in (0, 1]")
+
+    @property
+    def sampler(self) -> str:
+        """The sampler's registered name: `backend`, or `decoder` while backend is "lean"."""
+        return self.decoder if self.backend == "lean" else self.backend
+
+    @property
+    def engine_graphs(self) -> bool:
+        """Whether the policy is built with megatron's inference CUDA graphs."""
+        return self.sampler == "megatron_engine" and self.cuda_graphs
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Policy loss (GSPO / GRPO), its clipping and the advantage's epsilon: the one definition
+    of the loss hyper-parameters, which the loss functions (`megatron_gspo.algo.losses`) take
+    as they are. A new loss hyper-parameter is one field here."""
+    _section: ClassVar[str] = "loss"
+
+    name: str = "gspo"
+    """Registered loss: "gspo" (sequence ratio), "gspo_token" (sequence ratio, token
+    advantages) or "grpo" (token ratio); checked against the registry at set-up."""
+    eps_low: Optional[float] = None
+    """Lower clip range, ratio >= 1 - eps_low, in [0, 1). None = the loss's paper default
+    (sec. 5.1): 3e-4 for gspo / gspo_token, 0.2 for grpo (`losses.clip_range`)."""
+    eps_high: Optional[float] = None
+    """Upper clip range, ratio <= 1 + eps_high, >= 0. None = the loss's paper default: 4e-4
+    for gspo / gspo_token, 0.27 for grpo."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL to the reference policy (>= 0; 0 = off, as in the paper)."""
+    max_log_ratio: float = 20.0
+    """Clamp of |log-ratio| before exp (> 0): a numerical guard, not in the paper; the
+    gradient is zero beyond it."""
+    tis_cap: Optional[float] = None
+    """Truncated importance sampling against the train-inference mismatch (None = off): each
+    response token's loss term is weighted by min(pi_old / pi_sampler, tis_cap), pi_old being the
+    trainer's recompute (verl's rollout IS `truncate`, slime's `tis_clip`). > 0."""
+    adv_eps: float = 1e-6
+    """Epsilon in the group advantage (r - mean) / (std + eps)."""
+
+    def __post_init__(self):
+        validate(self, nonempty=("name",), ge={"eps_high": 0, "kl_coef": 0},
+                 gt={"max_log_ratio": 0, "tis_cap": 0, "adv_eps": 0})
+        check(self, "eps_low", self.eps_low is None or 0 <= self.eps_low < 1,
+              "must be in [0, 1)")
+
+
+@dataclass(frozen=True)
+class OptimConfig(OptimSettings):
+    """megatron-core's Adam and lr schedule; the fields are `moe.optim.OptimSettings`'s."""
+    _section: ClassVar[str] = "optim"
+
+    def __post_init__(self):
+        validate(self)
+        for name, msg in self.problems():
+            check(self, name, False, msg)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """RL loop: iterations, minibatching, Routing Replay, instrumentation."""
+    _section: ClassVar[str] = "train"
+
+    steps: int = 20
+    """Unit: rollout batches (iterations), NOT optimizer steps: each rollout batch takes
+    `num_minibatches` optimizer steps, so a run makes steps * num_minibatches of them (the
+    metrics' `step` counts optimizer steps; `train/iteration` counts rollout batches). eval_every,
+    save_every and log_every count rollout batches too."""
+    num_minibatches: int = 4
+    """N optimizer steps per rollout batch; must divide prompts_per_batch * group_size. N = 1
+    makes GSPO plain on-policy policy gradient (every ratio is 1, nothing is clipped)."""
+    routing_replay: Literal["off", "r2", "r3"] = "off"
+    """Routing Replay: off; r2 = replay pi_old's routing from its training-side forward (GSPO
+    paper sec. 5.3); r3 = replay the routing the sampler used (arXiv 2510.11370): our decoders
+    record it through the KV cache (needs rollout.kv_cache, no sequence parallelism), an
+    inference engine reports its own."""
+    flip_every: int = 1
+    """Measure per-layer expert flips every k optimizer steps (0 = never)."""
+    logprob_max_tokens: int = 4096
+    """Token budget (sequences x padded length, at least one sequence) per forward of the
+    no-grad passes over a whole rollout batch: pi_old, R3's replayed pi_old, the reference
+    policy; 0 = all at once. Bounds their activation and logits memory (verl's
+    log_prob_max_token_len_per_gpu; raise it on a GPU); short batches stay one forward, as
+    per-forward overhead dominates there on CPU (`bench/step.py --pi-old`). The same
+    numbers as one pass to fp32 rounding (GEMMs over fewer rows); ranks agree on the number of
+    forwards. A memory knob: may change on resume."""
+    router_noise_std: float = 0.0
+    """Routing-volatility knob (0 = off): Gaussian noise of this std on the router logits picks
+    the top-k experts in the loss's forward only (gate weights stay those of the clean logits;
+    sampler, pi_old, eval and flip-measurement forwards are clean; seeded per optimizer step).
+    Under train.routing_replay=r2/r3 the replayed top-k is forced, so it has no effect: it adds
+    exactly the routing-induced noise replay removes (`moe.router_noise`)."""
+    eval_every: int = 10
+    """Evaluate every k iterations (0 = never)."""
+    save_every: int = 10
+    """Checkpoint every k iterations and at the end (0 = never)."""
+    keep_checkpoints: int = 0
+    """Keep the newest k checkpoint steps (`latest` and the complete ones before it), deleting
+    older step dirs after each save (0 = keep all). May change on resume."""
+    log_every: int = 1
+    """Print a progress line every k iterations (metrics.jsonl gets every step)."""
+    collapse_reward_drop: float = 0.5
+    """Alert when the rolling reward falls by this fraction from its best."""
+    collapse_entropy_floor: float = 0.05
+    """Alert when the mean token entropy falls below this."""
+    max_skipped_steps: int = 10
+    """Abort after this many consecutive steps skipped for NaN / inf loss or grad norm."""
+    start_accuracy: Band = None
+    """[low, high]: refuse to start (before any RL step) when the initial policy's held-out
+    accuracy, the iteration-0 eval (run for this check also with eval_every 0), is outside this
+    band, so that every arm of an experiment starts where its recipe says
+    (`megatron_gspo.jobs.band`). None = no check."""
+
+    def __post_init__(self):
+        validate(self, ge={"steps": 1, "num_minibatches": 1, "log_every": 1, "flip_every": 0,
+                            "logprob_max_tokens": 0, "router_noise_std": 0,
+                            "eval_every": 0, "save_every": 0, "keep_checkpoints": 0,
+                            "max_skipped_steps": 0,
+                            "collapse_entropy_floor": 0})
+        check(self, "collapse_reward_drop", 0 < self.collapse_reward_drop <= 1,
+               "must be in (0, 1]")
+        check_band(self, "start_accuracy")
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    """Supervised cold start (`megatron-gspo sft`)."""
+    _section: ClassVar[str] = "sft"
+
+    steps: int = 300
+    """Unit: optimizer steps (one batch of batch_size examples each), unlike train.steps, which
+    counts rollout batches."""
+    batch_size: int = 64
+    """Examples per step (over all data-parallel ranks)."""
+    lr: float = 3e-3
+    """Learning rate."""
+    eval_every: int = 100
+    """Evaluate every k steps (0 = never)."""
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """lr schedule (megatron's OptimizerParamScheduler): constant, or linear / cosine decay from
+    sft.lr to sft.min_lr at step sft.steps (with target_accuracy, sft.steps is the budget the
+    decay spans, not where SFT stops)."""
+    min_lr: float = 0.0
+    """Floor of the linear / cosine decay."""
+    target_accuracy: Band = None
+    """[low, high]: stop at the first eval (every sft.eval_every steps) whose held-out accuracy
+    is in [low, high] and save there; sft.steps is then a budget: exhausting it is an error
+    (the checkpoint is kept), and so is an eval that jumps past high (`megatron_gspo.jobs.band`).
+    Makes the cold start land in the same place on any machine; None = run sft.steps."""
+
+    def __post_init__(self):
+        validate(self, ge={"steps": 1, "batch_size": 1, "lr": 0, "eval_every": 0, "min_lr": 0})
+        check(self, "min_lr", self.min_lr <= self.lr, f"must be <= sft.lr={self.lr}")
+        check_band(self, "target_accuracy")
+        check(self, "target_accuracy", self.target_accuracy is None or self.eval_every > 0,
+              f"is checked at the evals: needs sft.eval_every > 0 (got {self.eval_every})")
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    """Weights & Biases mirror of metrics.jsonl."""
+    _section: ClassVar[str] = "wandb"
+
+    mode: Literal["offline", "online", "disabled"] = "offline"
+    """wandb mode (needs `pip install -e .[wandb]` unless disabled)."""
+    project: str = "megatron-gspo"
+    """wandb project."""
+    name: Optional[str] = None
+    """wandb run name (None = wandb's default)."""
+
+    def __post_init__(self):
+        validate(self, nonempty=("project",))

@@ -1,0 +1,162 @@
+"""megatron_gspo.config.loader: building a config from YAML data, strict keys and dotted
+overrides (values read as YAML 1.2, then into the field's type)."""
+
+import os
+import textwrap
+
+import pytest
+
+from megatron_gspo.algo.losses import clip_range
+from megatron_gspo.config.schema import RunConfig, config_from_dict, load_config
+from megatron_gspo.errors import ConfigError
+
+
+def _write(tmp_path, text: str) -> str:
+    path = os.path.join(tmp_path, "exp.yaml")
+    with open(path, "w") as f:
+        f.write(textwrap.dedent(text))
+    return path
+
+
+@pytest.mark.parametrize("text, key", [
+    ("bogus: 1\n", "'bogus'"),
+    ("model:\n  tp: 1\n  experts: 4\n", "'model.experts'"),
+    ("task:\n  nam: addition\n", "'task.nam'"),
+])
+def test_unknown_yaml_key_names_dotted_key_and_valid_keys(tmp_path, text, key):
+    with pytest.raises(ConfigError) as e:
+        load_config(_write(tmp_path, text))
+    msg = str(e.value)
+    assert key in msg
+    if "model" in key:
+        assert "preset, tp, ep, sequence_parallel, dispatcher, dtype, aux_loss_coeff" in msg
+    if key == "'bogus'":
+        assert "run_dir" in msg and "wandb" in msg
+
+
+def test_section_must_be_a_mapping(tmp_path):
+    with pytest.raises(ConfigError, match="train: expected a mapping"):
+        load_config(_write(tmp_path, "train: 5\n"))
+
+
+def test_override_into_a_section_left_empty_in_the_file(tmp_path):
+    """`wandb:` with nothing under it (YAML null) is an empty section an override can fill."""
+    cfg = load_config(_write(tmp_path, "wandb:\nrun_dir: runs/x\n"), ["wandb.mode=disabled"])
+    assert cfg.wandb.mode == "disabled" and cfg.run_dir == "runs/x"
+
+
+def test_an_empty_section_is_that_sections_defaults(tmp_path):
+    """Guards `build` on null: `wandb:` with nothing under it (YAML null) is the section's
+    defaults, not a 'expected a mapping' error."""
+    assert load_config(_write(tmp_path, "wandb:\ntrain:\nseed: 2\n")) == RunConfig(seed=2)
+    assert config_from_dict(None) == RunConfig()
+
+
+def test_overrides_coerce_types():
+    cfg = load_config(None, ["loss.eps_low=3e-4", "optim.lr=1e-5", "train.steps=7",
+                             "rollout.temperature=2", "loss.eps_high=null", "seed=3",
+                             "wandb.name=2024", "task.name=countdown",
+                             "task.kwargs.num_numbers=3", "task.kwargs.max_number=[1,2]",
+                             "train.routing_replay=r3"])
+    assert cfg.loss.eps_low == pytest.approx(3e-4) and type(cfg.loss.eps_low) is float
+    assert cfg.optim.lr == 1e-5 and cfg.train.steps == 7 and type(cfg.train.steps) is int
+    assert cfg.rollout.temperature == 2.0 and type(cfg.rollout.temperature) is float
+    assert cfg.loss.eps_high is None and cfg.seed == 3  # null = GSPO's paper default:
+    assert clip_range(cfg.loss) == (3e-4, 4e-4)  # derived where the losses are
+    assert cfg.wandb.name == "2024"  # a str field keeps the literal text
+    assert cfg.task.kwargs == {"num_numbers": 3, "max_number": [1, 2]}  # YAML-typed values
+    assert cfg.train.routing_replay == "r3"
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("train.num_minibatches=abc", "train.num_minibatches=abc: expected int"),
+    ("train.steps=2.5", "train.steps=2.5: expected int"),
+    ("resume=maybe", "resume=maybe: expected bool | 'force'"),
+    ("loss.eps_low=abc", "loss.eps_low=abc: expected float | null"),
+    ("train.routing_replay=r9", "expected one of 'off', 'r2', 'r3'"),
+    ("model.dtype=fp8", "expected one of 'fp32', 'bf16', 'fp16'"),
+    ("model.tp=", "model.tp=: expected int"),
+    ("model.nope=1", "unknown config key 'model.nope'"),
+    ("nope.x=1", "unknown config key 'nope'"),
+    ("model.tp.x=1", "model.tp.x"),
+    ("model=1", "model is a section"),
+    ("train.steps", "not of the form"),
+    ("rollout.group_size=1", "rollout.group_size=1: must be >= 2"),
+    ("rollout.top_p=0", "rollout.top_p=0.0: must be in (0, 1]"),
+    ("rollout.temperature=nan", "rollout.temperature=nan: must be > 0"),
+    ("model.sequence_parallel=true", "model.sequence_parallel=True: requires tp > 1"),
+    ("model.tp=2", "model.sequence_parallel=False: must be true with tp=2"),
+    ("model.dist_timeout_min=0", "model.dist_timeout_min=0.0: must be > 0"),
+    ("model.dist_timeout_min=.inf", "model.dist_timeout_min=inf: must be finite"),
+    ("model.num_layers=0", "model.num_layers=0: must be >= 1"),
+    ("train.steps=true", "train.steps=True: expected int"),  # a bool is not a number
+    ("rollout.temperature=true", "rollout.temperature=True: expected float"),
+    ("rollout.kv_cache=2", "rollout.kv_cache=2: expected bool"),  # no truthiness
+    ("run_dir=", "run_dir=: must be non-empty"),
+    ("model.recompute_modules=moe,bogus", "model.recompute_modules=moe,bogus: expected a comma"),
+    ("task.n_train=0", "task.n_train=0: must be >= 1"),
+    ("rollout.top_p=1.5", "rollout.top_p=1.5: must be in (0, 1]"),
+    ("train.collapse_reward_drop=0", "train.collapse_reward_drop=0.0: must be in (0, 1]"),
+    ("sft.min_lr=0.01", "sft.min_lr=0.01: must be <= sft.lr=0.003"),
+])
+def test_bad_overrides_raise_naming_key(override, fragment):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert fragment in str(e.value)
+
+
+def test_a_literal_error_echoes_the_override_text():
+    """An override's value for a word field (Literal) is kept as its text, so the error shows
+    what was typed, not YAML's reading of it."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["train.routing_replay=true"])
+    assert str(e.value) == "train.routing_replay=true: expected one of 'off', 'r2', 'r3'"
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["model.dtype=1e3"])
+    assert str(e.value).startswith("model.dtype=1e3: expected one of")
+
+
+def test_an_override_that_is_not_yaml_is_one_line():
+    """An unquoted string holding ': ' (a template) is not a YAML value: one line (the CLI's
+    rule) with the quoting that works."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["task.name=dataset", "data.train_files=a.jsonl",
+                           "data.template=Question: {prompt}\\nAnswer:"])
+    assert "\n" not in str(e.value)
+    assert str(e.value).startswith("data.template=Question: {prompt}\\nAnswer:: not a YAML value")
+    assert str(e.value).endswith("""quote a string in double quotes, e.g. data.template='"..."'""")
+
+
+def test_override_spaces_around_key_and_value_are_dropped():
+    """Guards `loader._parse_override` / `_override_value` stripping: `train.steps = 5` and
+    `wandb.name = 2024` (a str field keeps the number's text) read like their unspaced
+    forms; an empty part in the dotted key is refused as malformed."""
+    cfg = load_config(None, ["train.steps = 5", "wandb.name = 2024"])
+    assert cfg.train.steps == 5 and cfg.wandb.name == "2024"
+    for item in ["model..tp=1", ".seed=1", "seed.=1"]:
+        with pytest.raises(ConfigError, match="is not of the form dotted.key=value"):
+            load_config(None, [item])
+
+
+def test_dict_field_overrides_nest_and_read_yaml_1_2():
+    """Guards `apply_override` into a dict field: deeper dotted keys build nested mappings
+    that later overrides extend (not reset), and values are read as YAML 1.2 (`3e-4` a float,
+    `off` a word), as in files."""
+    from megatron_gspo.config.loader import apply_override
+
+    raw = {}
+    for item in ["task.kwargs.a.b=1", "task.kwargs.a.c=2", "task.kwargs.lr=3e-4",
+                 "task.kwargs.mode=off"]:
+        apply_override(RunConfig, raw, item)
+    assert raw == {"task": {"kwargs": {"a": {"b": 1, "c": 2}, "lr": 3e-4, "mode": "off"}}}
+
+
+def test_a_built_config_does_not_alias_its_input_dicts():
+    """Guards the copy of dict fields: editing the dict a config was built from (or a dict
+    override's default) leaves the frozen config as it was."""
+    raw = {"task": {"kwargs": {"num_digits": 2}}}
+    cfg = config_from_dict(raw)
+    raw["task"]["kwargs"]["num_digits"] = 5
+    assert cfg.task.kwargs == {"num_digits": 2}
+    a = load_config(None, ["task.kwargs.num_digits=3"])
+    assert load_config(None, []).task.kwargs == {} and a.task.kwargs == {"num_digits": 3}
