@@ -1,8 +1,9 @@
 """Fault injection (issue 17): every way a run can be hurt from outside gets a clear refusal or a
 clean recovery, and nothing already written is lost.
 
-Run dirs (PITFALLS #16), verified checkpoints, preemption, one-line CLI errors, wandb offline
-fallback. Collective-safe sampling (PITFALLS #13) is guarded in tests/moe (2 processes).
+Run dirs (docs/pitfalls.md#run-dir-ownership), verified checkpoints, preemption, one-line CLI
+errors, wandb offline fallback. Collective-safe sampling (docs/pitfalls.md#collectives) is
+guarded in tests/moe (2 processes).
 """
 
 import json
