@@ -2,8 +2,8 @@
 instrumentation.
 
 Install torch first (`pip install torch==2.13.0`: a CPU wheel where no GPU is present), then
-`pip install -e .[dev]`. TransformerEngine needs CUDA and is in the `[gpu]` extra (README
-"Install": build it with --no-build-isolation, core_cu12 / core_cu13 matching torch's CUDA).
+`pip install -e .[dev]`. TransformerEngine needs CUDA and is in the `[gpu]` extra (docs/install.md,
+"GPU": build it with --no-build-isolation, core_cu12 / core_cu13 matching torch's CUDA).
 Supported: Python >= 3.10 with megatron-core 0.16.1 (the newest for Python < 3.12) through 0.19.x;
 `make test` pins the fast path (Makefile PINNED), `make test-latest` tests the newest release.
 """

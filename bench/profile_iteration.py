@@ -2,7 +2,7 @@
 
     python -m bench.profile_iteration                           # 64 x 128-token responses
     python -m bench.profile_iteration --max-new-tokens 32 --iterations 1 --top 15
-    python -m bench.profile_iteration --readme experiments/throughput/README.md --marker profile_after
+    python -m bench.profile_iteration --readme experiments/throughput/README.md   # table:profile
 
 Same trainer and overrides as `bench.throughput --force-length --skip-trl` (qwen3-moe-tiny,
 8 prompts x G=8, 4 minibatches, flip_every=0, 1 thread). After `--warmup` iterations, two

@@ -2,7 +2,7 @@
 
     python -m bench.sampling                        # B=64, V=151,936 (Qwen3), 30 steps
     python -m bench.sampling --batch 16 --vocab 4096 --top-p 0.9
-    python -m bench.sampling --readme experiments/throughput/README.md --marker gpu_sampling
+    python -m bench.sampling --readme FILE.md      # + between FILE.md's table:sampling markers
 
 Times one decode step's sampling (`megatron_gspo.rollout.decoders.draw`: temperature, log-softmax,
 top-p, the draw, the drawn ids' log-probs) on random float32 logits [B, V] that live on the

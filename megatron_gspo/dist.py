@@ -1,4 +1,4 @@
-"""Agreeing across ranks on data-dependent control flow (PITFALLS #13).
+"""Agreeing across ranks on data-dependent control flow (docs/pitfalls.md#collectives).
 
 A loop whose trip count depends on a rank's own data (sampling until every row hit a stop token,
 eval chunks over a rank's examples) must take the same number of trips on every rank that shares

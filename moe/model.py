@@ -274,7 +274,7 @@ def build_gpt_moe(preset: MoEPreset, layout: ParallelLayout = ParallelLayout(), 
     spec = _layer_spec(preset, grouped_experts, sdpa_attention)
     # megatron's RouterReplay matches replay data to layers through a class-level list filled in
     # construction order: a model built earlier in this process (reference model, a test) would
-    # shift every layer. Start each model with an empty list (PITFALLS #9).
+    # shift every layer. Start each model with an empty list (docs/pitfalls.md#global-replay-list).
     RouterReplay.clear_global_router_replay_instances()
     torch.manual_seed(seed)
     model = GPTModel(

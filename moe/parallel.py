@@ -7,7 +7,7 @@ sharded ep ways over the tp*dp ranks (expert tensor parallel = 1, the usual choi
 fine-grained MoE).
 
 Every group gets the same collective timeout (`timeout_min`, default 10 minutes instead of
-torch's 30): a rank stuck in a collective its peers never join (PITFALLS #13) then fails with
+torch's 30): a rank stuck in a collective its peers never join (docs/pitfalls.md#collectives) then fails with
 gloo's / NCCL's timeout error naming the operation instead of hanging for half an hour.
 """
 

@@ -9,12 +9,12 @@ likelihoods use the same sub-network. Here:
 
 - `record_routing(policy)` sets megatron's RECORD action on the policy's routers for one forward;
   `RoutingReplayCache.from_recorded` packs what they saw into `ids_NLK` (uint8 for <= 256
-  experts, int16 above), keeping only valid tokens (padding is excluded, PITFALLS #7).
+  experts, int16 above), keeping only valid tokens (padding is excluded, docs/pitfalls.md#replay-padding).
 - `replay_routing(policy, cache)` sets REPLAY_FORWARD for one forward: megatron gathers the gate
   probabilities from the live router logits at the cached ids (then softmax over the K of them),
-  so gradients still reach the router for every replayed expert (PITFALLS #5).
+  so gradients still reach the router for every replayed expert (docs/pitfalls.md#replay-gradients).
 
-Layout (PITFALLS #6): megatron's router sees tokens sequence-first, [S, B] flattened as s*B + b.
+Layout (docs/pitfalls.md#replay-layout): megatron's router sees tokens sequence-first, [S, B] flattened as s*B + b.
 The cache stores sequences batch-first (so a minibatch is a row slice) and converts back to
 sequence-first when it hands ids to megatron. Padding rows, which megatron still routes, get a
 balanced, duplicate-free filler (row n -> experts (n*K + j) mod E) rather than expert 0.
@@ -23,10 +23,10 @@ Activation recompute (`moe.model.Recompute` with the routers inside: 'full', or 
 with 'moe') runs each router again in the backward, after `replay_routing` has exited. The
 replayed ids are then queued on the policy and `MoEPolicy.backward` replays them with megatron's
 REPLAY_BACKWARD action (`replay_backward`), so the recomputed forward routes as the forward did
-(PITFALLS #5 still holds: probs are re-gathered from live logits).
+(docs/pitfalls.md#replay-gradients still holds: probs are re-gathered from live logits).
 
 Everything is rank-local: each rank caches exactly the tokens its routers saw (its DP rows, its
-SP sequence shard), so nothing is ever broadcast (PITFALLS #11). Replay state is set only inside
+SP sequence shard), so nothing is ever broadcast (docs/pitfalls.md#replay-payload). Replay state is set only inside
 the context managers and cleared on exit, also on error, so eval / reference / rollout forwards
 never replay by accident (`assert_routing_idle`).
 """
@@ -129,7 +129,7 @@ class RoutingReplayCache:
         return self.ids_NLK[:, layer]
 
     def validate(self) -> None:
-        """Ids in range and unique per token (PITFALLS #8: duplicates break alltoall splits)."""
+        """Ids in range and unique per token (docs/pitfalls.md#replay-ids: duplicates break alltoall splits)."""
         for layer in range(self.num_layers):
             topk_mask(self.layer_ids(layer), self.num_experts)
 

@@ -5,7 +5,7 @@ Shapes: B responses = P prompts x G responses per prompt (`group_size`), laid ou
 
     adv_B, metrics = group_advantages(rewards_B, group_size=8)
 
-Choices (frameworks differ, PITFALLS.md #12):
+Choices (frameworks differ, docs/pitfalls.md#advantage-std):
   * std is the population std of the group (divide by G, no Bessel correction; TRL divides by
     G - 1). The GSPO paper writes std({r_j}) without saying which; we pick population.
   * eps defaults to 1e-6 (others use 1e-4 .. 1e-9).

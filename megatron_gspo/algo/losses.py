@@ -21,11 +21,11 @@ The three losses differ only in how the importance ratio is built (GSPO paper, a
              decisions and gradient); token-mean per sequence.
 The loss is -(mean over sequences of the per-sequence objective): one term per sequence, NOT a
 token-mean over all tokens of the batch (that over-weights long responses) and NOT a seq-mean
-of token-sums (PITFALLS.md #1). Clip ranges default to the paper's (sec. 5.1): gspo / gspo_token
+of token-sums (docs/pitfalls.md#sequence-aggregation). Clip ranges default to the paper's (sec. 5.1): gspo / gspo_token
 eps = (3e-4, 4e-4), grpo (0.2, 0.27).
 
 Departures from the paper:
-  * Numerical guard (not in the paper, PITFALLS.md #2): the log-ratio is clamped to
+  * Numerical guard (not in the paper, docs/pitfalls.md#ratio-overflow): the log-ratio is clamped to
     [-max_log_ratio, max_log_ratio] before exp -- per token for grpo, the sequence mean for
     gspo / gspo_token. Beyond the clamp the gradient is zero (torch.clamp's gradient); gspo_token
     clamps its token factor inside the same clamp, so that it still equals gspo there. The same
@@ -40,7 +40,7 @@ ratio > 1 + eps_high (`high`), or A < 0 and ratio < 1 - eps_low (`low`). Clip fr
 logged both token-weighted (`policy/clip_frac/token*`, the paper's "fraction of clipped tokens";
 a clipped gspo sequence counts all its tokens) and sequence-weighted (`policy/clip_frac/seq*`,
 the mean over sequences of each sequence's clipped-token fraction; for gspo the fraction of
-clipped sequences), see PITFALLS.md #3.
+clipped sequences), see docs/pitfalls.md#clip-fractions.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ prompts with the current policy (= pi_old), compute pi_old's log-probs (and reco
 in one no-grad forward, compute group advantages, then split the rollout batch into
 `num_minibatches` minibatches and take one optimizer step on each. Step m > 1 sees a policy
 that has moved m-1 times since pi_old, which is what makes the importance ratio (and clipping)
-matter; with one minibatch GSPO reduces to on-policy policy gradient (PITFALLS #4).
+matter; with one minibatch GSPO reduces to on-policy policy gradient (docs/pitfalls.md#minibatches).
 
 Per optimizer step it also measures expert flips (`megatron_gspo.algo.flips.FlipSchedule`): the
 top-k sets of the same tokens just before and just after the step, and after the step vs pi_old.
@@ -302,7 +302,7 @@ class Trainer:
                 loss, metrics = logp_BT.new_tensor(float("nan")), {"policy/loss": float("nan")}
         metrics.update(tis_metrics, **response_metrics(mb, logp_BT, entropy_BT))
         stepped, grad_norm = False, float("nan")
-        if all_ranks(bool(torch.isfinite(loss))):  # skip on every rank or none (PITFALLS #13)
+        if all_ranks(bool(torch.isfinite(loss))):  # skip on every rank or none (docs/pitfalls.md#collectives)
             policy.backward(loss)
             stepped, grad_norm = policy.step()
         metrics.update(self.guard(stepped), **{"train/grad_norm": grad_norm,

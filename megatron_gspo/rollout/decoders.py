@@ -19,7 +19,7 @@ run's tokens. `rollout.sampler_dtype=bf16` runs these forwards under bf16 autoca
 
 Every rank takes the same number of decode steps: sampling stops only when all ranks are done
 (`dist.all_ranks`), finished rows meanwhile decode padding. A per-rank stop desynchronises the
-EP all-to-all of the decode steps (docs/pitfalls.md, collectives).
+EP all-to-all of the decode steps (docs/pitfalls.md#collectives).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class DecoderSampler:
             response_BT = torch.cat([response_BT, live_B[:, None]], dim=1)
             logp_BT = torch.cat([logp_BT, (step_logp_B * live_B)[:, None]], dim=1)
             done_B |= torch.isin(next_B, self.stop_ids)
-            if all_ranks(bool(done_B.all())):  # never a per-rank break (docs/pitfalls.md)
+            if all_ranks(bool(done_B.all())):  # never a per-rank break (docs/pitfalls.md#collectives)
                 break
         routing = None
         if params.record_routing:

@@ -54,7 +54,7 @@ def evaluate(sampler: Sampler, tokenizer, task, examples: list, *, max_new_token
     """Greedy-decode accuracy on held-out examples (`eval/...` metrics from `task` scoring).
 
     Collective: every rank runs the largest chunk count of any rank; a rank with fewer chunks
-    decodes its first example as filler and discards it (docs/pitfalls.md, collectives)."""
+    decodes its first example as filler and discards it (docs/pitfalls.md#collectives)."""
     if not examples:
         raise ValueError("evaluate: no examples")
     params = SamplingParams(max_new_tokens=max_new_tokens, greedy=True)

@@ -21,7 +21,7 @@ Semantic keys are the ones that change what is trained; the rest (how long, how 
 save and log, wandb, the collective timeout, memory knobs with the same gradients: activation
 recompute and the no-grad pass's token budget, the TP / EP / DP layout: LAYOUT) may change
 between resumes. Departure from verl / Megatron-LM, which resume whatever is in the save dir: they
-overwrite silently (PITFALLS #16).
+overwrite silently (docs/pitfalls.md#run-dir-ownership).
 """
 
 from __future__ import annotations

@@ -55,7 +55,8 @@ def test_profile_yaml_has_no_base(path):
 
 @pytest.mark.parametrize("profile", sorted(ablation_run.PROFILES))
 def test_ablation_arms_differ_only_in_the_intended_keys(profile):
-    """Same rollout compute, same optimizer, N > 1 minibatches (PITFALLS 4) in every arm."""
+    """Same rollout compute, same optimizer, N > 1 minibatches in every arm
+    (docs/pitfalls.md#minibatches)."""
     base = ablation_run.profile_overrides(profile)
     cfgs = {arm: load_config(os.path.join(ABL, f"{arm}.yaml"), base) for arm in ARMS}
     sft = load_config(os.path.join(ABL, "sft.yaml"), base)

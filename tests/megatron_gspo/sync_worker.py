@@ -1,4 +1,5 @@
-"""Worker for the 2-process rank-sync tests (PITFALLS #13), run through `parallel_worker.spawn`.
+"""Worker for the 2-process rank-sync tests (docs/pitfalls.md#collectives), run through
+`parallel_worker.spawn`.
 
 Each rank builds the Trainer for a layout (EP=2, or pure DP=2), loads the 1-process reference
 weights, then runs `evaluate` (one example per chunk, a chunk count that differs between ranks)

@@ -1,10 +1,10 @@
 """Fault injection (issue 17): every way a run can be hurt from outside gets a clear refusal or a
 clean recovery, and nothing already written is lost.
 
-Run dirs (PITFALLS #16), verified checkpoints, one-line CLI errors, wandb offline fallback.
-Preemption is in run/test_preempt.py and run/test_lifetime.py, resume faults in
-run/test_resume.py. Collective-safe sampling (PITFALLS #13) is guarded in tests/moe
-(2 processes).
+Run dirs (docs/pitfalls.md#run-dir-ownership), verified checkpoints, one-line CLI errors, wandb
+offline fallback. Preemption is in run/test_preempt.py and run/test_lifetime.py, resume faults
+in run/test_resume.py. Collective-safe sampling (docs/pitfalls.md#collectives) is guarded in
+tests/moe (2 processes).
 """
 
 import os

@@ -1,5 +1,5 @@
-"""Ranks whose prompts finish at different lengths stay in step (PITFALLS #13), and 2-process
-EP=2 / DP=2 rollouts and train steps equal the 1-process ones.
+"""Ranks whose prompts finish at different lengths stay in step (docs/pitfalls.md#collectives),
+and 2-process EP=2 / DP=2 rollouts and train steps equal the 1-process ones.
 
 The 1-process reference (this process) is the Trainer's random-init policy with its <eos> logit
 lifted (`sync_worker.force_early_eos`) so that greedy responses end after 1 to 6 tokens. Rank 0

@@ -1,4 +1,6 @@
-"""The README's statements about settings and metrics hold for the code (doc-vs-code guards)."""
+"""The docs' statements about settings and metrics hold for the code (doc-vs-code guards):
+docs/metrics.md names every key the code emits, docs/data.md's template example parses, and
+docs/reliability.md names tests that exist."""
 
 import os
 import re
@@ -7,28 +9,28 @@ from types import SimpleNamespace
 
 from megatron_gspo.config.schema import load_config
 
-README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
-def _readme() -> str:
-    with open(README, encoding="utf-8") as f:
+def _page(name: str) -> str:
+    with open(os.path.join(ROOT, name), encoding="utf-8") as f:
         return f.read()
 
 
-def test_readme_template_example_gives_a_newline():
-    """The README's `data.template=...` example, as the shell passes it, is accepted and its
+def test_data_page_template_example_gives_a_newline():
+    """docs/data.md's `data.template=...` example, as the shell passes it, is accepted and its
     `\\n` is a newline (a single-quoted YAML value was a YAML mapping error; in YAML single
     quotes it would be a literal backslash-n)."""
-    example, = re.findall(r"`(data\.template=[^`]*)`", _readme())
+    example, = re.findall(r"`(data\.template=[^`]*)`", _page("docs/data.md"))
     cfg = load_config(None, ["task.name=dataset", "data.train_files=a.jsonl",
                              *shlex.split(example)])
     assert cfg.data.template == "Question: {prompt}\nAnswer:"
 
 
 def _documented_metric_patterns() -> list[re.Pattern]:
-    """The README's Metrics section as key patterns: `{a,b}` expanded, `layer_XX` any layer,
-    a trailing `/...` or `/*` any stat."""
-    text = _readme().split("## Metrics", 1)[1].split("\n## ", 1)[0]
+    """docs/metrics.md's keys as patterns: `{a,b}` expanded, `layer_XX` any layer, a trailing
+    `/...` or `/*` any stat."""
+    text = _page("docs/metrics.md")
     patterns = []
     for token in re.findall(r"`([a-z_]+/[^`\s]*)`", text):
         alts = [token]
@@ -76,17 +78,18 @@ def _emitted_keys() -> set[str]:
     return keys - {"rollout/x_r3/mean", "rollout/x_r3/max"}
 
 
-def test_every_metric_the_code_emits_is_in_the_readme():
-    """The README's Metrics section names every key of the loss, advantage, rollout, filter
-    and eval metrics (adv/{mean,std}, reward/group_std/mean, policy/log_ratio/abs_max and
-    eval/{reward_mean,format_ok} were missing), and the trainer's train/{iteration,minibatch}."""
+def test_every_metric_the_code_emits_is_on_the_metrics_page():
+    """docs/metrics.md (the README's Metrics section before it) names every key of the loss,
+    advantage, rollout, filter and eval metrics (adv/{mean,std}, reward/group_std/mean,
+    policy/log_ratio/abs_max and eval/{reward_mean,format_ok} were missing once), and the
+    trainer's train/{iteration,minibatch}."""
     patterns = _documented_metric_patterns()
     keys = _emitted_keys() | {"train/iteration", "train/minibatch"}
     missing = sorted(k for k in keys if not any(p.fullmatch(k) for p in patterns))
-    assert not missing, f"emitted but not in the README's Metrics section: {missing}"
+    assert not missing, f"emitted but not in docs/metrics.md: {missing}"
 
 
-def test_every_sft_metric_is_in_the_readme():
+def test_every_sft_metric_is_on_the_metrics_page():
     """`megatron-gspo sft` logs an `sft/` group the Metrics section did not name."""
     import torch
 
@@ -105,26 +108,28 @@ def test_every_sft_metric_is_in_the_readme():
 
 
 def test_routing_mismatch_is_logged_for_a_bf16_sampler_without_r3():
-    """The README said `rollout/routing_mismatch` was R3 only; a bf16 sampler records the
+    """The docs once said `rollout/routing_mismatch` was R3 only; a bf16 sampler records the
     sampler's routing (and so logs it) without R3 too."""
     from megatron_gspo.jobs.rl import Trainer
 
     cfg = load_config(None, ["rollout.sampler_dtype=bf16"])
     assert cfg.train.routing_replay == "off"
     assert Trainer.records_sampler_routing(SimpleNamespace(cfg=cfg))
-    assert "`rollout/routing_mismatch/...` (R3 only" not in _readme()
+    assert "`rollout/routing_mismatch/...` (R3 only" not in _page("docs/metrics.md")
+    row, = [ln for ln in _page("docs/metrics.md").splitlines()
+            if ln.startswith("| `rollout/routing_mismatch/...`")]
+    assert "rollout.sampler_dtype" in row
 
 
 def test_every_test_the_reliability_page_names_exists():
     """docs/reliability.md names the test that holds each guarantee: each must exist (a
     renamed or deleted test would leave a guarantee unguarded while the page still claims it)."""
-    root = os.path.join(os.path.dirname(__file__), "..", "..")
-    with open(os.path.join(root, "docs", "reliability.md"), encoding="utf-8") as f:
-        rows = [ln for ln in f.read().splitlines() if ln.startswith("| ") and "::" in ln]
+    rows = [ln for ln in _page("docs/reliability.md").splitlines()
+            if ln.startswith("| ") and "::" in ln]
     assert rows
     for row in rows:
         path = None
         for file, name in re.findall(r"`(tests/[\w/]+\.py)?::(test_\w+)`", row):
             path = file or path
-            with open(os.path.join(root, path), encoding="utf-8") as f:
+            with open(os.path.join(ROOT, path), encoding="utf-8") as f:
                 assert f"def {name}(" in f.read(), f"{path}::{name} (docs/reliability.md)"

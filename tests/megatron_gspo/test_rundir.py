@@ -182,8 +182,8 @@ def test_other_ranks_take_rank_0s_verdict_and_leave_files_alone(tmp_path, monkey
 
 def test_the_layout_may_change_on_resume_but_not_tp_ep_under_the_distributed_optimizer(
         tmp_path):
-    """README: re-running the same command resumes with another TP / EP / DP layout (the dist
-    checkpoint reshards); the distributed optimizer's state reshards over DP only."""
+    """docs/checkpoints.md: re-running the same command resumes with another TP / EP / DP layout
+    (the dist checkpoint reshards); the distributed optimizer's state reshards over DP only."""
     claim(tmp_path / "a", "train", "model.ep=2").release()
     claim(tmp_path / "a", "train").release()  # the EP=2 run resumed in one process
     claim(tmp_path / "a", "train", "model.tp=2", "model.sequence_parallel=true").release()

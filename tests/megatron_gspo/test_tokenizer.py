@@ -156,7 +156,7 @@ def test_decoding_stops_before_a_non_special_stop_id(tok_dir, tmp_path):
 
 
 def test_a_non_chatml_end_of_turn_stops_only_through_generation_config(tmp_path):
-    """What the README states: ChatML's <|im_end|> is found from the template; another
+    """What docs/data.md states: ChatML's <|im_end|> is found from the template; another
     template's end-of-turn token (Gemma's <end_of_turn>) stops sampling only when
     generation_config.json lists it."""
     folder = tmp_path / "gemma_like"

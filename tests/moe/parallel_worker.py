@@ -22,7 +22,8 @@ ATOL = RTOL = 1e-5
 
 def spawn(fn, args: tuple, nprocs: int, timeout_s: float) -> None:
     """`mp.spawn(fn, args, nprocs)` under a hard deadline: a hang (ranks whose collectives got
-    out of step, PITFALLS #13) kills the workers and fails the test instead of blocking CI.
+    out of step, docs/pitfalls.md#collectives) kills the workers and fails the test instead of
+    blocking CI.
     A worker's exception is re-raised as by `mp.spawn`."""
     ctx = mp.spawn(fn, args=args, nprocs=nprocs, join=False)
     deadline = time.monotonic() + timeout_s

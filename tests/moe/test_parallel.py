@@ -2,7 +2,7 @@
 
 Also the Routing Replay cache under each layout: a forced routing sliced to this rank's rows and
 sequence shard reproduces the 1-process forced-routing logits, and the routing a rank records is
-the 1-process routing of its tokens (PITFALLS #6, #11).
+the 1-process routing of its tokens (docs/pitfalls.md#replay-layout and #replay-payload).
 
 The sharded models load their weights sliced from the 1-process model (moe.sharding), so any
 difference in logits, gathered gradients or grad norm is a parallelism bug.

@@ -84,7 +84,7 @@ def test_forced_distinct_routes_follow_token_layout(policy):
 
 def test_replay_gradients_reach_router_for_unchosen_experts(policy):
     """Gate probs are gathered from the dense logits, so a replayed expert that live routing
-    would not pick still gets router gradient (PITFALLS #5)."""
+    would not pick still gets router gradient (docs/pitfalls.md#replay-gradients)."""
     tokens_BT, valid_BT = make_batch()
     live, _ = record(policy, tokens_BT, valid_BT)
     # replay the complement of the live choice: experts live routing did NOT pick
@@ -188,7 +188,7 @@ def test_invalid_replay_ids_raise_and_state_is_cleared(policy):
     tokens_BT, valid_BT = make_batch()
     cache, _ = record(policy, tokens_BT, valid_BT)
     bad = RoutingReplayCache(cache.ids_NLK.clone(), cache.valid_BT, cache.num_experts)
-    bad.ids_NLK[0, 0, 1] = bad.ids_NLK[0, 0, 0]  # duplicate expert in one token (PITFALLS #8)
+    bad.ids_NLK[0, 0, 1] = bad.ids_NLK[0, 0, 0]  # a duplicate expert (docs/pitfalls.md#replay-ids)
     with pytest.raises(ValueError, match="repeats an expert id"):
         with replay_routing(policy, bad):
             pass
@@ -199,7 +199,8 @@ def test_invalid_replay_ids_raise_and_state_is_cleared(policy):
 
 
 def test_second_model_does_not_break_first_models_replay(policy):
-    """megatron's RouterReplay list is global (PITFALLS #9): each policy keeps its own routers."""
+    """megatron's RouterReplay list is global (docs/pitfalls.md#global-replay-list): each policy
+    keeps its own routers."""
     from megatron.core.transformer.moe.router_replay import RouterReplay
     from moe.policy import MoEPolicy
 

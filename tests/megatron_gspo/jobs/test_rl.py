@@ -16,7 +16,7 @@ from tests.megatron_gspo.jobs.trainers import BASE, make_trainer, params, stub
 
 def test_first_minibatch_is_on_policy_later_ones_are_not(tmp_path):
     """Ratio is exactly 1 on the first minibatch (pi == pi_old) and moves after a step
-    (PITFALLS #4: with one minibatch GSPO would be plain on-policy PG)."""
+    (docs/pitfalls.md#minibatches: with one minibatch GSPO would be plain on-policy PG)."""
     trainer = make_trainer(tmp_path, "train.steps=1", "loss.name=gspo")
     trainer.train()
     rows = read_jsonl(os.path.join(trainer.cfg.run_dir, "metrics.jsonl"))

@@ -228,9 +228,9 @@ def test_sampling_stops_at_the_step_the_last_row_finishes(policy):
 
 
 def test_every_rank_decodes_until_all_ranks_are_done(policy, monkeypatch):
-    """docs/pitfalls.md (collectives) in one process: the stop test goes through `all_ranks`; while another rank
-    still has live rows (all_ranks -> False) this rank keeps decoding padding to max_new_tokens
-    instead of breaking on its own rows."""
+    """docs/pitfalls.md#collectives in one process: the stop test goes through `all_ranks`;
+    while another rank still has live rows (all_ranks -> False) this rank keeps decoding padding
+    to max_new_tokens instead of breaking on its own rows."""
     tok, steps = CharTokenizer(), 30
     flags = []
 

@@ -292,9 +292,9 @@ def test_sft_targets_longer_than_max_new_tokens_are_counted_and_warned(single_pr
 
 
 def test_a_data_tokenizer_that_renumbers_the_models_tokens_is_refused(hf_dir, tmp_path):
-    """README's dataset example sets data.tokenizer_path; kept next to model.hf_path, the model
-    trained with another tokenizer's ids (silently). The model folder's tokenizer with added
-    tokens (or another chat template) is fine."""
+    """The dataset example (README, docs/data.md) sets data.tokenizer_path; kept next to
+    model.hf_path, the model trained with another tokenizer's ids (silently). The model folder's
+    tokenizer with added tokens (or another chat template) is fine."""
     import shutil
 
     from transformers import AutoTokenizer
