@@ -43,7 +43,8 @@ from megatron_gspo.dist import all_ranks, max_over_ranks, reduce_metrics
 from megatron_gspo.rollout.filters import overlong_filter, rollout_health, sample_rollouts
 from megatron_gspo.algo.flips import (FlipSchedule, loss_positions, sampler_mismatch,
                                       token_rows)
-from megatron_gspo.algo.losses import PolicyLossFn, get_policy_loss, tis_weights
+from megatron_gspo.algo.corrections import correction_inputs
+from megatron_gspo.algo.losses import PolicyLossFn, get_policy_loss
 from megatron_gspo.run.metrics import Timer, format_progress
 from megatron_gspo.run.oom import OLD_PASS, ROLLOUT, TRAIN_STEP, out_of_memory
 from megatron_gspo.run.preempt import Preempted, Preemption
@@ -333,13 +334,12 @@ class Trainer:
         return metrics
 
     def tis(self, mb: Minibatch) -> tuple[dict, dict]:
-        """Truncated importance weights pi_old (trainer) / pi_sampler as the loss's keyword
-        argument, and their metrics; both empty unless `loss.tis_cap` (no forward)."""
-        if self.cfg.loss.tis_cap is None:
-            return {}, {}
-        weight_BT, metrics = tis_weights(mb.old_logp_BT, mb.rollout.sampler_logp_BT,
-                                         mb.response_BT, self.cfg.loss.tis_cap)
-        return {"is_weight_BT": weight_BT}, metrics
+        """The train-inference corrections from pi_old (trainer) / pi_sampler as the loss's
+        keyword arguments (`loss.tis_cap`, `is_mask_token`, `is_mask_seq`, `icepop`;
+        `corrections.correction_inputs`), and their metrics; both empty when all are off (no
+        forward)."""
+        return correction_inputs(mb.old_logp_BT, mb.rollout.sampler_logp_BT, mb.response_BT,
+                                 self.cfg.loss)
 
     def router_noise(self, mb: Minibatch):
         """`train.router_noise_std` on the loss's forward when it is not replayed; one seeded
