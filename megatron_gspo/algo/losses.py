@@ -34,6 +34,8 @@ Departures from the paper:
     losses take one advantage per sequence.
   * Optional KL to a reference model (off by default, as in the paper): the k3 estimator
     exp(ref - logp) - (ref - logp) - 1, token-mean per sequence, mean over sequences.
+  * Train-inference corrections (`corrections.py`) arrive as `is_weight_BT` (a weight per
+    token) and `keep_BT` (the tokens that stay in the mask).
 
 Clipped = the clipped branch is the active one in the min, as verl counts it: A > 0 and
 ratio > 1 + eps_high (`high`), or A < 0 and ratio < 1 - eps_low (`low`). Clip fractions are
@@ -52,6 +54,7 @@ import torch
 
 from megatron_gspo.config.sections import LossConfig as PolicyLossConfig
 from megatron_gspo.errors import ConfigError, UnknownName
+from megatron_gspo.algo.corrections import tis_weights  # noqa: F401 (its former home)
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}
@@ -131,8 +134,10 @@ def _nan_row(x_BT: torch.Tensor, mask_BT: torch.Tensor, what: str) -> None:
 
 
 def _prepare(logp_BT, old_logp_BT, adv, mask_BT, ref_logp_BT, token_adv: bool,
-             is_weight_BT=None) -> _Batch:
-    """Validate shapes / masks / NaN; cast to a float>=32 dtype on logp's device; mask."""
+             is_weight_BT=None, keep_BT=None) -> _Batch:
+    """Validate shapes / masks / NaN; cast to a float>=32 dtype on logp's device; mask.
+    `keep_BT` (corrections.py) drops tokens from the mask after the empty-row check: a row
+    left empty adds 0 (n_B is clamped to 1) and still counts in the mean over sequences."""
     if not isinstance(logp_BT, torch.Tensor) or logp_BT.ndim != 2 \
             or not logp_BT.is_floating_point():
         raise ValueError(f"logp_BT must be a float tensor [B, T], got "
@@ -140,7 +145,7 @@ def _prepare(logp_BT, old_logp_BT, adv, mask_BT, ref_logp_BT, token_adv: bool,
                          f"{tuple(getattr(logp_BT, 'shape', ()))}")
     B, T = logp_BT.shape
     named = {"old_logp_BT": old_logp_BT, "mask_BT": mask_BT, "ref_logp_BT": ref_logp_BT,
-             "is_weight_BT": is_weight_BT}
+             "is_weight_BT": is_weight_BT, "keep_BT": keep_BT}
     for key, t in named.items():
         if (t is not None or key in ("old_logp_BT", "mask_BT")) and (
                 not isinstance(t, torch.Tensor) or tuple(t.shape) != (B, T)):
@@ -160,6 +165,8 @@ def _prepare(logp_BT, old_logp_BT, adv, mask_BT, ref_logp_BT, token_adv: bool,
     if bool(empty_B.any()):
         raise ValueError(f"every sequence needs at least one unmasked token; rows "
                          f"{empty_B.nonzero().flatten().tolist()[:8]} have none")
+    if keep_BT is not None:
+        mask_BT = mask_BT & (keep_BT.to(dev) != 0)
 
     def masked(x_BT, what):
         x_BT = x_BT.to(dev, dtype)
@@ -176,7 +183,7 @@ def _prepare(logp_BT, old_logp_BT, adv, mask_BT, ref_logp_BT, token_adv: bool,
         adv = torch.where(mask_BT, adv, torch.zeros((), device=dev, dtype=dtype))
     log_ratio_BT = logp_m - old_m
     _nan_row(log_ratio_BT, mask_BT, "logp_BT - old_logp_BT (inf - inf)")
-    n_B = mask_BT.sum(-1).to(dtype)
+    n_B = mask_BT.sum(-1).clamp(min=1).to(dtype)
     w_BT = torch.ones_like(logp_m.detach()) if is_weight_BT is None else \
         masked(is_weight_BT.detach(), "is_weight_BT")
     return _Batch(logp_m, log_ratio_BT, adv, mask_BT, n_B, ref_m, w_BT)
@@ -209,7 +216,9 @@ def _finish(obj_B, ratio, low_BT, high_BT, abs_log_ratio, b: _Batch, cfg: Policy
             kl = _kl_k3(b, cfg)
     else:
         kl = torch.zeros((), dtype=obj_B.dtype, device=obj_B.device)
-    n_tokens = b.n_B.sum()
+    n_tokens = b.mask_BT.sum().clamp(min=1).to(b.n_B.dtype)
+    if ratio.numel() == 0:  # the corrections dropped every token
+        ratio = obj_B.new_full((1,), float("nan"))
     stats = [loss.detach(), ratio.mean(), ratio.min(), ratio.max()]
     for m_BT in (low_BT | high_BT, low_BT, high_BT):
         m_BT = m_BT.to(b.n_B.dtype)
@@ -235,13 +244,13 @@ def _check_kl(cfg: PolicyLossConfig, ref_logp_BT) -> None:
 
 @register_policy_loss("grpo", eps=(0.2, 0.27))
 def grpo_loss(logp_BT, old_logp_BT, adv_B, mask_BT, cfg: PolicyLossConfig, ref_logp_BT=None,
-              is_weight_BT=None):
+              is_weight_BT=None, keep_BT=None):
     """GRPO (paper sec. 2): token ratio exp(logp - old) clipped per token, token-mean per
     sequence, mean over sequences. Metrics: ratio over unmasked tokens; log_ratio/abs_max
     is the largest unmasked |token log-ratio| before the clamp."""
     _check_kl(cfg, ref_logp_BT)
     b = _prepare(logp_BT, old_logp_BT, adv_B, mask_BT, ref_logp_BT, token_adv=False,
-                 is_weight_BT=is_weight_BT)
+                 is_weight_BT=is_weight_BT, keep_BT=keep_BT)
     ratio_BT = torch.exp(b.log_ratio_BT.clamp(-cfg.max_log_ratio, cfg.max_log_ratio))
     term_BT, low_BT, high_BT = clipped_surrogate(ratio_BT, b.adv[:, None], *clip_range(cfg))
     obj_B = _token_mean(term_BT * b.w_BT, b)
@@ -256,30 +265,31 @@ def _seq_log_ratio(b: _Batch) -> torch.Tensor:
 
 @register_policy_loss("gspo", eps=(3e-4, 4e-4))
 def gspo_loss(logp_BT, old_logp_BT, adv_B, mask_BT, cfg: PolicyLossConfig, ref_logp_BT=None,
-              is_weight_BT=None):
+              is_weight_BT=None, keep_BT=None):
     """GSPO (paper sec. 4.1): s_i = exp(mean_t log-ratio), clipped once per sequence;
     loss = -mean_i min(s_i A_i, clip(s_i) A_i). Metrics: ratio over sequences (s_i);
     log_ratio/abs_max is the largest |sequence mean log-ratio| before the clamp."""
     _check_kl(cfg, ref_logp_BT)
     b = _prepare(logp_BT, old_logp_BT, adv_B, mask_BT, ref_logp_BT, token_adv=False,
-                 is_weight_BT=is_weight_BT)
+                 is_weight_BT=is_weight_BT, keep_BT=keep_BT)
     seq_lr_B = _seq_log_ratio(b)
     s_B = torch.exp(seq_lr_B.clamp(-cfg.max_log_ratio, cfg.max_log_ratio))
     term_B, low_B, high_B = clipped_surrogate(s_B, b.adv, *clip_range(cfg))
-    return _finish(term_B * _token_mean(b.w_BT, b), s_B.detach(), low_B[:, None] & b.mask_BT,
-                   high_B[:, None] & b.mask_BT, seq_lr_B.detach().abs(), b, cfg)
+    return _finish(term_B * _token_mean(b.w_BT, b), s_B.detach()[b.mask_BT.any(-1)],
+                   low_B[:, None] & b.mask_BT, high_B[:, None] & b.mask_BT,
+                   seq_lr_B.detach().abs(), b, cfg)
 
 
 @register_policy_loss("gspo_token", eps=(3e-4, 4e-4))
 def gspo_token_loss(logp_BT, old_logp_BT, adv_B, mask_BT, cfg: PolicyLossConfig,
-                    ref_logp_BT=None, is_weight_BT=None):
+                    ref_logp_BT=None, is_weight_BT=None, keep_BT=None):
     """GSPO-token (paper sec. 4.3): s_it = sg[s_i] * exp(logp_it - sg[logp_it]), clipped on
     its value s_i; token-mean per sequence, mean over sequences. `adv_B` may be [B] or token
     advantages [B, T]. Where the sequence clamp is active the token factor's gradient is
     zeroed, as gspo's is. Metrics as for gspo (ratio = s_i)."""
     _check_kl(cfg, ref_logp_BT)
     b = _prepare(logp_BT, old_logp_BT, adv_B, mask_BT, ref_logp_BT, token_adv=True,
-                 is_weight_BT=is_weight_BT)
+                 is_weight_BT=is_weight_BT, keep_BT=keep_BT)
     seq_lr_B = _seq_log_ratio(b).detach()
     clamped_B = seq_lr_B.clamp(-cfg.max_log_ratio, cfg.max_log_ratio)
     token_BT = b.logp_BT - b.logp_BT.detach()  # value 0, gradient 1 (NaN if logp = -inf)
@@ -291,37 +301,14 @@ def gspo_token_loss(logp_BT, old_logp_BT, adv_B, mask_BT, cfg: PolicyLossConfig,
     adv_BT = b.adv[:, None] if b.adv.ndim == 1 else b.adv
     term_BT, low_BT, high_BT = clipped_surrogate(s_BT, adv_BT, *clip_range(cfg))
     obj_B = _token_mean(term_BT * b.w_BT, b)
-    return _finish(obj_B, torch.exp(clamped_B), low_BT & b.mask_BT, high_BT & b.mask_BT,
-                   seq_lr_B.abs(), b, cfg)
+    return _finish(obj_B, torch.exp(clamped_B)[b.mask_BT.any(-1)], low_BT & b.mask_BT,
+                   high_BT & b.mask_BT, seq_lr_B.abs(), b, cfg)
 
 
 def policy_loss(logp_BT, old_logp_BT, adv_B, mask_BT, cfg: PolicyLossConfig, ref_logp_BT=None,
-                is_weight_BT=None) -> tuple[torch.Tensor, dict[str, float]]:
-    """Dispatch to the loss registered as `cfg.name`."""
+                is_weight_BT=None, keep_BT=None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Dispatch to the loss registered as `cfg.name` (`keep_BT` only when set: a registered
+    loss need not take it)."""
+    keep = {} if keep_BT is None else {"keep_BT": keep_BT}
     return get_policy_loss(cfg.name)(logp_BT, old_logp_BT, adv_B, mask_BT, cfg,
-                                     ref_logp_BT=ref_logp_BT, is_weight_BT=is_weight_BT)
-
-
-def tis_weights(old_logp_BT: torch.Tensor, sampler_logp_BT: torch.Tensor, mask_BT: torch.Tensor,
-                cap: float) -> tuple[torch.Tensor, dict[str, float]]:
-    """Truncated importance weights min(exp(old - sampler), cap) per token (1 off the mask),
-    detached, and `policy/tis/{mean,max_raw,clip_frac}` over the masked tokens.
-
-    Yao et al., "Your efficient RL framework secretly brings you off-policy RL training" (2025);
-    verl's rollout importance sampling (`truncate` mode) and slime's `tis_clip` apply the same
-    per-token weight to the policy-gradient term. Here `old` is pi_old from the trainer and
-    `sampler` is what the rollout engine reported; the weight multiplies each token's clipped
-    surrogate (GRPO, GSPO-token) or, for GSPO, the sequence's term times its token-mean weight.
-    """
-    if not cap > 0:
-        raise ValueError(f"tis cap={cap!r} must be > 0")
-    mask_BT = mask_BT.bool().to(old_logp_BT.device)
-    with torch.no_grad():
-        log_w_BT = (old_logp_BT.double() - sampler_logp_BT.to(old_logp_BT.device).double())
-        raw_BT = torch.where(mask_BT, log_w_BT.clamp(max=60).exp(), torch.ones_like(log_w_BT))
-        w_BT = raw_BT.clamp(max=cap)
-        n = mask_BT.sum().clamp(min=1)
-        stats = {"policy/tis/mean": float(w_BT[mask_BT].sum() / n),
-                 "policy/tis/max_raw": float(raw_BT[mask_BT].max()) if mask_BT.any() else 1.0,
-                 "policy/tis/clip_frac": float((raw_BT > cap)[mask_BT].sum() / n)}
-    return w_BT.to(old_logp_BT.dtype), stats
+                                     ref_logp_BT=ref_logp_BT, is_weight_BT=is_weight_BT, **keep)

@@ -235,6 +235,19 @@ def validate(obj, nonempty: Sequence[str] = (), ge: dict | None = None,
         check(obj, f.name, not isinstance(v, float) or math.isfinite(v), "must be finite")
 
 
+def check_ratio_band(obj, name: str) -> None:
+    """Field `name` is None or an importance-ratio band [low, high]: two finite numbers with
+    0 < low <= 1 <= high and low < high (`megatron_gspo.algo.corrections`)."""
+    band = getattr(obj, name)
+    if band is None:
+        return
+    numbers = isinstance(band, list) and len(band) == 2 and all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) for x in band)
+    check(obj, name, numbers and math.isfinite(band[1]) and 0 < band[0] <= 1 <= band[1]
+          and band[0] < band[1],
+          "expected [low, high], two ratios with 0 < low <= 1 <= high, low < high")
+
+
 def check_band(obj, name: str) -> None:
     """Field `name` is None or an accuracy band [low, high]: two numbers with
     0 <= low < high <= 1."""

@@ -88,6 +88,12 @@ class RunConfig:
             raise ConfigError(f"loss.tis_cap={self.loss.tis_cap} weights by pi_old / pi_sampler: "
                               "with rollout.use_sampler_logprobs=true pi_old is the sampler's, "
                               "so every weight would be 1")
+        for key in ("is_mask_token", "is_mask_seq", "icepop"):
+            if getattr(self.loss, key) is not None and self.rollout.use_sampler_logprobs:
+                raise ConfigError(
+                    f"loss.{key}={getattr(self.loss, key)} reads pi_old / pi_sampler: with "
+                    "rollout.use_sampler_logprobs=true pi_old is the sampler's, so every ratio "
+                    "would be 1")
         if self.train.routing_replay == "r3" and self.rollout.sampler in ("lean", "megatron") \
                 and (not self.rollout.kv_cache or self.model.sequence_parallel):
             raise ConfigError(

@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Optional
 
-from megatron_gspo.config.fields import Band, OptionalPath, check, check_band, validate
+from megatron_gspo.config.fields import (Band, OptionalPath, check, check_band, check_ratio_band,
+                                         validate)
 from moe.model import RECOMPUTE_MODULES, layout_problems, resolve_dispatcher
 from moe.optim import OptimSettings
 from moe.presets import PRESETS
@@ -213,6 +214,18 @@ class LossConfig:
     """Truncated importance sampling against the train-inference mismatch (None = off): each
     response token's loss term is weighted by min(pi_old / pi_sampler, tis_cap), pi_old being the
     trainer's recompute (verl's rollout IS `truncate`, slime's `tis_clip`). > 0."""
+    is_mask_token: Band = None
+    """[low, high]: masked IS per token (None = off): a response token whose pi_old / pi_sampler
+    is outside the band leaves the loss (its sequence's token-mean runs over the kept tokens;
+    docs/corrections.md). 0 < low <= 1 <= high."""
+    is_mask_seq: Band = None
+    """[low, high]: masked IS per sequence (None = off): a sequence whose geometric-mean
+    pi_old / pi_sampler, exp(mean_t log ratio), is outside the band leaves the loss (it adds 0,
+    the mean over sequences keeps it). 0 < low <= 1 <= high."""
+    icepop: Band = None
+    """[alpha, beta]: IcePop (None = off): each response token's weight is pi_old / pi_sampler
+    inside [alpha, beta] and 0 outside (it stays in the token-mean's denominator); the paper used
+    [0.5, 5]. Not with tis_cap (both set the weight). 0 < alpha <= 1 <= beta."""
     adv_eps: float = 1e-6
     """Epsilon in the group advantage (r - mean) / (std + eps)."""
 
@@ -221,6 +234,10 @@ class LossConfig:
                  gt={"max_log_ratio": 0, "tis_cap": 0, "adv_eps": 0})
         check(self, "eps_low", self.eps_low is None or 0 <= self.eps_low < 1,
               "must be in [0, 1)")
+        for name in ("is_mask_token", "is_mask_seq", "icepop"):
+            check_ratio_band(self, name)
+        check(self, "icepop", self.icepop is None or self.tis_cap is None,
+              f"and loss.tis_cap={self.tis_cap} both set the token weight: choose one")
 
 
 @dataclass(frozen=True)

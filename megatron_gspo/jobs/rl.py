@@ -41,7 +41,8 @@ import torch
 from megatron_gspo.algo.advantages import group_advantages
 from megatron_gspo.algo.flips import (FlipSchedule, loss_positions, sampler_mismatch,
                                       token_rows)
-from megatron_gspo.algo.losses import PolicyLossFn, get_policy_loss, tis_weights
+from megatron_gspo.algo.corrections import correction_inputs
+from megatron_gspo.algo.losses import PolicyLossFn, get_policy_loss
 from megatron_gspo.config.schema import RunConfig
 from megatron_gspo.errors import ConfigError
 from megatron_gspo.dist import all_ranks, max_over_ranks, reduce_metrics
@@ -312,13 +313,12 @@ class Trainer:
         return metrics
 
     def tis(self, mb: Minibatch) -> tuple[dict, dict]:
-        """Truncated importance weights pi_old (trainer) / pi_sampler as the loss's keyword
-        argument, and their metrics; both empty unless `loss.tis_cap` (no forward)."""
-        if self.cfg.loss.tis_cap is None:
-            return {}, {}
-        weight_BT, metrics = tis_weights(mb.old_logp_BT, mb.rollout.sampler_logp_BT,
-                                         mb.response_BT, self.cfg.loss.tis_cap)
-        return {"is_weight_BT": weight_BT}, metrics
+        """The train-inference corrections from pi_old (trainer) / pi_sampler as the loss's
+        keyword arguments (`loss.tis_cap`, `is_mask_token`, `is_mask_seq`, `icepop`;
+        `corrections.correction_inputs`), and their metrics; both empty when all are off (no
+        forward)."""
+        return correction_inputs(mb.old_logp_BT, mb.rollout.sampler_logp_BT, mb.response_BT,
+                                 self.cfg.loss)
 
     def router_noise(self, mb: Minibatch):
         """`train.router_noise_std` on the loss's forward when it is not replayed; one seeded

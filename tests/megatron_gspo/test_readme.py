@@ -51,6 +51,7 @@ def _emitted_keys() -> set[str]:
     import torch
 
     from megatron_gspo.algo.advantages import group_advantages
+    from megatron_gspo.algo.corrections import correction_inputs
     from megatron_gspo.tasks.datasets import DatasetTask
     from megatron_gspo.rollout.filters import overlong_filter, rollout_health
     from megatron_gspo.algo.losses import POLICY_LOSSES, PolicyLossConfig, tis_weights
@@ -66,6 +67,7 @@ def _emitted_keys() -> set[str]:
         keys |= set(POLICY_LOSSES[name](logp, old, torch.ones(4), mask,
                                         PolicyLossConfig(name))[1])
     keys |= set(tis_weights(old, logp, mask, 2.0)[1])
+    keys |= set(correction_inputs(old, logp, mask, PolicyLossConfig("grpo", icepop=[0.5, 2]))[1])
     keys |= set(group_advantages(rewards, 2)[1])
     batch = SimpleNamespace(rewards_B=rewards, response_BT=mask, sampler_logp_BT=logp,
                             response_lengths_B=mask.sum(1), truncated_B=rewards.bool(),
@@ -117,7 +119,7 @@ def test_routing_mismatch_is_logged_for_a_bf16_sampler_without_r3():
     assert Trainer.records_sampler_routing(SimpleNamespace(cfg=cfg))
     assert "`rollout/routing_mismatch/...` (R3 only" not in _page("docs/metrics.md")
     row, = [ln for ln in _page("docs/metrics.md").splitlines()
-            if ln.startswith("| `rollout/routing_mismatch/...`")]
+            if ln.startswith("| `rollout/routing_mismatch/{layer_XX,mean,max}`")]
     assert "rollout.sampler_dtype" in row
 
 

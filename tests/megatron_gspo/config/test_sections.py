@@ -125,7 +125,8 @@ def test_loss_section_is_the_policy_loss_config():
 
     assert PolicyLossConfig is LossConfig
     assert [f.name for f in fields(LossConfig)] == \
-        ["name", "eps_low", "eps_high", "kl_coef", "max_log_ratio", "tis_cap", "adv_eps"]
+        ["name", "eps_low", "eps_high", "kl_coef", "max_log_ratio", "tis_cap", "is_mask_token",
+         "is_mask_seq", "icepop", "adv_eps"]
     cfg = load_config(None, ["loss.name=grpo", "loss.eps_high=0.3"])
     assert (cfg.loss.eps_low, cfg.loss.eps_high) == (None, 0.3)  # as given
     assert clip_range(cfg.loss) == (0.2, 0.3)  # paper default + override
