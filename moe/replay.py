@@ -167,8 +167,11 @@ def record_routing(policy):
 
 
 @contextlib.contextmanager
-def replay_routing(policy, cache: RoutingReplayCache | None):
-    """Force the cached routing in the forwards inside (no-op when `cache` is None)."""
+def replay_routing(policy, cache: RoutingReplayCache | None, check: dict | None = None):
+    """Force the cached routing in the forwards inside (no-op when `cache` is None). With
+    `check` (a dict), also count what each router actually used against the cache
+    (`watch_replayed`): check["differ"] routes (token, layer) that were not the cache's, of
+    check["routes"] (device tensors, summed over the forwards inside)."""
     if cache is None:
         yield
         return
@@ -184,12 +187,39 @@ def replay_routing(policy, cache: RoutingReplayCache | None):
         r.clear_indices()
         r.set_target_indices(ids)
         r.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    handles = [] if check is None else watch_replayed(policy, ids_L, check)
     try:
         yield
     finally:
+        for h in handles:
+            h.remove()
         _release(routers)
     if policy.recompute.routing and torch.is_grad_enabled():
         policy.backward_replays.append(ids_L)
+
+
+def watch_replayed(policy, ids_L: list[torch.Tensor], check: dict) -> list:
+    """Forward hooks on the policy's routers comparing the routing each one outputs (its
+    routing map [tokens, E]) with the ids it was told to replay (`ids_L[layer]`, [tokens, K]),
+    summed into check["differ"] (routes whose expert set differs) and check["routes"]: the
+    replayed-vs-used check (0 when replay works). Returns the hook handles."""
+    layer_of = {id(r): i for i, r in enumerate(policy.router_replays)}
+    gpt = policy.model.module if hasattr(policy.model, "module") else policy.model
+    handles = []
+    for module in gpt.modules():
+        layer = layer_of.get(id(getattr(module, "router_replay", None)))
+        if layer is None:
+            continue
+
+        def hook(mod, args, output, layer=layer):
+            routing_map_NE = output[1]
+            want_NE = torch.zeros_like(routing_map_NE, dtype=torch.bool).scatter_(
+                1, ids_L[layer].to(routing_map_NE.device), True)
+            check["differ"] = check.get("differ", 0) + (routing_map_NE.bool() != want_NE).any(
+                1).sum()
+            check["routes"] = check.get("routes", 0) + routing_map_NE.shape[0]
+        handles.append(module.register_forward_hook(hook))
+    return handles
 
 
 def _release(routers) -> None:

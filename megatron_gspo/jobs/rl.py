@@ -45,7 +45,7 @@ from megatron_gspo.algo.corrections import correction_inputs
 from megatron_gspo.algo.losses import PolicyLossFn, get_policy_loss
 from megatron_gspo.config.schema import RunConfig
 from megatron_gspo.errors import ConfigError
-from megatron_gspo.dist import all_ranks, max_over_ranks, reduce_metrics
+from megatron_gspo.dist import all_ranks, max_over_ranks, reduce_metrics, sum_over_ranks
 from megatron_gspo.jobs.band import StartBand
 from megatron_gspo.jobs.rl_metrics import response_metrics, rollout_metrics, throughput
 from megatron_gspo.rollout.batch import RolloutBatch
@@ -290,7 +290,8 @@ class Trainer:
         flips = self.flips.start(policy, mb, self.state.opt_step, next_mb, first)
         tis, tis_metrics = self.tis(mb)
         policy.zero_grad()
-        with flips.watch(), replay_routing(policy, mb.replay), self.router_noise(mb):
+        replayed: dict = {}  # what the routers used vs the replay cache (0 when replay works)
+        with flips.watch(), replay_routing(policy, mb.replay, replayed), self.router_noise(mb):
             logp_BT, entropy_BT = policy.token_logprobs(
                 mb.tokens_BT, mb.valid_BT, cfg.rollout.temperature, with_entropy=True,
                 start=mb.rollout.response_start)
@@ -302,8 +303,11 @@ class Trainer:
             else:  # NaN weights / activations: a skipped step (guard), not the loss's ValueError
                 loss, metrics = logp_BT.new_tensor(float("nan")), {"policy/loss": float("nan")}
         metrics.update(tis_metrics, **response_metrics(mb, logp_BT, entropy_BT))
+        if mb.replay is not None:
+            metrics["replay/route_diff"] = replay_diff(replayed)
         stepped, grad_norm = False, float("nan")
-        if all_ranks(bool(torch.isfinite(loss))):  # skip on every rank or none (docs/pitfalls.md#collectives)
+        # skip on every rank or none (docs/pitfalls.md#collectives)
+        if all_ranks(bool(torch.isfinite(loss))):
             policy.backward(loss)
             stepped, grad_norm = policy.step()
         metrics.update(self.guard(stepped), **{"train/grad_norm": grad_norm,
@@ -367,6 +371,15 @@ def schedule(cfg: RunConfig) -> Schedule:
                     eval_every=t.eval_every, save_every=t.save_every,
                     save_last=bool(t.save_every), progress_every=t.log_every,
                     progress_keys=PROGRESS_KEYS)
+
+
+def replay_diff(check: dict) -> float:
+    """The fraction of routes (token, layer) the loss's forward used that were not the replay
+    cache's, over all ranks (`moe.replay.watch_replayed`; one collective)."""
+    counts = torch.tensor([float(check.get("differ", 0)), float(check.get("routes", 0))],
+                          dtype=torch.float64)
+    differ, routes = sum_over_ranks(counts).tolist()
+    return differ / routes if routes else 0.0
 
 
 def local_prompts(cfg: RunConfig, dp: int) -> int:

@@ -315,3 +315,34 @@ def test_chunking_edge_cases():
     assert row_chunks(5, 5) == [slice(i, i + 1) for i in range(5)]
     with pytest.raises(ValueError, match="n_chunks=0"):
         row_chunks(7, 0)
+
+
+def test_the_replay_check_counts_routes_the_routers_did_not_replay(policy, monkeypatch):
+    """`replay_routing(..., check)`: 0 routes differ when replay works; where a router ignores
+    its replay target (megatron's replay broken here on purpose) the routes it chose itself
+    are counted, so the trainer's `replay/route_diff` can fail."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    tokens_BT, valid_BT = make_batch()
+    cache, _ = record(policy, tokens_BT, valid_BT)
+    g = torch.Generator().manual_seed(3)
+    E, K = PRESET.num_experts, PRESET.topk
+    other = dense_cache(torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(
+        tokens_BT.numel() * PRESET.num_layers)]).reshape(*tokens_BT.shape, PRESET.num_layers, K),
+        valid_BT, E)
+    check: dict = {}
+    with torch.no_grad(), replay_routing(policy, other, check):
+        policy.logits(tokens_BT, valid_BT)
+    routes = tokens_BT.numel() * PRESET.num_layers
+    assert int(check["differ"]) == 0 and int(check["routes"]) == routes
+    real = RouterReplay.get_replay_topk
+
+    def ignores_the_target(self, scores, topk, *args, **kwargs):
+        self.router_replay_action = None  # route by its own top-k
+        return real(self, scores, topk, *args, **kwargs)
+
+    monkeypatch.setattr(RouterReplay, "get_replay_topk", ignores_the_target)
+    broken: dict = {}
+    with torch.no_grad(), replay_routing(policy, other, broken):
+        policy.logits(tokens_BT, valid_BT)
+    assert int(broken["differ"]) > routes // 2  # random targets: the live top-k differs

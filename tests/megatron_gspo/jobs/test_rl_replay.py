@@ -240,6 +240,8 @@ def test_r3_pi_old_replays_the_sampler_routing(tmp_path):
         assert r["rollout/logprob_mismatch/mean"] < 1e-5
         assert r["rollout/logprob_mismatch_r3/mean"] > 1e-3
     assert any(r["policy/log_ratio/abs_max"] > 1e-4 for r in later)  # the check can fail
+    # every loss forward used exactly the replayed routes (moe.replay.watch_replayed)
+    assert [r["replay/route_diff"] for r in rows if "train/minibatch" in r] == [0.0] * 4
 
 
 @pytest.mark.parametrize("mode", ["off", "r3"])

@@ -68,6 +68,7 @@ def test_rl_with_r3_from_vllm_keeps_the_engine_on_the_trainers_weights(tmp_path,
         assert r["rollout/logprob_mismatch/max"] <= 1e-5
         assert r["rollout/routing_mismatch/max"] == 0.0
         assert r["rollout/routing_any_diff"] == 0.0
+        assert r["replay/route_diff"] == 0.0  # the loss forwards used the engine's routes
         assert "rollout/routing_mismatch/layer_01" in r
     for r in rows[::2]:
         assert r["policy/log_ratio/abs_max"] < 1e-5  # pi_old routed as the engine did
@@ -160,3 +161,44 @@ def test_under_ep2_each_rank_engine_gets_the_gathered_weights(tmp_path, hf_dir):
     for r in rows:
         assert r["rollout/logprob_mismatch/max"] <= 1e-5
         assert r["rollout/push_probe_diff"] <= 1e-5 and r["rollout/routing_any_diff"] == 0.0
+
+
+class _Fake:
+    """Stands in for `VLLMEngine`: starts (or not), and pushes (or not)."""
+
+    fail_start = fail_push = None
+
+    def __init__(self, *args, **kwargs):
+        if self.fail_start:
+            raise RuntimeError(self.fail_start)
+
+    def push_weights(self, stream):
+        raise RuntimeError(self.fail_push)
+
+
+def _sampler(monkeypatch, **fail):
+    """A VLLMSampler over `_Fake` for a stub policy of the qwen3-moe-tiny preset (no vLLM)."""
+    from types import SimpleNamespace
+
+    from megatron_gspo.rollout import vllm as backend
+    from megatron_gspo.rollout import vllm_engine
+    from moe.presets import get_preset
+
+    monkeypatch.setattr(vllm_engine, "VLLMEngine", type("Fake", (_Fake,), fail))
+    policy = SimpleNamespace(preset=get_preset("qwen3-moe-tiny"), real_vocab=26, version=1)
+    return backend.VLLMSampler(policy, SimpleNamespace(vocab_size=26),
+                               load_config(None, ["rollout.backend=vllm"]))
+
+
+def test_an_engine_that_does_not_start_is_one_config_error(monkeypatch):
+    with pytest.raises(ConfigError, match=r"^rollout.backend=vllm: the engine did not start: "
+                                          r"RuntimeError: no KV cache fits$"):
+        _sampler(monkeypatch, fail_start="no KV cache fits\nmore lines")
+
+
+def test_a_push_that_fails_is_one_config_error_before_sampling(monkeypatch):
+    sampler = _sampler(monkeypatch, fail_push="shape mismatch for w13_weight")
+    with pytest.raises(ConfigError, match=r"pushing the weights \(version 1\) failed: "
+                                          r"RuntimeError: shape mismatch for w13_weight"):
+        sampler.sync()
+    assert sampler.pushed is None  # nothing counts as pushed
