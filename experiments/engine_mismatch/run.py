@@ -52,9 +52,11 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 SHAPES = ("qwen3-moe-tiny-hd32", "qwen3-moe-tiny-hd32-wide")
 INITS = ("random", "sft")
 DTYPES = ("fp32", "bf16")
-ARMS = ("gspo", "grpo", "grpo_r2", "grpo_r3")
-LABELS = {"gspo": "GSPO", "grpo": "GRPO", "grpo_r2": "GRPO + R2", "grpo_r3": "GRPO + R3"}
-BF16_PROBE_TOL = 4.0
+ARMS = ("gspo", "grpo", "grpo_r2", "grpo_r3", "grpo_fp32", "grpo_lean")
+"""The four arms with a bfloat16 engine, then two controls without its mismatch."""
+LABELS = {"gspo": "GSPO", "grpo": "GRPO", "grpo_r2": "GRPO + R2", "grpo_r3": "GRPO + R3",
+          "grpo_fp32": "GRPO, fp32 engine", "grpo_lean": "GRPO, our decoder"}
+BF16_PROBE_TOL = 30.0
 """`rollout.push_check_tol` of the bfloat16 measurements, as in gspo.yaml (see there)."""
 R3_PAPER = {"routers": 0.10, "any_layer": 0.94}
 """The R3 paper's (arXiv 2510.11370) engine-vs-trainer figures on Qwen3-30B-A3B (48 MoE layers,
@@ -211,6 +213,7 @@ def summarize_measure(path: str) -> dict:
             "experts": _mean(per_batch(m, "rollout/routing_mismatch_experts/mean")),
             "experts_all_tokens": _mean(per_batch(m, "rollout/routing_mismatch_all/mean")),
             "logprob_mean": _mean(per_batch(m, "rollout/logprob_mismatch/mean")),
+            "logprob_mean_max": max(per_batch(m, "rollout/logprob_mismatch/mean"), default=None),
             "logprob_max": max(per_batch(m, "rollout/logprob_mismatch/max"), default=None),
             "probe_max": max(per_batch(m, "rollout/push_probe_diff"), default=None),
             "weight_sync_s": _median(per_batch(m, "time/weight_sync")[1:])}
@@ -247,12 +250,32 @@ def summarize_ablation(path: str) -> dict:
         "routers": _mean(per_batch(m, "rollout/routing_mismatch/mean")),
         "any_layer": _mean(per_batch(m, "rollout/routing_any_diff")),
         "logprob_mean": _mean(per_batch(m, "rollout/logprob_mismatch/mean")),
+        "logprob_mean_max": max(per_batch(m, "rollout/logprob_mismatch/mean"), default=None),
+        "probe_max": max(per_batch(m, "rollout/push_probe_diff"), default=None),
         "logprob_r3_mean": _mean(per_batch(m, "rollout/logprob_mismatch_r3/mean")),
         "flip_rate": _mean(m.get("moe/flip_rate/mean", {}).values()),
         "series": {"log_ratio_first": per_batch(m, "policy/log_ratio/abs_mean"),
                    "clip_token_first": per_batch(m, "policy/clip_frac/token"),
                    "eval": [[s, a] for s, a in sorted(acc.items())]},
     }
+
+
+def collect(lay: Layout) -> int:
+    """Distill every result again from its run's metrics.jsonl (a summary that changed after
+    the runs), keeping what only the runner knew (wall time, machine); returns how many."""
+    n = 0
+    for part, summarize in (("measure", summarize_measure), ("ablation", summarize_ablation)):
+        for rec in load_results(lay, part):
+            name = f"{rec['arm']}_s{rec['seed']}" if part == "ablation" else \
+                measure_name(rec["shape"], rec["init"], rec["engine_dtype"])
+            path = os.path.join(lay.runs, part, name, "metrics.jsonl")
+            if os.path.exists(path):
+                keep = {k: v for k, v in rec.items() if k in (
+                    "arm", "seed", "shape", "init", "engine_dtype", "wall_s", "machine")}
+                _write(lay.result(part, name), {**keep, **summarize(path)})
+                n += 1
+    print(f"distilled {n} results again from {os.path.relpath(lay.runs, ROOT)}")
+    return n
 
 
 # ----------------------------------------------------------------------------- report
@@ -412,6 +435,27 @@ def answers(meas: list[dict], abl: list[dict]) -> str:
                        f"differ from the engine's by {r:.4f} nats per token against {l_:.4f} "
                        f"under its own routing: replay removes {100 * (1 - r / l_):.0f}% of the "
                        "mismatch, the rest is bfloat16 vs float32 arithmetic")
+        for arm in ("grpo_r2", "gspo", "grpo_fp32", "grpo_lean"):
+            if arm in arms:
+                d = paired(arms, arm, "grpo", "acc_final")
+                out.append(f"- {LABELS[arm]} minus GRPO, final held-out accuracy: "
+                           f"{pm(d, '.3f')} ({verdict(d)})")
+        if "gspo" in arms:
+            g = ci([s.get("clip_token_first") for s in arms["gspo"].values()])
+            out.append(f"- GSPO clips {pm(g, '.3f')} of its tokens on the first minibatch, where "
+                       "the weights are pi_old's: there the sequence ratio is the engine "
+                       "mismatch alone, against a clip range of [1-3e-4, 1+4e-4]")
+        out.append("")
+    engine = [r for r in abl if r["arm"] != "grpo_lean" and r.get("logprob_mean_max") is not None]
+    if engine:
+        worst = max(engine, key=lambda r: r["logprob_mean_max"])
+        probe = max((r["probe_max"] for r in engine if r.get("probe_max") is not None),
+                    default=float("nan"))
+        out.append(f"- no stale push in any RL run: the largest per-batch mean |engine - "
+                   f"trainer| log-prob of the sampled tokens is {worst['logprob_mean_max']:.4f} "
+                   f"nats ({LABELS[worst['arm']]}, seed {worst['seed']}; stale or mis-packed "
+                   f"weights are off by nats, docs/vllm.md), while the bfloat16 engine's probe "
+                   f"sequence (random tokens) reached {probe:.2f} nats")
         out.append("")
     bf16 = [r for r in meas if r["engine_dtype"] == "bf16"]
     for r in sorted(bf16, key=lambda r: (SHAPES.index(r["shape"]), INITS.index(r["init"]))):
@@ -482,7 +526,7 @@ def figures(lay: Layout, meas: list[dict], abl: list[dict]) -> list[str]:
     if arms:
         fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
         colors = {"gspo": "tab:orange", "grpo": "tab:red", "grpo_r2": "tab:blue",
-                  "grpo_r3": "tab:green"}
+                  "grpo_r3": "tab:green", "grpo_fp32": "tab:grey", "grpo_lean": "black"}
         for arm in ARMS:
             if arm not in arms:
                 continue
@@ -562,12 +606,18 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=2, help="runs at a time")
     ap.add_argument("--plot-only", action="store_true",
                     help="regenerate the README tables and figures from results/")
+    ap.add_argument("--collect", action="store_true",
+                    help="distill results/ again from the finished runs under runs/ (keeping "
+                         "each result's wall time and machine), then report")
     args = ap.parse_args(argv)
     if (args.set or args.steps or args.measure_steps) and not args.tag:
         ap.error("--set / --steps change the runs: give them a --tag so that they do not "
                  "overwrite the default results")
     lay = Layout(args.tag)
     if args.plot_only:
+        return report(lay)
+    if args.collect:
+        collect(lay)
         return report(lay)
     t0 = time.time()
     shapes = args.shapes if args.part != "ablation" else [SHAPES[0]]

@@ -32,6 +32,7 @@ def _ablation(arm, seed, lr0, clip, acc):
             "acc_start": 0.27, "acc_final": acc, "acc_best": acc + 0.01,
             "reward_first": 0.3, "reward_last": 0.4, "routers": 0.02, "any_layer": 0.07,
             "logprob_mean": 0.02, "logprob_r3_mean": 0.005 if arm == "grpo_r3" else None,
+            "logprob_mean_max": 0.03 + seed / 100 + (arm == "gspo") / 1000, "probe_max": 2.5,
             "flip_rate": 0.003, "wall_s": 600.0, "machine": MACHINE,
             "series": {"log_ratio_first": [lr0] * 30, "clip_token_first": [clip / 2] * 30,
                        "eval": [[0, 0.27], [40, acc], [80, acc], [120, acc]]}}
@@ -49,7 +50,8 @@ def _fixture(tmp_path) -> em.Layout:
                          for arm, lr0, clip, acc in (("gspo", 0.02, 0.9, 0.28),
                                                      ("grpo", 0.02, 0.01, 0.33),
                                                      ("grpo_r2", 0.02, 0.01, 0.32),
-                                                     ("grpo_r3", 0.005, 0.008, 0.33))
+                                                     ("grpo_r3", 0.005, 0.008, 0.33),
+                                                     ("grpo_fp32", 1e-6, 0.01, 0.35))
                          for seed in (0, 1, 2)]}
     for part, rows in recs.items():
         for r in rows:
@@ -62,7 +64,7 @@ def _fixture(tmp_path) -> em.Layout:
 
 def _readme(tmp_path) -> str:
     path = tmp_path / "README.md"
-    path.write_text("top\n" + "".join(f"<!-- table:{m}:begin -->\nstale\n<!-- table:{m}:end -->\n"
+    path.write_text("top\n" + "".join(f"<!-- table:{m}:begin -->\nOLD\n<!-- table:{m}:end -->\n"
                                       for m in ("mismatch", "ablation", "answers", "runtime"))
                     + "bottom\n")
     return str(path)
@@ -72,7 +74,7 @@ def test_report_regenerates_every_table_from_results(tmp_path):
     lay, readme = _fixture(tmp_path), _readme(tmp_path)
     assert em.report(lay, readme) == 0
     text = open(readme).read()
-    assert "stale" not in text and text.startswith("top\n") and text.endswith("bottom\n")
+    assert "OLD" not in text and text.startswith("top\n") and text.endswith("bottom\n")
     # part 1: one row per shape x init x engine, per-layer values from layer 0
     assert ("| `qwen3-moe-tiny-hd32` (4 x 16 experts, top-4) | sft | bf16 | 0.270 | 2.00% | "
             "1.0% 1.7% 2.3% 3.0% | 7.00% | 0.67% | 2.00e-02 | 2.00e-01 | 2.00e-02 | 16 |") in text
@@ -81,24 +83,30 @@ def test_report_regenerates_every_table_from_results(tmp_path):
     assert "qwen3-moe-tiny-hd32: held-out accuracy 0.2734 (our float32 decoder), entered the " \
         "band at SFT step 800" in text
     # part 2: mean ± 95% t interval over 3 seeds (t = 4.303, sd of 0, 1, 2 thousandths = 1e-3)
-    assert "| GSPO (3 seeds) | GRPO (3 seeds) | GRPO + R2 (3 seeds) | GRPO + R3 (3 seeds) |" in text
+    assert "| GSPO (3 seeds) | GRPO (3 seeds) | GRPO + R2 (3 seeds) | GRPO + R3 (3 seeds) | " \
+        "GRPO, fp32 engine (3 seeds) |" in text
     assert "| first-minibatch abs log-ratio (trainer vs engine) | 0.0210 ± 0.0025 | " \
-        "0.0210 ± 0.0025 | 0.0210 ± 0.0025 | 0.0060 ± 0.0025 |" in text
+        "0.0210 ± 0.0025 | 0.0210 ± 0.0025 | 0.0060 ± 0.0025 | 0.0010 ± 0.0025 |" in text
     assert "| abs log-prob diff, engine vs trainer under R3's replay | - | - | - | " \
-        "0.0050 ± 0.0000 |" in text
+        "0.0050 ± 0.0000 | - |" in text
     # the answers: paired by seed, the R3 paper's figures side by side
     assert "- first-minibatch abs log-ratio: -0.0150 ± 0.0000 (interval excludes 0; GRPO " \
         "alone 0.0210)" in text
     assert "- final held-out accuracy: 0.000 ± 0.000 (interval contains 0; GRPO alone 0.340)" \
         in text
     assert "replay removes 75% of the mismatch" in text
+    assert "- GRPO, fp32 engine minus GRPO, final held-out accuracy: 0.020 ± 0.000 (interval " \
+        "excludes 0)" in text
+    assert "the largest per-batch mean |engine - trainer| log-prob of the sampled tokens is " \
+        "0.0510 nats (GSPO, seed 2;" in text and "probe sequence (random tokens) reached 2.50" \
+        in text
     assert "- bfloat16 engine, `qwen3-moe-tiny-hd32`, sft init: 2.00% of routers differ " \
         "(layers 1.00% to 3.00%), 5.0x fewer than the R3 paper's ~10%; 7.00% of tokens differ " \
         "in at least one layer (paper: 94%)" in text
     assert "- float32 engine: at most 0.000% of routers differ" in text
     # the run block: the machine the results recorded, the summed run times
     assert MACHINE + " Run time per run summed (SFT (first to last metrics record): 2 runs, 10 min; measurements: 8 runs, " \
-        "16 min; RL arms: 12 runs, 120 min)" in text
+        "16 min; RL arms: 15 runs, 150 min)" in text
     for png in ("mismatch_per_layer.png", "ablation.png"):
         size = os.path.getsize(os.path.join(lay.figures, png))
         assert 0 < size < 200_000
@@ -224,11 +232,21 @@ def test_arms_differ_only_in_the_loss_and_replay():
                                                  "loss.eps_high"}
     for arm in ("grpo_r2", "grpo_r3"):
         assert _diff(cfgs["grpo"], cfgs[arm]) == {"run_dir", "train.routing_replay"}
-    for c in cfgs.values():
-        assert (c.rollout.backend, c.rollout.engine_dtype, c.model.dtype) == \
-            ("vllm", "bf16", "fp32")
+    # the controls: the same GRPO without the bfloat16 engine's mismatch
+    assert _diff(cfgs["grpo"], cfgs["grpo_fp32"]) == {"run_dir", "rollout.engine_dtype",
+                                                      "rollout.push_check_tol"}
+    assert _diff(cfgs["grpo"], cfgs["grpo_lean"]) == {"run_dir", "rollout.backend",
+                                                      "rollout.engine_dtype",
+                                                      "rollout.push_check_tol"}
+    assert (cfgs["grpo_fp32"].rollout.engine_dtype, cfgs["grpo_lean"].rollout.backend) == \
+        ("fp32", "lean")
+    assert cfgs["grpo_fp32"].rollout.push_check_tol is None  # the float32 default guard
+    for arm, c in cfgs.items():
+        if arm not in ("grpo_fp32", "grpo_lean"):
+            assert (c.rollout.backend, c.rollout.engine_dtype) == ("vllm", "bf16")
+            assert c.rollout.push_check_tol == em.BF16_PROBE_TOL
+        assert c.model.dtype == "fp32"
         assert c.rollout.use_sampler_logprobs and c.train.num_minibatches == 4
-        assert c.rollout.push_check_tol == em.BF16_PROBE_TOL
         assert c.model.preset == em.SHAPES[0] and c.train.start_accuracy == [0.25, 0.45]
     measure = load_config(os.path.join(HERE, "measure.yaml"))
     sft = load_config(os.path.join(HERE, "sft.yaml"))
@@ -236,3 +254,18 @@ def test_arms_differ_only_in_the_loss_and_replay():
         ("vllm", em.SHAPES[0], em.SHAPES[0])
     assert sft.sft.target_accuracy == measure.train.start_accuracy == [0.25, 0.45]
     assert all(get_preset(s).kv_channels in CPU_HEAD_DIMS for s in em.SHAPES)
+
+
+def test_collect_distills_results_again_keeping_wall_time_and_machine(tmp_path, monkeypatch):
+    monkeypatch.setattr(em, "ROOT", str(tmp_path))
+    lay = em.Layout(root=str(tmp_path), here=str(tmp_path))
+    em._write(lay.result("ablation", "grpo_s0"), {"arm": "grpo", "seed": 0, "wall_s": 7.0,
+                                                  "machine": MACHINE, "stale": 1})
+    em._write(lay.result("ablation", "gspo_s0"), {"arm": "gspo", "seed": 0, "wall_s": 8.0})
+    write_metrics(tmp_path / "runs/engine_mismatch/ablation/grpo_s0", [
+        {"step": 1, "train/minibatch": 0, "policy/log_ratio/abs_mean": 0.02}])
+    assert em.collect(lay) == 1  # gspo_s0 has no run left: kept as it was
+    with open(lay.result("ablation", "grpo_s0")) as f:
+        rec = json.load(f)
+    assert (rec["wall_s"], rec["machine"], rec["log_ratio_first"]) == (7.0, MACHINE, 0.02)
+    assert "stale" not in rec
