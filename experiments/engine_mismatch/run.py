@@ -132,7 +132,7 @@ def measure_job(lay: Layout, shape: str, init: str, dtype: str, steps: int | Non
         return
     run_dir = os.path.join(lay.runs, "measure", name)
     shutil.rmtree(run_dir, ignore_errors=True)  # an interrupted measurement starts again
-    init_args = ["init_checkpoint=null", "train.start_accuracy=null"] if init == "random" else \
+    init_args = ["init_checkpoint=null"] if init == "random" else \
         [f"init_checkpoint={os.path.relpath(lay.sft_dir(shape), ROOT)}"]
     wall = py(["megatron_gspo.cli", "train", "--config", os.path.join(HERE, "measure.yaml"),
                f"model.preset={shape}", f"rollout.engine_dtype={dtype}",

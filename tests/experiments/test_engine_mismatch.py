@@ -182,7 +182,7 @@ def test_measurement_commands_and_skip_when_a_result_exists(tmp_path, monkeypatc
                             os.path.join(HERE, "measure.yaml")]
     assert calls[0][4:] == [f"model.preset={em.SHAPES[1]}", "rollout.engine_dtype=bf16",
                             f"rollout.push_check_tol={em.BF16_PROBE_TOL}",
-                            "init_checkpoint=null", "train.start_accuracy=null",
+                            "init_checkpoint=null",
                             f"run_dir=runs/engine_mismatch_t/measure/{em.SHAPES[1]}_random_bf16",
                             "resume=false", "train.steps=3", "optim.lr=0"]
     assert f"init_checkpoint=runs/engine_mismatch/{em.SHAPES[1]}/sft" in calls[1]
@@ -252,7 +252,8 @@ def test_arms_differ_only_in_the_loss_and_replay():
     sft = load_config(os.path.join(HERE, "sft.yaml"))
     assert (measure.rollout.backend, measure.model.preset, sft.model.preset) == \
         ("vllm", em.SHAPES[0], em.SHAPES[0])
-    assert sft.sft.target_accuracy == measure.train.start_accuracy == [0.25, 0.45]
+    assert sft.sft.target_accuracy == [0.25, 0.45] and measure.train.start_accuracy is None
+    assert measure.train.eval_every == measure.train.steps  # the engine's accuracy, start + end
     assert all(get_preset(s).kv_channels in CPU_HEAD_DIMS for s in em.SHAPES)
 
 
