@@ -309,9 +309,12 @@ def ci(xs: list) -> tuple[float, float]:
 
 
 def pm(v: tuple[float, float], spec: str = ".4f") -> str:
+    """`mean ± half-width`; a nonzero mean that `spec` would print as 0 in scientific form."""
     m, h = v
     if m != m:
         return "-"
+    if m and format(abs(m), spec).strip("0.") == "":
+        spec = ".1e"
     return format(m, spec) + ("" if h != h else f" ± {format(h, spec)}")
 
 
@@ -410,23 +413,42 @@ def verdict(d: tuple[float, float]) -> str:
     return "interval excludes 0" if abs(m) > h else "interval contains 0"
 
 
+PAIRS = [("grpo_r3", "grpo", "GRPO + R3 − GRPO (what replaying the engine's routing changes)"),
+         ("grpo_r2", "grpo", "GRPO + R2 − GRPO"),
+         ("gspo", "grpo", "GSPO − GRPO"),
+         ("grpo", "grpo_fp32", "GRPO − GRPO with an fp32 engine (what the bf16 mismatch changes)"),
+         ("grpo_lean", "grpo_fp32", "GRPO with our decoder − with an fp32 engine")]
+PAIR_STATS = [("log_ratio_first", "first-minibatch abs log-ratio", ".4f"),
+              ("clip_token_first", "clipped tokens, first minibatch", ".4f"),
+              ("clip_token", "clipped tokens, all minibatches", ".4f"),
+              ("acc_final", "final held-out accuracy", ".3f")]
+
+
+def paired_table(arms: dict) -> str:
+    """Differences paired by seed, mean ± 95% t interval; `*` where the interval excludes 0."""
+    rows = [(a, b, label) for a, b, label in PAIRS if a in arms and b in arms]
+    if not rows:
+        return ""
+    lines = ["| paired by seed | " + " | ".join(lab for _, lab, _ in PAIR_STATS) + " |",
+             "|---|" + "---|" * len(PAIR_STATS)]
+    for a, b, label in rows:
+        cells = []
+        for key, _, spec in PAIR_STATS:
+            d = paired(arms, a, b, key)
+            cells.append(pm(d, spec) + (" *" if verdict(d) == "interval excludes 0" else ""))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + ("\n\nMean ± 95% t interval of the per-seed differences; * the "
+                               "interval excludes 0.")
+
+
 def answers(meas: list[dict], abl: list[dict]) -> str:
     """The README's answers, every number from the results."""
     out = []
     arms = ablation_rows(abl)
-    if "grpo" in arms and "grpo_r3" in arms:
-        out.append("GRPO + R3 minus GRPO, paired by seed (mean ± 95% t interval):")
-        out.append("")
-        for key, label, spec in (
-                ("log_ratio_first", "first-minibatch abs log-ratio", ".4f"),
-                ("clip_token", "clipped tokens", ".4f"),
-                ("clip_token_first", "clipped tokens, first minibatch", ".4f"),
-                ("acc_final", "final held-out accuracy", ".3f"),
-                ("acc_best", "best held-out accuracy", ".3f")):
-            d = paired(arms, "grpo_r3", "grpo", key)
-            g = ci([s.get(key) for s in arms["grpo"].values()])
-            out.append(f"- {label}: {pm(d, spec)} ({verdict(d)}; GRPO alone "
-                       f"{pm((g[0], float('nan')), spec)})")
+    table = paired_table(arms)
+    if table:
+        out += [table, ""]
+    if "grpo_r3" in arms:
         rr = [s.get("logprob_r3_mean") for s in arms["grpo_r3"].values()]
         lp = [s.get("logprob_mean") for s in arms["grpo_r3"].values()]
         r, l_ = ci(rr)[0], ci(lp)[0]
@@ -435,16 +457,22 @@ def answers(meas: list[dict], abl: list[dict]) -> str:
                        f"differ from the engine's by {r:.4f} nats per token against {l_:.4f} "
                        f"under its own routing: replay removes {100 * (1 - r / l_):.0f}% of the "
                        "mismatch, the rest is bfloat16 vs float32 arithmetic")
-        for arm in ("grpo_r2", "gspo", "grpo_fp32", "grpo_lean"):
-            if arm in arms:
-                d = paired(arms, arm, "grpo", "acc_final")
-                out.append(f"- {LABELS[arm]} minus GRPO, final held-out accuracy: "
-                           f"{pm(d, '.3f')} ({verdict(d)})")
-        if "gspo" in arms:
-            g = ci([s.get("clip_token_first") for s in arms["gspo"].values()])
-            out.append(f"- GSPO clips {pm(g, '.3f')} of its tokens on the first minibatch, where "
-                       "the weights are pi_old's: there the sequence ratio is the engine "
-                       "mismatch alone, against a clip range of [1-3e-4, 1+4e-4]")
+    if "gspo" in arms:
+        g = ci([s.get("clip_token_first") for s in arms["gspo"].values()])
+        out.append(f"- GSPO clips {pm(g, '.3f')} of its tokens on the first minibatch, where "
+                   "the weights are pi_old's: there the sequence ratio is the engine mismatch "
+                   "alone, against a clip range of [1-3e-4, 1+4e-4]")
+    accs = {a: ci([s.get("acc_final") for s in arms[a].values()])[0] for a in arms}
+    starts = [s.get("acc_start") for a in arms for s in arms[a].values()
+              if s.get("acc_start") is not None]
+    if accs and starts:
+        lo, hi = min(accs, key=accs.get), max(accs, key=accs.get)
+        best = max(s.get("acc_best") or 0 for a in arms for s in arms[a].values())
+        out.append(f"- final held-out accuracy, mean over seeds: from {accs[lo]:.3f} "
+                   f"({LABELS[lo]}) to {accs[hi]:.3f} ({LABELS[hi]}), against a start of "
+                   f"{min(starts):.3f} to {max(starts):.3f}; the best eval of any run is "
+                   f"{best:.3f}")
+    if out:
         out.append("")
     engine = [r for r in abl if r["arm"] != "grpo_lean" and r.get("logprob_mean_max") is not None]
     if engine:
@@ -462,16 +490,22 @@ def answers(meas: list[dict], abl: list[dict]) -> str:
         per_layer = [x for x in r["routers_per_layer"] if x is not None]
         if not per_layer or r["routers"] is None:
             continue
+        third = max(1, len(per_layer) // 3)
         out.append(f"- bfloat16 engine, `{r['shape']}`, {r['init']} init: "
                    f"{pct(r['routers'])} of routers differ (layers {pct(min(per_layer))} to "
-                   f"{pct(max(per_layer))}), {R3_PAPER['routers'] / r['routers']:.1f}x fewer "
+                   f"{pct(max(per_layer))}; shallowest third of the layers "
+                   f"{pct(statistics.fmean(per_layer[:third]))}, deepest third "
+                   f"{pct(statistics.fmean(per_layer[-third:]))}), "
+                   f"{R3_PAPER['routers'] / r['routers']:.1f}x fewer "
                    f"than the R3 paper's ~{R3_PAPER['routers']:.0%}; {pct(r['any_layer'])} of "
                    f"tokens differ in at least one layer (paper: {R3_PAPER['any_layer']:.0%})")
     fp32 = [r for r in meas if r["engine_dtype"] == "fp32" and r["routers"] is not None]
     if fp32:
         worst = max(fp32, key=lambda r: r["routers"])
-        out.append(f"- float32 engine: at most {pct(worst['routers'], 3)} of routers differ "
-                   f"(`{worst['shape']}`, {worst['init']} init) and log-probs agree within "
+        where = "no router differs in any of its measurements" if not worst["routers"] else \
+            f"at most {pct(worst['routers'], 3)} of routers differ (`{worst['shape']}`, " \
+            f"{worst['init']} init)"
+        out.append(f"- float32 engine: {where}, and the sampled tokens' log-probs agree within "
                    f"{fmt(max(r['logprob_max'] for r in fp32), '.1e')} nats")
     return "\n".join(out)
 
@@ -484,8 +518,9 @@ def runtime_line(lay: Layout, sfts: dict, meas: list, abl: list) -> str:
              for k, v in walls.items() if any(v)]
     batches = sorted({r["batches"] for r in abl})
     mb = sorted({r["batches"] for r in meas})
-    return ("Run time per run summed (" + "; ".join(parts) + "), on 2 CPU cores shared with "
-            "other jobs (times inflated by their load), 2 runs at a time, 1 torch thread each. "
+    return ("Run time per run summed (" + "; ".join(parts) + "); each run on 1 torch thread, "
+            "several at a time, on 2 CPU cores shared with other jobs (times inflated by their "
+            "load and by each other). "
             f"Measurements: {', '.join(map(str, mb)) or '-'} rollout batches each; RL arms: "
             f"{', '.join(map(str, batches)) or '-'} rollout batches each.")
 
@@ -495,6 +530,8 @@ def figures(lay: Layout, meas: list[dict], abl: list[dict]) -> list[str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from moe.presets import get_preset
 
     os.makedirs(lay.figures, exist_ok=True)
     paths = []
@@ -514,6 +551,7 @@ def figures(lay: Layout, meas: list[dict], abl: list[dict]) -> list[str]:
             ax.text(0, 100 * R3_PAPER["routers"], " R3 paper ~10%", va="bottom", fontsize=7,
                     color="grey")
             ax.set_yscale("symlog", linthresh=0.1)
+            ax.set_xticks(range(get_preset(shape).num_layers))
             ax.set_xlabel("MoE layer")
             ax.set_title(shape, fontsize=9)
         axes[0][0].set_ylabel("routers differing, vLLM vs trainer (%)")
@@ -545,9 +583,10 @@ def figures(lay: Layout, meas: list[dict], abl: list[dict]) -> list[str]:
         axes[1].set_title("clipped tokens, first minibatch", fontsize=9)
         axes[2].set_title("held-out accuracy (mean over seeds)", fontsize=9)
         axes[0].set_yscale("log")
+        axes[1].set_yscale("symlog", linthresh=1e-3)
         for ax in axes[:2]:
             ax.set_xlabel("rollout batch")
-        axes[2].set_xlabel("optimizer step")
+        axes[2].set_xlabel("optimizer step (4 per rollout batch)")
         axes[2].legend(fontsize=7)
         fig.tight_layout()
         paths.append(os.path.join(lay.figures, "ablation.png"))

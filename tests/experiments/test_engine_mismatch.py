@@ -90,20 +90,24 @@ def test_report_regenerates_every_table_from_results(tmp_path):
     assert "| abs log-prob diff, engine vs trainer under R3's replay | - | - | - | " \
         "0.0050 ± 0.0000 | - |" in text
     # the answers: paired by seed, the R3 paper's figures side by side
-    assert "- first-minibatch abs log-ratio: -0.0150 ± 0.0000 (interval excludes 0; GRPO " \
-        "alone 0.0210)" in text
-    assert "- final held-out accuracy: 0.000 ± 0.000 (interval contains 0; GRPO alone 0.340)" \
+    assert ("| GRPO + R3 − GRPO (what replaying the engine's routing changes) | "
+            "-0.0150 ± 0.0000 * | -0.0010 ± 0.0000 * | -0.0020 ± 0.0000 * | 0.000 ± 0.000 |") \
         in text
+    assert ("| GRPO − GRPO with an fp32 engine (what the bf16 mismatch changes) | "
+            "0.0200 ± 0.0000 * |") in text and "-0.020 ± 0.000 * |" in text
+    assert "GRPO with our decoder" not in text  # no such arm in the fixture: no row
     assert "replay removes 75% of the mismatch" in text
-    assert "- GRPO, fp32 engine minus GRPO, final held-out accuracy: 0.020 ± 0.000 (interval " \
-        "excludes 0)" in text
+    assert "- final held-out accuracy, mean over seeds: from 0.290 (GSPO) to 0.360 (GRPO, fp32 " \
+        "engine), against a start of 0.270 to 0.270; the best eval of any run is 0.380" in text
     assert "the largest per-batch mean |engine - trainer| log-prob of the sampled tokens is " \
         "0.0510 nats (GSPO, seed 2;" in text and "probe sequence (random tokens) reached 2.50" \
         in text
     assert "- bfloat16 engine, `qwen3-moe-tiny-hd32`, sft init: 2.00% of routers differ " \
-        "(layers 1.00% to 3.00%), 5.0x fewer than the R3 paper's ~10%; 7.00% of tokens differ " \
+        "(layers 1.00% to 3.00%; shallowest third of the layers 1.00%, deepest third 3.00%), " \
+        "5.0x fewer than the R3 paper's ~10%; 7.00% of tokens differ " \
         "in at least one layer (paper: 94%)" in text
-    assert "- float32 engine: at most 0.000% of routers differ" in text
+    assert "- float32 engine: no router differs in any of its measurements, and the sampled " \
+        "tokens' log-probs agree within 5.0e-07 nats" in text
     # the run block: the machine the results recorded, the summed run times
     assert MACHINE + " Run time per run summed (SFT (first to last metrics record): 2 runs, 10 min; measurements: 8 runs, " \
         "16 min; RL arms: 15 runs, 150 min)" in text
