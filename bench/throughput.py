@@ -8,6 +8,8 @@
     python -m bench.throughput --flip-cost --set train.routing_replay=r2
     python -m bench.throughput --sweep              # lengths x batch sizes: table + PNG
                                                           # (bench/sweep.py)
+    python -m bench.throughput --with-vllm          # three sides: ours, ours with vLLM
+                                                    # rollouts, TRL (a head_dim-32 preset)
     python -m bench.throughput --skip-trl --peak-tflops 989 --set model.dtype=bf16 \
         --set model.preset=small --force-length --max-new-tokens 128   # a GPU: ours, MFU
 
@@ -34,6 +36,15 @@ train tokens/s   = prompt + response tokens of the B sequences (no padding) / tr
 Each reported number is the median over the measured iterations of the per-iteration rate.
 Ours and TRL alternate iteration by iteration (ours runs at each TRL generation boundary, outside
 TRL's timed sections), so slow drifts of a noisy machine hit both. No timing is asserted anywhere.
+
+`--with-vllm`: a third side in the same alternation, our trainer with `rollout.backend=vllm`
+(vLLM in this process, `megatron_gspo/rollout/vllm.py`; its precision the model's, float32,
+unless `--set rollout.engine_dtype=bf16`): rollout = weight push + the engine's sampling +
+reward, the rest as ours. vLLM's CPU attention needs head_dim in {32, 64, ...}, so every side
+then runs `qwen3-moe-tiny-hd32` (qwen3-moe-tiny's layer with 2 query heads / 1 KV head of dim
+32). The engine replaces `torch.set_num_threads` with a no-op in the whole process; the
+benchmark sets threads through the function it held before (vLLM's kernels then run on the
+same thread count). Without vLLM installed the side is skipped with the reason.
 
 `--force-length`: every response is exactly max_new_tokens long on both sides (<eos> suppressed
 at sampling in TRL; our sampler gets a tokenizer with no stop ids, so <eos> is an ordinary token
@@ -71,6 +82,14 @@ from bench.trl import build_trl, step_timer_callback, trl_rows, trl_unavailable 
 from bench.result_table import add_readme_args, cpu_name, output_into  # noqa: E402
 
 PRESET = "qwen3-moe-tiny"
+VLLM_PRESET = "qwen3-moe-tiny-hd32"
+"""Every side's preset under --with-vllm: vLLM's CPU attention needs head_dim >= 32."""
+_set_num_threads = torch.set_num_threads
+"""torch's own, held before vLLM's CPU worker replaces it with a no-op (docs/vllm.md)."""
+
+
+def preset_name(args) -> str:
+    return VLLM_PRESET if getattr(args, "with_vllm", False) else PRESET
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -94,6 +113,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="every response exactly --max-new-tokens long on both sides")
     p.add_argument("--flip-cost", action="store_true",
                    help="also time ours with train.flip_every=1 (same alternation)")
+    p.add_argument("--with-vllm", action="store_true",
+                   help=f"also time ours with rollout.backend=vllm (same alternation); every "
+                        f"side then runs {VLLM_PRESET}")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the summary here")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="the device's dense peak TFLOP/s for the run's dtype: report MFU")
@@ -135,7 +157,8 @@ def build_ours(args, run_dir: str, extra: tuple = ()):
 
     length = [f"model.max_seq_len={args.max_new_tokens + 16}"] \
         if args.max_new_tokens + 16 > 64 else []  # 2-digit addition prompts: <= 8 tokens
-    overrides = [f"run_dir={run_dir}", *length, f"seed={args.seed}", f"model.preset={PRESET}",
+    overrides = [f"run_dir={run_dir}", *length, f"seed={args.seed}",
+                 f"model.preset={preset_name(args)}",
                  "task.name=addition", "task.kwargs.num_digits=2", "task.n_train=2000",
                  "task.n_eval=8", f"rollout.prompts_per_batch={args.prompts}",
                  f"rollout.group_size={args.group_size}",
@@ -148,6 +171,13 @@ def build_ours(args, run_dir: str, extra: tuple = ()):
     trainer = Trainer.from_config(load_config(None, overrides))
     if args.force_length:
         trainer.rt.tokenizer = NoStopTokenizer(trainer.rt.tokenizer)
+        # the sampler took its stop ids when it was built: our decoders hold them as a tensor,
+        # the vLLM sampler reads its tokenizer's
+        sampler = trainer.rt.sampler
+        if isinstance(getattr(sampler, "stop_ids", None), torch.Tensor):
+            sampler.stop_ids = sampler.stop_ids[:0]
+        if hasattr(sampler, "tokenizer"):
+            sampler.tokenizer = trainer.rt.tokenizer
     return trainer, overrides
 
 
@@ -156,7 +186,8 @@ def ours_iteration(trainer) -> dict:
     rollout_s, train_s = m["time/rollout"], m["time/train"]
     return {"rollout_s": rollout_s, "old_s": m.get("time/old_forward", float("nan")),
             "train_s": train_s, "rollout_tokens": m["perf/rollout_tokens_per_s"] * rollout_s,
-            "train_tokens": m["perf/train_tokens_per_s"] * train_s}
+            "train_tokens": m["perf/train_tokens_per_s"] * train_s,
+            "sync_s": m.get("time/weight_sync", 0.0)}
 
 
 # ----------------------------------------------------------------------------- report
@@ -171,6 +202,7 @@ def summarize(rows: list) -> dict:
             "rollout_tps": med(r["rollout_tokens"] / r["rollout_s"] for r in rows),
             "train_tps": med(r["train_tokens"] / r["train_s"] for r in rows),
             "rollout_s": med(r["rollout_s"] for r in rows), "old_s": med(r["old_s"] for r in rows),
+            "sync_s": med(r.get("sync_s", 0.0) for r in rows),
             "train_s": med(r["train_s"] for r in rows),
             "rollout_tokens": statistics.mean(r["rollout_tokens"] for r in rows),
             "train_tokens": statistics.mean(r["train_tokens"] for r in rows),
@@ -180,29 +212,63 @@ def summarize(rows: list) -> dict:
                      "train_s": min(r["train_s"] for r in rows)}}
 
 
-def print_table(ours: dict, trl: dict | None, skip_reason: str | None) -> None:
-    cols = ["metric (median per iteration)", "ours (megatron-core)", "TRL GRPOTrainer",
-            "ours/TRL"]
-    lines = [("rollout tokens/s", "rollout_tps", "{:.1f}"),
-             ("train tokens/s", "train_tps", "{:.1f}"),
-             ("rollout s/iter", "rollout_s", "{:.3f}"),
-             ("pi_old pass s/iter", "old_s", "{:.3f}"),
-             ("train s/iter", "train_s", "{:.3f}"),
-             ("rollout tokens/iter (mean)", "rollout_tokens", "{:.1f}"),
-             ("train tokens/iter (mean)", "train_tokens", "{:.1f}")]
-    print("| " + " | ".join(cols) + " |")
-    print("|" + "|".join("---" for _ in cols) + "|")
-    for label, key, fmt in lines:
-        if trl is None:
-            cells = [fmt.format(ours[key]), "skipped", "-"]
-        else:
-            cells = [fmt.format(ours[key]), fmt.format(trl[key]),
-                     f"{ours[key] / trl[key]:.2f}" if trl[key] else "-"]
-        print(f"| {label} | " + " | ".join(cells) + " |")
-    print(f"\nmin-max over iterations: ours {ours['spread']}"
-          + (f"; TRL {trl['spread']}" if trl else ""))
+ROWS = [("rollout tokens/s", "rollout_tps", "{:.1f}"),
+        ("train tokens/s", "train_tps", "{:.1f}"),
+        ("rollout s/iter", "rollout_s", "{:.3f}"),
+        ("weight push s/iter (in rollout)", "sync_s", "{:.3f}"),
+        ("pi_old pass s/iter", "old_s", "{:.3f}"),
+        ("train s/iter", "train_s", "{:.3f}"),
+        ("rollout tokens/iter (mean)", "rollout_tokens", "{:.1f}"),
+        ("train tokens/iter (mean)", "train_tokens", "{:.1f}")]
+
+
+def _ratio(a: dict | None, b: dict | None, key: str) -> str:
+    if a is None or b is None or not b.get(key) or a.get(key) is None:
+        return "-"
+    return f"{a[key] / b[key]:.2f}"
+
+
+def format_table(ours: dict, trl: dict | None, skip_reason: str | None,
+                 vllm: dict | None = None, vllm_skip: str | None = None,
+                 with_vllm: bool = False) -> str:
+    """The side-by-side Markdown table (with `with_vllm`, three sides and three ratios), the
+    spread line and why a side was skipped."""
+    sides = [("ours (megatron-core)", ours)]
+    if with_vllm:
+        sides = [("ours (megatron-core, lean decoder)", ours), ("ours + vLLM rollouts", vllm)]
+    sides.append(("TRL GRPOTrainer", trl))
+    ratios = [("ours/TRL", "ours", "trl")]
+    if with_vllm:
+        ratios += [("vLLM/TRL", "vllm", "trl"), ("vLLM/ours", "vllm", "ours")]
+    by_name = {"ours": ours, "trl": trl, "vllm": vllm}
+    cols = ["metric (median per iteration)", *(n for n, _ in sides), *(n for n, _, _ in ratios)]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for label, key, fmt in ROWS:
+        if key == "sync_s" and not with_vllm:
+            continue
+        cells = []
+        for _, side in sides:
+            if side is None:
+                cells.append("skipped")
+            elif key == "sync_s" and side is not vllm:
+                cells.append("-")
+            else:
+                cells.append(fmt.format(side[key]))
+        cells += ["-" if key == "sync_s" else _ratio(by_name[a], by_name[b], key)
+                  for _, a, b in ratios]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    spread = [f"ours {ours['spread']}"] + ([f"vLLM {vllm['spread']}"] if vllm else []) \
+        + ([f"TRL {trl['spread']}"] if trl else [])
+    lines += ["", "min-max over iterations: " + "; ".join(spread)]
     if skip_reason:
-        print(f"TRL skipped: {skip_reason}")
+        lines.append(f"TRL skipped: {skip_reason}")
+    if with_vllm and vllm_skip:
+        lines.append(f"vLLM skipped: {vllm_skip}")
+    return "\n".join(lines)
+
+
+def print_table(ours: dict, trl: dict | None, skip_reason: str | None, **vllm_side) -> None:
+    print(format_table(ours, trl, skip_reason, **vllm_side))
 
 
 def model_tflops(train_tps: float, flops_per_token: int,
@@ -222,7 +288,7 @@ def model_flops_line(train_tps: float, flops_per_token: int, peak_tflops: float 
 
 def versions() -> str:
     out = [f"torch {torch.__version__}"]
-    for mod in ("megatron.core", "transformers", "trl", "accelerate"):
+    for mod in ("megatron.core", "transformers", "trl", "accelerate", "vllm"):
         try:
             out.append(f"{mod} {__import__(mod, fromlist=['_']).__version__}")
         except Exception:  # noqa: BLE001 - an optional package may be missing or broken
@@ -233,9 +299,10 @@ def versions() -> str:
 def measure(args) -> dict:
     """One side-by-side run: summaries of ours, TRL (None if skipped) and, with --flip-cost,
     ours with the flip instrumentation on, plus what the report prints about the set-up."""
-    torch.set_num_threads(args.threads)
+    _set_num_threads(args.threads)
     total = args.warmup + args.iterations
     skip_reason = "--skip-trl" if args.skip_trl else trl_unavailable()
+    vllm_skip = None
     with tempfile.TemporaryDirectory(prefix="bench_throughput_") as tmp:
         ours_trainer, overrides = build_ours(args, os.path.join(tmp, "ours"))
         preset = ours_trainer.policy.preset  # vocab already padded like the trainer does
@@ -243,11 +310,20 @@ def measure(args) -> dict:
         if args.flip_cost:
             runs["flip"] = (build_ours(args, os.path.join(tmp, "flip"),
                                        ("train.flip_every=1",))[0], [])
+        if args.with_vllm:
+            vllm_skip = vllm_unavailable()
+            if vllm_skip is None:
+                try:
+                    runs["vllm"] = (build_ours(args, os.path.join(tmp, "vllm"),
+                                               ("rollout.backend=vllm",))[0], [])
+                except Exception as e:  # noqa: BLE001 - report the others without it
+                    vllm_skip = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+            _set_num_threads(args.threads)
 
         def run_ours() -> None:
             for trainer, rows in runs.values():
                 if len(rows) < total:
-                    torch.set_num_threads(args.threads)
+                    _set_num_threads(args.threads)
                     rows.append(ours_iteration(trainer))
 
         trl_trainer, attn_impl = None, None
@@ -267,19 +343,30 @@ def measure(args) -> dict:
         while len(runs["ours"][1]) < total:
             run_ours()
         wall = time.perf_counter() - t0
+        for trainer, _ in runs.values():  # the vLLM engine: shut down, torch's patches undone
+            getattr(trainer.rt.sampler, "close", lambda: None)()
     out = {name: summarize(rows[args.warmup:]) for name, (_, rows) in runs.items()}
     out["trl"] = summarize(trl_rows(trl_trainer.bench_records)[args.warmup:]) \
         if trl_trainer else None
     seq_len = round(out["ours"]["train_tokens"] / (args.prompts * args.group_size))
     out.update(train_flops_per_token=3 * preset.flops_per_token(seq_len),
                device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
-    out.update(skip_reason=skip_reason, wall=wall, attn_impl=attn_impl,
+    out.update(skip_reason=skip_reason, vllm_skip=vllm_skip, wall=wall, attn_impl=attn_impl,
                overrides=overrides[1:],
                preset=f"{preset.name}, {preset.num_layers} layer" + "s" * (preset.num_layers > 1),
                vocab=preset.vocab_size,
                params=preset.num_params()["total"], cpu=cpu_model(), versions=versions(),
                malloc=malloc_state())
     return out
+
+
+def vllm_unavailable() -> str | None:
+    """Why the vLLM side cannot run here (one line), or None."""
+    try:
+        from megatron_gspo.rollout.vllm_engine import unavailable
+    except ImportError as e:
+        return f"{type(e).__name__}: {e}"
+    return unavailable()
 
 
 def cpu_model() -> str:
@@ -307,7 +394,8 @@ def main(argv=None) -> int:
 def report(args, res: dict) -> None:
     """Print the side-by-side table and the run's set-up (batch, model, machine, overrides)."""
     ours, trl = res["ours"], res["trl"]
-    print_table(ours, trl, res["skip_reason"])
+    print_table(ours, trl, res["skip_reason"], vllm=res.get("vllm"),
+                vllm_skip=res.get("vllm_skip"), with_vllm=args.with_vllm)
     if "flip" in res:
         flip = res["flip"]
         print(f"flip instrumentation (train.flip_every=1): train s/iter {flip['train_s']:.3f} vs "
@@ -321,14 +409,18 @@ def report(args, res: dict) -> None:
           + (" (forced: every response that long)" if args.force_length else "")
           + ", task addition(num_digits=2)")
     print(f"iterations: {args.warmup} warm-up + {args.iterations} measured per framework"
-          + (", alternating ours/TRL" if trl else "") + f"; wall {res['wall']:.1f}s")
+          + (", alternating " + "/".join(["ours", *(["vLLM"] if res.get("vllm") else []),
+                                          *(["TRL"] if trl else [])])
+             if trl or res.get("vllm") else "") + f"; wall {res['wall']:.1f}s")
     print(f"model: {res['preset']} (vocab {res['vocab']}, {res['params']} params"
           + (f"; HF Qwen3MoeForCausalLM: same count, {res['attn_impl']})"
              if res["attn_impl"] else ")"))
     print(f"machine: {res['cpu']}; torch threads: {torch.get_num_threads()} (set "
           f"{args.threads}), device: {res['device']}, {res['versions']}; host malloc "
-          f"(both sides, one process): {res.get('malloc', 'untuned')}")
-    print(f"ours overrides: {' '.join(res['overrides'])}")
+          f"(every side, one process): {res.get('malloc', 'untuned')}")
+    print(f"ours overrides: {' '.join(res['overrides'])}"
+          + ("; vLLM side: the same plus rollout.backend=vllm (in-process engine, "
+             "weights pushed before every rollout batch)" if args.with_vllm else ""))
 
 
 if __name__ == "__main__":

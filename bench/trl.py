@@ -13,6 +13,10 @@ import torch
 
 from megatron_gspo.tasks.toy import CharTokenizer
 
+_set_num_threads = torch.set_num_threads
+"""torch's own: an in-process vLLM engine (bench.throughput --with-vllm) makes
+`torch.set_num_threads` a no-op for the whole process."""
+
 
 def hf_tokenizer(vocab_size: int):
     """`PreTrainedTokenizerFast` with CharTokenizer's ids (<bos> prepended), padded to
@@ -98,7 +102,7 @@ def step_timer_callback(threads: int, steps_per_gen: int, between_batches):
         def on_step_begin(self, args, state, control, **kw):
             if state.global_step % steps_per_gen == 0:
                 between_batches()
-            torch.set_num_threads(threads)
+            _set_num_threads(threads)
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):

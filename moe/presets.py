@@ -157,6 +157,10 @@ _QWEN3_MOE_TINY = MoEPreset(name="qwen3-moe-tiny", num_layers=4, hidden_size=64,
                             num_experts=16, topk=4, moe_ffn_hidden_size=64, vocab_size=64,
                             max_seq_len=64)
 
+_QWEN3_MOE_TINY_HD32 = dataclasses.replace(_QWEN3_MOE_TINY, name="qwen3-moe-tiny-hd32",
+                                           num_attention_heads=2, num_query_groups=1,
+                                           kv_channels=32)
+
 PRESETS: dict[str, MoEPreset] = {
     p.name: p
     for p in (
@@ -170,6 +174,13 @@ PRESETS: dict[str, MoEPreset] = {
         # More, narrower experts per token budget, 12 deep (issue 13's volatile regime:
         # experiments/replay_dose_response measures its cost).
         dataclasses.replace(_QWEN3_MOE_TINY, name="qwen3-moe-tiny-wide", num_layers=12,
+                            num_experts=64, moe_ffn_hidden_size=32),
+        # The tiny layer with head_dim 32 (2 query heads / 1 KV head; same attention parameter
+        # count): vLLM's CPU attention needs head_dim in {32, 64, ...}, so rollout.backend=vllm
+        # runs on CPU (experiments/engine_mismatch, bench/throughput.py --with-vllm).
+        _QWEN3_MOE_TINY_HD32,
+        # ... 12 deep with 64 narrower experts (qwen3-moe-tiny-wide's MoE layer, head_dim 32).
+        dataclasses.replace(_QWEN3_MOE_TINY_HD32, name="qwen3-moe-tiny-hd32-wide", num_layers=12,
                             num_experts=64, moe_ffn_hidden_size=32),
         # One GPU.
         MoEPreset(name="small", num_layers=12, hidden_size=512, num_attention_heads=8,

@@ -86,3 +86,38 @@ def test_flops_are_twice_the_activated_matmul_weights(changes):
     assert p.flops_per_token(0) == 2 * matmul
     per_key = p.num_layers * 4 * p.num_attention_heads * p.kv_channels
     assert p.flops_per_token(10) - p.flops_per_token(0) == 10 * per_key
+
+
+@pytest.mark.parametrize("name,base", [("qwen3-moe-tiny-hd32", "qwen3-moe-tiny"),
+                                       ("qwen3-moe-tiny-hd32-wide", "qwen3-moe-tiny-wide")])
+def test_head_dim_32_presets_are_the_tiny_layers_with_vllm_cpu_heads(name, base):
+    """The head_dim-32 presets (rollout.backend=vllm on CPU) are the tiny presets' layers with
+    2 query heads / 1 KV head of dim 32 instead of 4 / 2 of dim 16: a head_dim vLLM's CPU
+    attention accepts, the same projection shapes, and parameter counts that differ only by
+    the QK-norm's 2 * head_dim weights per layer."""
+    from megatron_gspo.rollout.vllm_engine import CPU_HEAD_DIMS
+
+    p, b = get_preset(name), get_preset(base)
+    assert p.kv_channels in CPU_HEAD_DIMS and b.kv_channels not in CPU_HEAD_DIMS
+    assert dataclasses.replace(p, name=b.name, num_attention_heads=b.num_attention_heads,
+                               num_query_groups=b.num_query_groups,
+                               kv_channels=b.kv_channels) == b
+    assert p.num_attention_heads * p.kv_channels == b.num_attention_heads * b.kv_channels
+    assert p.num_query_groups * p.kv_channels == b.num_query_groups * b.kv_channels
+    for kind in ("total", "active"):
+        assert p.num_params()[kind] - b.num_params()[kind] == \
+            p.num_layers * 2 * (p.kv_channels - b.kv_channels)
+    assert p.num_query_groups < p.num_attention_heads and p.topk > 2  # GQA, top-k > 2 kept
+
+
+def test_head_dim_32_presets_export_a_config_vllm_reads_back():
+    """The Hugging Face config.json the vllm backend writes for them round-trips to the preset
+    (head_dim given explicitly, not hidden / heads)."""
+    from moe.hf.config import hf_config_dict, preset_from_hf_config
+
+    for name in ("qwen3-moe-tiny-hd32", "qwen3-moe-tiny-hd32-wide"):
+        p = get_preset(name)
+        cfg = hf_config_dict(p, p.vocab_size)
+        assert cfg["head_dim"] == 32 and cfg["num_key_value_heads"] == 1
+        back = preset_from_hf_config(cfg)
+        assert dataclasses.replace(back, name=name, max_seq_len=p.max_seq_len) == p
