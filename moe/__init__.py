@@ -2,7 +2,7 @@
 
 import warnings as _warnings
 
-from moe.compat import install_import_hooks as _install_import_hooks
+from moe.import_hooks import install_import_hooks as _install_import_hooks
 
 _install_import_hooks()  # before any megatron import: megatron-core 0.18+ without triton
 # megatron-core says at import that TransformerEngine / Apex are missing and it uses its local

@@ -1,13 +1,14 @@
 """Compatibility with the supported megatron-core releases (0.16.1 to 0.19.x) on CPU and GPU.
 
-This is the one place that adapts to megatron-core versions and to CUDA's absence; nothing else in
-the project patches megatron or checks its version. Two kinds of patch:
+This module and `moe.import_hooks` are the one place that adapts to megatron-core versions and
+to CUDA's absence; nothing else in the project patches megatron or checks its version. Two kinds
+of patch:
 
-- `install_import_hooks()` (run by `moe/__init__.py`, so before anything imports megatron): lets
-  `import megatron.core` succeed without triton (megatron-core 0.18+; triton comes with PyPI's
-  CUDA torch wheels but not with the CPU wheel).
-- `apply_cpu_patches()` (run before building a model / parallel state): patches megatron for CPU
-  execution; a no-op on a GPU machine.
+- `moe.import_hooks.install_import_hooks()` (run by `moe/__init__.py`, so before anything imports
+  megatron): lets `import megatron.core` succeed without triton (megatron-core 0.18+).
+- `apply_cpu_patches()` (run before building a model / parallel state) and
+  `apply_cpu_training_patches()` (optimizer, recompute, checkpoint writing): patch megatron for
+  CPU execution; no-ops on a GPU machine.
 
 Each patch is idempotent and carries a comment naming the megatron version that needs it and why.
 Differences that need no patch (checked on 0.19.2): `RouterReplay` only gained members;
@@ -17,118 +18,28 @@ unsorted under no_grad (`sorted=torch.is_grad_enabled()`), which is fine because
 top-k rows as sets (`moe.routing_stats`) and replays ids through megatron's gather.
 tests/moe/test_compat.py has one test per patch.
 
-torch is imported inside the functions: `import moe` (e.g. for `moe.presets`) stays torch-free.
+This module imports megatron at its top, so `moe/__init__.py` does not import it: the import hook
+must be in place first, and `import moe` alone (e.g. for `moe.presets`) stays torch-free.
 """
 
 from __future__ import annotations
 
-import builtins
 import contextlib
-import importlib.abc
-import importlib.machinery
-import importlib.util
-import sys
+import dataclasses
+
+import torch
+from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+from megatron.core.optimizer import clip_grads, distrib_optimizer, grad_scaler, optimizer
+from megatron.core.tensor_parallel import random as tp_random
+from megatron.core.transformer import torch_norm
+from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe import token_dispatcher as td
 
 _APPLIED = False
 
-# megatron modules that `import triton` unconditionally and lie on the `import megatron.core` path
-# (via pipeline_parallel.schedules -> transformer.moe.paged_stash). They only define paged-stash
-# kernels (a CUDA-graph MoE memory feature this project does not use).
-TRITON_ONLY_MODULES = (
-    "megatron.core.transformer.moe.paged_stash",      # megatron-core 0.18.x: kernels inline
-    "megatron.core.transformer.moe.ops.paged_stash",  # megatron-core 0.19.x: kernels moved here
-)
-
 
 def cuda_available() -> bool:
-    import torch
-
     return torch.cuda.is_available()
-
-
-def triton_available() -> bool:
-    try:
-        return importlib.util.find_spec("triton") is not None
-    except (ImportError, ValueError):  # sys.modules["triton"] = None: import blocked
-        return False
-
-
-# ---------------------------------------------------------------------------------------------
-# Import without triton (megatron-core 0.18+)
-
-
-class _NeedsTriton:
-    """Stands in for anything a TRITON_ONLY_MODULES module takes from triton: decorating and
-    annotating work (module import), launching a kernel raises."""
-
-    def __init__(self, name: str):
-        self._name = name
-
-    def __getattr__(self, attr: str) -> "_NeedsTriton":
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        return _NeedsTriton(f"{self._name}.{attr}")
-
-    def __call__(self, *args, **kwargs) -> "_NeedsTriton":
-        if len(args) == 1 and not kwargs and callable(args[0]):  # @triton.jit on a kernel
-            return _NeedsTriton(getattr(args[0], "__qualname__", self._name))
-        return self  # triton.jit(**options), triton.Config(...), ...
-
-    def __getitem__(self, grid):
-        raise RuntimeError(f"{self._name}: this megatron-core kernel needs triton, which is not "
-                           f"installed (pip install triton, or use a CUDA build of torch)")
-
-
-def _triton_stub_import(real_import):
-    """An `__import__` that hands out a stub for `triton` / `triton.*` and imports the rest."""
-
-    def _import(name, globals=None, locals=None, fromlist=(), level=0):
-        if level == 0 and (name == "triton" or name.startswith("triton.")):
-            stub = _NeedsTriton("triton")
-            return getattr(stub, name.split(".", 1)[1]) if fromlist and "." in name else stub
-        return real_import(name, globals, locals, fromlist, level)
-
-    return _import
-
-
-class _TritonStubLoader(importlib.abc.Loader):
-    """Runs a TRITON_ONLY_MODULES module with the stub visible to that module alone (its own
-    `__builtins__.__import__`), so other megatron modules' `try: import triton` still fail and
-    their HAVE_TRITON flags stay False."""
-
-    def __init__(self, loader):
-        self._loader = loader
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        module_builtins = dict(vars(builtins))
-        module_builtins["__import__"] = _triton_stub_import(builtins.__import__)
-        module.__builtins__ = module_builtins
-        self._loader.exec_module(module)
-
-
-class _TritonStubFinder(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname not in TRITON_ONLY_MODULES:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None:
-            return None  # an older megatron-core without this module
-        spec.loader = _TritonStubLoader(spec.loader)
-        return spec
-
-
-def install_import_hooks() -> bool:
-    """Let megatron-core 0.18+ import without triton. Returns True when the hook is (already)
-    installed; a no-op (False) when triton is importable."""
-    if any(isinstance(f, _TritonStubFinder) for f in sys.meta_path):
-        return True
-    if triton_available():
-        return False
-    sys.meta_path.insert(0, _TritonStubFinder())
-    return True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,8 +61,6 @@ class _HostStream:
 
 def apply_cpu_patches() -> bool:
     """Patch megatron-core for CPU execution. Returns True when patches were applied."""
-    import torch
-
     global _APPLIED
     if cuda_available():
         return False
@@ -164,15 +73,11 @@ def apply_cpu_patches() -> bool:
 
     # 2. moe_utils imports TransformerEngine's `general_gemm` for the fp32 router GEMM when TE is
     #    importable; on CPU TE is never usable, and `None` selects megatron's torch fallback.
-    from megatron.core.transformer.moe import moe_utils
-
     moe_utils.te_general_gemm = None
 
     # 3. The alltoall dispatcher creates a class-level `torch.cuda.Stream()` and moves split sizes
     #    to the host on it with event synchronisation. On CPU there are no streams: the split
     #    tensors already live on the host, so converting them to numpy is the whole job.
-    from megatron.core.transformer.moe import token_dispatcher as td
-
     td.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = object()  # non-None: skip Stream()
     td.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _cpu_dtoh_and_synchronize
 
@@ -196,8 +101,6 @@ def apply_cpu_patches() -> bool:
 
 
 def _as_numpy(tensor):
-    import torch
-
     return tensor.numpy() if torch.is_tensor(tensor) else tensor
 
 
@@ -222,10 +125,6 @@ def _patch_torch_norm_sequence_parallel() -> None:
     norm weights' partial grads get summed over the TP group; TE's norms mark their weights
     `sequence_parallel=True` so that `finalize_model_grads` does it, and we mark them the same way.
     """
-    import dataclasses
-
-    from megatron.core.transformer import torch_norm
-
     original_new = torch_norm.WrappedTorchNorm.__new__
     if getattr(original_new, "_megatron_gspo_patched", False):
         return
@@ -274,8 +173,6 @@ class _CpuFactoryTorch:
     _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "zeros_like", "empty_like")
 
     def __getattr__(self, name):
-        import torch
-
         attr = getattr(torch, name)
         if name not in self._FACTORIES:
             return attr
@@ -287,22 +184,17 @@ class _CpuFactoryTorch:
         return factory
 
 
-_ORIGINAL_TENSOR_TYPE: list = []  # torch.Tensor.type before any patch (filled lazily: `import
-# moe` does not import torch)
+_ORIGINAL_TENSOR_TYPE = torch.Tensor.type  # before any patch
 
 
 def _cuda_named_type(self, *args, **kwargs):
-    name = _ORIGINAL_TENSOR_TYPE[0](self, *args, **kwargs)
+    name = _ORIGINAL_TENSOR_TYPE(self, *args, **kwargs)
     return _CUDA_NAMES.get(name, name) if not args and not kwargs else name
 
 
 @contextlib.contextmanager
 def cuda_type_names():
     """Within: `tensor.type()` names CPU float tensors as their CUDA types."""
-    import torch
-
-    if not _ORIGINAL_TENSOR_TYPE:
-        _ORIGINAL_TENSOR_TYPE.append(torch.Tensor.type)
     previous = torch.Tensor.type
     torch.Tensor.type = _cuda_named_type  # type: ignore[method-assign]
     try:
@@ -335,8 +227,6 @@ def _local_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
     float64 as `moe.grads.global_grad_norm` does, so fp32 CPU runs keep their pre-megatron-
     optimizer numbers (megatron's fallback sums in fp32: ~1e-7 relative apart). One
     `_foreach_norm` accumulating in float64 (half the time of a loop over tensors)."""
-    import torch
-
     tensors = [tensor.detach() for tl in tensor_lists for tensor in tl]
     if not tensors:
         return torch.zeros(1, dtype=torch.float64), None
@@ -353,8 +243,6 @@ def apply_cpu_training_patches() -> bool:
     apply_cpu_patches()
     if _TRAINING_APPLIED:
         return True
-    from megatron.core.optimizer import clip_grads, distrib_optimizer, grad_scaler, optimizer
-
     shim = _CpuFactoryTorch()
     for module in (optimizer, clip_grads, grad_scaler, distrib_optimizer):  # (a)
         module.torch = shim
@@ -368,13 +256,8 @@ def apply_cpu_training_patches() -> bool:
     clip = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
     clip_grads.clip_grad_by_total_norm_fp32 = optimizer.clip_grad_by_total_norm_fp32 = clip
     grad_scaler.DynamicGradScaler.load_state_dict = _scaler_load_state_dict
-    from megatron.core.tensor_parallel import random as tp_random
-
     tp_random._get_cuda_rng_state = lambda *args, **kwargs: None  # (c)
     tp_random._set_cuda_rng_state = lambda *args, **kwargs: None
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import \
-        FileSystemWriterAsync
-
     stage = FileSystemWriterAsync.preload_tensors  # (d)
     FileSystemWriterAsync.preload_tensors = staticmethod(
         lambda write_buckets, non_blocking=True: stage(write_buckets, non_blocking=False))

@@ -173,9 +173,9 @@ def full_params(directory: str, preset) -> dict:
     """The full parameter dict (1-process names, `moe.sharding`) of checkpoint `directory`:
     its weights loaded into a 1-process model of `preset` (vocab = the checkpoint's rows).
     Runs in one process (`moe.parallel.init_parallel(1, 1)` if no group exists)."""
-    from moe.model import ParallelLayout
     from moe.parallel import init_parallel
     from moe.policy import MoEPolicy
+    from moe.settings import ParallelLayout
     from moe.sharding import gather_full_params
 
     if dist.is_initialized() and dist.get_world_size() > 1:

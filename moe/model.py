@@ -13,107 +13,22 @@ from __future__ import annotations
 
 import functools
 import sys
-from dataclasses import dataclass
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
+                                                      get_gpt_layer_with_transformer_engine_spec)
+from megatron.core.transformer.moe.router_replay import RouterReplay
+from megatron.core.transformer.transformer_config import TransformerConfig
 
+from moe.attention import SDPAAttention
 from moe.compat import apply_cpu_patches, apply_cpu_training_patches, cuda_available
+from moe.dispatch import install_sync_free_dispatch
+from moe.experts import GroupedSequentialMLP
 from moe.presets import MoEPreset
-
-
-@dataclass(frozen=True)
-class ParallelLayout:
-    """How the model is sharded; must match `moe.parallel.init_parallel`."""
-
-    tp: int = 1
-    """Tensor parallel size (attention heads, expert FFN columns are not split: ETP=1)."""
-    ep: int = 1
-    """Expert parallel size (experts split across ranks)."""
-    sequence_parallel: bool = False
-    """Split LayerNorm/dropout activations along the sequence over the TP group (needs tp>1)."""
-    dispatcher: str = "auto"
-    """MoE token dispatcher: 'alltoall', 'allgather', or 'auto' (resolved here,
-    `resolve_dispatcher`)."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "dispatcher", resolve_dispatcher(self.dispatcher, self.ep))
-        for name, msg in layout_problems(self):
-            raise ValueError(f"{name}={getattr(self, name)!r}: {msg}")
-
-
-DISPATCHERS = ("auto", "alltoall", "allgather")
-
-
-def resolve_dispatcher(dispatcher: str, ep: int) -> str:
-    """'auto' -> 'alltoall' with expert parallelism, else 'allgather'. On one EP rank both give
-    bitwise-equal outputs and grads (`tests/moe/test_model.py`), but the all-to-all dispatcher
-    still splits and re-concatenates every layer's permuted tokens (and their grads) to sort
-    them by local expert, an identity copy there: ~9% of a CPU train step of qwen3-moe-tiny at
-    16 x 135 tokens (`bench/throughput.py`). Other values pass through."""
-    if dispatcher != "auto":
-        return dispatcher
-    return "alltoall" if ep > 1 else "allgather"
-
-
-def layout_problems(layout) -> list[tuple[str, str]]:
-    """(field, message) for each rule `layout` (anything with tp, sequence_parallel and
-    dispatcher, e.g. `megatron_gspo.config.schema.ModelConfig`) breaks; the one place these rules
-    live."""
-    out = []
-    if layout.sequence_parallel and layout.tp == 1:
-        out.append(("sequence_parallel", f"requires tp > 1 (got tp={layout.tp})"))
-    if not layout.sequence_parallel and layout.tp > 1:
-        out.append(("sequence_parallel", f"must be true with tp={layout.tp}: megatron-core "
-                    "requires sequence parallelism for MoE with tensor parallelism"))
-    if layout.dispatcher not in DISPATCHERS:
-        out.append(("dispatcher", f"expected one of {', '.join(DISPATCHERS)}"))
-    return out
-
-
-# megatron recompute modules this model has and the local (non-TE) spec runs
-RECOMPUTE_MODULES = ("moe", "core_attn")
-
-
-@dataclass(frozen=True)
-class Recompute:
-    """Activation recompute: megatron's `recompute_granularity` / `recompute_modules`.
-
-    Saves activation memory for long responses by re-running part of the forward in the
-    backward (megatron's `tensor_parallel.checkpoint`). 'selective' recomputes the listed
-    submodules ('moe' = the whole MoE layer: router, dispatch, experts, combine); 'full'
-    recomputes every transformer layer (uniform method, one layer per unit), keeping only layer
-    inputs. The gradients are unchanged (tests/moe/test_recompute.py)."""
-
-    granularity: str | None = None
-    """None (off), 'selective' or 'full'."""
-    modules: tuple[str, ...] = ("moe",)
-    """Submodules recomputed under 'selective' (subset of RECOMPUTE_MODULES)."""
-
-    def __post_init__(self) -> None:
-        if self.granularity not in (None, "selective", "full"):
-            raise ValueError(f"recompute granularity={self.granularity!r}: expected None, "
-                             "'selective' or 'full'")
-        bad = [m for m in self.modules if m not in RECOMPUTE_MODULES]
-        if bad or (self.granularity == "selective" and not self.modules):
-            raise ValueError(f"recompute modules={self.modules!r}: expected a non-empty subset "
-                             f"of {RECOMPUTE_MODULES}")
-
-    @property
-    def routing(self) -> bool:
-        """True when the routers run again in the backward (full, or selective with 'moe')."""
-        return self.granularity == "full" or (self.granularity == "selective"
-                                              and "moe" in self.modules)
-
-    def config_kwargs(self) -> dict:
-        """The `TransformerConfig` fields for this setting."""
-        if self.granularity == "full":
-            return dict(recompute_granularity="full", recompute_method="uniform",
-                        recompute_num_layers=1)
-        if self.granularity == "selective":
-            return dict(recompute_granularity="selective", recompute_modules=list(self.modules))
-        return {}
-
+from moe.settings import ParallelLayout, Recompute
 
 _LOCAL_SPEC_NOTICE_SHOWN = False
 
@@ -121,7 +36,7 @@ _LOCAL_SPEC_NOTICE_SHOWN = False
 def _transformer_engine_error() -> str | None:
     """None when TransformerEngine imports, else why not (one line)."""
     try:
-        import transformer_engine  # noqa: F401
+        import transformer_engine  # noqa: F401  (optional dependency, the [gpu] extra: probed here)
     except Exception as e:  # ImportError, or a broken CUDA / TE build
         return f"{type(e).__name__}: {e}".splitlines()[0]
     return None
@@ -151,8 +66,6 @@ def transformer_config(preset: MoEPreset, layout: ParallelLayout = ParallelLayou
     megatron's own CUDA graphs (`cuda_graph_impl='local'`) at block scope, which its dynamic
     inference engine replays for decode steps only (`moe.engine`); training forwards stay eager
     (block-scope graphs run only in inference mode with an inference context)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     preset.check_parallel(layout.tp, layout.ep)
     return TransformerConfig(
         num_layers=preset.num_layers,
@@ -209,11 +122,6 @@ def transformer_config(preset: MoEPreset, layout: ParallelLayout = ParallelLayou
 def _with_cpu_modules(spec, grouped_experts: bool, sdpa_attention: bool):
     """The local layer spec with `GroupedSequentialMLP` in place of `SequentialMLP` and/or
     `SDPAAttention` in place of `DotProductAttention`."""
-    from dataclasses import replace
-
-    from moe.attention import SDPAAttention
-    from moe.experts import GroupedSequentialMLP
-
     mlp, attn = _submodules(spec).mlp, _submodules(spec).self_attention
     if grouped_experts:
         experts = _respec(_submodules(mlp).experts, module=GroupedSequentialMLP)
@@ -238,8 +146,6 @@ def _respec(spec, module=None, submodules=None):
         if submodules is not None:
             keywords["submodules"] = submodules
         return functools.partial(module or spec.func, *spec.args, **keywords)
-    from dataclasses import replace
-
     changes = {k: v for k, v in (("module", module), ("submodules", submodules)) if v is not None}
     return replace(spec, **changes)
 
@@ -263,11 +169,6 @@ def build_gpt_moe(preset: MoEPreset, layout: ParallelLayout = ParallelLayout(), 
     apply_cpu_patches()
     if recompute.granularity is not None:
         apply_cpu_training_patches()
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer.moe.router_replay import RouterReplay
-
-    from moe.dispatch import install_sync_free_dispatch
-
     config = transformer_config(preset, layout, dtype=dtype, aux_loss_coeff=aux_loss_coeff,
                                 routing_replay=routing_replay, recompute=recompute,
                                 inference_graphs=inference_graphs)
@@ -301,9 +202,6 @@ def build_gpt_moe(preset: MoEPreset, layout: ParallelLayout = ParallelLayout(), 
 def _layer_spec(preset: MoEPreset, grouped_experts: bool, sdpa_attention: bool):
     """TransformerEngine's layer spec where TE is installed, else megatron's local spec with
     the CPU modules (`_with_cpu_modules`)."""
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
-
     if have_transformer_engine():
         return get_gpt_layer_with_transformer_engine_spec(
             num_experts=preset.num_experts, moe_grouped_gemm=False,

@@ -28,86 +28,17 @@ steps the scheduler after the update, so its first update runs at `init_lr` = 0 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Literal, Optional
 
 import torch
+from megatron.core.optimizer import OptimizerConfig, clip_grads, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from moe.compat import apply_cpu_training_patches
-
-
-@dataclass(frozen=True)
-class OptimSettings:
-    """Adam (megatron-core's) and its learning-rate schedule.
-
-    The one definition of the optimizer hyper-parameters: `megatron_gspo.config.schema.OptimConfig`
-    subclasses it (adding only YAML coercion and dotted-key errors), so a new field here is a new
-    config key.
-    """
-
-    lr: float = 1e-4
-    """Peak learning rate."""
-    min_lr: float = 0.0
-    """Floor of the lr decay (lr_decay_style linear / cosine)."""
-    weight_decay: float = 0.0
-    """Decoupled (AdamW) weight decay; megatron exempts biases and 1-D params (norm weights)."""
-    beta1: float = 0.9
-    """Adam beta1."""
-    beta2: float = 0.999
-    """Adam beta2."""
-    eps: float = 1e-8
-    """Adam epsilon."""
-    grad_clip: float = 1.0
-    """Global gradient-norm clip (0 = off)."""
-    warmup_steps: int = 0
-    """Linear lr warmup: update k <= warmup_steps runs at lr * k / warmup_steps."""
-    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
-    """lr after warmup: constant, or linear / cosine decay reaching min_lr at lr_decay_steps."""
-    lr_decay_steps: int = 0
-    """Update at which the decay reaches min_lr, warmup included (megatron's convention);
-    0 = the run's last update."""
-    distributed: bool = False
-    """megatron's distributed optimizer: fp32 master weights and Adam moments sharded over the
-    data-parallel ranks (grads reduce-scattered, params all-gathered)."""
-    loss_scale: Optional[float] = None
-    """fp16 only: a constant loss scale; null = megatron's dynamic loss scaler."""
-    initial_loss_scale: float = 2.0 ** 16
-    """fp16 only: the dynamic scaler's first scale (torch.amp's default; megatron's 2**32 costs
-    about 17 skipped overflow steps before it settles)."""
-    adam_kernel: Literal["fused", "foreach"] = "fused"
-    """torch's Adam path when megatron builds torch's AdamW (no TE / Apex): 'fused' (one kernel
-    per parameter tensor; on CPU 3.6x less time per update than 'foreach' over
-    qwen3-moe-tiny's 159 tensors, rounding differs at ~1e-7) or 'foreach' (multi-tensor ops,
-    bitwise equal to torch's single-tensor loop). `moe.optim.use_adam_kernel`."""
-
-    def __post_init__(self):
-        for name, msg in self.problems():
-            raise ValueError(f"{name}={getattr(self, name)!r}: {msg}")
-
-    def problems(self) -> list[tuple[str, str]]:
-        """(field, message) for each invalid value; empty when all are valid."""
-        out = [(n, "must be >= 0") for n in ("lr", "min_lr", "weight_decay", "eps", "grad_clip",
-                                             "warmup_steps", "lr_decay_steps")
-               if not getattr(self, n) >= 0]
-        out += [(n, "must be in [0, 1)") for n in ("beta1", "beta2")
-                if not 0 <= getattr(self, n) < 1]
-        if self.min_lr > self.lr:
-            out.append(("min_lr", f"must be <= lr={self.lr}"))
-        if self.lr_decay_style not in ("constant", "linear", "cosine"):
-            out.append(("lr_decay_style", "expected 'constant', 'linear' or 'cosine'"))
-        if self.loss_scale is not None and not self.loss_scale > 0:
-            out.append(("loss_scale", "must be > 0 or null"))
-        if not self.initial_loss_scale >= 1:
-            out.append(("initial_loss_scale", "must be >= 1"))
-        if self.adam_kernel not in ("fused", "foreach"):
-            out.append(("adam_kernel", "expected 'fused' or 'foreach'"))
-        return out
+from moe.settings import OptimSettings
 
 
 def megatron_optimizer_config(settings: OptimSettings, params_dtype: torch.dtype):
     """megatron's `OptimizerConfig` for these settings and the model's parameter dtype."""
-    from megatron.core.optimizer import OptimizerConfig
-
     return OptimizerConfig(
         optimizer="adam", lr=settings.lr, min_lr=settings.min_lr,
         weight_decay=settings.weight_decay, adam_beta1=settings.beta1,
@@ -122,9 +53,6 @@ class PolicyOptimizer:
     """megatron's optimizer + lr scheduler for one DDP-wrapped model (`moe.policy`)."""
 
     def __init__(self, ddp_model, settings: OptimSettings):
-        from megatron.core.optimizer import get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
         apply_cpu_training_patches()
         dtype = next(ddp_model.module.parameters()).dtype
         if settings.distributed != ddp_model.ddp_config.use_distributed_optimizer:
@@ -180,8 +108,6 @@ class PolicyOptimizer:
         A non-finite grad norm (the same on every rank) or an fp16 overflow skips the update on
         every rank and leaves the schedule where it was.
         """
-        from megatron.core.optimizer import clip_grads
-
         opt = self.optimizer
         self.scheduler.step(1)  # this update's lr and weight decay
         self.last_lr = self.lr_at(self.scheduler.num_steps)

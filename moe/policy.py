@@ -23,13 +23,14 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from moe.compat import apply_cpu_patches
 from moe.attention import attention_inputs
+from moe.compat import apply_cpu_patches
 from moe.logprobs import chunked_token_logprobs
-from moe.model import ParallelLayout, Recompute, build_gpt_moe
-from moe.optim import OptimSettings, PolicyOptimizer
+from moe.model import build_gpt_moe
+from moe.optim import PolicyOptimizer
 from moe.presets import MoEPreset
 from moe.replay import replay_backward
+from moe.settings import OptimSettings, ParallelLayout, Recompute
 
 
 class MoEPolicy:

@@ -19,7 +19,7 @@ The cache stores sequences batch-first (so a minibatch is a row slice) and conve
 sequence-first when it hands ids to megatron. Padding rows, which megatron still routes, get a
 balanced, duplicate-free filler (row n -> experts (n*K + j) mod E) rather than expert 0.
 
-Activation recompute (`moe.model.Recompute` with the routers inside: 'full', or 'selective'
+Activation recompute (`moe.settings.Recompute` with the routers inside: 'full', or 'selective'
 with 'moe') runs each router again in the backward, after `replay_routing` has exited. The
 replayed ids are then queued on the policy and `MoEPolicy.backward` replays them with megatron's
 REPLAY_BACKWARD action (`replay_backward`), so the recomputed forward routes as the forward did

@@ -52,8 +52,8 @@ def our_side(args, tokenizer, prompts):
     from megatron_gspo.rollout.sampler import SamplingParams
     from moe.hf.config import preset_from_hf
     from moe.hf.weights import load_hf_weights
-    from moe.model import ParallelLayout
     from moe.policy import MoEPolicy
+    from moe.settings import ParallelLayout
 
     preset = preset_from_hf(args.hf_path)
     preset = preset.with_vocab(max(preset.vocab_size, tokenizer.vocab_size), 128 * args.tp)

@@ -72,11 +72,11 @@ def measure(batch: int = 32, seq: int = 24, repeats: int = 7) -> dict:
     """Build qwen3-moe-tiny, check measured cache bytes == formula, time the overheads."""
     import torch
 
-    from moe.model import ParallelLayout
     from moe.parallel import init_parallel
     from moe.policy import MoEPolicy, OptimSettings
     from moe.presets import get_preset
     from moe.replay import current_routing, replay_routing
+    from moe.settings import ParallelLayout
 
     init_parallel(1, 1, seed=0)
     preset = get_preset("qwen3-moe-tiny")

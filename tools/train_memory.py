@@ -111,11 +111,10 @@ def measure_one(preset_name: str, dtype_name: str, batch: int, seq: int,
     from torch.utils._pytree import tree_flatten
 
     from moe.compat import cuda_available
-    from moe.model import ParallelLayout, Recompute
-    from moe.optim import OptimSettings
     from moe.parallel import init_parallel
     from moe.policy import MoEPolicy
     from moe.presets import get_preset
+    from moe.settings import OptimSettings, ParallelLayout, Recompute
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     init_parallel(1, 1, seed=0)

@@ -17,9 +17,8 @@ from typing import ClassVar, Literal, Optional
 
 from megatron_gspo.config.fields import (Band, OptionalPath, check, check_band, check_ratio_band,
                                          validate)
-from moe.model import RECOMPUTE_MODULES, layout_problems, resolve_dispatcher
-from moe.optim import OptimSettings
 from moe.presets import PRESETS
+from moe.settings import RECOMPUTE_MODULES, OptimSettings, layout_problems, resolve_dispatcher
 
 
 @dataclass(frozen=True)
@@ -96,7 +95,7 @@ class ModelConfig:
     @property
     def resolved_dispatcher(self) -> str:
         """The dispatcher the model is built with: `dispatcher`, 'auto' resolved
-        (`moe.model.resolve_dispatcher`)."""
+        (`moe.settings.resolve_dispatcher`)."""
         return resolve_dispatcher(self.dispatcher, self.ep)
 
 
@@ -242,7 +241,7 @@ class LossConfig:
 
 @dataclass(frozen=True)
 class OptimConfig(OptimSettings):
-    """megatron-core's Adam and lr schedule; the fields are `moe.optim.OptimSettings`'s."""
+    """megatron-core's Adam and lr schedule; the fields are `moe.settings.OptimSettings`'s."""
     _section: ClassVar[str] = "optim"
 
     def __post_init__(self):

@@ -30,11 +30,10 @@ from megatron_gspo.run.metrics import MetricsLogger
 from megatron_gspo.run.rundir import RunDirLock, check_inputs, claim_run_dir, record_run
 from megatron_gspo.tasks.datasets import build_task, check_sft_lengths, tokenizer_folder
 from megatron_gspo.tasks.tokenizer import Tokenizer, load_tokenizer
-from moe.model import ParallelLayout, Recompute
-from moe.optim import OptimSettings
 from moe.parallel import ParallelInfo, init_parallel
 from moe.policy import MoEPolicy
 from moe.presets import MoEPreset, get_preset
+from moe.settings import OptimSettings, ParallelLayout, Recompute
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

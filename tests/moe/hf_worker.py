@@ -25,8 +25,8 @@ def build_from_hf(folder: str, real_vocab: int, tp: int = 1, ep: int = 1, sp: bo
     """Our policy (no optimizer) with `folder`'s weights in this layout, and the reader."""
     from moe.hf.config import preset_from_hf
     from moe.hf.weights import load_hf_weights
-    from moe.model import ParallelLayout
     from moe.policy import MoEPolicy
+    from moe.settings import ParallelLayout
 
     preset = preset_from_hf(folder)
     preset = preset.with_vocab(max(preset.vocab_size, real_vocab), multiple=128 * tp)

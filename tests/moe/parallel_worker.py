@@ -155,10 +155,9 @@ def check_sliced_output(policy, ref, rows, tokens_BT, valid_BT, readout_BTV, wha
 def worker(rank: int, world: int, port: int, ref_path: str, layouts: list) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    from moe.model import ParallelLayout
-    from moe.optim import OptimSettings
     from moe.parallel import destroy_parallel, init_parallel
     from moe.policy import MoEPolicy
+    from moe.settings import OptimSettings, ParallelLayout
     from moe.sharding import gather_full_params, load_full_params
 
     ref = torch.load(ref_path, weights_only=False)
@@ -215,9 +214,8 @@ def train_steps(policy, rows, steps: int, start: int = 0) -> None:
 
 
 def build_trained(preset, params, rows, steps, dtype=torch.float32, distributed=False):
-    from moe.model import ParallelLayout
-    from moe.optim import OptimSettings
     from moe.policy import MoEPolicy
+    from moe.settings import OptimSettings, ParallelLayout
     from moe.sharding import load_full_params
 
     policy = MoEPolicy.build(preset, ParallelLayout(), real_vocab=preset.vocab_size, dtype=dtype,
@@ -291,10 +289,9 @@ def step_loss(policy, rows) -> float:
 
 
 def build_layout(preset, tp: int, ep: int):
-    from moe.model import ParallelLayout
-    from moe.optim import OptimSettings
     from moe.parallel import init_parallel
     from moe.policy import MoEPolicy
+    from moe.settings import OptimSettings, ParallelLayout
 
     info = init_parallel(tp=tp, ep=ep, seed=0)
     layout = ParallelLayout(tp=tp, ep=ep, sequence_parallel=tp > 1)

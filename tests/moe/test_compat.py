@@ -6,8 +6,6 @@ versions that do not need the patch. `make test` (megatron-core 0.16.1) runs the
 `make test-latest` (the newest release) runs both.
 """
 
-import importlib
-import inspect
 import math
 import subprocess
 import sys
@@ -34,121 +32,13 @@ def _run(code: str, prelude: str = "") -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
-# ------------------------------------------------------------- import without triton (0.18+)
-_BLOCK_TRITON = "import sys; sys.modules['triton'] = None  # import triton -> ImportError\n"
-
-
-def test_megatron_imports_without_triton_through_moe():
-    """With the hook (`import moe` first), megatron imports with triton absent; no megatron module
-    believes triton is present, and a stubbed kernel refuses to launch."""
-    result = _run("""
-        import moe, megatron.core
-        from moe import compat
-        from megatron.core.transformer.moe import moe_layer
-        from megatron.core.models.gpt import gpt_layer_specs
-        believers = sorted(n for n, m in list(sys.modules.items())
-                           if n.startswith("megatron") and getattr(m, "HAVE_TRITON", False))
-        assert not believers, believers
-        stubs = [sys.modules[n] for n in compat.TRITON_ONLY_MODULES if n in sys.modules]
-        kernels = {id(v): v for m in stubs for v in vars(m).values()  # 0.19: 2 modules hold them
-                   if isinstance(v, compat._NeedsTriton) and not v._name.startswith("triton")}
-        for kernel in kernels.values():
-            try:
-                kernel[(1,)]
-            except RuntimeError as e:
-                assert "needs triton" in str(e), e
-            else:
-                raise AssertionError(f"{kernel._name} launched without triton")
-        print("stubbed", len(kernels), "kernels")
-    """, prelude=_BLOCK_TRITON)
-    assert result.returncode == 0, result.stderr[-3000:]
-    # 0.18 and 0.19 define two paged-stash kernels (copy, pop); 0.16-0.17 none
-    assert f"stubbed {2 if MCORE >= (0, 18) else 0} kernels" in result.stdout, result.stdout
-
-
-@pytest.mark.skipif(MCORE < (0, 18), reason=f"megatron-core {MCORE_VERSION} does not import "
-                    f"triton unconditionally (paged_stash came in 0.18)")
-def test_megatron_without_the_hook_needs_triton():
-    """Without the hook, megatron-core 0.18+ fails at `import megatron.core` when triton is
-    absent (pipeline_parallel.schedules -> transformer.moe.paged_stash -> triton)."""
-    result = _run("import megatron.core\n", prelude=_BLOCK_TRITON)
-    assert result.returncode != 0
-    assert "triton" in result.stderr.splitlines()[-1], result.stderr[-2000:]
-
-
-def test_import_hook_is_a_noop_when_triton_is_importable(monkeypatch):
-    monkeypatch.setattr(compat, "triton_available", lambda: True)
-    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path
-                                           if not isinstance(f, compat._TritonStubFinder)])
-    assert compat.install_import_hooks() is False
-    assert not any(isinstance(f, compat._TritonStubFinder) for f in sys.meta_path)
-
-
-def test_triton_stub_import_hands_out_stubs_for_triton_only():
-    imp = compat._triton_stub_import(__import__)
-    assert isinstance(imp("triton"), compat._NeedsTriton)
-    assert imp("triton.language", fromlist=("constexpr",))._name == "triton.language"
-    assert imp("math") is __import__("math")
-    kernel = imp("triton").jit(test_triton_stub_import_hands_out_stubs_for_triton_only)
-    with pytest.raises(RuntimeError, match="test_triton_stub_import_hands_out_stubs_for_triton"):
-        kernel[(4,)]
-
-
-def test_stub_finder_gives_triton_to_listed_modules_only(tmp_path, monkeypatch):
-    """A TRITON_ONLY_MODULES module imports with triton absent (the hook goes before the normal
-    path finder) and its kernels refuse to launch; another module's `import triton` still fails."""
-    pkg = tmp_path / "fake_mcore"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "kernels.py").write_text("import triton\nimport triton.language as tl\n\n\n"
-                                    "@triton.jit\ndef copy_kernel(n: tl.constexpr):\n    pass\n")
-    (pkg / "other.py").write_text("try:\n    import triton\n    HAVE_TRITON = True\n"
-                                  "except ImportError:\n    HAVE_TRITON = False\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setitem(sys.modules, "triton", None)
-    monkeypatch.setattr(compat, "TRITON_ONLY_MODULES", ("fake_mcore.kernels",))
-    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path
-                                           if not isinstance(f, compat._TritonStubFinder)])
-    try:
-        assert compat.install_import_hooks() is True
-        kernels = importlib.import_module("fake_mcore.kernels")
-        assert importlib.import_module("fake_mcore.other").HAVE_TRITON is False
-    finally:
-        for name in [n for n in sys.modules if n.startswith("fake_mcore")]:
-            del sys.modules[name]
-    with pytest.raises(RuntimeError, match="copy_kernel: this megatron-core kernel needs triton"):
-        kernels.copy_kernel[(1,)]
-
-
-def test_triton_available_sees_an_importable_triton(tmp_path, monkeypatch):
-    """An importable `triton` package counts as available (the hook then stays out); a blocked
-    import does not."""
-    (tmp_path / "triton").mkdir()
-    (tmp_path / "triton" / "__init__.py").write_text("")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "triton", raising=False)
-    assert compat.triton_available() is True
-    monkeypatch.setitem(sys.modules, "triton", None)
-    assert compat.triton_available() is False
-
-
-def test_triton_stub_has_no_dunder_attributes():
-    """A stub is not a wrapper, a context manager or a pickle hook: tools that probe module
-    globals (`inspect.unwrap`, `hasattr(x, "__enter__")`) see a plain object."""
-    stub = compat._NeedsTriton("triton")
-    assert inspect.unwrap(stub) is stub
-    assert not hasattr(stub, "__enter__")
-    with pytest.raises(ModuleNotFoundError):  # only `triton` and `triton.*` are stubbed
-        compat._triton_stub_import(__import__)("triton_not_a_module")
-
-
 # --------------------------------------------------------- grad sync without CUDA (0.19+)
 def _check_grad_sync() -> float:
     """One backward and megatron's grad reduction (finalize_model_grads -> DDP finish / start
     _grad_sync) on a 1-process tiny policy; returns the grad norm. Needs `init_parallel`."""
-    from moe.model import ParallelLayout
     from moe.policy import MoEPolicy
     from moe.presets import get_preset
+    from moe.settings import ParallelLayout
     from tests.moe.grads import reduce_grads
 
     preset = get_preset("tiny")

@@ -9,10 +9,10 @@ import torch
 
 from moe.decode import (LeanKVDecoder, grouped_attention, lean_moe_ok, linear, qkv, sdpa_attention,
                         sdpa_ok, unsupported)
-from moe.model import ParallelLayout
 from moe.decode import KVCacheDecoder, kv_decoder
 from moe.policy import MoEPolicy
 from moe.presets import get_preset
+from moe.settings import ParallelLayout
 
 
 def _batch(B=6, P=7, N=6, vocab=26):
@@ -88,8 +88,8 @@ def _gqa_case(core_cls=None, **core_kwargs):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from moe.model import transformer_config
     from moe.attention import attention_inputs
+    from moe.model import transformer_config
 
     cfg = transformer_config(get_preset("tiny"), ParallelLayout())
     cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels = 4, 2, 8

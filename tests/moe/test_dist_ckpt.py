@@ -12,10 +12,9 @@ from moe import dist_ckpt
 
 
 def _policy(seed: int, optim: bool = True, distributed: bool = False):
-    from moe.model import ParallelLayout
-    from moe.optim import OptimSettings
     from moe.policy import MoEPolicy
     from moe.presets import get_preset
+    from moe.settings import OptimSettings, ParallelLayout
 
     preset = get_preset("tiny")
     return MoEPolicy.build(preset, ParallelLayout(), real_vocab=preset.vocab_size, seed=seed,

@@ -71,10 +71,10 @@ def test_engine_samples_what_the_trainer_recomputes_in_fp32(single_process):
     if unavailable():
         pytest.skip(unavailable())
     from moe.engine import EngineSampler
-    from moe.model import ParallelLayout
     from moe.policy import MoEPolicy
     from moe.presets import get_preset
     from moe.replay import current_routing
+    from moe.settings import ParallelLayout
 
     preset = get_preset("qwen3-moe-tiny")
     policy = MoEPolicy.build(preset, ParallelLayout(), real_vocab=60, optim=None)

@@ -32,9 +32,9 @@ def as_sequential(policy) -> None:
 
 
 def build(preset_name: str, seed: int = 3, dtype=torch.float32, layout=None, **kwargs):
-    from moe.model import ParallelLayout
     from moe.policy import MoEPolicy
     from moe.presets import get_preset
+    from moe.settings import ParallelLayout
 
     preset = get_preset(preset_name)
     return MoEPolicy.build(preset, layout or ParallelLayout(), real_vocab=preset.vocab_size,

@@ -48,10 +48,10 @@ def test_policy_trains_and_replays_on_gpu(single_process):
 
 def test_kv_cache_decoder_matches_full_forward_on_gpu(single_process):
     """The sampler's KV-cache path on CUDA (TE spec when installed) equals the full forward."""
-    from moe.model import ParallelLayout
     from moe.policy import MoEPolicy
     from moe.presets import get_preset
     from moe.replay import current_routing
+    from moe.settings import ParallelLayout
 
     preset = get_preset("qwen3-moe-tiny")
     policy = MoEPolicy.build(preset, ParallelLayout(), real_vocab=26, optim=None)
@@ -77,9 +77,9 @@ def test_sampler_draws_on_the_gpu_reproducibly(single_process):
     from megatron_gspo.rollout.decoders import sample_prompts
     from megatron_gspo.rollout.sampler import SamplingParams
     from megatron_gspo.tasks.toy import CharTokenizer
-    from moe.model import ParallelLayout
     from moe.policy import MoEPolicy
     from moe.presets import get_preset
+    from moe.settings import ParallelLayout
 
     policy = MoEPolicy.build(get_preset("qwen3-moe-tiny"), ParallelLayout(), real_vocab=26,
                              optim=None)

@@ -5,9 +5,9 @@ import dataclasses
 import pytest
 import torch
 
+from moe.attention import attention_inputs
 from moe.decode import kv_decoder
 from moe.model import ParallelLayout, transformer_config
-from moe.attention import attention_inputs
 from moe.policy import MoEPolicy, OptimSettings
 from moe.presets import PRESETS, get_preset
 from tests.moe.test_presets import QWEN2_STYLE
@@ -164,7 +164,7 @@ def test_kv_cache_decoder_matches_full_forward(single_process):
 
 
 def test_auto_dispatcher_resolves_by_ep():
-    from moe.model import resolve_dispatcher
+    from moe.settings import resolve_dispatcher
 
     assert ParallelLayout().dispatcher == "allgather"
     assert ParallelLayout(ep=2).dispatcher == "alltoall"

@@ -6,10 +6,9 @@ import math
 import pytest
 import torch
 
-from moe.model import ParallelLayout
-from moe.optim import OptimSettings
 from moe.policy import MoEPolicy
 from moe.presets import get_preset
+from moe.settings import OptimSettings, ParallelLayout
 
 LR = 1e-4
 

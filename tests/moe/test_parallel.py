@@ -18,9 +18,9 @@ TIMEOUT_S = 600  # a hang fails the test (about 20 s when it passes)
 
 @pytest.fixture(scope="module")
 def reference(single_process, tmp_path_factory):
-    from moe.model import ParallelLayout
     from moe.policy import MoEPolicy
     from moe.presets import get_preset
+    from moe.settings import ParallelLayout
     from moe.sharding import gather_full_params
 
     preset = get_preset("tiny")
@@ -106,9 +106,9 @@ def test_tied_embeddings_under_tp_and_sp_match_single_process(single_process, tm
     shared (vocab-parallel) embedding weight as in 1 process."""
     import dataclasses
 
-    from moe.model import ParallelLayout
     from moe.policy import MoEPolicy
     from moe.presets import get_preset
+    from moe.settings import ParallelLayout
 
     preset = dataclasses.replace(get_preset("tiny"), name="tiny-tied", tie_word_embeddings=True)
     policy = MoEPolicy.build(preset, ParallelLayout(), real_vocab=preset.vocab_size, seed=3,

@@ -11,11 +11,11 @@ import types
 import pytest
 import torch
 
-from moe.decode import kv_decoder
-from moe.model import ParallelLayout
 from moe.attention import attention_inputs
+from moe.decode import kv_decoder
 from moe.policy import MoEPolicy
 from moe.presets import get_preset
+from moe.settings import ParallelLayout
 from tests.moe import parallel_worker as pw
 from tests.moe.test_experts import build
 from tests.moe.test_model import _output_rows_seen

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from tests.moe.grads import reduce_grads, reduced_grads
-from moe.model import ParallelLayout, Recompute
 from moe.policy import MoEPolicy
 from moe.presets import get_preset
+from moe.settings import ParallelLayout, Recompute
 from moe.replay import (RoutingReplayCache, assert_routing_idle, current_routing,
                         replay_routing)
 from tests.moe.parallel_worker import batch, loss_fn

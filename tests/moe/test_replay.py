@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from tests.moe.grads import dense_cache
-from moe.model import ParallelLayout
 from moe.presets import get_preset
+from moe.settings import ParallelLayout
 from moe.replay import (RoutingReplayCache, assert_routing_idle, ids_dtype, record_routing,
                         replay_routing)
 

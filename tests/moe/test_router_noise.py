@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from tests.moe.grads import reduce_grads, reduced_grads
-from moe.model import ParallelLayout, Recompute
 from moe.policy import MoEPolicy
 from moe.presets import get_preset
 from moe.replay import assert_routing_idle, current_routing, record_routing, replay_routing
 from moe.router_noise import router_noise
 from moe.routing_stats import flip_stats
+from moe.settings import ParallelLayout, Recompute
 from tests.moe.parallel_worker import batch, loss_fn
 
 PRESET = get_preset("tiny")

@@ -78,10 +78,9 @@ def test_weights_only_load_and_a_clear_error(single_process, tmp_path):
     """Same layout, 1 process: weights-only load refreshes bf16 masters; a missing or partial
     checkpoint names the directory."""
     from moe import dist_ckpt
-    from moe.model import ParallelLayout
-    from moe.optim import OptimSettings
     from moe.policy import MoEPolicy
     from moe.presets import get_preset
+    from moe.settings import OptimSettings, ParallelLayout
 
     preset = get_preset("tiny")
 

@@ -156,8 +156,8 @@ def test_measure_one_builds_the_asked_policy_and_restores_onednn(monkeypatch, dt
     before afterwards, and params counts the built model's parameters."""
     import torch
 
-    from moe.model import Recompute
     from moe.policy import MoEPolicy
+    from moe.settings import Recompute
 
     built, real_build = [], MoEPolicy.build.__func__
 

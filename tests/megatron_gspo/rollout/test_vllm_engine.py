@@ -308,9 +308,8 @@ def policy_diff(policy, results, temperature):
 def test_logprobs_equal_our_policy_before_and_after_three_pushed_updates(engine, dirs):
     from moe.hf.config import preset_from_hf, read_hf_config
     from moe.hf.weights import load_hf_weights
-    from moe.model import ParallelLayout
-    from moe.optim import OptimSettings
     from moe.policy import MoEPolicy
+    from moe.settings import OptimSettings, ParallelLayout
 
     preset = preset_from_hf(dirs["old"]).with_vocab(REAL_VOCAB, multiple=128)
     policy = MoEPolicy.build(preset, ParallelLayout(), real_vocab=REAL_VOCAB,

@@ -18,7 +18,7 @@ from megatron_gspo.run.setup import (build_policy, layout_of, model_max_len, opt
                                      recompute_of, resolve_preset, setup_runtime)
 from megatron_gspo.errors import DataError
 from moe.dist_ckpt import files_written_by
-from moe.model import Recompute
+from moe.settings import Recompute
 from tests.hf_fixtures import make_model
 from tests.megatron_gspo.test_rundir import _lock_is_held
 
