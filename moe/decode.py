@@ -40,7 +40,10 @@ from __future__ import annotations
 from contextlib import contextmanager, nullcontext
 
 import torch
-
+from megatron.core.inference.contexts import StaticInferenceContext
+from megatron.core.models.common.embeddings.rope_utils import _rotate_half, apply_rotary_pos_emb
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import \
+    _yarn_get_concentration_factor_from_config
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
@@ -117,9 +120,6 @@ class LeanKVDecoder(DecoderBase):
     generation at fixed weights: it caches keys, values and the experts' stacked weights."""
 
     def __init__(self, policy, batch_size: int, max_len: int, record_routing: bool = False):
-        from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
-            _yarn_get_concentration_factor_from_config)
-
         gpt = policy.model.module if hasattr(policy.model, "module") else policy.model
         problems = unsupported(gpt)
         if problems:
@@ -164,9 +164,6 @@ class LeanKVDecoder(DecoderBase):
         """megatron's unfused RoPE (`_apply_rotary_pos_emb_bshd`) of the new columns, with its
         cos / sin tables (x mscale, in the input's dtype) computed once per decoder; megatron's
         `apply_rotary_pos_emb` where RoPE fusion is configured."""
-        from megatron.core.models.common.embeddings.rope_utils import (_rotate_half,
-                                                                        apply_rotary_pos_emb)
-
         cfg = attn.config
         if cfg.apply_rope_fusion:
             return apply_rotary_pos_emb(t_SBXD, freqs_S11D, config=cfg, mscale=self.mscale,
@@ -328,8 +325,6 @@ class KVCacheDecoder(DecoderBase):
 
     def __init__(self, policy: MoEPolicy, batch_size: int, max_len: int,
                  record_routing: bool = False):
-        from megatron.core.inference.contexts import StaticInferenceContext
-
         super().__init__(policy, batch_size, max_len, record_routing)
         self.context = StaticInferenceContext(batch_size, max_len)
 

@@ -34,7 +34,11 @@ test_dispatch.py compares bitwise, and counts the synchronizing calls).
 from __future__ import annotations
 
 import torch
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_utils import unpermute
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+from moe.experts import GroupedSequentialMLP
 
 
 def permute_by_expert(x_NH: torch.Tensor, probs_NE: torch.Tensor, routing_map_NE: torch.Tensor,
@@ -75,8 +79,6 @@ def install_sync_free_dispatch(model) -> int:
     A layer qualifies under `lean_moe_ok` with megatron's all-gather dispatcher and
     grouped experts (whose forward takes the device tensor; megatron's expert loop would copy it
     to the host anyway)."""
-    from moe.experts import GroupedSequentialMLP
-
     count = 0
     for module in model.modules():
         dispatcher = getattr(module, "token_dispatcher", None)
@@ -92,8 +94,6 @@ def lean_moe_ok(mlp) -> bool:
     """Whether `lean_moe` computes this MoE layer: one expert-parallel rank and no expert TP
     (the dispatcher's collectives are identities there), no token dropping or padding, no
     latent projection, no fused (TE) permutation, no shared experts."""
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-
     if not isinstance(mlp, MoELayer):
         return False
     cfg, expert_tp = mlp.config, getattr(mlp.experts, "tp_group", None)
@@ -112,8 +112,6 @@ def lean_moe(mlp, x_SBH, stacked=None):
     ops the all-to-all / all-gather dispatchers run at world size 1.
     `stacked`: the experts' `GroupedSequentialMLP.stacked_weights()` if taken already.
     Returns (output [S, B, H], None)."""
-    from megatron.core.transformer.moe.moe_utils import unpermute
-
     x_NH = x_SBH.reshape(-1, x_SBH.shape[-1])
     probs_NE, routing_map_NE = mlp.router(x_SBH)
     tokens_per_expert_E = routing_map_NE.sum(dim=0).long()

@@ -32,8 +32,14 @@ import re
 import shutil
 
 import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from moe.compat import apply_cpu_training_patches
+from moe.parallel import init_parallel
+from moe.policy import MoEPolicy
+from moe.settings import ParallelLayout
+from moe.sharding import gather_full_params
 
 METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 """megatron's `metadata` for the optimizers' sharded_state_dict (used by the distributed one)."""
@@ -91,8 +97,6 @@ def _drop_dead_results_queue() -> None:
     so, as do `kill -- -PGID` and schedulers) ends that Manager too, and the save the signal asks
     for then fails with 'Broken pipe'. A queue whose Manager is gone is dropped here, so the
     writer starts a new one."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
     queue = getattr(filesystem_async, "_results_queue", None)
     if queue is None:
         return
@@ -107,8 +111,6 @@ def save(policy, directory: str) -> None:
 
     Collective: every rank of the job calls it with the same `directory`.
     """
-    from megatron.core import dist_checkpointing
-
     apply_cpu_training_patches()
     tmp = directory.rstrip("/") + ".tmp"
     main = not dist.is_initialized() or dist.get_rank() == 0
@@ -144,8 +146,6 @@ def load(policy, directory: str, optimizer: bool = True) -> None:
     `optimizer=False` loads the weights only (and refreshes 16-bit runs' fp32 masters from
     them). Collective.
     """
-    from megatron.core import dist_checkpointing
-
     apply_cpu_training_patches()
     if not is_dist_checkpoint(directory):
         held = sorted(os.listdir(directory)) if os.path.isdir(directory) else "nothing"
@@ -163,8 +163,6 @@ def load(policy, directory: str, optimizer: bool = True) -> None:
 
 def embedding_rows(directory: str) -> int:
     """The (padded) vocabulary rows of the checkpoint's embedding, from its metadata."""
-    from megatron.core import dist_checkpointing
-
     meta = dist_checkpointing.load_tensors_metadata(directory)
     return meta["embedding.word_embeddings.weight"].global_shape[0]
 
@@ -173,11 +171,6 @@ def full_params(directory: str, preset) -> dict:
     """The full parameter dict (1-process names, `moe.sharding`) of checkpoint `directory`:
     its weights loaded into a 1-process model of `preset` (vocab = the checkpoint's rows).
     Runs in one process (`moe.parallel.init_parallel(1, 1)` if no group exists)."""
-    from moe.parallel import init_parallel
-    from moe.policy import MoEPolicy
-    from moe.settings import ParallelLayout
-    from moe.sharding import gather_full_params
-
     if dist.is_initialized() and dist.get_world_size() > 1:
         raise RuntimeError(f"reading {directory} into full parameters runs in one process, "
                            f"not {dist.get_world_size()}")

@@ -27,8 +27,28 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+import megatron.core
 import numpy as np
 import torch
+from megatron.core.inference.sampling_params import SamplingParams
+from megatron.core.transformer.moe.router_replay import RouterReplay
+
+from moe import paged_attention
+from moe.replay import RoutingReplayCache, ids_dtype
+
+try:  # the dynamic engine's API of megatron-core >= 0.19; older: `unavailable()` says so
+    from megatron.core.inference.config import InferenceConfig
+    from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
+    from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
+    from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import (
+        GPTInferenceWrapper)
+    from megatron.core.inference.text_generation_controllers.text_generation_controller \
+        import TextGenerationController
+    from megatron.core.inference.utils import InferenceMode
+except ImportError as e:
+    _IMPORT_ERROR: ImportError | None = e
+else:
+    _IMPORT_ERROR = None
 
 MIN_MEGATRON_CORE = (0, 19)
 
@@ -38,12 +58,13 @@ def unavailable() -> str | None:
     if not torch.cuda.is_available():
         return "rollout.backend=megatron_engine needs a CUDA GPU (megatron-core's dynamic " \
                "inference engine runs on CUDA only); use rollout.backend=lean on CPU"
-    import megatron.core
-
     version = tuple(int(p) for p in megatron.core.__version__.split(".")[:2])
     if version < MIN_MEGATRON_CORE:
         return f"rollout.backend=megatron_engine needs megatron-core >= 0.19 (installed: " \
                f"{megatron.core.__version__}; it needs Python >= 3.12)"
+    if _IMPORT_ERROR is not None:
+        return f"rollout.backend=megatron_engine: megatron-core {megatron.core.__version__}'s " \
+               f"dynamic inference engine does not import ({_IMPORT_ERROR})"
     return None
 
 
@@ -84,17 +105,6 @@ class EngineSampler:
         why = unavailable()
         if why:
             raise RuntimeError(why)
-        from megatron.core.inference.config import InferenceConfig
-        from megatron.core.inference.contexts.dynamic_context import DynamicInferenceContext
-        from megatron.core.inference.engines.dynamic_engine import DynamicInferenceEngine
-        from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import (
-            GPTInferenceWrapper)
-        from megatron.core.inference.text_generation_controllers.text_generation_controller \
-            import TextGenerationController
-        from megatron.core.inference.utils import InferenceMode
-
-        from moe import paged_attention
-
         gpt = policy.model.module if hasattr(policy.model, "module") else policy.model
         problems = paged_attention.check(gpt.config)
         if problems:
@@ -153,12 +163,6 @@ class EngineSampler:
         `top_p` 0 and `top_k` 0 filter nothing (megatron's sentinels); the log-probs are those
         of the distribution drawn from (after temperature and filtering: megatron's
         "processed" log-probs); `termination_id` -1 never stops early."""
-        from megatron.core.inference.sampling_params import SamplingParams
-        from megatron.core.inference.utils import InferenceMode
-        from megatron.core.transformer.moe.router_replay import RouterReplay
-
-        from moe import paged_attention
-
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
                                 return_log_probs=True, skip_prompt_log_probs=True,
                                 num_tokens_to_generate=max_new_tokens,
@@ -200,8 +204,6 @@ def to_batch(requests: list[EngineRequest], pad_id: int, num_experts: int):
     sampler_logp_BT, routing cache or None). Prompts end in one column (left padding),
     responses follow (right padding); the routing cache holds every valid token's top-k, the
     last token of each row filler (experts 0..K-1)."""
-    from moe.replay import RoutingReplayCache, ids_dtype
-
     P = max(len(r.prompt) for r in requests)
     T = P + max(len(r.tokens) for r in requests)
     B = len(requests)

@@ -27,6 +27,8 @@ import types
 
 import torch
 import torch.nn.functional as F
+from megatron.core.transformer import attention
+from megatron.core.transformer.attention import Attention
 
 
 def paged_attention(q_N1HD: torch.Tensor, k_PSGD: torch.Tensor, v_PSGD: torch.Tensor,
@@ -104,8 +106,6 @@ def check(config) -> list[str]:
 def install(model) -> int:
     """Bind `flash_decode_and_prefill` to every self-attention module of `model` (this model
     only: others keep megatron's flash kernels); returns how many were bound."""
-    from megatron.core.transformer.attention import Attention
-
     bound = 0
     for module in model.modules():
         if isinstance(module, Attention):
@@ -119,8 +119,6 @@ def flash_check_waived():
     """Within: megatron's `Attention.forward` skips its 'flash attn >= 2.7.3 is required for
     dynamic batching' assertion (the only use of `is_fa_min_version` in that module), for
     models whose attention `install` replaced. Restored on exit."""
-    from megatron.core.transformer import attention
-
     saved = attention.is_fa_min_version
     attention.is_fa_min_version = lambda *args, **kwargs: True
     try:

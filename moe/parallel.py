@@ -20,6 +20,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from moe.compat import apply_cpu_patches, cuda_available
 
@@ -72,9 +74,6 @@ def init_parallel(tp: int = 1, ep: int = 1, seed: int = 0,
     tracker, which models built with CUDA graphs (`moe.model.build_gpt_moe(inference_graphs=
     True)`) require."""
     apply_cpu_patches()
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
     if not timeout_min > 0:
         raise ValueError(f"timeout_min={timeout_min} must be > 0")
     if not dist.is_initialized():
@@ -111,8 +110,6 @@ def init_parallel(tp: int = 1, ep: int = 1, seed: int = 0,
 
 def destroy_parallel() -> None:
     """Tear down megatron's groups and the process group (for tests and clean exits)."""
-    from megatron.core import parallel_state as ps
-
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     if dist.is_initialized():

@@ -22,6 +22,10 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                       finalize_model_grads)
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
 from moe.attention import attention_inputs
 from moe.compat import apply_cpu_patches
@@ -62,9 +66,6 @@ class MoEPolicy:
         `sdpa_attention`: core attention as `moe.attention.SDPAAttention` (local spec);
         `inference_graphs`: CUDA graphs for megatron's dynamic engine (`moe.engine`)."""
         apply_cpu_patches()
-        from megatron.core.distributed import DistributedDataParallel, \
-            DistributedDataParallelConfig
-
         if real_vocab > preset.vocab_size:
             raise ValueError(f"tokenizer vocab {real_vocab} exceeds preset {preset.name!r} "
                              f"vocab_size={preset.vocab_size}")
@@ -139,8 +140,6 @@ class MoEPolicy:
         def rows(module, args, kwargs):
             x_TBH = args[0] if args else kwargs["input_"]
             if sp:
-                from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
-
                 x_TBH = gather_from_sequence_parallel_region(x_TBH, group=layer.tp_group)
             if args:
                 return (x_TBH[first:], *args[1:]), kwargs
@@ -206,8 +205,6 @@ class MoEPolicy:
         """The part of `valid_BT` this rank's routers see (its sequence shard under SP)."""
         (valid_BT,), _ = self._pad_for_sp(valid_BT.bool())
         if self.layout.sequence_parallel:
-            from megatron.core import parallel_state as ps
-
             chunk = valid_BT.shape[1] // self.layout.tp
             start = ps.get_tensor_model_parallel_rank() * chunk
             valid_BT = valid_BT[:, start:start + chunk]
@@ -236,8 +233,6 @@ class MoEPolicy:
 
         A non-finite grad norm (identical on every rank) skips the update on every rank.
         """
-        from megatron.core.distributed import finalize_model_grads
-
         finalize_model_grads([self.model])
         stepped, grad_norm = self.optimizer.step()
         self.version += int(stepped)

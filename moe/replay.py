@@ -37,6 +37,7 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
 from moe.routing_stats import topk_mask
 
@@ -151,8 +152,6 @@ def assert_routing_idle(policy) -> None:
 @contextlib.contextmanager
 def record_routing(policy):
     """Record every layer's top-k during the forwards inside; yields a list filled on exit."""
-    from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
     routers = _routers(policy)
     assert_routing_idle(policy)
     recorded: list[torch.Tensor] = []
@@ -175,8 +174,6 @@ def replay_routing(policy, cache: RoutingReplayCache | None, check: dict | None 
     if cache is None:
         yield
         return
-    from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
     routers = _routers(policy)
     assert_routing_idle(policy)
     if cache.num_layers != len(routers):
@@ -238,8 +235,6 @@ def replay_backward(policy, replays: list[list[torch.Tensor]]):
     if not replays:
         yield
         return
-    from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
     routers = _routers(policy)
     assert_routing_idle(policy)
     for layer, r in enumerate(routers):

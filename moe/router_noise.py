@@ -31,6 +31,7 @@ import contextlib
 from functools import partial
 
 import torch
+from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
 from moe.replay import _routers
 
@@ -39,8 +40,6 @@ def _noisy_topk(router, std: float, generator: torch.Generator, scores_are_probs
                 chosen: list, scores, topk, num_groups=None, group_topk=None,
                 default_compute_topk=None):
     """`RouterReplay.get_replay_topk` with a noisy selection (see the module docstring)."""
-    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
-
     action = router.router_replay_action
     if action in (RouterReplayAction.REPLAY_FORWARD, RouterReplayAction.REPLAY_BACKWARD):
         return RouterReplay.get_replay_topk(router, scores, topk, num_groups, group_topk,

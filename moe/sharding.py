@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 
 _LOCAL_EXPERT = re.compile(r"(local_experts\.)(\d+)(\.)")
 
@@ -110,8 +110,6 @@ def shard_from_full(model, full: dict[str, torch.Tensor], tp_rank: int, tp: int,
 @torch.no_grad()
 def load_full_params(model, full: dict[str, torch.Tensor]) -> None:
     """Copy a full (1-process) parameter dict into this rank's sharded model."""
-    from megatron.core import parallel_state as ps
-
     shard = shard_from_full(model, full, ps.get_tensor_model_parallel_rank(),
                             ps.get_tensor_model_parallel_world_size(),
                             ps.get_expert_model_parallel_rank())
@@ -136,8 +134,6 @@ def iter_full_params(model, grads: bool = False) -> Iterator[tuple[str, torch.Te
     Collective over the TP and EP groups per tensor: every rank must iterate to the end.
     Streams a model to a consumer (an inference engine's weight push) without holding it
     whole twice."""
-    from megatron.core import parallel_state as ps
-
     tp, ep = ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size()
     params = _model_params(model)
     n_local = _local_experts_per_layer(params)

@@ -44,7 +44,7 @@ class SafetensorsReader:
                     self.file_of[name] = os.path.basename(file)
 
     def _open(self, file: str):
-        from safetensors import safe_open
+        from safetensors import safe_open  # optional dependency ([hf] extra): HF checkpoints only
 
         if file not in self._handles:
             path = os.path.join(self.folder, file)
@@ -95,7 +95,7 @@ class SafetensorsReader:
 def write_safetensors(tensors: dict[str, torch.Tensor], folder: str,
                       max_shard_bytes: int = 5 * 1024**3) -> list[str]:
     """Write `tensors` as Hugging Face safetensors shards (+ index when > 1); file names back."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # optional dependency ([hf] extra): HF export only
 
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes={max_shard_bytes} must be > 0")

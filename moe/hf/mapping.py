@@ -53,7 +53,7 @@ def local_to_te(names: Iterable[str]) -> dict[str, str]:
 
 
 def _hf_config_object(config: dict):
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # optional dependency ([hf] extra) and a heavy import
 
     keep = {k: v for k, v in config.items() if k not in ("model_type", "architectures",
                                                          "transformers_version")}
@@ -69,7 +69,7 @@ class HFMapping:
     """mbridge's bridge for one Hugging Face config, used for names and formats only."""
 
     def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32):
-        try:
+        try:  # optional dependency ([hf] extra): a missing one is a MissingDependency, here
             from mbridge import AutoBridge
             from mbridge.core.parallel_states import ParallelStates
         except ImportError as e:

@@ -25,6 +25,7 @@ import os
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state as ps
 
 from moe.hf.config import read_hf_config
 from moe.hf.io import SafetensorsReader, write_safetensors
@@ -91,8 +92,6 @@ def load_hf_weights(model, path: str, reader: SafetensorsReader | None = None
     Needs megatron's parallel state (`moe.parallel.init_parallel`). Returns the reader, whose
     `reads` list what this rank read.
     """
-    from megatron.core import parallel_state as ps
-
     inner = getattr(model, "module", model)
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     ep, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()

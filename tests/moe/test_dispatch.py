@@ -143,7 +143,7 @@ def test_sync_free_dispatch_is_installed_once_where_it_computes_megatrons(single
     """Every MoE layer `moe.decode.lean_moe_ok` accepts, whose experts run grouped and are all
     local, gets the dispatcher, once (installing again counts none); any other layer keeps
     megatron's."""
-    import moe.experts
+    import moe.dispatch
     from moe.dispatch import install_sync_free_dispatch
 
     policy = build("tiny")
@@ -162,7 +162,7 @@ def test_sync_free_dispatch_is_installed_once_where_it_computes_megatrons(single
         patch.setattr(layers[0].config, "moe_expert_capacity_factor", 1.0)  # every layer's
         assert reinstall() == 0
     with monkeypatch.context() as patch:
-        patch.setattr(moe.experts, "GroupedSequentialMLP", type("Other", (), {}))
+        patch.setattr(moe.dispatch, "GroupedSequentialMLP", type("Other", (), {}))
         assert reinstall() == 0
     with monkeypatch.context() as patch:
         patch.setattr(layers[0].token_dispatcher, "local_expert_indices",
