@@ -28,7 +28,9 @@ import os
 import sys
 import warnings
 
+from megatron_gspo.config.schema import describe_config, load_config
 from megatron_gspo.errors import UserError
+from megatron_gspo.run.preempt import Interrupted, Preempted, StartupSignals
 from moe.checks import MissingDependency
 
 # What exits 2 with its one line: the project's UserError, and what it cannot subclass: a
@@ -71,9 +73,6 @@ def _stopped(e) -> int:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_intermixed_args(argv)
-    from megatron_gspo.config.schema import describe_config
-    from megatron_gspo.run.preempt import Interrupted, StartupSignals
-
     if args.command == "config":
         print(describe_config())
         return 0
@@ -93,9 +92,9 @@ def main(argv=None) -> int:
 def _run_job(args) -> int:
     """sft / train / eval: load the config, check its registered names, and `run` it; the
     one-line errors (exit 2)."""
-    from megatron_gspo.config.schema import load_config
+    # heavy import (the registries: torch, megatron-core): `config` and argument errors answer
+    # in a fraction of a second without it
     from megatron_gspo.run.names import check_names
-    from megatron_gspo.run.preempt import Preempted
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -116,26 +115,24 @@ def _run_job(args) -> int:
 
 
 def run(command: str, cfg) -> dict:
+    # heavy imports (torch, megatron-core: seconds), which only a job needs
+    from megatron_gspo.jobs import rl, sft
+    from megatron_gspo.run import setup
+
     if command == "sft":
-        from megatron_gspo.jobs.sft import run_sft
-
-        return run_sft(cfg)
+        return sft.run_sft(cfg)
     if command == "train":
-        from megatron_gspo.jobs.rl import Trainer
-
-        return Trainer.from_config(cfg).train()
-    from megatron_gspo.run.setup import evaluate_runtime, setup_runtime
-
-    return evaluate_runtime(setup_runtime(cfg, job="eval"))
+        return rl.Trainer.from_config(cfg).train()
+    return setup.evaluate_runtime(setup.setup_runtime(cfg, job="eval"))
 
 
 def _export(parser, args, errors: tuple) -> int:
     if not args.run_dir or not args.to_hf:
         parser.error("export needs --run-dir R --to-hf OUT")
-    from megatron_gspo.run.export import export_run
+    from megatron_gspo.run import export  # heavy import (torch, megatron-core): export only
 
     try:
-        summary = export_run(args.run_dir, args.to_hf, hf_path=args.hf_path,
+        summary = export.export_run(args.run_dir, args.to_hf, hf_path=args.hf_path,
                              max_shard_bytes=args.max_shard_bytes)
     except errors as e:
         return _fail(str(e))

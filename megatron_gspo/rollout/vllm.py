@@ -33,7 +33,11 @@ import torch
 
 from megatron_gspo.errors import ConfigError
 from megatron_gspo.rollout.sampler import Samples, SamplingParams, register_sampler
+from megatron_gspo.rollout.vllm_engine import CPU_HEAD_DIMS, VLLMEngine, unavailable
 from moe.engine import to_batch
+from moe.hf.config import hf_config_dict, read_hf_config
+from moe.hf.mapping import HFMapping, local_to_te
+from moe.sharding import iter_full_params
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 CHECK_TOL = {"float32": 1e-4, "bfloat16": 0.25}
@@ -46,8 +50,6 @@ class VLLMSampler:
     """`Sampler` over an in-process vLLM engine (see the module docstring)."""
 
     def __init__(self, policy, tokenizer, cfg):
-        from megatron_gspo.rollout.vllm_engine import VLLMEngine
-
         self.policy, self.tokenizer, self.num_experts = policy, tokenizer, \
             policy.preset.num_experts
         self.dtype = DTYPES.get(cfg.rollout.engine_dtype) or DTYPES.get(cfg.model.dtype,
@@ -128,8 +130,6 @@ def write_config(folder: str, policy, cfg) -> dict:
     """config.json of the policy's architecture with the tokenizer's vocabulary (the preset's
     padding rows are never pushed, so vLLM never samples them); `model.hf_path`'s other keys
     kept. Returns it."""
-    from moe.hf.config import hf_config_dict, read_hf_config
-
     base = read_hf_config(cfg.model.hf_path) if cfg.model.hf_path else None
     try:
         hf_config = hf_config_dict(policy.preset, policy.real_vocab, DTYPES[cfg.model.dtype]
@@ -145,9 +145,6 @@ def hf_stream(policy, hf_config: dict):
     """The policy's weights as (Hugging Face name, tensor), one megatron parameter at a time,
     gathered over TP / EP (collective: every rank pulls the whole stream), vocabulary padding
     cut."""
-    from moe.hf.mapping import HFMapping, local_to_te
-    from moe.sharding import iter_full_params
-
     mapping, vocab = HFMapping(hf_config), hf_config["vocab_size"]
     # which layers are MoE (local_to_te reads it off the router names)
     routers = [n for n, _ in policy.model.module.named_parameters() if ".mlp.router." in n]
@@ -159,16 +156,8 @@ def hf_stream(policy, hf_config: dict):
             yield hf_name, part.contiguous()
 
 
-def _unavailable() -> str | None:
-    from megatron_gspo.rollout.vllm_engine import unavailable
-
-    return unavailable()
-
-
 @register_sampler("vllm")
 def _factory(policy, tokenizer, cfg) -> VLLMSampler:
-    from megatron_gspo.rollout.vllm_engine import CPU_HEAD_DIMS
-
     if not torch.cuda.is_available() and policy.preset.kv_channels not in CPU_HEAD_DIMS:
         raise ConfigError(f"rollout.backend=vllm: head_dim={policy.preset.kv_channels} is not "
                           f"supported by vLLM's CPU attention (needs one of "
@@ -176,4 +165,4 @@ def _factory(policy, tokenizer, cfg) -> VLLMSampler:
     return VLLMSampler(policy, tokenizer, cfg)
 
 
-_factory.unavailable = _unavailable  # checked before any set-up
+_factory.unavailable = unavailable  # checked before any set-up

@@ -26,12 +26,7 @@ Where this departs from vLLM's defaults, and why:
   routing would be missing) and eager mode (`enforce_eager=True`): vLLM compiles the model
   without guards, so hooks installed after start-up are silently skipped in a compiled model.
 
-Routing capture (shown on CPU, V1 model runner; on a GPU vLLM's `enable_return_routed_experts`
-is the path): each MoE layer's router calls a capture function with the top-k ids it hands to
-the expert kernel (`BaseRouter.set_capture_fn`, which vLLM's GPU `RoutedExpertsCapturer` uses).
-A pre-hook on the model records each step's request order, `query_start_loc` and positions, so
-every row lands at its (request, position) whatever the batching or prefill chunking; requests
-are told apart by an index in their SamplingParams' `extra_args`.
+Routing capture: `megatron_gspo.rollout.vllm_capture`.
 
 Weight push on CPU (vLLM 0.32.0): `reload_weights` leaves two gaps, each silently wrong
 log-probs: (1) `UnquantizedFusedMoEMethod._setup_kernel` runs the CPU experts' prepack only on
@@ -62,17 +57,18 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
+from megatron_gspo.rollout.vllm_capture import ROW_KEY, RoutingCapture, runner_of
+
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 # vLLM versions whose CPU weight reload gaps (module docstring) were read and tested here
 REPREPACK_VERSIONS = ("0.32.0",)
-_ROW_KEY = "megatron_gspo_row"
 _EXPERT_LAYER = re.compile(r"layers\.(\d+)\.mlp\.experts\.")
 
 
 def unavailable(hf_dir: str | None = None) -> str | None:
     """Why the vLLM engine cannot run here (one line), or None."""
-    try:
-        import vllm  # noqa: F401
+    try:  # optional dependency ([vllm] extra), and importing vLLM patches torch process-wide
+        import vllm  # noqa: F401  (first: a blocked vllm fails even with vllm.platforms loaded)
         from vllm.platforms import current_platform
     except ImportError as e:
         return (f"rollout.backend=vllm needs vLLM: pip install -e '.[vllm]' (Python >= 3.11; "
@@ -115,78 +111,6 @@ def _torch_attrs() -> list:
              functools.reduce(getattr, p.split("."), torch)) for p in _TORCH_PATCHED]
 
 
-def _runner(worker):
-    return getattr(worker, "worker", worker).model_runner
-
-
-class _RoutingCapture:
-    """Top-k ids per (request row, position) from the MoE routers of an in-process engine."""
-
-    def __init__(self, runner, model, num_experts: int, top_k: int, source: str = "router"):
-        self.runner, self.dtype = runner, np.uint8 if num_experts <= 256 else np.int16
-        runners = [m for m in model.modules()
-                   if hasattr(m, "router") and hasattr(m.router, "set_capture_fn")]
-        if not runners:
-            raise RuntimeError("no vLLM MoE router with set_capture_fn found in the model")
-        self.num_layers, self.max_batch = len(runners), 0
-        self.active, self.step, self.rows = False, None, {}
-        model.register_forward_pre_hook(self._begin_step, with_kwargs=True)
-        model.register_forward_hook(self._end_step)
-        for layer, runner_ in enumerate(runners):
-            if source == "router":  # the ids the expert kernel receives
-                runner_.router.set_capture_fn(lambda ids, i=layer: self._capture(i, ids))
-            else:  # "gate": top-k of the router logits (a second path, for tests)
-                runner_.gate.register_forward_hook(lambda m, a, out, i=layer: self._capture(
-                    i, (out[0] if isinstance(out, tuple) else out).topk(top_k, dim=-1).indices))
-
-    def _begin_step(self, module, args, kwargs):
-        if not self.active:
-            return
-        runner = self.runner
-        positions = kwargs["positions"] if "positions" in kwargs else args[1]
-        num_reqs = runner.input_batch.num_reqs
-        starts = runner.query_start_loc.np[:num_reqs + 1].copy()
-        keys = [runner.requests[r].sampling_params.extra_args[_ROW_KEY]
-                for r in runner.input_batch.req_ids[:num_reqs]]
-        n = int(starts[-1])
-        self.step = dict(keys=keys, starts=starts,
-                         positions=positions[:n].cpu().numpy().copy(),
-                         ids=[None] * self.num_layers)
-        self.max_batch = max(self.max_batch, num_reqs)
-
-    def _capture(self, layer: int, ids_NK: torch.Tensor) -> None:
-        if self.active and self.step is not None:
-            n = len(self.step["positions"])
-            self.step["ids"][layer] = ids_NK[:n].cpu().numpy().astype(self.dtype)
-
-    def _end_step(self, module, args, output):
-        step, self.step = self.step, None
-        if not self.active or step is None:
-            return
-        missing = [i for i, ids in enumerate(step["ids"]) if ids is None]
-        if missing:
-            raise RuntimeError(f"routing capture: MoE layers {missing} reported no routing "
-                               "this step (a compiled model skips hooks: enforce_eager)")
-        ids_NLK = np.stack(step["ids"], axis=1)
-        for b, key in enumerate(step["keys"]):
-            lo, hi = step["starts"][b], step["starts"][b + 1]
-            self.rows.setdefault(key, []).append((step["positions"][lo:hi], ids_NLK[lo:hi]))
-
-    def routing(self, key: int, length: int) -> np.ndarray:
-        """Routing [length, L, K] of row `key`; every position must have been captured."""
-        parts = self.rows.get(key, [])
-        out = np.zeros((length, self.num_layers, parts[0][1].shape[2] if parts else 0),
-                       self.dtype)
-        seen = np.zeros(length, bool)
-        for pos, ids in parts:
-            keep = pos < length  # a step past the end (async scheduling) is dropped
-            out[pos[keep]], seen[pos[keep]] = ids[keep], True
-        if not seen.all():
-            raise RuntimeError(f"routing capture: row {key} has no routing at positions "
-                               f"{np.flatnonzero(~seen)[:8].tolist()} (prefix cache on?)")
-        return out
-
-
 class VLLMEngine:
     """An in-process `vllm.LLM` over a Hugging Face folder (see the module docstring)."""
 
@@ -201,7 +125,7 @@ class VLLMEngine:
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype={dtype!r}: expected 'float32' or 'bfloat16'")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        import vllm
+        import vllm  # optional dependency, imported at use (see `unavailable`)
 
         dist = torch.distributed
         self._host = (_torch_attrs(), torch.get_num_threads(),
@@ -219,14 +143,14 @@ class VLLMEngine:
         self._reprepack = self._repack_tied_head = self._reset_prefix_cache = True
         self._pre_top_p = True
         self._call(self._install_logprobs_before_top_p)
-        self.captures: list[_RoutingCapture] = []  # the first one fills EngineResult.routing
+        self.captures: list[RoutingCapture] = []  # the first one fills EngineResult.routing
         if capture_routing:
             self._add_capture("router")
 
-    def _add_capture(self, source: str) -> _RoutingCapture:
+    def _add_capture(self, source: str) -> RoutingCapture:
         cfg = self.llm.llm_engine.vllm_config.model_config
-        capture = self._call(lambda w: _RoutingCapture(
-            _runner(w), _runner(w).get_model(), cfg.get_num_experts(),
+        capture = self._call(lambda w: RoutingCapture(
+            runner_of(w), runner_of(w).get_model(), cfg.get_num_experts(),
             cfg.get_num_experts_per_tok(), source))
         self.captures.append(capture)
         return capture
@@ -236,7 +160,7 @@ class VLLMEngine:
         return self.llm.collective_rpc(fn)[0]
 
     def _install_logprobs_before_top_p(self, worker) -> None:
-        sampler = _runner(worker).sampler.topk_topp_sampler
+        sampler = runner_of(worker).sampler.topk_topp_sampler
         inner = sampler.forward
 
         def forward(logits, generators, k, p):
@@ -276,7 +200,7 @@ class VLLMEngine:
         """`n` samples per prompt, prompt-major ([p0 s0, p0 s1, ..., p1 s0, ...]). `greedy`:
         arg-max decoding (vLLM's temperature 0; temperature and top_p ignored); `seed`: sample
         k draws with seed + k (reproducible per seed), None: vLLM's own stream."""
-        from vllm import SamplingParams
+        from vllm import SamplingParams  # optional dependency, imported at use (`unavailable`)
 
         if not (greedy or temperature > 0):
             raise ValueError(f"temperature={temperature}: sampling needs temperature > 0")
@@ -292,7 +216,7 @@ class VLLMEngine:
                     n=1, temperature=0.0 if greedy else temperature,
                     top_p=1.0 if greedy else top_p, max_tokens=max_new_tokens,
                     stop_token_ids=list(stop_ids), ignore_eos=True, logprobs=0,
-                    detokenize=False, extra_args={_ROW_KEY: i * n + j},
+                    detokenize=False, extra_args={ROW_KEY: i * n + j},
                     seed=None if seed is None else seed + i * n + j))
         for capture in self.captures:
             capture.rows, capture.active = {}, True
@@ -314,10 +238,10 @@ class VLLMEngine:
 
     def logprobs_of(self, token_ids: list[int]) -> list[float]:
         """log p(t_i | t_<i) for i = 1..len-1 at temperature 1 (vLLM's prompt log-probs)."""
-        from vllm import SamplingParams
+        from vllm import SamplingParams  # optional dependency, imported at use (`unavailable`)
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False,
-                                extra_args={_ROW_KEY: -1})
+                                extra_args={ROW_KEY: -1})
         out = self.llm.generate([{"prompt_token_ids": list(token_ids)}], params,
                                 use_tqdm=False)[0]
         return [lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], token_ids[1:])]
@@ -341,9 +265,9 @@ class VLLMEngine:
 
         self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=stream()))
         if cpu_fixes and self._reprepack and moe_layers:
-            self._call(lambda w: _reprepack_moe(_runner(w).get_model(), moe_layers))
+            self._call(lambda w: _reprepack_moe(runner_of(w).get_model(), moe_layers))
         if cpu_fixes and self._repack_tied_head and pushed["embedding"]:
-            self._call(lambda w: _repack_tied_lm_head(_runner(w).get_model()))
+            self._call(lambda w: _repack_tied_lm_head(runner_of(w).get_model()))
         if self.prefix_caching and self._reset_prefix_cache:
             if not self.llm.reset_prefix_cache():
                 raise RuntimeError("vLLM refused to reset its prefix cache after a weight "
@@ -352,7 +276,7 @@ class VLLMEngine:
 
     def _needs_cpu_repack(self) -> bool:
         """Whether a reload leaves CPU-packed weights stale here (see module docstring)."""
-        from vllm.platforms import current_platform
+        from vllm.platforms import current_platform  # optional dependency, imported at use
 
         if not current_platform.is_cpu():
             return False
@@ -369,6 +293,7 @@ def _reprepack_moe(model: torch.nn.Module, layers: set[int]) -> int:
     """Prepack w13 / w2 of the CPU MoE experts of `layers` again, in place; returns how many
     layers were prepacked (what the experts' `process_weights_after_loading` does on the
     first load, intermediate padding aside: a padded size fails the reload itself)."""
+    # vLLM's CPU-only internals (the CPU experts kernel): imported where they run
     from vllm._custom_ops import cpu_prepack_moe_weight
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 

@@ -30,6 +30,11 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from megatron_gspo.run import checkpoint as ckpt
+from megatron_gspo.tasks.tokenizer import load_tokenizer
+from moe import dist_ckpt
+from moe.hf.config import hf_config_dict, preset_from_hf_config, read_hf_config
+from moe.hf.weights import export_hf
+from moe.presets import get_preset
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
 _SKIP = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
@@ -72,10 +77,6 @@ def _source(run_dir: str, model_cfg: dict, hf_path: str | None, tok_path: str | 
     """(config.json dict or None, preset, vocabulary size or None) of the run's model: the
     source folder's (its config.json's vocab_size, or the run's tokenizer's size when tokens
     were added past it: the run trained rows for them), else the toy preset."""
-    from megatron_gspo.tasks.tokenizer import load_tokenizer
-    from moe.hf.config import preset_from_hf_config, read_hf_config
-    from moe.presets import get_preset
-
     if hf_path:
         if not os.path.isdir(hf_path) and hf_path == model_cfg.get("hf_path"):
             raise FileNotFoundError(f"{run_dir} started from model.hf_path={hf_path}, which "
@@ -105,8 +106,6 @@ def export_run(run_dir: str, out: str, hf_path: str | None = None,
                               "a new or empty one")
     full, config, preset, model_cfg, hf_path, tok_path = _read_run(run_dir, hf_path)
     with _staging(out) as tmp:
-        from moe.hf.weights import export_hf
-
         files = export_hf(full, tmp, config, max_shard_bytes=max_shard_bytes)
         copied = _copy_tokenizer_files(hf_path, tmp) if hf_path else []
         if tok_path and tok_path != hf_path:  # the run's own tokenizer replaces the source's
@@ -120,9 +119,6 @@ def export_run(run_dir: str, out: str, hf_path: str | None = None,
 def _read_run(run_dir: str, hf_path: str | None) -> tuple:
     """(full parameters, config.json dict, preset, the run's model config, source folder,
     tokenizer folder) of `run_dir`'s latest checkpoint."""
-    from moe import dist_ckpt
-    from moe.hf.config import hf_config_dict
-
     root = os.path.join(run_dir, "checkpoints")
     root = root if os.path.isdir(root) else run_dir
     if not os.path.isdir(root):

@@ -22,11 +22,14 @@ import json
 import math
 import numbers
 import os
+import socket
 import sys
 import time
 from typing import Callable, Iterator, Sequence
+from urllib.parse import urlparse
 
 from megatron_gspo.errors import UserError
+from megatron_gspo.run.checkpoint import atomic_write
 from moe.checks import MissingDependency
 
 METRICS_FILE = "metrics.jsonl"
@@ -101,8 +104,6 @@ class MetricsLogger:
         kept = [ln for ln in lines if ln.strip() and _row_step(ln) <= step]
         dropped = sum(1 for ln in lines if ln.strip()) - len(kept)
         if dropped:
-            from megatron_gspo.run.checkpoint import atomic_write
-
             self._file.close()
             text = "".join(ln + "\n" for ln in kept)
             atomic_write(self.path, lambda f: f.write(text.encode("utf-8")))
@@ -188,9 +189,6 @@ def _row_step(line: str) -> float:
 def _online_or_offline(timeout_s: float = 3.0) -> str:
     """"online" when wandb's server answers a TCP connect within `timeout_s`, else "offline"
     with a warning: wandb's own online start would retry for minutes and abort the run."""
-    import socket
-    from urllib.parse import urlparse
-
     url = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
     parsed = urlparse(url)
     port = parsed.port or (443 if parsed.scheme == "https" else 80)

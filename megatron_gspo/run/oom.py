@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
+
 from megatron_gspo.errors import UserError
 
 ROLLOUT = (("rollout.prompts_per_batch", "rollout.group_size", "rollout.max_new_tokens"), ())
@@ -29,8 +31,6 @@ SFT_STEP = (("sft.batch_size",), ("model.recompute_granularity",))
 
 def is_out_of_memory(error: BaseException) -> bool:
     """torch's CUDA / CPU allocator failures and Python's MemoryError."""
-    import torch
-
     if isinstance(error, (MemoryError, torch.OutOfMemoryError)):
         return True
     text = str(error)

@@ -118,6 +118,8 @@ class Preemption:
     def requested(self) -> int:
         """The signal number if any rank was signalled, else 0 (one all-reduce when
         distributed)."""
+        # heavy import (torch): the CLI imports this module before any job, and `megatron-gspo
+        # config` and argument errors answer without loading torch
         from megatron_gspo.dist import max_over_ranks
 
         return max_over_ranks(self.signum)

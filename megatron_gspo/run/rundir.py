@@ -28,12 +28,18 @@ from __future__ import annotations
 
 import fcntl
 import glob
+import hashlib
 import json
 import os
 import shutil
 from dataclasses import dataclass
 
+import torch.distributed as dist
+
+from megatron_gspo.config.schema import RunConfig, config_to_dict
 from megatron_gspo.errors import RunDirError
+from megatron_gspo.run.checkpoint import atomic_write
+from megatron_gspo.run.inputs import changed_inputs
 
 RUN_FILE = "run.json"
 LOCK_FILE = ".lock"
@@ -79,8 +85,6 @@ def semantic_config(config: dict, job: str) -> dict:
 
 
 def fingerprint(semantic: dict) -> str:
-    import hashlib
-
     return hashlib.sha256(json.dumps(semantic, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -102,8 +106,6 @@ def differing_keys(old: dict, new: dict, defaults: dict | None = None) -> list[s
 
 def default_semantic_config(job: str) -> dict:
     """`semantic_config` of the default RunConfig: the values of fields added since a run."""
-    from megatron_gspo.config.schema import RunConfig, config_to_dict
-
     return semantic_config(config_to_dict(RunConfig()), job)
 
 
@@ -193,8 +195,6 @@ def _overwrites(run_dir: str, resume) -> str:
 
 def _agree(message: str) -> str:
     """Rank 0's message on every rank (no-op on one process)."""
-    import torch.distributed as dist
-
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return message
     box = [message]
@@ -246,8 +246,6 @@ def check_inputs(run_dir: str, inputs: dict, resume, is_main: bool) -> None:
     before inputs were recorded, or none yet, passes."""
     message = ""
     if is_main and os.path.isfile(os.path.join(run_dir, RUN_FILE)):
-        from megatron_gspo.run.inputs import changed_inputs
-
         with open(os.path.join(run_dir, RUN_FILE)) as f:
             recorded = json.load(f).get("inputs")
         changed = changed_inputs(recorded, inputs) if recorded is not None else []
@@ -280,8 +278,6 @@ def record_run(run_dir: str, job: str, config: dict, save_config,
     record_path = os.path.join(run_dir, RUN_FILE)
     if os.path.isfile(record_path):
         return False
-    from megatron_gspo.run.checkpoint import atomic_write
-
     cfg_path = os.path.join(run_dir, f"{job}_config.yaml")
     if not os.path.exists(cfg_path):
         save_config(cfg_path)

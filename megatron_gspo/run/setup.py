@@ -19,7 +19,6 @@ import torch
 from megatron_gspo.config.schema import RunConfig, config_to_dict, save_config
 from megatron_gspo.errors import ConfigError
 from megatron_gspo.rollout.backends import build_sampler
-from megatron_gspo.run.names import check_names
 from megatron_gspo.rollout.generate import evaluate
 from megatron_gspo.rollout.sampler import Sampler
 from megatron_gspo.run import checkpoint as ckpt
@@ -27,9 +26,12 @@ from megatron_gspo.run.host import tune_malloc
 from megatron_gspo.run.init import check_init_checkpoint, load_init_weights, reference_dir
 from megatron_gspo.run.inputs import input_fingerprints
 from megatron_gspo.run.metrics import MetricsLogger
+from megatron_gspo.run.names import check_names
 from megatron_gspo.run.rundir import RunDirLock, check_inputs, claim_run_dir, record_run
 from megatron_gspo.tasks.datasets import build_task, check_sft_lengths, tokenizer_folder
 from megatron_gspo.tasks.tokenizer import Tokenizer, load_tokenizer
+from moe.hf.config import preset_from_hf
+from moe.hf.weights import load_hf_weights
 from moe.parallel import ParallelInfo, init_parallel
 from moe.policy import MoEPolicy
 from moe.presets import MoEPreset, get_preset
@@ -83,8 +85,6 @@ def resolve_preset(cfg: RunConfig, vocab_size: int) -> MoEPreset:
     set; model.max_seq_len if set."""
     tp = cfg.model.tp
     if cfg.model.hf_path:
-        from moe.hf.config import preset_from_hf
-
         preset = preset_from_hf(cfg.model.hf_path)
         preset = preset.with_vocab(max(preset.vocab_size, vocab_size),
                                    multiple=cfg.model.vocab_multiple * tp)
@@ -102,8 +102,6 @@ def model_max_len(cfg: RunConfig) -> int:
     if cfg.model.max_seq_len:
         return cfg.model.max_seq_len
     if cfg.model.hf_path:
-        from moe.hf.config import preset_from_hf
-
         return preset_from_hf(cfg.model.hf_path).max_seq_len
     return get_preset(cfg.model.preset).max_seq_len
 
@@ -152,8 +150,6 @@ def build_policy(cfg: RunConfig, vocab_size: int, optim: OptimSettings | None,
                              sdpa_attention=cfg.model.attention == "sdpa",
                              inference_graphs=cfg.rollout.engine_graphs)
     if cfg.model.hf_path:
-        from moe.hf.weights import load_hf_weights
-
         try:
             load_hf_weights(policy.model.module, cfg.model.hf_path)  # this rank's shard only
         except (KeyError, ValueError) as e:  # weights that disagree with their config.json
@@ -300,8 +296,6 @@ def check_hf_path(path: str, tp: int = 1, ep: int = 1) -> None:
     """model.hf_path is a local folder with a supported config.json whose model splits tp x ep
     ways (the vocabulary is padded to split): FileNotFoundError (a hub name says so) or
     ConfigError naming the value."""
-    from moe.hf.config import preset_from_hf
-
     try:
         preset = preset_from_hf(path)
         preset.with_vocab(preset.vocab_size, multiple=tp).check_parallel(tp, ep)

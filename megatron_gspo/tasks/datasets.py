@@ -115,7 +115,7 @@ def read_rows(path: str, what: str = "data.train_files") -> Iterator[tuple[str, 
 
 
 def _parquet_rows(path: str) -> Iterator[tuple[str, dict]]:
-    try:
+    try:  # optional dependency (pyarrow): only .parquet files need it
         import pyarrow.parquet as pq
     except ImportError:
         raise MissingDependency(f"reading {path} needs pyarrow: pip install pyarrow (or convert "

@@ -154,7 +154,7 @@ def _math_format(completion: str) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _math_verify():
-    try:
+    try:  # optional dependency ([math] extra): only reward.name=math needs it
         import math_verify
     except ImportError:
         raise MissingDependency("reward 'math' needs the math-verify package: pip install -e "

@@ -22,6 +22,8 @@ import json
 import os
 from typing import Protocol, Sequence
 
+from jinja2 import TemplateError  # installed with torch (and transformers)
+
 from megatron_gspo.errors import ConfigError
 from moe.checks import MissingDependency
 from moe.hf.config import check_local_folder  # noqa: F401 (one hub-name error for both)
@@ -93,7 +95,7 @@ class HFTokenizer:
     """
 
     def __init__(self, path: str) -> None:
-        try:
+        try:  # optional dependency ([hf] extra) and a heavy import: only tokenizer folders need it
             from transformers import AutoTokenizer
         except ImportError:
             raise MissingDependency(f"tokenizer folder {path} needs transformers: pip install -e "
@@ -144,8 +146,6 @@ class HFTokenizer:
     def apply_chat_template(self, messages: list[dict]) -> str | None:
         """ValueError when the template rejects the messages (its raise_exception, e.g. 'System
         role not supported' or roles that do not alternate)."""
-        from jinja2 import TemplateError  # transformers' dependency
-
         if not self.hf.chat_template:
             return None
         try:
