@@ -49,48 +49,15 @@ import sys
 
 import numpy as np
 
-from megatron_gspo.run.metrics import read_jsonl
 from bench import result_table
+from megatron_gspo.run.metrics import METRICS_FILE, read_metrics
 
-METRICS_FILE = "metrics.jsonl"
 LAYER_RE = re.compile(r"^moe/flip_rate/layer_(\d+)$")
 SEED_RE = re.compile(r"^(.+?)[_-](?:s|seed)\d+$")
 FIG_KW = dict(figsize=(6, 4), dpi=90)
 
 
 # ----------------------------------------------------------------------------- loading
-
-def _number(v) -> float | None:
-    """A finite float, or None for missing/"nan"/"inf"/non-numeric values."""
-    if isinstance(v, bool):
-        return None
-    if isinstance(v, str):
-        try:
-            v = float(v)
-        except ValueError:
-            return None
-    if not isinstance(v, (int, float)) or not math.isfinite(v):
-        return None
-    return float(v)
-
-
-def read_metrics(path: str) -> dict[str, dict[int, float]]:
-    """Read one metrics.jsonl (`read_jsonl`: a malformed final line, a crash mid-write, is
-    skipped) into {key: {step: value}}. Records without a numeric `step` are skipped."""
-    out: dict[str, dict[int, float]] = {}
-    for i, rec in enumerate(read_jsonl(path), 1):
-        if not isinstance(rec, dict):
-            raise ValueError(f"expected a JSON object as record {i} of {path}, "
-                             f"got {type(rec).__name__}")
-        step = _number(rec.get("step"))
-        if step is None:
-            continue
-        for k, v in rec.items():
-            x = _number(v)
-            if k != "step" and x is not None:
-                out.setdefault(k, {})[int(step)] = x
-    return out
-
 
 def _metrics_path(d: str) -> str:
     path = d if os.path.isfile(d) else os.path.join(d, METRICS_FILE)

@@ -12,7 +12,8 @@ Tensors and numpy scalars become Python numbers; non-finite floats are written a
 append mode, so a resumed run keeps earlier lines. Only rank 0 logs: construct with
 enabled=False elsewhere and every method is a no-op.
 
-`Timer` collects wall-clock section durations as `time/<section>` metrics.
+`read_jsonl` reads the rows back, `read_metrics` as one {step: value} series per key; `Timer`
+collects wall-clock section durations as `time/<section>` metrics.
 """
 
 from __future__ import annotations
@@ -224,6 +225,40 @@ def read_jsonl(path: str) -> list[dict]:
                 break
             raise ValueError(f"malformed JSON at {path}:{i}: {e}") from None
     return records
+
+
+def _number(v) -> float | None:
+    """A finite float, or None for missing/"nan"/"inf"/non-numeric values."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, str):
+        try:
+            v = float(v)
+        except ValueError:
+            return None
+    if not isinstance(v, (int, float)) or not math.isfinite(v):
+        return None
+    return float(v)
+
+
+def read_metrics(path: str) -> dict[str, dict[int, float]]:
+    """Read one metrics.jsonl (`read_jsonl`: a malformed final line, a crash mid-write, is
+    skipped) into {key: {step: value}}, the series `tools.plot_run` and the experiments' reports
+    draw: missing, "nan" / "inf" and non-numeric values are left out, and so are records
+    without a numeric `step`."""
+    out: dict[str, dict[int, float]] = {}
+    for i, rec in enumerate(read_jsonl(path), 1):
+        if not isinstance(rec, dict):
+            raise ValueError(f"expected a JSON object as record {i} of {path}, "
+                             f"got {type(rec).__name__}")
+        step = _number(rec.get("step"))
+        if step is None:
+            continue
+        for k, v in rec.items():
+            x = _number(v)
+            if k != "step" and x is not None:
+                out.setdefault(k, {})[int(step)] = x
+    return out
 
 
 class Timer:
