@@ -1,7 +1,8 @@
 """megatron_gspo.cli: argument order, exit statuses and what a finished command prints.
 
 The command itself (`cli.run`, `megatron_gspo.run.export.export_run`) is replaced by a stub here; the
-real runs behind the CLI are exercised in test_faults.py, jobs/test_rl.py and test_hf_run.py."""
+real runs behind the CLI are exercised in test_faults.py, jobs/test_rl.py, test_hf_run.py and
+run/test_export.py."""
 
 import json
 import signal

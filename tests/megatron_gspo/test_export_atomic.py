@@ -14,7 +14,7 @@ import pytest
 from megatron_gspo.run import export as export_mod
 from megatron_gspo.cli import main as cli_main
 from tests.hf_fixtures import make_model
-from tests.megatron_gspo.test_hf_run import run_config, save_run
+from tests.megatron_gspo.hf_runs import run_config, save_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 

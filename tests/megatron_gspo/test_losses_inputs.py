@@ -1,5 +1,5 @@
-"""Policy losses: config validation, the registry, input validation, what gets no gradient and
-the clamp's both sides (guards found by a mutation pass; the math is in test_losses.py)."""
+"""Policy losses: config defaults and validation, the registry, input validation, what gets no
+gradient and the clamp's both sides (the math is in test_losses.py)."""
 
 import math
 
@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from megatron_gspo.algo import losses
-from megatron_gspo.algo.losses import (PolicyLossConfig, clip_range, get_policy_loss,
-                                       policy_loss, register_policy_loss)
+from megatron_gspo.algo.losses import (POLICY_LOSSES, PolicyLossConfig, clip_range,
+                                       get_policy_loss, policy_loss, register_policy_loss)
 from megatron_gspo.config.schema import load_config
 from megatron_gspo.errors import ConfigError, UnknownName
 from megatron_gspo.run.names import check_names
+from tests.megatron_gspo.test_losses import random_batch
 
 NAMES = ("gspo", "gspo_token", "grpo")
 D = torch.float64
@@ -27,6 +28,38 @@ def small_batch():
 
 
 # ----------------------------------------------------------------------------- config / registry
+
+
+def test_config_defaults_validation_and_registry():
+    assert sorted(POLICY_LOSSES) == ["grpo", "gspo", "gspo_token"]
+    for name, lo, hi in (("gspo", 3e-4, 4e-4), ("gspo_token", 3e-4, 4e-4), ("grpo", 0.2, 0.27)):
+        cfg = PolicyLossConfig(name)
+        assert (*clip_range(cfg), cfg.kl_coef, cfg.max_log_ratio) == (lo, hi, 0.0, 20.0)
+        assert (cfg.eps_low, cfg.eps_high) == (None, None)  # the default is derived, not stored
+    assert PolicyLossConfig().name == "gspo"
+    cfg = PolicyLossConfig("grpo", eps_low=0.1, eps_high=0.0)
+    assert (cfg.eps_low, cfg.eps_high) == (0.1, 0.0) == clip_range(cfg)
+    for field, value in (("eps_low", -0.1), ("eps_low", 1.0), ("eps_high", -1e-3),
+                         ("kl_coef", -1.0), ("max_log_ratio", 0.0), ("max_log_ratio", math.nan),
+                         ("eps_high", math.inf)):
+        with pytest.raises(ValueError, match=f"^loss.{field}="):
+            PolicyLossConfig("gspo", **{field: value})
+    for call in (lambda: get_policy_loss("ppo"), lambda: clip_range(PolicyLossConfig("ppo"))):
+        with pytest.raises(KeyError, match=r"'ppo'.*\['grpo', 'gspo', 'gspo_token'\]"):
+            call()
+    with pytest.raises(AttributeError):
+        cfg.eps_low = 0.5  # frozen
+
+
+def test_policy_loss_dispatches_on_name():
+    logp, old, adv, mask = random_batch(6, scale=0.05)
+    for name in NAMES:
+        cfg = PolicyLossConfig(name)
+        a, ma = policy_loss(logp, old, adv, mask, cfg)
+        b, mb = get_policy_loss(name)(logp, old, adv, mask, cfg)
+        assert a.item() == b.item() and ma == mb
+    assert policy_loss(logp, old, adv, mask, PolicyLossConfig("grpo"))[0].item() != \
+        policy_loss(logp, old, adv, mask, PolicyLossConfig("gspo"))[0].item()
 
 
 def test_config_accepts_zero_eps_low_and_rejects_non_numbers():
