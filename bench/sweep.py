@@ -39,6 +39,7 @@ import subprocess
 import sys
 
 from bench.result_table import add_readme_args
+from bench.throughput_table import model_tflops
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -98,8 +99,6 @@ def ratios(res: dict) -> dict:
 
 def ours_table(points: list, peak_tflops: float | None) -> str:
     """Ours alone (`--skip-trl`): best-iteration rates, train model TFLOP/s, MFU, flip cost."""
-    from bench.throughput import model_tflops  # torch: not at the driver's start-up
-
     head = ["batch (seqs)", "length", "rollout tok/s", "train tok/s", "train model TFLOP/s",
             "MFU %", "flip cost"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

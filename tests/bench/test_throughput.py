@@ -7,6 +7,7 @@ import importlib.util
 import pytest
 
 from bench import throughput as bench
+from bench import throughput_table
 
 
 def side(rollout_tps, train_tps, rollout_s, sync_s=0.0):
@@ -27,7 +28,7 @@ def test_with_vllm_switches_every_side_to_the_head_dim_32_preset():
 
 
 def test_two_sides_table_is_unchanged_without_vllm():
-    text = bench.format_table(side(100.0, 300.0, 1.0), side(50.0, 150.0, 2.0), None)
+    text = throughput_table.format_table(side(100.0, 300.0, 1.0), side(50.0, 150.0, 2.0), None)
     lines = text.splitlines()
     assert lines[0] == ("| metric (median per iteration) | ours (megatron-core) | "
                         "TRL GRPOTrainer | ours/TRL |")
@@ -38,7 +39,7 @@ def test_two_sides_table_is_unchanged_without_vllm():
 
 
 def test_three_sides_with_every_ratio():
-    text = bench.format_table(side(100.0, 300.0, 1.0), side(50.0, 150.0, 2.0), None,
+    text = throughput_table.format_table(side(100.0, 300.0, 1.0), side(50.0, 150.0, 2.0), None,
                               vllm=side(80.0, 300.0, 1.25, sync_s=0.25), with_vllm=True)
     assert ("| metric (median per iteration) | ours (megatron-core, lean decoder) | "
             "ours + vLLM rollouts | TRL GRPOTrainer | ours/TRL | vLLM/TRL | vLLM/ours |") in text
@@ -49,7 +50,7 @@ def test_three_sides_with_every_ratio():
 
 
 def test_a_skipped_side_says_why_and_drops_its_ratios():
-    text = bench.format_table(side(100.0, 300.0, 1.0), None, "--skip-trl", vllm=None,
+    text = throughput_table.format_table(side(100.0, 300.0, 1.0), None, "--skip-trl", vllm=None,
                               vllm_skip="rollout.backend=vllm needs vLLM", with_vllm=True)
     assert "| rollout tokens/s | 100.0 | skipped | skipped | - | - | - |" in text
     assert "TRL skipped: --skip-trl" in text
