@@ -19,7 +19,7 @@ two runs' numbers divided. Columns:
   flip cost        ours train seconds with flip_every=1 / without (1 = free)
 
 `--skip-trl`: ours alone (TRL optional on a GPU): rollout and train tokens/s, train model
-TFLOP/s (`bench.throughput.model_flops_line`), MFU with `--peak-tflops`, flip cost; no figure.
+TFLOP/s (`bench.throughput_table.model_flops_line`), MFU with `--peak-tflops`, flip cost; no figure.
 
 Writes OUT/sweep.md (the table, with date, machine and versions), OUT/sweep.json (every
 summary) and OUT/sweep.png (the ratios vs length). sweep.md, sweep.json and the `--readme`

@@ -68,7 +68,7 @@ def test_main_writes_the_table_between_the_readme_markers(tmp_path, monkeypatch)
 def test_ours_alone_gives_model_tflops_and_mfu():
     """--skip-trl (a GPU sweep): no TRL ratios; train model TFLOP/s = best train tokens/s x
     FLOPs per token, MFU against --peak-tflops."""
-    from bench.throughput import model_flops_line
+    from bench.throughput_table import model_flops_line
 
     res = {"ours": summary(100.0, 2000.0, 0.5, 2.0), "trl": None,
            "flip": summary(100.0, 1500.0, 0.5, 3.0), "train_flops_per_token": 3_000_000_000}
