@@ -56,8 +56,6 @@ ARMS = ("gspo", "grpo", "grpo_r2", "grpo_r3", "grpo_fp32", "grpo_lean")
 """The four arms with a bfloat16 engine, then two controls without its mismatch."""
 LABELS = {"gspo": "GSPO", "grpo": "GRPO", "grpo_r2": "GRPO + R2", "grpo_r3": "GRPO + R3",
           "grpo_fp32": "GRPO, fp32 engine", "grpo_lean": "GRPO, our decoder"}
-BF16_PROBE_TOL = 30.0
-"""`rollout.push_check_tol` of the bfloat16 measurements, as in gspo.yaml (see there)."""
 R3_PAPER = {"routers": 0.10, "any_layer": 0.94}
 """The R3 paper's (arXiv 2510.11370) engine-vs-trainer figures on Qwen3-30B-A3B (48 MoE layers,
 SGLang vs Megatron, bf16): ~10% of routers, 94% of tokens in at least one layer."""
@@ -136,7 +134,6 @@ def measure_job(lay: Layout, shape: str, init: str, dtype: str, steps: int | Non
         [f"init_checkpoint={os.path.relpath(lay.sft_dir(shape), ROOT)}"]
     wall = py(["megatron_gspo.cli", "train", "--config", os.path.join(HERE, "measure.yaml"),
                f"model.preset={shape}", f"rollout.engine_dtype={dtype}",
-               *([f"rollout.push_check_tol={BF16_PROBE_TOL}"] if dtype == "bf16" else []),
                *init_args,
                f"run_dir={os.path.relpath(run_dir, ROOT)}", "resume=false",
                *([f"train.steps={steps}"] if steps else []), *extra],

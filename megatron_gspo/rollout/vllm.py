@@ -9,13 +9,16 @@ config.json with the vocabulary cut to the tokenizer's), with random weights at 
 push (`MoEPolicy.version`: an optimizer step, a checkpoint load), it streams them to the engine
 one tensor at a time (`moe.sharding.iter_full_params`: gathered over TP / EP on every rank,
 never the whole model at once), named as Hugging Face names by `moe.hf.mapping`. After each
-push a guard scores a fixed probe sequence with both engine and trainer: log-probs further
-apart than `rollout.push_check_tol` stop the run in one line before anything is sampled from
-wrong weights. The engine records each MoE layer's top-k per token (`capture_routing`): R3
+push a guard has the engine continue a fixed prompt greedily and scores the continuation with
+both engine and trainer: a mean |log-prob difference| above `rollout.push_check_tol` stops the
+run in one line before anything is sampled from wrong weights. The continuation is the engine's
+own likeliest tokens, where a correct bfloat16 engine stays within hundredths of a nat of the
+trainer; on random tokens (an earlier probe) bfloat16's error grew to several nats as training
+sharpened the model (experiments/engine_mismatch), the size of a stale push's error. The engine records each MoE layer's top-k per token (`capture_routing`): R3
 replays the engine's routing, and the trainer logs the engine-vs-trainer mismatch per layer.
 
 `metrics` after a sample: `time/weight_sync` (seconds of the last push, 0 without one) and
-`rollout/push_probe_diff` (the guard's largest |log-prob difference|).
+`rollout/push_probe_diff` (the guard's mean |log-prob difference|).
 
 Departures: the engine's precision is `rollout.engine_dtype` (default: the model's); one engine
 per data-parallel rank, each sampling its own prompts; vLLM's own seeded draws (per request,
@@ -36,10 +39,11 @@ from megatron_gspo.rollout.sampler import Samples, SamplingParams, register_samp
 from moe.engine import to_batch
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
-CHECK_TOL = {"float32": 1e-4, "bfloat16": 0.25}
-"""Default `rollout.push_check_tol` by engine dtype: a stale or mis-packed weight moves the
-probe's log-probs by nats (docs/vllm.md), float32 parity is ~1e-5, bfloat16 rounding ~0.1."""
-PROBE_LEN = 16
+CHECK_TOL = {"float32": 1e-4, "bfloat16": 0.1}
+"""Default `rollout.push_check_tol` by engine dtype: a mis-packed or stale push moves
+log-probs by nats (docs/vllm.md), float32 parity is ~1e-6 on average, bfloat16 rounding on the
+engine's likeliest tokens hundredths."""
+PROBE_PROMPT, PROBE_NEW = 8, 8
 
 
 class VLLMSampler:
@@ -65,7 +69,7 @@ class VLLMSampler:
             raise ConfigError(f"rollout.backend=vllm: the engine did not start: "
                               f"{type(e).__name__}: {str(e).splitlines()[0][:300]}") from None
         g = torch.Generator().manual_seed(cfg.seed)
-        self.probe = torch.randint(0, tokenizer.vocab_size, (PROBE_LEN,), generator=g).tolist()
+        self.probe = torch.randint(0, tokenizer.vocab_size, (PROBE_PROMPT,), generator=g).tolist()
         self.pushed = None  # the policy version the engine holds
         self.metrics: dict[str, float] = {}
 
@@ -105,23 +109,27 @@ class VLLMSampler:
         if not diff <= self.tol:
             raise ConfigError(f"rollout.backend=vllm: after pushing the weights (version "
                               f"{self.policy.version}) the engine's log-probs of a probe "
-                              f"sequence differ from the trainer's by {diff:.3g} > "
+                              f"sequence differ from the trainer's by {diff:.3g} on average > "
                               f"rollout.push_check_tol={self.tol:g}: stopping before sampling "
                               "from wrong weights")
         self.pushed = self.policy.version
 
     @torch.no_grad()
     def probe_diff(self) -> float:
-        """max |engine - trainer| log-prob of the probe's tokens (temperature 1)."""
-        ids_1T = torch.tensor([self.probe])
+        """mean |engine - trainer| log-prob (temperature 1) of the engine's greedy continuation
+        of the probe prompt."""
+        P = len(self.probe)
+        seq = self.probe + self.engine.generate([self.probe], greedy=True,
+                                                max_new_tokens=PROBE_NEW)[0].tokens
+        ids_1T = torch.tensor([seq])
         was = self.policy.model.training
         self.policy.train(False)
         try:
             ours = self.policy.token_logprobs(ids_1T, torch.ones_like(ids_1T, dtype=torch.bool))
         finally:
             self.policy.train(was)
-        theirs = torch.tensor(self.engine.logprobs_of(self.probe))
-        return float((ours[0, 1:].cpu().double() - theirs.double()).abs().max())
+        theirs = torch.tensor(self.engine.logprobs_of(seq)[P - 1:])
+        return float((ours[0, P:].cpu().double() - theirs.double()).abs().mean())
 
 
 def write_config(folder: str, policy, cfg) -> dict:

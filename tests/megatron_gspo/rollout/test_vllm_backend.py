@@ -92,11 +92,11 @@ def test_weights_the_engine_did_not_get_stop_the_run_before_sampling(tmp_path, h
     pushes, calls = [], []
     sampler.engine.push_weights = lambda stream: pushes.append(sum(1 for _ in stream)) or 0
     real = sampler.engine.generate
-    sampler.engine.generate = lambda *a, **k: calls.append(1) or real(*a, **k)
-    with pytest.raises(ConfigError, match=r"probe sequence differ from the trainer's by .* > "
-                                          r"rollout.push_check_tol=0.0001"):
+    sampler.engine.generate = lambda *a, **k: calls.append(k.get("greedy")) or real(*a, **k)
+    with pytest.raises(ConfigError, match=r"probe sequence differ from the trainer's by .* on "
+                                          r"average > rollout.push_check_tol=0.0001"):
         trainer.rollout(1)
-    assert pushes and pushes[0] > 0 and not calls
+    assert pushes and pushes[0] > 0 and calls == [True]  # the probe's continuation, no rollout
     trainer.rt.close()
 
 
