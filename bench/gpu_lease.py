@@ -60,10 +60,13 @@ def build(args, max_len: int, optim: bool, inference_graphs: bool = False):
     return policy, p
 
 
-def train_step(policy, tokens_BT, valid_BT) -> None:
+def train_step(policy, tokens_BT, valid_BT, micro: int = 1) -> None:
+    """One optimizer step over `micro` microbatches (the same tokens each time: timing only),
+    their gradients accumulated in megatron's grad buffer as the RL and SFT steps do."""
     policy.zero_grad()
-    logp_BT = policy.token_logprobs(tokens_BT, valid_BT)
-    policy.backward(-logp_BT[:, 1:].mean())
+    for _ in range(micro):
+        logp_BT = policy.token_logprobs(tokens_BT, valid_BT)
+        policy.backward(-logp_BT[:, 1:].mean() / micro)
     policy.step()
 
 
@@ -86,25 +89,28 @@ def matmul_params(p) -> int:
 
 
 def stage_train(args) -> dict:
+    """Rows at every length with one microbatch per optimizer step, then at the first length
+    with each `--micro` count above one (the optimizer's fixed cost spread over more tokens)."""
     lengths = [int(x) for x in args.lengths.split(",")]
+    micros = [int(x) for x in args.micro.split(",")]
     policy, p = build(args, max(lengths), optim=True)
     rows = []
-    for T in lengths:
+    for T, M in [(T, 1) for T in lengths] + [(lengths[0], M) for M in micros if M > 1]:
         B = max(1, args.tokens // T)
         tokens_BT = torch.randint(0, p.vocab_size, (B, T), device=DEVICE)
         valid_BT = torch.ones(B, T, dtype=torch.bool, device=DEVICE)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         try:
-            s = timed(lambda: train_step(policy, tokens_BT, valid_BT), args.iterations,
+            s = timed(lambda: train_step(policy, tokens_BT, valid_BT, M), args.iterations,
                       args.warmup)
         except torch.OutOfMemoryError as e:
-            rows.append({"B": B, "T": T, "error": str(e).splitlines()[0]})
+            rows.append({"B": B, "T": T, "micro": M, "error": str(e).splitlines()[0]})
             continue
-        n = B * T
+        n = M * B * T
         flops_6n = 6 * matmul_params(p) * n
         flops_attn = 3 * p.flops_per_token(T) * n
-        rows.append({"B": B, "T": T, "step_s": s, "tokens_per_s": n / s,
+        rows.append({"B": B, "T": T, "micro": M, "step_s": s, "tokens_per_s": n / s,
                      "mfu": flops_6n / s / (PEAK_TFLOPS * 1e12),
                      "mfu_attn": flops_attn / s / (PEAK_TFLOPS * 1e12),
                      "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30
@@ -127,7 +133,8 @@ def profile_step(policy, tokens_BT, valid_BT, top: int) -> dict:
     for _ in range(2):
         train_step(policy, tokens_BT, valid_BT)
     sync()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 record_shapes=True) as prof:
         train_step(policy, tokens_BT, valid_BT)
         sync()
     # torch ops only, each credited with the kernels it launched itself (`self_device_time`):
@@ -138,8 +145,13 @@ def profile_step(policy, tokens_BT, valid_BT, top: int) -> dict:
     ranked = sorted(ops, key=lambda e: e.self_device_time_total, reverse=True)[:top]
     rows = [{"op": e.key[:60], "calls": e.count, "gpu_ms": e.self_device_time_total / 1e3,
              "share": e.self_device_time_total / total} for e in ranked]
+    copies = sorted((e for e in prof.key_averages(group_by_input_shape=True)
+                     if e.key == "aten::copy_"), key=lambda e: e.self_device_time_total,
+                    reverse=True)[:top // 2]
     return {"B": tokens_BT.shape[0], "T": tokens_BT.shape[1], "gpu_ms_total": total / 1e3,
-            "rows": rows}
+            "rows": rows, "copies": [{"shapes": str(e.input_shapes)[:120], "calls": e.count,
+                                      "gpu_ms": e.self_device_time_total / 1e3}
+                                     for e in copies]}
 
 
 class _NoStopTokenizer:
@@ -257,9 +269,10 @@ def stage_rollout(args, save) -> dict:
 
 def _train_lines(r: dict) -> list[str]:
     lines = [f"{r['layers']} layers, {r['matmul_params'] / 1e6:.0f} M matmul parameters per "
-             "token\n", "| B x T | step s | tokens/s | MFU (6N) | MFU with attention | "
+             "token; M microbatches of B x T tokens per optimizer step\n",
+             "| M x B x T | step s | tokens/s | MFU (6N) | MFU with attention | "
              "peak GiB |", "| --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {x['B']} x {x['T']} | " + (f"{x['error']} |" if "error" in x else
+    lines += [f"| {x.get('micro', 1)} x {x['B']} x {x['T']} | " + (f"{x['error']} |" if "error" in x else
               f"{x['step_s']:.3f} | {x['tokens_per_s']:,.0f} | {x['mfu']:.1%} | "
               f"{x['mfu_attn']:.1%} | {x['peak_gib']:.1f} |") for x in r["rows"]]
     if "profile" in r:
@@ -269,6 +282,11 @@ def _train_lines(r: dict) -> list[str]:
                   "| --- | --- | --- | --- |"]
         lines += [f"| `{x['op']}` | {x['calls']} | {x['gpu_ms']:.1f} | {x['share']:.1%} |"
                   for x in pr["rows"]]
+        if pr.get("copies"):
+            lines += ["", "`aten::copy_` by input shapes\n", "| shapes | calls | GPU ms |",
+                      "| --- | --- | --- |"]
+            lines += [f"| `{x['shapes']}` | {x['calls']} | {x['gpu_ms']:.1f} |"
+                      for x in pr["copies"]]
     return lines
 
 
@@ -303,7 +321,9 @@ def _rollout_lines(r: dict) -> list[str]:
 def report(out_dir: str) -> str:
     """Markdown of every stage JSON in `out_dir` (train.json, rollout.json)."""
     lines = []
-    for name, render in (("train", _train_lines), ("rollout", _rollout_lines)):
+    extra = sorted(os.path.basename(f)[:-5] for f in glob.glob(os.path.join(out_dir, "train_*.json")))
+    for name, render in [("train", _train_lines), *[(n, _train_lines) for n in extra],
+                         ("rollout", _rollout_lines)]:
         path = os.path.join(out_dir, name + ".json")
         if not os.path.exists(path):
             lines += [f"### {name}\n", "not run\n"]
@@ -320,12 +340,16 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("stage", choices=["train", "rollout", "report"])
     ap.add_argument("--out", required=True, help="folder for <stage>.json and README.md")
+    ap.add_argument("--name", default=None, help="the result's file name (DIR/<name>.json; "
+                    "default: the stage's); the report renders every train*.json")
     ap.add_argument("--preset", default="qwen3-30b-a3b", help="model preset (CPU dry runs: a "
                     "tiny one)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lengths", default="1024,2048,4096", help="train: sequence lengths")
     ap.add_argument("--tokens", type=int, default=8192, help="train: tokens per step")
+    ap.add_argument("--micro", default="1,4", help="train: microbatches per optimizer step "
+                    "(counts above one at the first length only)")
     ap.add_argument("--iterations", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--top", type=int, default=12, help="train: profile rows (0: no profile)")
@@ -350,7 +374,7 @@ def main(argv=None) -> int:
         with open(os.path.join(args.out, "README.md"), "w") as f:
             f.write(report(args.out))
         return 0
-    path = os.path.join(args.out, args.stage + ".json")
+    path = os.path.join(args.out, (args.name or args.stage) + ".json")
 
     def save(result: dict) -> None:
         with open(path, "w") as f:

@@ -53,8 +53,6 @@ from experiments.engine_mismatch.report import load_results, report
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
-BF16_PROBE_TOL = 30.0
-"""`rollout.push_check_tol` of the bfloat16 measurements, as in gspo.yaml (see there)."""
 
 
 # ----------------------------------------------------------------------------- runs
@@ -130,7 +128,6 @@ def measure_job(lay: Layout, shape: str, init: str, dtype: str, steps: int | Non
         [f"init_checkpoint={os.path.relpath(lay.sft_dir(shape), ROOT)}"]
     wall = py(["megatron_gspo.cli", "train", "--config", os.path.join(HERE, "measure.yaml"),
                f"model.preset={shape}", f"rollout.engine_dtype={dtype}",
-               *([f"rollout.push_check_tol={BF16_PROBE_TOL}"] if dtype == "bf16" else []),
                *init_args,
                f"run_dir={os.path.relpath(run_dir, ROOT)}", "resume=false",
                *([f"train.steps={steps}"] if steps else []), *extra],

@@ -32,6 +32,10 @@ GPU machine's Python 3.12):
     cp $OUT/*.json $OUT/env.txt $OUT/tests.log experiments/gpu/results/
     python -m experiments.gpu.report            # this README
 
+The 4-layer table, where a lease has time for it (same set-up; `results/train_l4.json`):
+
+    python -m bench.gpu_lease train --out $OUT --layers 4 --name train_l4 --lengths 1024,4096
+
 """
 
 
@@ -53,7 +57,7 @@ def verdicts(train, rollout) -> list[str]:
             top = ", ".join(f"`{r['op']}` {r['share']:.0%}"
                             for r in train.get("profile", {}).get("rows", [])[:3])
             out.append(f"- Train MFU goal ({GOAL_MFU:.0%}): {ok}; best {best['mfu']:.1%} at "
-                       f"{best['B']} x {best['T']}. Top three GPU costs of a step: {top}.")
+                       f"{best.get('micro', 1)} x {best['B']} x {best['T']} (microbatches x B x T). Top three GPU costs of a step: {top}.")
     if rollout and "backends" in rollout:
         b = rollout["backends"]
         lean = b.get("lean", {}).get("tokens_per_s")
@@ -77,12 +81,18 @@ def render() -> str:
               if not line.startswith("gpu ")]
     if tests:
         summary = [line for line in tests.splitlines() if " passed" in line or " failed" in line]
-        where = tests.splitlines()[0].rsplit("(", 1)[-1].rstrip(")") if "(" in tests else "?"
+        # the tests ran in the lease that wrote env.txt: its `gpu` line names the device
+        where = next((line[4:] for line in (env or "").splitlines()
+                      if line.startswith("gpu ")), "?")
         lines += ["", f"GPU tests (`make test-gpu`, on the {where}): "
                       f"{summary[-1] if summary else 'no summary'}"]
     lines += ["", "## Goals", "", *verdicts(train, rollout), ""]
+    deeper = read("train_l4.json")
     for name, r, render_fn in (("Train step", train, _train_lines),
+                               ("Train step, 4 layers", deeper, _train_lines),
                                ("Rollouts", rollout, _rollout_lines)):
+        if r is None and name.endswith("layers"):
+            continue
         lines += [f"## {name}" + (f" ({r.get('device', '?')})" if r else ""), ""]
         if r is None:
             lines.append("not run")
@@ -98,7 +108,19 @@ def render() -> str:
               "machine's CUDA 13 torch. The mismatch tables compare, on the same sampled tokens, "
               "the sampler's routing and log-probs with the trainer's full-sequence bf16 "
               "recompute: what R3 (`train.routing_replay=r3`) replays away. The last token of "
-              "each row is left out (its routing is never computed by a sampler).", ""]
+              "each row is left out (its routing is never computed by a sampler).", "",
+              "Where the train step's time goes (the profile tables): at two layers the output "
+              "layer holds most of the matmul parameters, so the vocabulary's log-softmax "
+              "(float32 copies of [B, T, 151,936] logits, `moe.logprobs`) weighs as much as the "
+              "layers; with more layers the per-expert costs grow instead: megatron's "
+              "`SequentialMLP` keeps each expert's weights as separate parameters, so every "
+              "step stacks them for `_grouped_mm` in the forward and again in the backward "
+              "(`moe.experts`), adds each expert's grad on its own, and the optimizer clips and "
+              "copies them one by one (`aten::copy_`, `aten::add_`, "
+              "`aten::linalg_vector_norm` by the thousand). Microbatches (`M` > 1) spread the "
+              "optimizer's fixed cost; one stacked parameter per expert weight (the layout of "
+              "megatron's `GroupedMLP` / `TEGroupedMLP`) would remove the per-expert copies.",
+              ""]
     return "\n".join(lines)
 
 

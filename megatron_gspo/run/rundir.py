@@ -33,11 +33,13 @@ import json
 import os
 import shutil
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch.distributed as dist
 
+from megatron_gspo.algo.losses import clip_range
 from megatron_gspo.config.schema import RunConfig, config_to_dict
-from megatron_gspo.errors import RunDirError
+from megatron_gspo.errors import RunDirError, UserError
 from megatron_gspo.run.checkpoint import atomic_write
 from megatron_gspo.run.inputs import changed_inputs
 
@@ -48,7 +50,8 @@ NON_SEMANTIC = ("run_dir", "resume", "wandb", "train.steps", "train.eval_every",
                 "train.save_every", "train.keep_checkpoints", "train.log_every",
                 "train.flip_every", "sft.steps", "sft.eval_every", "sft.target_accuracy",
                 "train.start_accuracy", "model.dist_timeout_min", "train.logprob_max_tokens",
-                "model.recompute_granularity", "model.recompute_modules")
+                "model.recompute_granularity", "model.recompute_modules",
+                "rollout.push_check_tol", "rollout.engine_kv_cache_gb")
 # Sections a job does not read, so they may differ too.
 UNUSED_BY_JOB = {"train": ("sft",), "sft": ("train", "loss", "rollout")}
 # The parallel layout: a checkpoint reshards over it (moe.dist_ckpt), so a resume may change it,
@@ -79,9 +82,24 @@ def _kept(flat: dict, skip: tuple) -> dict:
 
 def semantic_config(config: dict, job: str) -> dict:
     """The dotted keys of `config` that define the run (see NON_SEMANTIC / UNUSED_BY_JOB /
-    LAYOUT)."""
-    kept = _kept(_flatten(config), _skipped(config, job))
+    LAYOUT), a None clip range as the number it means (`_resolved`)."""
+    kept = _resolved(_kept(_flatten(config), _skipped(config, job)))
     return json.loads(json.dumps(kept, default=str))  # as run.json holds it (tuples -> lists)
+
+
+def _resolved(flat: dict) -> dict:
+    """`loss.eps_low` / `loss.eps_high` None as the loss's paper default (`clip_range`): the
+    same run whether the config spells the default or leaves it None, and the number run.json
+    files recorded before the config kept None."""
+    if "loss.name" not in flat or not ({"loss.eps_low", "loss.eps_high"} <= set(flat)):
+        return flat
+    loss = SimpleNamespace(name=flat["loss.name"], eps_low=flat["loss.eps_low"],
+                           eps_high=flat["loss.eps_high"])
+    try:
+        flat["loss.eps_low"], flat["loss.eps_high"] = clip_range(loss)
+    except UserError:  # an unknown loss: set-up says so in its own words
+        pass
+    return flat
 
 
 def fingerprint(semantic: dict) -> str:

@@ -22,13 +22,15 @@ def test_rollout_and_train_stages_write_what_the_report_renders(tmp_path, single
     assert lean["tokens_per_s"] > 0 and len(lean["vs_trainer"]["set"]) == 2
     assert "CUDA" in r["backends"]["megatron_engine"]["error"]
     assert gpu_lease.main(["train", "--out", out, *TINY, "--lengths", "8,16", "--tokens", "16",
-                           "--iterations", "1", "--warmup", "0", "--top", "3"]) == 0
+                           "--iterations", "1", "--warmup", "0", "--top", "4", "--micro", "1,3"]) == 0
     t = json.loads((tmp_path / "train.json").read_text())
-    assert [(x["B"], x["T"]) for x in t["rows"]] == [(2, 8), (1, 16)]
-    assert len(t["profile"]["rows"]) == 3
+    assert [(x["micro"], x["B"], x["T"]) for x in t["rows"]] == [(1, 2, 8), (1, 1, 16),
+                                                                   (3, 2, 8)]
+    assert t["rows"][2]["tokens_per_s"] == pytest.approx(48 / t["rows"][2]["step_s"])
+    assert len(t["profile"]["rows"]) == 4 and len(t["profile"]["copies"]) == 2
     assert gpu_lease.main(["report", "--out", out]) == 0
     text = (tmp_path / "README.md").read_text()
-    assert "| 2 x 8 |" in text and "| lean |" in text and "megatron_engine | did not run" in text
+    assert "| 1 x 2 x 8 |" in text and "| 3 x 2 x 8 |" in text and "| lean |" in text and "megatron_engine | did not run" in text
 
 
 def test_unknown_backend_is_refused_naming_it(capsys):

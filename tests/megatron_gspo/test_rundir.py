@@ -61,7 +61,9 @@ CHANGED = {"run_dir": None, "resume": "resume=force", "wandb": "wandb.project=ot
            "model.dist_timeout_min": "model.dist_timeout_min=3",
            "train.logprob_max_tokens": "train.logprob_max_tokens=0",
            "model.recompute_granularity": "model.recompute_granularity=full",
-           "model.recompute_modules": "model.recompute_modules=core_attn"}
+           "model.recompute_modules": "model.recompute_modules=core_attn",
+           "rollout.push_check_tol": "rollout.push_check_tol=30",
+           "rollout.engine_kv_cache_gb": "rollout.engine_kv_cache_gb=2"}
 
 
 def test_every_non_semantic_key_is_listed_here():
@@ -238,3 +240,16 @@ def test_forget_run_keeps_the_record_of_a_run_with_a_checkpoint(tmp_path):
     (tmp_path / "checkpoints" / "step_000001").rmdir()
     forget_run(str(tmp_path), "train")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "sft_config.yaml"]
+
+
+def test_a_record_with_the_paper_clip_range_spelled_out_matches_none():
+    """run.json files written before the config kept a None clip range hold the paper's numbers;
+    the same run's config now says None: not a changed run (and a changed range still is)."""
+    from megatron_gspo.config.schema import config_to_dict, load_config
+    from megatron_gspo.run.rundir import differing_keys, semantic_config
+
+    new = semantic_config(config_to_dict(load_config(None, ["loss.name=gspo"])), "train")
+    old = dict(new, **{"loss.eps_low": 0.0003, "loss.eps_high": 0.0004})
+    assert differing_keys(old, new) == []
+    moved = semantic_config(config_to_dict(load_config(None, ["loss.eps_low=0.001"])), "train")
+    assert differing_keys(old, moved) == ["loss.eps_low: 0.0003 -> 0.001"]
