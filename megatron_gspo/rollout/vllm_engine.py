@@ -284,7 +284,7 @@ class VLLMEngine:
             raise RuntimeError(
                 f"vLLM {self.version} on CPU: what a weight reload leaves unpacked was checked "
                 f"for vLLM {', '.join(REPREPACK_VERSIONS)} only (run "
-                "tests/megatron_gspo/test_vllm_engine.py and extend REPREPACK_VERSIONS)")
+                "tests/megatron_gspo/rollout/test_vllm_engine.py and extend REPREPACK_VERSIONS)")
         return True
 
 

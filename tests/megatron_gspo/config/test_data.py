@@ -1,5 +1,5 @@
 """megatron_gspo.config.data: the data / reward / filter sections' defaults and range checks
-(cross-section rules and their messages: tests/megatron_gspo/test_data.py::test_config_rules)."""
+(cross-section rules and their messages: tests/megatron_gspo/tasks/test_data.py::test_config_rules)."""
 
 import pytest
 

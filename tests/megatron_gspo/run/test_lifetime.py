@@ -16,7 +16,7 @@ from megatron_gspo.jobs.sft import SFTJob, SFTState
 from megatron_gspo.run import checkpoint as ckpt
 from megatron_gspo.run import loop, setup
 from megatron_gspo.run.metrics import read_jsonl
-from tests.megatron_gspo.test_faults import TINY, digit_first
+from tests.megatron_gspo.run.test_faults import TINY, digit_first
 
 ARGS = [*TINY, "train.steps=3", "sft.steps=3", "train.eval_every=2", "sft.eval_every=2"]
 JOBS = {"train": (Trainer, "rollout batch", "train.steps", "rollout batches"),

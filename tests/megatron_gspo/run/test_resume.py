@@ -15,7 +15,7 @@ from megatron_gspo import cli as cli_module
 from megatron_gspo.cli import main
 from megatron_gspo.run import checkpoint as ckpt
 from megatron_gspo.run.metrics import read_jsonl
-from tests.megatron_gspo.test_faults import TINY, one_line_error, trainer
+from tests.megatron_gspo.run.test_faults import TINY, one_line_error, trainer
 
 
 def _digests(root) -> dict:

@@ -20,7 +20,7 @@ from megatron_gspo.errors import DataError
 from moe.dist_ckpt import files_written_by
 from moe.settings import Recompute
 from tests.hf_fixtures import make_model
-from tests.megatron_gspo.test_rundir import _lock_is_held
+from tests.megatron_gspo.run.test_rundir import _lock_is_held
 
 TP2 = ["model.tp=2", "model.sequence_parallel=true"]
 

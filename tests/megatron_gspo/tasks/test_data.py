@@ -14,7 +14,7 @@ from megatron_gspo.tasks.datasets import (DatasetTask, dataset_splits, freeze, r
 from megatron_gspo.tasks.toy import Example
 from tests.jsonl import write_jsonl
 
-FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "gsm_tiny")
+FIXTURE = os.path.join(os.path.dirname(__file__), "..", "..", "fixtures", "gsm_tiny")
 
 
 class ByteTok:

@@ -9,7 +9,7 @@ import torch
 from megatron_gspo.config.schema import load_config
 from megatron_gspo.run.metrics import read_jsonl
 
-FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "gsm_tiny")
+FIXTURE = os.path.join(os.path.dirname(__file__), "..", "..", "fixtures", "gsm_tiny")
 MAX_NEW = 16
 
 

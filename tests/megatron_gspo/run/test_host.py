@@ -46,7 +46,7 @@ def probe(**env) -> list[str]:
              and k not in ("LD_PRELOAD", "MEGATRON_GSPO_MALLOC", "GLIBC_TUNABLES")}
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
                          check=True, env={**clean, **env},
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
     return out.stdout.split()
 
 

@@ -10,7 +10,7 @@ import pytest
 from megatron_gspo.errors import UserError
 from megatron_gspo.run import metrics
 from megatron_gspo.run.metrics import read_jsonl
-from tests.megatron_gspo.test_faults import TINY, one_line_error
+from tests.megatron_gspo.run.test_faults import TINY, one_line_error
 
 
 def test_a_disk_filling_under_metrics_jsonl_leaves_no_cut_off_row(tmp_path):
@@ -115,7 +115,7 @@ def test_a_signal_during_start_up_exits_quietly_with_128_plus_it(tmp_path, where
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     proc = subprocess.run([sys.executable, "-c", _SIGNAL_DURING, where, str(int(signum)), *TINY,
                            f"run_dir={tmp_path / 'run'}", "train.eval_every=1"],
                           capture_output=True, text=True, timeout=300, cwd=root)

@@ -357,7 +357,7 @@ def test_the_batch_limit_stays_below_the_collective_timeout():
     from megatron_gspo.tasks.tokenizer import load_tokenizer
 
     pytest.importorskip("transformers")
-    fixture = os.path.join(os.path.dirname(__file__), "..", "fixtures", "gsm_tiny")
+    fixture = os.path.join(os.path.dirname(__file__), "..", "..", "fixtures", "gsm_tiny")
     cfg = load_config(None, ["task.name=dataset", f"data.train_files={fixture}/train.jsonl",
                              "reward.name=exact", "model.dist_timeout_min=4"])
     assert build_task(cfg, load_tokenizer(fixture), 512)[0].reward_batch_timeout_s == 120

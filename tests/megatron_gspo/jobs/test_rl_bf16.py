@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from tests.megatron_gspo.test_faults import overwrite_two_floats
+from tests.megatron_gspo.run.test_faults import overwrite_two_floats
 import torch
 
 from megatron_gspo.run.metrics import read_jsonl

@@ -187,7 +187,7 @@ def test_a_tokenizer_without_eos_exits_2_with_one_line(single_process, tmp_path,
     from megatron_gspo.cli import main
 
     folder = _custom_tok(tmp_path / "no_eos")
-    rows = os.path.join(os.path.dirname(__file__), "..", "fixtures", "gsm_tiny", "test.jsonl")
+    rows = os.path.join(os.path.dirname(__file__), "..", "..", "fixtures", "gsm_tiny", "test.jsonl")
     argv = ["eval", f"data.tokenizer_path={folder}", "wandb.mode=disabled", "task.n_eval=2",
             "task.name=dataset", f"data.train_files={rows}", "reward.name=exact"]
     assert main(argv) == 2

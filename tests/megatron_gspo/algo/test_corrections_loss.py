@@ -9,7 +9,7 @@ import torch
 
 from megatron_gspo.algo.corrections import correction_inputs
 from megatron_gspo.algo.losses import PolicyLossConfig, policy_loss
-from tests.megatron_gspo.test_corrections import ratios
+from tests.megatron_gspo.algo.test_corrections import ratios
 
 D = torch.float64
 EPS = {"grpo": (0.2, 0.27), "gspo": (3e-4, 4e-4), "gspo_token": (3e-4, 4e-4)}

@@ -22,7 +22,7 @@ from megatron_gspo.cli import main
 from megatron_gspo.config.schema import load_config
 from megatron_gspo.run.metrics import read_jsonl
 from megatron_gspo.errors import RunDirError
-from tests.megatron_gspo.test_rundir import claim, lock_holder
+from tests.megatron_gspo.run.test_rundir import claim, lock_holder
 
 TINY = ["model.preset=tiny", "task.name=addition", "task.kwargs.num_digits=1",
         "task.n_train=60", "task.n_eval=8", "rollout.prompts_per_batch=4",

@@ -16,7 +16,7 @@ from megatron_gspo.cli import main as cli_main
 from tests.hf_fixtures import make_model
 from tests.megatron_gspo.hf_runs import run_config, save_run
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from megatron_gspo.algo.losses import (POLICY_LOSSES, PolicyLossConfig, clip_ran
 from megatron_gspo.config.schema import load_config
 from megatron_gspo.errors import ConfigError, UnknownName
 from megatron_gspo.run.names import check_names
-from tests.megatron_gspo.test_losses import random_batch
+from tests.megatron_gspo.algo.test_losses import random_batch
 
 NAMES = ("gspo", "gspo_token", "grpo")
 D = torch.float64

@@ -12,9 +12,9 @@ import pytest
 from megatron_gspo.cli import main
 from megatron_gspo.config.schema import load_config
 from megatron_gspo.errors import RunDirError
-from tests.megatron_gspo.test_faults import TINY, cli, one_line_error
+from tests.megatron_gspo.run.test_faults import TINY, cli, one_line_error
 
-FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "gsm_tiny")
+FIXTURE = os.path.join(os.path.dirname(__file__), "..", "..", "fixtures", "gsm_tiny")
 
 
 def _copy_fixture(tmp_path) -> str:

@@ -12,7 +12,7 @@ from megatron_gspo.errors import DataError
 from megatron_gspo.tasks.rewards import REWARDS, FORMAT_CHECKS, register_reward
 from megatron_gspo.tasks.toy import Example
 from tests.jsonl import write_jsonl
-from tests.megatron_gspo.test_data import ByteTok, data_cfg, verl_row
+from tests.megatron_gspo.tasks.test_data import ByteTok, data_cfg, verl_row
 
 
 def test_math_reward_needs_math_verify_at_construction(monkeypatch):
