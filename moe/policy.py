@@ -251,15 +251,3 @@ class MoEPolicy:
         """The learning rate of the latest update (of the next one before any update)."""
         return self.optimizer.last_lr
 
-    def state_dict(self) -> dict:
-        """This rank's shard of model and optimizer state."""
-        state = {"model": self.model.module.state_dict()}
-        if self.optimizer is not None:
-            state["optimizer"] = self.optimizer.state_dict()
-        return state
-
-    def load_state_dict(self, state: dict, strict: bool = True) -> None:
-        self.version += 1
-        self.model.module.load_state_dict(state["model"], strict=strict)
-        if self.optimizer is not None and "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])

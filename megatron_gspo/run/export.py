@@ -139,11 +139,9 @@ def _read_run(run_dir: str, hf_path: str | None) -> tuple:
                 raise
             raise ValueError(f"{run_dir}: its checkpoint is not the model of "
                              f"{hf_path or model_cfg['preset']}: {line}") from None
-    elif "full_params" in state:  # written before dist checkpoints
-        full = state["full_params"]
     else:
-        raise ValueError(f"{run_dir}: checkpoint has neither dist/ nor full_params (not written "
-                         "by megatron-gspo?)")
+        raise ValueError(f"{run_dir}: {step_dir} has no dist/ checkpoint (not written by "
+                         "megatron-gspo, or by a version before dist checkpoints)")
     dtype = _DTYPES.get(model_cfg.get("dtype"))  # a 16-bit run's weights are 16-bit values
     if dtype is not None:  # that the 1-process model read back as float32: lossless
         full = {name: tensor.to(getattr(torch, dtype)) for name, tensor in full.items()}

@@ -4,8 +4,7 @@ layout) read into a fresh policy, and the step a run's frozen KL reference stays
 A run's own checkpoints (save and resume) are `megatron_gspo.run.resume`; the layout on disk is
 `megatron_gspo.run.checkpoint`. Only weights come from `init_checkpoint`: the optimizer, its lr
 schedule and every counter start fresh. Dist checkpoints (`dist/`, written by `moe.dist_ckpt`)
-load into any TP / EP / DP layout; the older layout (rank 0's `full_params`) still initialises
-any layout too. A model that does not match is one line naming the saved and the built model.
+load into any TP / EP / DP layout. A model that does not match is one line naming the saved and the built model.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from megatron_gspo.run import checkpoint as ckpt
 from megatron_gspo.run.rundir import recorded_value
 from moe import dist_ckpt
 from moe.policy import MoEPolicy
-from moe.sharding import load_full_params
 
 
 def check_init_checkpoint(path: str) -> str:
@@ -124,17 +122,8 @@ def _load_step_dir(policy: MoEPolicy, step_dir: str, path: str) -> None:
             raise ConfigError(f"init_checkpoint={path} holds {saved_model(saved)}, this run "
                               f"builds {built_model(policy)}: {line}") from None
         return
-    state = ckpt.load_checkpoint(step_dir, rank=0)
-    if "full_params" not in state:
-        raise ConfigError(f"init_checkpoint={path}: checkpoint has no full_params (not written "
-                          "by megatron-gspo?)")
-    try:
-        load_full_params(policy.model.module, state["full_params"])
-    except (KeyError, ValueError) as e:
-        saved = state.get("config", {}).get("model", {})
-        raise ConfigError(f"init_checkpoint={path} holds {saved_model(saved)}, this run builds "
-                          f"{built_model(policy)}: {str(e).strip(chr(34) + chr(39))}") from None
-    policy.weights_changed()
+    raise ConfigError(f"init_checkpoint={path}: {step_dir} has no dist/ checkpoint (not "
+                      "written by megatron-gspo, or by a version before dist checkpoints)")
 
 
 def saved_model(model_cfg: dict) -> str:

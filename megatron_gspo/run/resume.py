@@ -6,8 +6,7 @@ policy (model, optimizer, lr schedule) written by `moe.dist_ckpt` through megatr
 dist_checkpointing, each rank writing only its own shards (checksummed like the rank files);
 `rank_XXXXX.pt` holds each rank's job state (`extra`: the run loop's `JobState` and row,
 `megatron_gspo.run.loop`), RNG state and config. A checkpoint resumes with any TP / EP / DP
-layout; RNG states are restored only for the same layout. Checkpoints written before dist
-checkpoints (the policy in the rank files) still resume with the same layout.
+layout; RNG states are restored only for the same layout.
 
 Resume verifies every shard and falls back, with a warning, past a corrupt latest step to the
 newest good one; rows of metrics.jsonl logged after the resumed step are dropped, so no step is
@@ -151,9 +150,8 @@ def _verified_state(rt, root: str, step: int) -> dict | None:
 
 
 def _load_policy(rt, root: str, step: int, state: dict) -> None:
-    """Load checkpoint `step`'s policy and optimizer into `rt.policy` (any layout; the rank
-    files' policy of a checkpoint from before dist checkpoints: the same layout only), and the
-    RNG states where the layout is the one they were saved with."""
+    """Load checkpoint `step`'s policy and optimizer into `rt.policy` (any layout), and the RNG
+    states where the layout is the one they were saved with."""
     layout = (rt.info.tp, rt.info.ep, rt.info.world_size)
     dist_dir = os.path.join(ckpt.step_dir(root, step), "dist")
     same_layout = tuple(state["layout"]) == layout
@@ -166,11 +164,8 @@ def _load_policy(rt, root: str, step: int, state: dict) -> None:
                 raise
             raise ConfigError(f"{root} holds {saved_model(state['config']['model'])}, "
                               f"this run builds {built_model(rt.policy)}: {line}") from None
-    elif same_layout:  # written before dist checkpoints: the policy is in the rank files
-        rt.policy.load_state_dict(state["policy"])
     else:
-        raise ConfigError(f"{root}: saved with (tp, ep, world)={tuple(state['layout'])} "
-                          f"before dist checkpoints, resuming with {layout}; use "
-                          "init_checkpoint to change layout")
+        raise ConfigError(f"{root}: step {step} has no dist/ checkpoint (written by a version "
+                          "before dist checkpoints, which this one no longer reads)")
     if same_layout:
         ckpt.set_rng_state(state["rng"])

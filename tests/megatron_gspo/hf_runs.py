@@ -24,20 +24,14 @@ def run_config(hf_dir, run_dir, *extra):
                               "task.n_eval=2", "wandb.mode=disabled", *extra])
 
 
-def save_run(policy, cfg, run_dir: str, legacy: bool = False) -> None:
+def save_run(policy, cfg, run_dir: str) -> None:
     """What megatron_gspo.run.resume.save_state writes and the export reads: the dist checkpoint
-    and rank 0's config (`legacy`: rank 0's gathered full_params, as checkpoints before dist
-    ones had)."""
+    and rank 0's config."""
     from moe import dist_ckpt
-    from moe.sharding import gather_full_params
 
     root = os.path.join(run_dir, "checkpoints")
-    state = {"config": config_to_dict(cfg)}
-    if legacy:
-        state["full_params"] = gather_full_params(policy.model.module)
-    else:
-        dist_ckpt.save(policy, os.path.join(ckpt.step_dir(root, 3), "dist"))
-    ckpt.save_checkpoint(root, 3, state)
+    dist_ckpt.save(policy, os.path.join(ckpt.step_dir(root, 3), "dist"))
+    ckpt.save_checkpoint(root, 3, {"config": config_to_dict(cfg)})
     ckpt.mark_latest(root, 3)
 
 

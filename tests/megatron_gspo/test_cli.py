@@ -124,7 +124,7 @@ def test_export_passes_its_options_and_refuses_a_bad_checkpoint(monkeypatch, cap
     def fake_export(run_dir, out, hf_path=None, max_shard_bytes=None):
         seen.update(run_dir=run_dir, out=out, hf_path=hf_path, max_shard_bytes=max_shard_bytes)
         if run_dir == "bad":
-            raise ValueError("bad: checkpoint has neither dist/ nor full_params")
+            raise ValueError("bad: step_000003 has no dist/ checkpoint")
         return {"files": 1}
 
     monkeypatch.setattr(export, "export_run", fake_export)
@@ -134,7 +134,7 @@ def test_export_passes_its_options_and_refuses_a_bad_checkpoint(monkeypatch, cap
     assert cli.main(["export", "--run-dir", "r", "--to-hf", "o", "--max-shard-bytes", "7"]) == 0
     assert seen["max_shard_bytes"] == 7
     assert cli.main(["export", "--run-dir", "bad", "--to-hf", "o"]) == 2
-    assert "neither dist/ nor full_params" in capsys.readouterr().err
+    assert "has no dist/ checkpoint" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
         cli.main(["export", "--run-dir", "r"])  # no --to-hf
     assert exit_.value.code == 2

@@ -214,17 +214,21 @@ def test_decay_needs_steps_past_the_warmup(single_process):
 
 @pytest.mark.parametrize("distributed", [False, True])
 def test_policy_state_dict_round_trip_continues_exactly(single_process, distributed):
-    """`MoEPolicy.state_dict()` (same layout, in memory) carries masters, moments, Adam steps
-    and the schedule: a fresh policy loaded from it takes the very same next update."""
+    """The model's and `moe.optim`'s state dicts (same layout, in memory; what `moe.dist_ckpt`
+    saves) carry masters, moments, Adam steps and the schedule: a fresh policy loaded from them
+    takes the very same next update."""
     import io
 
     settings = OptimSettings(lr=1e-3, warmup_steps=3, distributed=distributed)
     policy, fresh = build(optim=settings), build(optim=settings)
     train(policy, 2)
     buffer = io.BytesIO()
-    torch.save(policy.state_dict(), buffer)
+    torch.save({"model": policy.model.module.state_dict(),
+                "optimizer": policy.optimizer.state_dict()}, buffer)
     buffer.seek(0)
-    fresh.load_state_dict(torch.load(buffer, weights_only=False))
+    state = torch.load(buffer, weights_only=False)
+    fresh.model.module.load_state_dict(state["model"])
+    fresh.optimizer.load_state_dict(state["optimizer"])
     assert fresh.optimizer.updates == 2 and fresh.lr == policy.lr  # the last update's lr
     train(policy, 1)
     train(fresh, 1)

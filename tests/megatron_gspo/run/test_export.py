@@ -66,19 +66,17 @@ def test_export_round_trip_and_greedy_generation_match(single_process, hf_dir, t
         assert torch.equal(p, before[n]), n
 
 
-@pytest.mark.parametrize("legacy,layers", [(False, None), (True, None), (False, 3)],
-                         ids=["dist", "full_params", "num_layers"])
-def test_export_of_a_toy_run_is_a_qwen3_moe_model(single_process, tmp_path, capsys, legacy,
-                                                  layers):
-    """A run without hf_path exports its preset's shape (no tokenizer files), from a dist
-    checkpoint or an older one's full_params; with model.num_layers, at that depth."""
+@pytest.mark.parametrize("layers", [None, 3], ids=["preset", "num_layers"])
+def test_export_of_a_toy_run_is_a_qwen3_moe_model(single_process, tmp_path, capsys, layers):
+    """A run without hf_path exports its preset's shape (no tokenizer files); with
+    model.num_layers, at that depth."""
     from megatron_gspo.run.setup import build_policy
 
     cfg = load_config(None, [f"run_dir={tmp_path / 'toy'}", "model.preset=tiny"]
                       + ([f"model.num_layers={layers}"] if layers else []))
     policy = build_policy(cfg, 26, optim=None)
     assert policy.preset.num_layers == (layers or 2)
-    save_run(policy, cfg, cfg.run_dir, legacy=legacy)
+    save_run(policy, cfg, cfg.run_dir)
     out = str(tmp_path / "toy_hf")
     assert cli_main(["export", "--run-dir", cfg.run_dir, "--to-hf", out]) == 0
     assert not json.loads(capsys.readouterr().out.strip().splitlines()[-1])["tokenizer"]
@@ -114,7 +112,7 @@ def test_export_reads_a_moved_source_folder_and_writes_its_own_config(single_pro
     moved, src = tmp_path / "moved", tmp_path / "src"
     shutil.copytree(hf_dir, moved)
     cfg = run_config(str(moved), tmp_path / "run")
-    save_run(build_policy(cfg, 300, optim=None), cfg, cfg.run_dir, legacy=True)
+    save_run(build_policy(cfg, 300, optim=None), cfg, cfg.run_dir)
     moved.rename(src)
     config = json.load(open(src / "config.json"))
     assert "num_local_experts" in config  # transformers 5's spelling; the export writes ours
@@ -174,7 +172,7 @@ def test_export_never_writes_into_a_non_empty_folder(single_process, hf_dir, tmp
     src = tmp_path / "src"
     shutil.copytree(hf_dir, src)
     cfg = run_config(str(src), tmp_path / "run")
-    save_run(build_policy(cfg, 300, optim=None), cfg, cfg.run_dir, legacy=True)
+    save_run(build_policy(cfg, 300, optim=None), cfg, cfg.run_dir)
     out = tmp_path / "out"
     assert cli_main(["export", "--run-dir", cfg.run_dir, "--to-hf", str(out)]) == 0
     (tmp_path / "file").write_text("x")
