@@ -295,3 +295,23 @@ def test_export_verifies_the_shard_checksums(single_process, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and shards[0] in err[0], err
     assert not os.path.exists(tmp_path / "o" / "config.json")
+
+
+def test_a_checkpoint_without_dist_is_one_line_for_export_and_init(single_process, tmp_path,
+                                                                  capsys):
+    """A step dir whose policy is not a dist checkpoint (the format before dist checkpoints kept
+    it in the rank files) is named in one line by export and by init_checkpoint."""
+    from megatron_gspo.config.schema import config_to_dict
+    from megatron_gspo.errors import ConfigError
+    from megatron_gspo.run.init import load_init_weights
+    from megatron_gspo.run.setup import build_policy
+
+    cfg = load_config(None, [f"run_dir={tmp_path / 'old'}", "model.preset=tiny"])
+    root = os.path.join(cfg.run_dir, "checkpoints")
+    ckpt.save_checkpoint(root, 3, {"config": config_to_dict(cfg), "full_params": {}})
+    ckpt.mark_latest(root, 3)
+    line = one_line(capsys, ["export", "--run-dir", cfg.run_dir, "--to-hf",
+                             str(tmp_path / "out")])
+    assert "step_000003 has no dist/ checkpoint" in line
+    with pytest.raises(ConfigError, match="step_000003 has no dist/ checkpoint"):
+        load_init_weights(build_policy(cfg, 26, optim=None), cfg.run_dir)
