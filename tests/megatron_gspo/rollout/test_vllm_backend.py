@@ -5,6 +5,7 @@ committed GSM8K-style fixture; skipped without vLLM (Python >= 3.11, docs/vllm.m
 
 import importlib.util
 import os
+import re
 
 import pytest
 import torch
@@ -111,6 +112,17 @@ def test_the_guard_ignores_one_token_whose_bf16_routing_flipped_but_not_a_moved_
     assert probe_statistic(ours, flipped) == pytest.approx(0.01)
     assert probe_statistic(ours, flipped) <= CHECK_TOL["bfloat16"]
     assert probe_statistic(ours, ours - 1.0) > CHECK_TOL["bfloat16"]  # a stale push: all move
+
+
+def test_the_config_reference_states_the_guards_defaults():
+    from megatron_gspo.config.docs import field_docs
+    from megatron_gspo.config.sections import RolloutConfig
+    from megatron_gspo.rollout.vllm import CHECK_TOL
+
+    doc = " ".join(field_docs(RolloutConfig)["push_check_tol"].split())
+    assert "median" in doc
+    m = re.search(r"None: (\S+) for a float32 engine, (\S+) for bfloat16", doc)
+    assert m and (float(m[1]), float(m[2])) == (CHECK_TOL["float32"], CHECK_TOL["bfloat16"])
 
 
 @needs_vllm
