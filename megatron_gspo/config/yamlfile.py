@@ -17,6 +17,7 @@ import tempfile
 import yaml
 
 from megatron_gspo.errors import ConfigError, UserError
+from megatron_gspo.files import current_umask, fsync_path
 
 
 class YamlLoader(yaml.SafeLoader):
@@ -120,9 +121,7 @@ def atomic_write(path: str, text: str) -> None:
     d = os.path.dirname(path) or "."
     fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)  # as open() would create it, not mkstemp's 0600
+        os.fchmod(fd, 0o666 & ~current_umask())  # as open() would create it, not mkstemp's 0600
         with os.fdopen(fd, "wb") as f:
             f.write(text.encode("utf-8"))
             f.flush()
@@ -135,13 +134,4 @@ def atomic_write(path: str, text: str) -> None:
             raise UserError(f"cannot write {path}: {e.strerror or e}; files already written "
                             "are unchanged") from e
         raise
-    try:  # persist the rename (best effort: not every filesystem lets a dir be opened)
-        dir_fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dir_fd)
-    except OSError:
-        pass
-    finally:
-        os.close(dir_fd)
+    fsync_path(d)  # persist the rename

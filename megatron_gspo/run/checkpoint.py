@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from megatron_gspo.errors import CheckpointError
+from megatron_gspo.files import current_umask, fsync_path
 
 LATEST_FILE = "latest"
 COMPLETE_FILE = "complete"
@@ -57,20 +58,6 @@ def _check_index(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
         raise ValueError(f"{name}={value!r}: expected an int >= 0")
     return int(value)
-
-
-def _fsync_dir(path: str) -> None:
-    """Persist a rename (best effort: not every OS / filesystem lets a dir be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class _HashingWriter:
@@ -100,12 +87,6 @@ class _HashingWriter:
         return False
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def atomic_write(path: str, write) -> tuple[str, int]:
     """`write(file)` into a tmp file next to `path`, fsync, then os.replace; returns the sha256
     and size of what was written. A failed write raises CheckpointError naming `path` and
@@ -114,7 +95,7 @@ def atomic_write(path: str, write) -> tuple[str, int]:
     fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     out = None
     try:
-        os.fchmod(fd, 0o666 & ~_umask())
+        os.fchmod(fd, 0o666 & ~current_umask())
         with os.fdopen(fd, "wb") as f:
             out = _HashingWriter(f)
             write(out)
@@ -129,7 +110,7 @@ def atomic_write(path: str, write) -> tuple[str, int]:
             raise CheckpointError(f"cannot write {path}: {cause.strerror or cause}; files "
                                   "already written are unchanged") from cause
         raise
-    _fsync_dir(d)
+    fsync_path(d)
     return out.sha.hexdigest(), out.size
 
 

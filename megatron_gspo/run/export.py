@@ -29,6 +29,7 @@ import sys
 import torch
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
+from megatron_gspo.files import fsync_path
 from megatron_gspo.run import checkpoint as ckpt
 from megatron_gspo.tasks.tokenizer import load_tokenizer
 from moe import dist_ckpt
@@ -171,25 +172,11 @@ def _staging(out: str):
         open(os.path.join(tmp, PARTIAL_MARKER), "w").close()
         yield tmp
         for name in os.listdir(tmp):
-            _fsync(os.path.join(tmp, name))
-        _fsync(tmp)
+            fsync_path(os.path.join(tmp, name))
+        fsync_path(tmp)
         os.replace(tmp, out)  # onto a missing or empty folder
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     os.remove(os.path.join(out, PARTIAL_MARKER))
-    _fsync(os.path.dirname(os.path.abspath(out)))
-
-
-def _fsync(path: str) -> None:
-    """Persist a file, or a folder's entries (best effort where the OS refuses it)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    fsync_path(os.path.dirname(os.path.abspath(out)))
