@@ -223,21 +223,53 @@ def _scaler_load_state_dict(self, state_dict):
 
 def _local_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
     """megatron.core.utils.local_multi_tensor_l2_norm (the torch stand-in for the fused l2-norm
-    kernel) on CPU: the same norm, returned as a CPU tensor instead of a CUDA one, and summed in
-    float64 as `moe.grads.global_grad_norm` does, so fp32 CPU runs keep their pre-megatron-
-    optimizer numbers (megatron's fallback sums in fp32: ~1e-7 relative apart). One
-    `_foreach_norm` accumulating in float64 (half the time of a loop over tensors)."""
+    kernel): the same norm, on the tensors' device (megatron's goes through one host sync per
+    tensor and returns a CUDA tensor), summed in float64 as `moe.grads.global_grad_norm` does,
+    so fp32 CPU runs keep their pre-megatron-optimizer numbers (megatron's fallback sums in
+    fp32: ~1e-7 relative apart). One `_foreach_norm` accumulating in float64."""
     tensors = [tensor.detach() for tl in tensor_lists for tensor in tl]
     if not tensors:
-        return torch.zeros(1, dtype=torch.float64), None
+        device = "cuda" if cuda_available() else "cpu"
+        return torch.zeros(1, dtype=torch.float64, device=device), None
     norms = torch._foreach_norm(tensors, 2, dtype=torch.float64)
     return torch.stack(norms).pow(2).sum().sqrt().reshape(1), None
 
 
+def _local_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """megatron.core.utils.local_multi_tensor_scale (`dst.copy_(src * scale)` per tensor: the
+    clip's scaling and, at scale 1, the Float16 optimizer's master-to-model copy) as
+    `_foreach` ops, a few launches instead of two per tensor; the same values."""
+    src, dst = tensor_lists[0], tensor_lists[1]
+    if not dst:
+        return
+    if all(s is d for s, d in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    elif scale == 1.0:
+        torch._foreach_copy_(dst, src)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+def use_foreach_optimizer_kernels() -> bool:
+    """Where megatron-core falls back to its per-tensor torch loops for the multi-tensor kernels
+    (neither TransformerEngine nor Apex installed: every CPU, and the GPU machine this project
+    measures on), use `_local_l2_norm` and `_local_scale` instead: per step that is thousands
+    of small launches fewer at 128 experts a layer (experiments/gpu's profile). Idempotent;
+    False where megatron has fused kernels."""
+    if clip_grads.l2_norm_impl.__module__ not in ("megatron.core.utils", __name__):
+        return False
+    clip_grads.l2_norm_impl = _local_l2_norm
+    clip_grads.multi_tensor_scale_impl = _local_scale
+    if optimizer.multi_tensor_scale_impl.__module__ == "megatron.core.utils":
+        optimizer.multi_tensor_scale_impl = _local_scale
+    return True
+
+
 def apply_cpu_training_patches() -> bool:
-    """Let megatron-core's optimizers and activation recompute run on CPU. No-op with CUDA;
-    idempotent."""
+    """Let megatron-core's optimizers and activation recompute run on CPU. No-op with CUDA
+    (beyond `use_foreach_optimizer_kernels`); idempotent."""
     global _TRAINING_APPLIED
+    use_foreach_optimizer_kernels()
     if cuda_available():
         return False
     apply_cpu_patches()
@@ -246,8 +278,6 @@ def apply_cpu_training_patches() -> bool:
     shim = _CpuFactoryTorch()
     for module in (optimizer, clip_grads, grad_scaler, distrib_optimizer):  # (a)
         module.torch = shim
-    if clip_grads.l2_norm_impl.__module__ == "megatron.core.utils":  # no TE / Apex kernels
-        clip_grads.l2_norm_impl = _local_l2_norm
     # (b) type-string checks: 16-bit params get fp32 main copies; clipping asserts fp32 grads.
     fp16 = optimizer.Float16OptimizerWithFloat16Params
     fp16.__init__ = _with_cuda_type_names(fp16.__init__)

@@ -121,6 +121,39 @@ def test_cpu_l2_norm_is_the_float64_norm_of_all_tensors():
     assert float(_local_l2_norm(2048, None, [[]], False)[0]) == 0.0
 
 
+@pytest.mark.parametrize("case", ["in_place", "copy_to_bf16", "scaled_copy"])
+def test_foreach_scale_equals_megatrons_per_tensor_loop(case):
+    """`_local_scale` (the clip's scaling; at scale 1 the Float16 optimizer's master-to-model
+    copy) gives megatron's `local_multi_tensor_scale` values bit for bit."""
+    from megatron.core.utils import local_multi_tensor_scale
+
+    from moe.compat import _local_scale
+
+    g = torch.Generator().manual_seed(0)
+    src = [torch.randn(300, 7, generator=g), torch.randn(5, generator=g) * 1e-30]
+    scale = {"in_place": 0.37, "copy_to_bf16": 1.0, "scaled_copy": 0.37}[case]
+    dtype = torch.bfloat16 if case == "copy_to_bf16" else torch.float32
+    outs = []
+    for fn in (local_multi_tensor_scale, _local_scale):
+        s = [t.clone() for t in src]
+        d = s if case == "in_place" else [torch.zeros(t.shape, dtype=dtype) for t in s]
+        fn(2048, None, [s, d], scale)
+        outs.append(d)
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(*outs))
+
+
+def test_megatrons_per_tensor_optimizer_loops_become_foreach_ops():
+    """Without TransformerEngine / Apex kernels the clip's norm and scaling and the Float16
+    optimizer's copies use the `_foreach` versions, on CPU and on CUDA alike."""
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    from moe.compat import _local_l2_norm, _local_scale, use_foreach_optimizer_kernels
+
+    assert use_foreach_optimizer_kernels() and use_foreach_optimizer_kernels()  # idempotent
+    assert clip_grads.l2_norm_impl is _local_l2_norm
+    assert clip_grads.multi_tensor_scale_impl is optimizer.multi_tensor_scale_impl is _local_scale
+
+
 # ------------------------------------------------- all-to-all split sizes on the host
 def test_alltoall_split_sizes_become_numpy_at_the_dtoh_point_only():
     """On CPU the dispatcher's split sizes become host (numpy) sequences at its dtoh point, not
