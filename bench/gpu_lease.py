@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import glob
 import json
 import os
 import sys
 import time
 
 import torch
+
+from bench.gpu_report import report
 
 PEAK_TFLOPS = 989.0
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -94,6 +95,13 @@ def stage_train(args) -> dict:
     lengths = [int(x) for x in args.lengths.split(",")]
     micros = [int(x) for x in args.micro.split(",")]
     policy, p = build(args, max(lengths), optim=True)
+    if args.megatron_loops:  # the baseline: megatron-core's own per-tensor fallbacks
+        from megatron.core import utils as mcore_utils
+        from megatron.core.optimizer import clip_grads, optimizer
+
+        clip_grads.l2_norm_impl = mcore_utils.local_multi_tensor_l2_norm
+        clip_grads.multi_tensor_scale_impl = optimizer.multi_tensor_scale_impl = \
+            mcore_utils.local_multi_tensor_scale
     rows = []
     for T, M in [(T, 1) for T in lengths] + [(lengths[0], M) for M in micros if M > 1]:
         B = max(1, args.tokens // T)
@@ -116,7 +124,8 @@ def stage_train(args) -> dict:
                      "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30
                      if torch.cuda.is_available() else float("nan")})
         print(json.dumps(rows[-1]), flush=True)
-    out = {"layers": args.layers, "matmul_params": matmul_params(p), "rows": rows}
+    out = {"layers": args.layers, "matmul_params": matmul_params(p), "rows": rows,
+           "optimizer_loops": "megatron" if args.megatron_loops else "foreach"}
     if args.top:
         T = lengths[len(lengths) // 2]
         tokens_BT = torch.randint(0, p.vocab_size, (max(1, args.tokens // T), T), device=DEVICE)
@@ -264,78 +273,6 @@ def stage_rollout(args, save) -> dict:
     return result
 
 
-# ----------------------------------------------------------------------------- report
-
-
-def _train_lines(r: dict) -> list[str]:
-    lines = [f"{r['layers']} layers, {r['matmul_params'] / 1e6:.0f} M matmul parameters per "
-             "token; M microbatches of B x T tokens per optimizer step\n",
-             "| M x B x T | step s | tokens/s | MFU (6N) | MFU with attention | "
-             "peak GiB |", "| --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {x.get('micro', 1)} x {x['B']} x {x['T']} | " + (f"{x['error']} |" if "error" in x else
-              f"{x['step_s']:.3f} | {x['tokens_per_s']:,.0f} | {x['mfu']:.1%} | "
-              f"{x['mfu_attn']:.1%} | {x['peak_gib']:.1f} |") for x in r["rows"]]
-    if "profile" in r:
-        pr = r["profile"]
-        lines += ["", f"torch.profiler, one step at {pr['B']} x {pr['T']}: "
-                  f"{pr['gpu_ms_total']:.1f} ms of GPU time\n", "| op | calls | GPU ms | share |",
-                  "| --- | --- | --- | --- |"]
-        lines += [f"| `{x['op']}` | {x['calls']} | {x['gpu_ms']:.1f} | {x['share']:.1%} |"
-                  for x in pr["rows"]]
-        if pr.get("copies"):
-            lines += ["", "`aten::copy_` by input shapes\n", "| shapes | calls | GPU ms |",
-                      "| --- | --- | --- |"]
-            lines += [f"| `{x['shapes']}` | {x['calls']} | {x['gpu_ms']:.1f} |"
-                      for x in pr["copies"]]
-    return lines
-
-
-def _rollout_lines(r: dict) -> list[str]:
-    lines = [f"{r['B']} sequences x {r['new_tokens']} new tokens after {r['prompt']}-token "
-             "prompts\n", "| backend | set-up s | sampling s | new tokens/s | vs lean |",
-             "| --- | --- | --- | --- | --- |"]
-    lean = r["backends"].get("lean", {}).get("tokens_per_s")
-    for name, x in r["backends"].items():
-        if "error" in x:
-            lines.append(f"| {name} | did not run: `{x['error']}` | | | |")
-            continue
-        ratio = f"{x['tokens_per_s'] / lean:.2f}x" if lean else "-"
-        lines.append(f"| {name} | {x['setup_s']:.1f} | {x['seconds']:.2f} | "
-                     f"{x['tokens_per_s']:,.0f} | {ratio} |")
-    for name, x in r["backends"].items():
-        v = x.get("vs_trainer")
-        if not v:
-            continue
-        lines.append(f"\n{name} vs the trainer's recompute of the same tokens: |log-prob "
-                     f"difference| mean {v['logp_abs_diff_mean']:.3g}, max "
-                     f"{v['logp_abs_diff_max']:.3g}")
-        if "set" in v:
-            lines += [f"; tokens whose top-k differs in at least one layer: {v['any_layer']:.1%}"
-                      "\n", "| layer | top-k set differs | expert activations differ |",
-                      "| --- | --- | --- |"]
-            lines += [f"| {i:02d} | {a:.2%} | {b:.2%} |"
-                      for i, (a, b) in enumerate(zip(v["set"], v["expert"]))]
-    return lines
-
-
-def report(out_dir: str) -> str:
-    """Markdown of every stage JSON in `out_dir` (train.json, rollout.json)."""
-    lines = []
-    extra = sorted(os.path.basename(f)[:-5] for f in glob.glob(os.path.join(out_dir, "train_*.json")))
-    for name, render in [("train", _train_lines), *[(n, _train_lines) for n in extra],
-                         ("rollout", _rollout_lines)]:
-        path = os.path.join(out_dir, name + ".json")
-        if not os.path.exists(path):
-            lines += [f"### {name}\n", "not run\n"]
-            continue
-        with open(path) as f:
-            r = json.load(f)
-        lines += [f"### {name} ({r.get('device', '?')})\n"]
-        lines += [f"did not run: `{r['error']}`"] if "error" in r else render(r)
-        lines.append("")
-    return "\n".join(lines)
-
-
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("stage", choices=["train", "rollout", "report"])
@@ -350,6 +287,8 @@ def parse_args(argv=None):
     ap.add_argument("--tokens", type=int, default=8192, help="train: tokens per step")
     ap.add_argument("--micro", default="1,4", help="train: microbatches per optimizer step "
                     "(counts above one at the first length only)")
+    ap.add_argument("--megatron-loops", action="store_true", help="train: megatron-core's "
+                    "per-tensor optimizer loops instead of moe.compat's _foreach ops (baseline)")
     ap.add_argument("--iterations", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--top", type=int, default=12, help="train: profile rows (0: no profile)")

@@ -8,11 +8,12 @@ are computed here from them.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import sys
 
-from bench.gpu_lease import _rollout_lines, _train_lines
+from bench.gpu_report import rollout_lines, train_lines
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GOAL_MFU, GOAL_ENGINE = 0.30, 10.0
@@ -87,12 +88,11 @@ def render() -> str:
         lines += ["", f"GPU tests (`make test-gpu`, on the {where}): "
                       f"{summary[-1] if summary else 'no summary'}"]
     lines += ["", "## Goals", "", *verdicts(train, rollout), ""]
-    deeper = read("train_l4.json")
-    for name, r, render_fn in (("Train step", train, _train_lines),
-                               ("Train step, 4 layers", deeper, _train_lines),
-                               ("Rollouts", rollout, _rollout_lines)):
-        if r is None and name.endswith("layers"):
-            continue
+    extra = sorted(os.path.basename(f) for f in glob.glob(os.path.join(HERE, "results",
+                                                                        "train_*.json")))
+    sections = [("Train step", train, train_lines)]
+    sections += [(f"Train step, `results/{name}`", read(name), train_lines) for name in extra]
+    for name, r, render_fn in sections + [("Rollouts", rollout, rollout_lines)]:
         lines += [f"## {name}" + (f" ({r.get('device', '?')})" if r else ""), ""]
         if r is None:
             lines.append("not run")

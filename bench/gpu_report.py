@@ -1,0 +1,84 @@
+"""Markdown tables of the JSON `bench.gpu_lease` writes (train*.json, rollout.json), for
+`python -m bench.gpu_lease report` and experiments/gpu/README.md."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+OPTIMIZER_LOOPS = {"megatron": "megatron-core's per-tensor loops",
+                   "foreach": "`_foreach` ops (`moe.compat.use_foreach_optimizer_kernels`)"}
+"""How the grad norm, clip scaling and master-to-model copies ran (`--megatron-loops`): results
+written before the option were megatron-core's loops."""
+
+
+def train_lines(r: dict) -> list[str]:
+    loops = r.get("optimizer_loops", "megatron")
+    lines = [f"{r['layers']} layers, {r['matmul_params'] / 1e6:.0f} M matmul parameters per "
+             "token; M microbatches of B x T tokens per optimizer step; the optimizer's "
+             f"per-tensor work as {OPTIMIZER_LOOPS[loops]}\n",
+             "| M x B x T | step s | tokens/s | MFU (6N) | MFU with attention | "
+             "peak GiB |", "| --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {x.get('micro', 1)} x {x['B']} x {x['T']} | " + (f"{x['error']} |" if "error" in x else
+              f"{x['step_s']:.3f} | {x['tokens_per_s']:,.0f} | {x['mfu']:.1%} | "
+              f"{x['mfu_attn']:.1%} | {x['peak_gib']:.1f} |") for x in r["rows"]]
+    if "profile" in r:
+        pr = r["profile"]
+        lines += ["", f"torch.profiler, one step at {pr['B']} x {pr['T']}: "
+                  f"{pr['gpu_ms_total']:.1f} ms of GPU time\n", "| op | calls | GPU ms | share |",
+                  "| --- | --- | --- | --- |"]
+        lines += [f"| `{x['op']}` | {x['calls']} | {x['gpu_ms']:.1f} | {x['share']:.1%} |"
+                  for x in pr["rows"]]
+        if pr.get("copies"):
+            lines += ["", "`aten::copy_` by input shapes\n", "| shapes | calls | GPU ms |",
+                      "| --- | --- | --- |"]
+            lines += [f"| `{x['shapes']}` | {x['calls']} | {x['gpu_ms']:.1f} |"
+                      for x in pr["copies"]]
+    return lines
+
+
+def rollout_lines(r: dict) -> list[str]:
+    lines = [f"{r['B']} sequences x {r['new_tokens']} new tokens after {r['prompt']}-token "
+             "prompts\n", "| backend | set-up s | sampling s | new tokens/s | vs lean |",
+             "| --- | --- | --- | --- | --- |"]
+    lean = r["backends"].get("lean", {}).get("tokens_per_s")
+    for name, x in r["backends"].items():
+        if "error" in x:
+            lines.append(f"| {name} | did not run: `{x['error']}` | | | |")
+            continue
+        ratio = f"{x['tokens_per_s'] / lean:.2f}x" if lean else "-"
+        lines.append(f"| {name} | {x['setup_s']:.1f} | {x['seconds']:.2f} | "
+                     f"{x['tokens_per_s']:,.0f} | {ratio} |")
+    for name, x in r["backends"].items():
+        v = x.get("vs_trainer")
+        if not v:
+            continue
+        lines.append(f"\n{name} vs the trainer's recompute of the same tokens: |log-prob "
+                     f"difference| mean {v['logp_abs_diff_mean']:.3g}, max "
+                     f"{v['logp_abs_diff_max']:.3g}")
+        if "set" in v:
+            lines += [f"; tokens whose top-k differs in at least one layer: {v['any_layer']:.1%}"
+                      "\n", "| layer | top-k set differs | expert activations differ |",
+                      "| --- | --- | --- |"]
+            lines += [f"| {i:02d} | {a:.2%} | {b:.2%} |"
+                      for i, (a, b) in enumerate(zip(v["set"], v["expert"]))]
+    return lines
+
+
+def report(out_dir: str) -> str:
+    """Markdown of every stage JSON in `out_dir` (train.json, rollout.json)."""
+    lines = []
+    extra = sorted(os.path.basename(f)[:-5] for f in glob.glob(os.path.join(out_dir, "train_*.json")))
+    for name, render in [("train", train_lines), *[(n, train_lines) for n in extra],
+                         ("rollout", rollout_lines)]:
+        path = os.path.join(out_dir, name + ".json")
+        if not os.path.exists(path):
+            lines += [f"### {name}\n", "not run\n"]
+            continue
+        with open(path) as f:
+            r = json.load(f)
+        lines += [f"### {name} ({r.get('device', '?')})\n"]
+        lines += [f"did not run: `{r['error']}`"] if "error" in r else render(r)
+        lines.append("")
+    return "\n".join(lines)
