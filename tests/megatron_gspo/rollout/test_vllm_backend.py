@@ -206,10 +206,9 @@ def _sampler(monkeypatch, **fail):
     from types import SimpleNamespace
 
     from megatron_gspo.rollout import vllm as backend
-    from megatron_gspo.rollout import vllm_engine
     from moe.presets import get_preset
 
-    monkeypatch.setattr(vllm_engine, "VLLMEngine", type("Fake", (_Fake,), fail))
+    monkeypatch.setattr(backend, "VLLMEngine", type("Fake", (_Fake,), fail))
     policy = SimpleNamespace(preset=get_preset("qwen3-moe-tiny"), real_vocab=26, version=1)
     return backend.VLLMSampler(policy, SimpleNamespace(vocab_size=26),
                                load_config(None, ["rollout.backend=vllm"]))
