@@ -126,6 +126,26 @@ def test_the_config_reference_states_the_guards_defaults():
 
 
 @needs_vllm
+def test_the_bf16_guard_passes_a_correct_push_and_stops_a_mis_packed_one(tmp_path, hf_dir):
+    """The bfloat16 default bound sits between a correct push and one whose MoE weights were
+    not re-prepacked (the CPU engine's silent failure): measured here, not assumed."""
+    from megatron_gspo.jobs.rl import Trainer
+    from megatron_gspo.rollout.vllm import CHECK_TOL, hf_stream
+
+    trainer = Trainer.from_config(config(tmp_path, hf_dir, "rollout.engine_dtype=bf16"))
+    sampler = trainer.rt.sampler
+    trainer.rollout(0)
+    assert sampler.metrics["rollout/push_probe_diff"] <= CHECK_TOL["bfloat16"] / 10
+    sampler.engine._reprepack = False  # the fix switched off, as a vLLM without it would be
+    with torch.no_grad():  # any push re-reads the experts; a small move, as an update makes
+        for p in trainer.policy.model.module.parameters():
+            p.mul_(1 + 1e-3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
+    sampler.engine.push_weights(hf_stream(trainer.policy, sampler.hf_config))
+    assert sampler.probe_diff() > CHECK_TOL["bfloat16"]
+    trainer.rt.close()
+
+
+@needs_vllm
 def test_an_unsupported_cpu_head_dim_is_one_line_and_writes_nothing(tmp_path):
     from megatron_gspo.jobs.rl import Trainer
 
