@@ -12,6 +12,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from experiments.engine_mismatch.grid import ARMS, DTYPES, INITS, SHAPES
+from megatron_gspo.rollout.vllm import CHECK_TOL
 
 if TYPE_CHECKING:  # run.py imports this module
     from experiments.engine_mismatch.run import Layout
@@ -226,8 +227,11 @@ def answers(meas: list[dict], abl: list[dict]) -> str:
         out.append(f"- no stale push in any RL run: the largest per-batch mean |engine - "
                    f"trainer| log-prob of the sampled tokens is {worst['logprob_mean_max']:.4f} "
                    f"nats ({LABELS[worst['arm']]}, seed {worst['seed']}; stale or mis-packed "
-                   f"weights are off by nats, docs/vllm.md), while the bfloat16 engine's probe "
-                   f"sequence (random tokens) reached {probe:.2f} nats")
+                   f"weights are off by nats, docs/vllm.md); the stale-weight guard's number "
+                   f"(the median over the engine's greedy continuation of a fixed prompt) "
+                   f"reached {probe:.2f} nats, "
+                   f"{'under' if probe <= CHECK_TOL['bfloat16'] else 'over'} the bfloat16 "
+                   f"default {CHECK_TOL['bfloat16']:g}")
         out.append("")
     bf16 = [r for r in meas if r["engine_dtype"] == "bf16"]
     for r in sorted(bf16, key=lambda r: (SHAPES.index(r["shape"]), INITS.index(r["init"]))):
