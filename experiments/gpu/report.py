@@ -73,6 +73,22 @@ def verdicts(train, rollout) -> list[str]:
     return out
 
 
+def foreach_lines(train, loops) -> list[str]:
+    """Step times with moe.compat's `_foreach` optimizer ops over megatron-core's per-tensor
+    loops, row by row (both from one lease: `--megatron-loops` right after the train stage)."""
+    if not (train and loops and "rows" in train and "rows" in loops):
+        return []
+    key = lambda r: (r.get("micro", 1), r["B"], r["T"])  # noqa: E731
+    ref = {key(r): r for r in loops["rows"] if "step_s" in r}
+    lines = ["## `_foreach` optimizer ops vs megatron-core's loops (one lease)", "",
+             "| M x B x T | step s, loops | step s, `_foreach` | speed-up |",
+             "| --- | --- | --- | --- |"]
+    lines += [f"| {' x '.join(map(str, key(r)))} | {ref[key(r)]['step_s']:.3f} | "
+              f"{r['step_s']:.3f} | {ref[key(r)]['step_s'] / r['step_s']:.2f}x |"
+              for r in train["rows"] if "step_s" in r and key(r) in ref]
+    return lines + [""]
+
+
 def render() -> str:
     env, train, rollout = read("env.txt"), read("train.json"), read("rollout.json")
     tests = read("tests.log")
@@ -101,6 +117,7 @@ def render() -> str:
         else:
             lines += render_fn(r)
         lines.append("")
+    lines += foreach_lines(train, read("train_megatron_loops.json"))
     lines += ["## What it means", "",
               "The engine samples the policy's own GPTModel (no weight copy) and records every "
               "MoE layer's top-k per token; its attention runs through `moe.paged_attention` "
@@ -115,12 +132,14 @@ def render() -> str:
               "layers; with more layers the per-expert costs grow instead: megatron's "
               "`SequentialMLP` keeps each expert's weights as separate parameters, so every "
               "step stacks them for `_grouped_mm` in the forward and again in the backward "
-              "(`moe.experts`), adds each expert's grad on its own, and the optimizer clips and "
-              "copies them one by one (`aten::copy_`, `aten::add_`, "
-              "`aten::linalg_vector_norm` by the thousand). Microbatches (`M` > 1) spread the "
-              "optimizer's fixed cost; one stacked parameter per expert weight (the layout of "
-              "megatron's `GroupedMLP` / `TEGroupedMLP`) would remove the per-expert copies.",
-              ""]
+              "(`moe.experts`) and adds each expert's grad on its own (`aten::copy_`, "
+              "`aten::add_` by the thousand). Without TransformerEngine or Apex, megatron-core "
+              "also clips and copies the optimizer's tensors one by one; `moe.compat` runs that "
+              "work as `_foreach` ops instead (`results/train_megatron_loops.json`: the same "
+              "lease with megatron-core's loops, `--megatron-loops`). Microbatches (`M` > 1) "
+              "spread the optimizer's fixed cost; one stacked parameter per expert weight (the "
+              "layout of megatron's `GroupedMLP` / `TEGroupedMLP`) would remove the per-expert "
+              "copies.", ""]
     return "\n".join(lines)
 
 
