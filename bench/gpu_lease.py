@@ -95,9 +95,10 @@ def stage_train(args) -> dict:
     lengths = [int(x) for x in args.lengths.split(",")]
     micros = [int(x) for x in args.micro.split(",")]
     policy, p = build(args, max(lengths), optim=True)
-    if args.megatron_loops:  # the baseline: megatron-core's own per-tensor fallbacks
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    if args.megatron_loops:  # the baseline: megatron-core's own per-tensor fallbacks (CUDA)
         from megatron.core import utils as mcore_utils
-        from megatron.core.optimizer import clip_grads, optimizer
 
         clip_grads.l2_norm_impl = mcore_utils.local_multi_tensor_l2_norm
         clip_grads.multi_tensor_scale_impl = optimizer.multi_tensor_scale_impl = \
@@ -125,7 +126,8 @@ def stage_train(args) -> dict:
                      if torch.cuda.is_available() else float("nan")})
         print(json.dumps(rows[-1]), flush=True)
     out = {"layers": args.layers, "matmul_params": matmul_params(p), "rows": rows,
-           "optimizer_loops": "megatron" if args.megatron_loops else "foreach"}
+           "optimizer_loops": {"megatron.core.utils": "megatron", "moe.compat": "foreach"}.get(
+               clip_grads.l2_norm_impl.__module__, "fused")}
     if args.top:
         T = lengths[len(lengths) // 2]
         tokens_BT = torch.randint(0, p.vocab_size, (max(1, args.tokens // T), T), device=DEVICE)
@@ -300,6 +302,9 @@ def parse_args(argv=None):
     ap.add_argument("--routing", action=argparse.BooleanOptionalAction, default=True,
                     help="rollout: record routing and compare with the trainer's")
     args = ap.parse_args(argv)
+    if args.megatron_loops and not torch.cuda.is_available():
+        ap.error("--megatron-loops: megatron-core's loops allocate on CUDA; this machine has "
+                 "no GPU")
     bad = [b for b in args.backends.split(",") if b not in BACKENDS]
     if bad:
         ap.error(f"--backends={args.backends!r}: unknown {bad}; expected some of {BACKENDS}")

@@ -8,7 +8,8 @@ import json
 import os
 
 OPTIMIZER_LOOPS = {"megatron": "megatron-core's per-tensor loops",
-                   "foreach": "`_foreach` ops (`moe.compat.use_foreach_optimizer_kernels`)"}
+                   "foreach": "`_foreach` ops (`moe.compat.use_foreach_optimizer_kernels`)",
+                   "fused": "TransformerEngine's or Apex's fused kernels"}
 """How the grad norm, clip scaling and master-to-model copies ran (`--megatron-loops`): results
 written before the option were megatron-core's loops."""
 
@@ -67,7 +68,7 @@ def rollout_lines(r: dict) -> list[str]:
 
 
 def report(out_dir: str) -> str:
-    """Markdown of every stage JSON in `out_dir` (train.json, rollout.json)."""
+    """Markdown of every stage JSON in `out_dir` (train.json, train_*.json, rollout.json)."""
     lines = []
     extra = sorted(os.path.basename(f)[:-5] for f in glob.glob(os.path.join(out_dir, "train_*.json")))
     for name, render in [("train", train_lines), *[(n, train_lines) for n in extra],

@@ -224,15 +224,19 @@ def _scaler_load_state_dict(self, state_dict):
 def _local_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
     """megatron.core.utils.local_multi_tensor_l2_norm (the torch stand-in for the fused l2-norm
     kernel): the same norm, on the tensors' device (megatron's goes through one host sync per
-    tensor and returns a CUDA tensor), summed in float64 as `moe.grads.global_grad_norm` does,
-    so fp32 CPU runs keep their pre-megatron-optimizer numbers (megatron's fallback sums in
-    fp32: ~1e-7 relative apart). One `_foreach_norm` accumulating in float64."""
+    tensor), from one `_foreach_norm` summed in float64 as the float64 reference of
+    `tests/moe/grads.py` does. On CPU it stays float64, so fp32 CPU runs keep their
+    pre-megatron-optimizer numbers (megatron's fallback sums in fp32: ~1e-7 relative apart);
+    on CUDA it is float32, as megatron's (and the fused kernels') is, since megatron all-reduces
+    it with the float32 zeros a rank without grads keeps (mixed dtypes fail the collective)."""
+    device = "cuda" if cuda_available() else "cpu"
     tensors = [tensor.detach() for tl in tensor_lists for tensor in tl]
     if not tensors:
-        device = "cuda" if cuda_available() else "cpu"
-        return torch.zeros(1, dtype=torch.float64, device=device), None
-    norms = torch._foreach_norm(tensors, 2, dtype=torch.float64)
-    return torch.stack(norms).pow(2).sum().sqrt().reshape(1), None
+        norm = torch.zeros(1, dtype=torch.float64, device=device)
+    else:
+        norms = torch._foreach_norm(tensors, 2, dtype=torch.float64)
+        norm = torch.stack(norms).pow(2).sum().sqrt().reshape(1)
+    return (norm.float() if norm.is_cuda else norm), None
 
 
 def _local_scale(chunk_size, noop_flag, tensor_lists, scale):

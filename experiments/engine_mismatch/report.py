@@ -222,13 +222,14 @@ def answers(meas: list[dict], abl: list[dict]) -> str:
     engine = [r for r in abl if r["arm"] != "grpo_lean" and r.get("logprob_mean_max") is not None]
     if engine:
         worst = max(engine, key=lambda r: r["logprob_mean_max"])
-        probe = max((r["probe_max"] for r in engine if r.get("probe_max") is not None),
-                    default=float("nan"))
+        probe = max((r["probe_max"] for r in engine
+                     if r.get("probe_max") is not None and r["arm"] != "grpo_fp32"),
+                    default=float("nan"))  # the bfloat16 arms' (median) guard numbers
         out.append(f"- no stale push in any RL run: the largest per-batch mean |engine - "
                    f"trainer| log-prob of the sampled tokens is {worst['logprob_mean_max']:.4f} "
                    f"nats ({LABELS[worst['arm']]}, seed {worst['seed']}; stale or mis-packed "
                    f"weights are off by nats, docs/vllm.md); the stale-weight guard's number "
-                   f"(the median over the engine's greedy continuation of a fixed prompt) "
+                   f"(the bfloat16 median over the engine's greedy continuation of a fixed prompt) "
                    f"reached {probe:.2f} nats, "
                    f"{'under' if probe <= CHECK_TOL['bfloat16'] else 'over'} the bfloat16 "
                    f"default {CHECK_TOL['bfloat16']:g}")

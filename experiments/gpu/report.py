@@ -33,9 +33,11 @@ GPU machine's Python 3.12):
     cp $OUT/*.json $OUT/env.txt $OUT/tests.log experiments/gpu/results/
     python -m experiments.gpu.report            # this README
 
-The 4-layer table, where a lease has time for it (same set-up; `results/train_l4.json`):
+Where a lease has time (same set-up, same lease as the train stage for the comparison): the
+4-layer table, and the baseline of the `_foreach` optimizer ops (megatron-core's own loops):
 
     python -m bench.gpu_lease train --out $OUT --layers 4 --name train_l4 --lengths 1024,4096
+    python -m bench.gpu_lease train --out $OUT --megatron-loops --name train_megatron_loops --top 0
 
 """
 

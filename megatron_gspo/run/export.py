@@ -1,8 +1,8 @@
 """`megatron-gspo export --run-dir R --to-hf OUT`: a run's latest weights as a Hugging Face model.
 
 Reads the run's dist checkpoint into a 1-process model (`moe.dist_ckpt.full_params`: whatever
-TP/EP layout the run used, so the export does not depend on it; checkpoints written before dist
-checkpoints: the full parameters rank 0 saved) and the run's model config from rank 0's file.
+TP/EP layout the run used, so the export does not depend on it) and the run's model config
+from rank 0's file.
 A run started from `model.hf_path` exports that architecture with the source folder's
 config.json keys (token ids, ...), its tokenizer files, chat template and generation config; a
 toy run exports its preset as a `qwen3_moe` config. The tokenizer written is the one the run

@@ -132,12 +132,17 @@ def try_resume(rt: Runtime) -> dict | None:
 def _verified_state(rt, root: str, step: int) -> dict | None:
     """This rank's state of checkpoint `step` (rank 0's when the step has no file of this
     rank: another world size), once every rank found its file and its share of the policy's
-    shards intact; None, with a warning, when any rank did not."""
+    shards intact (a step without dist/ is not); None, with a warning, when any rank did
+    not."""
     state, error = None, ""
     dist_dir = os.path.join(ckpt.step_dir(root, step), "dist")
     own = os.path.isfile(ckpt.rank_file(ckpt.step_dir(root, step), rt.info.rank))
     try:
         state = ckpt.load_checkpoint(root, rank=rt.info.rank if own else 0, step=step)
+        if not dist_ckpt.is_dist_checkpoint(dist_dir):
+            raise ckpt.CheckpointError(f"{dist_dir} is not a dist checkpoint (removed, or the "
+                                       "step was written before dist checkpoints, a format "
+                                       "this version no longer reads)")
         ckpt.verify_dir(dist_dir, rt.info.rank, rt.info.world_size)
     except (ckpt.CheckpointError, FileNotFoundError) as e:
         state, error = None, str(e)
@@ -156,16 +161,12 @@ def _load_policy(rt, root: str, step: int, state: dict) -> None:
     dist_dir = os.path.join(ckpt.step_dir(root, step), "dist")
     same_layout = tuple(state["layout"]) == layout
     check_optimizer_format(root, state, rt.cfg, layout)
-    if dist_ckpt.is_dist_checkpoint(dist_dir):
-        try:
-            dist_ckpt.load(rt.policy, dist_dir)  # collective; any layout
-        except (Exception, CheckpointException) as e:  # resume=force onto another model
-            if (line := dist_ckpt.mismatch_line(e)) is None:  # out of memory, I/O, ...
-                raise
-            raise ConfigError(f"{root} holds {saved_model(state['config']['model'])}, "
-                              f"this run builds {built_model(rt.policy)}: {line}") from None
-    else:
-        raise ConfigError(f"{root}: step {step} has no dist/ checkpoint (written by a version "
-                          "before dist checkpoints, which this one no longer reads)")
+    try:
+        dist_ckpt.load(rt.policy, dist_dir)  # collective; any layout
+    except (Exception, CheckpointException) as e:  # resume=force onto another model
+        if (line := dist_ckpt.mismatch_line(e)) is None:  # out of memory, I/O, ...
+            raise
+        raise ConfigError(f"{root} holds {saved_model(state['config']['model'])}, "
+                          f"this run builds {built_model(rt.policy)}: {line}") from None
     if same_layout:
         ckpt.set_rng_state(state["rng"])

@@ -106,3 +106,19 @@ def test_device_generator_seeds_a_cuda_generator_from_the_host_one():
     host.set_state(state)  # the same host state gives the same device seed
     assert device_generator(host, torch.device("cuda", 0)).initial_seed() == first.initial_seed()
     assert device_generator(first, torch.device("cuda", 0)) is first
+
+
+def test_the_foreach_grad_norm_is_float32_on_cuda_as_megatrons():
+    """megatron all-reduces the norm with the float32 zeros a rank without grads keeps: the
+    `_foreach` norm must be float32 there (mixed dtypes fail the collective), and equal the
+    float64 norm to float32 rounding."""
+    from moe.compat import _local_l2_norm
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lists = [[torch.randn(300, 7, device="cuda", generator=g), torch.randn(5, device="cuda",
+                                                                            generator=g)]]
+    got, _ = _local_l2_norm(2048, None, lists, False)
+    want = torch.cat([t.double().flatten() for t in lists[0]]).norm()
+    assert got.dtype == torch.float32 and got.is_cuda and got.shape == (1,)
+    assert abs(float(got) - float(want)) <= 1e-6 * float(want)
+    assert _local_l2_norm(2048, None, [[]], False)[0].dtype == torch.float32

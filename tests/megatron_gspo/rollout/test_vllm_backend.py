@@ -95,23 +95,31 @@ def test_weights_the_engine_did_not_get_stop_the_run_before_sampling(tmp_path, h
     real = sampler.engine.generate
     sampler.engine.generate = lambda *a, **k: calls.append(k.get("greedy")) or real(*a, **k)
     with pytest.raises(ConfigError, match=r"probe sequence differ from the trainer's by .* "
-                                          r"\(median\) > rollout.push_check_tol=0.0001"):
+                                          r"\(mean\) > rollout.push_check_tol=0.0001"):
         trainer.rollout(1)
     assert pushes and pushes[0] > 0 and calls == [True]  # the probe's continuation, no rollout
     trainer.rt.close()
 
 
 def test_the_guard_ignores_one_token_whose_bf16_routing_flipped_but_not_a_moved_model():
-    """The probe's number is robust to one outlier token (a bfloat16 routing flip: a correct push
-    that a mean over 16 tokens once reported as stale) and still sees every token move."""
+    """In bfloat16 the probe's number is robust to one outlier token (a routing flip: a correct
+    push that a mean over 16 tokens once reported as stale) and still sees every token move,
+    also half of them (the median between the middle two); in float32 one wrong token shows."""
     from megatron_gspo.rollout.vllm import CHECK_TOL, probe_statistic
 
     ours = -torch.rand(16, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     flipped = ours + 0.01
     flipped[3] -= 2.0  # one token two nats off
-    assert probe_statistic(ours, flipped) == pytest.approx(0.01)
-    assert probe_statistic(ours, flipped) <= CHECK_TOL["bfloat16"]
-    assert probe_statistic(ours, ours - 1.0) > CHECK_TOL["bfloat16"]  # a stale push: all move
+    assert probe_statistic(ours, flipped, "bfloat16") == pytest.approx(0.01)
+    assert probe_statistic(ours, flipped, "bfloat16") <= CHECK_TOL["bfloat16"]
+    assert probe_statistic(ours, ours - 1.0, "bfloat16") > CHECK_TOL["bfloat16"]  # all move
+    half = ours.clone()
+    half[::2] -= 2.0  # eight of sixteen tokens two nats off
+    assert probe_statistic(ours, half, "bfloat16") > CHECK_TOL["bfloat16"]
+    one = ours.clone()
+    one[5] -= 0.01  # float32: one token a hundredth off
+    assert probe_statistic(ours, ours, "float32") == 0.0
+    assert probe_statistic(ours, one, "float32") > CHECK_TOL["float32"]
 
 
 def test_the_config_reference_states_the_guards_defaults():
@@ -120,7 +128,7 @@ def test_the_config_reference_states_the_guards_defaults():
     from megatron_gspo.rollout.vllm import CHECK_TOL
 
     doc = " ".join(field_docs(RolloutConfig)["push_check_tol"].split())
-    assert "median" in doc
+    assert "mean for a float32 engine, median for bfloat16" in doc
     m = re.search(r"None: (\S+) for a float32 engine, (\S+) for bfloat16", doc)
     assert m and (float(m[1]), float(m[2])) == (CHECK_TOL["float32"], CHECK_TOL["bfloat16"])
 

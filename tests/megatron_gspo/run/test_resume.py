@@ -339,3 +339,21 @@ def test_keep_checkpoints_bounds_the_step_dirs_and_the_run_resumes(tmp_path):
     assert t.state.iteration == 3
     t.train()
     assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == ["step_000004"]
+
+
+def test_a_step_without_dist_is_skipped_and_none_left_is_one_line(tmp_path, capsys):
+    """The newest step's dist/ removed (or a step from before dist checkpoints): the resume
+    falls back to the step before, with a warning naming it; with no step's dist/ left it
+    refuses in one line, and nothing on disk changes."""
+    run = tmp_path / "run"
+    trainer(run, "train.steps=2", "train.save_every=1").train()
+    root = run / "checkpoints"
+    shutil.rmtree(root / "step_000002" / "dist")
+    capsys.readouterr()
+    assert trainer(run, "train.steps=3", "train.save_every=1").state.iteration == 1
+    assert "step_000002/dist is not a dist checkpoint" in capsys.readouterr().out
+    shutil.rmtree(root / "step_000001" / "dist")
+    kept = _digests(root)
+    err = one_line_error(capsys, "train", *TINY, f"run_dir={run}", "train.steps=3")
+    assert "no readable checkpoint" in err and "tried [2, 1]" in err, err
+    assert _digests(root) == kept
