@@ -48,10 +48,12 @@ from moe.hf.mapping import HFMapping, local_to_te
 from moe.sharding import iter_full_params
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
-CHECK_TOL = {"float32": 1e-4, "bfloat16": 0.5}
+CHECK_TOL = {"float32": 1e-4, "bfloat16": 0.8}
 """Default `rollout.push_check_tol` by engine dtype, a bound on `probe_statistic`: a mis-packed
 or stale push moves log-probs by nats (docs/vllm.md), float32 parity is ~1e-6 a token,
-bfloat16's median usually hundredths of a nat, at most tenths in the runs measured."""
+bfloat16's median usually hundredths of a nat, at most tenths in the runs measured: its bound
+sits about as far above the largest correct value of experiments/engine_mismatch as below a
+push without the MoE re-prepack (tests/megatron_gspo/rollout/test_vllm_backend.py)."""
 PROBE_PROMPT, PROBE_NEW = 8, 16
 
 

@@ -100,7 +100,7 @@ def test_report_regenerates_every_table_from_results(tmp_path):
     assert "- final held-out accuracy, mean over seeds: from 0.290 (GSPO) to 0.360 (GRPO, fp32 " \
         "engine), against a start of 0.270 to 0.270; the best eval of any run is 0.380" in text
     assert "the largest per-batch mean |engine - trainer| log-prob of the sampled tokens is " \
-        "0.0510 nats (GSPO, seed 2;" in text and "greedy continuation of a fixed prompt) reached 2.50 nats, over the bfloat16 default 0.5" \
+        "0.0510 nats (GSPO, seed 2;" in text and "greedy continuation of a fixed prompt) reached 2.50 nats, over the bfloat16 default 0.8" \
         in text
     assert "- bfloat16 engine, `qwen3-moe-tiny-hd32`, sft init: 2.00% of routers differ " \
         "(layers 1.00% to 3.00%; shallowest third of the layers 1.00%, deepest third 3.00%), " \
