@@ -12,12 +12,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 
 import yaml
 
 from megatron_gspo.errors import ConfigError, UserError
-from megatron_gspo.files import current_umask, fsync_path
+from megatron_gspo.files import write_atomically
 
 
 class YamlLoader(yaml.SafeLoader):
@@ -117,21 +116,10 @@ YamlLoader.add_implicit_resolver(_FLOAT, re.compile(
 def atomic_write(path: str, text: str) -> None:
     """`text` into a tmp file next to `path` (`.NAME.*.tmp`, which a run dir's clean-up
     removes), fsync, then os.replace: a reader sees the old file or the new one, never half of
-    it. A failed write is one UserError naming `path` and leaves no tmp file."""
-    d = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    it (`megatron_gspo.files.write_atomically`). A failed write is one UserError naming `path`
+    and leaves no tmp file."""
     try:
-        os.fchmod(fd, 0o666 & ~current_umask())  # as open() would create it, not mkstemp's 0600
-        with os.fdopen(fd, "wb") as f:
-            f.write(text.encode("utf-8"))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        if isinstance(e, OSError):
-            raise UserError(f"cannot write {path}: {e.strerror or e}; files already written "
-                            "are unchanged") from e
-        raise
-    fsync_path(d)  # persist the rename
+        write_atomically(path, lambda f: f.write(text.encode("utf-8")))
+    except OSError as e:
+        raise UserError(f"cannot write {path}: {e.strerror or e}; files already written are "
+                        "unchanged") from e

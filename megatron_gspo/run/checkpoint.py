@@ -32,13 +32,12 @@ import os
 import random
 import re
 import shutil
-import tempfile
 
 import numpy as np
 import torch
 
 from megatron_gspo.errors import CheckpointError
-from megatron_gspo.files import current_umask, fsync_path
+from megatron_gspo.files import fsync_path, write_atomically
 
 LATEST_FILE = "latest"
 COMPLETE_FILE = "complete"
@@ -88,29 +87,24 @@ class _HashingWriter:
 
 
 def atomic_write(path: str, write) -> tuple[str, int]:
-    """`write(file)` into a tmp file next to `path`, fsync, then os.replace; returns the sha256
-    and size of what was written. A failed write raises CheckpointError naming `path` and
-    leaves no tmp file."""
-    d = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    """`write(file)` into a tmp file next to `path`, fsync, then os.replace
+    (`megatron_gspo.files.write_atomically`); returns the sha256 and size of what was written.
+    A failed write raises CheckpointError naming `path` and leaves no tmp file."""
     out = None
+
+    def hashed(f) -> None:
+        nonlocal out
+        out = _HashingWriter(f)
+        write(out)
+
     try:
-        os.fchmod(fd, 0o666 & ~current_umask())
-        with os.fdopen(fd, "wb") as f:
-            out = _HashingWriter(f)
-            write(out)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_atomically(path, hashed)
     except BaseException as e:
-        if os.path.exists(tmp):
-            os.remove(tmp)
         cause = out.error if out is not None and out.error is not None else e
         if isinstance(cause, OSError):
             raise CheckpointError(f"cannot write {path}: {cause.strerror or cause}; files "
                                   "already written are unchanged") from cause
         raise
-    fsync_path(d)
     return out.sha.hexdigest(), out.size
 
 

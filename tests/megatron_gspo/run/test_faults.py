@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -239,14 +240,14 @@ def test_disk_full_names_the_file_and_keeps_the_previous_step(tmp_path, monkeypa
     root = str(tmp_path)
     ckpt.save_checkpoint(root, 1, {"w": torch.zeros(3)})
     ckpt.mark_latest(root, 1)
-    real = ckpt.tempfile.mkstemp
+    real = tempfile.mkstemp  # megatron_gspo.files.write_atomically's
 
     def full_disk(*args, **kwargs):  # a real ENOSPC: writes go to /dev/full
         fd, path = real(*args, **kwargs)
         os.dup2(os.open("/dev/full", os.O_WRONLY), fd)
         return fd, path
 
-    monkeypatch.setattr(ckpt.tempfile, "mkstemp", full_disk)
+    monkeypatch.setattr(tempfile, "mkstemp", full_disk)
     with pytest.raises(ckpt.CheckpointError, match=r"cannot write .*rank_00000.pt: No space left"):
         ckpt.save_checkpoint(root, 2, {"w": torch.zeros(100_000)})
     monkeypatch.undo()
