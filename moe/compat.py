@@ -270,10 +270,9 @@ def use_foreach_optimizer_kernels() -> bool:
 
 
 def apply_cpu_training_patches() -> bool:
-    """Let megatron-core's optimizers and activation recompute run on CPU. No-op with CUDA
-    (beyond `use_foreach_optimizer_kernels`); idempotent."""
+    """Let megatron-core's optimizers and activation recompute run on CPU. No-op with CUDA;
+    idempotent."""
     global _TRAINING_APPLIED
-    use_foreach_optimizer_kernels()
     if cuda_available():
         return False
     apply_cpu_patches()

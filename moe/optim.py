@@ -15,7 +15,10 @@
   exempts biases and 1-D parameters, i.e. norm weights).
 
 On CPU `moe.compat.apply_cpu_training_patches` lets the same classes run (their few CUDA-only
-tensor allocations and type-string checks); no second optimizer is written here.
+tensor allocations and type-string checks); no second optimizer is written here. Without
+TransformerEngine or Apex kernels, megatron's per-tensor fallbacks for the grad norm, the clip
+scaling and the master-to-model copies run as `_foreach` ops
+(`moe.compat.use_foreach_optimizer_kernels`).
 
 Departures from megatron's `ChainedOptimizer.step`: (1) a non-finite global grad norm skips the
 update on every rank (megatron clips with it; its fp16 scaler skips only on fp16); `step` is
@@ -33,7 +36,7 @@ import torch
 from megatron.core.optimizer import OptimizerConfig, clip_grads, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from moe.compat import apply_cpu_training_patches
+from moe.compat import apply_cpu_training_patches, use_foreach_optimizer_kernels
 from moe.settings import OptimSettings
 
 
@@ -54,6 +57,7 @@ class PolicyOptimizer:
 
     def __init__(self, ddp_model, settings: OptimSettings):
         apply_cpu_training_patches()
+        use_foreach_optimizer_kernels()  # CPU and CUDA alike, where megatron has no fused ones
         dtype = next(ddp_model.module.parameters()).dtype
         if settings.distributed != ddp_model.ddp_config.use_distributed_optimizer:
             raise ValueError(f"distributed={settings.distributed} but the DDP wrapper was built "
