@@ -36,7 +36,8 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def _diff(a, b) -> set[str]:
+def config_diff(a, b) -> set[str]:
+    """The dotted keys whose values differ between two configs (`kwargs` compared whole)."""
     fa, fb = _flat(config_to_dict(a)), _flat(config_to_dict(b))
     return {k for k in fa if fa[k] != fb[k]}
 
@@ -66,9 +67,9 @@ def test_ablation_arms_differ_only_in_the_intended_keys(profile):
     base = ablation_run.profile_overrides(profile)
     cfgs = {arm: load_config(os.path.join(ABL, f"{arm}.yaml"), base) for arm in ARMS}
     sft = load_config(os.path.join(ABL, "sft.yaml"), base)
-    assert _diff(cfgs["gspo"], cfgs["grpo"]) == {"run_dir", "loss.name", "loss.eps_low",
+    assert config_diff(cfgs["gspo"], cfgs["grpo"]) == {"run_dir", "loss.name", "loss.eps_low",
                                                  "loss.eps_high"}
-    assert _diff(cfgs["grpo"], cfgs["grpo_r2"]) == {"run_dir", "train.routing_replay"}
+    assert config_diff(cfgs["grpo"], cfgs["grpo_r2"]) == {"run_dir", "train.routing_replay"}
     assert (sft.model, sft.task) == (cfgs["gspo"].model, cfgs["gspo"].task)
     assert all(c.train.num_minibatches == 4 for c in cfgs.values())
     assert cfgs["gspo"].loss.name == "gspo" and cfgs["grpo"].loss.name == "grpo"
@@ -88,11 +89,11 @@ def test_gpu_profile_changes_the_preset():
 def test_demo_is_the_ablation_gspo_arm():
     """The demo's README/YAML comments say so (a shorter run of that arm); keep it true."""
     demo, arm = (load_config(os.path.join(d, "gspo.yaml")) for d in (DEMO, ABL))
-    assert _diff(demo, arm) == {"run_dir", "init_checkpoint", "train.steps",
+    assert config_diff(demo, arm) == {"run_dir", "init_checkpoint", "train.steps",
                                 "train.eval_every", "train.save_every"}
     assert (demo.train.steps, arm.train.steps) == (60, 150)
     demo_sft, arm_sft = (load_config(os.path.join(d, "sft.yaml")) for d in (DEMO, ABL))
-    assert _diff(demo_sft, arm_sft) == {"run_dir"}
+    assert config_diff(demo_sft, arm_sft) == {"run_dir"}
     # one accuracy band: SFT stops in it, every RL run (demo and arms) refuses a start outside
     assert demo.train.start_accuracy == arm_sft.sft.target_accuracy == [0.25, 0.45]
 

@@ -209,26 +209,10 @@ def test_an_ablation_arm_a_signal_stopped_resumes(tmp_path, monkeypatch):
     assert f"init_checkpoint=runs/engine_mismatch/{em.SHAPES[0]}/sft" in calls[1]
 
 
-def _flat(d, prefix=""):
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and k != "kwargs":
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[prefix + k] = v
-    return out
-
-
-def _diff(a, b):
-    from megatron_gspo.config.schema import config_to_dict
-
-    fa, fb = _flat(config_to_dict(a)), _flat(config_to_dict(b))
-    return {k for k in fa if fa[k] != fb[k]}
-
-
 def test_arms_differ_only_in_the_loss_and_replay():
     from megatron_gspo.rollout.vllm_engine import CPU_HEAD_DIMS
     from moe.presets import get_preset
+    from tests.experiments.test_configs import config_diff as _diff
 
     cfgs = {arm: load_config(os.path.join(HERE, f"{arm}.yaml")) for arm in em.ARMS}
     assert _diff(cfgs["gspo"], cfgs["grpo"]) == {"run_dir", "loss.name", "loss.eps_low",

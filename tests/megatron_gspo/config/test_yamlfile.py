@@ -44,19 +44,19 @@ def _files(tmp_path, files: dict) -> None:
 
 def test_base_is_loaded_first_and_deep_merged(tmp_path):
     _files(tmp_path, {
-        "shared/root.yaml": """
+        "common/root.yaml": """
             run_dir: runs/root
             task: {name: addition, kwargs: {num_digits: 3}, n_train: 10}
             loss: {name: grpo, eps_low: 0.2}
             train: {steps: 9}
             """,
-        "shared/mid.yaml": """
+        "common/mid.yaml": """
             base: root.yaml
             loss: {eps_high: 0.27}
             train: {steps: 7}
             """,
         "exp/arm.yaml": """
-            base: ../shared/mid.yaml
+            base: ../common/mid.yaml
             run_dir: runs/arm
             task: {kwargs: {num_digits: 2}}
             """})
