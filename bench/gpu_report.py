@@ -67,10 +67,15 @@ def rollout_lines(r: dict) -> list[str]:
     return lines
 
 
+def extra_train_files(out_dir: str) -> list[str]:
+    """The train_*.json names in `out_dir` (variants: `bench.gpu_lease train --name`), sorted."""
+    return sorted(os.path.basename(f) for f in glob.glob(os.path.join(out_dir, "train_*.json")))
+
+
 def report(out_dir: str) -> str:
     """Markdown of every stage JSON in `out_dir` (train.json, train_*.json, rollout.json)."""
     lines = []
-    extra = sorted(os.path.basename(f)[:-5] for f in glob.glob(os.path.join(out_dir, "train_*.json")))
+    extra = [name[:-len(".json")] for name in extra_train_files(out_dir)]
     for name, render in [("train", train_lines), *[(n, train_lines) for n in extra],
                          ("rollout", rollout_lines)]:
         path = os.path.join(out_dir, name + ".json")

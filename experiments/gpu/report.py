@@ -8,12 +8,11 @@ are computed here from them.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import sys
 
-from bench.gpu_report import rollout_lines, train_lines
+from bench.gpu_report import extra_train_files, rollout_lines, train_lines
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GOAL_MFU, GOAL_ENGINE = 0.30, 10.0
@@ -106,10 +105,9 @@ def render() -> str:
         lines += ["", f"GPU tests (`make test-gpu`, on the {where}): "
                       f"{summary[-1] if summary else 'no summary'}"]
     lines += ["", "## Goals", "", *verdicts(train, rollout), ""]
-    extra = sorted(os.path.basename(f) for f in glob.glob(os.path.join(HERE, "results",
-                                                                        "train_*.json")))
     sections = [("Train step", train, train_lines)]
-    sections += [(f"Train step, `results/{name}`", read(name), train_lines) for name in extra]
+    sections += [(f"Train step, `results/{name}`", read(name), train_lines)
+                 for name in extra_train_files(os.path.join(HERE, "results"))]
     for name, r, render_fn in sections + [("Rollouts", rollout, rollout_lines)]:
         lines += [f"## {name}" + (f" ({r.get('device', '?')})" if r else ""), ""]
         if r is None:
