@@ -64,6 +64,10 @@ class ModelConfig:
     layer shapes (e.g. qwen3-30b-a3b's 128 experts of hidden 2048) at a depth one device holds,
     for throughput and memory measurements. None = the preset's depth. Not with hf_path (a
     checkpoint's depth is its config.json's)."""
+    preset_overrides: dict = field(default_factory=dict)
+    """Architecture fields of model.preset to replace, e.g. {num_experts: 64, topk: 2,
+    moe_ffn_hidden_size: 32, norm_topk_prob: false} (any `moe.presets.MoEPreset` field but
+    name, vocab_size, max_seq_len, hf_model_type; random init). Not with hf_path."""
     recompute_granularity: Literal["off", "selective", "full"] = "off"
     """megatron's activation recompute for long responses: 'selective' re-runs
     recompute_modules in the backward, 'full' every transformer layer. Same grads (routing
@@ -89,6 +93,12 @@ class ModelConfig:
         check(self, "preset", self.preset in PRESETS, f"unknown preset; valid: {sorted(PRESETS)}")
         check(self, "num_layers", self.num_layers is None or self.hf_path is None,
               "only with model.preset (model.hf_path's depth comes from its config.json)")
+        check(self, "preset_overrides", not self.preset_overrides or self.hf_path is None,
+              "only with model.preset (model.hf_path's architecture is its config.json's)")
+        try:
+            PRESETS[self.preset].with_overrides(self.preset_overrides)
+        except (TypeError, ValueError) as e:
+            check(self, "preset_overrides", False, str(e))
         for name, msg in layout_problems(self):  # the rules live in moe.model
             check(self, name, False, msg)
 
@@ -144,6 +154,13 @@ class RolloutConfig:
     real train-inference mismatch with an fp32 trainer (`megatron_gspo.rollout.precision`):
     log-probs and MoE routing then differ between sampler and trainer; pi_old, loss and eval
     stay as trained."""
+    router_noise_std: float = 0.0
+    """The sampler's routing disagreement knob (0 = off): the sampler's routers pick their top-k
+    experts from router logits + Gaussian noise of this std (gate weights from the clean
+    logits), in every forward the sampler runs, rollouts and evaluations: an inference engine
+    whose routing differs from the trainer's (as a bf16 engine's does at scale) at a chosen
+    rate. R3 replays the noisy routing it recorded; R2 and no replay route cleanly in the
+    trainer. The KV-cache decoders only (backend lean / megatron; `moe.router_noise`)."""
     kv_cache: bool = True
     """Sample with megatron-core's static KV cache (one new column per step); False recomputes
     the full forward each step. Sequence parallelism always recomputes."""
@@ -174,9 +191,13 @@ class RolloutConfig:
 
     def __post_init__(self):
         validate(self, nonempty=("backend",),
-                 ge={"prompts_per_batch": 1, "group_size": 2, "max_new_tokens": 1},
+                 ge={"prompts_per_batch": 1, "group_size": 2, "max_new_tokens": 1,
+                     "router_noise_std": 0},
                  gt={"temperature": 0, "engine_kv_cache_gb": 0, "push_check_tol": 0})
         check(self, "top_p", 0 < self.top_p <= 1, "must be in (0, 1]")
+        check(self, "router_noise_std", not self.router_noise_std
+              or self.sampler in ("lean", "megatron"),
+              f"needs backend lean or megatron (our decoders), not {self.sampler!r}")
 
     @property
     def sampler(self) -> str:

@@ -15,6 +15,9 @@ a new one changes what a seed trains.
 - `minibatch_order`: how a rollout batch's rows are dealt into its minibatches;
 - `router_noise`: `train.router_noise_std`'s draw for one optimizer step, on the policy's device.
 
+`rollout.router_noise_std`'s draws (the sampler's routers) come from the rollout's stream, one
+draw per rollout, and from `seed` itself in evaluations (`megatron_gspo.rollout.decoders`).
+
 The config keeps `seed < 2**32`, so every derived seed fits torch's 64-bit generator seed.
 """
 

@@ -155,17 +155,21 @@ def test_r3_without_kv_cache_is_a_config_error():
     ("off", "megatron_engine", "same", True, False, False, True),  # an engine: always
     ("off", "vllm", "same", False, True, False, False),  # ... but one routing per round
     ("off", "custom", "same", True, False, False, False),  # another sampler: as the decoders
+    ("off", "lean", "noise", True, False, False, True),  # rollout.router_noise_std > 0
+    ("off", "lean", "noise", False, False, False, False),  # ... with the KV cache only
 ])
 def test_records_sampler_routing_only_where_it_can(replay, sampler, dtype, kv_cache, dynamic, sp,
                                                    want):
     """The sampler records its routing for R3, for an inference engine's mismatch, or for a
-    different-precision decoder's mismatch when the KV cache, one round and no sequence
+    different-precision or noisy-router decoder's mismatch when the KV cache, one round and no sequence
     parallelism make it possible."""
     from megatron_gspo.jobs.rl import Trainer
 
     ns = SimpleNamespace
+    noise = 0.5 if dtype == "noise" else 0.0
     cfg = ns(train=ns(routing_replay=replay),
-             rollout=ns(sampler=sampler, sampler_dtype=dtype, kv_cache=kv_cache),
+             rollout=ns(sampler=sampler, sampler_dtype="same" if noise else dtype,
+                        kv_cache=kv_cache, router_noise_std=noise),
              filter=ns(dynamic_sampling=dynamic), model=ns(sequence_parallel=sp))
     assert Trainer.records_sampler_routing(ns(cfg=cfg)) is want
 
@@ -263,6 +267,49 @@ def test_bf16_sampler_is_a_real_mismatch_that_tis_reweights(tmp_path, mode):
         assert "rollout/routing_mismatch/mean" in r  # recorded without R3 too
     first = [r for r in rows if r["train/minibatch"] == 0]
     assert first and first[0]["policy/log_ratio/abs_max"] < 1e-5
+
+
+@pytest.mark.parametrize("mode", ["off", "r2", "r3"])
+def test_sampler_router_noise_is_a_routing_mismatch_r3_removes(tmp_path, mode):
+    """rollout.router_noise_std: the sampler routes noisily (rollouts and evals), the trainer
+    cleanly. The mismatch is logged in every arm; R3's pi_old replays the sampler's noisy
+    routing and reproduces its log-probs to fp32 rounding (the engine's policy exactly), while
+    without R3 pi_old is the clean recompute and differs from the sampler's."""
+    trainer = make_trainer(tmp_path, "train.steps=1", "rollout.router_noise_std=1.0",
+                           f"train.routing_replay={mode}", "train.num_minibatches=2",
+                           "train.eval_every=1")
+    trainer.train()
+    rows = read_jsonl(os.path.join(trainer.cfg.run_dir, "metrics.jsonl"))
+    for r in (r for r in rows if "train/minibatch" in r):
+        assert r["rollout/routing_mismatch/mean"] > 0.1
+        assert r["rollout/logprob_mismatch/mean"] > 1e-3
+        if mode == "r3":
+            assert r["rollout/logprob_mismatch_r3/mean"] < 1e-5
+    first = [r for r in rows if r.get("train/minibatch") == 0]
+    assert first and first[0]["policy/log_ratio/abs_max"] < 1e-5  # pi_old is the trainer's
+
+
+def test_sampler_router_noise_is_seeded_per_rollout_and_off_at_zero(tmp_path):
+    """The same rollout batch draws the same noise (a resumed run samples what an
+    uninterrupted one would); std 0 samples exactly what a run without the knob does."""
+    def tokens(*overrides, name):
+        trainer = make_trainer(tmp_path, "train.steps=1", *overrides, name=name)
+        try:
+            return trainer.rollout(0).tokens_BT
+        finally:
+            trainer.rt.close()
+
+    noisy = tokens("rollout.router_noise_std=3.0", name="a")
+    assert torch.equal(noisy, tokens("rollout.router_noise_std=3.0", name="b"))
+    assert torch.equal(tokens(name="c"), tokens("rollout.router_noise_std=0.0", name="d"))
+    assert not torch.equal(noisy, tokens(name="e"))
+
+
+def test_sampler_router_noise_needs_our_decoders():
+    with pytest.raises(ConfigError, match="rollout.router_noise_std=0.5: needs backend lean"):
+        load_config(None, ["rollout.router_noise_std=0.5", "rollout.backend=vllm"])
+    with pytest.raises(ConfigError, match="rollout.router_noise_std=-1"):
+        load_config(None, ["rollout.router_noise_std=-1"])
 
 
 def test_tis_with_sampler_logprobs_is_a_config_error():
