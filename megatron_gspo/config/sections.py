@@ -161,6 +161,11 @@ class RolloutConfig:
     whose routing differs from the trainer's (as a bf16 engine's does at scale) at a chosen
     rate. R3 replays the noisy routing it recorded; R2 and no replay route cleanly in the
     trainer. The KV-cache decoders only (backend lean / megatron; `moe.router_noise`)."""
+    router_noise: Literal["fixed", "fresh"] = "fixed"
+    """How router_noise_std draws: "fixed", a fixed function of each router's input for the
+    whole run (the same token in the same context always routes the same way: an engine whose
+    kernels compute other router logits, as bf16 ones do), or "fresh", a new Gaussian draw in
+    every rollout (an engine whose routing is not even reproducible)."""
     kv_cache: bool = True
     """Sample with megatron-core's static KV cache (one new column per step); False recomputes
     the full forward each step. Sequence parallelism always recomputes."""

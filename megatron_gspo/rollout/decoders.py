@@ -18,9 +18,10 @@ run's tokens. `rollout.sampler_dtype=bf16` runs these forwards under bf16 autoca
 (`rollout.precision`): a real sampler-trainer mismatch on one stack.
 `rollout.router_noise_std` makes the sampler's routers pick their top-k from noisy router logits
 (`moe.router_noise`): an engine whose routing disagrees with the trainer's at a chosen rate, in
-every forward the sampler runs (rollouts and evaluations, as an engine serves both). The noise
-of a rollout is seeded by one draw from its generator (resumable: a function of the rollout
-batch); an evaluation, which passes none, draws from `noise_seed`.
+every forward the sampler runs (rollouts and evaluations, as an engine serves both). "fixed"
+noise is one function of the router's input for the whole run (`noise_seed`); "fresh" noise is
+drawn anew in each rollout, seeded by one draw from its generator (resumable: a function of the
+rollout batch), and from `noise_seed` in evaluations, which pass no generator.
 
 Every rank takes the same number of decode steps: sampling stops only when all ranks are done
 (`dist.all_ranks`), finished rows meanwhile decode padding. A per-rank stop desynchronises the
@@ -45,9 +46,10 @@ class DecoderSampler:
 
     def __init__(self, policy, tokenizer, kind: str, kv_cache: bool = True,
                  sampler_dtype: str = "same", router_noise_std: float = 0.0,
-                 noise_seed: int = 0):
+                 router_noise: str = "fixed", noise_seed: int = 0):
         self.policy, self.kind, self.kv_cache, self.dtype = policy, kind, kv_cache, sampler_dtype
         self.noise_std, self.noise_seed = router_noise_std, noise_seed
+        self.noise_fixed = router_noise == "fixed"
         self.pad_id = tokenizer.pad_id
         self.stop_ids = torch.tensor(sorted(tokenizer.stop_ids), dtype=torch.long)
 
@@ -62,7 +64,8 @@ class DecoderSampler:
             self.policy.train(False)
         try:
             with sampler_precision(self.policy, self.dtype), \
-                    router_noise(self.policy, self.noise_std, self._noise_generator(generator)):
+                    router_noise(self.policy, self.noise_std, self._noise_generator(generator),
+                                 fixed=self.noise_fixed):
                 return self._sample(prompts, params, generator)
         finally:
             if was_training:
@@ -70,10 +73,11 @@ class DecoderSampler:
 
     def _noise_generator(self, generator: torch.Generator | None) -> torch.Generator | None:
         """The router noise's generator on the policy's device (None without noise): seeded
-        by one draw from `generator` (a rollout's), else by `noise_seed` (evaluations)."""
+        by `noise_seed` for fixed noise and in evaluations, else by one draw from `generator`
+        (a rollout's)."""
         if not self.noise_std:
             return None
-        seed = self.noise_seed if generator is None else \
+        seed = self.noise_seed if generator is None or self.noise_fixed else \
             int(torch.randint(2 ** 63 - 1, (1,), generator=generator))
         return torch.Generator(self.policy.device).manual_seed(seed)
 
@@ -165,6 +169,7 @@ def _decoder_factory(kind: str):
         return DecoderSampler(policy, tokenizer, kind, kv_cache=cfg.rollout.kv_cache,
                               sampler_dtype=cfg.rollout.sampler_dtype,
                               router_noise_std=cfg.rollout.router_noise_std,
+                              router_noise=cfg.rollout.router_noise,
                               noise_seed=cfg.seed)
     return factory
 

@@ -289,20 +289,26 @@ def test_sampler_router_noise_is_a_routing_mismatch_r3_removes(tmp_path, mode):
     assert first and first[0]["policy/log_ratio/abs_max"] < 1e-5  # pi_old is the trainer's
 
 
-def test_sampler_router_noise_is_seeded_per_rollout_and_off_at_zero(tmp_path):
+@pytest.mark.parametrize("kind", ["fixed", "fresh"])
+def test_sampler_router_noise_is_seeded_per_rollout_and_off_at_zero(tmp_path, kind):
     """The same rollout batch draws the same noise (a resumed run samples what an
     uninterrupted one would); std 0 samples exactly what a run without the knob does."""
-    def tokens(*overrides, name):
+    def rollout(*overrides, name):
         trainer = make_trainer(tmp_path, "train.steps=1", *overrides, name=name)
         try:
-            return trainer.rollout(0).tokens_BT
+            batch = trainer.rollout(0)
+            return batch.tokens_BT, batch.sampler_logp_BT
         finally:
             trainer.rt.close()
 
-    noisy = tokens("rollout.router_noise_std=3.0", name="a")
-    assert torch.equal(noisy, tokens("rollout.router_noise_std=3.0", name="b"))
-    assert torch.equal(tokens(name="c"), tokens("rollout.router_noise_std=0.0", name="d"))
-    assert not torch.equal(noisy, tokens(name="e"))
+    noise = ["rollout.router_noise_std=3.0", f"rollout.router_noise={kind}"]
+    tokens, logp = rollout(*noise, name="a")
+    again = rollout(*noise, name="b")
+    assert torch.equal(tokens, again[0]) and torch.equal(logp, again[1])
+    clean = rollout(name="c")
+    zero = rollout("rollout.router_noise_std=0.0", name="d")
+    assert torch.equal(clean[0], zero[0]) and torch.equal(clean[1], zero[1])
+    assert not torch.equal(logp, clean[1])
 
 
 def test_sampler_router_noise_needs_our_decoders():
