@@ -43,8 +43,7 @@ from megatron_gspo.algo.flips import (FlipSchedule, loss_positions, sampler_mism
                                       token_rows)
 from megatron_gspo.algo.corrections import correction_inputs
 from megatron_gspo.algo.losses import PolicyLossFn, get_policy_loss
-from megatron_gspo.config.schema import RunConfig
-from megatron_gspo.errors import ConfigError
+from megatron_gspo.config.schema import RunConfig, local_prompts
 from megatron_gspo.dist import max_over_ranks, reduce_metrics, sum_over_ranks
 from megatron_gspo.jobs.band import StartBand
 from megatron_gspo.jobs.rl_metrics import response_metrics, rollout_metrics, throughput
@@ -361,18 +360,3 @@ def replay_diff(check: dict) -> float:
                           dtype=torch.float64)
     differ, routes = sum_over_ranks(counts).tolist()
     return differ / routes if routes else 0.0
-
-
-def local_prompts(cfg: RunConfig, dp: int) -> int:
-    """Prompts per rollout batch on one data-parallel rank; ConfigError unless the batch splits
-    evenly over the ranks and each rank's rows split into `train.num_minibatches`."""
-    prompts, group, n = cfg.rollout.prompts_per_batch, cfg.rollout.group_size, \
-        cfg.train.num_minibatches
-    if prompts % dp:
-        raise ConfigError(f"rollout.prompts_per_batch={prompts} is not divisible by the "
-                          f"data-parallel size {dp}")
-    if prompts // dp * group % n:  # each rank splits its own share into minibatches
-        raise ConfigError(f"train.num_minibatches={n} does not divide a data-parallel rank's "
-                          f"{prompts // dp * group} rollout rows (rollout.prompts_per_batch / "
-                          f"dp * rollout.group_size = {prompts} / {dp} * {group})")
-    return prompts // dp
