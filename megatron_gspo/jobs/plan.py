@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import textwrap
 from dataclasses import dataclass
 
 from megatron_gspo.config.schema import RunConfig, local_prompts
@@ -35,6 +36,7 @@ HEADROOM = 0.9
 and the caching allocator's fragmentation."""
 ENGINE_BUFFER_GIB = 4.0  # megatron_engine's KV buffer (moe.engine's buffer_size_gb default)
 GIB = mem.GIB
+WIDTH = 100  # the report's line width
 
 
 @dataclass(frozen=True)
@@ -270,7 +272,20 @@ def report(source: str, cfg: RunConfig, gpus: int, gpu_gib: float) -> tuple[str,
               (("rollout", t.rollout), ("pi_old", t.pi_old), ("train", t.train))]
     lines += [f"  {'total':<10}{t.total:>12,.0f} s ({t.total / 3600:.1f} h)", "", "assumptions"]
     lines += [f"  - {a}" for a in _memory_assumptions(cfg, note) + list(t.assumptions)]
-    return "\n".join(lines), fits
+    return "\n".join(_wrapped(lines)), fits
+
+
+def _wrapped(lines: list[str], width: int = WIDTH) -> list[str]:
+    """Lines longer than `width` wrapped, continued under their text."""
+    out = []
+    for line in lines:
+        if len(line) <= width:
+            out.append(line)
+            continue
+        lead = len(line) - len(line.lstrip(" -*"))
+        out += textwrap.wrap(line, width, subsequent_indent=" " * max(lead, 2),
+                             break_on_hyphens=False)
+    return out
 
 
 def _layout_lines(p, cfg: RunConfig, gpus: int, limit: float) -> list[str]:

@@ -99,9 +99,9 @@ def step_time(p, cfg, gpus: int, dp: int, seq_len: int) -> StepTime:
         "evenly over the GPUs; communication (all-to-all, all-reduce) beyond what that one-GPU "
         "step holds is not counted",
         f"train: 3 forwards' FLOPs per token; {recompute_note}"
-        + (f"; flip measurement: one no-grad forward every {cfg.train.flip_every} step(s)"
-           if flips else ""),
-        f"pi_old pass: {passes} no-grad forward(s) of the batch (pi_old"
+        + ("; flip measurement: one no-grad forward per measured step "
+           f"(train.flip_every={cfg.train.flip_every})" if flips else ""),
+        f"pi_old pass: {passes} no-grad forward{'s' if passes > 1 else ''} of the batch (pi_old"
         + (", R3's replayed pi_old" if cfg.train.routing_replay == "r3" else "")
         + (", the KL reference" if cfg.loss.kl_coef > 0 else "") + ")",
         f"rollout: {backend} at {tok_s:,.0f} new tokens/s ({DECODE['file']}, "

@@ -119,3 +119,13 @@ def test_plan_loads_neither_torch_nor_megatron():
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_docs_example_is_the_plans_output(capsys):
+    """docs/plan.md shows the acceptance command's output between its plan markers: the same
+    text the code prints now (regenerate the block when the accounting changes)."""
+    assert cli.main(ACCEPTANCE) == 0
+    with open(os.path.join(ROOT, "docs", "plan.md")) as f:
+        doc = f.read()
+    block = doc.split("<!-- plan:begin -->\n```\n")[1].split("\n```\n<!-- plan:end -->")[0]
+    assert block == capsys.readouterr().out.rstrip("\n")
