@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from megatron_gspo.config.schema import RunConfig, local_prompts
 from megatron_gspo.errors import ConfigError
-from megatron_gspo.jobs.plan_time import step_time
+from megatron_gspo.jobs.plan_time import rows_per_call, step_time
 from moe import memory as mem
 from moe.hf.config import preset_from_hf
 from moe.presets import get_preset
@@ -151,7 +151,7 @@ def plan_layout(p, cfg: RunConfig, gpus: int) -> Plan:
         out += [(f"{phase}: {label}", b) for label, b in items]
         phases[phase] = sum(b for _, b in items)
     facts = {"dp": dp, "edp": edp, "rows": rows, "T": T, "new": new, "preset": q,
-             "micro": _micro_rows(cfg, rows, T), "per_call": min(rows, r.max_batch_rows or rows)}
+             "micro": _micro_rows(cfg, rows, T), "per_call": rows_per_call(cfg, rows)}
     return Plan(cfg, gpus, tuple(out), state, other, persistent, phases, facts)
 
 
@@ -171,7 +171,7 @@ def _micro_rows(cfg: RunConfig, rows: int, T: int) -> int:
 
 def _rollout_rows(q, cfg: RunConfig, rows: int, T: int, a: int, ep: int) -> list:
     r, m = cfg.rollout, cfg.model
-    per_call = min(rows, r.max_batch_rows or rows)
+    per_call = rows_per_call(cfg, rows)
     if r.sampler == "vllm":
         engine_a = a if r.engine_dtype == "auto" else mem.ITEMSIZE[r.engine_dtype]
         return [("vLLM engine weights (the whole model)", q.num_params()["total"] * engine_a),
@@ -185,9 +185,12 @@ def _rollout_rows(q, cfg: RunConfig, rows: int, T: int, a: int, ep: int) -> list
     else:  # full recompute each step: one no-grad forward of the call's rows
         out = [(f"recomputed forward ({_rows(per_call)} x {T}, no KV cache)",
                 mem.forward_memory(q, per_call, T, 1, a, m.tp, ep, m.sequence_parallel))]
-    if r.sampler == "lean":
-        out.append(("stacked expert weights (lean decoder)",
-                    q.num_layers * mem.expert_stack_bytes(q, ep, a)))
+    stack = mem.expert_stack_bytes(q, ep, a)
+    if r.sampler == "lean" and m.tp == 1 and ep == 1:  # its own MoE path keeps them stacked
+        out.append(("stacked expert weights (lean decoder, for the rollout)",
+                    q.num_layers * stack))
+    else:  # megatron's MoE layer stacks one layer's experts per forward
+        out.append(("one layer's expert weights stacked per forward", stack))
     return out
 
 

@@ -44,6 +44,13 @@ class StepTime:
         return self.rollout + self.pi_old + self.train
 
 
+def rows_per_call(cfg, rows: int) -> int:
+    """Rows one sampler call decodes: whole groups of at most `rollout.max_batch_rows` (one
+    group at least), as `generate_rollouts` makes them; all `rows` when 0."""
+    max_rows, group = cfg.rollout.max_batch_rows, cfg.rollout.group_size
+    return min(rows, max(1, max_rows // group) * group) if max_rows else rows
+
+
 def sampler_figure(cfg) -> tuple[str, float, str]:
     """(measured backend, its tokens/s, a note) for the config's sampler."""
     name = cfg.rollout.sampler
@@ -87,7 +94,7 @@ def step_time(p, cfg, gpus: int, dp: int, seq_len: int) -> StepTime:
     flips = 1 / cfg.train.flip_every if cfg.train.flip_every else 0.0
     backend, tok_s, note = sampler_figure(cfg)
     rows = P * G // dp
-    per_call = min(rows, cfg.rollout.max_batch_rows or rows)
+    per_call = rows_per_call(cfg, rows)
     step_s = DECODE["rows"] / tok_s * p.num_layers / DECODE["layers"] \
         * max(1.0, per_call / DECODE["rows"])
     rollout = math.ceil(rows / per_call) * new * step_s
