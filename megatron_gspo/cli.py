@@ -1,4 +1,4 @@
-"""Command line: `megatron-gspo {sft,train,eval,config,export,plan} [--config F.yaml] [key=value ...]`.
+"""Command line: `megatron-gspo {sft,train,eval,config,export,plan} [--config F.yaml] [k=v ...]`.
 
 Examples:
     megatron-gspo sft   --config experiments/demo/sft.yaml

@@ -37,8 +37,9 @@ def test_row_chunks_give_the_one_forward_update_and_metrics(tmp_path, overrides)
     """Each 4-row minibatch in 4 one-row forwards (a budget below one row's tokens: one row
     each), gradients accumulated: the same weights after the iteration's 4 optimizer steps and
     the same loss, clip, entropy, grad-norm and flip metrics as one forward per minibatch, to
-    fp32 rounding (Adam's normalisation turns it into ~1e-6 on updates of ~1e-2); under R2 each chunk replays its own rows, under full recompute each chunk's
-    backward recomputes its own forward."""
+    fp32 rounding (Adam's normalisation turns it into ~1e-6 on updates of ~1e-2); under R2
+    each chunk replays its own rows, under full recompute each chunk's backward recomputes its
+    own forward."""
     one = make_trainer(tmp_path, "train.steps=1", *overrides, name="one")
     chunked = make_trainer(tmp_path, "train.steps=1", "train.micro_max_tokens=1", *overrides,
                            name="chunked")
