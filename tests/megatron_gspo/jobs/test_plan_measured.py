@@ -19,11 +19,12 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "..")
 RESULTS = os.path.join(ROOT, "experiments", "gpu", "results")
 GPU_TOL = 0.02
 """The plan's peak of the measured H100 steps, relative (it is within 0.4% of all seven)."""
-CPU_ACTIVATIONS_TOL, CPU_PEAK_TOL = 0.10, 0.15
+CPU_ACTIVATIONS_TOL, CPU_PEAK_TOL = 0.12, 0.20
 """A CPU step (qwen3-moe-tiny, bf16, 16 x 64 tokens, glibc's bytes in use): activations within
-10% (measured: +1% off, +7.5% selective, +4% full recompute); the peak within 15%, as this
-0.85 M-parameter model keeps 3-5 B/param of buffers beside the 18 B/param of training state
-(DDP bucket padding, RoPE and mask caches), a share a real model does not have."""
+12% (measured on an AMD EPYC: +1% off, +7.5% selective, +4% full recompute; CPU kernels differ
+by machine); the peak within 20% (measured -5% to -11%), as this 0.85 M-parameter model keeps
+3-6 B/param of buffers beside the 18 B/param of training state (DDP bucket padding, RoPE and
+mask caches; experiments/train_memory), a share a real model does not have."""
 
 
 def _rows(name: str):
