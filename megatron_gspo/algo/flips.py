@@ -163,9 +163,12 @@ class StepFlips:
     """Flip measurement around one optimizer step on minibatch `mb` (a no-op unless `active`).
 
         flips = StepFlips(policy, mb, active=True)
-        with flips.watch(), replay_routing(policy, mb.replay):   # watch first: see below
-            loss = ...policy forward...
-        ...backward, optimizer step...
+        with flips.watch():
+            for rows in chunks:   # one, or the row chunks of train.micro_max_tokens
+                with flips.forward(rows), replay_routing(policy, ...):  # forward first: below
+                    loss = ...policy forward of those rows...
+                ...backward...
+        ...optimizer step...
         metrics.update(flips.after_step())
 
     `before`: the live routing of `mb` at the current weights when already known (pi_old's for
@@ -182,10 +185,11 @@ class StepFlips:
 
     @contextmanager
     def watch(self):
-        """Wrap the training forward to capture the routing the step starts from. Enter it
-        before `replay_routing`: a replayed forward's routing is the cache's, not the router's,
-        so then the live routing comes from one extra no-grad forward run here."""
+        """Wrap the step's training forwards (each under `forward`) to capture the routing the
+        step starts from. Under replay a forward's routing is the cache's, not the router's, so
+        then the live routing comes from one extra no-grad forward run here."""
         policy, mb = self.policy, self.mb
+        self._parts: list[RoutingReplayCache] = []
         if not self.active:
             yield
             return
@@ -195,11 +199,23 @@ class StepFlips:
             self.used = mb.replay
             yield
             return
+        yield
+        self.before = RoutingReplayCache.cat(self._parts)
+        self.used = self.before
+
+    @contextmanager
+    def forward(self, rows: slice = slice(None)):
+        """Around each training forward inside `watch`, over the minibatch's rows `rows` (in
+        order; all of them in one forward, or consecutive chunks): records its live routing.
+        Enter it before `replay_routing`."""
+        policy = self.policy
+        if not self.active or self.mb.replay is not None:
+            yield
+            return
         with record_routing(policy) as recorded:
             yield
-        self.before = RoutingReplayCache.from_recorded(recorded, policy.routed_valid(mb.valid_BT),
-                                                       policy.preset.num_experts)
-        self.used = self.before
+        self._parts.append(RoutingReplayCache.from_recorded(
+            recorded, policy.routed_valid(self.mb.valid_BT[rows]), policy.preset.num_experts))
 
     def after_step(self) -> dict:
         """Flip rates of this step and drift from pi_old (call once the optimizer stepped)."""

@@ -32,7 +32,7 @@ from megatron_gspo.config.yamlfile import atomic_write, load_layered
 from megatron_gspo.errors import ConfigError
 
 __all__ = ["RunConfig", "config_from_dict", "config_to_dict", "describe_config", "field_docs",
-           "load_config", "save_config"]
+           "load_config", "local_prompts", "save_config"]
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,21 @@ class RunConfig:
                 "train.routing_replay=r3 records routing through the KV-cache sampler: it needs "
                 f"rollout.kv_cache=true (got {self.rollout.kv_cache}) and "
                 f"model.sequence_parallel=false (got {self.model.sequence_parallel})")
+
+
+def local_prompts(cfg: RunConfig, dp: int) -> int:
+    """Prompts per rollout batch on one data-parallel rank; ConfigError unless the batch splits
+    evenly over the ranks and each rank's rows split into `train.num_minibatches`."""
+    prompts, group, n = cfg.rollout.prompts_per_batch, cfg.rollout.group_size, \
+        cfg.train.num_minibatches
+    if prompts % dp:
+        raise ConfigError(f"rollout.prompts_per_batch={prompts} is not divisible by the "
+                          f"data-parallel size {dp}")
+    if prompts // dp * group % n:  # each rank splits its own share into minibatches
+        raise ConfigError(f"train.num_minibatches={n} does not divide a data-parallel rank's "
+                          f"{prompts // dp * group} rollout rows (rollout.prompts_per_batch / "
+                          f"dp * rollout.group_size = {prompts} / {dp} * {group})")
+    return prompts // dp
 
 
 def config_from_dict(d: dict) -> RunConfig:

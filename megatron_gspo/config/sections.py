@@ -136,6 +136,13 @@ class RolloutConfig:
     """Nucleus sampling mass (0 < top_p <= 1)."""
     max_new_tokens: int = 8
     """Maximum response length in tokens."""
+    max_batch_rows: int = 0
+    """Most rows (responses) one sampler call decodes at once: a rank's rollout rows are
+    sampled in consecutive calls of whole groups of at most this many rows (one group at
+    least), merged into one batch; 0 = all of a rank's rows in one call. Bounds the KV-cache
+    sampler's cache (rows x (prompt + max_new_tokens) x layers x 2 x KV heads x head dim;
+    `megatron-gspo plan` sizes it). Reproducible (the calls draw from the same seeded stream in
+    turn), but another value samples other tokens. A memory knob: may change on resume."""
     use_sampler_logprobs: bool = False
     """Use the sampler's log-probs as pi_old instead of a recompute forward (the GSPO paper's
     claim that inference-engine likelihoods can be used directly, sec. 4.3)."""
@@ -174,7 +181,8 @@ class RolloutConfig:
 
     def __post_init__(self):
         validate(self, nonempty=("backend",),
-                 ge={"prompts_per_batch": 1, "group_size": 2, "max_new_tokens": 1},
+                 ge={"prompts_per_batch": 1, "group_size": 2, "max_new_tokens": 1,
+                     "max_batch_rows": 0},
                  gt={"temperature": 0, "engine_kv_cache_gb": 0, "push_check_tol": 0})
         check(self, "top_p", 0 < self.top_p <= 1, "must be in (0, 1]")
 
@@ -279,6 +287,15 @@ class TrainConfig:
     per-forward overhead dominates there on CPU (`bench/step.py --pi-old`). The same
     numbers as one pass to fp32 rounding (GEMMs over fewer rows); ranks agree on the number of
     forwards. A memory knob: may change on resume."""
+    micro_max_tokens: int = 0
+    """Token budget (sequences x padded length, at least one sequence) per forward and backward
+    of an optimizer step: each minibatch runs in as few row chunks as keep within it, their
+    gradients accumulated into the one optimizer step; 0 = the whole minibatch in one forward.
+    Bounds a train step's activation memory (verl's ppo_max_token_len_per_gpu; `megatron-gspo
+    plan` sizes it). The same update to float rounding: each chunk's loss, a mean over its
+    sequences, weighs its share of the minibatch's rows, and the metrics cover the whole
+    minibatch (`megatron_gspo.jobs.rl_step`); the router noise draws continue over the chunks.
+    Ranks agree on the number of chunks. A memory knob: may change on resume."""
     router_noise_std: float = 0.0
     """Routing-volatility knob (0 = off): Gaussian noise of this std on the router logits picks
     the top-k experts in the loss's forward only (gate weights stay those of the clean logits;
@@ -308,7 +325,8 @@ class TrainConfig:
 
     def __post_init__(self):
         validate(self, ge={"steps": 1, "num_minibatches": 1, "log_every": 1, "flip_every": 0,
-                            "logprob_max_tokens": 0, "router_noise_std": 0,
+                            "logprob_max_tokens": 0, "micro_max_tokens": 0,
+                            "router_noise_std": 0,
                             "eval_every": 0, "save_every": 0, "keep_checkpoints": 0,
                             "max_skipped_steps": 0,
                             "collapse_entropy_floor": 0})

@@ -15,6 +15,7 @@ import torch
 
 from megatron_gspo.dist import max_over_ranks
 from megatron_gspo.rollout.batch import RolloutBatch
+from megatron_gspo.rollout.filters import concat_batches
 from megatron_gspo.rollout.sampler import Sampler, SamplingParams, prompt_ids
 from megatron_gspo.tasks.rewards import compute_rewards
 from megatron_gspo.tasks.toy import score
@@ -25,9 +26,22 @@ def decode_responses(tokenizer, tokens_BT: torch.Tensor, response_BT: torch.Tens
 
 
 def generate_rollouts(sampler: Sampler, tokenizer, task, examples: list, *, group_size: int,
-                      params: SamplingParams,
-                      generator: torch.Generator | None = None) -> RolloutBatch:
-    """G samples for each example (group-major), decoded and rewarded by the task."""
+                      params: SamplingParams, generator: torch.Generator | None = None,
+                      max_rows: int = 0) -> RolloutBatch:
+    """G samples for each example (group-major), decoded and rewarded by the task. `max_rows`
+    (`rollout.max_batch_rows`, > 0): the sampler is called on consecutive blocks of whole
+    groups of at most that many rows (one group at least), drawing from `generator` in turn,
+    and the blocks are merged into one batch (`filters.concat_batches`): it bounds the
+    sampler's KV cache. Every rank holds as many examples, so ranks make as many calls."""
+    per = max(1, max_rows // group_size) if max_rows else max(1, len(examples))
+    parts = [_generate(sampler, tokenizer, task, examples[i:i + per], group_size, params,
+                       generator) for i in range(0, len(examples), per)]
+    return parts[0] if len(parts) == 1 else concat_batches(parts, tokenizer.pad_id)
+
+
+def _generate(sampler: Sampler, tokenizer, task, examples: list, group_size: int,
+              params: SamplingParams, generator: torch.Generator | None) -> RolloutBatch:
+    """One sampler call: G samples for each example."""
     repeated = [ex for ex in examples for _ in range(group_size)]
     s = sampler.sample(prompt_ids(tokenizer, [ex.prompt for ex in repeated]), params, generator)
     completions = decode_responses(tokenizer, s.tokens_BT, s.response_BT)

@@ -19,9 +19,9 @@ RL start refused by `train.start_accuracy` before anything was saved.
 
 Semantic keys are the ones that change what is trained; the rest (how long, how often to eval,
 save and log, wandb, the collective timeout, memory knobs with the same gradients: activation
-recompute and the no-grad pass's token budget, the TP / EP / DP layout: LAYOUT) may change
-between resumes. Departure from verl / Megatron-LM, which resume whatever is in the save dir: they
-overwrite silently (docs/pitfalls.md#run-dir-ownership).
+recompute and the token budgets of the no-grad pass and of a train step's forwards, the TP / EP /
+DP layout: LAYOUT) may change between resumes. Departure from verl / Megatron-LM, which resume
+whatever is in the save dir: they overwrite silently (docs/pitfalls.md#run-dir-ownership).
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ NON_SEMANTIC = ("run_dir", "resume", "wandb", "train.steps", "train.eval_every",
                 "train.flip_every", "sft.steps", "sft.eval_every", "sft.target_accuracy",
                 "train.start_accuracy", "model.dist_timeout_min", "train.logprob_max_tokens",
                 "model.recompute_granularity", "model.recompute_modules",
-                "rollout.push_check_tol", "rollout.engine_kv_cache_gb")
+                "rollout.push_check_tol", "rollout.engine_kv_cache_gb",
+                "train.micro_max_tokens", "rollout.max_batch_rows")
 # Sections a job does not read, so they may differ too.
 UNUSED_BY_JOB = {"train": ("sft",), "sft": ("train", "loss", "rollout")}
 # The parallel layout: a checkpoint reshards over it (moe.dist_ckpt), so a resume may change it,

@@ -24,6 +24,8 @@ ARMS = ("gspo", "grpo", "grpo_r2")
 PROFILE_FILES = {os.path.join(ABL, f) for f in ablation_run.PROFILES.values() if f}
 CONFIGS = sorted(set(glob.glob(os.path.join(ROOT, "experiments", "*", "*.yaml")))
                  - PROFILE_FILES)
+PUBLISHED = [p for p in CONFIGS if not os.path.basename(p).startswith("qwen3_30b_a3b")]
+"""The configs a README table came from (the real-scale profile has run nowhere yet)."""
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -116,7 +118,7 @@ def test_profile_overlay_reads_yaml_like_the_config_loader(tmp_path, monkeypatch
     assert cfg.task.kwargs == {"num_digits": 3}
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: os.path.relpath(p, ROOT))
+@pytest.mark.parametrize("path", PUBLISHED, ids=lambda p: os.path.relpath(p, ROOT))
 def test_published_experiments_pin_the_kernels_they_ran_with(path):
     """Every experiment README's tables were generated with megatron's DotProductAttention,
     Adam's foreach path and one pi_old forward per rollout batch; the defaults changed

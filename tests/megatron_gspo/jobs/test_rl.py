@@ -203,27 +203,22 @@ def test_local_prompts_checks_each_data_parallel_ranks_rows():
         local_prompts(cfg, 3)
 
 
-def test_router_noise_is_a_fresh_seeded_draw_per_step_and_off_under_replay(monkeypatch):
+def test_router_noise_is_a_fresh_seeded_draw_per_step_and_off_under_replay():
     """Each optimizer step gets its own noise; the same step gets the same (resumable); a
     replayed forward or std 0 gets none."""
-    from megatron_gspo.jobs import rl as trainer_mod
+    from megatron_gspo.jobs.rl_step import noise_inputs
 
-    monkeypatch.setattr(trainer_mod, "router_noise", lambda policy, std, gen: (std, gen))
-    t = stub(router_noise_std=0.5)
-    t.policy = SimpleNamespace(device="cpu")
     live, replayed = SimpleNamespace(replay=None), SimpleNamespace(replay=object())
+    cfg = stub(router_noise_std=0.5).cfg
 
     def draw(step, mb=live):
-        t.state.opt_step = step
-        std, gen = trainer_mod.Trainer.router_noise(t, mb)
+        std, gen = noise_inputs(cfg, mb, step, "cpu")
         return std, (None if gen is None else torch.randn(4, generator=gen).tolist())
 
     assert draw(3) == draw(3) and draw(3)[0] == 0.5
     assert draw(3)[1] != draw(4)[1]
     assert draw(3, replayed) == (0.0, None)
-    quiet = stub(router_noise_std=0.0)
-    quiet.policy = t.policy
-    assert trainer_mod.Trainer.router_noise(quiet, live) == (0.0, None)
+    assert noise_inputs(stub(router_noise_std=0.0).cfg, live, 3, "cpu") == (0.0, None)
 
 
 @pytest.mark.parametrize("argv, fragment", [

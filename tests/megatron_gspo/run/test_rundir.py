@@ -63,7 +63,9 @@ CHANGED = {"run_dir": None, "resume": "resume=force", "wandb": "wandb.project=ot
            "model.recompute_granularity": "model.recompute_granularity=full",
            "model.recompute_modules": "model.recompute_modules=core_attn",
            "rollout.push_check_tol": "rollout.push_check_tol=30",
-           "rollout.engine_kv_cache_gb": "rollout.engine_kv_cache_gb=2"}
+           "rollout.engine_kv_cache_gb": "rollout.engine_kv_cache_gb=2",
+           "train.micro_max_tokens": "train.micro_max_tokens=512",
+           "rollout.max_batch_rows": "rollout.max_batch_rows=64"}
 
 
 def test_every_non_semantic_key_is_listed_here():
