@@ -163,8 +163,7 @@ os.register_at_fork(after_in_child=_close_locks_in_child)
 
 
 def _lock(run_dir: str, job: str) -> RunDirLock:
-    """Lock run_dir for this process: its forks hold no lock and die with it
-    (`moe.children.tie_forks`)."""
+    """Lock run_dir for this process (its forks do not hold the lock)."""
     path = os.path.realpath(os.path.join(run_dir, LOCK_FILE))
     if path in _HELD:
         _HELD[path][1] += 1
@@ -178,7 +177,6 @@ def _lock(run_dir: str, job: str) -> RunDirLock:
         raise RunDirError(f"run_dir={run_dir} is being written by another process "
                           f"({_holder(path, owner)}); wait for it to finish or choose another "
                           "run_dir") from None
-    tie_forks()
     os.ftruncate(fd, 0)
     os.write(fd, f"pid {os.getpid()} job {job}".encode())
     _HELD[path] = [fd, 1]
@@ -302,7 +300,9 @@ def _agree(message: str) -> str:
 
 def claim_run_dir(run_dir: str, job: str, config: dict, resume, is_main: bool):
     """Lock run_dir for this run and check it may write there; returns the lock (rank 0) or
-    None. Raises RunDirError on every rank with rank 0's reason."""
+    None. Raises RunDirError on every rank with rank 0's reason. From here on every rank's
+    forks die with it (`moe.children.tie_forks`: megatron's checkpoint writer)."""
+    tie_forks()
     lock, message = None, ""
     if is_main:
         try:
