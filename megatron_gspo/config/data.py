@@ -56,8 +56,9 @@ class DataConfig:
     skip_overlong_prompts: bool = False
     """Skip (and count) prompts longer than max_prompt_tokens instead of failing."""
     special_tokens_in_text: Literal["forbid", "allow", "escape"] = "forbid"
-    """A special token's text inside a row's prompt or SFT target (`<|im_end|>`,
-    `<|im_start|>`), which the tokenizer would read as the token itself: a row could forge a
+    """A special token's text inside a row's prompt (a message's content, and its role where
+    the chat template renders it) or SFT target (`<|im_end|>`, `<|im_start|>`), which the
+    tokenizer would read as the token itself: a row could forge a
     chat turn, and an end-of-turn id also stops sampling. forbid: an error naming the file, line
     and token; escape: a zero-width space after its first character makes it ordinary text;
     allow: read as the token (Hugging Face's and verl's default)."""

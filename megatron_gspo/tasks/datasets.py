@@ -217,13 +217,27 @@ def row_to_example(row: dict, where: str, data, tokenizer) -> Example:
         truth = _ground_truth(truth.rsplit("####", 1)[1], where, answer_key)  # GSM8K style
     target = truth_raw if data.sft_key is None else _sft_target(row, where, data.sft_key)
     source = row.get(source_key, "") if source_key else ""
+    messages = _checked_messages(messages, getattr(tokenizer, "special_texts", ()), data,
+                                 where, prompt_key)
     specials = getattr(tokenizer, "special_texts", ())
-    messages = [dict(m, content=special_text(m["content"], specials, data, where, prompt_key))
-                for m in messages]
     target = special_text(str(target).strip(), specials, data, where,
                           data.sft_key or answer_key)
     prompt = render_prompt(messages, tokenizer, data.template, where)
     return Example(prompt, target, (truth, str(source), where))
+
+
+def _checked_messages(messages: list[dict], specials: tuple, data, where: str,
+                      key: str) -> list[dict]:
+    """`messages` with every field the prompt renders under data.special_tokens_in_text
+    (`special_text`): each content, and each role where the chat template renders it (no
+    `data.template`)."""
+    out = []
+    for i, m in enumerate(messages):
+        role = m["role"] if data.template is not None else \
+            special_text(m["role"], specials, data, where, f"{key}[{i}].role")
+        out.append(dict(m, role=role,
+                        content=special_text(m["content"], specials, data, where, key)))
+    return out
 
 
 ESCAPE = "\u200b"
@@ -232,7 +246,7 @@ zero-width space): the text then tokenizes as ordinary text."""
 
 
 def special_text(text: str, specials: tuple, data, where: str, key: str) -> str:
-    """`text` of a row (a message's content, the SFT target) under
+    """`text` of a row (a message's content or role, the SFT target) under
     data.special_tokens_in_text: a special token's text in it (`<|im_end|>`) would be read as
     the token itself (a row could forge a turn; the end-of-turn id also stops sampling).
     forbid: DataError naming the row, the field and the token; escape: each occurrence broken
