@@ -270,7 +270,20 @@ class TrainConfig:
     record it through the KV cache (needs rollout.kv_cache, no sequence parallelism), an
     inference engine reports its own."""
     flip_every: int = 1
-    """Measure per-layer expert flips every k optimizer steps (0 = never)."""
+    """Measure per-layer expert flips every k optimizer steps (0 = never), and the router margin
+    (`moe/router_margin/...`, from the same forward's router scores)."""
+    router_margin_small: float = 0.01
+    """The threshold of `moe/router_margin_small/layer_XX`: the fraction of loss positions whose
+    router-probability gap between their K-th and (K+1)-th expert is below it (> 0; a
+    probability, so compare with 1 / num_experts, 0.0625 for qwen3-moe-tiny)."""
+    route_sensitivity_every: int = 0
+    """Measure `moe/route_sensitivity/layer_XX` every k rollout batches, on the rollout batch at
+    pi_old's weights before its first optimizer step (0 = never): L + 1 no-grad forwards of the
+    whole batch (`megatron_gspo.algo.sensitivity`; train.logprob_max_tokens does not split
+    them). Changes nothing that is trained."""
+    route_sensitivity_fraction: float = 0.1
+    """The fraction of loss positions whose K-th expert is swapped for their (K+1)-th, one layer
+    at a time, in `moe/route_sensitivity` (in (0, 1])."""
     logprob_max_tokens: int = 4096
     """Token budget (sequences x padded length, at least one sequence) per forward of the
     no-grad passes over a whole rollout batch: pi_old, R3's replayed pi_old, the reference
@@ -310,8 +323,10 @@ class TrainConfig:
         validate(self, ge={"steps": 1, "num_minibatches": 1, "log_every": 1, "flip_every": 0,
                             "logprob_max_tokens": 0, "router_noise_std": 0,
                             "eval_every": 0, "save_every": 0, "keep_checkpoints": 0,
-                            "max_skipped_steps": 0,
-                            "collapse_entropy_floor": 0})
+                            "max_skipped_steps": 0, "route_sensitivity_every": 0,
+                            "collapse_entropy_floor": 0}, gt={"router_margin_small": 0})
+        check(self, "route_sensitivity_fraction", 0 < self.route_sensitivity_fraction <= 1,
+              "must be in (0, 1]")
         check(self, "collapse_reward_drop", 0 < self.collapse_reward_drop <= 1,
                "must be in (0, 1]")
         check_band(self, "start_accuracy")

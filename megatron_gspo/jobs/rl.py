@@ -45,9 +45,10 @@ from megatron_gspo.algo.corrections import correction_inputs
 from megatron_gspo.algo.losses import PolicyLossFn, get_policy_loss
 from megatron_gspo.config.schema import RunConfig
 from megatron_gspo.errors import ConfigError
-from megatron_gspo.dist import all_ranks, max_over_ranks, reduce_metrics, sum_over_ranks
+from megatron_gspo.dist import all_ranks, max_over_ranks, reduce_metrics
 from megatron_gspo.jobs.band import StartBand
-from megatron_gspo.jobs.rl_metrics import response_metrics, rollout_metrics, throughput
+from megatron_gspo.jobs.rl_metrics import (replay_diff, response_metrics, rollout_metrics,
+                                            route_sensitivity_row, throughput)
 from megatron_gspo.rollout.batch import RolloutBatch
 from megatron_gspo.rollout.filters import overlong_filter, rollout_health, sample_rollouts
 from megatron_gspo.rollout.generate import generate_rollouts
@@ -143,8 +144,8 @@ class Trainer:
         self.timer = Timer()
         self.filter_metrics: dict = {}  # dynamic sampling's, of the last rollout
         # pi_old's routing is the live one at its weights, except under R3 (the sampler's)
-        self.flips = FlipSchedule(cfg.train.flip_every,
-                                  old_is_live=cfg.train.routing_replay != "r3")
+        self.flips = FlipSchedule(cfg.train.flip_every, cfg.train.routing_replay != "r3",
+                                  margin_small=cfg.train.router_margin_small)
         self.loop = RunLoop(rt, self)  # resumes: self.state is the checkpoint's from here on
 
     @classmethod
@@ -186,6 +187,9 @@ class Trainer:
         with self.timer("old_forward"), out_of_memory("the no-grad pass over the rollout batch",
                                                       cfg, OLD_PASS):
             full, shared = self.prepare(batch)
+        # at pi_old's weights, before any step of this batch
+        sensitivity = route_sensitivity_row(cfg, self.policy, batch, it, self.rt.info.dp_rank,
+                                            self.timer)
         shared["train/iteration"] = it
         order = torch.randperm(len(batch), generator=seeds.minibatch_order(cfg.seed, it))
         metrics = {}
@@ -198,7 +202,7 @@ class Trainer:
             if m < cfg.train.num_minibatches - 1:
                 self.rt.logger.log(self.state.opt_step, metrics)
         self.state.iteration = it + 1
-        metrics.update(self.timer.as_metrics())
+        metrics.update(sensitivity, **self.timer.as_metrics())
         metrics.update(throughput(batch, self.timer))
         metrics.update(self.collapse_alerts(metrics))
         return metrics
@@ -371,15 +375,6 @@ def schedule(cfg: RunConfig) -> Schedule:
                     eval_every=t.eval_every, save_every=t.save_every,
                     save_last=bool(t.save_every), progress_every=t.log_every,
                     progress_keys=PROGRESS_KEYS)
-
-
-def replay_diff(check: dict) -> float:
-    """The fraction of routes (token, layer) the loss's forward used that were not the replay
-    cache's, over all ranks (`moe.replay.watch_replayed`; one collective)."""
-    counts = torch.tensor([float(check.get("differ", 0)), float(check.get("routes", 0))],
-                          dtype=torch.float64)
-    differ, routes = sum_over_ranks(counts).tolist()
-    return differ / routes if routes else 0.0
 
 
 def local_prompts(cfg: RunConfig, dp: int) -> int:

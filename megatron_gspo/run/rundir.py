@@ -48,7 +48,8 @@ LOCK_FILE = ".lock"
 # Keys that may change when a run is resumed (dotted prefixes of config_to_dict's keys).
 NON_SEMANTIC = ("run_dir", "resume", "wandb", "train.steps", "train.eval_every",
                 "train.save_every", "train.keep_checkpoints", "train.log_every",
-                "train.flip_every", "sft.steps", "sft.eval_every", "sft.target_accuracy",
+                "train.flip_every", "train.router_margin_small", "train.route_sensitivity_every",
+                "train.route_sensitivity_fraction", "sft.steps", "sft.eval_every", "sft.target_accuracy",
                 "train.start_accuracy", "model.dist_timeout_min", "train.logprob_max_tokens",
                 "model.recompute_granularity", "model.recompute_modules",
                 "rollout.push_check_tol", "rollout.engine_kv_cache_gb")
