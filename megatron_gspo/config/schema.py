@@ -24,7 +24,7 @@ from megatron_gspo.config.data import (DataConfig, FilterConfig, RewardConfig,  
                                        check_data_sections)
 from megatron_gspo.config.docs import describe_fields, field_docs
 from megatron_gspo.config.fields import OptionalPath, Path, check, validate
-from megatron_gspo.config.loader import apply_override, build
+from megatron_gspo.config.loader import apply_override, build, renamed
 from megatron_gspo.config.sections import (LossConfig, ModelConfig, OptimConfig,  # noqa: F401
                                            RolloutConfig, SFTConfig, TaskConfig, TrainConfig,
                                            WandbConfig)
@@ -32,7 +32,7 @@ from megatron_gspo.config.yamlfile import atomic_write, load_layered
 from megatron_gspo.errors import ConfigError
 
 __all__ = ["RunConfig", "config_from_dict", "config_to_dict", "describe_config", "field_docs",
-           "load_config", "save_config"]
+           "load_config", "renamed_keys", "save_config"]
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,16 @@ class RunConfig:
                 "train.routing_replay=r3 records routing through the KV-cache sampler: it needs "
                 f"rollout.kv_cache=true (got {self.rollout.kv_cache}) and "
                 f"model.sequence_parallel=false (got {self.model.sequence_parallel})")
+
+
+def renamed_keys() -> dict[str, str]:
+    """{older dotted key: its key now} over every section (`loader.renamed`): what a run record
+    written before a rename holds (task.n_eval: task.n_test)."""
+    out = {}
+    for f in dataclasses.fields(RunConfig):
+        tp = type(getattr(RunConfig(), f.name))
+        out.update({f"{f.name}.{old}": f"{f.name}.{new}" for old, new in renamed(tp).items()})
+    return out
 
 
 def config_from_dict(d: dict) -> RunConfig:

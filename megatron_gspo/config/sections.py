@@ -101,8 +101,16 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class TaskConfig:
-    """Verifiable task and its train / eval splits."""
+    """Verifiable task and its train / validation / test splits.
+
+    Megatron-LM's train / valid / test (verl's val_files is the validation split): the evals
+    during training (`eval/accuracy`, train.eval_every, sft.eval_every) and whatever chooses
+    (sft.target_accuracy, train.start_accuracy) read the validation split; the test split is
+    evaluated at a run's first and last step (`test/...`) and chooses nothing. n_test was named
+    n_eval before the validation split existed: a config or run record with n_eval still loads
+    (as n_test), and draws the same test split."""
     _section: ClassVar[str] = "task"
+    _renamed: ClassVar[dict] = {"n_eval": "n_test"}
 
     name: str = "addition"
     """Task name (see `megatron_gspo.tasks.toy`), or dataset (prompts from files: the data
@@ -111,13 +119,20 @@ class TaskConfig:
     """Keyword arguments for the task constructor, e.g. {num_digits: 2}."""
     n_train: int = 2000
     """Number of training prompts."""
-    n_eval: int = 128
-    """Number of held-out eval prompts."""
+    n_test: int = 128
+    """Number of held-out test prompts: evaluated at a run's first and last step (`test/...`),
+    never read by anything that chooses. Formerly n_eval (still read). The same (task, n_test,
+    seed) draws the same test prompts whatever n_train and n_val are."""
+    n_val: int = 0
+    """Number of held-out validation prompts, disjoint from train and test (drawn after both, so
+    they stay as without it): what evals during training and the accuracy bands read. 0 = no
+    validation split: they read the test split, as before this split existed (a warning says so
+    where a band chooses on it)."""
     seed: int = 1234
-    """Seed of the train / eval split."""
+    """Seed of the train / validation / test split."""
 
     def __post_init__(self):
-        validate(self, nonempty=("name",), ge={"n_train": 1, "n_eval": 0})
+        validate(self, nonempty=("name",), ge={"n_train": 1, "n_test": 0, "n_val": 0})
         check(self, "kwargs", all(isinstance(k, str) for k in self.kwargs), "keys must be str")
 
 

@@ -58,7 +58,8 @@ from megatron_gspo.run.init import load_init_weights
 from megatron_gspo.run.loop import RunLoop, Schedule
 from megatron_gspo.run.metrics import Timer
 from megatron_gspo.run.oom import OLD_PASS, ROLLOUT, TRAIN_STEP, out_of_memory
-from megatron_gspo.run.setup import Runtime, build_policy, evaluate_runtime, setup_runtime
+from megatron_gspo.run.setup import (Runtime, build_policy, evaluate_runtime, evaluate_test,
+                                     setup_runtime)
 from moe.replay import (RoutingReplayCache, chunk_count, current_routing, replay_routing,
                         row_chunks)
 from moe.router_noise import router_noise
@@ -174,6 +175,9 @@ class Trainer:
 
     def evaluate(self) -> dict:
         return evaluate_runtime(self.rt)
+
+    def test(self) -> dict:
+        return evaluate_test(self.rt, self.state.opt_step)
 
     # ------------------------------------------------------------------ one rollout batch
     def iteration(self) -> dict:

@@ -38,7 +38,7 @@ from types import SimpleNamespace
 import torch.distributed as dist
 
 from megatron_gspo.algo.losses import clip_range
-from megatron_gspo.config.schema import RunConfig, config_to_dict
+from megatron_gspo.config.schema import RunConfig, config_to_dict, renamed_keys
 from megatron_gspo.errors import RunDirError, UserError
 from megatron_gspo.run.checkpoint import atomic_write
 from megatron_gspo.run.inputs import changed_inputs
@@ -196,7 +196,9 @@ def _verdict(run_dir: str, job: str, config: dict, resume) -> str:
                 "checkpoints: choose another run_dir")
     new = semantic_config(config, job)
     if fingerprint(new) != record["fingerprint"] and resume != "force":
-        old = _kept(record["config"], _skipped(config, job))  # records may hold LAYOUT keys
+        renames = renamed_keys()  # a record from before a key was renamed: its key now
+        recorded = {renames.get(k, k): v for k, v in record["config"].items()}
+        old = _kept(recorded, _skipped(config, job))  # records may hold LAYOUT keys
         diff = differing_keys(old, new, default_semantic_config(job))
         if diff:
             return (f"run_dir={run_dir} was started with another config ({'; '.join(diff)}); "
