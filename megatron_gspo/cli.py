@@ -4,6 +4,7 @@ Examples:
     megatron-gspo sft   --config experiments/demo/sft.yaml
     megatron-gspo train --config experiments/demo/gspo.yaml train.steps=5 loss.name=grpo
     megatron-gspo eval  --config experiments/demo/gspo.yaml init_checkpoint=runs/demo/gspo
+                        # prints eval/... (validation split) and test/... (test split)
     megatron-gspo config            # every key with its default and meaning
     megatron-gspo export --run-dir runs/demo/gspo --to-hf out/  # Hugging Face folder
     megatron-gspo plan --config experiments/ablation/qwen3_30b_a3b.yaml --gpus 16 --gpu-mem-gib 80
@@ -118,7 +119,8 @@ def _run_job(args) -> int:
     except Preempted as e:
         return _stopped(e)
     if result and os.environ.get("RANK", "0") == "0":  # once under torchrun
-        print(json.dumps({k: v for k, v in result.items() if k.startswith(("eval/", "reward/"))}))
+        print(json.dumps({k: v for k, v in result.items()
+                          if k.startswith(("eval/", "test/", "reward/"))}))
     return 0
 
 
@@ -131,7 +133,8 @@ def run(command: str, cfg) -> dict:
         return sft.run_sft(cfg)
     if command == "train":
         return rl.Trainer.from_config(cfg).train()
-    return setup.evaluate_runtime(setup.setup_runtime(cfg, job="eval"))
+    rt = setup.setup_runtime(cfg, job="eval")  # eval/... on validation, test/... on test
+    return {**setup.evaluate_runtime(rt), **setup.evaluate_test(rt, step=0)}
 
 
 def _plan(args) -> int:

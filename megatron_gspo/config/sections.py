@@ -101,8 +101,16 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class TaskConfig:
-    """Verifiable task and its train / eval splits."""
+    """Verifiable task and its train / validation / test splits.
+
+    Megatron-LM's train / valid / test (verl's val_files is the validation split): the evals
+    during training (`eval/accuracy`, train.eval_every, sft.eval_every) and whatever chooses
+    (sft.target_accuracy, train.start_accuracy) read the validation split; the test split is
+    evaluated at a run's first and last step (`test/...`) and chooses nothing. n_test was named
+    n_eval before the validation split existed: a config or run record with n_eval still loads
+    (as n_test), and draws the same test split."""
     _section: ClassVar[str] = "task"
+    _renamed: ClassVar[dict] = {"n_eval": "n_test"}
 
     name: str = "addition"
     """Task name (see `megatron_gspo.tasks.toy`), or dataset (prompts from files: the data
@@ -111,13 +119,20 @@ class TaskConfig:
     """Keyword arguments for the task constructor, e.g. {num_digits: 2}."""
     n_train: int = 2000
     """Number of training prompts."""
-    n_eval: int = 128
-    """Number of held-out eval prompts."""
+    n_test: int = 128
+    """Number of held-out test prompts: evaluated at a run's first and last step (`test/...`),
+    never read by anything that chooses. Formerly n_eval (still read). The same (task, n_test,
+    seed) draws the same test prompts whatever n_train and n_val are."""
+    n_val: int = 0
+    """Number of held-out validation prompts, disjoint from train and test (drawn after both, so
+    they stay as without it): what evals during training and the accuracy bands read. 0 = no
+    validation split: they read the test split, as before this split existed (a warning says so
+    where a band chooses on it)."""
     seed: int = 1234
-    """Seed of the train / eval split."""
+    """Seed of the train / validation / test split."""
 
     def __post_init__(self):
-        validate(self, nonempty=("name",), ge={"n_train": 1, "n_eval": 0})
+        validate(self, nonempty=("name",), ge={"n_train": 1, "n_test": 0, "n_val": 0})
         check(self, "kwargs", all(isinstance(k, str) for k in self.kwargs), "keys must be str")
 
 
@@ -278,7 +293,20 @@ class TrainConfig:
     record it through the KV cache (needs rollout.kv_cache, no sequence parallelism), an
     inference engine reports its own."""
     flip_every: int = 1
-    """Measure per-layer expert flips every k optimizer steps (0 = never)."""
+    """Measure per-layer expert flips every k optimizer steps (0 = never), and the router margin
+    (`moe/router_margin/...`, from the same forward's router scores)."""
+    router_margin_small: float = 0.01
+    """The threshold of `moe/router_margin_small/layer_XX`: the fraction of loss positions whose
+    router-probability gap between their K-th and (K+1)-th expert is below it (> 0; a
+    probability, so compare with 1 / num_experts, 0.0625 for qwen3-moe-tiny)."""
+    route_sensitivity_every: int = 0
+    """Measure `moe/route_sensitivity/layer_XX` every k rollout batches, on the rollout batch at
+    pi_old's weights before its first optimizer step (0 = never): L + 1 no-grad forwards of the
+    whole batch (`megatron_gspo.algo.sensitivity`; train.logprob_max_tokens does not split
+    them). Changes nothing that is trained."""
+    route_sensitivity_fraction: float = 0.1
+    """The fraction of loss positions whose K-th expert is swapped for their (K+1)-th, one layer
+    at a time, in `moe/route_sensitivity` (in (0, 1])."""
     logprob_max_tokens: int = 4096
     """Token budget (sequences x padded length, at least one sequence) per forward of the
     no-grad passes over a whole rollout batch: pi_old, R3's replayed pi_old, the reference
@@ -328,8 +356,10 @@ class TrainConfig:
                             "logprob_max_tokens": 0, "micro_max_tokens": 0,
                             "router_noise_std": 0,
                             "eval_every": 0, "save_every": 0, "keep_checkpoints": 0,
-                            "max_skipped_steps": 0,
-                            "collapse_entropy_floor": 0})
+                            "max_skipped_steps": 0, "route_sensitivity_every": 0,
+                            "collapse_entropy_floor": 0}, gt={"router_margin_small": 0})
+        check(self, "route_sensitivity_fraction", 0 < self.route_sensitivity_fraction <= 1,
+              "must be in (0, 1]")
         check(self, "collapse_reward_drop", 0 < self.collapse_reward_drop <= 1,
                "must be in (0, 1]")
         check_band(self, "start_accuracy")

@@ -44,9 +44,10 @@ from megatron_gspo.algo.flips import (FlipSchedule, loss_positions, sampler_mism
 from megatron_gspo.algo.corrections import correction_inputs
 from megatron_gspo.algo.losses import PolicyLossFn, get_policy_loss
 from megatron_gspo.config.schema import RunConfig, local_prompts
-from megatron_gspo.dist import max_over_ranks, reduce_metrics, sum_over_ranks
+from megatron_gspo.dist import max_over_ranks, reduce_metrics
 from megatron_gspo.jobs.band import StartBand
-from megatron_gspo.jobs.rl_metrics import response_metrics, rollout_metrics, throughput
+from megatron_gspo.jobs.rl_metrics import (replay_diff, response_metrics, rollout_metrics,
+                                            route_sensitivity_row, throughput)
 from megatron_gspo.jobs.rl_step import accumulate, noise_inputs
 from megatron_gspo.rollout.batch import RolloutBatch
 from megatron_gspo.rollout.filters import overlong_filter, rollout_health, sample_rollouts
@@ -57,7 +58,8 @@ from megatron_gspo.run.init import load_init_weights
 from megatron_gspo.run.loop import RunLoop, Schedule
 from megatron_gspo.run.metrics import Timer
 from megatron_gspo.run.oom import OLD_PASS, ROLLOUT, TRAIN_STEP, out_of_memory
-from megatron_gspo.run.setup import Runtime, build_policy, evaluate_runtime, setup_runtime
+from megatron_gspo.run.setup import (Runtime, build_policy, evaluate_runtime, evaluate_test,
+                                     setup_runtime)
 from moe.replay import (RoutingReplayCache, chunk_count, current_routing, replay_routing,
                         row_chunks)
 
@@ -142,8 +144,8 @@ class Trainer:
         self.timer = Timer()
         self.filter_metrics: dict = {}  # dynamic sampling's, of the last rollout
         # pi_old's routing is the live one at its weights, except under R3 (the sampler's)
-        self.flips = FlipSchedule(cfg.train.flip_every,
-                                  old_is_live=cfg.train.routing_replay != "r3")
+        self.flips = FlipSchedule(cfg.train.flip_every, cfg.train.routing_replay != "r3",
+                                  margin_small=cfg.train.router_margin_small)
         self.loop = RunLoop(rt, self)  # resumes: self.state is the checkpoint's from here on
 
     @classmethod
@@ -173,6 +175,9 @@ class Trainer:
     def evaluate(self) -> dict:
         return evaluate_runtime(self.rt)
 
+    def test(self) -> dict:
+        return evaluate_test(self.rt, self.state.opt_step)
+
     # ------------------------------------------------------------------ one rollout batch
     def iteration(self) -> dict:
         """One rollout batch: sample, pi_old pass, `train.num_minibatches` optimizer steps. Logs
@@ -185,6 +190,9 @@ class Trainer:
         with self.timer("old_forward"), out_of_memory("the no-grad pass over the rollout batch",
                                                       cfg, OLD_PASS):
             full, shared = self.prepare(batch)
+        # at pi_old's weights, before any step of this batch
+        sensitivity = route_sensitivity_row(cfg, self.policy, batch, it, self.rt.info.dp_rank,
+                                            self.timer)
         shared["train/iteration"] = it
         order = torch.randperm(len(batch), generator=seeds.minibatch_order(cfg.seed, it))
         metrics = {}
@@ -197,7 +205,7 @@ class Trainer:
             if m < cfg.train.num_minibatches - 1:
                 self.rt.logger.log(self.state.opt_step, metrics)
         self.state.iteration = it + 1
-        metrics.update(self.timer.as_metrics())
+        metrics.update(sensitivity, **self.timer.as_metrics())
         metrics.update(throughput(batch, self.timer))
         metrics.update(self.collapse_alerts(metrics))
         return metrics
@@ -353,10 +361,3 @@ def schedule(cfg: RunConfig) -> Schedule:
                     progress_keys=PROGRESS_KEYS)
 
 
-def replay_diff(check: dict) -> float:
-    """The fraction of routes (token, layer) the loss's forward used that were not the replay
-    cache's, over all ranks (`moe.replay.watch_replayed`; one collective)."""
-    counts = torch.tensor([float(check.get("differ", 0)), float(check.get("routes", 0))],
-                          dtype=torch.float64)
-    differ, routes = sum_over_ranks(counts).tolist()
-    return differ / routes if routes else 0.0

@@ -5,7 +5,7 @@ Shape legend: B sequences (prompts x G, group-major), T tokens.
 `generate_rollouts` encodes each example's prompt (the tokenizer's chat template and <bos>),
 asks the sampler for G responses per prompt, decodes and scores them with the task's verifier
 and returns a `RolloutBatch`. `evaluate` greedy-decodes held-out prompts with the same sampler
-and scores them. Both are collective under data parallelism: every rank samples as many
+and scores them; `sampled_reward` samples one response per held-out prompt instead. Both are collective under data parallelism: every rank samples as many
 batches (a rank with fewer examples samples filler), so the samplers' collectives line up.
 """
 
@@ -79,3 +79,19 @@ def evaluate(sampler: Sampler, tokenizer, task, examples: list, *, max_new_token
         s = sampler.sample(prompt_ids(tokenizer, [ex.prompt for ex in chunk]), params)
         completions += decode_responses(tokenizer, s.tokens_BT, s.response_BT)
     return score(task, examples, completions[:len(examples)])
+
+
+def sampled_reward(sampler: Sampler, tokenizer, task, examples: list, params: SamplingParams,
+                   generator: torch.Generator, batch_size: int = 128) -> float:
+    """The mean reward of one response per example sampled with `params` from `generator`
+    (the test split's `test/reward`). Collective like `evaluate`."""
+    if not examples:
+        raise ValueError("sampled_reward: no examples")
+    rewards = []
+    n_chunks = max_over_ranks(-(-len(examples) // batch_size))
+    for start in range(0, n_chunks * batch_size, batch_size):
+        chunk = examples[start:start + batch_size] or examples[:1]  # filler past this rank's end
+        s = sampler.sample(prompt_ids(tokenizer, [ex.prompt for ex in chunk]), params, generator)
+        rewards += compute_rewards(task, chunk, decode_responses(tokenizer, s.tokens_BT,
+                                                                 s.response_BT))[0]
+    return sum(rewards[:len(examples)]) / len(examples)

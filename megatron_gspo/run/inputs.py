@@ -7,12 +7,12 @@
 
 A config names its data files and tokenizer folder by path; what is in them may change between a
 run and its resume (rows shuffled or appended, token ids renumbered, another chat template) and
-the resume would go on silently: with `data.eval_fraction` the held-out split is redrawn from
+the resume would go on silently: with `data.test_fraction` the held-out split is redrawn from
 training rows, and the embeddings belong to other ids. `input_fingerprints` is recorded at a
 run's first start (`rundir.record_run`); `changed_inputs` names what differs on a later start,
 which `rundir.check_inputs` refuses (resume=force continues and says so).
 
-What is hashed: each data file's bytes; the split as the ordered train and eval examples (prompt,
+What is hashed: each data file's bytes; the split as the ordered train, test and validation examples (prompt,
 target, ground truth and source row); a Hugging Face tokenizer's vocabulary (every token's id),
 merges, added and special tokens and eos / pad / bos / stop ids; the tokenizer's encoding: what
 `PROBE_TEXTS` become (ids, and the text those ids decode to) and the canonical JSON (sorted keys)
@@ -45,10 +45,13 @@ def file_sha256(path: str) -> str:
     return sha.hexdigest()
 
 
-def split_sha256(train_set, eval_set) -> str:
-    """The train / eval examples in order (what the split and the shuffle made of the rows)."""
+def split_sha256(train_set, test_set, val_set=()) -> str:
+    """The train / test (and validation) examples in order (what the split and the shuffle made
+    of the rows). The test split hashes as "eval", its name before the validation split
+    existed, and an empty validation split not at all: a run recorded then fingerprints alike."""
     sha = hashlib.sha256()
-    for name, examples in (("train", train_set), ("eval", eval_set)):
+    splits = (("train", train_set), ("eval", test_set)) + ((("val", val_set),) if val_set else ())
+    for name, examples in splits:
         sha.update(f"{name} {len(examples)}\n".encode())
         for ex in examples:
             sha.update(repr((ex.prompt, ex.answer, ex.meta)).encode("utf-8") + b"\n")
@@ -133,13 +136,13 @@ def encoding_sha256(tokenizer) -> str:
     return _sha(json.dumps([probes, settings], sort_keys=True, ensure_ascii=False))
 
 
-def input_fingerprints(cfg, tokenizer, train_set, eval_set) -> dict[str, str]:
+def input_fingerprints(cfg, tokenizer, train_set, test_set, val_set=()) -> dict[str, str]:
     """{what: sha256} of everything the run reads besides its config (module docstring)."""
     out = {}
     if cfg.task.name == "dataset":
-        for path in [*cfg.data.train_files, *cfg.data.eval_files]:
+        for path in [*cfg.data.train_files, *cfg.data.test_files, *cfg.data.val_files]:
             out[f"data file {path}"] = file_sha256(path)
-    out["train / eval split"] = split_sha256(train_set, eval_set)
+    out["train / eval split"] = split_sha256(train_set, test_set, val_set)
     tok = tokenizer_sha256(tokenizer)
     if tok is not None:
         out["tokenizer"], out["chat template"] = tok

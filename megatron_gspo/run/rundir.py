@@ -39,7 +39,7 @@ from types import SimpleNamespace
 import torch.distributed as dist
 
 from megatron_gspo.algo.losses import clip_range
-from megatron_gspo.config.schema import RunConfig, config_to_dict
+from megatron_gspo.config.schema import RunConfig, config_to_dict, renamed_keys
 from megatron_gspo.errors import RunDirError, UserError
 from megatron_gspo.run.checkpoint import atomic_write
 from megatron_gspo.run.inputs import changed_inputs
@@ -50,7 +50,8 @@ LOCK_FILE = ".lock"
 # Keys that may change when a run is resumed (dotted prefixes of config_to_dict's keys).
 NON_SEMANTIC = ("run_dir", "resume", "wandb", "train.steps", "train.eval_every",
                 "train.save_every", "train.keep_checkpoints", "train.log_every",
-                "train.flip_every", "sft.steps", "sft.eval_every", "sft.target_accuracy",
+                "train.flip_every", "train.router_margin_small", "train.route_sensitivity_every",
+                "train.route_sensitivity_fraction", "sft.steps", "sft.eval_every", "sft.target_accuracy",
                 "train.start_accuracy", "model.dist_timeout_min", "train.logprob_max_tokens",
                 "model.recompute_granularity", "model.recompute_modules",
                 "rollout.push_check_tol", "rollout.engine_kv_cache_gb",
@@ -274,7 +275,9 @@ def _verdict(run_dir: str, job: str, config: dict, resume) -> str:
                 "checkpoints: choose another run_dir")
     new = semantic_config(config, job)
     if fingerprint(new) != record["fingerprint"] and resume != "force":
-        old = _kept(record["config"], _skipped(config, job))  # records may hold LAYOUT keys
+        renames = renamed_keys()  # a record from before a key was renamed: its key now
+        recorded = {renames.get(k, k): v for k, v in record["config"].items()}
+        old = _kept(recorded, _skipped(config, job))  # records may hold LAYOUT keys
         diff = differing_keys(old, new, default_semantic_config(job))
         if diff:
             return (f"run_dir={run_dir} was started with another config ({'; '.join(diff)}); "

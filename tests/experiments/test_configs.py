@@ -89,13 +89,15 @@ def test_gpu_profile_changes_the_preset():
 
 
 def test_demo_is_the_ablation_gspo_arm():
-    """The demo's README/YAML comments say so (a shorter run of that arm); keep it true."""
+    """The demo's README/YAML comments say so (a shorter run of that arm, with a validation
+    split for its band); keep it true."""
     demo, arm = (load_config(os.path.join(d, "gspo.yaml")) for d in (DEMO, ABL))
     assert config_diff(demo, arm) == {"run_dir", "init_checkpoint", "train.steps",
-                                "train.eval_every", "train.save_every"}
+                                "train.eval_every", "train.save_every", "task.n_val"}
     assert (demo.train.steps, arm.train.steps) == (60, 150)
     demo_sft, arm_sft = (load_config(os.path.join(d, "sft.yaml")) for d in (DEMO, ABL))
-    assert config_diff(demo_sft, arm_sft) == {"run_dir"}
+    assert config_diff(demo_sft, arm_sft) == {"run_dir", "task.n_val"}
+    assert demo.task == demo_sft.task and demo.task.n_val == 256  # the band reads validation
     # one accuracy band: SFT stops in it, every RL run (demo and arms) refuses a start outside
     assert demo.train.start_accuracy == arm_sft.sft.target_accuracy == [0.25, 0.45]
 

@@ -16,7 +16,7 @@ def test_every_field_has_a_docstring():
             assert docs.get(f.name, "").strip(), f"{cls.__name__}.{f.name} has no docstring"
             seen += 1
     # every field of every section
-    assert seen == 15 + 15 + 5 + 15 + 10 + 14 + 15 + 7 + 3 + 15 + 4 + 3
+    assert seen == 15 + 15 + 6 + 15 + 10 + 14 + 18 + 7 + 3 + 17 + 4 + 3
 
 
 def test_describe_config_lists_every_key_with_default_and_doc():
@@ -29,7 +29,7 @@ def test_describe_config_lists_every_key_with_default_and_doc():
     assert "train.num_minibatches: int = 4" in text
     assert "must divide prompts_per_batch * group_size" in text
     n_keys = sum(1 for ln in text.splitlines() if ln and not ln.startswith((" ", "[", "megat")))
-    assert n_keys == 4 + 15 + 5 + 15 + 10 + 14 + 15 + 7 + 3 + 15 + 4 + 3
+    assert n_keys == 4 + 15 + 6 + 15 + 10 + 14 + 18 + 7 + 3 + 17 + 4 + 3
 
 
 def test_field_docs_and_defaults_as_declared():

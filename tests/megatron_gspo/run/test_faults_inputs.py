@@ -194,7 +194,7 @@ def _load(path: str, *extra):
     cfg = load_config(None, ["task.name=dataset", f"data.train_files=[{path}]",
                              f"data.eval_files=[{path}]", "data.shuffle=false", *extra])
     tok = load_tokenizer(FIXTURE)
-    train, _, _ = dataset_splits(cfg.data, tok, 512)
+    train, _, _, _ = dataset_splits(cfg.data, tok, 512)
     return tok, train
 
 
