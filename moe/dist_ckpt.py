@@ -27,6 +27,7 @@ every rank has finished (barriers around it), so a crash leaves no half-written 
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing as mp
 import os
 import re
 import shutil
@@ -35,6 +36,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+from moe.children import spawned_manager
 from moe.compat import apply_cpu_training_patches
 from moe.parallel import init_parallel
 from moe.policy import MoEPolicy
@@ -91,19 +93,30 @@ def _sharded_state_dict(policy, optimizer: bool, is_loading: bool) -> dict:
     return state
 
 
-def _drop_dead_results_queue() -> None:
-    """megatron's torch_dist writer keeps one multiprocessing Manager (a process) for its
-    results queue from the first save on. A SIGTERM to the process group (torchrun forwards it
-    so, as do `kill -- -PGID` and schedulers) ends that Manager too, and the save the signal asks
-    for then fails with 'Broken pipe'. A queue whose Manager is gone is dropped here, so the
-    writer starts a new one."""
-    queue = getattr(filesystem_async, "_results_queue", None)
-    if queue is None:
+_MANAGER: list = []
+"""The Manager serving the writer's results queue (`_live_results_queue`), kept referenced."""
+
+
+def _live_results_queue() -> None:
+    """Give megatron's torch_dist writer a results queue whose Manager dies with this process.
+
+    megatron starts that Manager (a spawned process) at the first save and keeps it: a trainer
+    SIGKILLed left it running, and with it the resource tracker (`moe.children`). Here it is
+    started by `moe.children.spawned_manager` instead. A SIGTERM to the process group (torchrun
+    forwards it so, as do `kill -- -PGID` and schedulers) ends the Manager too, and the save the
+    signal asks for then failed with 'Broken pipe': a queue whose Manager is gone is replaced."""
+    if not hasattr(filesystem_async, "_results_queue"):  # a megatron without it
         return
-    try:
-        queue.qsize()  # one round trip to the Manager
-    except (OSError, EOFError):
-        filesystem_async._results_queue = None
+    queue = filesystem_async._results_queue
+    if queue is not None:
+        try:
+            queue.qsize()  # one round trip to the Manager
+            return
+        except (OSError, EOFError):
+            pass
+    manager = spawned_manager(mp.get_context("spawn"))
+    _MANAGER[:] = [manager]
+    filesystem_async._results_queue = manager.Queue()
 
 
 def save(policy, directory: str) -> None:
@@ -118,7 +131,7 @@ def save(policy, directory: str) -> None:
         shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt
         os.makedirs(tmp)
     _barrier()
-    _drop_dead_results_queue()
+    _live_results_queue()
     dist_checkpointing.save(_sharded_state_dict(policy, True, False), tmp)
     _barrier()
     if main:

@@ -111,8 +111,16 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class TaskConfig:
-    """Verifiable task and its train / eval splits."""
+    """Verifiable task and its train / validation / test splits.
+
+    Megatron-LM's train / valid / test (verl's val_files is the validation split): the evals
+    during training (`eval/accuracy`, train.eval_every, sft.eval_every) and whatever chooses
+    (sft.target_accuracy, train.start_accuracy) read the validation split; the test split is
+    evaluated at a run's first and last step (`test/...`) and chooses nothing. n_test was named
+    n_eval before the validation split existed: a config or run record with n_eval still loads
+    (as n_test), and draws the same test split."""
     _section: ClassVar[str] = "task"
+    _renamed: ClassVar[dict] = {"n_eval": "n_test"}
 
     name: str = "addition"
     """Task name (see `megatron_gspo.tasks.toy`), or dataset (prompts from files: the data
@@ -121,13 +129,20 @@ class TaskConfig:
     """Keyword arguments for the task constructor, e.g. {num_digits: 2}."""
     n_train: int = 2000
     """Number of training prompts."""
-    n_eval: int = 128
-    """Number of held-out eval prompts."""
+    n_test: int = 128
+    """Number of held-out test prompts: evaluated at a run's first and last step (`test/...`),
+    never read by anything that chooses. Formerly n_eval (still read). The same (task, n_test,
+    seed) draws the same test prompts whatever n_train and n_val are."""
+    n_val: int = 0
+    """Number of held-out validation prompts, disjoint from train and test (drawn after both, so
+    they stay as without it): what evals during training and the accuracy bands read. 0 = no
+    validation split: they read the test split, as before this split existed (a warning says so
+    where a band chooses on it)."""
     seed: int = 1234
-    """Seed of the train / eval split."""
+    """Seed of the train / validation / test split."""
 
     def __post_init__(self):
-        validate(self, nonempty=("name",), ge={"n_train": 1, "n_eval": 0})
+        validate(self, nonempty=("name",), ge={"n_train": 1, "n_test": 0, "n_val": 0})
         check(self, "kwargs", all(isinstance(k, str) for k in self.kwargs), "keys must be str")
 
 
@@ -146,6 +161,13 @@ class RolloutConfig:
     """Nucleus sampling mass (0 < top_p <= 1)."""
     max_new_tokens: int = 8
     """Maximum response length in tokens."""
+    max_batch_rows: int = 0
+    """Most rows (responses) one sampler call decodes at once: a rank's rollout rows are
+    sampled in consecutive calls of whole groups of at most this many rows (one group at
+    least), merged into one batch; 0 = all of a rank's rows in one call. Bounds the KV-cache
+    sampler's cache (rows x (prompt + max_new_tokens) x layers x 2 x KV heads x head dim;
+    `megatron-gspo plan` sizes it). Reproducible (the calls draw from the same seeded stream in
+    turn), but another value samples other tokens. A memory knob: may change on resume."""
     use_sampler_logprobs: bool = False
     """Use the sampler's log-probs as pi_old instead of a recompute forward (the GSPO paper's
     claim that inference-engine likelihoods can be used directly, sec. 4.3)."""
@@ -197,7 +219,7 @@ class RolloutConfig:
     def __post_init__(self):
         validate(self, nonempty=("backend",),
                  ge={"prompts_per_batch": 1, "group_size": 2, "max_new_tokens": 1,
-                     "router_noise_std": 0},
+                     "router_noise_std": 0, "max_batch_rows": 0},
                  gt={"temperature": 0, "engine_kv_cache_gb": 0, "push_check_tol": 0})
         check(self, "top_p", 0 < self.top_p <= 1, "must be in (0, 1]")
         check(self, "router_noise_std", not self.router_noise_std
@@ -296,7 +318,20 @@ class TrainConfig:
     record it through the KV cache (needs rollout.kv_cache, no sequence parallelism), an
     inference engine reports its own."""
     flip_every: int = 1
-    """Measure per-layer expert flips every k optimizer steps (0 = never)."""
+    """Measure per-layer expert flips every k optimizer steps (0 = never), and the router margin
+    (`moe/router_margin/...`, from the same forward's router scores)."""
+    router_margin_small: float = 0.01
+    """The threshold of `moe/router_margin_small/layer_XX`: the fraction of loss positions whose
+    router-probability gap between their K-th and (K+1)-th expert is below it (> 0; a
+    probability, so compare with 1 / num_experts, 0.0625 for qwen3-moe-tiny)."""
+    route_sensitivity_every: int = 0
+    """Measure `moe/route_sensitivity/layer_XX` every k rollout batches, on the rollout batch at
+    pi_old's weights before its first optimizer step (0 = never): L + 1 no-grad forwards of the
+    whole batch (`megatron_gspo.algo.sensitivity`; train.logprob_max_tokens does not split
+    them). Changes nothing that is trained."""
+    route_sensitivity_fraction: float = 0.1
+    """The fraction of loss positions whose K-th expert is swapped for their (K+1)-th, one layer
+    at a time, in `moe/route_sensitivity` (in (0, 1])."""
     logprob_max_tokens: int = 4096
     """Token budget (sequences x padded length, at least one sequence) per forward of the
     no-grad passes over a whole rollout batch: pi_old, R3's replayed pi_old, the reference
@@ -305,6 +340,15 @@ class TrainConfig:
     per-forward overhead dominates there on CPU (`bench/step.py --pi-old`). The same
     numbers as one pass to fp32 rounding (GEMMs over fewer rows); ranks agree on the number of
     forwards. A memory knob: may change on resume."""
+    micro_max_tokens: int = 0
+    """Token budget (sequences x padded length, at least one sequence) per forward and backward
+    of an optimizer step: each minibatch runs in as few row chunks as keep within it, their
+    gradients accumulated into the one optimizer step; 0 = the whole minibatch in one forward.
+    Bounds a train step's activation memory (verl's ppo_max_token_len_per_gpu; `megatron-gspo
+    plan` sizes it). The same update to float rounding: each chunk's loss, a mean over its
+    sequences, weighs its share of the minibatch's rows, and the metrics cover the whole
+    minibatch (`megatron_gspo.jobs.rl_step`); the router noise draws continue over the chunks.
+    Ranks agree on the number of chunks. A memory knob: may change on resume."""
     router_noise_std: float = 0.0
     """Routing-volatility knob (0 = off): Gaussian noise of this std on the router logits picks
     the top-k experts in the loss's forward only (gate weights stay those of the clean logits;
@@ -334,10 +378,13 @@ class TrainConfig:
 
     def __post_init__(self):
         validate(self, ge={"steps": 1, "num_minibatches": 1, "log_every": 1, "flip_every": 0,
-                            "logprob_max_tokens": 0, "router_noise_std": 0,
+                            "logprob_max_tokens": 0, "micro_max_tokens": 0,
+                            "router_noise_std": 0,
                             "eval_every": 0, "save_every": 0, "keep_checkpoints": 0,
-                            "max_skipped_steps": 0,
-                            "collapse_entropy_floor": 0})
+                            "max_skipped_steps": 0, "route_sensitivity_every": 0,
+                            "collapse_entropy_floor": 0}, gt={"router_margin_small": 0})
+        check(self, "route_sensitivity_fraction", 0 < self.route_sensitivity_fraction <= 1,
+              "must be in (0, 1]")
         check(self, "collapse_reward_drop", 0 < self.collapse_reward_drop <= 1,
                "must be in (0, 1]")
         check_band(self, "start_accuracy")

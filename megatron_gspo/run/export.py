@@ -12,8 +12,9 @@ folder's; the character tokenizer has no Hugging Face files, so none are written
 OUT must be new or empty: nothing is overwritten.
 
 Atomic: everything is written into the sibling `OUT.partial` (fsync'ed), which is renamed to OUT
-only when complete, so an export killed or failing part-way (disk full at the tokenizer) leaves
-no OUT that transformers would load with a tokenizer missing or cut short. A failure removes
+only when complete, so an export killed or failing part-way (disk full at the weights or the
+tokenizer: one line, the OSError) leaves no OUT that transformers would load with weights or a
+tokenizer missing or cut short. A failure removes
 `OUT.partial`; a re-run removes the one a killed export left (it holds `PARTIAL_MARKER`), saying
 so. Every file gets the user's umask.
 """

@@ -10,7 +10,7 @@ layout; RNG states are restored only for the same layout.
 
 Resume verifies every shard and falls back, with a warning, past a corrupt latest step to the
 newest good one; rows of metrics.jsonl logged after the resumed step are dropped, so no step is
-logged twice. A full disk during a save is one line; the steps already written stay as they
+logged twice (rows it cannot read are kept aside in metrics.unreadable.txt, named by line). A full disk during a save is one line; the steps already written stay as they
 were. Weights from another run (`init_checkpoint`) are `megatron_gspo.run.init`.
 """
 

@@ -2,7 +2,6 @@
 replay and where (only the loss's forward), flips under replay, router noise, the sampler's
 routing and log-prob mismatch, truncated importance sampling."""
 
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -10,7 +9,7 @@ import torch
 
 from megatron_gspo.config.schema import load_config
 from megatron_gspo.errors import ConfigError
-from megatron_gspo.run.metrics import read_jsonl
+from tests.jsonl import step_rows
 from tests.megatron_gspo.jobs.trainers import make_trainer
 from tests.megatron_gspo.samplers import backend, shift_routing
 
@@ -33,7 +32,7 @@ def test_routing_replay_is_confined_to_the_policy_forward(tmp_path, monkeypatch)
     trainer.train()
     assert_routing_idle(trainer.policy)
     assert len(calls) >= 3  # the start eval, the rollout, the eval after it
-    rows = read_jsonl(os.path.join(trainer.cfg.run_dir, "metrics.jsonl"))
+    rows = step_rows(trainer.cfg.run_dir)
     last = rows[-1]
     assert last["replay/cache_bytes"] > 0
     L, n_mb = len(trainer.policy.router_replays), trainer.cfg.train.num_minibatches
@@ -90,7 +89,7 @@ def test_flips_under_replay_take_one_forward_per_step_and_equal_separate_passes(
     separate = make_trainer(tmp_path, *run, name="separate")
     separate.train()
     assert rows_per_pass == [B // 4] * 8  # before + after for each step
-    got, want = (read_jsonl(os.path.join(t.cfg.run_dir, "metrics.jsonl"))
+    got, want = (step_rows(t.cfg.run_dir)
                  for t in (shared, separate))
     keys = [k for k in want[0] if k.startswith(("moe/flip_rate/", "moe/drift_vs_old/"))]
     assert keys and max(r["moe/flip_rate/mean"] for r in want) > 0
@@ -131,7 +130,7 @@ def test_replay_source_is_pi_old_for_r2_and_the_sampler_for_r3(tmp_path, monkeyp
     # flips compare the live routing before and after a step: pi_old's routing stands in for
     # "before" on the first step under R2 only; under R3 it is the (shifted) sampler's
     assert (befores[0] is not None) == (mode == "r2")
-    last = read_jsonl(os.path.join(trainer.cfg.run_dir, "metrics.jsonl"))[-1]
+    last = step_rows(trainer.cfg.run_dir)[-1]
     assert last["replay/cache_bytes"] > 0
     if mode == "r3":
         assert last["rollout/routing_mismatch/mean"] > 0.1
@@ -209,7 +208,7 @@ def test_router_noise_reaches_only_the_unreplayed_loss_forward(tmp_path, mode):
         return real(*args, **kwargs)
     trainer.rt.sampler.sample = clean
     trainer.train()
-    rows = read_jsonl(os.path.join(trainer.cfg.run_dir, "metrics.jsonl"))
+    rows = step_rows(trainer.cfg.run_dir)
     assert len(rows) == 2
     for r in rows:
         assert r["rollout/logprob_mismatch/mean"] < 1e-5  # sampler vs pi_old: both clean
@@ -231,7 +230,7 @@ def test_r3_pi_old_replays_the_sampler_routing(tmp_path):
                            "train.num_minibatches=2", "train.flip_every=1",
                            backend("shifted", shift_routing))
     trainer.train()
-    rows = read_jsonl(os.path.join(trainer.cfg.run_dir, "metrics.jsonl"))
+    rows = step_rows(trainer.cfg.run_dir)
     first = [r for r in rows if r.get("train/minibatch") == 0]
     later = [r for r in rows if r.get("train/minibatch") == 1]
     assert len(first) == 2 and len(later) == 2
@@ -259,7 +258,7 @@ def test_bf16_sampler_is_a_real_mismatch_that_tis_reweights(tmp_path, mode):
                            "loss.tis_cap=1.0001", f"train.routing_replay={mode}",
                            "train.num_minibatches=2")
     trainer.train()
-    rows = read_jsonl(os.path.join(trainer.cfg.run_dir, "metrics.jsonl"))
+    rows = step_rows(trainer.cfg.run_dir)
     for r in rows:
         assert r["rollout/logprob_mismatch/mean"] > 1e-4
         assert r["policy/tis/max_raw"] > 1.0 and r["policy/tis/mean"] <= 1.0001
