@@ -21,13 +21,13 @@ import os
 import re
 
 from bench.result_table import machine_line, write_into
-from experiments.positive_control.common import HERE, ROOT, RUNS, load_json
+from experiments.positive_control.common import HERE, ROOT, RUNS
 from experiments.replay_dose_response.report import ci
 
 RUN_RE = re.compile(r"^(?P<arm>[a-z0-9_]+?)_n(?P<level>[0-9.]+)_s(?P<seed>\d+)$")
 COLLAPSED = 0.01
 LABELS = {"grpo_clean": "GRPO, no disagreement", "grpo": "GRPO", "grpo_r2": "GRPO + R2",
-          "grpo_r3": "GRPO + R3", "grpo_tis": "GRPO + TIS (cap 2)", "gspo": "GSPO",
+          "grpo_r3": "GRPO + R3", "grpo_tis": "GRPO + TIS (cap 2)", "gspo": "GSPO", "gspo_r3": "GSPO + R3",
           "grpo_sl": "GRPO, pi_old = sampler's", "grpo_sl_r3": "GRPO + R3, pi_old = sampler's",
           "gspo_sl": "GSPO, pi_old = sampler's", "gspo_sl_r3": "GSPO + R3, pi_old = sampler's"}
 LEVER_WORDS = {"engine": "sampler's routers, fixed noise (`rollout.router_noise=fixed`)",

@@ -38,6 +38,7 @@ ARMS = {"grpo_clean": GRPO,  # the lever at 0 (its level is ignored): the refere
         "grpo_r3": [*GRPO, "train.routing_replay=r3"],
         "grpo_tis": [*GRPO, "loss.tis_cap=2.0"],
         "gspo": ["loss.name=gspo", "loss.eps_low=3e-4", "loss.eps_high=4e-4"]}
+ARMS["gspo_r3"] = [*ARMS["gspo"], "train.routing_replay=r3"]
 # pi_old = the sampler's own log-probs (no recompute; the GSPO paper's sec. 4.3 suggestion)
 SL = ["rollout.use_sampler_logprobs=true"]
 ARMS.update({"gspo_sl": [*ARMS["gspo"], *SL], "gspo_sl_r3": [*ARMS["gspo"], *SL,
