@@ -108,6 +108,42 @@ def arms_table(runs: dict, clean: dict) -> str:
     return "\n".join(lines)
 
 
+PAIRS = (("gspo_sl_r3", "gspo_sl"), ("gspo_r3", "gspo"), ("grpo_r3", "grpo"),
+         ("grpo_r2", "grpo"), ("gspo", "grpo"))
+"""(with, without) compared in the answer: what replay (or GSPO) changes, paired by seed."""
+
+
+def paired(runs: dict, a: str, b: str, level: float) -> dict | None:
+    """Final accuracy of arm `a` minus arm `b` at `level` over the seeds both finished, and
+    each arm's collapses over those seeds; None without a common seed."""
+    ra, rb = runs.get((a, level), {}), runs.get((b, level), {})
+    seeds = sorted(set(ra) & set(rb))
+    if not seeds:
+        return None
+    m, h = ci([ra[s]["final"] - rb[s]["final"] for s in seeds])
+    return {"n": len(seeds), "gap": m, "half": h,
+            "collapsed": (sum(ra[s]["collapsed"] for s in seeds),
+                          sum(rb[s]["collapsed"] for s in seeds)),
+            "route_mm": ci([rb[s]["route_mm"] for s in seeds])[0]}
+
+
+def answer_table(runs: dict) -> str:
+    """The answer: per level and pair, the paired gap in final test accuracy, whether its 95%
+    interval excludes 0, and the collapses of each side."""
+    lines = ["| level | routers differing | comparison | seeds | final acc gap (paired) | "
+             "interval excludes 0 | collapsed (with / without) |", "|" + " --- |" * 7]
+    for level in sorted({lv for _, lv in runs if lv > 0}):
+        for a, b in PAIRS:
+            p = paired(runs, a, b, level)
+            if p is None:
+                continue
+            sure = p["half"] == p["half"] and abs(p["gap"]) > p["half"]
+            lines.append(f"| {level:g} | {p['route_mm']:.0%} | {LABELS[a]} vs {LABELS[b]} | "
+                         f"{p['n']} | {_pm((p['gap'], p['half']))} | "
+                         f"{'yes' if sure else 'no'} | {p['collapsed'][0]} / {p['collapsed'][1]} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--print", action="store_true", help="print the tables only")
@@ -118,15 +154,20 @@ def main(argv=None) -> int:
         runs = collect(os.path.join(root, lever))
         if not runs:
             continue
-        text = "\n".join([machine_line(), f"Lever: {words}. Accuracy: greedy, 256 prompts; "
-                          "± = 95% t interval over seeds.", "", arms_table(runs, clean)])
-        print(text, "\n", flush=True)
+        text = "\n".join([machine_line(), f"Lever: {words}. Accuracy: greedy on the test "
+                          "split (256 prompts), at the first and last step; ± = 95% t interval "
+                          "over seeds.", "", arms_table(runs, clean)])
+        tables = {f"arms_{lever}": text}
+        if lever == "engine":
+            tables["answer"] = answer_table(runs)
         readme = os.path.join(HERE, "README.md")
-        if not args.print and os.path.exists(readme):
-            try:
-                write_into(readme, text, f"arms_{lever}")
-            except ValueError as e:
-                print(e)
+        for marker, table in tables.items():
+            print(table, "\n", flush=True)
+            if not args.print and os.path.exists(readme):
+                try:
+                    write_into(readme, table, marker)
+                except ValueError as e:
+                    print(e)
     return 0
 
 

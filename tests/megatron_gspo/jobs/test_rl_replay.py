@@ -278,7 +278,7 @@ def test_sampler_router_noise_is_a_routing_mismatch_r3_removes(tmp_path, mode):
                            f"train.routing_replay={mode}", "train.num_minibatches=2",
                            "train.eval_every=1")
     trainer.train()
-    rows = read_jsonl(os.path.join(trainer.cfg.run_dir, "metrics.jsonl"))
+    rows = step_rows(trainer.cfg.run_dir)
     for r in (r for r in rows if "train/minibatch" in r):
         assert r["rollout/routing_mismatch/mean"] > 0.1
         assert r["rollout/logprob_mismatch/mean"] > 1e-3
@@ -308,6 +308,28 @@ def test_sampler_router_noise_is_seeded_per_rollout_and_off_at_zero(tmp_path, ki
     zero = rollout("rollout.router_noise_std=0.0", name="d")
     assert torch.equal(clean[0], zero[0]) and torch.equal(clean[1], zero[1])
     assert not torch.equal(logp, clean[1])
+
+
+@pytest.mark.parametrize("replay", ["off", "r3"])
+def test_gspo_on_the_samplers_logprobs_sees_its_routing_mismatch_unless_r3(tmp_path, replay):
+    """GSPO with pi_old = the sampler's log-probs: on a rollout batch's first minibatch (the
+    weights are pi_old's) the sequence ratio is the sampler-trainer mismatch alone, and a
+    routing disagreement puts sequences past GSPO's clip (3e-4 / 4e-4) before any update; R3
+    replays the sampler's routing in the loss's forward, so that ratio is 1 and nothing clips
+    (docs/pitfalls.md#gspo-on-an-engines-likelihoods)."""
+    trainer = make_trainer(tmp_path, "train.steps=1", "loss.name=gspo", "loss.eps_low=3e-4",
+                           "loss.eps_high=4e-4", "rollout.use_sampler_logprobs=true",
+                           "rollout.router_noise_std=1.0", f"train.routing_replay={replay}",
+                           "train.num_minibatches=2")
+    trainer.train()
+    first = [r for r in step_rows(trainer.cfg.run_dir) if r.get("train/minibatch") == 0]
+    assert len(first) == 1
+    if replay == "r3":
+        assert first[0]["policy/log_ratio/abs_max"] < 1e-5
+        assert first[0]["policy/clip_frac/seq"] == 0.0
+    else:
+        assert first[0]["policy/log_ratio/abs_mean"] > 1e-3
+        assert first[0]["policy/clip_frac/seq"] > 0.0
 
 
 def test_sampler_router_noise_needs_our_decoders():
