@@ -41,6 +41,18 @@ class RolloutConfig:
     real train-inference mismatch with an fp32 trainer (`megatron_gspo.rollout.precision`):
     log-probs and MoE routing then differ between sampler and trainer; pi_old, loss and eval
     stay as trained."""
+    router_noise_std: float = 0.0
+    """The sampler's routing disagreement knob (0 = off): the sampler's routers pick their top-k
+    experts from router logits + Gaussian noise of this std (gate weights from the clean
+    logits), in every forward the sampler runs, rollouts and evaluations: an inference engine
+    whose routing differs from the trainer's (as a bf16 engine's does at scale) at a chosen
+    rate. R3 replays the noisy routing it recorded; R2 and no replay route cleanly in the
+    trainer. The KV-cache decoders only (backend lean / megatron; `moe.router_noise`)."""
+    router_noise: Literal["fixed", "fresh"] = "fixed"
+    """How router_noise_std draws: "fixed", a fixed function of each router's input for the
+    whole run (the same token in the same context always routes the same way: an engine whose
+    kernels compute other router logits, as bf16 ones do), or "fresh", a new Gaussian draw in
+    every rollout (an engine whose routing is not even reproducible)."""
     kv_cache: bool = True
     """Sample with megatron-core's static KV cache (one new column per step); False recomputes
     the full forward each step. Sequence parallelism always recomputes."""
@@ -72,9 +84,12 @@ class RolloutConfig:
     def __post_init__(self):
         validate(self, nonempty=("backend",),
                  ge={"prompts_per_batch": 1, "group_size": 2, "max_new_tokens": 1,
-                     "max_batch_rows": 0},
+                     "router_noise_std": 0, "max_batch_rows": 0},
                  gt={"temperature": 0, "engine_kv_cache_gb": 0, "push_check_tol": 0})
         check(self, "top_p", 0 < self.top_p <= 1, "must be in (0, 1]")
+        check(self, "router_noise_std", not self.router_noise_std
+              or self.sampler in ("lean", "megatron"),
+              f"needs backend lean or megatron (our decoders), not {self.sampler!r}")
 
     @property
     def sampler(self) -> str:

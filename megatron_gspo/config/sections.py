@@ -65,6 +65,10 @@ class ModelConfig:
     layer shapes (e.g. qwen3-30b-a3b's 128 experts of hidden 2048) at a depth one device holds,
     for throughput and memory measurements. None = the preset's depth. Not with hf_path (a
     checkpoint's depth is its config.json's)."""
+    preset_overrides: dict = field(default_factory=dict)
+    """Architecture fields of model.preset to replace, e.g. {num_experts: 64, topk: 2,
+    moe_ffn_hidden_size: 32, norm_topk_prob: false} (any `moe.presets.MoEPreset` field but
+    name, vocab_size, max_seq_len, hf_model_type; random init). Not with hf_path."""
     recompute_granularity: Literal["off", "selective", "full"] = "off"
     """megatron's activation recompute for long responses: 'selective' re-runs
     recompute_modules in the backward, 'full' every transformer layer. Same grads (routing
@@ -90,6 +94,12 @@ class ModelConfig:
         check(self, "preset", self.preset in PRESETS, f"unknown preset; valid: {sorted(PRESETS)}")
         check(self, "num_layers", self.num_layers is None or self.hf_path is None,
               "only with model.preset (model.hf_path's depth comes from its config.json)")
+        check(self, "preset_overrides", not self.preset_overrides or self.hf_path is None,
+              "only with model.preset (model.hf_path's architecture is its config.json's)")
+        try:
+            PRESETS[self.preset].with_overrides(self.preset_overrides)
+        except (TypeError, ValueError) as e:
+            check(self, "preset_overrides", False, str(e))
         for name, msg in layout_problems(self):  # the rules live in moe.model
             check(self, name, False, msg)
 

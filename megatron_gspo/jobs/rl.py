@@ -256,7 +256,8 @@ class Trainer:
     def records_sampler_routing(self) -> bool:
         """Record the sampler's routing: for R3, and to measure the sampler-trainer routing
         mismatch where it can be: an inference engine's (one rollout round), or our decoder's
-        in another precision (KV cache, one round, no sequence parallelism)."""
+        in another precision or with noisy routers (KV cache, one round, no sequence
+        parallelism)."""
         cfg = self.cfg
         if cfg.train.routing_replay == "r3":
             return True
@@ -264,8 +265,8 @@ class Trainer:
             return False
         if cfg.rollout.sampler in ENGINES:  # an engine reports its routing anyway
             return True
-        return cfg.rollout.sampler_dtype != "same" and cfg.rollout.kv_cache \
-            and not cfg.model.sequence_parallel
+        mismatched = cfg.rollout.sampler_dtype != "same" or cfg.rollout.router_noise_std > 0
+        return mismatched and cfg.rollout.kv_cache and not cfg.model.sequence_parallel
 
     def rollout(self, it: int) -> RolloutBatch:
         cfg, info = self.cfg, self.rt.info

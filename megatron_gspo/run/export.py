@@ -89,7 +89,8 @@ def _source(run_dir: str, model_cfg: dict, hf_path: str | None, tok_path: str | 
         except (FileNotFoundError, ValueError):  # no usable tokenizer there (the run had its own)
             vocab = base["vocab_size"]
         return base, preset_from_hf_config(base, hf_path), vocab
-    preset = get_preset(model_cfg["preset"])
+    preset = get_preset(model_cfg["preset"]).with_overrides(model_cfg.get("preset_overrides")
+                                                            or {})
     if model_cfg.get("num_layers"):  # model.num_layers: the preset at that depth
         preset = dataclasses.replace(preset, num_layers=model_cfg["num_layers"])
     return None, preset, None

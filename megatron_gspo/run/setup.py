@@ -92,15 +92,16 @@ def layout_of(cfg: RunConfig) -> ParallelLayout:
 
 def resolve_preset(cfg: RunConfig, vocab_size: int) -> MoEPreset:
     """model.hf_path's config.json (vocab padded to vocab_multiple * tp), else model.preset with
-    the tokenizer's vocab padded to 16 * tp (the toy path, unchanged), model.num_layers deep if
-    set; model.max_seq_len if set."""
+    the tokenizer's vocab padded to 16 * tp (the toy path, unchanged), with
+    model.preset_overrides, model.num_layers deep if set; model.max_seq_len if set."""
     tp = cfg.model.tp
     if cfg.model.hf_path:
         preset = preset_from_hf(cfg.model.hf_path)
         preset = preset.with_vocab(max(preset.vocab_size, vocab_size),
                                    multiple=cfg.model.vocab_multiple * tp)
     else:
-        preset = get_preset(cfg.model.preset).with_vocab(vocab_size, multiple=16 * tp)
+        preset = get_preset(cfg.model.preset).with_overrides(cfg.model.preset_overrides) \
+            .with_vocab(vocab_size, multiple=16 * tp)
         if cfg.model.num_layers:
             preset = dataclasses.replace(preset, num_layers=cfg.model.num_layers)
     if cfg.model.max_seq_len:

@@ -122,13 +122,26 @@ def test_profile_overlay_reads_yaml_like_the_config_loader(tmp_path, monkeypatch
 
 @pytest.mark.parametrize("path", PUBLISHED, ids=lambda p: os.path.relpath(p, ROOT))
 def test_published_experiments_pin_the_kernels_they_ran_with(path):
-    """Every experiment README's tables were generated with megatron's DotProductAttention,
-    Adam's foreach path and one pi_old forward per rollout batch; the defaults changed
-    afterwards (issue 16). Their rounding can flip a sampled token, so the configs pin what
-    their numbers came from."""
-    cfg = load_config(path)
-    assert (cfg.model.attention, cfg.optim.adam_kernel, cfg.train.logprob_max_tokens) == \
-        ("megatron", "foreach", 0)
+    """Every experiment config names the attention, Adam path and pi_old chunking its README's
+    tables were generated with, in its YAML (not through defaults, which change: their
+    rounding can flip a sampled token). The experiments before the fast kernels became the
+    defaults ran with megatron's DotProductAttention, Adam's foreach path and one pi_old
+    forward per rollout batch; those after them, which say so in their README, with the fast
+    ones."""
+    from megatron_gspo.config.yamlfile import load_layered
+
+    raw = load_layered(path)
+    pinned = (raw.get("model", {}).get("attention"), raw.get("optim", {}).get("adam_kernel"),
+              raw.get("train", {}).get("logprob_max_tokens"))
+    assert None not in pinned, pinned
+    if os.path.basename(os.path.dirname(path)) in FAST_KERNELS:
+        assert pinned == ("sdpa", "fused", 4096)
+    else:
+        assert pinned == ("megatron", "foreach", 0)
+
+
+FAST_KERNELS = ("positive_control",)
+"""The experiments that ran with SDPA attention, fused Adam and 4096-token pi_old chunks."""
 
 
 def test_gpu_profile_uses_the_fast_kernels():

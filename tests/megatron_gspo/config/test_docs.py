@@ -6,17 +6,26 @@ import dataclasses
 from megatron_gspo.config.schema import RunConfig, describe_config, field_docs
 
 
+def _sections() -> list[type]:
+    """RunConfig and the class of each of its sections."""
+    return [RunConfig] + [type(getattr(RunConfig(), f.name)) for f in dataclasses.fields(RunConfig)
+                          if dataclasses.is_dataclass(getattr(RunConfig(), f.name))]
+
+
+def _leaf_keys() -> int:
+    """Keys a user can set: every field of every section, the sections themselves excepted."""
+    return sum(not dataclasses.is_dataclass(getattr(cls(), f.name))
+               for cls in _sections() for f in dataclasses.fields(cls))
+
+
 def test_every_field_has_a_docstring():
     seen = 0
-    for cls in [RunConfig] + [type(getattr(RunConfig(), f.name))
-                              for f in dataclasses.fields(RunConfig)
-                              if dataclasses.is_dataclass(getattr(RunConfig(), f.name))]:
+    for cls in _sections():
         docs = field_docs(cls)
         for f in dataclasses.fields(cls):
             assert docs.get(f.name, "").strip(), f"{cls.__name__}.{f.name} has no docstring"
             seen += 1
-    # every field of every section
-    assert seen == 15 + 15 + 6 + 15 + 10 + 14 + 18 + 7 + 3 + 17 + 4 + 3
+    assert len(_sections()) >= 12 and seen > _leaf_keys() > 100  # every section was walked
 
 
 def test_describe_config_lists_every_key_with_default_and_doc():
@@ -29,7 +38,7 @@ def test_describe_config_lists_every_key_with_default_and_doc():
     assert "train.num_minibatches: int = 4" in text
     assert "must divide prompts_per_batch * group_size" in text
     n_keys = sum(1 for ln in text.splitlines() if ln and not ln.startswith((" ", "[", "megat")))
-    assert n_keys == 4 + 15 + 6 + 15 + 10 + 14 + 18 + 7 + 3 + 17 + 4 + 3
+    assert n_keys == _leaf_keys()  # every key, once
 
 
 def test_field_docs_and_defaults_as_declared():
