@@ -60,25 +60,22 @@ class MoEPolicy:
               optim: OptimSettings | None = OptimSettings(),
               recompute: Recompute = Recompute(),
               sdpa_attention: bool = True,
-              inference_graphs: bool = False) -> "MoEPolicy":
+              inference_graphs: bool = False, **model_kwargs) -> "MoEPolicy":
         """The GPTModel wrapped in megatron DDP, with megatron's Adam (`moe.optim`; None: no
         optimizer). 16-bit `dtype` trains with fp32 main grads and fp32 master weights.
         `sdpa_attention`: core attention as `moe.attention.SDPAAttention` (local spec);
-        `inference_graphs`: CUDA graphs for megatron's dynamic engine (`moe.engine`)."""
+        `inference_graphs`: CUDA graphs for megatron's dynamic engine (`moe.engine`);
+        `model_kwargs`: more of `moe.model.build_gpt_moe`'s (`experts`)."""
         apply_cpu_patches()
         if real_vocab > preset.vocab_size:
             raise ValueError(f"tokenizer vocab {real_vocab} exceeds preset {preset.name!r} "
                              f"vocab_size={preset.vocab_size}")
         gpt = build_gpt_moe(preset, layout, seed=seed, dtype=dtype, aux_loss_coeff=aux_loss_coeff,
                             sdpa_attention=sdpa_attention, recompute=recompute,
-                            inference_graphs=inference_graphs)
+                            inference_graphs=inference_graphs, **model_kwargs)
         model = DistributedDataParallel(gpt.config, DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, bucket_size=None,
             use_distributed_optimizer=optim is not None and optim.distributed), gpt)
-        if not model.ddp_config.overlap_grad_reduce:  # DDP's hooks only add into main_grad
-            for module in gpt.modules():
-                if hasattr(module, "grads_into_main_grad"):
-                    module.grads_into_main_grad = True
         optimizer = None if optim is None else PolicyOptimizer(model, optim)
         device = next(gpt.parameters()).device
         return cls(model, optimizer, preset, layout, real_vocab, device, recompute)
