@@ -168,35 +168,20 @@ class MoEPolicy:
         """log pi(tokens[t] | tokens[<t]) at each position t >= start ([B, T]; columns before
         `start` are 0). Only positions start-1..T-2 go through the output layer and the
         log-softmax (the loss needs the response: pass its first column), over the tokenizer's
-        vocabulary (the preset's padding entries are sliced off, not masked). 16-bit logits go
-        through `moe.logprobs` (float32 math in chunks, no float32 copy of the logits kept).
+        vocabulary (the preset's padding entries are left out, not masked), in float32 over
+        chunks of tokens without a float32 copy of the logits (`moe.logprobs`).
 
         With `with_entropy`, also the entropy of the predictive distribution at each position
-        (a metric: computed without grad, so no [B, T, V] tensor is kept for the backward).
+        (a metric: computed without grad, from the same chunks).
         """
         T = tokens_BT.shape[-1]
         if not 1 <= start < T:
             raise ValueError(f"start={start}: expected a position in [1, {T})")
         logits_BSV = self._raw_logits(tokens_BT, valid_BT, start - 1)[:, :-1]
-        target_BS = tokens_BT[:, start:]
-        if logits_BSV.dtype in (torch.bfloat16, torch.float16):
-            out = chunked_token_logprobs(logits_BSV, target_BS, self.real_vocab, temperature,
-                                         with_entropy)
-            return tuple(F.pad(t, (start, 0)) for t in out) if with_entropy \
-                else F.pad(out, (start, 0))
-        logits_BSV = logits_BSV[..., :self.real_vocab].float()
-        if temperature != 1.0:
-            logits_BSV = logits_BSV / temperature
-        logp_BSV = torch.log_softmax(logits_BSV, dim=-1)
-        target_BS = target_BS.to(logp_BSV.device)
-        logp_BT = F.pad(logp_BSV.gather(-1, target_BS[..., None]).squeeze(-1), (start, 0))
-        if not with_entropy:
-            return logp_BT
-        with torch.no_grad():
-            logp_BSV = logp_BSV.detach()
-            p_BSV = logp_BSV.exp()
-            entropy_BS = -(p_BSV * logp_BSV.masked_fill(p_BSV == 0, 0.0)).sum(-1)
-        return logp_BT, F.pad(entropy_BS, (start, 0))
+        out = chunked_token_logprobs(logits_BSV, tokens_BT[:, start:], self.real_vocab,
+                                     temperature, with_entropy)
+        return tuple(F.pad(t, (start, 0)) for t in out) if with_entropy \
+            else F.pad(out, (start, 0))
 
     def routed_valid(self, valid_BT: torch.Tensor) -> torch.Tensor:
         """The part of `valid_BT` this rank's routers see (its sequence shard under SP)."""
