@@ -17,14 +17,16 @@ megatron's per-expert modules, to fp32 rounding).
 
 Initialisation: each expert's weights are drawn as megatron's CPU initialisation draws a
 `SequentialMLP`'s (expert by expert, fc1 then fc2, each its own fp32 master), so a seed gives the
-same weights as before. Dist checkpoints: `sharded_state_dict` describes each parameter as rows
-`ep_rank * E ... + E` of a global [E_global, ...] tensor under the key megatron's `SequentialMLP`
-used (`...experts.linear_fc1.weight`, global shape [layers, E_global, F', H]): checkpoints
-reshard across EP and read the same either side of the layout change (docs/checkpoints.md).
+same weights as before. Dist checkpoints: `sharded_state_dict` describes each parameter as
+experts [r * E, (r + 1) * E) (r the EP rank) of a global [E_global, ...] tensor under the key
+megatron's `SequentialMLP` used (`decoder.layers.mlp.experts.experts.linear_fc1.weight`, global
+shape [layers, E_global, F', H]): checkpoints reshard across EP and read the same either side
+of the layout change (docs/checkpoints.md).
 
-Where `_grouped_mm` does not run (`grouped_mm_runs` probes it once per device type and dtype:
-CUDA's kernel wants bf16 on sm90+ in torch 2.8-2.11) or rejects the row strides (not a multiple
-of 16 bytes), or the input is not a 2-D tensor in the weights' dtype, `ExpertMM` loops over the
+Under autocast both GEMM operands run in autocast's dtype, as megatron's linears do. Where
+`_grouped_mm` does not run (`grouped_mm_runs` probes it once per device type and dtype: CUDA's
+kernel wants bf16 on sm90+ in torch 2.8-2.11) or rejects the row strides (not a multiple of 16
+bytes), or the input is not a 2-D tensor in the weights' dtype, `ExpertMM` loops over the
 experts on the same stacked parameters (one `mm` per expert into slices of one output / one
 stacked grad). Not supported (refused at construction): biases, fp8 / fp4, expert tensor
 parallelism.
