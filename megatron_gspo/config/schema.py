@@ -3,7 +3,7 @@
     cfg = load_config("experiments/demo/gspo.yaml", ["loss.eps_low=3e-4", "train.steps=5"])
 
 `RunConfig` is the top level of an experiment file; its sections are one dataclass per component
-(`megatron_gspo.config.sections`, `.data`). Loading is strict and generic (`.loader` walks the
+(`megatron_gspo.config.sections`, `.rollout`, `.data`). Loading is strict and generic (`.loader` walks the
 dataclass fields, no per-section code): an unknown key at any level is an error naming the
 dotted key and listing the section's valid keys; values (YAML, or override text read as YAML:
 `1e-5`, `true`, `[1,2]`, `null`) are read into the field's type before a dataclass is built,
@@ -25,9 +25,9 @@ from megatron_gspo.config.data import (DataConfig, FilterConfig, RewardConfig,  
 from megatron_gspo.config.docs import describe_fields, field_docs
 from megatron_gspo.config.fields import OptionalPath, Path, check, validate
 from megatron_gspo.config.loader import apply_override, build, renamed
+from megatron_gspo.config.rollout import RolloutConfig  # noqa: F401
 from megatron_gspo.config.sections import (LossConfig, ModelConfig, OptimConfig,  # noqa: F401
-                                           RolloutConfig, SFTConfig, TaskConfig, TrainConfig,
-                                           WandbConfig)
+                                           SFTConfig, TaskConfig, TrainConfig, WandbConfig)
 from megatron_gspo.config.yamlfile import atomic_write, load_layered
 from megatron_gspo.errors import ConfigError
 

@@ -161,6 +161,9 @@ def _load_policy(rt, root: str, step: int, state: dict) -> None:
     dist_dir = os.path.join(ckpt.step_dir(root, step), "dist")
     same_layout = tuple(state["layout"]) == layout
     check_optimizer_format(root, state, rt.cfg, layout)
+    if why := dist_ckpt.layout_error(rt.policy, dist_dir):  # every rank reads the same file
+        raise ConfigError(f"{why}; start a new run_dir with init_checkpoint={rt.cfg.run_dir} "
+                          "(weights only), or resume with the version that wrote it")
     try:
         dist_ckpt.load(rt.policy, dist_dir)  # collective; any layout
     except (Exception, CheckpointException) as e:  # resume=force onto another model

@@ -20,7 +20,8 @@ template applied with its generation prompt, or `data.template` with {prompt} re
 `data.seed`, then `data.test_fraction` of them is held out for test unless `data.test_files` are
 given, and `data.val_fraction` for validation unless `data.val_files` are (`dataset_splits`).
 
-Errors name the file, the row (JSONL: line number; parquet: row index) and the field: a missing
+Files are read row by row by `megatron_gspo.tasks.rows`. Errors name the file, the row (JSONL:
+line number; parquet: row index) and the field: a missing
 file or field, a wrong type, an empty dataset, a prompt longer than `data.max_prompt_tokens`
 (or, with `data.skip_overlong_prompts`, that prompt is skipped and counted).
 
@@ -32,21 +33,18 @@ once at load time, not per batch.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import random
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterator
+from typing import Any, ClassVar
 
 from megatron_gspo.errors import ConfigError, DataError
 from megatron_gspo.tasks.rewards import check_math_available, get_format_check, get_reward
+from megatron_gspo.tasks.rows import read_rows
 from megatron_gspo.tasks.toy import Example, make_splits, make_task
-from moe.checks import MissingDependency
 
 _DEFAULT_KEYS = {"verl": ("prompt", "reward_model.ground_truth", "data_source"),
                  "plain": ("question", "answer", None)}
-_SUFFIXES = (".jsonl", ".parquet")
 
 
 @dataclass(frozen=True)
@@ -81,54 +79,6 @@ class DatasetTask:
 
 
 # ----------------------------------------------------------------------------- reading rows
-
-
-def read_rows(path: str, what: str = "data.train_files") -> Iterator[tuple[str, dict]]:
-    """(where, row) for each row of a .jsonl or .parquet file; where = 'path:line' / 'path row i'."""
-    if not os.path.isfile(path) and (os.path.isdir(path) or any(c in path for c in ",*?")):
-        raise DataError(f"{path} ({what}): one entry is one file, with no directories or "
-                        f"globs; list the files, e.g. {what}=[a.jsonl,b.jsonl]")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"data file not found: {path} ({what})")
-    if path.endswith(".parquet"):
-        yield from _parquet_rows(path)
-        return
-    if not path.endswith(".jsonl"):
-        raise DataError(f"{path}: unsupported file type ({what}); expected one of {_SUFFIXES}")
-    with open(path, "rb") as f:  # decoded line by line: a bad byte's error names its line
-        for lineno, raw in enumerate(f, start=1):
-            try:  # a leading BOM (Windows editors) is dropped
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not UTF-8 ({e.reason} at byte {e.start + 1}); "
-                                "save the file as UTF-8") from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                what = e.msg.removesuffix(" at")  # "Unterminated string starting at"
-                raise DataError(f"{path}:{lineno}: not valid JSON ({what} at column "
-                                f"{e.colno})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}:{lineno}: a row must be a JSON object, got "
-                                f"{type(row).__name__}")
-            yield f"{path}:{lineno}", row
-
-
-def _parquet_rows(path: str) -> Iterator[tuple[str, dict]]:
-    try:  # optional dependency (pyarrow): only .parquet files need it
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise MissingDependency(f"reading {path} needs pyarrow: pip install pyarrow (or convert "
-                                "the file to .jsonl)") from None
-    try:
-        rows = pq.read_table(path).to_pylist()
-    except (ValueError, OSError) as e:  # pyarrow's ArrowInvalid / ArrowIOError
-        raise DataError(f"{path}: not a readable parquet file ({' '.join(str(e).split())})") \
-            from None
-    for i, row in enumerate(rows):
-        yield f"{path} row {i}", row
 
 
 def get_field(row: dict, key: str, where: str, config_key: str):

@@ -337,7 +337,8 @@ def build_layout(preset, tp: int, ep: int):
 
 def checkpoint_checks(rank: int, preset, ref: dict, ckpt_dir: str) -> dict:
     """TP=2: 2 updates, save (each rank its shards), then the uninterrupted 3rd step; EP=2
-    (DP=2): resume from the TP=2 checkpoint and take the same 3rd step."""
+    (DP=2): resume from the TP=2 checkpoint, save it again (each EP rank its experts), and
+    take the same 3rd step."""
     from moe import dist_ckpt
     from moe.sharding import gather_full_params, load_full_params
 
@@ -351,6 +352,8 @@ def checkpoint_checks(rank: int, preset, ref: dict, ckpt_dir: str) -> dict:
 
     resumed, rows = build_layout(preset, tp=1, ep=2)
     dist_ckpt.load(resumed, ckpt_dir)
+    out["ep2_ckpt"] = os.path.join(os.path.dirname(ckpt_dir), "ep2_step_2")
+    dist_ckpt.save(resumed, out["ep2_ckpt"])
     out["ep2_loss3"] = step_loss(resumed, rows)
     train_steps(resumed, rows, 3, start=2)
     out["ep2_params3"] = gather_full_params(resumed.model.module)

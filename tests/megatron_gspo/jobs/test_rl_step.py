@@ -9,6 +9,7 @@ import torch
 
 from megatron_gspo.run.metrics import read_jsonl
 from tests.megatron_gspo.jobs.trainers import make_trainer, params
+from tests.jsonl import step_rows
 
 COMPARED = ("policy/loss", "policy/clip_frac/token", "policy/ratio/mean", "policy/entropy",
             "policy/log_ratio/abs_mean", "train/grad_norm", "moe/flip_rate/mean",
@@ -53,8 +54,7 @@ def test_row_chunks_give_the_one_forward_update_and_metrics(tmp_path, overrides)
         diff = float((got[name] - value).abs().max())
         assert diff < 1e-5, (name, diff)  # updates are ~1e-2: Adam normalises rounding too
     assert any(not torch.equal(value, init[name]) for name, value in want.items())
-    a = read_jsonl(os.path.join(one.cfg.run_dir, "metrics.jsonl"))
-    b = read_jsonl(os.path.join(chunked.cfg.run_dir, "metrics.jsonl"))
+    a, b = step_rows(one.cfg.run_dir), step_rows(chunked.cfg.run_dir)
     assert len(a) == len(b) == 4
     for ra, rb in zip(a, b):
         for key in COMPARED:
@@ -95,11 +95,14 @@ def test_r3_replays_the_merged_routing_of_rollout_blocks_in_row_chunks(tmp_path)
     t = make_trainer(tmp_path, "train.steps=1", "train.routing_replay=r3",
                      "rollout.max_batch_rows=4", "train.micro_max_tokens=1")
     real, rows = t.rt.sampler.sample, []
-    t.rt.sampler.sample = lambda prompts, *a, **k: rows.append(len(prompts)) or real(
-        prompts, *a, **k)
+    def sample(prompts, params, *a, **k):  # the rollouts' calls (evals record no routing)
+        if params.record_routing:
+            rows.append(len(prompts))
+        return real(prompts, params, *a, **k)
+    t.rt.sampler.sample = sample
     forwards = _grad_forwards(t)
     t.train()
     assert rows == [4] * 4 and forwards == [1] * 16
-    records = read_jsonl(os.path.join(t.cfg.run_dir, "metrics.jsonl"))
+    records = step_rows(t.cfg.run_dir)
     assert [r["replay/route_diff"] for r in records] == [0.0] * 4
     assert all(r["replay/cache_bytes"] > 0 for r in records)

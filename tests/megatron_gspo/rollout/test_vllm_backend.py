@@ -125,7 +125,7 @@ def test_the_guard_ignores_one_token_whose_bf16_routing_flipped_but_not_a_moved_
 
 def test_the_config_reference_states_the_guards_defaults():
     from megatron_gspo.config.docs import field_docs
-    from megatron_gspo.config.sections import RolloutConfig
+    from megatron_gspo.config.rollout import RolloutConfig
     from megatron_gspo.rollout.vllm import CHECK_TOL
 
     doc = " ".join(field_docs(RolloutConfig)["push_check_tol"].split())
