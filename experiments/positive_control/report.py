@@ -108,8 +108,8 @@ def arms_table(runs: dict, clean: dict) -> str:
     return "\n".join(lines)
 
 
-PAIRS = (("gspo_sl_r3", "gspo_sl"), ("gspo_r3", "gspo"), ("grpo_r3", "grpo"),
-         ("grpo_r2", "grpo"), ("gspo", "grpo"))
+PAIRS = (("gspo_sl_r3", "gspo_sl"), ("grpo_sl_r3", "grpo_sl"), ("gspo_r3", "gspo"),
+         ("grpo_r3", "grpo"), ("grpo_r2", "grpo"), ("gspo", "grpo"))
 """(with, without) compared in the answer: what replay (or GSPO) changes, paired by seed."""
 
 

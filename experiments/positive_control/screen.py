@@ -34,6 +34,7 @@ import argparse
 import json
 import math
 import os
+import subprocess
 
 import torch
 
@@ -161,17 +162,25 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     names = args.only or list(CANDIDATES)
-    results = []
+    results, skipped = [], []
     for name in names:
         path = os.path.join(ROOT, RUNS, "screen", f"{name}.json")
         if not args.table_only and load_json(path) is None:
-            write_json(path, screen_one(name))
+            try:
+                write_json(path, screen_one(name))
+            except subprocess.CalledProcessError:  # its SFT missed the band: the log says how
+                print(f"{name}: no cold start in the band (runs/positive_control/logs/"
+                      f"sft_{name}.log); skipped", flush=True)
         if load_json(path) is not None:
             results.append(load_json(path))
+        else:
+            skipped.append(name)
     text = "\n".join([machine_line(), "Cold start: validation accuracy where SFT entered the "
                       "band, and its step. Fresh noise draws on the routers that pick the "
                       "top-k; columns 5-8 at 10% of expert activations changed.", "",
-                      table(results)])
+                      table(results)]
+                     + ([f"\nNo cold start in the band (SFT jumped over it or ran out of steps): "
+                         f"{', '.join(skipped)}."] if skipped else []))
     print(text)
     if not args.table_only or results:
         write_into(os.path.join(HERE, "README.md"), text, "screen")
