@@ -24,8 +24,8 @@ per layer, `moe/route_sensitivity` (`megatron_gspo.algo.sensitivity`): the mean 
 change| when a random 10% of the loss positions take their (K+1)-th expert instead of their
 K-th at that layer only: the cost of one near-tie flip, layer by layer.
 
-Results: runs/positive_control/screen/<candidate>.json; the table goes between README.md's
-`<!-- table:screen:... -->` markers.
+Results: results/screen/<candidate>.json (committed; its cold start under
+runs/positive_control/); the table goes between README.md's `<!-- table:screen:... -->` markers.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def screen_one(name: str) -> dict:
     finally:
         rt.close()
     return {"candidate": name, "overrides": CANDIDATES[name], "cold_start": start,
-            "route_sensitivity": sens, "grid": grid}
+            "route_sensitivity": sens, "grid": grid, "measured": machine_line()}
 
 
 KEYS = ("abs_log_ratio", "tokens_past_grpo_clip", "seq_abs_log_ratio", "seqs_past_gspo_clip")
@@ -155,6 +155,12 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def measured_line(results: list[dict]) -> str:
+    """The machine and date the screen ran on (kept in its results), else this one's."""
+    lines = {r["measured"] for r in results if "measured" in r}
+    return lines.pop() if len(lines) == 1 else machine_line()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="+", choices=sorted(CANDIDATES))
@@ -164,7 +170,7 @@ def main(argv=None) -> int:
     names = args.only or list(CANDIDATES)
     results, skipped = [], []
     for name in names:
-        path = os.path.join(ROOT, RUNS, "screen", f"{name}.json")
+        path = os.path.join(HERE, "results", "screen", f"{name}.json")
         if not args.table_only and load_json(path) is None:
             try:
                 write_json(path, screen_one(name))
@@ -175,7 +181,7 @@ def main(argv=None) -> int:
             results.append(load_json(path))
         else:
             skipped.append(name)
-    text = "\n".join([machine_line(), "Cold start: validation accuracy where SFT entered the "
+    text = "\n".join([measured_line(results), "Cold start: validation accuracy where SFT entered the "
                       "band, and its step. Fresh noise draws on the routers that pick the "
                       "top-k; columns 5-8 at 10% of expert activations changed.", "",
                       table(results)]
