@@ -38,10 +38,11 @@ import subprocess
 
 import torch
 
-from megatron_gspo.algo.sensitivity import route_sensitivity
 from bench.result_table import machine_line, write_into
 from experiments.positive_control.common import (CANDIDATES, HERE, ROOT, RUNS, cold_start,
                                                  load_json, write_json)
+from experiments.replay_dose_response.calibrate import one_rollout_batch
+from megatron_gspo.algo.sensitivity import route_sensitivity
 
 GRID = (0.01, 0.03, 0.1, 0.3, 1.0)
 DRAWS = 3
@@ -104,8 +105,6 @@ def at_flip_rate(grid: list[dict], key: str, target: float = TARGET_FLIPS) -> fl
 def screen_one(name: str) -> dict:
     """The candidate's cold start (made if absent), one rollout batch, the noise grid."""
     from megatron_gspo.config.schema import load_config
-    from megatron_gspo.rollout.generate import generate_rollouts
-    from megatron_gspo.rollout.sampler import SamplingParams
     from megatron_gspo.run.setup import setup_runtime
 
     sft_dir, start = cold_start(name)
@@ -114,13 +113,7 @@ def screen_one(name: str) -> dict:
         f"run_dir={RUNS}/screen/{name}_eval", "train.start_accuracy=null"])
     rt = setup_runtime(cfg, job="eval")
     try:
-        gen = torch.Generator().manual_seed(cfg.seed)
-        idx = torch.randint(len(rt.train_set), (cfg.rollout.prompts_per_batch,), generator=gen)
-        params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
-                                temperature=cfg.rollout.temperature)
-        batch = generate_rollouts(rt.sampler, rt.tokenizer, rt.task,
-                                  [rt.train_set[i] for i in idx.tolist()],
-                                  group_size=cfg.rollout.group_size, params=params, generator=gen)
+        batch = one_rollout_batch(rt, cfg)
         sens = route_sensitivity(rt.policy, batch.tokens_BT, batch.valid_BT, batch.response_BT,
                                  SWAP_FRACTION, torch.Generator().manual_seed(cfg.seed),
                                  cfg.rollout.temperature)
