@@ -1,4 +1,4 @@
-"""A resume reads the inputs its run started with (issue 30): data files whose rows were
+"""A resume reads the inputs its run started with: data files whose rows were
 shuffled or appended, a tokenizer whose ids were renumbered, another chat template are refused
 naming them (resume=force continues and says so)."""
 

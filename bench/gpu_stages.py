@@ -1,11 +1,10 @@
 """GPU figures at Qwen3-30B-A3B's layer shapes: a train step, and rollouts from the lean decoder
 and from megatron-core's dynamic engine, with the engine's routing against the trainer's.
 
-    python -m bench.gpu_lease train   --out DIR   # tokens/s, MFU, peak memory at 1k-4k tokens
-    python -m bench.gpu_lease profile --out DIR   # torch.profiler table of one train step
-    python -m bench.gpu_lease rollout --out DIR --backend lean
-    python -m bench.gpu_lease rollout --out DIR --backend megatron_engine [--cuda-graphs]
-    python -m bench.gpu_lease report  --out DIR   # DIR/*.json -> DIR/README.md tables
+    python -m bench.gpu_stages train   --out DIR   # tokens/s, MFU, peak memory at 1k-4k tokens,
+                                                   # and a torch.profiler table of one step
+    python -m bench.gpu_stages rollout --out DIR --backends lean,megatron_engine_graphs
+    python -m bench.gpu_stages report  --out DIR   # DIR/*.json -> DIR/README.md tables
 
 Each stage writes DIR/<stage>[_<backend>].json; `report` renders every JSON there as markdown.
 The model: `qwen3-30b-a3b` cut to `--layers` layers (hidden 2048, 32 / 4 heads of 128, 128
