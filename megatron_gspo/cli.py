@@ -134,7 +134,8 @@ def run(command: str, cfg) -> dict:
     if command == "train":
         return rl.Trainer.from_config(cfg).train()
     rt = setup.setup_runtime(cfg, job="eval")  # eval/... on validation, test/... on test
-    return {**setup.evaluate_runtime(rt), **setup.evaluate_test(rt, step=0)}
+    return {**setup.evaluate_runtime(rt, progress=True),
+            **setup.evaluate_test(rt, step=0, progress=True)}
 
 
 def _plan(args) -> int:

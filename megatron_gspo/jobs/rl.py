@@ -142,6 +142,7 @@ class Trainer:
         self.local_prompts = local_prompts(cfg, rt.info.dp)
         self.state, self.band, self.schedule = TrainerState(), StartBand(cfg), schedule(cfg)
         self.timer = Timer()
+        self.step_tokens = 0  # valid tokens of the latest rollout batch on this rank
         self.filter_metrics: dict = {}  # dynamic sampling's, of the last rollout
         # pi_old's routing is the live one at its weights, except under R3 (the sampler's)
         self.flips = FlipSchedule(cfg.train.flip_every, cfg.train.routing_replay != "r3",
@@ -187,6 +188,7 @@ class Trainer:
         self.timer.reset()
         with self.timer("rollout"), out_of_memory("the rollout", cfg, ROLLOUT):
             batch = self.rollout(it)
+        self.step_tokens = int(batch.valid_BT.sum())  # the progress line's tokens/s
         with self.timer("old_forward"), out_of_memory("the no-grad pass over the rollout batch",
                                                       cfg, OLD_PASS):
             full, shared = self.prepare(batch)

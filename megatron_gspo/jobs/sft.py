@@ -80,6 +80,8 @@ class SFTJob:
 
     rt: object
     """The run's `megatron_gspo.run.setup.Runtime`."""
+    step_tokens: int = field(init=False, default=0)
+    """Valid tokens of the latest step's batch on this rank (the progress line's tokens/s)."""
     state: SFTState = field(init=False)
     band: SFTBand = field(init=False)
     schedule: Schedule = field(init=False)
@@ -94,8 +96,10 @@ class SFTJob:
 
     def iteration(self) -> dict:
         self.rt.policy.train(True)  # the sampler puts it back after an eval; the guard is cheap
+        batch = draw_batch(self.rt, self.state.gen)
+        self.step_tokens = int(batch[1].sum())  # the progress line's tokens/s
         with out_of_memory("an SFT step", self.rt.cfg, SFT_STEP):
-            metrics = sft_step(self.rt, self.state.gen)
+            metrics = sft_step(self.rt, batch)
         self.state.step += 1
         return reduce_metrics(metrics)
 
@@ -133,12 +137,17 @@ def run_sft(cfg: RunConfig) -> dict:
         rt.close()  # also when the job or the resume refused to start
 
 
-def sft_step(rt, gen: torch.Generator) -> dict:
-    """One cross-entropy step on a fresh batch of this rank's share of `sft.batch_size`."""
-    cfg, policy = rt.cfg, rt.policy
-    idx = torch.randint(len(rt.train_set), (cfg.sft.batch_size // rt.info.dp,), generator=gen)
-    tokens_BT, valid_BT, target_BT = sft_batch(rt.tokenizer,
-                                               [rt.train_set[i] for i in idx.tolist()])
+def draw_batch(rt, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A fresh batch (`sft_batch`) of this rank's share of `sft.batch_size` training examples,
+    drawn from `gen`."""
+    idx = torch.randint(len(rt.train_set), (rt.cfg.sft.batch_size // rt.info.dp,), generator=gen)
+    return sft_batch(rt.tokenizer, [rt.train_set[i] for i in idx.tolist()])
+
+
+def sft_step(rt, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> dict:
+    """One cross-entropy step on `batch` (tokens, valid and target masks, [B, T])."""
+    policy = rt.policy
+    tokens_BT, valid_BT, target_BT = batch
     policy.zero_grad()
     logp_BT = policy.token_logprobs(tokens_BT, valid_BT)
     target_BT = target_BT.to(logp_BT.device)

@@ -28,6 +28,7 @@ from megatron_gspo.run.init import check_init_checkpoint, load_init_weights, ref
 from megatron_gspo.run.inputs import input_fingerprints
 from megatron_gspo.run.metrics import MetricsLogger
 from megatron_gspo.run.names import check_names
+from megatron_gspo.run.progress import ChunkProgress
 from megatron_gspo.run.rundir import RunDirLock, check_inputs, claim_run_dir, record_run
 from megatron_gspo.tasks.datasets import build_task, check_sft_lengths, tokenizer_folder
 from megatron_gspo.tasks.tokenizer import Tokenizer, load_tokenizer
@@ -282,26 +283,34 @@ def _resumes(cfg: RunConfig, job: str) -> bool:
         return True
 
 
-def evaluate_runtime(rt: Runtime) -> dict[str, float]:
-    """`eval/...`: greedy accuracy of `rt.policy` on the validation split (`rt.eval_set`)."""
+def _progress(rt: Runtime, label: str, show: bool) -> ChunkProgress | None:
+    return ChunkProgress(label, rt.info.is_main, rt.info.dp) if show else None
+
+
+def evaluate_runtime(rt: Runtime, progress: bool = False) -> dict[str, float]:
+    """`eval/...`: greedy accuracy of `rt.policy` on the validation split (`rt.eval_set`);
+    `progress`: a progress line per batch of prompts."""
     return evaluate(rt.sampler, rt.tokenizer, rt.task, rt.eval_set,
-                    max_new_tokens=rt.cfg.rollout.max_new_tokens)
+                    max_new_tokens=rt.cfg.rollout.max_new_tokens,
+                    progress=_progress(rt, "eval", progress))
 
 
-def evaluate_test(rt: Runtime, step: int) -> dict[str, float]:
+def evaluate_test(rt: Runtime, step: int, progress: bool = False) -> dict[str, float]:
     """`test/accuracy`, `test/format_ok` (greedy) and `test/reward` (one response per prompt
     sampled at the rollout temperature and top-p, the mean reward) of `rt.policy` on the test
     split, at optimizer step `step` (its own seeded stream: nothing a run trains changes);
-    {} without a test split."""
+    {} without a test split. `progress`: a progress line per batch of prompts."""
     if not rt.test_set:
         return {}
     rollout = rt.cfg.rollout
     greedy = evaluate(rt.sampler, rt.tokenizer, rt.task, rt.test_set,
-                      max_new_tokens=rollout.max_new_tokens)
+                      max_new_tokens=rollout.max_new_tokens,
+                      progress=_progress(rt, "test", progress))
     reward = sampled_reward(rt.sampler, rt.tokenizer, rt.task, rt.test_set,
                             SamplingParams(max_new_tokens=rollout.max_new_tokens,
                                            temperature=rollout.temperature, top_p=rollout.top_p),
-                            seeds.sampled_test(rt.cfg.seed, step))
+                            seeds.sampled_test(rt.cfg.seed, step),
+                            progress=_progress(rt, "test/reward", progress))
     return {"test/accuracy": greedy["eval/accuracy"], "test/format_ok": greedy["eval/format_ok"],
             "test/reward": reward}
 
