@@ -85,57 +85,54 @@ def main(argv=None) -> int:
         return 0
     if args.command == "plan":
         return _plan(args)
+    if args.command == "export" and not (args.run_dir and args.to_hf):
+        parser.error("export needs --run-dir R --to-hf OUT")
+    return _lifetime(args)
+
+
+def _lifetime(args) -> int:
+    """The one lifetime of every command that runs (sft, train, eval, export): megatron's
+    install warnings hidden; a signal during start-up exits at once with one line; a job
+    stopped by a signal after its save, and every user error (exit 2, one line), end here; the
+    result is printed once (rank 0). Each command closes what it opens (a job its runtime,
+    export its staging folder) before its error or result arrives here."""
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|cuda_graph_scope).*")
     # torch's deprecations inside megatron's dist_checkpointing: nothing a user can act on
     warnings.filterwarnings("ignore", category=FutureWarning,
                             message=".*(`load_state_dict` is deprecated|use DTensor instead).*")
-    if args.command == "export":
-        return _export(parser, args, (OSError, ValueError, UserError, MissingDependency))
+    export = args.command == "export"
+    # export's ValueError / OSError name a run dir or folder it cannot read or write
+    errors = USER_ERRORS + (OSError, ValueError) if export else USER_ERRORS
     try:
         with StartupSignals():  # a signal before the training loop: one line, no traceback
-            return _run_job(args)
-    except Interrupted as e:
+            result = _export(args) if export else _run_job(args)
+    except (Interrupted, Preempted) as e:
         return _stopped(e)
+    except errors as e:
+        return _fail(str(e))  # nothing already written is lost
+    if result and os.environ.get("RANK", "0") == "0":  # once under torchrun
+        print(json.dumps(result if export else {
+            k: v for k, v in result.items() if k.startswith(("eval/", "test/", "reward/"))}))
+    return 0
 
 
-def _run_job(args) -> int:
-    """sft / train / eval: load the config, check its registered names, and `run` it; the
-    one-line errors (exit 2)."""
+def _run_job(args) -> dict:
+    """sft / train / eval: load the config, check its registered names, and `run` it."""
     # heavy import (the registries: torch, megatron-core): `config` and argument errors answer
     # in a fraction of a second without it
     from megatron_gspo.run.names import check_names
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-        check_names(cfg)  # before anything is written
-        if args.command == "eval" and not cfg.init_checkpoint and not cfg.model.hf_path \
-                and os.environ.get("RANK", "0") == "0":  # run_dir's checkpoints are not read
-            print("megatron-gspo: warning: eval without init_checkpoint or model.hf_path scores "
-                  f"untrained weights; init_checkpoint={cfg.run_dir} evaluates that run",
-                  file=sys.stderr, flush=True)
-        result = run(args.command, cfg)
-    except USER_ERRORS as e:
-        return _fail(str(e))  # nothing already written is lost
-    except Preempted as e:
-        return _stopped(e)
-    if result and os.environ.get("RANK", "0") == "0":  # once under torchrun
-        print(json.dumps({k: v for k, v in result.items()
-                          if k.startswith(("eval/", "test/", "reward/"))}))
-    return 0
+    cfg = load_config(args.config, args.overrides)
+    check_names(cfg)  # before anything is written
+    return run(args.command, cfg)
 
 
 def run(command: str, cfg) -> dict:
+    """The job of `command` on `cfg` (`megatron_gspo.jobs`: each module's `run`)."""
     # heavy imports (torch, megatron-core: seconds), which only a job needs
-    from megatron_gspo.jobs import rl, sft
-    from megatron_gspo.run import setup
+    from megatron_gspo.jobs import evaluate, rl, sft
 
-    if command == "sft":
-        return sft.run_sft(cfg)
-    if command == "train":
-        return rl.Trainer.from_config(cfg).train()
-    rt = setup.setup_runtime(cfg, job="eval")  # eval/... on validation, test/... on test
-    return {**setup.evaluate_runtime(rt, progress=True),
-            **setup.evaluate_test(rt, step=0, progress=True)}
+    return {"sft": sft, "train": rl, "eval": evaluate}[command].run(cfg)
 
 
 def _plan(args) -> int:
@@ -155,18 +152,12 @@ def _plan(args) -> int:
     return 0 if fits else 1
 
 
-def _export(parser, args, errors: tuple) -> int:
-    if not args.run_dir or not args.to_hf:
-        parser.error("export needs --run-dir R --to-hf OUT")
+def _export(args) -> dict:
+    """`export`: the run's latest checkpoint as a Hugging Face folder; its summary."""
     from megatron_gspo.run import export  # heavy import (torch, megatron-core): export only
 
-    try:
-        summary = export.export_run(args.run_dir, args.to_hf, hf_path=args.hf_path,
+    return export.export_run(args.run_dir, args.to_hf, hf_path=args.hf_path,
                              max_shard_bytes=args.max_shard_bytes)
-    except errors as e:
-        return _fail(str(e))
-    print(json.dumps(summary))
-    return 0
 
 
 if __name__ == "__main__":

@@ -105,13 +105,14 @@ def screen_one(name: str) -> dict:
     from megatron_gspo.config.schema import load_config
     from megatron_gspo.rollout.generate import generate_rollouts
     from megatron_gspo.rollout.sampler import SamplingParams
+    from megatron_gspo.jobs import evaluate
     from megatron_gspo.run.setup import setup_runtime
 
     sft_dir, start = cold_start(name)
     cfg = load_config(os.path.join(ROOT, "experiments/positive_control/rl.yaml"), [
         *CANDIDATES[name], f"init_checkpoint={sft_dir}",
         f"run_dir={RUNS}/screen/{name}_eval", "train.start_accuracy=null"])
-    rt = setup_runtime(cfg, job="eval")
+    rt = setup_runtime(cfg, evaluate.SPEC)
     try:
         gen = torch.Generator().manual_seed(cfg.seed)
         idx = torch.randint(len(rt.train_set), (cfg.rollout.prompts_per_batch,), generator=gen)

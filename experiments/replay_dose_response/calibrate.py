@@ -71,10 +71,11 @@ def main(argv=None) -> int:
     from megatron_gspo.config.schema import load_config
     from megatron_gspo.rollout.generate import generate_rollouts
     from megatron_gspo.rollout.sampler import SamplingParams
+    from megatron_gspo.jobs import evaluate
     from megatron_gspo.run.setup import setup_runtime
 
     cfg = load_config(args.config, args.overrides)
-    rt = setup_runtime(cfg, job="eval")
+    rt = setup_runtime(cfg, evaluate.SPEC)
     try:
         gen = torch.Generator().manual_seed(cfg.seed)
         idx = torch.randint(len(rt.train_set), (cfg.rollout.prompts_per_batch,), generator=gen)

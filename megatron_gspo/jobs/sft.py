@@ -15,7 +15,7 @@ and "already finished" are the loop's, as for RL.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -26,7 +26,10 @@ from megatron_gspo.jobs.band import SFTBand
 from megatron_gspo.run import seeds
 from megatron_gspo.run.loop import RunLoop, Schedule
 from megatron_gspo.run.oom import SFT_STEP, out_of_memory
-from megatron_gspo.run.setup import evaluate_runtime, evaluate_test, setup_runtime
+from megatron_gspo.run.setup import (JobSpec, evaluate_runtime, evaluate_test, model_max_len,
+                                     setup_runtime)
+from megatron_gspo.tasks.datasets import check_sft_lengths
+from moe.settings import OptimSettings
 
 
 def sft_batch(tokenizer, examples) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -125,12 +128,40 @@ def schedule(cfg: RunConfig) -> Schedule:
                     progress_keys=("sft/loss", "eval/accuracy"))
 
 
+UNUSED_SECTIONS = ("train", "loss", "rollout")
+"""Config sections SFT does not read: a resume may change them."""
+
+
+def optim_settings(cfg: RunConfig) -> OptimSettings:
+    """SFT's optimizer: `optim`'s Adam at `sft.lr`, without warmup, constant or decaying to
+    `sft.min_lr` at step `sft.steps` (`sft.lr_decay_style`)."""
+    decay = cfg.sft.lr_decay_style
+    return replace(cfg.optim, lr=cfg.sft.lr, min_lr=cfg.sft.min_lr, warmup_steps=0,
+                   lr_decay_style=decay,
+                   lr_decay_steps=0 if decay == "constant" else cfg.sft.steps)
+
+
+def check_targets(cfg: RunConfig, tokenizer, train_set: list, is_main: bool) -> None:
+    """A DataError naming an SFT example longer than the model; a warning counting targets
+    longer than rollout.max_new_tokens, which eval and rollouts cut (`JobSpec.check_data`)."""
+    cut = check_sft_lengths(tokenizer, train_set, model_max_len(cfg), cfg.rollout.max_new_tokens)
+    if cut and is_main:
+        print(f"WARNING: {cut} of {len(train_set)} SFT targets are longer than "
+              f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}: eval and rollouts "
+              "cut such answers", flush=True)
+
+
+SPEC = JobSpec("sft", optim=optim_settings, unused_sections=UNUSED_SECTIONS,
+               band_key="sft.target_accuracy", check_data=check_targets)
+"""What SFT needs of the run set-up: its optimizer, its band's key, its data check."""
+
+
 def run_sft(cfg: RunConfig) -> dict:
     """Train `cfg.sft.steps` steps, evaluating every `cfg.sft.eval_every`; save a checkpoint at
     the end (and on SIGTERM / Ctrl-C / SIGHUP, then raise `Preempted`); resume a stopped run. With
     `sft.target_accuracy` stop (and save) at the first eval inside the band instead, and raise
     `AccuracyBandError` past it or when sft.steps runs out (`megatron_gspo.jobs.band`)."""
-    rt = setup_runtime(cfg, job="sft")
+    rt = setup_runtime(cfg, SPEC)
     try:
         return RunLoop(rt, SFTJob(rt)).run()
     finally:
@@ -156,3 +187,7 @@ def sft_step(rt, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> dict
     stepped, grad_norm = policy.step()
     return {"sft/loss": loss.item(), "train/grad_norm": grad_norm,
             "train/skipped": float(not stepped)}
+
+
+run = run_sft
+"""The CLI's entry (`megatron-gspo sft`)."""

@@ -34,9 +34,10 @@ def dataset_run(data: str, run_dir, *extra) -> list[str]:
 
 def start(*overrides):
     """setup_runtime as `train` does (claim, data, inputs check, record), then release."""
+    from megatron_gspo.jobs import rl
     from megatron_gspo.run.setup import setup_runtime
 
-    setup_runtime(load_config(None, list(overrides)), job="train").close()
+    setup_runtime(load_config(None, list(overrides)), rl.SPEC).close()
 
 
 def _rewrite_rows(path: str, change: str) -> None:
