@@ -5,6 +5,7 @@ Examples:
     megatron-gspo train --config experiments/demo/gspo.yaml train.steps=5 loss.name=grpo
     megatron-gspo eval  --config experiments/demo/gspo.yaml init_checkpoint=runs/demo/gspo
                         # prints eval/... (validation split) and test/... (test split)
+    megatron-gspo train --config my.yaml --plugin my_plugin.py  # user code (docs/extending.md)
     megatron-gspo config            # every key with its default and meaning
     megatron-gspo export --run-dir runs/demo/gspo --to-hf out/  # Hugging Face folder
     megatron-gspo plan --config experiments/ablation/qwen3_30b_a3b.yaml --gpus 16 --gpu-mem-gib 80
@@ -25,6 +26,7 @@ metrics.jsonl on a run's first start.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -47,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["sft", "train", "eval", "config", "export", "plan"])
     parser.add_argument("--config", default=None, help="YAML experiment file")
+    parser.add_argument("--plugin", action="append", default=[], metavar="MODULE_OR_PATH",
+                        help="sft / train / eval: import user code that registers a loss, "
+                             "reward, task or sampler (adds to the config's `plugins`; "
+                             "repeatable; docs/extending.md)")
     # export: a run's latest checkpoint as a Hugging Face model folder (megatron_gspo.run.export)
     parser.add_argument("--run-dir", default=None, help="export: the run (or step) dir")
     parser.add_argument("--to-hf", default=None, help="export: output folder")
@@ -123,7 +129,9 @@ def _run_job(args) -> dict:
     from megatron_gspo.run.names import check_names
 
     cfg = load_config(args.config, args.overrides)
-    check_names(cfg)  # before anything is written
+    if args.plugin:  # recorded with the run's config, so that a resume imports them too
+        cfg = dataclasses.replace(cfg, plugins=[*cfg.plugins, *args.plugin])
+    check_names(cfg)  # imports the plugins; before anything is written
     return run(args.command, cfg)
 
 

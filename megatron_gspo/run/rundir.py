@@ -48,7 +48,7 @@ from moe.children import tie_forks
 RUN_FILE = "run.json"
 LOCK_FILE = ".lock"
 # Keys that may change when a run is resumed (dotted prefixes of config_to_dict's keys).
-NON_SEMANTIC = ("run_dir", "resume", "wandb", "train.steps", "train.eval_every",
+NON_SEMANTIC = ("run_dir", "resume", "plugins", "wandb", "train.steps", "train.eval_every",
                 "train.save_every", "train.keep_checkpoints", "train.log_every",
                 "train.flip_every", "train.router_margin_small", "train.route_sensitivity_every",
                 "train.route_sensitivity_fraction", "sft.steps", "sft.eval_every", "sft.target_accuracy",

@@ -56,7 +56,8 @@ def _lock_is_held(run_dir) -> bool:
 
 
 # A value other than the default for each key a resume may change.
-CHANGED = {"run_dir": None, "resume": "resume=force", "wandb": "wandb.project=other",
+CHANGED = {"run_dir": None, "resume": "resume=force", "plugins": "plugins=[my_plugin.py]",
+           "wandb": "wandb.project=other",
            "train.steps": "train.steps=99", "train.eval_every": "train.eval_every=3",
            "train.save_every": "train.save_every=3", "train.log_every": "train.log_every=3",
            "train.keep_checkpoints": "train.keep_checkpoints=2",
