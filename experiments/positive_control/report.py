@@ -20,7 +20,7 @@ import json
 import os
 import re
 
-from bench.result_table import machine_line, write_into
+from tools.result_table import machine_line, write_into
 from experiments.positive_control.common import HERE, ROOT, RUNS
 from experiments.replay_dose_response.report import ci
 

@@ -37,10 +37,18 @@ import os
 
 import torch
 
-from megatron_gspo.algo.sensitivity import route_sensitivity
-from bench.result_table import machine_line, write_into
 from experiments.positive_control.common import (CANDIDATES, HERE, ROOT, RUNS, cold_start,
                                                  load_json, write_json)
+from megatron_gspo.algo.flips import flip_counts, loss_positions, token_rows
+from megatron_gspo.algo.sensitivity import route_sensitivity
+from megatron_gspo.config.schema import load_config
+from megatron_gspo.jobs import evaluate
+from megatron_gspo.rollout.generate import generate_rollouts
+from megatron_gspo.rollout.sampler import SamplingParams
+from megatron_gspo.run.setup import setup_runtime
+from moe.replay import RoutingReplayCache, current_routing, record_routing
+from moe.router_noise import router_noise
+from tools.result_table import machine_line, write_into
 
 GRID = (0.01, 0.03, 0.1, 0.3, 1.0)
 DRAWS = 3
@@ -68,10 +76,6 @@ def perturbation_stats(clean_BT: torch.Tensor, noisy_BT: torch.Tensor,
 
 def measure(policy, batch, std: float, temperature: float) -> dict:
     """Means over DRAWS noise draws at `std` (see the module docstring)."""
-    from megatron_gspo.algo.flips import flip_counts, loss_positions, token_rows
-    from moe.replay import RoutingReplayCache, current_routing, record_routing
-    from moe.router_noise import router_noise
-
     tokens_BT, valid_BT = batch.tokens_BT, batch.valid_BT
     clean_BT, clean = current_routing(policy, tokens_BT, valid_BT, temperature)
     rows_N = token_rows(policy, clean, loss_positions(batch.response_BT))
@@ -102,12 +106,6 @@ def at_flip_rate(grid: list[dict], key: str, target: float = TARGET_FLIPS) -> fl
 
 def screen_one(name: str) -> dict:
     """The candidate's cold start (made if absent), one rollout batch, the noise grid."""
-    from megatron_gspo.config.schema import load_config
-    from megatron_gspo.rollout.generate import generate_rollouts
-    from megatron_gspo.rollout.sampler import SamplingParams
-    from megatron_gspo.jobs import evaluate
-    from megatron_gspo.run.setup import setup_runtime
-
     sft_dir, start = cold_start(name)
     cfg = load_config(os.path.join(ROOT, "experiments/positive_control/rl.yaml"), [
         *CANDIDATES[name], f"init_checkpoint={sft_dir}",
