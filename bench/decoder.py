@@ -21,7 +21,7 @@ import time
 import torch
 
 from bench.throughput import build_ours, parse_args as bench_args
-from bench.result_table import cpu_name
+from tools.result_table import cpu_name
 
 KINDS = ("lean", "megatron")
 

@@ -1,5 +1,5 @@
-"""Markdown tables of the JSON `bench.gpu_lease` writes (train*.json, rollout.json), for
-`python -m bench.gpu_lease report` and experiments/gpu/README.md."""
+"""Markdown tables of the JSON `bench.gpu_stages` writes (train*.json, rollout.json), for
+`python -m bench.gpu_stages report` and experiments/gpu/README.md."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def rollout_lines(r: dict) -> list[str]:
 
 
 def extra_train_files(out_dir: str) -> list[str]:
-    """The train_*.json names in `out_dir` (variants: `bench.gpu_lease train --name`), sorted."""
+    """The train_*.json names in `out_dir` (variants: `bench.gpu_stages train --name`), sorted."""
     return sorted(os.path.basename(f) for f in glob.glob(os.path.join(out_dir, "train_*.json")))
 
 

@@ -1,12 +1,14 @@
 #!/bin/bash
-# One GPU lease's measurements as one device call of at most 9 minutes: each stage under its own
-# time limit, most valuable first, each writing its figures as JSON under $OUT, then rendered
-# into $OUT/README.md (`python -m bench.gpu_lease report`), the table experiments/gpu/README.md
-# is regenerated from (copy $OUT/*.json to experiments/gpu/results/ and run
+# The GPU measurement plan as one command of at most about 9 minutes, on any CUDA machine with
+# the project installed (`pip install -e .`): each stage under its own time limit, most valuable
+# first, each writing its figures as JSON under $RESULTS (default runs/gpu_session), then
+# rendered into $RESULTS/README.md (`python -m bench.gpu_stages report`). experiments/gpu/README.md
+# is regenerated from the same JSON (copy $RESULTS/*.json to experiments/gpu/results/ and run
 # `python -m experiments.gpu.report`).
 #
 #   bash bench/gpu_session.sh                      # env rollout train tests report (~8 min)
 #   bash bench/gpu_session.sh env tests report     # any subset, in the order given
+#   RESULTS=runs/h100 PYTHON=.venv/bin/python bash bench/gpu_session.sh
 #
 # Stages (limits in seconds):
 #   env      (30)  Python, torch, CUDA, megatron-core, GPU name; flash-attn / TE present or not
@@ -16,13 +18,13 @@
 #   train   (150)  train steps at the same shapes, 1k/2k/4k-token sequences: tokens/s, MFU,
 #                  peak memory, and a torch.profiler table of one step
 #   tests   (150)  the GPU tests (`pytest -m gpu`)
-#   report    (-)  $OUT/README.md from the JSON files
+#   report    (-)  $RESULTS/README.md from the JSON files
 #
-# Wheels for packages the machine lacks (megatron-core for its Python) go in .whl/ (gitignored,
-# carried with the device tool's `carry`), installed into /tmp/site once per machine.
-# Exits 1 if a stage failed (the later ones still run), 2 on an unknown stage.
+# Run from the repository's root. Exits 1 if a stage failed (the later ones still run), 2 on an
+# unknown stage.
 set -u -o pipefail
-OUT=${OUT:-runs/gpu_session}
+RESULTS=${RESULTS:-runs/gpu_session}
+PYTHON=${PYTHON:-python3}
 STAGES=${*:-env rollout train tests report}
 for stage in $STAGES; do
   case $stage in
@@ -32,22 +34,15 @@ for stage in $STAGES; do
   esac
 done
 status=0
-mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" > /dev/null; then
-  if [ ! -d /tmp/site/megatron ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/site .whl/*.whl || exit 1
-  fi
-  export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-fi
+mkdir -p "$RESULTS"
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-LEASE=(python3 -m bench.gpu_lease)
+BENCH=("$PYTHON" -m bench.gpu_stages)
 
 for stage in $STAGES; do
   echo "== $stage $(date +%T)"
   case $stage in
     env)
-      timeout 30 python3 - > "$OUT/env.txt" 2>&1 <<'EOF'
+      timeout 30 "$PYTHON" - > "$RESULTS/env.txt" 2>&1 <<'PY'
 import importlib.util, sys, torch, megatron.core as m
 print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
       "megatron-core", m.__version__)
@@ -57,19 +52,19 @@ for name in ("flash_attn", "flash_attn_3", "transformer_engine", "flashinfer", "
     print(name, "present" if importlib.util.find_spec(name) else "absent")
 import megatron.core.inference.engines.dynamic_engine  # noqa: F401  (imports on this stack)
 print("dynamic engine imports")
-EOF
-      rc=$?; cat "$OUT/env.txt"; [ $rc -eq 0 ] ;;
+PY
+      rc=$?; cat "$RESULTS/env.txt"; [ $rc -eq 0 ] ;;
     rollout)
-      timeout 220 "${LEASE[@]}" rollout --out "$OUT" 2>&1 | tee "$OUT/rollout.log" | tail -25 ;;
+      timeout 220 "${BENCH[@]}" rollout --out "$RESULTS" 2>&1 | tee "$RESULTS/rollout.log" | tail -25 ;;
     train)
-      timeout 150 "${LEASE[@]}" train --out "$OUT" 2>&1 | tee "$OUT/train.log" | tail -25 ;;
+      timeout 150 "${BENCH[@]}" train --out "$RESULTS" 2>&1 | tee "$RESULTS/train.log" | tail -25 ;;
     tests)
-      timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/moe/test_gpu.py \
+      timeout 150 "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests/moe/test_gpu.py \
         tests/moe/test_engine.py tests/megatron_gspo/rollout/test_engine_backend.py \
-        > "$OUT/tests.log" 2>&1
-      rc=$?; tail -15 "$OUT/tests.log"; [ $rc -eq 0 ] ;;
+        > "$RESULTS/tests.log" 2>&1
+      rc=$?; tail -15 "$RESULTS/tests.log"; [ $rc -eq 0 ] ;;
     report)
-      "${LEASE[@]}" report --out "$OUT" && cat "$OUT/README.md" ;;
+      "${BENCH[@]}" report --out "$RESULTS" && cat "$RESULTS/README.md" ;;
   esac || { echo "stage $stage failed (exit $?)" >&2; status=1; }
 done
 exit $status

@@ -21,7 +21,8 @@ import statistics
 import subprocess
 import sys
 
-from bench.result_table import add_readme_args
+from bench.throughput import cpu_model
+from tools.result_table import add_readme_args, output_into
 
 CHILD = """
 import json, resource, sys, tempfile, time
@@ -76,9 +77,6 @@ def child(args, setting: str) -> dict:
 
 
 def main(argv=None) -> int:
-    from bench.throughput import cpu_model
-    from bench.result_table import output_into
-
     args = parse_args(argv)
     runs: dict[str, list[dict]] = {"system": [], "tuned": []}
     for _ in range(args.rounds):

@@ -32,9 +32,10 @@ import warnings
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.profiler import ProfilerActivity, profile
 
 from bench.throughput import build_ours, cpu_model, parse_args as bench_args
-from bench.result_table import add_readme_args
+from tools.result_table import add_readme_args, write_into
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -234,8 +235,6 @@ def sites_table(records, top: int) -> str:
 
 
 def main(argv=None) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
     args = parse_args(argv)
     bargs = bench_args(["--force-length", "--skip-trl", "--max-new-tokens",
                         str(args.max_new_tokens)] + [f"--set={s}" for s in args.set])
@@ -281,8 +280,6 @@ def main(argv=None) -> int:
            + ":\n", syncs])
     print(text)
     if args.readme:
-        from bench.result_table import write_into
-
         write_into(args.readme, text, args.marker)
     return 0
 

@@ -28,7 +28,8 @@ import torch
 
 from megatron_gspo.rollout.decoders import device_generator, draw
 from megatron_gspo.rollout.sampler import SamplingParams
-from bench.result_table import add_readme_args, output_into
+from bench.throughput import cpu_model
+from tools.result_table import add_readme_args, output_into
 
 QWEN3_VOCAB = 151_936
 
@@ -62,8 +63,6 @@ def timed_step(logits_BV: torch.Tensor, where: str, generators: dict, top_p: flo
 
 
 def main(argv=None) -> int:
-    from bench.throughput import cpu_model
-
     args = parse_args(argv)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")

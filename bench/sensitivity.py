@@ -26,6 +26,12 @@ import time
 import torch
 
 from bench.throughput import cpu_model
+from megatron_gspo.algo.flips import routing_of
+from megatron_gspo.algo.margins import margin_metrics
+from megatron_gspo.algo.sensitivity import margin_rows, route_sensitivity
+from megatron_gspo.config.schema import load_config
+from megatron_gspo.jobs.rl import Trainer
+from moe.router_scores import RouterScores, record_router_scores
 
 RECIPE = ["model.preset=qwen3-moe-tiny", "task.name=addition", "task.kwargs.num_digits=2",
           "task.n_train=4000", "task.n_test=8", "rollout.prompts_per_batch=16",
@@ -61,11 +67,6 @@ def best_of(rounds: int, fns: dict) -> dict:
 
 def margin_forward(policy, mb, small: float | None) -> None:
     """The flip measurement's "after" forward of `mb`, with the router margin when `small`."""
-    from megatron_gspo.algo.flips import routing_of
-    from megatron_gspo.algo.margins import margin_metrics
-    from megatron_gspo.algo.sensitivity import margin_rows
-    from moe.router_scores import RouterScores, record_router_scores
-
     if small is None:
         routing_of(policy, mb.tokens_BT, mb.valid_BT)
         return
@@ -76,10 +77,6 @@ def margin_forward(policy, mb, small: float | None) -> None:
 
 
 def main(argv=None) -> int:
-    from megatron_gspo.algo.sensitivity import route_sensitivity
-    from megatron_gspo.config.schema import load_config
-    from megatron_gspo.jobs.rl import Trainer
-
     args = parse_args(argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="bench_sensitivity_") as tmp:

@@ -30,7 +30,8 @@ import torch
 
 from bench.throughput import build_ours, cpu_model, parse_args as bench_args
 from bench.trl import hf_model
-from bench.result_table import add_readme_args
+from moe.replay import chunk_count, current_routing
+from tools.result_table import add_readme_args, output_into
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -76,8 +77,6 @@ def wall(fn) -> tuple[float]:
 
 def pi_old_rows(policy, shapes, budget: int, rounds: int) -> list[str]:
     """Markdown rows: pi_old's pass in one forward vs in forwards of <= `budget` tokens."""
-    from moe.replay import chunk_count, current_routing
-
     rows = [f"| B x T | one forward ms | forwards of <= {budget} tokens ms | forwards | "
             "one / chunked |", "|---|---|---|---|---|"]
     for B, T in shapes:
@@ -132,8 +131,6 @@ def hf_rows(policy, shapes, rounds: int) -> list[str]:
 
 
 def main(argv=None) -> int:
-    from bench.result_table import output_into
-
     args = parse_args(argv)
     torch.set_num_threads(1)
     longest = max(t for _, t in args.shapes)

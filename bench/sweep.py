@@ -38,8 +38,9 @@ import os
 import subprocess
 import sys
 
-from bench.result_table import add_readme_args
+from tools.result_table import add_readme_args, write_into
 from bench.throughput_table import model_tflops
+from tools.plot_run import pyplot
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -129,11 +130,7 @@ def table(points: list) -> str:
 
 
 def plot(points: list, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=90)
     styles = {"rollout": "tab:blue", "train": "tab:orange", "pi_old": "tab:green",
               "flip_cost": "tab:red"}
@@ -183,8 +180,6 @@ def save(args, text: str, points: list) -> None:
     with open(os.path.join(args.out, "sweep.json"), "w") as f:
         json.dump(points, f, indent=1)
     if args.readme:
-        from bench.result_table import write_into
-
         write_into(args.readme, text.rstrip("\n"), args.marker)
 
 

@@ -76,9 +76,12 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import torch  # noqa: E402
 
 from megatron_gspo.config.schema import load_config  # noqa: E402
+from megatron_gspo.jobs.rl import Trainer  # noqa: E402
+from megatron_gspo.rollout import vllm_engine  # noqa: E402
 from megatron_gspo.run.host import malloc_state  # noqa: E402
+from bench.sweep import main as sweep  # noqa: E402
 from bench.trl import build_trl, step_timer_callback, trl_rows, trl_unavailable  # noqa: E402
-from bench.result_table import add_readme_args, cpu_name, output_into  # noqa: E402
+from tools.result_table import add_readme_args, cpu_name, output_into  # noqa: E402
 from bench.throughput_table import model_flops_line, print_table, summarize  # noqa: E402
 
 PRESET = "qwen3-moe-tiny"
@@ -153,8 +156,6 @@ class NoStopTokenizer:
 
 
 def build_ours(args, run_dir: str, extra: tuple = ()):
-    from megatron_gspo.jobs.rl import Trainer
-
     length = [f"model.max_seq_len={args.max_new_tokens + 16}"] \
         if args.max_new_tokens + 16 > 64 else []  # 2-digit addition prompts: <= 8 tokens
     overrides = [f"run_dir={run_dir}", *length, f"seed={args.seed}",
@@ -266,11 +267,7 @@ def measure(args) -> dict:
 
 def vllm_unavailable() -> str | None:
     """Why the vLLM side cannot run here (one line), or None."""
-    try:
-        from megatron_gspo.rollout.vllm_engine import unavailable
-    except ImportError as e:
-        return f"{type(e).__name__}: {e}"
-    return unavailable()
+    return vllm_engine.unavailable()
 
 
 def cpu_model() -> str:
@@ -281,8 +278,6 @@ def cpu_model() -> str:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--sweep" in argv:
-        from bench.sweep import main as sweep
-
         return sweep([a for a in argv if a != "--sweep"])
     args = parse_args(argv)
     res = measure(args)

@@ -21,6 +21,7 @@ _set_num_threads = torch.set_num_threads
 def hf_tokenizer(vocab_size: int):
     """`PreTrainedTokenizerFast` with CharTokenizer's ids (<bos> prepended), padded to
     `vocab_size` with unused tokens so every id the model can emit decodes."""
+    # optional dependencies (the [bench] extra): only TRL's side needs them
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -43,7 +44,7 @@ def hf_tokenizer(vocab_size: int):
 
 def hf_model(preset, experts_impl: str | None):
     """Random-init Qwen3MoeForCausalLM with the preset's exact shape."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # optional dependency (the [bench] extra)
 
     extra = {"experts_implementation": experts_impl} if experts_impl else {}
     cfg = Qwen3MoeConfig(
@@ -65,7 +66,7 @@ def hf_model(preset, experts_impl: str | None):
 
 
 def timed_trainer_class():
-    from trl import GRPOTrainer
+    from trl import GRPOTrainer  # optional dependency (the [bench] extra): the base class
 
     class TimedGRPOTrainer(GRPOTrainer):
         """GRPOTrainer that records per-generation-batch timings and token counts."""
@@ -94,7 +95,7 @@ def timed_trainer_class():
 def step_timer_callback(threads: int, steps_per_gen: int, between_batches):
     """Times on_step_begin -> on_step_end; at each generation boundary first calls
     `between_batches()` (our iteration), outside TRL's timed section."""
-    from transformers import TrainerCallback
+    from transformers import TrainerCallback  # optional dependency (the [bench] extra): the base class
 
     class StepTimer(TrainerCallback):
         trainer = None
@@ -113,6 +114,7 @@ def step_timer_callback(threads: int, steps_per_gen: int, between_batches):
 
 def build_trl(args, preset, train_set, task, total_iters: int, out_dir: str, callback):
     """TRL GRPOTrainer (GSPO settings) on the same prompts, model shape and batch split."""
+    # optional dependencies (the [bench] extra): only TRL's side needs them
     from datasets import Dataset
     from trl import GRPOConfig
 
@@ -142,7 +144,7 @@ def build_trl(args, preset, train_set, task, total_iters: int, out_dir: str, cal
     trainer = timed_trainer_class()(
         model=hf_model(preset, args.hf_experts), reward_funcs=reward, args=config,
         train_dataset=data, processing_class=tok, callbacks=[callback])
-    from transformers.trainer_callback import PrinterCallback
+    from transformers.trainer_callback import PrinterCallback  # optional dependency (the [bench] extra)
 
     trainer.remove_callback(PrinterCallback)  # logs are still computed every step, not printed
     trainer.bench_records = []

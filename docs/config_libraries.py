@@ -2,8 +2,9 @@
 measured on a tiny schema through each library's own loading path, with no glue code beyond
 its documented API. Run it in a scratch venv, not the project's:
 
-    python -m venv /tmp/v && /tmp/v/bin/pip install omegaconf draccus tyro jsonargparse \
-        docstring-parser && /tmp/v/bin/python docs/config_libraries.py
+    python -m venv runs/config_libraries && runs/config_libraries/bin/pip install omegaconf \
+        draccus tyro jsonargparse docstring-parser \
+        && runs/config_libraries/bin/python docs/config_libraries.py
 
 G1 unknown key: an error naming the key and the valid ones
 G2 duplicate YAML key: an error

@@ -5,6 +5,7 @@ Examples:
     megatron-gspo train --config experiments/demo/gspo.yaml train.steps=5 loss.name=grpo
     megatron-gspo eval  --config experiments/demo/gspo.yaml init_checkpoint=runs/demo/gspo
                         # prints eval/... (validation split) and test/... (test split)
+    megatron-gspo train --config my.yaml --plugin my_plugin.py  # user code (docs/extending.md)
     megatron-gspo config            # every key with its default and meaning
     megatron-gspo export --run-dir runs/demo/gspo --to-hf out/  # Hugging Face folder
     megatron-gspo plan --config experiments/ablation/qwen3_30b_a3b.yaml --gpus 16 --gpu-mem-gib 80
@@ -25,6 +26,7 @@ metrics.jsonl on a run's first start.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -47,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["sft", "train", "eval", "config", "export", "plan"])
     parser.add_argument("--config", default=None, help="YAML experiment file")
+    parser.add_argument("--plugin", action="append", default=[], metavar="MODULE_OR_PATH",
+                        help="sft / train / eval: import user code that registers a loss, "
+                             "reward, task or sampler (adds to the config's `plugins`; "
+                             "repeatable; docs/extending.md)")
     # export: a run's latest checkpoint as a Hugging Face model folder (megatron_gspo.run.export)
     parser.add_argument("--run-dir", default=None, help="export: the run (or step) dir")
     parser.add_argument("--to-hf", default=None, help="export: output folder")
@@ -85,56 +91,56 @@ def main(argv=None) -> int:
         return 0
     if args.command == "plan":
         return _plan(args)
+    if args.command == "export" and not (args.run_dir and args.to_hf):
+        parser.error("export needs --run-dir R --to-hf OUT")
+    return _lifetime(args)
+
+
+def _lifetime(args) -> int:
+    """The one lifetime of every command that runs (sft, train, eval, export): megatron's
+    install warnings hidden; a signal during start-up exits at once with one line; a job
+    stopped by a signal after its save, and every user error (exit 2, one line), end here; the
+    result is printed once (rank 0). Each command closes what it opens (a job its runtime,
+    export its staging folder) before its error or result arrives here."""
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|cuda_graph_scope).*")
     # torch's deprecations inside megatron's dist_checkpointing: nothing a user can act on
     warnings.filterwarnings("ignore", category=FutureWarning,
                             message=".*(`load_state_dict` is deprecated|use DTensor instead).*")
-    if args.command == "export":
-        return _export(parser, args, (OSError, ValueError, UserError, MissingDependency))
+    export = args.command == "export"
+    # export's ValueError / OSError name a run dir or folder it cannot read or write
+    errors = USER_ERRORS + (OSError, ValueError) if export else USER_ERRORS
     try:
         with StartupSignals():  # a signal before the training loop: one line, no traceback
-            return _run_job(args)
-    except Interrupted as e:
+            result = _export(args) if export else _run_job(args)
+    except (Interrupted, Preempted) as e:
         return _stopped(e)
+    except errors as e:
+        return _fail(str(e))  # nothing already written is lost
+    if result and os.environ.get("RANK", "0") == "0":  # once under torchrun
+        print(json.dumps(result if export else {
+            k: v for k, v in result.items() if k.startswith(("eval/", "test/", "reward/"))}))
+    return 0
 
 
-def _run_job(args) -> int:
-    """sft / train / eval: load the config, check its registered names, and `run` it; the
-    one-line errors (exit 2)."""
+def _run_job(args) -> dict:
+    """sft / train / eval: load the config, check its registered names, and `run` it."""
     # heavy import (the registries: torch, megatron-core): `config` and argument errors answer
     # in a fraction of a second without it
     from megatron_gspo.run.names import check_names
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-        check_names(cfg)  # before anything is written
-        if args.command == "eval" and not cfg.init_checkpoint and not cfg.model.hf_path \
-                and os.environ.get("RANK", "0") == "0":  # run_dir's checkpoints are not read
-            print("megatron-gspo: warning: eval without init_checkpoint or model.hf_path scores "
-                  f"untrained weights; init_checkpoint={cfg.run_dir} evaluates that run",
-                  file=sys.stderr, flush=True)
-        result = run(args.command, cfg)
-    except USER_ERRORS as e:
-        return _fail(str(e))  # nothing already written is lost
-    except Preempted as e:
-        return _stopped(e)
-    if result and os.environ.get("RANK", "0") == "0":  # once under torchrun
-        print(json.dumps({k: v for k, v in result.items()
-                          if k.startswith(("eval/", "test/", "reward/"))}))
-    return 0
+    cfg = load_config(args.config, args.overrides)
+    if args.plugin:  # recorded with the run's config, so that a resume imports them too
+        cfg = dataclasses.replace(cfg, plugins=[*cfg.plugins, *args.plugin])
+    check_names(cfg)  # imports the plugins; before anything is written
+    return run(args.command, cfg)
 
 
 def run(command: str, cfg) -> dict:
+    """The job of `command` on `cfg` (`megatron_gspo.jobs`: each module's `run`)."""
     # heavy imports (torch, megatron-core: seconds), which only a job needs
-    from megatron_gspo.jobs import rl, sft
-    from megatron_gspo.run import setup
+    from megatron_gspo.jobs import evaluate, rl, sft
 
-    if command == "sft":
-        return sft.run_sft(cfg)
-    if command == "train":
-        return rl.Trainer.from_config(cfg).train()
-    rt = setup.setup_runtime(cfg, job="eval")  # eval/... on validation, test/... on test
-    return {**setup.evaluate_runtime(rt), **setup.evaluate_test(rt, step=0)}
+    return {"sft": sft, "train": rl, "eval": evaluate}[command].run(cfg)
 
 
 def _plan(args) -> int:
@@ -154,18 +160,12 @@ def _plan(args) -> int:
     return 0 if fits else 1
 
 
-def _export(parser, args, errors: tuple) -> int:
-    if not args.run_dir or not args.to_hf:
-        parser.error("export needs --run-dir R --to-hf OUT")
+def _export(args) -> dict:
+    """`export`: the run's latest checkpoint as a Hugging Face folder; its summary."""
     from megatron_gspo.run import export  # heavy import (torch, megatron-core): export only
 
-    try:
-        summary = export.export_run(args.run_dir, args.to_hf, hf_path=args.hf_path,
+    return export.export_run(args.run_dir, args.to_hf, hf_path=args.hf_path,
                              max_shard_bytes=args.max_shard_bytes)
-    except errors as e:
-        return _fail(str(e))
-    print(json.dumps(summary))
-    return 0
 
 
 if __name__ == "__main__":

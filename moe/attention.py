@@ -13,7 +13,7 @@ SDPA (`enable_gqa`, the boolean mask as SDPA's additive one: `additive_mask`).
 Departure: hidden scores get -inf instead of -10000. For any row with a visible key, exp(-10000 -
 max) is exactly 0 in float32 either way; `attention_inputs` always leaves each query
 one visible key. Equal to `DotProductAttention` to fp32 rounding, forward and grads
-(tests/moe/test_attention.py), and with the KV cache. The default since issue 16
+(tests/moe/test_attention.py), and with the KV cache. The default
 (`model.attention=sdpa`; `megatron` keeps `DotProductAttention`): rounding differences of ~1e-6
 are enough to flip an occasional multinomial draw, so runs of the two do not sample the same
 tokens bit for bit (the experiment configs pin the attention their tables ran with).

@@ -143,7 +143,7 @@ def _patch_torch_norm_sequence_parallel() -> None:
 
 
 # ============================================================================ training: optimizer, recompute
-# Owned by the mixed-precision work (issue 11); kept apart from the model patches above.
+# The mixed-precision training patches, kept apart from the model patches above.
 # `apply_cpu_training_patches()` (called by `moe.optim` and by recompute-enabled models):
 #
 # megatron-core's optimizer stack (`get_megatron_optimizer`: the FP32 / Float16 / Distributed

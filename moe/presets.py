@@ -187,7 +187,7 @@ PRESETS: dict[str, MoEPreset] = {
         _QWEN3_MOE_TINY,
         # The same layer, 12 deep: flip rate vs depth (experiments/routing_volatility).
         dataclasses.replace(_QWEN3_MOE_TINY, name="qwen3-moe-tiny-deep", num_layers=12),
-        # More, narrower experts per token budget, 12 deep (issue 13's volatile regime:
+        # More, narrower experts per token budget, 12 deep (a regime of volatile routing:
         # experiments/replay_dose_response measures its cost).
         dataclasses.replace(_QWEN3_MOE_TINY, name="qwen3-moe-tiny-wide", num_layers=12,
                             num_experts=64, moe_ffn_hidden_size=32),

@@ -220,3 +220,44 @@ def test_no_file_cites_the_outside_pitfall_list():
     bad = [rel for rel in tracked_files() if rel.endswith((".py", ".md", ".sh", ".yaml"))
            and rel != here and "PITFALLS" in read(rel)]
     assert not bad, bad
+
+
+INTERNAL = re.compile(r"\bissues? #?\d+|\blease[sd]?\b|\blending\b|\blent\b|\$OUT\b"
+                      r"|\bdevice calls?\b", flags=re.I)
+"""Words a reader of the repository cannot follow: the numbers of the project's internal issue
+list, and the words of how the maintainers borrow GPU machines. A user has a GPU machine, or not."""
+MACHINE_PATHS = re.compile(r"(?<![\w.~/])/tmp/[\w.\-/]*")
+"""An absolute scratch path a GPU guide would install into: a user's machine need not have it."""
+
+
+def internal_words(rel: str, text: str) -> list[str]:
+    found = [m.group(0) for m in INTERNAL.finditer(text)]
+    if rel.startswith(("docs/", "bench/", "experiments/gpu/")):
+        found += [m.group(0) for m in MACHINE_PATHS.finditer(text)]
+    return found
+
+
+def test_the_internal_word_check_sees_what_it_should():
+    assert internal_words("x.py", "the fix (issue 13) in one lease; a device call under $OUT") \
+        == ["issue 13", "lease", "device call", "$OUT"]
+    assert internal_words("docs/gpu.md", "install into /tmp/site") == ["/tmp/site"]
+    assert internal_words("setup.py", "tmp /tmp/site") == []
+    assert internal_words("x.md", "a release, please; silent; PR #79; ROLL #165") == []
+
+
+def test_no_file_speaks_of_internal_issues_or_borrowed_machines():
+    """No internal issue numbers ("issue 13") in code, docs or the changelog, no words of
+    borrowed GPU machines (leases, device calls, their output folder), and no scratch paths in
+    the GPU guide and bench/: the text speaks to a user with a GPU machine. (This file's own
+    examples excepted.)"""
+    here = os.path.relpath(os.path.abspath(__file__), ROOT)
+    bad = []
+    for rel in tracked_files():
+        if rel == here or rel.endswith((".png", ".jpg", ".pt", ".whl", ".parquet")):
+            continue
+        try:
+            text = read(rel)
+        except UnicodeDecodeError:
+            continue
+        bad += [f"{rel}: {word}" for word in internal_words(rel, text)]
+    assert not bad, bad

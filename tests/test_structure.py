@@ -5,9 +5,12 @@
 - the import graph of the project's modules (module-level and function-level imports) has no
   cycle, moe never imports megatron_gspo, and no room of megatron_gspo imports a higher one
   (config < algo < tasks < rollout < run < jobs < cli; see each room's `__init__.py`);
-- few function-level imports, each commented with why it is not at the module's top;
+- the script folders are layered too (tools < bench < experiments): each imports the project
+  packages and lower folders only, so the result-table writer they share lives in tools/;
+- few function-level imports in the packages and the script folders, each commented with why it
+  is not at the module's top;
 - no Python file over 400 lines; megatron_gspo/ has few top-level modules; tools/ holds only the
-  user CLIs;
+  user CLIs and the result-table writer they share;
 - the CLI imports neither torch nor megatron-core before a job needs them.
 
 Each check reads the tree under ROOT, so `check_*(root)` can be pointed at another tree.
@@ -27,11 +30,13 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("moe", "megatron_gspo")
 ROOMS = ("config", "algo", "tasks", "rollout", "run", "jobs", "cli")
 """megatron_gspo's rooms, lowest first; the top-level helpers (errors, dist) sit below config."""
-MAX_FUNCTION_IMPORTS = 40
+SCRIPTS = ("tools", "bench", "experiments")
+"""The script folders, lowest first: user CLIs, benchmarks, experiments."""
+MAX_FUNCTION_IMPORTS = 60
 MAX_LINES = 400
 MAX_TOP_LEVEL_MODULES = 6
 TOOLS = {"__init__", "demo", "hf_parity", "make_fixtures", "plot_run", "replay_memory",
-         "train_memory"}
+         "result_table", "train_memory"}
 SKIP_DIRS = {"__pycache__", "build", "dist", "node_modules"}
 PRELOADED = ("torch", "numpy", "yaml", "megatron")
 """Third-party packages `check_imports_alone` imports before forking (required ones only)."""
@@ -132,12 +137,35 @@ def room_violations(graph: dict[str, set[str]]) -> list[str]:
     return [f"{a} -> {b}" for a in sorted(graph) for b in sorted(graph[a]) if room(b) > room(a)]
 
 
-def function_imports(root: Path = ROOT) -> list[tuple[str, int, bool]]:
-    """(file, line, commented) of every import inside a function of the project packages. An
-    import is commented when a comment is on one of its lines, or on the line above it or above
-    the run of import statements it starts or continues (`try:` lines included)."""
+def script_files(root: Path = ROOT):
+    """(folder, file) of every Python file under the script folders."""
+    for folder in SCRIPTS:
+        yield from ((folder, path) for path in python_files(root / folder))
+
+
+def script_violations(root: Path = ROOT) -> list[str]:
+    """`file -> folder` for each import of a script folder by a lower one (tools < bench <
+    experiments), module-level or in a function."""
     out = []
-    for path in project_modules(root).values():
+    for folder, path in script_files(root):
+        for node, _ in _imports(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) \
+                else [node.module or ""]
+            for name in names:
+                top = name.split(".")[0]
+                if top in SCRIPTS and SCRIPTS.index(top) > SCRIPTS.index(folder):
+                    out.append(f"{path.relative_to(root)} -> {top}")
+    return out
+
+
+def function_imports(root: Path = ROOT) -> list[tuple[str, int, bool]]:
+    """(file, line, commented) of every import inside a function of the project packages and
+    the script folders. An import is commented when a comment is on one of its lines, or on the
+    line above it or above the run of import statements it starts or continues (`try:` lines
+    included)."""
+    out = []
+    files = [*project_modules(root).values(), *(path for _, path in script_files(root))]
+    for path in files:
         text = path.read_text()
         lines = text.splitlines()
         found = [node for node, in_function in _imports(ast.parse(text)) if in_function]
@@ -223,6 +251,11 @@ def test_the_import_graph_has_no_cycle_and_rooms_import_only_lower_rooms():
     assert sum(map(len, graph.values())) > 100  # the graph sees the project's imports
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
     assert room_violations(graph) == []
+
+
+def test_script_folders_import_only_lower_ones():
+    assert sum(1 for _ in script_files()) > 30  # the check sees the scripts
+    assert script_violations() == []
 
 
 def test_few_function_level_imports_each_commented():

@@ -21,7 +21,14 @@ import sys
 import time
 import warnings
 
-warnings.filterwarnings("ignore")
+warnings.filterwarnings("ignore")  # megatron's install notes at import: before the imports below
+
+from megatron_gspo.config.schema import load_config  # noqa: E402
+from megatron_gspo.jobs.band import cold_start_line  # noqa: E402
+from megatron_gspo.jobs.rl import Trainer  # noqa: E402
+from megatron_gspo.jobs.sft import run_sft  # noqa: E402
+from megatron_gspo.run.checkpoint import latest_step  # noqa: E402
+from megatron_gspo.run.metrics import read_jsonl  # noqa: E402
 
 HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",
                     "demo")
@@ -33,12 +40,6 @@ def main(argv=None) -> int:
     ap.add_argument("--fresh", action="store_true")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
-    from megatron_gspo.jobs.band import cold_start_line
-    from megatron_gspo.run.checkpoint import latest_step
-    from megatron_gspo.config.schema import load_config
-    from megatron_gspo.run.metrics import read_jsonl
-    from megatron_gspo.jobs.sft import run_sft
-    from megatron_gspo.jobs.rl import Trainer
 
     sft_cfg = load_config(os.path.join(HERE, "sft.yaml"))
     rl_cfg = load_config(os.path.join(HERE, "gspo.yaml"), args.overrides)

@@ -28,7 +28,19 @@ import os
 import sys
 import warnings
 
-warnings.filterwarnings("ignore")
+warnings.filterwarnings("ignore")  # megatron's install notes at import: before the imports below
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megatron_gspo.rollout.decoders import sample_prompts  # noqa: E402
+from megatron_gspo.rollout.sampler import SamplingParams  # noqa: E402
+from megatron_gspo.tasks.tokenizer import load_tokenizer  # noqa: E402
+from moe.hf.config import preset_from_hf  # noqa: E402
+from moe.hf.weights import load_hf_weights  # noqa: E402
+from moe.parallel import destroy_parallel, init_parallel  # noqa: E402
+from moe.policy import MoEPolicy  # noqa: E402
+from moe.settings import ParallelLayout  # noqa: E402
 
 DEFAULT_PROMPTS = ("What is 12 + 30?", "Name three primary colors.", "The capital of France is")
 
@@ -48,13 +60,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def our_side(args, tokenizer, prompts):
     """Our greedy samples (all ranks take part) and our logits on them."""
-    from megatron_gspo.rollout.decoders import sample_prompts
-    from megatron_gspo.rollout.sampler import SamplingParams
-    from moe.hf.config import preset_from_hf
-    from moe.hf.weights import load_hf_weights
-    from moe.policy import MoEPolicy
-    from moe.settings import ParallelLayout
-
     preset = preset_from_hf(args.hf_path)
     preset = preset.with_vocab(max(preset.vocab_size, tokenizer.vocab_size), 128 * args.tp)
     layout = ParallelLayout(tp=args.tp, ep=args.ep, sequence_parallel=args.tp > 1)
@@ -64,7 +69,6 @@ def our_side(args, tokenizer, prompts):
     s = sample_prompts(policy, tokenizer, prompts,
                        SamplingParams(max_new_tokens=args.max_new_tokens, greedy=True))
     tokens_BT, valid_BT, response_BT = s.tokens_BT, s.valid_BT, s.response_BT
-    import torch
 
     with torch.no_grad():
         logits_BTV = policy.logits(tokens_BT, valid_BT)[..., :tokenizer.vocab_size]
@@ -74,8 +78,7 @@ def our_side(args, tokenizer, prompts):
 
 def hf_side(args, tokenizer, prompts, tokens_BT, valid_BT):
     """transformers' logits on our sequences and its own greedy generations."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # optional dependency ([hf] extra)
 
     hf = AutoModelForCausalLM.from_pretrained(args.hf_path, dtype=torch.float32,
                                               local_files_only=True).eval()
@@ -115,12 +118,6 @@ def main(argv=None) -> int:
 
 def check(args: argparse.Namespace) -> int:
     """Both sides and the comparison (see the module docstring); the exit status."""
-    import torch.distributed as dist
-
-    from megatron_gspo.tasks.tokenizer import load_tokenizer
-    from moe.hf.config import preset_from_hf
-    from moe.parallel import destroy_parallel, init_parallel
-
     ours_to_close = not dist.is_initialized()  # leave a caller's process group alone
     preset = preset_from_hf(args.hf_path)  # before any process group: a bad folder or layout
     preset.with_vocab(preset.vocab_size, args.tp).check_parallel(args.tp, args.ep)

@@ -128,6 +128,7 @@ def make_rows(n: int, split: str, seed: int) -> list[dict]:
 
 def train_tokenizer(texts: list[str], vocab_size: int, special_tokens: list[str] = SPECIAL):
     """A byte-level BPE trained on `texts` (tests/hf_fixtures.py builds its models' with it)."""
+    # optional dependency (the [hf] extra): only the tokenizer fixture needs it
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())

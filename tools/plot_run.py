@@ -31,7 +31,7 @@ counted every token, which is now moe/flip_rate_all.
 
 `--table` prints a Markdown table (seed mean ± std per arm of each `--stat`, plus the start
 accuracy, under a line naming the CPU, date, torch and megatron-core) and with `--readme`
-writes it between that file's `<!-- table:NAME:begin/end -->` markers (`bench/result_table.py`).
+writes it between that file's `<!-- table:NAME:begin/end -->` markers (`tools/result_table.py`).
 
 Summary (stdout; also `summarize(load_runs(dirs))` from Python), per run/arm: final reward
 (mean of the last 10% of logged steps, at least one), best eval accuracy, mean token clip
@@ -49,7 +49,7 @@ import sys
 
 import numpy as np
 
-from bench import result_table
+from tools import result_table
 from megatron_gspo.run.metrics import METRICS_FILE, read_metrics
 
 LAYER_RE = re.compile(r"^moe/flip_rate/layer_(\d+)$")
@@ -198,10 +198,13 @@ def format_summary(rows) -> str:
 
 # ----------------------------------------------------------------------------- plotting
 
-def _plt():
+def pyplot():
+    """matplotlib's pyplot, drawing into files (the Agg backend): the figures here, in bench/
+    and in experiments/."""
+    # optional dependency (the [plot] extra): only a figure needs it; the backend before pyplot
     import matplotlib
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after the backend is chosen
     return plt
 
 
@@ -217,17 +220,16 @@ def smooth(y, n: int):
 
 
 def _int_ticks(ax, x=True, y=False):
-    from matplotlib.ticker import MaxNLocator
     if x:
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.xaxis.set_major_locator(pyplot().MaxNLocator(integer=True))
     if y:
-        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.yaxis.set_major_locator(pyplot().MaxNLocator(integer=True))
 
 
 def _save(fig, path):
     fig.tight_layout()
     fig.savefig(path, dpi=FIG_KW["dpi"])
-    _plt().close(fig)
+    pyplot().close(fig)
     print(f"wrote {path}")
 
 
@@ -237,7 +239,7 @@ def plot_lines(runs, key, path, ylabel, smooth_n=1, logy=False) -> bool:
     if not curves:
         print(f"note: skipping {os.path.basename(path)}: no run has {key!r}")
         return False
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(**FIG_KW)
     for label, (x, m, lo, hi) in curves:
         m, lo, hi = (smooth(a, smooth_n) for a in (m, lo, hi))
@@ -276,7 +278,7 @@ def plot_flip_heatmap(runs, path) -> bool:
     if not panels:
         print(f"note: skipping {os.path.basename(path)}: no run has moe/flip_rate/layer_XX")
         return False
-    plt = _plt()
+    plt = pyplot()
     vmax = max(float(np.nanmax(g)) for _, _, g in panels) or 1.0
     fig, axes = plt.subplots(1, len(panels), figsize=(min(3.2 * len(panels) + 1, 12), 4),
                              dpi=FIG_KW["dpi"], sharey=True, squeeze=False, layout="constrained")
@@ -307,7 +309,7 @@ def plot_flip_vs_depth(runs, path) -> bool:
     if not curves:
         print(f"note: skipping {os.path.basename(path)}: no run has moe/flip_rate/layer_XX")
         return False
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(**FIG_KW)
     for label, x, m, lo, hi in curves:
         line, = ax.plot(x, m, marker="o", ms=3, label=label)
@@ -347,7 +349,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, metavar="OUT_DIR", help="figures folder")
     ap.add_argument("--table", action="store_true", help="print a Markdown result table")
     ap.add_argument("--stat", action="append", default=[], metavar="KEY:REDUCER[=LABEL]",
-                    help="a table row (repeatable; see bench/result_table.py)")
+                    help="a table row (repeatable; see tools/result_table.py)")
     ap.add_argument("--readme", default=None, help="write the table between this file's markers")
     ap.add_argument("--marker", default="", help="the markers' NAME: <!-- table:NAME:begin -->")
     ap.add_argument("--labels", nargs="+", default=None)

@@ -25,17 +25,22 @@ import sys
 import time
 import warnings
 
-from moe.memory import GIB, replay_cache_bytes  # the formula `megatron-gspo plan` uses too
+warnings.filterwarnings("ignore")  # megatron's install notes at import: before the imports below
 
-warnings.filterwarnings("ignore")
+import torch  # noqa: E402
 
+from moe.memory import GIB, replay_cache_bytes  # noqa: E402 (the formula `plan` uses too)
+from moe.parallel import init_parallel  # noqa: E402
+from moe.policy import MoEPolicy, OptimSettings  # noqa: E402
+from moe.presets import get_preset  # noqa: E402
+from moe.replay import current_routing, replay_routing  # noqa: E402
+from moe.settings import ParallelLayout  # noqa: E402
+from tools.result_table import output_into  # noqa: E402
 
 cache_bytes = replay_cache_bytes  # tokens x layers x K x itemsize (None: the compact dtype)
 
 
 def table(preset_name: str, prompts: list[int], group: int, seq_tokens: list[int], dp: int) -> str:
-    from moe.presets import get_preset
-
     p = get_preset(preset_name)
     compact = "uint8" if p.num_experts <= 256 else "int16"
     rows = [f"Routing Replay cache for {p.name}: L={p.num_layers} layers, K={p.topk} of "
@@ -64,14 +69,6 @@ def _median_time(fn, repeats: int) -> float:
 
 def measure(batch: int = 32, seq: int = 24, repeats: int = 7) -> dict:
     """Build qwen3-moe-tiny, check measured cache bytes == formula, time the overheads."""
-    import torch
-
-    from moe.parallel import init_parallel
-    from moe.policy import MoEPolicy, OptimSettings
-    from moe.presets import get_preset
-    from moe.replay import current_routing, replay_routing
-    from moe.settings import ParallelLayout
-
     init_parallel(1, 1, seed=0)
     preset = get_preset("qwen3-moe-tiny")
     policy = MoEPolicy.build(preset, ParallelLayout(), real_vocab=preset.vocab_size,
@@ -124,9 +121,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-measure", action="store_true")
     ap.add_argument("--readme", default=None, metavar="PATH",
                     help="also write the report between PATH's <!-- table:replay_memory:begin/end "
-                         "--> markers (bench/result_table.py)")
+                         "--> markers (tools/result_table.py)")
     args = ap.parse_args(argv)
-    from bench.result_table import output_into
 
     with output_into(args.readme, "replay_memory"):
         ok = report(args)

@@ -42,9 +42,19 @@ import subprocess
 import sys
 import warnings
 
-from moe.memory import GIB, MIB, TRAINING_STATE, bytes_per_param  # noqa: F401 (shared)
+warnings.filterwarnings("ignore")  # megatron's install notes at import: before the imports below
 
-warnings.filterwarnings("ignore")
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_flatten  # noqa: E402
+
+from moe.compat import cuda_available  # noqa: E402
+from moe.memory import GIB, MIB, TRAINING_STATE, bytes_per_param  # noqa: E402, F401 (shared)
+from moe.parallel import init_parallel  # noqa: E402
+from moe.policy import MoEPolicy  # noqa: E402
+from moe.presets import get_preset  # noqa: E402
+from moe.settings import OptimSettings, ParallelLayout, Recompute  # noqa: E402
+from tools.result_table import output_into  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE_BYTES, SAMPLE_EVERY = 64 * 1024, 32  # CPU: read malloc's stats after ops this big / often
@@ -57,8 +67,6 @@ SETTINGS = TRAINING_STATE  # (name, bytes/param kept, bytes/param the dist. opti
 
 
 def table(preset_name: str, dps: list[int]) -> str:
-    from moe.presets import get_preset
-
     p = get_preset(preset_name)
     n = p.num_params()["total"]
     head = f"{'setting':<24} {'optimizer':<14} " + " ".join(f"{f'B/param dp={d}':>14}"
@@ -100,16 +108,6 @@ def _malloc_in_use():
 def measure_one(preset_name: str, dtype_name: str, batch: int, seq: int,
                 onednn: bool = False, recompute: str = "off") -> dict:
     """Peak and persistent bytes of one train step (this process; see the docstring)."""
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
-
-    from moe.compat import cuda_available
-    from moe.parallel import init_parallel
-    from moe.policy import MoEPolicy
-    from moe.presets import get_preset
-    from moe.settings import OptimSettings, ParallelLayout, Recompute
-
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     init_parallel(1, 1, seed=0)
     cuda = cuda_available()
@@ -215,7 +213,7 @@ def main(argv=None) -> int:
     ap.add_argument("--child", choices=["fp32", "bf16"], help=argparse.SUPPRESS)
     ap.add_argument("--readme", default=None, metavar="PATH",
                     help="also write the report between PATH's <!-- table:train_memory:begin/end "
-                         "--> markers (bench/result_table.py)")
+                         "--> markers (tools/result_table.py)")
     args = ap.parse_args(argv)
     if min(args.dp) < 1 or args.batch < 1 or args.seq < 2:
         ap.error(f"--dp {args.dp} must be >= 1, --batch {args.batch} >= 1, --seq {args.seq} >= 2")
@@ -223,7 +221,6 @@ def main(argv=None) -> int:
         print(json.dumps(measure_one(args.preset, args.child, args.batch, args.seq,
                                      args.onednn, args.recompute)))
         return 0
-    from bench.result_table import output_into
 
     with output_into(args.readme, "train_memory"):
         print(table(args.table_preset, args.dp))

@@ -19,7 +19,7 @@ runs/ablation_gpu_small and experiments/ablation/figures_gpu_small.
 
 The shared SFT stops when its held-out accuracy enters sft.yaml's band (the arms refuse a start
 outside it); the runner prints that start accuracy and SFT step, and writes the result table
-(`bench/result_table.py`, machine and versions named) into README.md between
+(`tools/result_table.py`, machine and versions named) into README.md between
 `<!-- table:main:begin/end -->` (`table:stress:...` for `--tag stress`, and so on).
 """
 
@@ -34,12 +34,12 @@ import time
 from megatron_gspo.jobs.band import cold_start_line
 from megatron_gspo.config.yamlfile import load_yaml, mapping_to_overrides
 from tools import plot_run
-from bench import result_table
+from tools import result_table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.dirname(os.path.abspath(__file__))
 ARMS = ("gspo", "grpo", "grpo_r2")
-# Rows of the README's result tables (bench/result_table.py: KEY:REDUCER=label).
+# Rows of the README's result tables (tools/result_table.py: KEY:REDUCER=label).
 STATS = ["eval/accuracy:start=eval accuracy at the start (SFT checkpoint)",
          "eval/accuracy:final=eval accuracy, final", "eval/accuracy:best=eval accuracy, best eval",
          "reward/mean:first10%=train reward, first 10% of steps",
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
 
 def write_table(runs: list[str], marker: str, sft_dir: str, stats: list[str] | None = None,
                 readme: str | None = None) -> None:
-    """The result table (bench/result_table.py; the header names the machine and where the
+    """The result table (tools/result_table.py; the header names the machine and where the
     cold start stopped; rows `stats`, default this experiment's, plus each layer's flip rate)
     into `readme`'s (default this folder's README.md) `table:MARKER` markers, or printed when it
     has none for this variant."""

@@ -12,7 +12,11 @@ import sys
 from typing import TYPE_CHECKING
 
 from experiments.engine_mismatch.grid import ARMS, DTYPES, INITS, SHAPES
+from experiments.replay_dose_response.report import ci as t_ci
 from megatron_gspo.rollout.vllm import CHECK_TOL
+from moe.presets import get_preset
+from tools import result_table
+from tools.plot_run import pyplot
 
 if TYPE_CHECKING:  # run.py imports this module
     from experiments.engine_mismatch.run import Layout
@@ -48,8 +52,6 @@ def pct(x, digits: int = 2) -> str:
 def ci(xs: list) -> tuple[float, float]:
     """(mean, 95% t half-width) over seeds (`experiments.replay_dose_response.report.ci`); NaN
     where a value is missing."""
-    from experiments.replay_dose_response.report import ci as t_ci
-
     return t_ci([float("nan") if x is None else x for x in xs])
 
 
@@ -75,8 +77,6 @@ def sft_line(sfts: dict, shape: str) -> str:
 
 
 def measure_table(meas: list[dict], sfts: dict) -> str:
-    from moe.presets import get_preset
-
     rows = {(r["shape"], r["init"], r["engine_dtype"]): r for r in meas}
     lines = ["| shape | init | engine | start acc. (engine, greedy) | routers differing, "
              "mean over layers | per layer (layer 0 first) | tokens differing in any layer | "
@@ -278,13 +278,7 @@ def runtime_line(lay: Layout, sfts: dict, meas: list, abl: list) -> str:
 
 
 def figures(lay: Layout, meas: list[dict], abl: list[dict]) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from moe.presets import get_preset
-
+    plt = pyplot()
     os.makedirs(lay.figures, exist_ok=True)
     paths = []
     if meas:
@@ -349,8 +343,6 @@ def figures(lay: Layout, meas: list[dict], abl: list[dict]) -> list[str]:
 
 def report(lay: Layout, readme: str | None = None) -> int:
     """Tables and figures from results/ into the README's markers (printed where absent)."""
-    from bench import result_table
-
     sfts = {r["shape"]: r for r in load_results(lay, "sft")}
     meas, abl = load_results(lay, "measure"), load_results(lay, "ablation")
     if not meas and not abl:

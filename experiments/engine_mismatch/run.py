@@ -49,6 +49,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from experiments.engine_mismatch.grid import ARMS, DTYPES, INITS, SHAPES
 from experiments.engine_mismatch.report import load_results, report
+from megatron_gspo.jobs.band import cold_start
+from tools import result_table
+from tools.plot_run import read_metrics
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -107,9 +110,7 @@ def sft_job(lay: Layout, shape: str) -> None:
                   os.path.join(lay.runs, "logs", f"sft_{shape}.log"))
     elif os.path.exists(out):
         return
-    from tools.plot_run import read_metrics
 
-    from megatron_gspo.jobs.band import cold_start
 
     m = read_metrics(os.path.join(d, "metrics.jsonl"))
     times = m.get("time", {}).values()
@@ -164,8 +165,6 @@ def ablation_job(lay: Layout, arm: str, seed: int, steps: int | None,
 
 def _write(path: str, rec: dict) -> None:
     """`rec` as JSON at `path`, with the machine line (CPU, date, versions) of when it ran."""
-    from bench import result_table
-
     rec.setdefault("machine", result_table.machine_line())
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
@@ -197,8 +196,6 @@ def summarize_measure(path: str) -> dict:
     """One measurement run: per-layer router disagreement and the other mismatch statistics,
     each the mean over its rollout batches (logprob max: the max), and the start accuracy (the
     iteration-0 eval through the engine; None without one)."""
-    from tools.plot_run import read_metrics
-
     m = read_metrics(path)
     layers = sorted(k for k in m if k.startswith("rollout/routing_mismatch/layer_"))
     return {"batches": len(per_batch(m, "rollout/routing_mismatch/mean")),
@@ -222,8 +219,6 @@ def _median(xs):
 def summarize_ablation(path: str) -> dict:
     """One RL arm: clip fractions, first-minibatch and later |log-ratio|, held-out accuracy,
     reward, the mismatch, and per-batch series for the figure."""
-    from tools.plot_run import read_metrics
-
     m = read_metrics(path)
     mb = m.get("train/minibatch", {})
     later = [s for s, v in mb.items() if v > 0]

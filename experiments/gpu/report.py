@@ -1,6 +1,6 @@
-"""Regenerate experiments/gpu/README.md from the JSON a GPU lease wrote (results/).
+"""Regenerate experiments/gpu/README.md from the JSON bench/gpu_session.sh wrote (results/).
 
-    python -m experiments.gpu.report            # after copying $OUT/*.json, env.txt here
+    python -m experiments.gpu.report    # after copying runs/gpu_session/*.json, env.txt here
 
 Every figure in the README comes from results/*.json and results/env.txt; the goals' verdicts
 are computed here from them.
@@ -25,18 +25,19 @@ masters), how fast do rollouts come from the lean decoder and from megatron-core
 inference engine (`moe.engine`), and how often does the engine's routing disagree with the
 trainer's recompute of the same tokens, per layer (the mismatch R3 removes)?
 
-**Command** (one device call, about 6 minutes; `.whl/` holds megatron-core's wheel for the
-GPU machine's Python 3.12):
+**Command** (about 6 minutes on one GPU, from the repository's root with the project
+installed; [docs/gpu.md](../../docs/gpu.md) describes each stage):
 
-    bash bench/gpu_session.sh                   # env rollout train tests report -> $OUT
-    cp $OUT/*.json $OUT/env.txt $OUT/tests.log experiments/gpu/results/
-    python -m experiments.gpu.report            # this README
+    bash bench/gpu_session.sh        # env rollout train tests report -> runs/gpu_session/
+    cp runs/gpu_session/*.json runs/gpu_session/env.txt runs/gpu_session/tests.log \
+       experiments/gpu/results/
+    python -m experiments.gpu.report # this README
 
-Where a lease has time (same set-up, same lease as the train stage for the comparison): the
-4-layer table, and the baseline of the `_foreach` optimizer ops (megatron-core's own loops):
+Then, on the same machine right after the train stage (for the comparison): the 4-layer table,
+and the baseline of the `_foreach` optimizer ops (megatron-core's own loops):
 
-    python -m bench.gpu_lease train --out $OUT --layers 4 --name train_l4 --lengths 1024,4096
-    python -m bench.gpu_lease train --out $OUT --megatron-loops --name train_megatron_loops --top 0
+    python -m bench.gpu_stages train --out runs/gpu_session --layers 4 --name train_l4 --lengths 1024,4096
+    python -m bench.gpu_stages train --out runs/gpu_session --megatron-loops --name train_megatron_loops --top 0
 
 """
 
@@ -76,12 +77,12 @@ def verdicts(train, rollout) -> list[str]:
 
 def foreach_lines(train, loops) -> list[str]:
     """Step times with moe.compat's `_foreach` optimizer ops over megatron-core's per-tensor
-    loops, row by row (both from one lease: `--megatron-loops` right after the train stage)."""
+    loops, row by row (both from one machine: `--megatron-loops` right after the train stage)."""
     if not (train and loops and "rows" in train and "rows" in loops):
         return []
     key = lambda r: (r.get("micro", 1), r["B"], r["T"])  # noqa: E731
     ref = {key(r): r for r in loops["rows"] if "step_s" in r}
-    lines = ["## `_foreach` optimizer ops vs megatron-core's loops (one lease)", "",
+    lines = ["## `_foreach` optimizer ops vs megatron-core's loops (one machine)", "",
              "| M x B x T | step s, loops | step s, `_foreach` | speed-up |",
              "| --- | --- | --- | --- |"]
     lines += [f"| {' x '.join(map(str, key(r)))} | {ref[key(r)]['step_s']:.3f} | "
@@ -93,13 +94,13 @@ def foreach_lines(train, loops) -> list[str]:
 def render() -> str:
     env, train, rollout = read("env.txt"), read("train.json"), read("rollout.json")
     tests = read("tests.log")
-    lines = [HEADER, "## Where it ran\n", "The software, on every lease (each section below names "
-             "its GPU; leases draw an H100 or an H200):\n"]
+    lines = [HEADER, "## Where it ran\n", "The software, on every machine (each section below names "
+             "its GPU, an H100 or an H200):\n"]
     lines += [f"    {line}" for line in (env or "not run\n").strip().splitlines()
               if not line.startswith("gpu ")]
     if tests:
         summary = [line for line in tests.splitlines() if " passed" in line or " failed" in line]
-        # the tests ran in the lease that wrote env.txt: its `gpu` line names the device
+        # the tests ran on the machine that wrote env.txt: its `gpu` line names the device
         where = next((line[4:] for line in (env or "").splitlines()
                       if line.startswith("gpu ")), "?")
         lines += ["", f"GPU tests (`make test-gpu`, on the {where}): "
@@ -136,7 +137,7 @@ def render() -> str:
               "`aten::add_` by the thousand). Without TransformerEngine or Apex, megatron-core "
               "also clips and copies the optimizer's tensors one by one; `moe.compat` runs that "
               "work as `_foreach` ops instead (`results/train_megatron_loops.json`: the same "
-              "lease with megatron-core's loops, `--megatron-loops`). Microbatches (`M` > 1) "
+              "machine with megatron-core's loops, `--megatron-loops`). Microbatches (`M` > 1) "
               "spread the optimizer's fixed cost; one stacked parameter per expert weight (the "
               "layout of megatron's `GroupedMLP` / `TEGroupedMLP`) would remove the per-expert "
               "copies.", ""]

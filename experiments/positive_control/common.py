@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+from megatron_gspo.run.metrics import read_jsonl
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.dirname(os.path.abspath(__file__))
 RUNS = "runs/positive_control"
@@ -56,7 +58,6 @@ def _band_rows(sft_dir: str) -> list[dict]:
     path = os.path.join(ROOT, sft_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         return []
-    from megatron_gspo.run.metrics import read_jsonl
     return [r for r in read_jsonl(path) if "sft/band_step" in r]
 
 

@@ -24,7 +24,7 @@ import json
 import os
 import re
 
-from bench.result_table import machine_line, write_into
+from tools.result_table import machine_line, write_into
 from experiments.positive_control.common import HERE, ROOT, RUNS, load_json, write_json
 from experiments.replay_dose_response.report import ci
 from megatron_gspo.jobs.band import cold_start_line

@@ -28,6 +28,7 @@ import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from experiments.positive_control import report
 from experiments.positive_control.common import CANDIDATES, HERE, ROOT, RUNS, cold_start, py
 from experiments.replay_dose_response.run import finished
 
@@ -95,7 +96,6 @@ def main(argv=None) -> int:
             for f in [pool.submit(run_one, args.lever, args.candidate, sft_dir, arm, lv, seed,
                                   args.overrides) for arm, lv, seed in jobs]:
                 f.result()
-    from experiments.positive_control import report
     return report.main(["--collect"])
 
 

@@ -38,11 +38,17 @@ import subprocess
 
 import torch
 
-from bench.result_table import machine_line, write_into
 from experiments.positive_control.common import (CANDIDATES, HERE, ROOT, RUNS, cold_start,
                                                  load_json, write_json)
 from experiments.replay_dose_response.calibrate import one_rollout_batch
+from megatron_gspo.algo.flips import flip_counts, loss_positions, token_rows
 from megatron_gspo.algo.sensitivity import route_sensitivity
+from megatron_gspo.config.schema import load_config
+from megatron_gspo.jobs import evaluate
+from megatron_gspo.run.setup import setup_runtime
+from moe.replay import RoutingReplayCache, current_routing, record_routing
+from moe.router_noise import router_noise
+from tools.result_table import machine_line, write_into
 
 GRID = (0.01, 0.03, 0.1, 0.3, 1.0)
 DRAWS = 3
@@ -70,10 +76,6 @@ def perturbation_stats(clean_BT: torch.Tensor, noisy_BT: torch.Tensor,
 
 def measure(policy, batch, std: float, temperature: float) -> dict:
     """Means over DRAWS noise draws at `std` (see the module docstring)."""
-    from megatron_gspo.algo.flips import flip_counts, loss_positions, token_rows
-    from moe.replay import RoutingReplayCache, current_routing, record_routing
-    from moe.router_noise import router_noise
-
     tokens_BT, valid_BT = batch.tokens_BT, batch.valid_BT
     clean_BT, clean = current_routing(policy, tokens_BT, valid_BT, temperature)
     rows_N = token_rows(policy, clean, loss_positions(batch.response_BT))
@@ -104,14 +106,11 @@ def at_flip_rate(grid: list[dict], key: str, target: float = TARGET_FLIPS) -> fl
 
 def screen_one(name: str) -> dict:
     """The candidate's cold start (made if absent), one rollout batch, the noise grid."""
-    from megatron_gspo.config.schema import load_config
-    from megatron_gspo.run.setup import setup_runtime
-
     sft_dir, start = cold_start(name)
     cfg = load_config(os.path.join(ROOT, "experiments/positive_control/rl.yaml"), [
         *CANDIDATES[name], f"init_checkpoint={sft_dir}",
         f"run_dir={RUNS}/screen/{name}_eval", "train.start_accuracy=null"])
-    rt = setup_runtime(cfg, job="eval")
+    rt = setup_runtime(cfg, evaluate.SPEC)
     try:
         batch = one_rollout_batch(rt, cfg)
         sens = route_sensitivity(rt.policy, batch.tokens_BT, batch.valid_BT, batch.response_BT,

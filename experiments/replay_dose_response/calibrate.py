@@ -23,16 +23,21 @@ import math
 
 import torch
 
+from megatron_gspo.algo.flips import flip_counts, loss_positions, token_rows
+from megatron_gspo.config.schema import load_config
+from megatron_gspo.jobs import evaluate
+from megatron_gspo.rollout.generate import generate_rollouts
+from megatron_gspo.rollout.sampler import SamplingParams
+from megatron_gspo.run.setup import setup_runtime
+from moe.replay import RoutingReplayCache, current_routing, record_routing
+from moe.router_noise import router_noise
+
 GRID = (0.003, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
 DRAWS = 3
 
 
 def measure(policy, batch, std: float, temperature: float) -> dict:
     """Mean over DRAWS noise draws of the loss-position flip rate and response |log-ratio|."""
-    from megatron_gspo.algo.flips import flip_counts, loss_positions, token_rows
-    from moe.replay import RoutingReplayCache, current_routing, record_routing
-    from moe.router_noise import router_noise
-
     tokens_BT, valid_BT, resp_BT = batch.tokens_BT, batch.valid_BT, batch.response_BT.float()
     clean_BT, clean = current_routing(policy, tokens_BT, valid_BT, temperature)
     rows_N = token_rows(policy, clean, loss_positions(batch.response_BT))
@@ -52,9 +57,6 @@ def measure(policy, batch, std: float, temperature: float) -> dict:
 def one_rollout_batch(rt, cfg):
     """One rollout batch of the run's train prompts, seeded by `cfg.seed`, from `rt`'s sampler
     (`megatron_gspo.run.setup.setup_runtime`'s runtime)."""
-    from megatron_gspo.rollout.generate import generate_rollouts
-    from megatron_gspo.rollout.sampler import SamplingParams
-
     gen = torch.Generator().manual_seed(cfg.seed)
     idx = torch.randint(len(rt.train_set), (cfg.rollout.prompts_per_batch,), generator=gen)
     params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
@@ -83,11 +85,9 @@ def main(argv=None) -> int:
     ap.add_argument("--targets", nargs="+", type=float, default=[0.01, 0.03, 0.1])
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
-    from megatron_gspo.config.schema import load_config
-    from megatron_gspo.run.setup import setup_runtime
 
     cfg = load_config(args.config, args.overrides)
-    rt = setup_runtime(cfg, job="eval")
+    rt = setup_runtime(cfg, evaluate.SPEC)
     try:
         batch = one_rollout_batch(rt, cfg)
         grid = [measure(rt.policy, batch, std, cfg.rollout.temperature) for std in GRID]

@@ -22,6 +22,8 @@ import os
 import re
 import statistics
 
+from tools import plot_run
+
 RUN_RE = re.compile(r"^(grpo_r2|grpo|gspo)_(n0|f\d\d)_s(\d+)$")
 MM_RE = re.compile(r"^(grpo_bf16|grpo_r3_bf16|grpo_tis_bf16)_s(\d+)$")
 MM_LABELS = {"grpo_bf16": "GRPO, bf16 sampler", "grpo_r3_bf16": "GRPO + R3, bf16 sampler",
@@ -161,12 +163,8 @@ def calibration_table(calib: dict) -> str:
 
 
 def figure(rs: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     x = [r["flip"][0] for r in rs]
+    plt = plot_run.pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
     for key, label, c, shift in (("gap_grpo_r2", "GRPO + R2 − GRPO", "tab:blue", 0.96),
                                  ("gap_gspo", "GSPO − GRPO", "tab:orange", 1.04)):
@@ -223,8 +221,6 @@ PER_ARM_STATS = ("eval/accuracy:final", "eval/accuracy:best", "reward/mean:last2
 def per_arm_table(root: str, readme: str | None, marker: str = MARKER) -> None:
     """tools/plot_run.py --table over every run (one column per arm and level, seeds grouped),
     into the README's `<!-- table:MARKER_runs:... -->` markers when `readme` is given."""
-    from tools import plot_run
-
     dirs = [os.path.join(root, n) for n in sorted(os.listdir(root))
             if (RUN_RE.match(n) or MM_RE.match(n)) and os.path.isdir(os.path.join(root, n))]
     argv = [*dirs, "--group-by-prefix", "--table"]

@@ -29,10 +29,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+
+import yaml
+
+from experiments.replay_dose_response import report
+from megatron_gspo.jobs.band import cold_start_line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -87,8 +93,6 @@ def jobs(lv: dict[str, float], seeds, mismatch: bool) -> list[tuple[str, str, fl
 def finished(path: str) -> bool:
     """Whether the run in `path` saved its last rollout batch: `latest` is its train.steps (a
     Ctrl-C or SIGTERM saves an earlier one)."""
-    import yaml
-
     try:
         with open(os.path.join(path, "checkpoints", "latest")) as f:
             step = int(f.read())
@@ -105,8 +109,6 @@ def run_one(job, root: str, extra: list[str], config: str = os.path.join(HERE, "
     if finished(path):
         return run_dir
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, "checkpoints", "latest")):
-        import shutil
-
         shutil.rmtree(path)  # an interrupted run restarts clean
     # (one a signal stopped saved a checkpoint: the same command resumes it)
     t0 = time.time()
@@ -162,8 +164,6 @@ def main(argv=None) -> int:
         with ThreadPoolExecutor(args.workers) as pool:
             list(pool.map(lambda j: run_one(j, root, [f"init_checkpoint={args.sft_dir}",
                                                       *extra], args.config), grid))
-    from experiments.replay_dose_response import report
-    from megatron_gspo.jobs.band import cold_start_line
 
     cold = cold_start_line(os.path.join(ROOT, args.sft_dir)).replace(ROOT + os.sep, "")
     report.main(os.path.join(ROOT, root), calib_path,

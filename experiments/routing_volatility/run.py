@@ -25,7 +25,7 @@ import sys
 from experiments.ablation.run import cli
 from megatron_gspo.jobs.band import cold_start_line
 from tools import plot_run
-from bench import result_table
+from tools import result_table
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))

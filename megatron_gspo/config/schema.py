@@ -23,7 +23,7 @@ import yaml
 from megatron_gspo.config.data import (DataConfig, FilterConfig, RewardConfig,  # noqa: F401
                                        check_data_sections)
 from megatron_gspo.config.docs import describe_fields, field_docs
-from megatron_gspo.config.fields import OptionalPath, Path, check, validate
+from megatron_gspo.config.fields import OptionalPath, Path, Paths, check, validate
 from megatron_gspo.config.loader import apply_override, build, renamed
 from megatron_gspo.config.rollout import RolloutConfig  # noqa: F401
 from megatron_gspo.config.sections import (LossConfig, ModelConfig, OptimConfig,  # noqa: F401
@@ -50,6 +50,11 @@ class RunConfig:
     """Resume from run_dir's newest good checkpoint if there is one. A run dir belongs to one
     run: resuming with a different job or semantic config is refused (`megatron_gspo.run.rundir`);
     "force" resumes anyway with the new config; false refuses a run dir holding checkpoints."""
+    plugins: Paths = field(default_factory=list)
+    """User modules imported before the config's names are checked, so that a loss, reward,
+    task or sampler they register is valid (docs/extending.md): a module name importable here
+    or a path to a .py file or package folder (relative to the working directory). The CLI's
+    `--plugin` adds one. A resume may change it."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Policy architecture and parallel layout."""
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -75,6 +80,8 @@ class RunConfig:
 
     def __post_init__(self):
         validate(self, nonempty=("run_dir", "init_checkpoint"), ge={"seed": 0})
+        check(self, "plugins", all(isinstance(p, str) and p.strip() for p in self.plugins),
+              "must be a list of module names or paths")
         # derived seeds (seed * 1_000_033 + step, ...) must fit torch's 64-bit generator seed
         check(self, "seed", self.seed < 2**32, "must be < 2**32")
         check_data_sections(self)

@@ -78,10 +78,10 @@ class ModelConfig:
     experts), core_attn."""
     attention: Literal["megatron", "sdpa"] = "sdpa"
     """Core attention of the local (CPU) layer spec: one torch SDPA call (`moe.attention`), or
-    megatron's unfused DotProductAttention (the experiments up to issue 16 ran with it and pin
-    it; equal to fp32 rounding, which can flip an occasional sampled token). In bf16 / fp16,
-    SDPA keeps scores and softmax in fp32 where megatron's unfused path rounds the scores to 16
-    bits: closer to exact, and no [B, H, T, T] scores tensor."""
+    megatron's unfused DotProductAttention (experiments published before SDPA became the
+    default ran with it and pin it; equal to fp32 rounding, which can flip an occasional sampled
+    token). In bf16 / fp16, SDPA keeps scores and softmax in fp32 where megatron's unfused path
+    rounds the scores to 16 bits: closer to exact, and no [B, H, T, T] scores tensor."""
 
     def __post_init__(self):
         validate(self, nonempty=("preset", "hf_path"),

@@ -1,4 +1,4 @@
-"""Accuracy bands: a cold start that lands in the same place on any machine (issue 13).
+"""Accuracy bands: a cold start that lands in the same place on any machine.
 
 Cold-start SFT of a tiny model on a toy task crosses a sharp rise in held-out accuracy, and
 where a fixed step count stops inside that rise differs between CPUs: floating-point results
@@ -13,7 +13,7 @@ measured from it described one checkpoint.
   naming the accuracies; the checkpoint is saved first). We raise on a jump rather than stop
   above the band: the band is the recipe's guarantee. The shipped recipe
   (experiments/ablation/sft.yaml) evaluates every 10 steps with a decaying lr; the steepest
-  rise reported (0.09 at step 400 to 0.66 at step 600, issue 13) is about 0.03 per 10 steps,
+  rise reported (0.09 at step 400 to 0.66 at step 600) is about 0.03 per 10 steps,
   and one eval of 256 prompts has a standard error of about 0.03, far less than the band's
   width of 0.2.
 - `train.start_accuracy = [low, high]`: RL refuses to start when its iteration-0 eval of the

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-PEAK_TFLOPS = 989.0  # H100 SXM dense bf16 (bench.gpu_lease.PEAK_TFLOPS)
+PEAK_TFLOPS = 989.0  # H100 SXM dense bf16 (bench.gpu_stages.PEAK_TFLOPS)
 GPU = "NVIDIA H100 80GB HBM3"
 TRAIN = {"file": "experiments/gpu/results/train_l4.json", "layers": 4, "micro": 4, "B": 8,
          "T": 1024, "mfu_attn": 0.15516281405723953}

@@ -34,7 +34,7 @@ kernels, bf16) it is what R3 exists to remove.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -45,6 +45,7 @@ from megatron_gspo.algo.corrections import correction_inputs
 from megatron_gspo.algo.losses import PolicyLossFn, get_policy_loss
 from megatron_gspo.config.schema import RunConfig, local_prompts
 from megatron_gspo.dist import max_over_ranks, reduce_metrics
+from megatron_gspo.errors import ConfigError
 from megatron_gspo.jobs.band import StartBand
 from megatron_gspo.jobs.rl_metrics import (replay_diff, response_metrics, rollout_metrics,
                                             route_sensitivity_row, throughput)
@@ -58,13 +59,41 @@ from megatron_gspo.run.init import load_init_weights
 from megatron_gspo.run.loop import RunLoop, Schedule
 from megatron_gspo.run.metrics import Timer
 from megatron_gspo.run.oom import OLD_PASS, ROLLOUT, TRAIN_STEP, out_of_memory
-from megatron_gspo.run.setup import (Runtime, build_policy, evaluate_runtime, evaluate_test,
-                                     setup_runtime)
+from megatron_gspo.run.setup import (JobSpec, Runtime, build_policy, evaluate_runtime,
+                                     evaluate_test, setup_runtime)
 from moe.replay import (RoutingReplayCache, chunk_count, current_routing, replay_routing,
                         row_chunks)
+from moe.settings import OptimSettings
 
 PROGRESS_KEYS = ("reward/mean", "eval/accuracy", "policy/clip_frac/token",
                  "moe/flip_rate/mean", "train/grad_norm")
+UNUSED_SECTIONS = ("sft",)
+"""Config sections RL does not read: a resume may change them."""
+
+
+def optim_settings(cfg: RunConfig) -> OptimSettings:
+    """RL's optimizer: `optim` as configured, lr_decay_steps 0 meaning its last update
+    (train.steps x train.num_minibatches); ConfigError when a linear / cosine decay would end
+    within the warmup."""
+    total = cfg.train.steps * cfg.train.num_minibatches
+    settings = replace(cfg.optim, lr_decay_steps=cfg.optim.lr_decay_steps or total)
+    if settings.lr_decay_style != "constant" and settings.lr_decay_steps <= settings.warmup_steps:
+        end = (f"optim.lr_decay_steps={cfg.optim.lr_decay_steps}" if cfg.optim.lr_decay_steps
+               else f"train.steps x train.num_minibatches = {total}")
+        raise ConfigError(f"optim.warmup_steps={settings.warmup_steps}: the lr decay "
+                          f"(optim.lr_decay_style={settings.lr_decay_style}) ends at {end}; it "
+                          "must end after the warmup")
+    return settings
+
+
+def kl_reference(cfg: RunConfig) -> bool:
+    """init_checkpoint is the frozen KL reference (RL with a KL)."""
+    return cfg.loss.kl_coef > 0
+
+
+SPEC = JobSpec("train", optim=optim_settings, unused_sections=UNUSED_SECTIONS,
+               kl_reference=kl_reference, band_key="train.start_accuracy")
+"""What RL needs of the run set-up: its optimizer, its KL reference, its band's key."""
 
 
 @dataclass
@@ -142,6 +171,7 @@ class Trainer:
         self.local_prompts = local_prompts(cfg, rt.info.dp)
         self.state, self.band, self.schedule = TrainerState(), StartBand(cfg), schedule(cfg)
         self.timer = Timer()
+        self.step_tokens = 0  # valid tokens of the latest rollout batch on this rank
         self.filter_metrics: dict = {}  # dynamic sampling's, of the last rollout
         # pi_old's routing is the live one at its weights, except under R3 (the sampler's)
         self.flips = FlipSchedule(cfg.train.flip_every, cfg.train.routing_replay != "r3",
@@ -152,10 +182,10 @@ class Trainer:
     def from_config(cls, cfg: RunConfig, **parts) -> "Trainer":
         """Claim the run dir and build every part from `cfg` (the CLI's path); `parts`
         (`loss_fn`) replace the default ones."""
-        rt = setup_runtime(cfg, job="train")
+        rt = setup_runtime(cfg, SPEC)
         try:
             ref_policy = None
-            if cfg.loss.kl_coef > 0:  # frozen reference = the initial weights
+            if kl_reference(cfg):  # frozen reference = the initial weights
                 ref_policy = build_policy(cfg, rt.tokenizer.vocab_size, optim=None)
                 if cfg.init_checkpoint:  # the step the run started from, not today's newest
                     load_init_weights(ref_policy, cfg.init_checkpoint, step_dir=rt.init_dir)
@@ -187,6 +217,7 @@ class Trainer:
         self.timer.reset()
         with self.timer("rollout"), out_of_memory("the rollout", cfg, ROLLOUT):
             batch = self.rollout(it)
+        self.step_tokens = int(batch.valid_BT.sum())  # the progress line's tokens/s
         with self.timer("old_forward"), out_of_memory("the no-grad pass over the rollout batch",
                                                       cfg, OLD_PASS):
             full, shared = self.prepare(batch)
@@ -362,3 +393,6 @@ def schedule(cfg: RunConfig) -> Schedule:
                     progress_keys=PROGRESS_KEYS)
 
 
+def run(cfg: RunConfig) -> dict:
+    """The CLI's entry (`megatron-gspo train`): build every part from `cfg` and train."""
+    return Trainer.from_config(cfg).train()

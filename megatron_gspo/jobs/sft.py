@@ -15,7 +15,7 @@ and "already finished" are the loop's, as for RL.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -26,7 +26,10 @@ from megatron_gspo.jobs.band import SFTBand
 from megatron_gspo.run import seeds
 from megatron_gspo.run.loop import RunLoop, Schedule
 from megatron_gspo.run.oom import SFT_STEP, out_of_memory
-from megatron_gspo.run.setup import evaluate_runtime, evaluate_test, setup_runtime
+from megatron_gspo.run.setup import (JobSpec, evaluate_runtime, evaluate_test, model_max_len,
+                                     setup_runtime)
+from megatron_gspo.tasks.datasets import check_sft_lengths
+from moe.settings import OptimSettings
 
 
 def sft_batch(tokenizer, examples) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -80,6 +83,8 @@ class SFTJob:
 
     rt: object
     """The run's `megatron_gspo.run.setup.Runtime`."""
+    step_tokens: int = field(init=False, default=0)
+    """Valid tokens of the latest step's batch on this rank (the progress line's tokens/s)."""
     state: SFTState = field(init=False)
     band: SFTBand = field(init=False)
     schedule: Schedule = field(init=False)
@@ -94,8 +99,10 @@ class SFTJob:
 
     def iteration(self) -> dict:
         self.rt.policy.train(True)  # the sampler puts it back after an eval; the guard is cheap
+        batch = draw_batch(self.rt, self.state.gen)
+        self.step_tokens = int(batch[1].sum())  # the progress line's tokens/s
         with out_of_memory("an SFT step", self.rt.cfg, SFT_STEP):
-            metrics = sft_step(self.rt, self.state.gen)
+            metrics = sft_step(self.rt, batch)
         self.state.step += 1
         return reduce_metrics(metrics)
 
@@ -121,24 +128,57 @@ def schedule(cfg: RunConfig) -> Schedule:
                     progress_keys=("sft/loss", "eval/accuracy"))
 
 
+UNUSED_SECTIONS = ("train", "loss", "rollout")
+"""Config sections SFT does not read: a resume may change them."""
+
+
+def optim_settings(cfg: RunConfig) -> OptimSettings:
+    """SFT's optimizer: `optim`'s Adam at `sft.lr`, without warmup, constant or decaying to
+    `sft.min_lr` at step `sft.steps` (`sft.lr_decay_style`)."""
+    decay = cfg.sft.lr_decay_style
+    return replace(cfg.optim, lr=cfg.sft.lr, min_lr=cfg.sft.min_lr, warmup_steps=0,
+                   lr_decay_style=decay,
+                   lr_decay_steps=0 if decay == "constant" else cfg.sft.steps)
+
+
+def check_targets(cfg: RunConfig, tokenizer, train_set: list, is_main: bool) -> None:
+    """A DataError naming an SFT example longer than the model; a warning counting targets
+    longer than rollout.max_new_tokens, which eval and rollouts cut (`JobSpec.check_data`)."""
+    cut = check_sft_lengths(tokenizer, train_set, model_max_len(cfg), cfg.rollout.max_new_tokens)
+    if cut and is_main:
+        print(f"WARNING: {cut} of {len(train_set)} SFT targets are longer than "
+              f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}: eval and rollouts "
+              "cut such answers", flush=True)
+
+
+SPEC = JobSpec("sft", optim=optim_settings, unused_sections=UNUSED_SECTIONS,
+               band_key="sft.target_accuracy", check_data=check_targets)
+"""What SFT needs of the run set-up: its optimizer, its band's key, its data check."""
+
+
 def run_sft(cfg: RunConfig) -> dict:
     """Train `cfg.sft.steps` steps, evaluating every `cfg.sft.eval_every`; save a checkpoint at
     the end (and on SIGTERM / Ctrl-C / SIGHUP, then raise `Preempted`); resume a stopped run. With
     `sft.target_accuracy` stop (and save) at the first eval inside the band instead, and raise
     `AccuracyBandError` past it or when sft.steps runs out (`megatron_gspo.jobs.band`)."""
-    rt = setup_runtime(cfg, job="sft")
+    rt = setup_runtime(cfg, SPEC)
     try:
         return RunLoop(rt, SFTJob(rt)).run()
     finally:
         rt.close()  # also when the job or the resume refused to start
 
 
-def sft_step(rt, gen: torch.Generator) -> dict:
-    """One cross-entropy step on a fresh batch of this rank's share of `sft.batch_size`."""
-    cfg, policy = rt.cfg, rt.policy
-    idx = torch.randint(len(rt.train_set), (cfg.sft.batch_size // rt.info.dp,), generator=gen)
-    tokens_BT, valid_BT, target_BT = sft_batch(rt.tokenizer,
-                                               [rt.train_set[i] for i in idx.tolist()])
+def draw_batch(rt, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A fresh batch (`sft_batch`) of this rank's share of `sft.batch_size` training examples,
+    drawn from `gen`."""
+    idx = torch.randint(len(rt.train_set), (rt.cfg.sft.batch_size // rt.info.dp,), generator=gen)
+    return sft_batch(rt.tokenizer, [rt.train_set[i] for i in idx.tolist()])
+
+
+def sft_step(rt, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> dict:
+    """One cross-entropy step on `batch` (tokens, valid and target masks, [B, T])."""
+    policy = rt.policy
+    tokens_BT, valid_BT, target_BT = batch
     policy.zero_grad()
     logp_BT = policy.token_logprobs(tokens_BT, valid_BT)
     target_BT = target_BT.to(logp_BT.device)
@@ -147,3 +187,7 @@ def sft_step(rt, gen: torch.Generator) -> dict:
     stepped, grad_norm = policy.step()
     return {"sft/loss": loss.item(), "train/grad_norm": grad_norm,
             "train/skipped": float(not stepped)}
+
+
+run = run_sft
+"""The CLI's entry (`megatron-gspo sft`)."""

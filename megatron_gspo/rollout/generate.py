@@ -11,6 +11,8 @@ batches (a rank with fewer examples samples filler), so the samplers' collective
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from megatron_gspo.dist import max_over_ranks
@@ -63,8 +65,13 @@ def truncated_rows(tokens_BT: torch.Tensor, response_BT: torch.Tensor, stop_ids)
     return ~torch.isin(last_tok_B, stops) & response_BT.any(1)
 
 
+Progress = Callable[[int, int, int], None]
+"""Called with (0, chunks, 0) before an eval's first chunk and (k, chunks, response tokens of
+chunk k) after chunk k, on every rank (`megatron_gspo.run.progress.ChunkProgress`)."""
+
+
 def evaluate(sampler: Sampler, tokenizer, task, examples: list, *, max_new_tokens: int,
-             batch_size: int = 128) -> dict[str, float]:
+             batch_size: int = 128, progress: Progress | None = None) -> dict[str, float]:
     """Greedy-decode accuracy on held-out examples (`eval/...` metrics from `task` scoring).
 
     Collective: every rank runs the largest chunk count of any rank; a rank with fewer chunks
@@ -74,24 +81,33 @@ def evaluate(sampler: Sampler, tokenizer, task, examples: list, *, max_new_token
     params = SamplingParams(max_new_tokens=max_new_tokens, greedy=True)
     completions = []
     n_chunks = max_over_ranks(-(-len(examples) // batch_size))
-    for start in range(0, n_chunks * batch_size, batch_size):
+    if progress:
+        progress(0, n_chunks, 0)
+    for k, start in enumerate(range(0, n_chunks * batch_size, batch_size), 1):
         chunk = examples[start:start + batch_size] or examples[:1]  # filler past this rank's end
         s = sampler.sample(prompt_ids(tokenizer, [ex.prompt for ex in chunk]), params)
         completions += decode_responses(tokenizer, s.tokens_BT, s.response_BT)
+        if progress:
+            progress(k, n_chunks, int(s.response_BT.sum()))
     return score(task, examples, completions[:len(examples)])
 
 
 def sampled_reward(sampler: Sampler, tokenizer, task, examples: list, params: SamplingParams,
-                   generator: torch.Generator, batch_size: int = 128) -> float:
+                   generator: torch.Generator, batch_size: int = 128,
+                   progress: Progress | None = None) -> float:
     """The mean reward of one response per example sampled with `params` from `generator`
     (the test split's `test/reward`). Collective like `evaluate`."""
     if not examples:
         raise ValueError("sampled_reward: no examples")
     rewards = []
     n_chunks = max_over_ranks(-(-len(examples) // batch_size))
-    for start in range(0, n_chunks * batch_size, batch_size):
+    if progress:
+        progress(0, n_chunks, 0)
+    for k, start in enumerate(range(0, n_chunks * batch_size, batch_size), 1):
         chunk = examples[start:start + batch_size] or examples[:1]  # filler past this rank's end
         s = sampler.sample(prompt_ids(tokenizer, [ex.prompt for ex in chunk]), params, generator)
         rewards += compute_rewards(task, chunk, decode_responses(tokenizer, s.tokens_BT,
                                                                  s.response_BT))[0]
+        if progress:
+            progress(k, n_chunks, int(s.response_BT.sum()))
     return sum(rewards[:len(examples)]) / len(examples)

@@ -17,7 +17,8 @@ the loop and a train module that owns the step):
 4. each step's row is logged at the job's optimizer step, with its eval where due (averaged over
    data-parallel ranks) and the band's verdict on it, and the test split's last eval at the
    run's last step (the schedule's last, or where the band stops it); weights gone non-finite
-   stop the run before a save; then a progress line, and a checkpoint every `save_every`
+   stop the run before a save; then a progress line (the job's metrics, then step time,
+   tokens/s and ETA: `megatron_gspo.run.progress`), and a checkpoint every `save_every`
    steps, at the last one and at a signal (SIGTERM, Ctrl-C, SIGHUP:
    `megatron_gspo.run.preempt`), after which `Preempted` (exit 128 + the signal) unless that
    was the last step.
@@ -34,6 +35,7 @@ record once the run stopped inside it. A job's `restore` reads them back.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -43,6 +45,7 @@ from megatron_gspo.errors import ConfigError
 from megatron_gspo.dist import all_ranks, reduce_metrics
 from megatron_gspo.run.metrics import format_progress
 from megatron_gspo.run.preempt import Preempted, Preemption
+from megatron_gspo.run.progress import Pace, tokens_over_ranks
 from megatron_gspo.run.resume import save_state, try_resume
 from megatron_gspo.run.rundir import forget_run
 
@@ -121,7 +124,9 @@ class Band(Protocol):
 
 
 class Job(Protocol):
-    """What a job gives the run loop: its schedule, its state, its band, a step and an eval."""
+    """What a job gives the run loop: its schedule, its state, its band, a step and an eval;
+    optionally `step_tokens`, the tokens its latest step processed on this rank (the progress
+    line's tokens/s; a job without it gets a line without tokens/s)."""
 
     schedule: Schedule
     state: JobState
@@ -147,11 +152,15 @@ class RunLoop:
     """`job`'s run lifetime on runtime `rt` (`megatron_gspo.run.setup.Runtime`). Building it
     resumes run_dir's newest good checkpoint into the policy and `job.state`; `run()` does the
     rest and releases the run dir however it ends. `preemption`: the signal handler's context
-    (`Preemption`, which tests replace)."""
+    (`Preemption`, which tests replace); `clock`: the progress line's time source."""
 
-    def __init__(self, rt, job: Job, preemption: Callable[[], Preemption] | None = None):
+    def __init__(self, rt, job: Job, preemption: Callable[[], Preemption] | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
         self.rt, self.job = rt, job
         self.preemption = preemption or Preemption
+        self.clock = clock
+        self.pace: Pace | None = None
+        self.tokens = 0  # this rank's, since the last progress line
         extra = try_resume(rt)
         self.resumed = extra or {}
         if extra is not None:
@@ -175,6 +184,7 @@ class RunLoop:
         row = self._start()
         if job.band.record():
             return row
+        self.pace = Pace(job.schedule.total, job.state.done, clock=self.clock)
         with self.preemption() as stop:
             while job.state.done < job.schedule.total:
                 row = self._step()
@@ -222,6 +232,7 @@ class RunLoop:
         job, sched = self.job, self.job.schedule
         row = job.iteration()
         n = job.state.done
+        self.tokens += getattr(job, "step_tokens", 0)
         stop = False
         if sched.eval_due(n):
             row.update(self._evaluate())
@@ -233,9 +244,17 @@ class RunLoop:
             return row
         self._log(row)
         self._check_weights(n)
-        if self.rt.info.is_main and sched.progress_due(n):
-            print(format_progress(n, sched.total, row, sched.progress_keys), flush=True)
+        if sched.progress_due(n):
+            self._progress(n, row)
         return row
+
+    def _progress(self, n: int, row: dict) -> None:
+        """Step n's progress line on the main rank: the schedule's metrics, then step time,
+        tokens/s (every rank's tokens: collective) and ETA."""
+        tokens, self.tokens = tokens_over_ranks(self.tokens, self.rt.info.dp), 0
+        if self.rt.info.is_main:
+            line = format_progress(n, self.job.schedule.total, row, self.job.schedule.progress_keys)
+            print(f"{line} | {self.pace.summary(n, tokens)}", flush=True)
 
     def _verdict(self, n: int, row: dict) -> bool:
         """The band's verdict on step n's eval: True where the run stops inside it. Outside:

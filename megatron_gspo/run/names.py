@@ -4,8 +4,9 @@ range (`algo.losses`), the sampler (`rollout.backends`).
 
 The config room may not import these rooms, so a loaded config holds any name; `check_names`
 checks them all, once, at the start of set-up (`megatron_gspo.run.setup.setup_runtime`) and in
-the CLI before anything is written. A name registered from user code before that (a test, a
-notebook) is valid like a built-in one: the registries are read when the check runs.
+the CLI before anything is written. It first imports the config's `plugins`
+(`megatron_gspo.run.plugins`): a name registered by user code before the check (a plugin, a
+test, a notebook) is valid like a built-in one, as the registries are read when it runs.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from megatron_gspo.algo import losses
 from megatron_gspo.errors import ConfigError
 from megatron_gspo.rollout.backends import check_backend
+from megatron_gspo.run.plugins import load_plugins
 from megatron_gspo.tasks import rewards
 from megatron_gspo.tasks.toy import TASKS, task_kwarg_names
 
@@ -20,7 +22,9 @@ from megatron_gspo.tasks.toy import TASKS, task_kwarg_names
 def check_names(cfg) -> None:
     """ConfigError naming the key (one line) unless task.name, task.kwargs, loss.name (with a
     clip range: given, or the loss's paper default), reward.name and the sampler
-    (rollout.backend / rollout.decoder, and whether it can run here) are registered."""
+    (rollout.backend / rollout.decoder, and whether it can run here) are registered, once the
+    config's plugins are imported."""
+    load_plugins(cfg.plugins)
     task = cfg.task
     if task.name not in TASKS and task.name != "dataset":
         raise ConfigError(f"task.name={task.name}: unknown task; valid: "

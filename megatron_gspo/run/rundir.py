@@ -1,6 +1,6 @@
 """A run directory belongs to one run: owner record, config fingerprint, lock, stale-file cleanup.
 
-    run_dir/run.json          {"job": "train", "fingerprint": "...", "config": {...semantic keys},
+    run_dir/run.json          {"job": "<job>", "fingerprint": "...", "config": {...semantic keys},
                                "inputs": {...},  (data files, tokenizer: megatron_gspo.run.inputs)
                                "init_step": 6}   (init_checkpoint's step read: the KL reference)
     run_dir/.lock             flock'ed by rank 0 while a process writes the run ("pid job"); its
@@ -48,7 +48,7 @@ from moe.children import tie_forks
 RUN_FILE = "run.json"
 LOCK_FILE = ".lock"
 # Keys that may change when a run is resumed (dotted prefixes of config_to_dict's keys).
-NON_SEMANTIC = ("run_dir", "resume", "wandb", "train.steps", "train.eval_every",
+NON_SEMANTIC = ("run_dir", "resume", "plugins", "wandb", "train.steps", "train.eval_every",
                 "train.save_every", "train.keep_checkpoints", "train.log_every",
                 "train.flip_every", "train.router_margin_small", "train.route_sensitivity_every",
                 "train.route_sensitivity_fraction", "sft.steps", "sft.eval_every", "sft.target_accuracy",
@@ -56,8 +56,6 @@ NON_SEMANTIC = ("run_dir", "resume", "wandb", "train.steps", "train.eval_every",
                 "model.recompute_granularity", "model.recompute_modules",
                 "rollout.push_check_tol", "rollout.engine_kv_cache_gb",
                 "train.micro_max_tokens", "rollout.max_batch_rows")
-# Sections a job does not read, so they may differ too.
-UNUSED_BY_JOB = {"train": ("sft",), "sft": ("train", "loss", "rollout")}
 # The parallel layout: a checkpoint reshards over it (moe.dist_ckpt), so a resume may change it,
 # except TP / EP under the distributed optimizer (its state reshards over DP only).
 LAYOUT = ("model.tp", "model.ep", "model.sequence_parallel", "model.dispatcher")
@@ -74,9 +72,9 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def _skipped(config: dict, job: str) -> tuple:
+def _skipped(config: dict, unused: tuple) -> tuple:
     distributed = (config.get("optim") or {}).get("distributed")
-    return NON_SEMANTIC + UNUSED_BY_JOB.get(job, ()) + (LAYOUT[2:] if distributed else LAYOUT)
+    return NON_SEMANTIC + tuple(unused) + (LAYOUT[2:] if distributed else LAYOUT)
 
 
 def _kept(flat: dict, skip: tuple) -> dict:
@@ -84,10 +82,11 @@ def _kept(flat: dict, skip: tuple) -> dict:
             if not any(k == s or k.startswith(s + ".") for s in skip)}
 
 
-def semantic_config(config: dict, job: str) -> dict:
-    """The dotted keys of `config` that define the run (see NON_SEMANTIC / UNUSED_BY_JOB /
-    LAYOUT), a None clip range as the number it means (`_resolved`)."""
-    kept = _resolved(_kept(_flatten(config), _skipped(config, job)))
+def semantic_config(config: dict, unused: tuple = ()) -> dict:
+    """The dotted keys of `config` that define the run (see NON_SEMANTIC and LAYOUT; `unused`:
+    the sections the run's job does not read, `megatron_gspo.run.setup.JobSpec`), a None clip
+    range as the number it means (`_resolved`)."""
+    kept = _resolved(_kept(_flatten(config), _skipped(config, unused)))
     return json.loads(json.dumps(kept, default=str))  # as run.json holds it (tuples -> lists)
 
 
@@ -126,9 +125,9 @@ def differing_keys(old: dict, new: dict, defaults: dict | None = None) -> list[s
     return out
 
 
-def default_semantic_config(job: str) -> dict:
+def default_semantic_config(unused: tuple = ()) -> dict:
     """`semantic_config` of the default RunConfig: the values of fields added since a run."""
-    return semantic_config(config_to_dict(RunConfig()), job)
+    return semantic_config(config_to_dict(RunConfig()), unused)
 
 
 # Locks this process holds, by real path: a second Trainer in one process (tests, a notebook)
@@ -258,12 +257,13 @@ def remove_stale_tmp(run_dir: str) -> list[str]:
     return stale + dirs
 
 
-def _verdict(run_dir: str, job: str, config: dict, resume) -> str:
+def _verdict(run_dir: str, job: str, config: dict, resume, unused: tuple) -> str:
     """Rank 0's check of the record: "" when this run may go on, else the one-line reason."""
     record_path = os.path.join(run_dir, RUN_FILE)
     if not os.path.isfile(record_path):
-        other = [j for j in UNUSED_BY_JOB if j != job
-                 and os.path.isfile(os.path.join(run_dir, f"{j}_config.yaml"))]
+        other = sorted(os.path.basename(p)[:-len("_config.yaml")] for p in glob.glob(
+            os.path.join(glob.escape(run_dir), "*_config.yaml")))
+        other = [j for j in other if j != job]
         if other:  # written before run.json existed
             return (f"run_dir={run_dir} holds a '{other[0]}' run; `{job}` would replace its "
                     "checkpoints: choose another run_dir")
@@ -273,12 +273,12 @@ def _verdict(run_dir: str, job: str, config: dict, resume) -> str:
     if record["job"] != job:
         return (f"run_dir={run_dir} holds a '{record['job']}' run; `{job}` would replace its "
                 "checkpoints: choose another run_dir")
-    new = semantic_config(config, job)
+    new = semantic_config(config, unused)
     if fingerprint(new) != record["fingerprint"] and resume != "force":
         renames = renamed_keys()  # a record from before a key was renamed: its key now
         recorded = {renames.get(k, k): v for k, v in record["config"].items()}
-        old = _kept(recorded, _skipped(config, job))  # records may hold LAYOUT keys
-        diff = differing_keys(old, new, default_semantic_config(job))
+        old = _kept(recorded, _skipped(config, unused))  # records may hold LAYOUT keys
+        diff = differing_keys(old, new, default_semantic_config(unused))
         if diff:
             return (f"run_dir={run_dir} was started with another config ({'; '.join(diff)}); "
                     "use a new run_dir, or resume=force to continue with this one")
@@ -302,17 +302,19 @@ def _agree(message: str) -> str:
     return box[0]
 
 
-def claim_run_dir(run_dir: str, job: str, config: dict, resume, is_main: bool):
-    """Lock run_dir for this run and check it may write there; returns the lock (rank 0) or
-    None. Raises RunDirError on every rank with rank 0's reason. From here on every rank's
-    forks die with it (`moe.children.tie_forks`: megatron's checkpoint writer)."""
+def claim_run_dir(run_dir: str, job: str, config: dict, resume, is_main: bool,
+                  unused: tuple = ()):
+    """Lock run_dir for job `job` (its name) and check it may write there (`unused`: the config
+    sections the job does not read); returns the lock (rank 0) or None. Raises RunDirError on
+    every rank with rank 0's reason. From here on every rank's forks die with it
+    (`moe.children.tie_forks`: megatron's checkpoint writer)."""
     tie_forks()
     lock, message = None, ""
     if is_main:
         try:
             os.makedirs(run_dir, exist_ok=True)
             lock = _lock(run_dir, job)
-            message = _verdict(run_dir, job, config, resume)
+            message = _verdict(run_dir, job, config, resume, unused)
         except RunDirError as e:
             message = str(e)
         except OSError as e:
@@ -373,17 +375,17 @@ def recorded_value(run_dir: str, key: str, is_main: bool):
 
 
 def record_run(run_dir: str, job: str, config: dict, save_config,
-               extra: dict | None = None) -> bool:
+               extra: dict | None = None, unused: tuple = ()) -> bool:
     """On first start: write run.json (with `extra`: the input fingerprints, the step of
-    init_checkpoint read) and `{job}_config.yaml` (both are never replaced); returns whether
-    this call wrote the record."""
+    init_checkpoint read; the config less the job's `unused` sections) and `{job}_config.yaml`
+    (both are never replaced); returns whether this call wrote the record."""
     record_path = os.path.join(run_dir, RUN_FILE)
     if os.path.isfile(record_path):
         return False
     cfg_path = os.path.join(run_dir, f"{job}_config.yaml")
     if not os.path.exists(cfg_path):
         save_config(cfg_path)
-    semantic = semantic_config(config, job)
+    semantic = semantic_config(config, unused)
     record = {"job": job, "fingerprint": fingerprint(semantic), "config": semantic}
     record.update(extra or {})
     text = json.dumps(record, indent=1, default=str)

@@ -1,9 +1,12 @@
 """What SFT, RL training and eval share: process groups, task, policy, sampler, metrics log.
 
-`setup_runtime` builds a job's `Runtime` from the config. A run dir belongs to one run
-(`megatron_gspo.run.rundir`): it is locked, and a different job or config is refused, as are
-data files / tokenizer / chat template whose contents changed since the run started
-(`megatron_gspo.run.inputs`), all before anything is written; `eval` only reads. The policy's
+`setup_runtime` builds a job's `Runtime` from the config and the job's `JobSpec` (what the job
+needs: an optimizer or none, whether it writes the run dir, its KL reference, its own data
+check; each job in `megatron_gspo.jobs` builds its own, so nothing here knows a job by name). A
+run dir belongs to one run (`megatron_gspo.run.rundir`): it is locked, and a different job or
+config is refused, as are data files / tokenizer / chat template whose contents changed since
+the run started (`megatron_gspo.run.inputs`), all before anything is written; a job that only
+reads (eval) claims nothing. The policy's
 weights come from `init_checkpoint` (`megatron_gspo.run.init`) or, on a resume, from the run's
 own checkpoint, which the run loop restores (`megatron_gspo.run.resume`, `megatron_gspo.run.loop`).
 """
@@ -12,7 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from operator import attrgetter
+from typing import Callable
 
 import torch
 
@@ -28,8 +33,9 @@ from megatron_gspo.run.init import check_init_checkpoint, load_init_weights, ref
 from megatron_gspo.run.inputs import input_fingerprints
 from megatron_gspo.run.metrics import MetricsLogger
 from megatron_gspo.run.names import check_names
+from megatron_gspo.run.progress import ChunkProgress
 from megatron_gspo.run.rundir import RunDirLock, check_inputs, claim_run_dir, record_run
-from megatron_gspo.tasks.datasets import build_task, check_sft_lengths, tokenizer_folder
+from megatron_gspo.tasks.datasets import build_task, tokenizer_folder
 from megatron_gspo.tasks.tokenizer import Tokenizer, load_tokenizer
 from moe.hf.config import preset_from_hf
 from moe.hf.weights import load_hf_weights
@@ -39,6 +45,37 @@ from moe.presets import MoEPreset, get_preset
 from moe.settings import OptimSettings, ParallelLayout, Recompute
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _never(cfg: RunConfig) -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What a job needs of the run set-up (each job module of `megatron_gspo.jobs` has its
+    `SPEC`); the parts that depend on the config are functions of it."""
+
+    name: str
+    """The job's name in run_dir's record (run.json's `job`, `{name}_config.yaml`, the lock):
+    another job's run dir is refused."""
+    optim: Callable[[RunConfig], OptimSettings] | None = None
+    """The policy's optimizer settings from the config, called before anything is claimed
+    (it may refuse the config: a ConfigError); None: a policy without an optimizer."""
+    writes: bool = True
+    """Claims, records and logs into run_dir and resumes its checkpoint; False: reads only."""
+    unused_sections: tuple[str, ...] = ()
+    """Config sections the job does not read: they may differ when the run resumes."""
+    kl_reference: Callable[[RunConfig], bool] = _never
+    """Whether `init_checkpoint` is also the run's frozen KL reference (its step pinned on
+    resumes)."""
+    band_key: str = ""
+    """The dotted config key of the job's accuracy band: when set, it chooses on the
+    validation split, so set-up warns when the run has none (then it reads the test split)."""
+    check_data: Callable[[RunConfig, Tokenizer, list, bool], None] | None = None
+    """The job's own look at (config, tokenizer, train set, is main rank) once the data is
+    loaded and before the run is recorded (SFT: targets longer than the model or the
+    rollouts)."""
 
 
 @dataclass
@@ -56,7 +93,7 @@ class Runtime:
     policy: MoEPolicy
     logger: MetricsLogger
     lock: RunDirLock | None = None
-    """Rank 0's hold on run_dir (None on other ranks and for eval)."""
+    """Rank 0's hold on run_dir (None on other ranks and for a job that only reads)."""
     first_start: bool = False
     """This start wrote run_dir's record (rank 0; False on other ranks and when resuming)."""
     init_dir: str | None = None
@@ -64,8 +101,8 @@ class Runtime:
     that needs no KL reference: its weights are the run's own checkpoint's)."""
     sampler: Sampler | None = None
     """The run's sampler over `policy` (`rollout.backend`): rollouts and the greedy eval."""
-    job: str = "train"
-    """The job that claimed run_dir: "train", "sft" or "eval"."""
+    job: str = ""
+    """The name of the job that claimed run_dir (`JobSpec.name`)."""
 
     @property
     def eval_set(self) -> list:
@@ -124,31 +161,6 @@ def recompute_of(cfg: RunConfig) -> Recompute:
     return Recompute(None if granularity == "off" else granularity, modules)
 
 
-def optim_settings(cfg: RunConfig, job: str) -> OptimSettings | None:
-    """The optimizer of a job: `optim` as configured for RL ("train"; lr_decay_steps 0 = its
-    last update; ConfigError when a linear / cosine decay would end within the warmup); for
-    "sft" the same Adam at `sft.lr`, constant or decaying to `sft.min_lr` at step `sft.steps`
-    (`sft.lr_decay_style`); none for "eval"."""
-    if job not in ("train", "sft", "eval"):
-        raise ValueError(f"job={job!r}: expected 'train', 'sft' or 'eval'")
-    if job == "eval":
-        return None
-    if job == "sft":
-        decay = cfg.sft.lr_decay_style
-        return replace(cfg.optim, lr=cfg.sft.lr, min_lr=cfg.sft.min_lr, warmup_steps=0,
-                       lr_decay_style=decay, lr_decay_steps=0 if decay == "constant"
-                       else cfg.sft.steps)
-    total = cfg.train.steps * cfg.train.num_minibatches
-    settings = replace(cfg.optim, lr_decay_steps=cfg.optim.lr_decay_steps or total)
-    if settings.lr_decay_style != "constant" and settings.lr_decay_steps <= settings.warmup_steps:
-        end = (f"optim.lr_decay_steps={cfg.optim.lr_decay_steps}" if cfg.optim.lr_decay_steps
-               else f"train.steps x train.num_minibatches = {total}")
-        raise ConfigError(f"optim.warmup_steps={settings.warmup_steps}: the lr decay "
-                          f"(optim.lr_decay_style={settings.lr_decay_style}) ends at {end}; it "
-                          "must end after the warmup")
-    return settings
-
-
 def build_policy(cfg: RunConfig, vocab_size: int, optim: OptimSettings | None,
                  seed: int | None = None) -> MoEPolicy:
     """The policy for tokenizer vocab `vocab_size` (`optim=None`: no optimizer); model.hf_path's
@@ -170,39 +182,40 @@ def build_policy(cfg: RunConfig, vocab_size: int, optim: OptimSettings | None,
     return policy
 
 
-def setup_runtime(cfg: RunConfig, job: str) -> Runtime:
+def setup_runtime(cfg: RunConfig, spec: JobSpec) -> Runtime:
     """Process groups, run-dir claim, task splits, policy (+ init weights), sampler, metrics
-    logger, recorded config. `job` is "sft", "train" or "eval" (eval writes nothing). Every
-    check that can refuse the config runs before the run dir is claimed or written."""
-    optim, info, resuming = _preflight(cfg, job)
-    writes = job != "eval"
-    lock = claim_run_dir(cfg.run_dir, job, config_to_dict(cfg), cfg.resume, info.is_main) \
-        if writes else None
+    logger, recorded config, for the job `spec` describes (a job that only reads writes
+    nothing). Every check that can refuse the config runs before the run dir is claimed or
+    written."""
+    optim = spec.optim(cfg) if spec.optim else None  # a bad lr schedule: before any claim
+    info, resuming = _preflight(cfg, spec)
+    lock = claim_run_dir(cfg.run_dir, spec.name, config_to_dict(cfg), cfg.resume, info.is_main,
+                         spec.unused_sections) if spec.writes else None
     try:
-        tokenizer, task, splits, inputs = _data(cfg, job, info.is_main)
+        tokenizer, task, splits, inputs = _data(cfg, spec, info.is_main)
         policy = build_policy(cfg, tokenizer.vocab_size, optim)
-        init_dir = _init_weights(cfg, job, policy, resuming, info.is_main)
+        init_dir = _init_weights(cfg, spec, policy, resuming, info.is_main)
         sampler = build_sampler(cfg, policy, tokenizer)
-        first = writes and info.is_main and record_run(
-            cfg.run_dir, job, config_to_dict(cfg), lambda p: save_config(cfg, p),
-            {"inputs": inputs, "init_step": init_dir and ckpt.step_of(init_dir)})
+        first = spec.writes and info.is_main and record_run(
+            cfg.run_dir, spec.name, config_to_dict(cfg), lambda p: save_config(cfg, p),
+            {"inputs": inputs, "init_step": init_dir and ckpt.step_of(init_dir)},
+            spec.unused_sections)
         logger = MetricsLogger(cfg.run_dir, config_to_dict(cfg), wandb_mode=cfg.wandb.mode,
                                project=cfg.wandb.project, name=cfg.wandb.name,
-                               enabled=writes and info.is_main)
+                               enabled=spec.writes and info.is_main)
     except BaseException:
         if lock is not None:
             lock.release()
         raise
     return Runtime(cfg, info, tokenizer, task, *splits, policy, logger, lock,
-                   first_start=bool(first), init_dir=init_dir, sampler=sampler, job=job)
+                   first_start=bool(first), init_dir=init_dir, sampler=sampler, job=spec.name)
 
 
-def _preflight(cfg: RunConfig, job: str) -> tuple[OptimSettings | None, ParallelInfo, bool]:
-    """What needs no run dir: the host allocator (`megatron_gspo.run.host`), the optimizer
-    settings, the sampler backend, the process groups, `init_checkpoint` and `model.hf_path`;
-    returns (optimizer settings, parallel info, whether this start resumes run_dir)."""
+def _preflight(cfg: RunConfig, spec: JobSpec) -> tuple[ParallelInfo, bool]:
+    """What needs no run dir: the host allocator (`megatron_gspo.run.host`), the sampler
+    backend, the process groups, `init_checkpoint` and `model.hf_path`; returns (parallel info,
+    whether this start resumes run_dir)."""
     tune_malloc()
-    optim = optim_settings(cfg, job)  # a bad lr schedule fails before the run dir is claimed
     check_names(cfg)  # unknown task / loss / reward / sampler (or one not runnable here): first
     try:
         info = init_parallel(cfg.model.tp, cfg.model.ep, seed=cfg.seed,
@@ -212,55 +225,36 @@ def _preflight(cfg: RunConfig, job: str) -> tuple[OptimSettings | None, Parallel
         raise ConfigError(f"model.tp={cfg.model.tp} model.ep={cfg.model.ep}: {e} (start N "
                           "processes: torchrun --nproc-per-node N -m megatron_gspo.cli ...)"
                           ) from None
-    resuming = _resumes(cfg, job)  # the weights are then the run's own checkpoint's
-    if cfg.init_checkpoint and (not resuming or _kl_reference(cfg, job)):
+    resuming = _resumes(cfg, spec)  # the weights are then the run's own checkpoint's
+    if cfg.init_checkpoint and (not resuming or spec.kl_reference(cfg)):
         check_init_checkpoint(cfg.init_checkpoint)  # fail before the run dir is claimed
     if cfg.model.hf_path:
         check_hf_path(cfg.model.hf_path, cfg.model.tp, cfg.model.ep)
-    return optim, info, resuming
+    return info, resuming
 
 
-def _kl_reference(cfg: RunConfig, job: str) -> bool:
-    """Whether `init_checkpoint` is also the run's frozen KL reference (RL with a KL)."""
-    return job == "train" and cfg.loss.kl_coef > 0
-
-
-def _data(cfg: RunConfig, job: str, is_main: bool) -> tuple:
+def _data(cfg: RunConfig, spec: JobSpec, is_main: bool) -> tuple:
     """(tokenizer, task, (train, validation, test sets), input fingerprints): the inputs,
     checked against those the run started with (data files, tokenizer, template; resume=force:
-    warned), and SFT targets longer than rollout.max_new_tokens counted, before the run is
+    warned), and the job's own check of its data (`JobSpec.check_data`), before the run is
     recorded (a fixed config may then reuse the run dir)."""
-    writes = job != "eval"
     tokenizer = run_tokenizer(cfg)
     task, train_set, val_set, test_set = build_task(cfg, tokenizer, model_max_len(cfg), is_main)
     inputs = input_fingerprints(cfg, tokenizer, train_set, test_set, val_set) \
-        if writes and is_main else {}
-    if writes:
+        if spec.writes and is_main else {}
+    if spec.writes:
         check_inputs(cfg.run_dir, inputs, cfg.resume, is_main)
-    if job == "sft":
-        cut = check_sft_lengths(tokenizer, train_set, model_max_len(cfg),
-                                cfg.rollout.max_new_tokens)
-        if cut and is_main:
-            print(f"WARNING: {cut} of {len(train_set)} SFT targets are longer than "
-                  f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}: eval and rollouts "
-                  "cut such answers", flush=True)
-    if writes and is_main and not val_set and _chooses(cfg, job):
+    if spec.check_data is not None:
+        spec.check_data(cfg, tokenizer, train_set, is_main)
+    if spec.writes and is_main and not val_set and spec.band_key \
+            and attrgetter(spec.band_key)(cfg):
         print(f"WARNING: no validation split (task.n_val=0, no data.val_files / "
-              f"data.val_fraction): {_chooses(cfg, job)} chooses on the test split that reports "
+              f"data.val_fraction): {spec.band_key} chooses on the test split that reports "
               "the results; set task.n_val (or data.val_fraction)", flush=True)
     return tokenizer, task, (train_set, val_set, test_set), inputs
 
 
-def _chooses(cfg: RunConfig, job: str) -> str:
-    """The accuracy band of `job` that chooses on the eval split ("" for none)."""
-    if job == "sft" and cfg.sft.target_accuracy:
-        return "sft.target_accuracy"
-    if job == "train" and cfg.train.start_accuracy:
-        return "train.start_accuracy"
-    return ""
-
-
-def _init_weights(cfg: RunConfig, job: str, policy: MoEPolicy, resuming: bool,
+def _init_weights(cfg: RunConfig, spec: JobSpec, policy: MoEPolicy, resuming: bool,
                   is_main: bool) -> str | None:
     """Load `init_checkpoint` into a run that starts (a resume's weights are its own
     checkpoint's); returns the step dir the run started from (its KL reference, pinned across
@@ -269,12 +263,13 @@ def _init_weights(cfg: RunConfig, job: str, policy: MoEPolicy, resuming: bool,
         return None
     if not resuming:
         return load_init_weights(policy, cfg.init_checkpoint)
-    return reference_dir(cfg, is_main) if _kl_reference(cfg, job) else None
+    return reference_dir(cfg, is_main) if spec.kl_reference(cfg) else None
 
 
-def _resumes(cfg: RunConfig, job: str) -> bool:
-    """Whether this start resumes run_dir's checkpoint (complete steps there, resume on)."""
-    if job == "eval" or cfg.resume is False:
+def _resumes(cfg: RunConfig, spec: JobSpec) -> bool:
+    """Whether this start resumes run_dir's checkpoint (a job that writes, complete steps
+    there, resume on)."""
+    if not spec.writes or cfg.resume is False:
         return False
     try:
         return ckpt.newest_step(os.path.join(cfg.run_dir, "checkpoints")) is not None
@@ -282,26 +277,34 @@ def _resumes(cfg: RunConfig, job: str) -> bool:
         return True
 
 
-def evaluate_runtime(rt: Runtime) -> dict[str, float]:
-    """`eval/...`: greedy accuracy of `rt.policy` on the validation split (`rt.eval_set`)."""
+def _progress(rt: Runtime, label: str) -> ChunkProgress | None:
+    return ChunkProgress(label, rt.info.is_main, rt.info.dp) if label else None
+
+
+def evaluate_runtime(rt: Runtime, progress: str = "") -> dict[str, float]:
+    """`eval/...`: greedy accuracy of `rt.policy` on the validation split (`rt.eval_set`);
+    `progress`: a label, to print a progress line per batch of prompts under it."""
     return evaluate(rt.sampler, rt.tokenizer, rt.task, rt.eval_set,
-                    max_new_tokens=rt.cfg.rollout.max_new_tokens)
+                    max_new_tokens=rt.cfg.rollout.max_new_tokens,
+                    progress=_progress(rt, progress))
 
 
-def evaluate_test(rt: Runtime, step: int) -> dict[str, float]:
+def evaluate_test(rt: Runtime, step: int, progress: bool = False) -> dict[str, float]:
     """`test/accuracy`, `test/format_ok` (greedy) and `test/reward` (one response per prompt
     sampled at the rollout temperature and top-p, the mean reward) of `rt.policy` on the test
     split, at optimizer step `step` (its own seeded stream: nothing a run trains changes);
-    {} without a test split."""
+    {} without a test split. `progress`: a progress line per batch of prompts."""
     if not rt.test_set:
         return {}
     rollout = rt.cfg.rollout
     greedy = evaluate(rt.sampler, rt.tokenizer, rt.task, rt.test_set,
-                      max_new_tokens=rollout.max_new_tokens)
+                      max_new_tokens=rollout.max_new_tokens,
+                      progress=_progress(rt, "test" if progress else ""))
     reward = sampled_reward(rt.sampler, rt.tokenizer, rt.task, rt.test_set,
                             SamplingParams(max_new_tokens=rollout.max_new_tokens,
                                            temperature=rollout.temperature, top_p=rollout.top_p),
-                            seeds.sampled_test(rt.cfg.seed, step))
+                            seeds.sampled_test(rt.cfg.seed, step),
+                            progress=_progress(rt, "test/reward" if progress else ""))
     return {"test/accuracy": greedy["eval/accuracy"], "test/format_ok": greedy["eval/format_ok"],
             "test/reward": reward}
 

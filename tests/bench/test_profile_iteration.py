@@ -70,7 +70,7 @@ def test_call_sites_are_named_from_their_package_root():
     assert site("/x/.venv/lib/python3.11/site-packages/megatron/core/b.py", 2) == \
         "megatron/core/b.py:2"
     assert site("/tmp/site/megatron/core/transformer/moe/c.py", 9) == \
-        "megatron/core/transformer/moe/c.py:9"  # gpu_session.sh's --target folder
+        "megatron/core/transformer/moe/c.py:9"  # a `pip install --target` folder
     assert site("/elsewhere/d.py", 4) == "/elsewhere/d.py:4"
     assert site(f"{REPO}/.venv/lib/python3.11/site-packages/megatron/e.py", 5) == \
         "megatron/e.py:5"  # a venv inside the repository: still the package's path

@@ -9,11 +9,9 @@ from bench import sensitivity as bench_sensitivity
 
 
 def test_both_costs_are_timed_alternating_and_their_ratios_reported(capsys, monkeypatch):
-    from megatron_gspo.algo import sensitivity
-
     calls = []
-    real = sensitivity.route_sensitivity
-    monkeypatch.setattr(sensitivity, "route_sensitivity",
+    real = bench_sensitivity.route_sensitivity
+    monkeypatch.setattr(bench_sensitivity, "route_sensitivity",
                         lambda *a, **k: calls.append(a[4]) or real(*a, **k))
     assert bench_sensitivity.main(["--rounds", "1", "--fraction", "0.5", "--set",
                                    "model.preset=tiny", "--set", "rollout.prompts_per_batch=4",

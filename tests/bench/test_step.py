@@ -29,11 +29,9 @@ def test_bad_shapes_are_refused():
 
 
 def test_pi_old_table_times_one_forward_against_token_budgeted_ones(capsys, monkeypatch):
-    from moe import replay
-
     chunks = []
-    real = replay.current_routing
-    monkeypatch.setattr(replay, "current_routing",
+    real = bench_step.current_routing
+    monkeypatch.setattr(bench_step, "current_routing",
                         lambda *a, n_chunks=1, **k: chunks.append(n_chunks) or
                         real(*a, n_chunks=n_chunks, **k))
     assert bench_step.main(["--shapes", "5x12", "--rounds", "1", "--pi-old", "24",

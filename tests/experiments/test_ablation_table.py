@@ -1,4 +1,4 @@
-"""experiments/ablation/run.py writes its result table (bench/result_table.py) into the README's
+"""experiments/ablation/run.py writes its result table (tools/result_table.py) into the README's
 markers, headed by the machine and the cold start's band record."""
 
 import os

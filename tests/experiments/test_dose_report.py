@@ -216,17 +216,13 @@ def test_interpolate_is_log_log_between_bracketing_points():
 
 def test_calibrate_main_writes_every_target_the_runner_reads(tmp_path, monkeypatch):
     """Default --targets == run.TARGETS (run.levels looks each up by str(t))."""
-    import megatron_gspo.config.schema
-    import megatron_gspo.rollout.generate
-    import megatron_gspo.run.setup
-
     cfg = types.SimpleNamespace(seed=0, rollout=types.SimpleNamespace(
         prompts_per_batch=2, group_size=2, max_new_tokens=4, temperature=1.0))
     rt = types.SimpleNamespace(train_set=[0, 1, 2], policy=types.SimpleNamespace(
         train=lambda mode: None), sampler=None, tokenizer=None, task=None, close=lambda: None)
-    monkeypatch.setattr(megatron_gspo.config.schema, "load_config", lambda *a: cfg)
-    monkeypatch.setattr(megatron_gspo.run.setup, "setup_runtime", lambda *a, **k: rt)
-    monkeypatch.setattr(megatron_gspo.rollout.generate, "generate_rollouts", lambda *a, **k: None)
+    monkeypatch.setattr(calibrate, "load_config", lambda *a: cfg)
+    monkeypatch.setattr(calibrate, "setup_runtime", lambda *a, **k: rt)
+    monkeypatch.setattr(calibrate, "generate_rollouts", lambda *a, **k: None)
     monkeypatch.setattr(calibrate, "measure", lambda policy, batch, std, temperature: {
         "std": std, "flip_rate": std, "abs_log_ratio": 0.0})
     out = tmp_path / "calib.json"

@@ -53,7 +53,7 @@ def test_main_tables_best_and_median_seconds_after_a_warm_up(monkeypatch, capsys
     """3 rounds after a warm-up (10 s, 50 s, not counted), alternating the models: tiny takes 3,
     1, 8 s (best 1, median 3; the mean would be 4), wide 9, 4, 11 s (best 4, median 9); ratio
     of the best 4 / 1 = 4.0x."""
-    from bench import result_table
+    from tools import result_table
 
     writes, threads = [], []
     monkeypatch.setattr(result_table, "machine_line", lambda: "MACHINE.")
@@ -75,7 +75,7 @@ def test_main_tables_best_and_median_seconds_after_a_warm_up(monkeypatch, capsys
 
 def test_main_no_readme_only_prints(monkeypatch, capsys):
     """--no-readme leaves README.md alone."""
-    from bench import result_table
+    from tools import result_table
 
     monkeypatch.setattr(result_table, "write_into", lambda *a: (_ for _ in ()).throw(
         AssertionError("wrote the README")))

@@ -1,7 +1,7 @@
 """experiments/throughput/README.md's tables each have a writer, and each writer its table: every
 `<!-- table:NAME -->` marker pair is filled by a bench/ command the README names (`--marker
 NAME`, or a tool whose default marker is NAME), and every usage line in bench/ that writes into
-this README names markers that are there (`bench.result_table.write_into` refuses a file
+this README names markers that are there (`tools.result_table.write_into` refuses a file
 without them)."""
 
 import ast

@@ -87,7 +87,7 @@ def test_sft_checkpoint_shares_the_ablations_for_tiny_and_makes_its_own_for_deep
 def _stub_sweep(monkeypatch) -> list:
     """The sweep with its CLI calls recorded (returned): no SFT, plots or tables."""
     from tools import plot_run
-    from bench import result_table
+    from tools import result_table
 
     calls = []
     monkeypatch.setattr(volatility, "cli", lambda *a: calls.append(a))

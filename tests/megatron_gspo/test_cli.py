@@ -101,7 +101,29 @@ def test_an_unregistered_name_exits_2_before_the_command_runs(ran, capsys):
                                        "loss; valid: ['grpo', 'gspo', 'gspo_token']\n")
 
 
-def test_eval_of_untrained_weights_warns_with_the_fix(ran, capsys):
+@pytest.fixture
+def eval_job(monkeypatch):
+    """The eval job over a stub runtime: `eval_job.closed` counts its closes, `eval_job.error`
+    (when set) is what scoring the validation split raises."""
+    from megatron_gspo.jobs import evaluate
+
+    job = SimpleNamespace(closed=0, error=None)
+
+    def close():
+        job.closed += 1
+
+    def score(rt, progress):
+        if job.error is not None:
+            raise job.error
+        return {"eval/accuracy": 0.5}
+
+    monkeypatch.setattr(evaluate, "setup_runtime", lambda cfg, spec: SimpleNamespace(close=close))
+    monkeypatch.setattr(evaluate, "evaluate_runtime", score)
+    monkeypatch.setattr(evaluate, "evaluate_test", lambda rt, step, progress: {})
+    return job
+
+
+def test_eval_of_untrained_weights_warns_with_the_fix(eval_job, capsys):
     """eval does not read run_dir's checkpoints: without init_checkpoint (or model.hf_path) it
     scored a fresh random init, silently; now a warning says so and names the setting."""
     assert cli.main(["eval", "run_dir=runs/x"]) == 0
@@ -109,8 +131,37 @@ def test_eval_of_untrained_weights_warns_with_the_fix(ran, capsys):
         "megatron-gspo: warning: eval without init_checkpoint or model.hf_path scores untrained "
         "weights; init_checkpoint=runs/x evaluates that run\n")
     assert cli.main(["eval", "init_checkpoint=runs/x"]) == 0
-    assert cli.main(["train"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_eval_closes_its_runtime_however_it_ends(eval_job, capsys):
+    """eval opened a runtime (sampler, an engine's memory) and never closed it; it does now,
+    after its result and after an error (one line, exit 2)."""
+    assert cli.main(["eval", "init_checkpoint=runs/x"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"eval/accuracy": 0.5}
+    assert eval_job.closed == 1
+    eval_job.error = ConfigError("rollout.max_new_tokens=0: too few")
+    assert cli.main(["eval", "init_checkpoint=runs/x"]) == 2
+    assert capsys.readouterr().err == "megatron-gspo: error: rollout.max_new_tokens=0: too few\n"
+    assert eval_job.closed == 2
+
+
+def test_export_runs_in_the_lifetime_of_the_jobs(monkeypatch, capsys):
+    """export runs under the start-up signal handlers as the jobs do: a signal while it reads
+    the checkpoint is one line and exit 128 + the signal (it was a traceback)."""
+    from megatron_gspo.run import export
+    from megatron_gspo.run.preempt import Interrupted
+
+    seen = {}
+
+    def fake_export(*args, **kwargs):
+        seen["handler"] = getattr(signal.getsignal(signal.SIGTERM), "__qualname__", None)
+        raise Interrupted(signal.SIGTERM)
+
+    monkeypatch.setattr(export, "export_run", fake_export)
+    assert cli.main(["export", "--run-dir", "r", "--to-hf", "o"]) == 128 + signal.SIGTERM
+    assert seen["handler"] == "StartupSignals._raise"
+    assert capsys.readouterr().err.count("\n") == 1
 
 
 def test_only_rank_0_prints_the_error(ran, capsys, monkeypatch):

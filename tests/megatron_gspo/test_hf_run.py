@@ -19,10 +19,11 @@ from tests.megatron_gspo.sampling import encode_prompts
 
 def test_runtime_builds_tokenizer_preset_and_weights_from_hf_path(single_process, hf_dir,
                                                                   tmp_path):
+    from megatron_gspo.jobs import evaluate
     from megatron_gspo.run.setup import setup_runtime
     from megatron_gspo.tasks.tokenizer import HFTokenizer
 
-    rt = setup_runtime(run_config(hf_dir, tmp_path / "run"), job="eval")
+    rt = setup_runtime(run_config(hf_dir, tmp_path / "run"), evaluate.SPEC)
     assert isinstance(rt.tokenizer, HFTokenizer) and rt.tokenizer.vocab_size == 300
     preset = rt.policy.preset
     assert (preset.name, preset.num_query_groups, preset.topk, preset.vocab_size) == \
@@ -41,10 +42,11 @@ def test_runtime_builds_tokenizer_preset_and_weights_from_hf_path(single_process
 
 
 def test_hub_name_is_a_clear_error(single_process, tmp_path):
+    from megatron_gspo.jobs import evaluate
     from megatron_gspo.run.setup import setup_runtime
 
     with pytest.raises(FileNotFoundError, match="hub name"):
-        setup_runtime(run_config("Qwen/Qwen3-30B-A3B", tmp_path / "run"), job="eval")
+        setup_runtime(run_config("Qwen/Qwen3-30B-A3B", tmp_path / "run"), evaluate.SPEC)
 
 
 def test_bad_hf_path_exits_2_before_the_run_dir_is_claimed(tmp_path, capsys):

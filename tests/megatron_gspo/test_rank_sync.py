@@ -195,12 +195,13 @@ def test_pitfall13_torchrun_train_ep2_with_early_eos_completes(single_process, t
     eval until the process-group timeout)."""
     from megatron_gspo.config.schema import load_config
     from megatron_gspo.run.resume import save_state
+    from megatron_gspo.jobs import sft
     from megatron_gspo.run.setup import setup_runtime
 
     init = str(tmp_path / "init")
     rt = setup_runtime(load_config("experiments/demo/gspo.yaml", [f"run_dir={init}",
                                                                   "init_checkpoint=null"]),
-                       job="sft")
+                       sft.SPEC)
     sw.force_early_eos(rt.policy, rt.tokenizer, [ex.prompt for ex in rt.train_set[:64]],
                        E2E_EOS_STRENGTH)
     save_state(rt, 0, {"job": "test"})

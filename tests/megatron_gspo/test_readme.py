@@ -104,13 +104,14 @@ def test_every_sft_metric_is_on_the_metrics_page():
     import torch
 
     from megatron_gspo.jobs.band import SFTBand
-    from megatron_gspo.jobs.sft import sft_step
+    from megatron_gspo.jobs.sft import draw_batch, sft_step
     from tests.megatron_gspo.jobs.test_sft import fake_runtime
 
     band = SFTBand(load_config(None, ["sft.target_accuracy=[0.2,0.5]"]))
     band.update(0, 0.1)
     band.update(5, 0.3)
-    keys = set(sft_step(fake_runtime(4, 1), torch.Generator().manual_seed(0))) | set(
+    rt = fake_runtime(4, 1)
+    keys = set(sft_step(rt, draw_batch(rt, torch.Generator().manual_seed(0)))) | set(
         band.record())
     patterns = _documented_metric_patterns()
     missing = sorted(k for k in keys if not any(p.fullmatch(k) for p in patterns))

@@ -65,10 +65,8 @@ def test_measure_checks_the_cache_of_a_ragged_batch_and_times_the_right_variants
     """batch 6 x seq 8, padding b % 5 on the left and b % 3 on the right: 8 + 6 + 4 + 5 + 3 + 6
     = 32 valid tokens x 4 layers x top-4 = 512 B as uint8 (4096 B as int64). A fake clock gives
     a train step 1 s, one with the recorded cache replayed 2 s, a routing measurement 0.5 s."""
-    from moe import replay
-
     events = []
-    real_replay, real_current = replay.replay_routing, replay.current_routing
+    real_replay, real_current = rm.replay_routing, rm.current_routing
 
     def replay_routing(policy, cache):
         events.append("replay" if cache is not None else "train")
@@ -83,8 +81,8 @@ def test_measure_checks_the_cache_of_a_ragged_batch_and_times_the_right_variants
         fn()
         return {"train": 1.0, "replay": 2.0, "flip": 0.5}[events[0]]
 
-    monkeypatch.setattr(replay, "replay_routing", replay_routing)
-    monkeypatch.setattr(replay, "current_routing", current_routing)
+    monkeypatch.setattr(rm, "replay_routing", replay_routing)
+    monkeypatch.setattr(rm, "current_routing", current_routing)
     monkeypatch.setattr(rm, "_median_time", fake_time)
     m = rm.measure(batch=6, seq=8, repeats=3)
     assert m["valid_tokens"] == 32

@@ -262,7 +262,8 @@ def split_evals(monkeypatch, val_accuracies, test_accuracy=0.9, n_val=12, n_test
 
     calls, val = [], iter(val_accuracies)
 
-    def evaluate(sampler, tokenizer, task, examples, *, max_new_tokens, batch_size=128):
+    def evaluate(sampler, tokenizer, task, examples, *, max_new_tokens, batch_size=128,
+                 progress=None):
         split = {n_val: "val", n_test: "test"}[len(examples)]
         calls.append(split)
         acc = next(val) if split == "val" else test_accuracy

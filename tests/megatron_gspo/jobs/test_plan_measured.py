@@ -99,6 +99,6 @@ def test_the_step_times_figures_are_the_committed_results():
         assert plan_time.DECODE["tokens_per_s"][name] == figure["tokens_per_s"], name
         assert len(figure["vs_trainer"]["set"]) == plan_time.DECODE["layers"]  # one per layer
     assert rollout["device"] == data["device"] == plan_time.GPU
-    from bench.gpu_lease import PEAK_TFLOPS
+    from bench.gpu_stages import PEAK_TFLOPS
 
     assert plan_time.PEAK_TFLOPS == PEAK_TFLOPS

@@ -78,7 +78,7 @@ def test_step_loss_is_the_token_mean_over_answer_tokens_of_this_ranks_share():
     gradients zeroed before the backward (float64 reference)."""
     rt = fake_runtime(batch_size=8, dp=2)
     rt.train_set = EXAMPLES[1:]  # every row "<bos>12+3=" then targets "15<eos>"
-    out = sft.sft_step(rt, torch.Generator().manual_seed(1))
+    out = sft.sft_step(rt, sft.draw_batch(rt, torch.Generator().manual_seed(1)))
     policy = rt.policy
     assert policy.calls == ["zero_grad", "backward"] and policy.tokens.shape == (4, 9)
     logp = -torch.rand(4, 9, generator=torch.Generator().manual_seed(0)).double()

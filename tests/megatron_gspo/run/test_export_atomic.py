@@ -1,4 +1,4 @@
-"""`megatron-gspo export` is atomic (issue 30): killed or failing part-way it leaves no folder
+"""`megatron-gspo export` is atomic: killed or failing part-way it leaves no folder
 that transformers would load with a tokenizer missing or cut short; a re-run clears what a killed
 one left and says so; every file follows the umask."""
 

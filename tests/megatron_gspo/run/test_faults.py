@@ -1,4 +1,4 @@
-"""Fault injection (issue 17): every way a run can be hurt from outside gets a clear refusal or a
+"""Fault injection: every way a run can be hurt from outside gets a clear refusal or a
 clean recovery, and nothing already written is lost.
 
 Run dirs (docs/pitfalls.md#run-dir-ownership), verified checkpoints, one-line CLI errors, wandb

@@ -1,4 +1,4 @@
-"""One line and exit 2 where a traceback was (issue 30): a disk filling under metrics.jsonl, out
+"""One line and exit 2 where a traceback was: a disk filling under metrics.jsonl, out
 of memory in the rollout; a signal during start-up exits quietly with 128 + the signal."""
 
 import os

@@ -1,4 +1,4 @@
-"""A resume reads the inputs its run started with (issue 30): data files whose rows were
+"""A resume reads the inputs its run started with: data files whose rows were
 shuffled or appended, a tokenizer whose ids were renumbered, another chat template are refused
 naming them (resume=force continues and says so)."""
 
@@ -34,9 +34,10 @@ def dataset_run(data: str, run_dir, *extra) -> list[str]:
 
 def start(*overrides):
     """setup_runtime as `train` does (claim, data, inputs check, record), then release."""
+    from megatron_gspo.jobs import rl
     from megatron_gspo.run.setup import setup_runtime
 
-    setup_runtime(load_config(None, list(overrides)), job="train").close()
+    setup_runtime(load_config(None, list(overrides)), rl.SPEC).close()
 
 
 def _rewrite_rows(path: str, change: str) -> None:

@@ -12,6 +12,7 @@ import torch
 from megatron_gspo.cli import main
 from megatron_gspo.config.schema import load_config
 from megatron_gspo.jobs.rl import Trainer, TrainerState
+from megatron_gspo.jobs import sft
 from megatron_gspo.jobs.sft import SFTJob, SFTState
 from megatron_gspo.run import checkpoint as ckpt
 from megatron_gspo.run import loop, setup
@@ -69,7 +70,7 @@ def resume(kind: str, run_dir):
     cfg = load_config(None, [*ARGS, f"run_dir={run_dir}"])
     if kind == "train":
         return Trainer.from_config(cfg)
-    rt = setup.setup_runtime(cfg, job="sft")
+    rt = setup.setup_runtime(cfg, sft.SPEC)
     job = SFTJob(rt)
     job.loop = loop.RunLoop(rt, job)
     return job

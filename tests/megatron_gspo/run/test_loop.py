@@ -84,7 +84,7 @@ def start(monkeypatch, *overrides, job="rl", resumed=None, first_start=False, **
     stub = StubJob(SCHEDULES[job](cfg), events, **kwargs)
     policy = SimpleNamespace(model=SimpleNamespace(module=torch.nn.Linear(2, 2)))
     logger = SimpleNamespace(log=lambda step, row: events.append(("log", step)))
-    rt = SimpleNamespace(cfg=cfg, info=SimpleNamespace(is_main=False), job=job, policy=policy,
+    rt = SimpleNamespace(cfg=cfg, info=SimpleNamespace(is_main=False, dp=1), job=job, policy=policy,
                          first_start=first_start, close=lambda: events.append("close"),
                          logger=logger)
     stub.saved = {}
@@ -178,13 +178,21 @@ def test_a_signal_saves_where_no_cadence_would_for_either_job(monkeypatch, job, 
 
 
 def test_progress_line_every_log_every_rollout_batches(monkeypatch, capsys):
-    """The main rank prints a progress line after every `train.log_every`-th rollout batch."""
-    _, run = start(monkeypatch, "train.steps=4", "train.save_every=0", "train.log_every=2")
+    """The main rank prints a progress line after every `train.log_every`-th rollout batch:
+    the schedule's metrics, then the time per step and the tokens/s since the last line and
+    the ETA from the mean step time (a clock that ticks 3 s per reading here; the job's
+    steps count 100 tokens each)."""
+    stub, run = start(monkeypatch, "train.steps=4", "train.save_every=0", "train.log_every=2")
+    ticks = iter(range(0, 1000, 3))
+    run.clock = lambda: float(next(ticks))
+    stub.step_tokens = 100
     run.rt.info.is_main = True
     run.run()
     lines = capsys.readouterr().out.splitlines()
     assert [line.split("]")[0] for line in lines] == ["[  2/4", "[  4/4"]
+    assert lines[0].endswith("| 1.50 s/step, 67 tokens/s, ETA 0:00:03")
     assert lines[-1].startswith("[  4/4] reward/mean=3")
+    assert lines[-1].endswith("| 1.50 s/step, 67 tokens/s, ETA 0:00:00")
 
 
 @pytest.mark.parametrize("job, key, units", [("rl", "train.steps", "rollout batches"),

@@ -66,9 +66,10 @@ def test_a_loss_without_paper_defaults_needs_its_clip_range(monkeypatch):
 
 def test_set_up_checks_the_names_before_anything_is_written(tmp_path):
     """`setup_runtime` runs the check first: a bad name leaves no run dir."""
+    from megatron_gspo.jobs import rl
     from megatron_gspo.run.setup import setup_runtime
 
     cfg = load_config(None, [f"run_dir={tmp_path}/r", "loss.name=ppo"])
     with pytest.raises(ConfigError, match=r"^loss.name=ppo: unknown policy loss"):
-        setup_runtime(cfg, job="train")
+        setup_runtime(cfg, rl.SPEC)
     assert not (tmp_path / "r").exists()

@@ -15,6 +15,7 @@ from megatron_gspo.config.schema import config_to_dict, load_config
 from megatron_gspo.run.rundir import (LOCK_FILE, NON_SEMANTIC, claim_run_dir, record_run,
                                       semantic_config)
 from megatron_gspo.errors import RunDirError
+from megatron_gspo.jobs import rl, sft
 
 
 @contextlib.contextmanager
@@ -31,10 +32,14 @@ def lock_holder(code: str, **popen_kwargs):
         holder.wait()
 
 
+UNUSED = {"train": rl.UNUSED_SECTIONS, "sft": sft.UNUSED_SECTIONS}
+"""The config sections each job does not read (its `JobSpec.unused_sections`)."""
+
+
 def claim(run_dir, job="train", *overrides, resume=True, is_main=True):
     cfg = config_to_dict(load_config(None, [f"run_dir={run_dir}", *overrides]))
-    lock = claim_run_dir(str(run_dir), job, cfg, resume, is_main=is_main)
-    record_run(str(run_dir), job, cfg, lambda p: open(p, "w").write("x"))
+    lock = claim_run_dir(str(run_dir), job, cfg, resume, is_main=is_main, unused=UNUSED[job])
+    record_run(str(run_dir), job, cfg, lambda p: open(p, "w").write("x"), unused=UNUSED[job])
     return lock
 
 
@@ -51,7 +56,8 @@ def _lock_is_held(run_dir) -> bool:
 
 
 # A value other than the default for each key a resume may change.
-CHANGED = {"run_dir": None, "resume": "resume=force", "wandb": "wandb.project=other",
+CHANGED = {"run_dir": None, "resume": "resume=force", "plugins": "plugins=[my_plugin.py]",
+           "wandb": "wandb.project=other",
            "train.steps": "train.steps=99", "train.eval_every": "train.eval_every=3",
            "train.save_every": "train.save_every=3", "train.log_every": "train.log_every=3",
            "train.keep_checkpoints": "train.keep_checkpoints=2",
@@ -84,7 +90,7 @@ def test_each_non_semantic_key_may_change_on_resume(tmp_path, job, key):
     base = config_to_dict(load_config(None, [f"run_dir={tmp_path}"]))
     changed = config_to_dict(load_config(None, [f"run_dir={tmp_path}", CHANGED[key]]))
     assert changed != base
-    assert semantic_config(changed, job) == semantic_config(base, job)
+    assert semantic_config(changed, UNUSED[job]) == semantic_config(base, UNUSED[job])
     claim(tmp_path, job).release()
     claim(tmp_path, job, CHANGED[key]).release()
 
@@ -93,7 +99,7 @@ def test_task_kwargs_are_one_recorded_value():
     """run.json holds task.kwargs as one dict (records written so far do): a flattened
     `task.kwargs.num_digits` would not match them."""
     cfg = config_to_dict(load_config(None, ["task.kwargs.num_digits=2", "optim.lr=0.5"]))
-    semantic = semantic_config(cfg, "train")
+    semantic = semantic_config(cfg, UNUSED["train"])
     assert semantic["task.kwargs"] == {"num_digits": 2}
     assert not [k for k in semantic if k.startswith("task.kwargs.")]
     assert semantic["optim.lr"] == 0.5 and "sft.lr" not in semantic and "run_dir" not in semantic
@@ -104,7 +110,7 @@ def test_skipped_keys_match_whole_dotted_parts():
     `train.steps_per_eval`), and values are kept as run.json holds them (tuples as lists)."""
     config = {"train": {"steps": 5, "steps_per_eval": 2, "eval_every": 1}, "wandbx": 1,
               "model": {"shape": (2, 3)}, "sft": {"lr": 0.1}}
-    assert semantic_config(config, "train") == {"model.shape": [2, 3],
+    assert semantic_config(config, UNUSED["train"]) == {"model.shape": [2, 3],
                                                 "train.steps_per_eval": 2, "wandbx": 1}
 
 
@@ -212,7 +218,7 @@ def test_a_record_holding_the_layout_keys_resumes_with_another_layout(tmp_path):
     from megatron_gspo.run.rundir import RUN_FILE, fingerprint
 
     cfg = config_to_dict(load_config(None, [f"run_dir={tmp_path}", "model.ep=2"]))
-    old = dict(semantic_config(cfg, "train"), **{"model.tp": 1, "model.ep": 2,
+    old = dict(semantic_config(cfg, UNUSED["train"]), **{"model.tp": 1, "model.ep": 2,
                                                  "model.sequence_parallel": False,
                                                  "model.dispatcher": "alltoall"})
     tmp_path.mkdir(exist_ok=True)
@@ -257,10 +263,11 @@ def test_a_record_with_the_paper_clip_range_spelled_out_matches_none():
     from megatron_gspo.config.schema import config_to_dict, load_config
     from megatron_gspo.run.rundir import differing_keys, semantic_config
 
-    new = semantic_config(config_to_dict(load_config(None, ["loss.name=gspo"])), "train")
+    new = semantic_config(config_to_dict(load_config(None, ["loss.name=gspo"])), UNUSED["train"])
     old = dict(new, **{"loss.eps_low": 0.0003, "loss.eps_high": 0.0004})
     assert differing_keys(old, new) == []
-    moved = semantic_config(config_to_dict(load_config(None, ["loss.eps_low=0.001"])), "train")
+    moved = semantic_config(config_to_dict(load_config(None, ["loss.eps_low=0.001"])),
+                            UNUSED["train"])
     assert differing_keys(old, moved) == ["loss.eps_low: 0.0003 -> 0.001"]
 
 
@@ -273,7 +280,7 @@ def test_a_record_from_before_the_validation_split_resumes_under_the_new_names(t
     from megatron_gspo.run.rundir import RUN_FILE, fingerprint
 
     cfg = config_to_dict(load_config(None, [f"run_dir={tmp_path}", "task.n_test=256"]))
-    new = semantic_config(cfg, "train")
+    new = semantic_config(cfg, UNUSED["train"])
     old = {k: v for k, v in new.items() if ".val_" not in k and k != "task.n_val"}
     for now, before in (("task.n_test", "task.n_eval"), ("data.test_files", "data.eval_files"),
                         ("data.test_fraction", "data.eval_fraction"),

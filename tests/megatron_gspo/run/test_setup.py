@@ -14,8 +14,10 @@ from megatron_gspo.config.schema import load_config
 from megatron_gspo.errors import CheckpointError, ConfigError
 from megatron_gspo.run.init import check_init_checkpoint, load_init_weights
 from megatron_gspo.run.resume import save_state
-from megatron_gspo.run.setup import (build_policy, layout_of, model_max_len, optim_settings,
-                                     recompute_of, resolve_preset, setup_runtime)
+from megatron_gspo.jobs import evaluate, rl
+from megatron_gspo.jobs import sft as sft_job
+from megatron_gspo.run.setup import (build_policy, layout_of, model_max_len, recompute_of,
+                                     resolve_preset, setup_runtime)
 from megatron_gspo.errors import DataError
 from moe.dist_ckpt import files_written_by
 from moe.settings import Recompute
@@ -71,23 +73,21 @@ def test_sft_optimizer_is_adam_at_sft_lr_without_warmup():
     (lr_decay_steps 0 when constant)."""
     over = ["optim.warmup_steps=5", "optim.lr=1e-4", "optim.min_lr=1e-5", "sft.lr=2e-3",
             "sft.min_lr=2e-4", "sft.steps=40", "optim.beta2=0.95"]
-    sft = optim_settings(load_config(None, [*over, "sft.lr_decay_style=cosine"]), "sft")
+    sft = sft_job.optim_settings(load_config(None, [*over, "sft.lr_decay_style=cosine"]))
     assert (sft.lr, sft.min_lr, sft.warmup_steps, sft.lr_decay_style, sft.lr_decay_steps,
             sft.beta2) == (2e-3, 2e-4, 0, "cosine", 40, 0.95)
-    sft = optim_settings(load_config(None, over), "sft")
+    sft = sft_job.optim_settings(load_config(None, over))
     assert (sft.lr_decay_style, sft.lr_decay_steps) == ("constant", 0)
 
 
 def test_train_optimizer_decays_over_every_update_unless_set():
     """train: lr_decay_steps 0 means the run's last update (train.steps x num_minibatches)."""
     over = ["train.steps=7", "train.num_minibatches=2", "optim.warmup_steps=3"]
-    train = optim_settings(load_config(None, over), "train")
+    train = rl.optim_settings(load_config(None, over))
     assert (train.lr_decay_steps, train.warmup_steps) == (14, 3)
-    assert optim_settings(load_config(None, [*over, "optim.lr_decay_steps=9"]),
-                          "train").lr_decay_steps == 9
-    assert optim_settings(load_config(None, over), "eval") is None
-    with pytest.raises(ValueError, match="job='rl': expected 'train', 'sft' or 'eval'"):
-        optim_settings(load_config(None, over), "rl")
+    assert rl.optim_settings(load_config(None, [*over, "optim.lr_decay_steps=9"])) \
+        .lr_decay_steps == 9
+    assert evaluate.SPEC.optim is None  # eval builds a policy without an optimizer
 
 
 def _weights(policy) -> dict:
@@ -125,12 +125,12 @@ def test_a_failed_setup_releases_the_run_dir(single_process, tmp_path):
     cfg = load_config(None, [*TOY, "task.name=dataset", f"data.train_files={bad}",
                              f"run_dir={run_dir}"])
     with pytest.raises(DataError, match="not valid JSON"):
-        setup_runtime(cfg, job="train")
+        setup_runtime(cfg, rl.SPEC)
     assert not _lock_is_held(run_dir)
 
 
 def test_eval_writes_nothing(single_process, tmp_path):
-    rt = setup_runtime(load_config(None, [*TOY, f"run_dir={tmp_path / 'run'}"]), job="eval")
+    rt = setup_runtime(load_config(None, [*TOY, f"run_dir={tmp_path / 'run'}"]), evaluate.SPEC)
     rt.close()
     assert rt.lock is None and not (tmp_path / "run").exists()
 
@@ -140,7 +140,7 @@ def saved(single_process, tmp_path_factory):
     """A toy sft run dir holding one checkpoint (step 0) of a seed-3 policy, its weights and
     its tokenizer's vocab size."""
     run_dir = tmp_path_factory.mktemp("init") / "sft"
-    rt = setup_runtime(load_config(None, [*TOY, "seed=3", f"run_dir={run_dir}"]), job="sft")
+    rt = setup_runtime(load_config(None, [*TOY, "seed=3", f"run_dir={run_dir}"]), sft_job.SPEC)
     save_state(rt, 0, {"job": "test"})
     weights, vocab = _weights(rt.policy), rt.tokenizer.vocab_size
     rt.close()
@@ -176,7 +176,7 @@ def test_hf_weights_reach_the_fp32_masters_of_a_16bit_policy(single_process, hf_
     update that moves nothing (zero grads) leaves config.json's weights in place instead of
     writing back the random init."""
     cfg = load_config(None, [f"model.hf_path={hf_dir}", "model.dtype=bf16"])
-    policy = build_policy(cfg, 300, optim_settings(cfg, "train"))
+    policy = build_policy(cfg, 300, rl.optim_settings(cfg))
     loaded = _weights(policy)
     policy.zero_grad()
     policy.step()
@@ -196,11 +196,11 @@ def test_a_decay_that_ends_within_the_warmup_is_refused_before_the_run_dir(tmp_p
     cfg = load_config(None, [*TOY, "optim.lr_decay_style=linear", "optim.warmup_steps=10",
                              f"run_dir={tmp_path / 'run'}", *over])
     with pytest.raises(ConfigError, match=rf"optim.warmup_steps=10: the lr decay .*{steps}"):
-        optim_settings(cfg, "train")
+        rl.optim_settings(cfg)
     with pytest.raises(ConfigError, match="optim.warmup_steps=10"):
-        setup_runtime(cfg, job="train")
+        setup_runtime(cfg, rl.SPEC)
     assert not (tmp_path / "run").exists()
-    assert optim_settings(load_config(None, [*TOY, "optim.warmup_steps=10", *over]), "train")
+    assert rl.optim_settings(load_config(None, [*TOY, "optim.warmup_steps=10", *over]))
 
 
 def test_an_sft_target_longer_than_the_model_fails_before_the_run_is_recorded(single_process,
@@ -221,9 +221,9 @@ def test_an_sft_target_longer_than_the_model_fails_before_the_run_is_recorded(si
             "rollout.max_new_tokens=32", f"run_dir={run_dir}"]
     with pytest.raises(DataError, match=r"t.jsonl:\d: the SFT example .* is 2\d\d tokens, "
                                         r"over the model's max_seq_len=96"):
-        setup_runtime(load_config(None, over), job="sft")
+        setup_runtime(load_config(None, over), sft_job.SPEC)
     assert not (run_dir / "run.json").exists()
-    setup_runtime(load_config(None, over), job="train").close()
+    setup_runtime(load_config(None, over), rl.SPEC).close()
 
 
 def test_a_layout_the_world_size_cannot_hold_exits_2(single_process, tmp_path, capsys):
@@ -253,7 +253,7 @@ def test_a_distributed_optimizer_run_resumed_with_another_tp_ep_is_refused(singl
             "rollout.prompts_per_batch=2", "rollout.group_size=2", "train.num_minibatches=1"]
     assert main(["train", *args]) == 0  # the optimizer state exists after a step
     cfg = load_config(None, args)
-    rt = setup_runtime(cfg, job="train")
+    rt = setup_runtime(cfg, rl.SPEC)
     try:
         root = os.path.join(cfg.run_dir, "checkpoints")
         state = ckpt.load_checkpoint(root, rank=0)
@@ -286,7 +286,7 @@ def test_sft_targets_longer_than_max_new_tokens_are_counted_and_warned(single_pr
     over = [*TOY, "task.name=dataset", f"data.train_files={data}", f"data.tokenizer_path={fixture}",
             "data.sft_key=extra_info.answer", "reward.name=exact", "model.max_seq_len=160",
             "rollout.max_new_tokens=16", f"run_dir={tmp_path / 'run'}"]
-    setup_runtime(load_config(None, over), job="sft").close()
+    setup_runtime(load_config(None, over), sft_job.SPEC).close()
     assert "SFT targets are longer than rollout.max_new_tokens=16: eval and rollouts cut" \
         in capsys.readouterr().out
 

@@ -1,4 +1,4 @@
-"""bench/result_table.py (plot_run --table) on synthetic metrics.jsonl with hand-computed cells."""
+"""tools/result_table.py (plot_run --table) on synthetic metrics.jsonl with hand-computed cells."""
 
 import io
 from importlib.metadata import version
@@ -7,7 +7,7 @@ import pytest
 
 from tests.jsonl import write_metrics
 from tools import plot_run
-from bench import result_table
+from tools import result_table
 
 
 def _runs(tmp_path):
@@ -87,7 +87,7 @@ def test_readme_table_between_markers(tmp_path, capsys):
 
 
 def test_output_into_prints_and_writes_the_report_between_markers(tmp_path, capsys):
-    from bench.result_table import output_into
+    from tools.result_table import output_into
 
     readme = tmp_path / "README.md"
     readme.write_text("x\n<!-- table:mem:begin -->\nOLD\n<!-- table:mem:end -->\ny\n")
@@ -143,7 +143,7 @@ def test_table_start_row_once_and_seed_line(tmp_path):
                                       header="").splitlines()
     assert lines[0] == ""  # an empty header stays empty (no machine line)
     assert lines[1] == ("Mean ± sample standard deviation over seeds (seeds per arm: 2); "
-                        "`KEY:REDUCER` as in `bench/result_table.py`.")
+                        "`KEY:REDUCER` as in `tools/result_table.py`.")
     assert lines[3:] == ["| | a | b |", "| --- | --- | --- |",
                          "| start acc | 0.15 ± 0.071 | 0.15 ± 0.071 |"]
 
@@ -183,7 +183,7 @@ def test_machine_line_fallbacks(monkeypatch):
     def fake_version(pkg):
         raise importlib.metadata.PackageNotFoundError(pkg)
 
-    monkeypatch.setattr(importlib.metadata, "version", fake_version)
+    monkeypatch.setattr(result_table, "version", fake_version)
     assert result_table.machine_line(date="D").endswith(
         ", D, torch not installed, megatron-core not installed.")
 

@@ -1,11 +1,10 @@
 """GPU figures at Qwen3-30B-A3B's layer shapes: a train step, and rollouts from the lean decoder
 and from megatron-core's dynamic engine, with the engine's routing against the trainer's.
 
-    python -m bench.gpu_lease train   --out DIR   # tokens/s, MFU, peak memory at 1k-4k tokens
-    python -m bench.gpu_lease profile --out DIR   # torch.profiler table of one train step
-    python -m bench.gpu_lease rollout --out DIR --backend lean
-    python -m bench.gpu_lease rollout --out DIR --backend megatron_engine [--cuda-graphs]
-    python -m bench.gpu_lease report  --out DIR   # DIR/*.json -> DIR/README.md tables
+    python -m bench.gpu_stages train   --out DIR   # tokens/s, MFU, peak memory at 1k-4k tokens,
+                                                   # and a torch.profiler table of one step
+    python -m bench.gpu_stages rollout --out DIR --backends lean,megatron_engine_graphs
+    python -m bench.gpu_stages report  --out DIR   # DIR/*.json -> DIR/README.md tables
 
 Each stage writes DIR/<stage>[_<backend>].json; `report` renders every JSON there as markdown.
 The model: `qwen3-30b-a3b` cut to `--layers` layers (hidden 2048, 32 / 4 heads of 128, 128
@@ -23,18 +22,31 @@ import json
 import os
 import sys
 import time
+import traceback
 
 import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 
 from bench.gpu_report import report
+from megatron_gspo.rollout.decoders import DecoderSampler
+from megatron_gspo.rollout.sampler import SamplingParams
+from moe.engine import EngineSampler, routing_mismatch, to_batch
+from moe.model import ParallelLayout
+from moe.parallel import init_parallel
+from moe.policy import MoEPolicy, OptimSettings
+from moe.presets import get_preset
+from moe.replay import current_routing
+
+# after moe: its import hook comes before any megatron import
+from megatron.core import utils as mcore_utils  # noqa: E402
+from megatron.core.optimizer import clip_grads, optimizer  # noqa: E402
 
 PEAK_TFLOPS = 989.0
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def preset(name: str, layers: int, max_len: int):
-    from moe.presets import get_preset
-
     return dataclasses.replace(get_preset(name), num_layers=layers, max_seq_len=max_len)
 
 
@@ -45,10 +57,6 @@ def sync() -> None:
 
 def build(args, max_len: int, optim: bool, inference_graphs: bool = False):
     """The policy (megatron DDP + Adam when `optim`) on the GPU, one process."""
-    from moe.model import ParallelLayout
-    from moe.parallel import init_parallel
-    from moe.policy import MoEPolicy, OptimSettings
-
     init_parallel(tp=1, ep=1, seed=args.seed, cudagraph_rng=inference_graphs)
     p = preset(args.preset, args.layers, max_len)
     t0 = time.perf_counter()
@@ -95,11 +103,8 @@ def stage_train(args) -> dict:
     lengths = [int(x) for x in args.lengths.split(",")]
     micros = [int(x) for x in args.micro.split(",")]
     policy, p = build(args, max(lengths), optim=True)
-    from megatron.core.optimizer import clip_grads, optimizer
 
     if args.megatron_loops:  # the baseline: megatron-core's own per-tensor fallbacks (CUDA)
-        from megatron.core import utils as mcore_utils
-
         clip_grads.l2_norm_impl = mcore_utils.local_multi_tensor_l2_norm
         clip_grads.multi_tensor_scale_impl = optimizer.multi_tensor_scale_impl = \
             mcore_utils.local_multi_tensor_scale
@@ -138,9 +143,6 @@ def stage_train(args) -> dict:
 
 def profile_step(policy, tokens_BT, valid_BT, top: int) -> dict:
     """torch.profiler's `top` ops by GPU time of one train step (after two untimed)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
     for _ in range(2):
         train_step(policy, tokens_BT, valid_BT)
     sync()
@@ -179,8 +181,6 @@ def prompts(args, vocab: int) -> list[list[int]]:
 
 def trainer_routing(policy, tokens_BT, valid_BT):
     """The trainer's recompute: routing of every valid token and the token log-probs."""
-    from moe.replay import current_routing
-
     with torch.no_grad():
         logp_BT, cache = current_routing(policy, tokens_BT, valid_BT,
                                          n_chunks=min(4, tokens_BT.shape[0]))
@@ -190,8 +190,6 @@ def trainer_routing(policy, tokens_BT, valid_BT):
 def mismatch(policy, tokens_BT, valid_BT, response_BT, logp_BT, routing) -> dict:
     """Engine (or sampler) vs trainer recompute on the same tokens: routing per layer and
     log-prob difference on the response tokens."""
-    from moe.engine import routing_mismatch
-
     train_logp_BT, cache = trainer_routing(policy, tokens_BT, valid_BT)
     resp = response_BT.bool()
     diff = (train_logp_BT[resp] - logp_BT[resp]).abs()
@@ -211,9 +209,6 @@ BACKENDS = ("lean", "megatron_engine", "megatron_engine_graphs")
 def sampler_run(args, policy, p, backend: str, ids, max_len: int):
     """(function of max_new_tokens sampling one batch in the trainer's layout, set-up s)."""
     if backend == "lean":
-        from megatron_gspo.rollout.decoders import DecoderSampler
-        from megatron_gspo.rollout.sampler import SamplingParams
-
         sampler = DecoderSampler(policy, _NoStopTokenizer(), "lean")
 
         def run(n):
@@ -221,7 +216,6 @@ def sampler_run(args, policy, p, backend: str, ids, max_len: int):
                                torch.Generator().manual_seed(args.seed))
             return s.tokens_BT, s.valid_BT, s.response_BT, s.logp_BT, s.routing
         return run, 0.0
-    from moe.engine import EngineSampler, to_batch
 
     t0 = time.perf_counter()
     sampler = EngineSampler(policy, max_requests=args.batch, max_seq_len=max_len,
@@ -242,8 +236,6 @@ def stage_rollout(args, save) -> dict:
         policy, p = build(args, max_len, optim=False,
                           inference_graphs="megatron_engine_graphs" in backends)
     except Exception as e:  # megatron's graph config refused: the other backends still run
-        import traceback
-
         traceback.print_exc()
         result["backends"]["megatron_engine_graphs"] = {
             "error": f"model build: {type(e).__name__}: {e}".splitlines()[0][:300]}
@@ -267,8 +259,6 @@ def stage_rollout(args, save) -> dict:
                                              routing)
                 print(backend, json.dumps(row["vs_trainer"]), flush=True)
         except Exception as e:  # the next backend still runs
-            import traceback
-
             traceback.print_exc()
             row["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
         save(result)
@@ -328,8 +318,6 @@ def main(argv=None) -> int:
     try:
         result = stage_train(args) if args.stage == "train" else stage_rollout(args, save)
     except Exception as e:  # recorded, so the report says what did not run and why
-        import traceback
-
         traceback.print_exc()
         result = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
     save(result)

@@ -31,6 +31,7 @@ import math
 import platform
 import re
 import sys
+from importlib.metadata import PackageNotFoundError, version
 
 import numpy as np
 
@@ -97,8 +98,6 @@ def cpu_name(default: str) -> str:
 
 def machine_line(date: str | None = None) -> str:
     """CPU model, UTC date, torch and megatron-core versions, as one Markdown line."""
-    from importlib.metadata import PackageNotFoundError, version
-
     cpu = cpu_name(platform.processor() or platform.machine())
     versions = []
     for pkg in ("torch", "megatron-core"):
@@ -119,7 +118,7 @@ def format_table(runs: list[dict], stats=(), header: str | None = None) -> str:
     spread = "One run per column (no seed spread)" if seeds == [1] else \
         f"Mean ± sample standard deviation over seeds (seeds per arm: {', '.join(map(str, seeds))})"
     lines = [header if header is not None else machine_line(),
-             f"{spread}; `KEY:REDUCER` as in `bench/result_table.py`.", "",
+             f"{spread}; `KEY:REDUCER` as in `tools/result_table.py`.", "",
              "| | " + " | ".join(r["label"] for r in runs) + " |",
              "| --- |" + " --- |" * len(runs)]
     for key, reducer, label in parsed:
@@ -171,7 +170,7 @@ def add_readme_args(parser, marker: str) -> None:
     report between PATH's `<!-- table:NAME:begin/end -->` markers."""
     parser.add_argument("--readme", default=None, metavar="PATH",
                         help="also write the report between PATH's <!-- table:MARKER:begin/end "
-                             "--> markers (bench/result_table.py)")
+                             "--> markers (tools/result_table.py)")
     parser.add_argument("--marker", default=marker, help="with --readme: the markers' name")
 
 
