@@ -1,5 +1,9 @@
 """config.json <-> `MoEPreset` for the Hugging Face MoE families this project maps.
 
+The keys every family shares are read and written here; the rest comes from the config's
+family (`moe.hf.families`: Qwen3-MoE and Qwen2-MoE built in, more through
+`register_hf_family`).
+
 `preset_from_hf` reads a local folder's config.json (nothing is downloaded) and refuses, naming
 the key, what the megatron-core model would get wrong: dense MLP layers (`mlp_only_layers`,
 `decoder_sparse_step`), sliding-window attention, RoPE scaling, an activation other than SiLU,
@@ -17,10 +21,8 @@ import dataclasses
 import json
 import os
 
+from moe.hf.families import hf_family, required
 from moe.presets import MoEPreset
-
-SUPPORTED = ("qwen3_moe", "qwen2_moe")
-_ARCH = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 
 
 def check_local_folder(path: str, what: str) -> None:
@@ -54,10 +56,7 @@ def _rope_theta(cfg: dict, where: str) -> float:
 
 
 def _refuse(cfg: dict, where: str) -> None:
-    model_type = cfg.get("model_type")
-    if model_type not in SUPPORTED:
-        raise ValueError(f"{where}: model_type={model_type!r} is not supported; supported: "
-                         f"{list(SUPPORTED)}")
+    family = hf_family(cfg.get("model_type"), where)
     if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
         raise ValueError(f"{where}: dense MLP layers (mlp_only_layers="
                          f"{cfg.get('mlp_only_layers')}, decoder_sparse_step="
@@ -71,51 +70,35 @@ def _refuse(cfg: dict, where: str) -> None:
         method = (cfg["quantization_config"] or {}).get("quant_method")
         raise ValueError(f"{where}: quantization_config (quant_method={method!r}) is not "
                          "supported: use the unquantized (bf16) release")
-    if model_type == "qwen3_moe" and cfg.get("attention_bias"):
-        raise ValueError(f"{where}: attention_bias=true is not supported (it biases o_proj too)")
-
-
-def _required(cfg: dict, key: str, where: str):
-    if key not in cfg:
-        raise ValueError(f"{where}: config.json has no {key!r}")
-    return cfg[key]
+    family.refuse(cfg, where)
 
 
 def preset_from_hf_config(cfg: dict, where: str = "config.json") -> MoEPreset:
     """The preset of a Hugging Face MoE config dict (see module docstring for what is refused)."""
     _refuse(cfg, where)
     model_type = cfg["model_type"]
-    heads, hidden = _required(cfg, "num_attention_heads", where), _required(cfg, "hidden_size",
-                                                                            where)
-    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
-    if experts is None:
-        raise ValueError(f"{where}: config.json has neither 'num_experts' nor "
-                         "'num_local_experts'")
-    shared = int(cfg.get("shared_expert_intermediate_size") or 0) \
-        if model_type == "qwen2_moe" else 0
-    return MoEPreset(
+    heads = required(cfg, "num_attention_heads", where)
+    hidden = required(cfg, "hidden_size", where)
+    fields = dict(
         name=f"hf:{model_type}",
-        num_layers=_required(cfg, "num_hidden_layers", where),
+        num_layers=required(cfg, "num_hidden_layers", where),
         hidden_size=hidden,
         num_attention_heads=heads,
         # required: transformers reads a missing key as its class default (4, 16), not heads
-        num_query_groups=_required(cfg, "num_key_value_heads", where),
+        num_query_groups=required(cfg, "num_key_value_heads", where),
         kv_channels=cfg.get("head_dim") or hidden // heads,
-        num_experts=experts,
-        topk=_required(cfg, "num_experts_per_tok", where),
-        moe_ffn_hidden_size=_required(cfg, "moe_intermediate_size", where),
-        vocab_size=_required(cfg, "vocab_size", where),
+        topk=required(cfg, "num_experts_per_tok", where),
+        vocab_size=required(cfg, "vocab_size", where),
         max_seq_len=cfg.get("max_position_embeddings", 32768),
         rotary_base=_rope_theta(cfg, where),
         norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
-        qk_layernorm=model_type == "qwen3_moe",
-        qkv_bias=bool(cfg.get("qkv_bias", True)) if model_type == "qwen2_moe" else False,
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-        shared_expert_ffn_hidden_size=shared,
-        shared_expert_gate=shared > 0,
+        qk_layernorm=False, qkv_bias=False, norm_topk_prob=False,  # unless the family says
+        shared_expert_ffn_hidden_size=0, shared_expert_gate=False,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         hf_model_type=model_type,
     )
+    fields.update(hf_family(model_type, where).read(cfg, where))
+    return MoEPreset(**fields)
 
 
 def preset_from_hf(path: str) -> MoEPreset:
@@ -127,37 +110,27 @@ def hf_config_dict(preset: MoEPreset, vocab_size: int, dtype: str = "float32",
                    base: dict | None = None) -> dict:
     """config.json for `preset` with `vocab_size` rows. `base` (the source model's config.json)
     keeps its other keys (token ids, ...); the architecture keys must agree with the preset."""
-    if preset.hf_model_type not in SUPPORTED:
-        raise ValueError(f"preset {preset.name!r}: hf_model_type={preset.hf_model_type!r} "
-                         f"cannot be exported; supported: {list(SUPPORTED)}")
-    if preset.hf_model_type == "qwen2_moe" and \
-            preset.kv_channels * preset.num_attention_heads != preset.hidden_size:
-        raise ValueError(f"preset {preset.name!r}: qwen2_moe needs head_dim * heads == hidden")
+    family = hf_family(preset.hf_model_type, f"preset {preset.name!r}")
+    family.check_preset(preset)
     out = dict(base or {})
     out.update(
-        architectures=[_ARCH[preset.hf_model_type]], model_type=preset.hf_model_type,
+        architectures=[family.architecture], model_type=preset.hf_model_type,
         vocab_size=vocab_size, hidden_size=preset.hidden_size,
         num_hidden_layers=preset.num_layers, num_attention_heads=preset.num_attention_heads,
         num_key_value_heads=preset.num_query_groups, head_dim=preset.kv_channels,
-        num_experts=preset.num_experts, num_experts_per_tok=preset.topk,
-        moe_intermediate_size=preset.moe_ffn_hidden_size,
-        norm_topk_prob=preset.norm_topk_prob, rms_norm_eps=preset.norm_epsilon,
+        num_experts_per_tok=preset.topk, rms_norm_eps=preset.norm_epsilon,
         max_position_embeddings=preset.max_seq_len,
-        tie_word_embeddings=preset.tie_word_embeddings, hidden_act="silu",
-        decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False, dtype=dtype)
-    out.setdefault("intermediate_size", preset.moe_ffn_hidden_size)  # unused: no dense layers
-    out.pop("num_local_experts", None)
+        tie_word_embeddings=preset.tie_word_embeddings, hidden_act="silu", dtype=dtype)
+    for key in ("num_experts", "num_local_experts"):  # the family writes its own spelling
+        out.pop(key, None)
+    out.update(family.write(preset))
+    out.setdefault("intermediate_size", preset.moe_ffn_hidden_size)  # dense MLPs: none here
     out.pop("torch_dtype", None)
     if "rope_parameters" in out or "rope_theta" not in out:
         out["rope_parameters"] = {"rope_type": "default", "rope_theta": preset.rotary_base}
         out.pop("rope_theta", None)
     else:
         out["rope_theta"] = preset.rotary_base
-    if preset.hf_model_type == "qwen2_moe":
-        out.update(qkv_bias=preset.qkv_bias,
-                   shared_expert_intermediate_size=preset.shared_expert_ffn_hidden_size)
-    else:
-        out["attention_bias"] = False
     again = dataclasses.replace(preset_from_hf_config(out, "exported config"), name=preset.name,
                                 vocab_size=preset.vocab_size)
     if again != preset:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_gspo import cli
 from megatron_gspo.algo import losses
@@ -17,6 +18,7 @@ from megatron_gspo.rollout import backends, sampler  # noqa: F401 (the built-ins
 from megatron_gspo.run.metrics import read_jsonl
 from megatron_gspo.run.plugins import load_plugins
 from megatron_gspo.tasks import rewards, toy
+from moe.hf.families import HF_FAMILIES
 
 ROOT = Path(__file__).resolve().parents[3]
 DOC = ROOT / "docs" / "extending.md"
@@ -35,7 +37,8 @@ def registries():
     """The registries as they were before the test: a plugin's entries leave with it, and its
     module is imported afresh by the next test."""
     kept = [(d, dict(d)) for d in (losses.POLICY_LOSSES, losses._PAPER_EPS, rewards.REWARDS,
-                                   rewards.FORMAT_CHECKS, toy.TASKS, sampler.SAMPLERS)]
+                                   rewards.FORMAT_CHECKS, toy.TASKS, sampler.SAMPLERS,
+                                   HF_FAMILIES)]
     modules = set(sys.modules)
     yield
     for registry, before in kept:
@@ -124,3 +127,47 @@ def test_a_plugin_missing_its_own_dependency_names_it(registries, tmp_path, monk
                                           "'no_such_dependency_here', which is not installed$"):
         load_plugins(["needs_more.py"])
     assert "needs_more" not in sys.modules
+
+
+def test_the_hf_family_of_docs_extending_md_reads_and_exports_mixtral(single_process,
+                                                                     registries, tmp_path,
+                                                                     monkeypatch):
+    """The page's plugin registers a Mixtral family: a tiny random Mixtral saved by transformers
+    loads into the policy with its logits (float32, to 1e-4), and exports back to exactly its
+    tensors and a config.json that reads as the same preset. Without the family the folder is
+    refused naming its model_type."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from moe.hf.config import hf_config_dict, preset_from_hf, read_hf_config
+    from tests.moe import hf_worker as hw
+    from tests.moe.test_hf import REAL_VOCAB, batch, hf_logits
+
+    config = MixtralConfig(vocab_size=REAL_VOCAB, hidden_size=48, intermediate_size=40,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           num_local_experts=6, num_experts_per_tok=2, rope_theta=1e4,
+                           max_position_embeddings=64, rms_norm_eps=1e-5)
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # wide weights: decisive routing
+            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0.0, 0.2)
+    model.save_pretrained(str(tmp_path / "mixtral"))
+    folder = str(tmp_path / "mixtral")
+    with pytest.raises(ValueError, match="model_type='mixtral' is not supported"):
+        preset_from_hf(folder)
+
+    (tmp_path / "my_plugin.py").write_text("\n\n".join(code_blocks(DOC.read_text(), "python")))
+    monkeypatch.chdir(tmp_path)
+    load_plugins(["my_plugin.py"])
+    tokens_BT, valid_BT = batch()
+    policy, _ = hw.build_from_hf(folder, REAL_VOCAB)
+    assert (policy.preset.num_experts, policy.preset.moe_ffn_hidden_size) == (6, 40)
+    with torch.no_grad():
+        ours = policy.logits(tokens_BT, valid_BT)
+    assert hw.logit_diff(ours, hf_logits(folder, tokens_BT, valid_BT), valid_BT,
+                         REAL_VOCAB) <= hw.TOL
+    hw.export_matches_source(policy, folder)
+    written = hf_config_dict(policy.preset, REAL_VOCAB, base=read_hf_config(folder))
+    assert written["architectures"] == ["MixtralForCausalLM"]
+    assert (written["num_local_experts"], written["intermediate_size"]) == (6, 40)
+    assert "mixtral" in HF_FAMILIES  # the fixture takes it out again
