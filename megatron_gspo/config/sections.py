@@ -17,6 +17,7 @@ from typing import ClassVar, Literal, Optional
 
 from megatron_gspo.config.fields import (Band, OptionalPath, check, check_band, check_ratio_band,
                                          validate)
+from megatron_gspo.config.vllm import VLLMConfig
 from moe.presets import PRESETS
 from moe.settings import RECOMPUTE_MODULES, OptimSettings, layout_problems, resolve_dispatcher
 
@@ -171,6 +172,8 @@ class RolloutConfig:
     engine's greedy continuation of a fixed prompt may differ by at most this (nats, over its
     tokens the mean for a float32 engine, median for bfloat16) or the run stops before sampling;
     None: 1e-4 for a float32 engine, 0.8 for bfloat16. May change on resume."""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """backend=vllm: where the engine runs (in this process or as engine servers)."""
 
     def __post_init__(self):
         validate(self, nonempty=("backend",),

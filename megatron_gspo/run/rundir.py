@@ -45,13 +45,18 @@ from megatron_gspo.run.inputs import changed_inputs
 
 RUN_FILE = "run.json"
 LOCK_FILE = ".lock"
+# Where and how the vLLM engine runs (rollout.vllm): the same rollouts wherever it runs.
+VLLM_DEPLOYMENT = tuple(f"rollout.vllm.{k}" for k in (
+    "mode", "tensor_parallel_size", "replicas", "addresses", "host", "port", "sync_host",
+    "sync_port", "start_timeout_s", "request_timeout_s", "max_restarts", "bucket_mb", "chunk_mb",
+    "cpu_bind"))
 # Keys that may change when a run is resumed (dotted prefixes of config_to_dict's keys).
 NON_SEMANTIC = ("run_dir", "resume", "wandb", "train.steps", "train.eval_every",
                 "train.save_every", "train.keep_checkpoints", "train.log_every",
                 "train.flip_every", "sft.steps", "sft.eval_every", "sft.target_accuracy",
                 "train.start_accuracy", "model.dist_timeout_min", "train.logprob_max_tokens",
                 "model.recompute_granularity", "model.recompute_modules",
-                "rollout.push_check_tol", "rollout.engine_kv_cache_gb")
+                "rollout.push_check_tol", "rollout.engine_kv_cache_gb", *VLLM_DEPLOYMENT)
 # Sections a job does not read, so they may differ too.
 UNUSED_BY_JOB = {"train": ("sft",), "sft": ("train", "loss", "rollout")}
 # The parallel layout: a checkpoint reshards over it (moe.dist_ckpt), so a resume may change it,

@@ -6,17 +6,22 @@ import dataclasses
 from megatron_gspo.config.schema import RunConfig, describe_config, field_docs
 
 
+def sections(cls) -> list:
+    """`cls` and every section under it, nested ones too (rollout.vllm)."""
+    return [cls] + [c for f in dataclasses.fields(cls)
+                    if dataclasses.is_dataclass(t := type(getattr(cls(), f.name)))
+                    for c in sections(t)]
+
+
 def test_every_field_has_a_docstring():
     seen = 0
-    for cls in [RunConfig] + [type(getattr(RunConfig(), f.name))
-                              for f in dataclasses.fields(RunConfig)
-                              if dataclasses.is_dataclass(getattr(RunConfig(), f.name))]:
+    for cls in sections(RunConfig):
         docs = field_docs(cls)
         for f in dataclasses.fields(cls):
             assert docs.get(f.name, "").strip(), f"{cls.__name__}.{f.name} has no docstring"
             seen += 1
-    # every field of every section
-    assert seen == 15 + 15 + 5 + 14 + 10 + 14 + 14 + 7 + 3 + 15 + 4 + 3
+    # every field of every section (rollout: 15, and its vllm section: 14)
+    assert seen == 15 + 15 + 5 + 15 + 14 + 10 + 14 + 14 + 7 + 3 + 15 + 4 + 3
 
 
 def test_describe_config_lists_every_key_with_default_and_doc():
@@ -29,7 +34,8 @@ def test_describe_config_lists_every_key_with_default_and_doc():
     assert "train.num_minibatches: int = 4" in text
     assert "must divide prompts_per_batch * group_size" in text
     n_keys = sum(1 for ln in text.splitlines() if ln and not ln.startswith((" ", "[", "megat")))
-    assert n_keys == 4 + 15 + 5 + 14 + 10 + 14 + 14 + 7 + 3 + 15 + 4 + 3
+    assert n_keys == 4 + 15 + 5 + 14 + 14 + 10 + 14 + 14 + 7 + 3 + 15 + 4 + 3
+    assert "rollout.vllm.tensor_parallel_size: int = 1" in text  # a nested section's keys
 
 
 def test_field_docs_and_defaults_as_declared():
