@@ -77,3 +77,14 @@ def sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
     out = t.to(device)
     dist.all_reduce(out, op=dist.ReduceOp.SUM)
     return out.cpu()
+
+
+def broadcast_object(obj, src: int = 0):
+    """`obj` (picklable) of rank `src` on every rank (collective: every rank must call it)."""
+    if world_size() == 1:
+        return obj
+    box = [obj if dist.get_rank() == src else None]
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend() == "nccl" else None
+    dist.broadcast_object_list(box, src=src, device=device)
+    return box[0]
