@@ -1,11 +1,13 @@
-"""Command line: `megatron-gspo {sft,train,eval,config,export} [--config F.yaml] [key=value ...]`.
+"""Command line: `megatron-gspo {sft,train,eval,config,export,plan} [--config F.yaml] [k=v ...]`.
 
 Examples:
     megatron-gspo sft   --config experiments/demo/sft.yaml
     megatron-gspo train --config experiments/demo/gspo.yaml train.steps=5 loss.name=grpo
     megatron-gspo eval  --config experiments/demo/gspo.yaml init_checkpoint=runs/demo/gspo
+                        # prints eval/... (validation split) and test/... (test split)
     megatron-gspo config            # every key with its default and meaning
     megatron-gspo export --run-dir runs/demo/gspo --to-hf out/  # Hugging Face folder
+    megatron-gspo plan --config experiments/ablation/qwen3_30b_a3b.yaml --gpus 16 --gpu-mem-gib 80
     torchrun --nproc-per-node 2 -m megatron_gspo.cli train --config ... model.ep=2
 
 Overrides use dotted keys and YAML values; unknown keys are errors. A bad config (typo, wrong
@@ -30,6 +32,7 @@ import warnings
 
 from megatron_gspo.config.schema import describe_config, load_config
 from megatron_gspo.errors import UserError
+from megatron_gspo.jobs import plan
 from megatron_gspo.run.preempt import Interrupted, Preempted, StartupSignals
 from moe.checks import MissingDependency
 
@@ -42,7 +45,7 @@ USER_ERRORS = (UserError, FileNotFoundError, MissingDependency, FloatingPointErr
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-gspo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["sft", "train", "eval", "config", "export"])
+    parser.add_argument("command", choices=["sft", "train", "eval", "config", "export", "plan"])
     parser.add_argument("--config", default=None, help="YAML experiment file")
     # export: a run's latest checkpoint as a Hugging Face model folder (megatron_gspo.run.export)
     parser.add_argument("--run-dir", default=None, help="export: the run (or step) dir")
@@ -51,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="export: source model folder (default: the run's model.hf_path)")
     parser.add_argument("--max-shard-bytes", type=int, default=5 * 1024**3,
                         help="export: safetensors shard size limit")
+    # plan: the config's per-GPU memory and step time on N GPUs (megatron_gspo.jobs.plan)
+    parser.add_argument("--gpus", type=int, default=None, help="plan: number of GPUs")
+    parser.add_argument("--gpu-mem-gib", type=float, default=None,
+                        help="plan: memory of one GPU in GiB")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     return parser
 
@@ -76,6 +83,8 @@ def main(argv=None) -> int:
     if args.command == "config":
         print(describe_config())
         return 0
+    if args.command == "plan":
+        return _plan(args)
     warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|cuda_graph_scope).*")
     # torch's deprecations inside megatron's dist_checkpointing: nothing a user can act on
     warnings.filterwarnings("ignore", category=FutureWarning,
@@ -110,7 +119,8 @@ def _run_job(args) -> int:
     except Preempted as e:
         return _stopped(e)
     if result and os.environ.get("RANK", "0") == "0":  # once under torchrun
-        print(json.dumps({k: v for k, v in result.items() if k.startswith(("eval/", "reward/"))}))
+        print(json.dumps({k: v for k, v in result.items()
+                          if k.startswith(("eval/", "test/", "reward/"))}))
     return 0
 
 
@@ -123,7 +133,25 @@ def run(command: str, cfg) -> dict:
         return sft.run_sft(cfg)
     if command == "train":
         return rl.Trainer.from_config(cfg).train()
-    return setup.evaluate_runtime(setup.setup_runtime(cfg, job="eval"))
+    rt = setup.setup_runtime(cfg, job="eval")  # eval/... on validation, test/... on test
+    return {**setup.evaluate_runtime(rt), **setup.evaluate_test(rt, step=0)}
+
+
+def _plan(args) -> int:
+    """The plan's text; exit 0 when the config's layout fits, 1 when it does not, 2 (one line)
+    for bad input or a layout that cannot exist."""
+    if args.gpus is None or args.gpus < 1 or args.gpu_mem_gib is None \
+            or not args.gpu_mem_gib > 0:
+        return _fail(f"plan needs --gpus N >= 1 and --gpu-mem-gib M > 0 (got --gpus "
+                     f"{args.gpus}, --gpu-mem-gib {args.gpu_mem_gib})")
+    try:
+        text, fits = plan.report(args.config or "the default config",
+                                 load_config(args.config, args.overrides), args.gpus,
+                                 args.gpu_mem_gib)
+    except USER_ERRORS as e:
+        return _fail(str(e))
+    print(text)
+    return 0 if fits else 1
 
 
 def _export(parser, args, errors: tuple) -> int:

@@ -79,6 +79,24 @@ def sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
     return out.cpu()
 
 
+def gather_rows(t_NC: torch.Tensor) -> torch.Tensor:
+    """Every rank's rows of `t_NC` [n, C] (n may differ by rank), concatenated in rank order
+    (float64 on the host; collective: every rank must call it). For statistics that do not
+    decompose into sums, such as a median."""
+    t_NC = t_NC.double().cpu()
+    if world_size() == 1:
+        return t_NC
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend() == "nccl" else torch.device("cpu")
+    n = max_over_ranks(t_NC.shape[0])
+    padded = torch.full((n, t_NC.shape[1] + 1), float("nan"), dtype=torch.float64)
+    padded[:t_NC.shape[0], :-1], padded[:t_NC.shape[0], -1] = t_NC, 1.0  # last column: a real row
+    parts = [torch.empty_like(padded, device=device) for _ in range(world_size())]
+    dist.all_gather(parts, padded.to(device))
+    out = torch.cat(parts).cpu()
+    return out[out[:, -1] == 1.0, :-1]
+
+
 def broadcast_object(obj, src: int = 0):
     """`obj` (picklable) of rank `src` on every rank (collective: every rank must call it)."""
     if world_size() == 1:

@@ -11,9 +11,7 @@ layers itself instead of `GPTModel.forward(..., inference_context=StaticInferenc
   layer at every decode step (`Attention._adjust_key_value_for_inference` then
   `apply_rotary_pos_emb` over `[:sequence_end]`): O(T) work per step that the cached values
   make unnecessary. Rotating a key at position p gives the same floats whenever it is done.
-- the rotary table is built once per decoder, not once per step, and so are the experts'
-  stacked weights for their grouped GEMMs (`moe.experts`; megatron's path restacks them in
-  every layer at every step);
+- the rotary table is built once per decoder, not once per step;
 - the layer walk skips megatron's per-call framework work (inference-context bookkeeping,
   offload and NVTX wrappers, config checks) that the profile of a 128-token rollout showed.
 
@@ -51,7 +49,6 @@ from megatron.core.transformer.enums import AttnMaskType
 from moe import replay
 from moe.attention import SDPA_DTYPES, SDPAAttention, additive_mask, attention_inputs
 from moe.dispatch import lean_moe, lean_moe_ok
-from moe.experts import GroupedSequentialMLP
 
 
 class DecoderBase:
@@ -117,7 +114,7 @@ class DecoderBase:
 class LeanKVDecoder(DecoderBase):
     """Next-token logits with a KV cache; see the module docstring. `policy`: a
     `moe.policy.MoEPolicy` (the model runs in eval mode for each call). One decoder serves one
-    generation at fixed weights: it caches keys, values and the experts' stacked weights."""
+    generation at fixed weights: it caches keys and values."""
 
     def __init__(self, policy, batch_size: int, max_len: int, record_routing: bool = False):
         gpt = policy.model.module if hasattr(policy.model, "module") else policy.model
@@ -133,7 +130,6 @@ class LeanKVDecoder(DecoderBase):
         self.cache_k: list[torch.Tensor] = []  # per layer [B, G, max_len, D], rotated keys
         self.cache_v: list[torch.Tensor] = []
         self._seen = 0
-        self.stacked: dict[int, tuple] = {}  # layer -> its experts' stacked weights
 
     @property
     def seen(self) -> int:
@@ -186,12 +182,7 @@ class LeanKVDecoder(DecoderBase):
         hidden_SBH = layer.self_attn_bda(False, fused)(linear(attn.linear_proj, core_SBX),
                                                       hidden_SBH, layer.hidden_dropout)
         mlp, x_SBH = layer.mlp, layer.pre_mlp_layernorm(hidden_SBH)
-        if lean_moe_ok(mlp):
-            if i not in self.stacked and isinstance(mlp.experts, GroupedSequentialMLP):
-                self.stacked[i] = mlp.experts.stacked_weights()  # weights fixed for a rollout
-            out = lean_moe(mlp, x_SBH, self.stacked.get(i))
-        else:
-            out = mlp(x_SBH)
+        out = lean_moe(mlp, x_SBH) if lean_moe_ok(mlp) else mlp(x_SBH)
         return layer.mlp_bda(False, fused)(out, hidden_SBH, layer.hidden_dropout)
 
     def _attention(self, i: int, attn, x_SBH, freqs_S11D, mask_B1ST, T: int):

@@ -13,9 +13,9 @@ token has exactly K experts (also when Routing Replay forces them), so M = N * K
 without looking at the data: `permute_by_expert` sorts the N * K (token, expert) pairs by
 expert, stably, which is megatron's order (expert-major, tokens ascending within an expert),
 and returns the same three tensors as `permute` without leaving the device. The experts take
-the tokens per expert as a device tensor (`moe.experts.GroupedSequentialMLP` turns it into the
+the tokens per expert as a device tensor (`moe.experts.StackedExperts` turns it into the
 grouped GEMM's offsets there). The layer is then free of host syncs only where the grouped GEMM
-runs (`moe.experts.grouped_mm_runs`); megatron's per-expert loop, its fallback, reads the counts
+runs (`moe.experts.grouped_mm_runs`); the per-expert loop, its fallback, reads the counts
 on the host (`.tolist()`). The exactly-K premise is checked on the device
 (`torch._assert_async`) in forwards that record grads, where replayed routing enters training
 (no-grad forwards route by the router's own top-k, or replay what a training forward then
@@ -38,7 +38,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import unpermute
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
-from moe.experts import GroupedSequentialMLP
+from moe.experts import StackedExperts
 
 
 def permute_by_expert(x_NH: torch.Tensor, probs_NE: torch.Tensor, routing_map_NE: torch.Tensor,
@@ -83,7 +83,7 @@ def install_sync_free_dispatch(model) -> int:
     for module in model.modules():
         dispatcher = getattr(module, "token_dispatcher", None)
         if (type(dispatcher) is MoEAllGatherTokenDispatcher and lean_moe_ok(module)
-                and isinstance(module.experts, GroupedSequentialMLP)
+                and isinstance(module.experts, StackedExperts)
                 and dispatcher.local_expert_indices == list(range(module.config.num_moe_experts))):
             dispatcher.__class__ = SyncFreeDispatcher  # same state, one method differs
             count += 1
@@ -104,20 +104,18 @@ def lean_moe_ok(mlp) -> bool:
             and not cfg.moe_permute_fusion and not mlp.use_shared_expert)
 
 
-def lean_moe(mlp, x_SBH, stacked=None):
+def lean_moe(mlp, x_SBH):
     """megatron `MoELayer.forward` on one rank, without the token dispatcher's machinery: the
     router module (top-k, gate probs, RouterReplay record / replay), megatron's permutation
     (tokens grouped by expert; `moe.dispatch.permute_by_expert`: the same rows, without host
     syncs), the experts module, megatron's `unpermute` (scatter-add back to token order): the
     ops the all-to-all / all-gather dispatchers run at world size 1.
-    `stacked`: the experts' `GroupedSequentialMLP.stacked_weights()` if taken already.
     Returns (output [S, B, H], None)."""
     x_NH = x_SBH.reshape(-1, x_SBH.shape[-1])
     probs_NE, routing_map_NE = mlp.router(x_SBH)
     tokens_per_expert_E = routing_map_NE.sum(dim=0).long()
     x_MH, probs_M, sorted_M = permute_by_expert(x_NH, probs_NE, routing_map_NE,
                                                 mlp.config.moe_router_topk)
-    extra = {} if stacked is None else {"stacked": stacked}
-    out_MH, _ = mlp.experts(x_MH, tokens_per_expert_E, probs_M, **extra)
+    out_MH, _ = mlp.experts(x_MH, tokens_per_expert_E, probs_M)
     out_NH = unpermute(out_MH, sorted_M, restore_shape=x_NH.shape, routing_map=routing_map_NE)
     return out_NH.view(x_SBH.shape), None

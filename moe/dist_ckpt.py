@@ -20,6 +20,14 @@ under the distributed optimizer: load the weights only (`load(..., optimizer=Fal
 `full_params` reads a checkpoint into a 1-process model and returns the full parameter dict (what
 Hugging Face export needs), whatever layout wrote it.
 
+Expert weights: `moe.experts.StackedExperts` saves each MoE layer's expert weights under the keys
+and global shapes megatron's per-expert `SequentialMLP` used ([layers, E, out, in]), so
+checkpoints written before the stacked layout load as they are: weights, and the optimizer state
+of the non-distributed optimizers (shaped like the parameters). The distributed optimizer's
+state follows the parameters' order in its buckets, which the layout changed: `load` refuses
+it (`layout_error`) for a checkpoint whose `EXPERTS_KEY` (in its common state; none: written
+before) names the other layout, and its weights load with `optimizer=False`.
+
 Atomic: the checkpoint is written into `<directory>.tmp` and renamed to `<directory>` only after
 every rank has finished (barriers around it), so a crash leaves no half-written `<directory>`.
 """
@@ -27,6 +35,7 @@ every rank has finished (barriers around it), so a crash leaves no half-written 
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing as mp
 import os
 import re
 import shutil
@@ -35,7 +44,9 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+from moe.children import spawned_manager
 from moe.compat import apply_cpu_training_patches
+from moe.experts import StackedExperts
 from moe.parallel import init_parallel
 from moe.policy import MoEPolicy
 from moe.settings import ParallelLayout
@@ -43,6 +54,9 @@ from moe.sharding import gather_full_params
 
 METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 """megatron's `metadata` for the optimizers' sharded_state_dict (used by the distributed one)."""
+EXPERTS_KEY = "moe_experts"
+"""Saved in the common state: how the expert weights are laid out (`expert_layout`); a
+checkpoint without it was written with one parameter per expert."""
 
 
 def is_dist_checkpoint(directory: str) -> bool:
@@ -75,7 +89,8 @@ def _barrier() -> None:
 
 def _sharded_state_dict(policy, optimizer: bool, is_loading: bool) -> dict:
     model_sd = policy.model.module.sharded_state_dict()
-    state = {"model": model_sd}
+    state = {"model": model_sd} if is_loading else {"model": model_sd,
+                                                     EXPERTS_KEY: expert_layout(policy)}
     if optimizer and policy.optimizer is not None:
         opt = policy.optimizer
         if is_loading and opt.settings.distributed:
@@ -91,19 +106,30 @@ def _sharded_state_dict(policy, optimizer: bool, is_loading: bool) -> dict:
     return state
 
 
-def _drop_dead_results_queue() -> None:
-    """megatron's torch_dist writer keeps one multiprocessing Manager (a process) for its
-    results queue from the first save on. A SIGTERM to the process group (torchrun forwards it
-    so, as do `kill -- -PGID` and schedulers) ends that Manager too, and the save the signal asks
-    for then fails with 'Broken pipe'. A queue whose Manager is gone is dropped here, so the
-    writer starts a new one."""
-    queue = getattr(filesystem_async, "_results_queue", None)
-    if queue is None:
+_MANAGER: list = []
+"""The Manager serving the writer's results queue (`_live_results_queue`), kept referenced."""
+
+
+def _live_results_queue() -> None:
+    """Give megatron's torch_dist writer a results queue whose Manager dies with this process.
+
+    megatron starts that Manager (a spawned process) at the first save and keeps it: a trainer
+    SIGKILLed left it running, and with it the resource tracker (`moe.children`). Here it is
+    started by `moe.children.spawned_manager` instead. A SIGTERM to the process group (torchrun
+    forwards it so, as do `kill -- -PGID` and schedulers) ends the Manager too, and the save the
+    signal asks for then failed with 'Broken pipe': a queue whose Manager is gone is replaced."""
+    if not hasattr(filesystem_async, "_results_queue"):  # a megatron without it
         return
-    try:
-        queue.qsize()  # one round trip to the Manager
-    except (OSError, EOFError):
-        filesystem_async._results_queue = None
+    queue = filesystem_async._results_queue
+    if queue is not None:
+        try:
+            queue.qsize()  # one round trip to the Manager
+            return
+        except (OSError, EOFError):
+            pass
+    manager = spawned_manager(mp.get_context("spawn"))
+    _MANAGER[:] = [manager]
+    filesystem_async._results_queue = manager.Queue()
 
 
 def save(policy, directory: str) -> None:
@@ -118,7 +144,7 @@ def save(policy, directory: str) -> None:
         shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt
         os.makedirs(tmp)
     _barrier()
-    _drop_dead_results_queue()
+    _live_results_queue()
     dist_checkpointing.save(_sharded_state_dict(policy, True, False), tmp)
     _barrier()
     if main:
@@ -152,6 +178,8 @@ def load(policy, directory: str, optimizer: bool = True) -> None:
         raise FileNotFoundError(f"{directory}: not a complete dist checkpoint (no "
                                 f"metadata.json); it holds {held}")
     with_optimizer = optimizer and policy.optimizer is not None
+    if with_optimizer and (why := layout_error(policy, directory)):
+        raise ValueError(f"{why}; load its weights only (optimizer=False)")
     state = dist_checkpointing.load(_sharded_state_dict(policy, with_optimizer, True), directory)
     policy.model.module.load_state_dict(state["model"])
     if with_optimizer:
@@ -159,6 +187,27 @@ def load(policy, directory: str, optimizer: bool = True) -> None:
                                           "scheduler": state["scheduler"]})
     else:
         policy.weights_changed()
+
+
+def expert_layout(policy) -> str:
+    """"stacked" (`moe.experts.StackedExperts`: one parameter per weight and MoE layer) or
+    "per-expert" (megatron's `SequentialMLP`: one per expert)."""
+    stacked = any(isinstance(m, StackedExperts) for m in policy.model.module.modules())
+    return "stacked" if stacked else "per-expert"
+
+
+def layout_error(policy, directory: str) -> str | None:
+    """Why `policy`'s optimizer cannot load checkpoint `directory`'s state (None if it can): a
+    distributed optimizer's state written with the other expert layout."""
+    if not (policy.optimizer is not None and policy.optimizer.settings.distributed):
+        return None
+    saved = dist_checkpointing.load_common_state_dict(directory).get(EXPERTS_KEY, "per-expert")
+    if saved == expert_layout(policy):
+        return None
+    return (f"{directory} was written with {saved} expert weights"
+            f"{' (before the stacked ones)' if saved == 'per-expert' else ''}, this model "
+            f"holds {expert_layout(policy)} ones: its optim.distributed=true state is laid "
+            "out by the parameters")
 
 
 def embedding_rows(directory: str) -> int:

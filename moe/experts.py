@@ -1,30 +1,35 @@
-"""Experts of a MoE layer as two grouped GEMMs: megatron's `SequentialMLP`, batched.
+"""Experts of a MoE layer: one stacked parameter per weight, multiplied by grouped GEMMs.
 
 Shape legend: N tokens routed to this rank's experts (sorted by expert, as the token dispatcher
-hands them over), H hidden, F expert FFN width, E local experts.
+hands them over), H hidden, F expert FFN width, F' fc1's output width (2F gated, else F),
+E local experts, I / O a GEMM's input / output width.
 
-megatron-core's local layer spec runs the experts as `SequentialMLP`: a Python loop that calls
-each expert's `MLP` (two megatron linears, the gated activation, the prob scaling) on its slice
-of tokens, so a layer costs ~8 module calls per expert whatever the token count. Its grouped
-alternatives need TransformerEngine (`TEGroupedMLP`) or the `grouped_gemm` package
-(`GroupedMLP`, with a different parameter layout). `GroupedSequentialMLP` keeps `SequentialMLP`'s
-modules and parameters (`local_experts.{i}.linear_fc{1,2}.weight`: checkpoints, HF import /
-export, sharding and the distributed optimizer see no change) and replaces only its forward by
-torch's `_grouped_mm` over the stacked expert weights: fc1 of all experts in one call, the gated
-activation and the prob scaling once over all N tokens, fc2 in one call. The per-expert
-arithmetic is the same (tests/moe/test_experts.py: equal to `SequentialMLP` to fp32 rounding,
-forward and grads, also under EP=2). Training forwards go through `GroupedLinear`, which stacks
-the weights for the GEMM and again in its backward rather than keeping the stacked copy alive
-in between; it hands each expert weight its own grad (megatron DDP's grad hooks run as usual)
-or, under DDP without overlapped reduction (`grads_into_main_grad`), adds the grads into the
-weights' `main_grad` itself with no per-weight hook; no-grad forwards stack once per forward
-(once per rollout in the sampler, `moe.decode`, where the weights cannot change).
+`StackedExperts` holds each MoE layer's expert weights as two parameters, whatever the expert
+count: `linear_fc1.weight` [E, F', H] and `linear_fc2.weight` [E, H, F], each expert's slice
+laid out as megatron's own linear weight ([out, in]; fc1's rows are [gate; up]), the layout of
+torchtitan's grouped-mm experts. torch's `_grouped_mm` reads them in place, forward and
+backward (`ExpertMM`): fc1 of all experts in one call, the gated activation and the prob
+scaling once over all N tokens, fc2 in one call; the weight grads come out stacked, one [E, O, I]
+GEMM per weight, so megatron DDP sees two expert grads per layer (one hook, one add into
+`main_grad` each). Nothing is stacked or copied per step. The per-expert arithmetic is megatron
+`SequentialMLP`'s (tests/moe/test_experts.py: a train step of the model equals one with
+megatron's per-expert modules, to fp32 rounding).
 
-Falls back to `SequentialMLP.forward` where the batched path does not apply: a device and dtype
-where the installed torch's `_grouped_mm` does not run (`grouped_mm_runs` probes it once: CUDA's
-kernel wants bf16 on sm90+ in torch 2.8-2.11), biases, fp8/fp4, probs applied on the input,
-expert tensor parallelism, row strides that `_grouped_mm` rejects (not a multiple of 16 bytes).
-With TransformerEngine installed the layer spec is TE's and this class is not used.
+Initialisation: each expert's weights are drawn as megatron's CPU initialisation draws a
+`SequentialMLP`'s (expert by expert, fc1 then fc2, each its own fp32 master), so a seed gives the
+same weights as before. Dist checkpoints: `sharded_state_dict` describes each parameter as
+experts [r * E, (r + 1) * E) (r the EP rank) of a global [E_global, ...] tensor under the key
+megatron's `SequentialMLP` used (`decoder.layers.mlp.experts.experts.linear_fc1.weight`, global
+shape [layers, E_global, F', H]): checkpoints reshard across EP and read the same either side
+of the layout change (docs/checkpoints.md).
+
+Under autocast both GEMM operands run in autocast's dtype, as megatron's linears do. Where
+`_grouped_mm` does not run (`grouped_mm_runs` probes it once per device type and dtype: CUDA's
+kernel wants bf16 on sm90+ in torch 2.8-2.11) or rejects the row strides (not a multiple of 16
+bytes), or the input is not a 2-D tensor in the weights' dtype, `ExpertMM` loops over the
+experts on the same stacked parameters (one `mm` per expert into slices of one output / one
+stacked grad). Not supported (refused at construction): biases, fp8 / fp4, expert tensor
+parallelism.
 """
 
 from __future__ import annotations
@@ -32,13 +37,15 @@ from __future__ import annotations
 import functools
 
 import torch
-from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.transformer.module import MegatronModule
 
 
 @functools.cache
 def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
     """Whether torch's `_grouped_mm` runs forward and backward on this device type and dtype,
-    with the weight layout `stacked_weights` gives: one tiny probe call (on the current device
+    with the weight layout `StackedExperts` uses: one tiny probe call (on the current device
     of that type), cached per process. Out-of-memory and CUDA errors propagate uncached."""
     if not hasattr(torch, "_grouped_mm") or (device_type == "cuda"
                                              and not torch.cuda.is_available()):
@@ -59,68 +66,74 @@ def _probe_grouped_mm(device_type: str, dtype: torch.dtype) -> bool:
     x = torch.ones(16, 16, dtype=dtype, device=device_type, requires_grad=True)
     w = torch.ones(2, 16, 16, dtype=dtype, device=device_type, requires_grad=True)
     offs = torch.tensor([8, 16], dtype=torch.int32, device=device_type)
-    out = torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
-    out.backward(torch.ones_like(out))  # a dense grad (`GroupedLinear.backward`)
+    out = ExpertMM.apply(x, w, offs, None)
+    out.backward(torch.ones_like(out))  # both GEMMs of `ExpertMM.backward`
     return True
 
 
-class GroupedSequentialMLP(SequentialMLP):
-    """`SequentialMLP` with a grouped-GEMM forward (same parameters, same math).
+class StackedWeight(torch.nn.Module):
+    """One stacked expert weight [E, O, I] (a module so that its name reads
+    `experts.linear_fcX.weight`, as megatron's per-expert modules' did)."""
 
-    `grads_into_main_grad` (set by `moe.policy.MoEPolicy.build` under megatron DDP without
-    overlapped grad reduction): the training backward adds the expert weight grads into their
-    `main_grad` buffers itself, in one multi-tensor add, where DDP's per-parameter hook would
-    (one autograd accumulation node and one Python hook per expert weight: 128 of
-    qwen3-moe-tiny's 159 parameters). Same sums; the weights are then not autograd inputs of
-    the layer (`.grad` never set, no hooks), so `torch.autograd.grad` on them needs it False."""
+    def __init__(self, weight: torch.nn.Parameter):
+        super().__init__()
+        self.weight = weight
 
-    grads_into_main_grad: bool = False
 
-    def _grouped_ok(self, hidden_NH: torch.Tensor) -> bool:
-        cfg = self.config
-        fc1 = self.local_experts[0].linear_fc1.weight
+class StackedExperts(MegatronModule):
+    """A MoE layer's experts as two stacked weights (see the module docstring). Built by
+    megatron's `MoELayer` in `SequentialMLP`'s place: same constructor and forward signature."""
+
+    def __init__(self, num_local_experts: int, config, submodules=None, pg_collection=None):
+        super().__init__(config=config)
+        problems = [k for k in ("add_bias_linear", "fp8", "fp4") if getattr(config, k, None)]
+        if pg_collection.expt_tp.size() != 1:
+            problems.append("expert tensor parallelism")
+        if problems:
+            raise ValueError(f"StackedExperts does not support {', '.join(problems)}")
+        self.num_local_experts = E = num_local_experts
+        self.ep_group, self.tp_group = pg_collection.ep, pg_collection.expt_tp
+        self.dp_group = pg_collection.expt_dp
+        F, H = config.moe_ffn_hidden_size, config.hidden_size
+        F1 = 2 * F if config.gated_linear_unit else F
+        w1_EFH, w2_EHF = _init_weights(config, E, F1, H, F)
+        self.linear_fc1, self.linear_fc2 = StackedWeight(w1_EFH), StackedWeight(w2_EHF)
+        # megatron's attributes of the per-expert linears: a column- and a row-parallel weight
+        # (each rank counts its expert grads in the grad norm), their dims shifted by the E axis
+        set_tensor_model_parallel_attributes(w1_EFH, True, 1, 1)
+        set_tensor_model_parallel_attributes(w2_EHF, True, 2, 1)
+        for w in (w1_EFH, w2_EHF):
+            w.allreduce = not (config.expert_model_parallel_size > 1)
+
+    def _grouped_ok(self, hidden_NH: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
+        """Whether `_grouped_mm` computes this input with the weights in `dtype` (default:
+        theirs); else `ExpertMM` loops over the experts."""
+        w1 = self.linear_fc1.weight
         align = 16 // hidden_NH.element_size()
-        return (self.num_local_experts > 1 and not cfg.add_bias_linear
-                and not (cfg.fp8 or cfg.fp4) and not cfg.moe_apply_probs_on_input
-                and self.tp_group.size() == 1 and hidden_NH.dim() == 2
-                and hidden_NH.dtype == fc1.dtype
-                and all(d % align == 0 for d in (*fc1.shape, hidden_NH.shape[1]))
+        return (hidden_NH.dim() == 2 and hidden_NH.dtype == (dtype or w1.dtype)
+                and all(d % align == 0 for d in (*w1.shape[1:], self.linear_fc2.weight.shape[2],
+                                                 hidden_NH.shape[-1]))
                 and grouped_mm_runs(hidden_NH.device.type, hidden_NH.dtype))
 
-    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(fc1 [E, H, F'], fc2 [E, F, H]): the expert weights stacked for `_grouped_mm` (a
-        copy; under autograd the stack's backward hands each expert its grad)."""
-        experts = self.local_experts
-        return (torch.stack([e.linear_fc1.weight for e in experts]).transpose(1, 2),
-                torch.stack([e.linear_fc2.weight for e in experts]).transpose(1, 2))
-
     def forward(self, permuted_local_hidden_states: torch.Tensor,
-                tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor,
-                stacked: tuple[torch.Tensor, torch.Tensor] | None = None):
-        """`stacked`: `stacked_weights()` taken earlier at the same weights (the sampler stacks
-        once per rollout, `moe.decode`); None stacks them now."""
-        x_NH = permuted_local_hidden_states
-        if not self._grouped_ok(x_NH):
-            return super().forward(permuted_local_hidden_states, tokens_per_expert,
-                                   permuted_probs)
-        offs_E = torch.as_tensor(tokens_per_expert).to(x_NH.device, torch.int64).cumsum(0)
-        offs_E = offs_E.to(torch.int32)
-        if stacked is None and torch.is_grad_enabled():  # training: no stacked copy saved
-            fc1 = [e.linear_fc1.weight for e in self.local_experts]
-            fc2 = [e.linear_fc2.weight for e in self.local_experts]
-            if self.grads_into_main_grad and x_NH.requires_grad and all(
-                    w.requires_grad and hasattr(w, "main_grad")
-                    for w in fc1 + fc2):  # no autograd node per weight
-                h_NF = GroupedLinear.apply(x_NH.contiguous(), offs_E, tuple(fc1))
-                h_NF = self._activation(h_NF, permuted_probs)
-                return GroupedLinear.apply(h_NF, offs_E, tuple(fc2)), None
-            h_NF = GroupedLinear.apply(x_NH.contiguous(), offs_E, None, *fc1)
-            h_NF = self._activation(h_NF, permuted_probs)
-            return GroupedLinear.apply(h_NF, offs_E, None, *fc2), None
-        w1_EHF, w2_EFH = stacked if stacked is not None else self.stacked_weights()
-        h_NF = torch._grouped_mm(x_NH.contiguous(), w1_EHF, offs=offs_E)
-        h_NF = self._activation(h_NF, permuted_probs)
-        return torch._grouped_mm(h_NF, w2_EFH, offs=offs_E), None
+                tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor):
+        """(output [N, H], None): expert e's MLP on its rows, scaled by the rows' probs."""
+        x_NH, probs_N = permuted_local_hidden_states, permuted_probs
+        if self.config.moe_apply_probs_on_input:  # megatron's: scale the input, probs 1
+            x_NH = (probs_N.unsqueeze(-1) * x_NH).to(x_NH.dtype)
+            probs_N = torch.ones_like(probs_N)
+        w1_EFH, w2_EHF = self.linear_fc1.weight, self.linear_fc2.weight
+        if torch.is_autocast_enabled(x_NH.device.type):  # as megatron's linears: both operands
+            dtype = torch.get_autocast_dtype(x_NH.device.type)  # in autocast's dtype
+            x_NH, w1_EFH, w2_EHF = x_NH.to(dtype), w1_EFH.to(dtype), w2_EHF.to(dtype)
+        if self._grouped_ok(x_NH, w1_EFH.dtype):
+            offs_E = torch.as_tensor(tokens_per_expert).to(x_NH.device, torch.int64).cumsum(0)
+            offs_E, counts = offs_E.to(torch.int32), None
+        else:  # the loop slices rows on the host
+            offs_E, counts = None, [int(c) for c in torch.as_tensor(tokens_per_expert).tolist()]
+        h_NF = ExpertMM.apply(x_NH.contiguous(), w1_EFH, offs_E, counts)
+        h_NF = self._activation(h_NF, probs_N)
+        return ExpertMM.apply(h_NF, w2_EHF, offs_E, counts), None
 
     def _activation(self, h_NF: torch.Tensor, probs_N: torch.Tensor) -> torch.Tensor:
         """megatron `MLP.forward`'s unfused activation: (gated) activation, then the per-token
@@ -139,49 +152,85 @@ class GroupedSequentialMLP(SequentialMLP):
         dtype = h_NF.dtype
         return (h_NF * probs_N.unsqueeze(-1)).to(dtype).contiguous()
 
+    def backward_dw(self):
+        """megatron's delayed weight-grad hook: the weight grads are computed in the backward."""
 
-class GroupedLinear(torch.autograd.Function):
-    """`_grouped_mm(x, stack(W_e)^T)` over the experts' own weights (megatron's [out, in] each),
-    the stack rebuilt in the backward instead of saved: autograd through `torch.stack` would
-    keep an E x in x out copy of every layer's expert weights alive until the backward (for
-    Qwen3-30B-A3B: all 128 experts' weights again, per layer), on top of the weights
-    themselves. Saved here: the input, the group offsets and references to the weights. Same
-    arithmetic as autograd's `_grouped_mm` formulas (tests/moe/test_experts.py). Incoming grads
-    are made dense first: `_grouped_mm` rejects stride-0 (expanded) ones.
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: dict | None = None) -> dict:
+        """Each weight as EP rank r's rows [r * E, (r + 1) * E) of the global [E_global, ...]
+        tensor, after the layer axis megatron's block prepends; one DP replica writes it."""
+        axis = len(sharded_offsets)
+        out = {}
+        for name in ("linear_fc1", "linear_fc2"):  # megatron's key: `experts.` once more
+            out[f"{prefix}{name}.weight"] = ShardedTensor.from_rank_offsets(
+                f"{prefix}experts.{name}.weight", getattr(self, name).weight, *sharded_offsets,
+                (axis, self.ep_group.rank(), self.ep_group.size()),
+                replica_id=(0, 0, self.dp_group.rank()), prepend_axis_num=axis)
+        return out
 
-    Call as `apply(x, offs, None, *weights)` (weight grads through autograd) or
-    `apply(x, offs, weights)`: the weights (a tuple, untracked by autograd) get their grads
-    added into their `main_grad` (megatron DDP's buffers, in their dtype, as DDP's hook adds
-    them) and autograd runs no node or hook for them; the output then needs `x` to need grad."""
+
+def _init_weights(config, E: int, F1: int, H: int, F: int):
+    """(fc1 [E, F', H], fc2 [E, H, F]) drawn as megatron's CPU initialisation draws a
+    `SequentialMLP`'s experts: per expert, fc1 then fc2, each an fp32 master of its own (the
+    init methods of megatron's `MLP`), cast to the parameter dtype."""
+    w1_EFH = torch.empty(E, F1, H, dtype=config.params_dtype)
+    w2_EHF = torch.empty(E, H, F, dtype=config.params_dtype)
+    if config.perform_initialization:
+        for e in range(E):
+            for w, init in ((w1_EFH, config.init_method), (w2_EHF, config.output_layer_init_method)):
+                master = torch.empty(w.shape[1:], dtype=torch.float)
+                init(master)
+                w[e].copy_(master.to(config.params_dtype))
+    return torch.nn.Parameter(w1_EFH), torch.nn.Parameter(w2_EHF)
+
+
+class ExpertMM(torch.autograd.Function):
+    """out[rows of e] = x[rows of e] @ W[e]^T for a stacked weight W [E, O, I] (rows grouped by
+    expert). `offs_E` (int32 ends of each expert's rows, on the device): torch's `_grouped_mm`
+    on W as it is stored, forward and backward; `counts` (host ints) instead: a loop of `mm`s
+    over the experts' slices. Backward: dx = grad @ W[e] per group, dW[e] = grad_e^T @ x_e into
+    one [E, O, I] tensor (zero for an expert without rows), as autograd's formulas for
+    `_grouped_mm`; incoming grads made dense first (`_grouped_mm` rejects stride-0 ones).
+    Saves x and W (the parameter itself, no copy)."""
 
     @staticmethod
-    def forward(ctx, x_NI: torch.Tensor, offs_E: torch.Tensor,
-                untracked_OI: tuple | None, *weights_OI: torch.Tensor):
-        ctx.untracked = untracked_OI
-        if untracked_OI is not None:  # autograd's saved-tensor version check, by hand
-            ctx.versions = [w._version for w in untracked_OI]
-        ctx.save_for_backward(x_NI, offs_E, *weights_OI)
-        weights_OI = untracked_OI or weights_OI
-        return torch._grouped_mm(x_NI, torch.stack(weights_OI).transpose(1, 2), offs=offs_E)
+    def forward(ctx, x_NI, w_EOI, offs_E, counts):
+        ctx.save_for_backward(x_NI, w_EOI, offs_E)
+        ctx.counts = counts
+        if counts is None:
+            return torch._grouped_mm(x_NI, w_EOI.transpose(1, 2), offs=offs_E)
+        out_NO = x_NI.new_empty(x_NI.shape[0], w_EOI.shape[1])
+        for e, rows in enumerate(_row_slices(counts)):
+            torch.mm(x_NI[rows], w_EOI[e].t(), out=out_NO[rows])
+        return out_NO
 
     @staticmethod
-    def backward(ctx, grad_NO: torch.Tensor):
-        x_NI, offs_E, *weights_OI = ctx.saved_tensors
-        into_main_grad = ctx.untracked is not None
-        if into_main_grad and [w._version for w in ctx.untracked] != ctx.versions:
-            raise RuntimeError("GroupedLinear: an expert weight needed for gradient computation "
-                               "has been modified by an inplace operation since the forward")
-        weights_OI = ctx.untracked or weights_OI
-        grad_NO = grad_NO.contiguous()
-        grad_x = None
+    def backward(ctx, grad_NO):
+        x_NI, w_EOI, offs_E = ctx.saved_tensors
+        grad_NO, counts = grad_NO.contiguous(), ctx.counts
+        grad_x = grad_w = None
+        if counts is None:
+            if ctx.needs_input_grad[0]:
+                grad_x = torch._grouped_mm(grad_NO, w_EOI, offs=offs_E)
+            if ctx.needs_input_grad[1]:
+                grad_w = torch._grouped_mm(grad_NO.t(), x_NI, offs=offs_E)
+            return grad_x, grad_w, None, None
         if ctx.needs_input_grad[0]:
-            grad_x = torch._grouped_mm(grad_NO, torch.stack(weights_OI), offs=offs_E)
-        grads_w: list = [None] * len(weights_OI)
-        if into_main_grad or any(ctx.needs_input_grad[3:]):
-            grad_EIO = torch._grouped_mm(x_NI.t(), grad_NO, offs=offs_E)  # x_e^T @ grad_e
-            grads_w = list(grad_EIO.transpose(1, 2).unbind(0))
-        if into_main_grad:
-            main_grads = [w.main_grad for w in weights_OI]
-            torch._foreach_add_(main_grads, [g.to(m.dtype) for g, m in zip(grads_w, main_grads)])
-            return grad_x, None, None
-        return grad_x, None, None, *grads_w
+            grad_x = x_NI.new_empty(x_NI.shape)
+        if ctx.needs_input_grad[1]:
+            grad_w = torch.empty_like(w_EOI)
+        for e, rows in enumerate(_row_slices(counts)):
+            if grad_x is not None:
+                torch.mm(grad_NO[rows], w_EOI[e], out=grad_x[rows])
+            if grad_w is not None:
+                torch.mm(grad_NO[rows].t(), x_NI[rows], out=grad_w[e])
+        return grad_x, grad_w, None, None
+
+
+def _row_slices(counts: list[int]) -> list[slice]:
+    """Each expert's rows of the grouped input, from the row counts."""
+    out, start = [], 0
+    for c in counts:
+        out.append(slice(start, start + c))
+        start += c
+    return out

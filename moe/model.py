@@ -20,13 +20,14 @@ import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
                                                       get_gpt_layer_with_transformer_engine_spec)
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.router_replay import RouterReplay
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from moe.attention import SDPAAttention
 from moe.compat import apply_cpu_patches, apply_cpu_training_patches, cuda_available
 from moe.dispatch import install_sync_free_dispatch
-from moe.experts import GroupedSequentialMLP
+from moe.experts import StackedExperts
 from moe.presets import MoEPreset
 from moe.settings import ParallelLayout, Recompute
 
@@ -119,12 +120,12 @@ def transformer_config(preset: MoEPreset, layout: ParallelLayout = ParallelLayou
     )
 
 
-def _with_cpu_modules(spec, grouped_experts: bool, sdpa_attention: bool):
-    """The local layer spec with `GroupedSequentialMLP` in place of `SequentialMLP` and/or
+def _with_modules(spec, experts, sdpa_attention: bool):
+    """`spec` with `experts` (a class) as the MoE layers' experts, and with `sdpa_attention`
     `SDPAAttention` in place of `DotProductAttention`."""
     mlp, attn = _submodules(spec).mlp, _submodules(spec).self_attention
-    if grouped_experts:
-        experts = _respec(_submodules(mlp).experts, module=GroupedSequentialMLP)
+    if experts is not None:
+        experts = _respec(_submodules(mlp).experts, module=experts)
         mlp = _respec(mlp, submodules=replace(_submodules(mlp), experts=experts))
     if sdpa_attention:
         attn = _respec(attn, submodules=replace(_submodules(attn),
@@ -153,18 +154,19 @@ def _respec(spec, module=None, submodules=None):
 def build_gpt_moe(preset: MoEPreset, layout: ParallelLayout = ParallelLayout(), *, seed: int = 0,
                   dtype: torch.dtype = torch.float32, aux_loss_coeff: float = 0.0,
                   routing_replay: bool = True, recompute: Recompute = Recompute(),
-                  grouped_experts: bool = True, sdpa_attention: bool = True,
+                  experts: type = StackedExperts, sdpa_attention: bool = True,
                   inference_graphs: bool = False):
     """Build the (sharded) MoE GPTModel. Call `moe.parallel.init_parallel` first.
 
     `routing_replay=True` gives every router a megatron `RouterReplay`; idle (no action set) it
     routes normally, so it costs nothing until `moe.replay` records or replays.
-    Local spec: `grouped_experts` runs the experts as `moe.experts.GroupedSequentialMLP` (two
-    grouped GEMMs per layer instead of a loop over experts; same results); `sdpa_attention` core
-    attention as `moe.attention.SDPAAttention` (one SDPA call; equal to fp32 rounding). Same
-    parameters as megatron's `SequentialMLP` / `DotProductAttention`. On one expert-parallel
-    rank, MoE layers dispatch through `moe.dispatch.SyncFreeDispatcher` (megatron's
-    permutation without host syncs; the same rows).
+    `experts`: the MoE layers' experts module, `moe.experts.StackedExperts` (two stacked
+    weights per layer, grouped GEMMs), whatever the layer spec; megatron's `SequentialMLP`
+    (one module per expert, the layout before the stacked one) builds the tests' references.
+    Local spec: `sdpa_attention` core attention as `moe.attention.SDPAAttention` (one SDPA
+    call; equal to fp32 rounding; same parameters as `DotProductAttention`). On one
+    expert-parallel rank, MoE layers dispatch through `moe.dispatch.SyncFreeDispatcher`
+    (megatron's permutation without host syncs; the same rows).
     """
     apply_cpu_patches()
     if recompute.granularity is not None:
@@ -172,7 +174,7 @@ def build_gpt_moe(preset: MoEPreset, layout: ParallelLayout = ParallelLayout(), 
     config = transformer_config(preset, layout, dtype=dtype, aux_loss_coeff=aux_loss_coeff,
                                 routing_replay=routing_replay, recompute=recompute,
                                 inference_graphs=inference_graphs)
-    spec = _layer_spec(preset, grouped_experts, sdpa_attention)
+    spec = _layer_spec(preset, experts, sdpa_attention)
     # megatron's RouterReplay matches replay data to layers through a class-level list filled in
     # construction order: a model built earlier in this process (reference model, a test) would
     # shift every layer. Start each model with an empty list (docs/pitfalls.md#global-replay-list).
@@ -199,17 +201,20 @@ def build_gpt_moe(preset: MoEPreset, layout: ParallelLayout = ParallelLayout(), 
     return model
 
 
-def _layer_spec(preset: MoEPreset, grouped_experts: bool, sdpa_attention: bool):
+def _layer_spec(preset: MoEPreset, experts, sdpa_attention: bool):
     """TransformerEngine's layer spec where TE is installed, else megatron's local spec with
-    the CPU modules (`_with_cpu_modules`)."""
+    `SDPAAttention` (`sdpa_attention`); `experts` in both (`_with_modules`). megatron's own
+    experts module is left where `experts` is `SequentialMLP` (its TE linears under TE)."""
+    experts = None if experts is SequentialMLP else experts
     if have_transformer_engine():
-        return get_gpt_layer_with_transformer_engine_spec(
+        spec = get_gpt_layer_with_transformer_engine_spec(
             num_experts=preset.num_experts, moe_grouped_gemm=False,
             qk_layernorm=preset.qk_layernorm)
+        return _with_modules(spec, experts, False)
     _notice_local_spec_on_gpu()
     spec = get_gpt_layer_local_spec(num_experts=preset.num_experts, moe_grouped_gemm=False,
                                     qk_layernorm=preset.qk_layernorm, normalization="RMSNorm")
-    return _with_cpu_modules(spec, grouped_experts, sdpa_attention)
+    return _with_modules(spec, experts, sdpa_attention)
 
 
 def _finish_params(model, dtype: torch.dtype) -> None:

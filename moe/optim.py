@@ -173,7 +173,8 @@ def use_adam_kernel(chained, kernel: str = "fused") -> None:
 
     Without TE / Apex megatron builds `torch.optim.AdamW` with `foreach=None`, which torch
     resolves to the single-tensor loop unless every parameter is on CUDA: one Python iteration
-    and about ten ops per parameter tensor (159 tensors for qwen3-moe-tiny: per-expert weights).
+    and about ten ops per parameter tensor (39 tensors for qwen3-moe-tiny, 159 when each expert
+    weight was its own).
     The foreach path does the same arithmetic in multi-tensor ops (bitwise equal updates on CPU);
     the fused one runs one kernel per tensor (equal to rounding). Tested in
     tests/moe/test_optim.py. Also after loading a checkpoint, whose param groups carry the flags

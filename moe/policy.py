@@ -60,25 +60,22 @@ class MoEPolicy:
               optim: OptimSettings | None = OptimSettings(),
               recompute: Recompute = Recompute(),
               sdpa_attention: bool = True,
-              inference_graphs: bool = False) -> "MoEPolicy":
+              inference_graphs: bool = False, **model_kwargs) -> "MoEPolicy":
         """The GPTModel wrapped in megatron DDP, with megatron's Adam (`moe.optim`; None: no
         optimizer). 16-bit `dtype` trains with fp32 main grads and fp32 master weights.
         `sdpa_attention`: core attention as `moe.attention.SDPAAttention` (local spec);
-        `inference_graphs`: CUDA graphs for megatron's dynamic engine (`moe.engine`)."""
+        `inference_graphs`: CUDA graphs for megatron's dynamic engine (`moe.engine`);
+        `model_kwargs`: more of `moe.model.build_gpt_moe`'s (`experts`)."""
         apply_cpu_patches()
         if real_vocab > preset.vocab_size:
             raise ValueError(f"tokenizer vocab {real_vocab} exceeds preset {preset.name!r} "
                              f"vocab_size={preset.vocab_size}")
         gpt = build_gpt_moe(preset, layout, seed=seed, dtype=dtype, aux_loss_coeff=aux_loss_coeff,
                             sdpa_attention=sdpa_attention, recompute=recompute,
-                            inference_graphs=inference_graphs)
+                            inference_graphs=inference_graphs, **model_kwargs)
         model = DistributedDataParallel(gpt.config, DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, bucket_size=None,
             use_distributed_optimizer=optim is not None and optim.distributed), gpt)
-        if not model.ddp_config.overlap_grad_reduce:  # DDP's hooks only add into main_grad
-            for module in gpt.modules():
-                if hasattr(module, "grads_into_main_grad"):
-                    module.grads_into_main_grad = True
         optimizer = None if optim is None else PolicyOptimizer(model, optim)
         device = next(gpt.parameters()).device
         return cls(model, optimizer, preset, layout, real_vocab, device, recompute)
@@ -171,35 +168,20 @@ class MoEPolicy:
         """log pi(tokens[t] | tokens[<t]) at each position t >= start ([B, T]; columns before
         `start` are 0). Only positions start-1..T-2 go through the output layer and the
         log-softmax (the loss needs the response: pass its first column), over the tokenizer's
-        vocabulary (the preset's padding entries are sliced off, not masked). 16-bit logits go
-        through `moe.logprobs` (float32 math in chunks, no float32 copy of the logits kept).
+        vocabulary (the preset's padding entries are left out, not masked), in float32 over
+        chunks of tokens without a float32 copy of the logits (`moe.logprobs`).
 
         With `with_entropy`, also the entropy of the predictive distribution at each position
-        (a metric: computed without grad, so no [B, T, V] tensor is kept for the backward).
+        (a metric: computed without grad, from the same chunks).
         """
         T = tokens_BT.shape[-1]
         if not 1 <= start < T:
             raise ValueError(f"start={start}: expected a position in [1, {T})")
         logits_BSV = self._raw_logits(tokens_BT, valid_BT, start - 1)[:, :-1]
-        target_BS = tokens_BT[:, start:]
-        if logits_BSV.dtype in (torch.bfloat16, torch.float16):
-            out = chunked_token_logprobs(logits_BSV, target_BS, self.real_vocab, temperature,
-                                         with_entropy)
-            return tuple(F.pad(t, (start, 0)) for t in out) if with_entropy \
-                else F.pad(out, (start, 0))
-        logits_BSV = logits_BSV[..., :self.real_vocab].float()
-        if temperature != 1.0:
-            logits_BSV = logits_BSV / temperature
-        logp_BSV = torch.log_softmax(logits_BSV, dim=-1)
-        target_BS = target_BS.to(logp_BSV.device)
-        logp_BT = F.pad(logp_BSV.gather(-1, target_BS[..., None]).squeeze(-1), (start, 0))
-        if not with_entropy:
-            return logp_BT
-        with torch.no_grad():
-            logp_BSV = logp_BSV.detach()
-            p_BSV = logp_BSV.exp()
-            entropy_BS = -(p_BSV * logp_BSV.masked_fill(p_BSV == 0, 0.0)).sum(-1)
-        return logp_BT, F.pad(entropy_BS, (start, 0))
+        out = chunked_token_logprobs(logits_BSV, tokens_BT[:, start:], self.real_vocab,
+                                     temperature, with_entropy)
+        return tuple(F.pad(t, (start, 0)) for t in out) if with_entropy \
+            else F.pad(out, (start, 0))
 
     def routed_valid(self, valid_BT: torch.Tensor) -> torch.Tensor:
         """The part of `valid_BT` this rank's routers see (its sequence shard under SP)."""

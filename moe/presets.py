@@ -94,6 +94,22 @@ class MoEPreset:
         if self.rotary_base <= 0 or self.norm_epsilon <= 0:
             raise ValueError(f"preset {self.name!r}: rotary_base and norm_epsilon must be > 0")
 
+    def with_overrides(self, overrides: dict) -> "MoEPreset":
+        """The same preset with some architecture fields replaced (`model.preset_overrides`),
+        validated as any preset; ValueError naming an unknown or fixed field. The vocabulary
+        comes from the tokenizer and the positions from model.max_seq_len, not from here."""
+        fixed = {"name", "vocab_size", "max_seq_len", "hf_model_type"}
+        known = {f.name for f in dataclasses.fields(self)} - fixed
+        for key, value in overrides.items():
+            if key not in known:
+                raise ValueError(f"{key!r} is not an architecture field of a preset; valid: "
+                                 f"{', '.join(sorted(known))}")
+            want = type(getattr(self, key))
+            if want is bool and not isinstance(value, bool) or want is float and (
+                    isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ValueError(f"{key}={value!r} must be a {want.__name__}")
+        return dataclasses.replace(self, **overrides) if overrides else self
+
     def with_vocab(self, vocab_size: int, multiple: int = 16) -> "MoEPreset":
         """Same architecture with the vocabulary resized (rounded up to `multiple`)."""
         padded = -(-vocab_size // multiple) * multiple

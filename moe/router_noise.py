@@ -13,6 +13,10 @@ weights of the picked experts are still computed from the clean logits (softmax 
 selected clean logits, or the clean all-expert softmax for pre-softmax routers, whose "logits"
 are recovered as log-probs). So the noise changes *which* experts run and nothing else.
 
+With `fixed=True` the noise is instead a fixed function of each router's scores (`fixed_draws`):
+the same input always picks the same experts, as an engine whose kernels compute slightly
+other router logits would (`rollout.router_noise=fixed`, the sampler's side).
+
 Under Routing Replay (megatron's REPLAY_FORWARD / REPLAY_BACKWARD actions) the selection is
 forced, so the noise has no effect at all: by construction the knob adds exactly the part of the
 ratio's noise that replay removes. Under RECORD the noisy selection is what gets recorded (the
@@ -36,7 +40,29 @@ from megatron.core.transformer.moe.router_replay import RouterReplay, RouterRepl
 from moe.replay import _routers
 
 
-def _noisy_topk(router, std: float, generator: torch.Generator, scores_are_probs: bool,
+def fresh_draws(generator: torch.Generator):
+    """z ~ N(0, 1), a new draw for every router call (the `router_noise` default)."""
+    return lambda base_NE: torch.randn(base_NE.shape, generator=generator,
+                                       device=generator.device).to(base_NE.device)
+
+
+def fixed_draws(generator: torch.Generator, num_experts: int):
+    """z a fixed function of the router's own scores: the centred, unit-RMS logits times a
+    Gaussian [E, E] matrix drawn once from `generator` (entries N(0, 1/E)), so each entry of z
+    has unit variance, the same input always gets the same z, and different tokens get
+    different z: a router that computes slightly other logits from the same input, as an
+    engine's kernels in another precision do, rather than a coin flipped at every call."""
+    mix_EE = torch.randn(num_experts, num_experts, generator=generator,
+                         device=generator.device) / num_experts ** 0.5
+
+    def draw(base_NE: torch.Tensor) -> torch.Tensor:
+        c_NE = base_NE - base_NE.mean(-1, keepdim=True)
+        c_NE = c_NE / c_NE.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-12)
+        return c_NE @ mix_EE.to(base_NE.device)
+    return draw
+
+
+def _noisy_topk(router, std: float, draw, scores_are_probs: bool,
                 chosen: list, scores, topk, num_groups=None, group_topk=None,
                 default_compute_topk=None):
     """`RouterReplay.get_replay_topk` with a noisy selection (see the module docstring)."""
@@ -48,8 +74,7 @@ def _noisy_topk(router, std: float, generator: torch.Generator, scores_are_probs
         base_NE = scores.float()
         if scores_are_probs:  # top-k of log p + z == top-k of logits + z
             base_NE = base_NE.clamp_min(torch.finfo(torch.float32).tiny).log()
-        z_NE = torch.randn(base_NE.shape, generator=generator, device=generator.device)
-        _, ids_NK = default_compute_topk(base_NE + std * z_NE.to(base_NE.device), topk,
+        _, ids_NK = default_compute_topk(base_NE + std * draw(base_NE), topk,
                                          num_groups=num_groups, group_topk=group_topk)
     if action == RouterReplayAction.RECORD:
         router.record_indices(ids_NK)
@@ -58,11 +83,13 @@ def _noisy_topk(router, std: float, generator: torch.Generator, scores_are_probs
 
 
 @contextlib.contextmanager
-def router_noise(policy, std: float, generator: torch.Generator | None):
+def router_noise(policy, std: float, generator: torch.Generator | None, fixed: bool = False):
     """Noisy top-k selection (Gaussian `std` on the router logits) in the forwards inside.
 
     A no-op when `std` is 0. `generator` (any device; draws are moved to the router's) makes the
-    noise reproducible: seed it per optimizer step for a resumable run.
+    noise reproducible: seed it per optimizer step for a resumable run. `fixed`: z is a fixed
+    function of each router's input (`fixed_draws`, one matrix per layer drawn from `generator`
+    on entry) instead of a fresh draw per call (`fresh_draws`).
     """
     if not std:
         yield
@@ -73,8 +100,9 @@ def router_noise(policy, std: float, generator: torch.Generator | None):
     scores_are_probs = not policy.preset.norm_topk_prob
     chosen_L: list[list[torch.Tensor]] = [[] for _ in routers]
     for r, chosen in zip(routers, chosen_L):
-        r.get_replay_topk = partial(_noisy_topk, r, float(std), generator, scores_are_probs,
-                                    chosen)
+        draw = fixed_draws(generator, policy.preset.num_experts) if fixed else \
+            fresh_draws(generator)
+        r.get_replay_topk = partial(_noisy_topk, r, float(std), draw, scores_are_probs, chosen)
     try:
         yield
     finally:

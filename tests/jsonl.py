@@ -22,3 +22,11 @@ def write_metrics(run_dir, rows) -> str:
     """`run_dir/metrics.jsonl` holding `rows`, as a run writes it; returns run_dir as a str."""
     write_jsonl(os.path.join(run_dir, "metrics.jsonl"), rows)
     return str(run_dir)
+
+
+def step_rows(run_dir) -> list[dict]:
+    """`run_dir/metrics.jsonl`'s rows of the trained steps (step > 0): without step 0's row of
+    the initial policy's evals (the test split's is there whenever the run has one)."""
+    from megatron_gspo.run.metrics import read_jsonl
+
+    return [r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if r["step"] > 0]

@@ -5,7 +5,8 @@ Usage:
     python -m tools.replay_memory --preset small --prompts 64 --group 8 --tokens 2048
     python -m tools.replay_memory --measure-only        # just the measured tiny-scale part
 
-The cache keeps, for every valid token of a rollout batch, the K expert ids chosen at each of the
+The cache (`moe.memory.replay_cache_bytes`, shared with `megatron-gspo plan`) keeps, for every
+valid token of a rollout batch, the K expert ids chosen at each of the
 L MoE layers: bytes = tokens x L x K x itemsize, with itemsize 1 (uint8) for <= 256 experts and
 2 (int16) above. megatron's recorded indices are int64, so the compact cache is 8x smaller than
 keeping them as recorded (4x above 256 experts). The cache is rank-local: a DP rank stores only
@@ -24,19 +25,12 @@ import sys
 import time
 import warnings
 
+from moe.memory import GIB, replay_cache_bytes  # the formula `megatron-gspo plan` uses too
+
 warnings.filterwarnings("ignore")
 
-GIB = 1024 ** 3
 
-
-def cache_bytes(tokens: int, layers: int, topk: int, num_experts: int, itemsize: int | None = None
-                ) -> int:
-    """Bytes of a replay cache for `tokens` valid tokens (itemsize None = the compact dtype)."""
-    from moe.replay import ids_dtype
-
-    if itemsize is None:
-        itemsize = ids_dtype(num_experts).itemsize
-    return tokens * layers * topk * itemsize
+cache_bytes = replay_cache_bytes  # tokens x layers x K x itemsize (None: the compact dtype)
 
 
 def table(preset_name: str, prompts: list[int], group: int, seq_tokens: list[int], dp: int) -> str:

@@ -6,8 +6,9 @@ Usage:
     python -m tools.train_memory --no-measure       # just the table
     python -m tools.train_memory --with-recompute   # + bf16 with activation recompute
 
-Analytic part: bytes per parameter of the model state megatron keeps for training (its
-distributed-optimizer docs use the same accounting), per data-parallel replica of the model:
+Analytic part (`moe.memory`, which `megatron-gspo plan` uses too): bytes per parameter of the
+model state megatron keeps for training (its distributed-optimizer docs use the same
+accounting), per data-parallel replica of the model:
 
     setting                   param  main grad  fp32 master  Adam m+v    total (d = DP size)
     fp32                        4        4          -  (param)    8      16  -> dist.  8 + 8/d
@@ -41,25 +42,18 @@ import subprocess
 import sys
 import warnings
 
+from moe.memory import GIB, MIB, TRAINING_STATE, bytes_per_param  # noqa: F401 (shared)
+
 warnings.filterwarnings("ignore")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GIB, MIB = 1024 ** 3, 1024 ** 2
 SAMPLE_BYTES, SAMPLE_EVERY = 64 * 1024, 32  # CPU: read malloc's stats after ops this big / often
 # MKL's fast memory manager keeps its GEMM buffers allocated between calls on Intel CPUs
 # (measured +6.9 B/param of "persistent" state for qwen3-moe-tiny-deep fp32 on a Xeon, none on an
 # AMD EPYC): a cost of the BLAS library, not of the training state, so children run without it.
 CHILD_ENV = {"MKL_DISABLE_FAST_MM": "1"}
 
-# (name, bytes/param unsharded by the distributed optimizer, bytes/param it shards)
-SETTINGS = [("fp32", 4 + 4, 8), ("bf16 + fp32 masters", 2 + 4, 4 + 8),
-            ("bf16, no masters (old)", 2 + 4, 4)]
-
-
-def bytes_per_param(setting: str, dp: int = 1, distributed: bool = False) -> float:
-    """Training-state bytes per parameter (see the module docstring)."""
-    kept, shardable = next((k, s) for name, k, s in SETTINGS if name == setting)
-    return kept + shardable / (dp if distributed else 1)
+SETTINGS = TRAINING_STATE  # (name, bytes/param kept, bytes/param the dist. optimizer shards)
 
 
 def table(preset_name: str, dps: list[int]) -> str:

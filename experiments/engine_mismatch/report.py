@@ -67,8 +67,11 @@ def sft_line(sfts: dict, shape: str) -> str:
     s = sfts.get(shape)
     if not s or s.get("start_accuracy") is None:
         return f"{shape}: no cold start recorded"
-    return (f"{shape}: held-out accuracy {s['start_accuracy']:.4f} (our float32 decoder), "
-            f"entered the band at SFT step {s['band_step']:.0f}")
+    run = f" [run {s['fingerprint'][:12]}, checkpoint step {s['step']}]" \
+        if s.get("fingerprint") else ""  # results/ from before the cold start was recorded
+    test = "" if s.get("test_accuracy") is None else f"; test accuracy {s['test_accuracy']:.4f}"
+    return (f"{shape}{run}: held-out accuracy {s['start_accuracy']:.4f} (our float32 decoder), "
+            f"entered the band at SFT step {s['band_step']:.0f}{test}")
 
 
 def measure_table(meas: list[dict], sfts: dict) -> str:

@@ -109,11 +109,16 @@ def sft_job(lay: Layout, shape: str) -> None:
         return
     from tools.plot_run import read_metrics
 
+    from megatron_gspo.jobs.band import cold_start
+
     m = read_metrics(os.path.join(d, "metrics.jsonl"))
     times = m.get("time", {}).values()
+    cold = cold_start(d)
     _write(out, {"shape": shape, "start_accuracy": _last(m, "sft/start_accuracy"),
                  "band_step": _last(m, "sft/band_step"), "wall_s": wall,
-                 "span_s": max(times) - min(times) if times else None})
+                 "span_s": max(times) - min(times) if times else None,
+                 "fingerprint": cold["fingerprint"], "step": cold["step"],
+                 "test_accuracy": cold["test_accuracy"]})
 
 
 def measure_job(lay: Layout, shape: str, init: str, dtype: str, steps: int | None,

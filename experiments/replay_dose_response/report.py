@@ -237,8 +237,10 @@ def per_arm_table(root: str, readme: str | None, marker: str = MARKER) -> None:
 
 
 def main(root: str, calib_path: str, readme: str | None = None,
-         figure_path: str | None = None, marker: str = MARKER) -> str:
-    """Tables (into `readme`'s `table:MARKER` and `table:MARKER_runs` markers) and figure."""
+         figure_path: str | None = None, marker: str = MARKER,
+         cold_start: str | None = None) -> str:
+    """Tables (into `readme`'s `table:MARKER` and `table:MARKER_runs` markers) and figure;
+    `cold_start` (`megatron_gspo.jobs.band.cold_start_line`) heads them."""
     if not os.path.isfile(calib_path):
         raise SystemExit(f"no calibration {calib_path}: run the experiment first")
     with open(calib_path) as f:
@@ -248,6 +250,8 @@ def main(root: str, calib_path: str, readme: str | None = None,
         raise SystemExit(f"no finished runs in {root}")
     starts = [s["start_acc"] for seeds in runs.values() for s in seeds.values()]
     text = table(rows(runs, calib), statistics.fmean(starts))
+    if cold_start:
+        text = f"{cold_start[0].upper()}{cold_start[1:]}.\n" + text
     text += "\n\nNoise calibration on the cold start:\n\n" + calibration_table(calib)
     mm = mismatch_table(runs)
     if mm:

@@ -163,12 +163,14 @@ def main(argv=None) -> int:
             list(pool.map(lambda j: run_one(j, root, [f"init_checkpoint={args.sft_dir}",
                                                       *extra], args.config), grid))
     from experiments.replay_dose_response import report
+    from megatron_gspo.jobs.band import cold_start_line
 
+    cold = cold_start_line(os.path.join(ROOT, args.sft_dir)).replace(ROOT + os.sep, "")
     report.main(os.path.join(ROOT, root), calib_path,
                 readme=None if args.quick else os.path.join(HERE, "README.md"),
                 figure_path=os.path.join(ROOT, root, "dose_response.png") if args.quick
                 else os.path.join(HERE, "figures", f"dose_response{tag}.png"),
-                marker="dose" + tag)
+                marker="dose" + tag, cold_start=cold)
     print(f"dose-response done in {time.time() - t0:.0f}s", flush=True)
     return 0
 

@@ -32,7 +32,8 @@ routing at the step's starting weights from elsewhere: pi_old's pass for an iter
 step under R2 (the same weights; under R3 pi_old's pass replays the sampler's routing, so not
 there), else the previous measured step's "after" forward, which then runs over both
 minibatches' rows (`next_mb`: one call, twice the rows), else one extra forward. The "after"
-routing is one no-grad forward. Under router noise (`moe.router_noise`,
+routing is one no-grad forward; its router scores also give the router margin
+(`megatron_gspo.algo.margins`: `moe/router_margin/...`) at no forward's cost. Under router noise (`moe.router_noise`,
 `train.router_noise_std`) the recorded "before" of an unreplayed step is the noisy routing its
 loss actually used, so `moe/flip_rate` counts the noise's flips too.
 """
@@ -43,8 +44,10 @@ from contextlib import contextmanager
 
 import torch
 
+from megatron_gspo.algo.margins import margin_metrics
 from megatron_gspo.dist import sum_over_ranks
 from moe.replay import RoutingReplayCache, current_routing, record_routing
+from moe.router_scores import RouterScores, record_router_scores
 from moe.routing_stats import topk_mask
 
 
@@ -163,29 +166,36 @@ class StepFlips:
     """Flip measurement around one optimizer step on minibatch `mb` (a no-op unless `active`).
 
         flips = StepFlips(policy, mb, active=True)
-        with flips.watch(), replay_routing(policy, mb.replay):   # watch first: see below
-            loss = ...policy forward...
-        ...backward, optimizer step...
+        with flips.watch():
+            for rows in chunks:   # one, or the row chunks of train.micro_max_tokens
+                with flips.forward(rows), replay_routing(policy, ...):  # forward first: below
+                    loss = ...policy forward of those rows...
+                ...backward...
+        ...optimizer step...
         metrics.update(flips.after_step())
 
     `before`: the live routing of `mb` at the current weights when already known (pi_old's for
     an iteration's first step). `next_mb`: the next step's minibatch when that step measures
     too; `after_step` then also routes its rows and leaves them in `next_before`.
+    `margin_small`: also the router margin of the "after" forward's scores
+    (`megatron_gspo.algo.margins`, with this threshold); None = not measured.
     """
 
     def __init__(self, policy, mb, active: bool, before: RoutingReplayCache | None = None,
-                 next_mb=None):
+                 next_mb=None, margin_small: float | None = None):
         self.policy, self.mb, self.active = policy, mb, active
+        self.margin_small = margin_small
         self.before, self.next_mb = before, next_mb
         self.next_before: RoutingReplayCache | None = None
         self.used: RoutingReplayCache | None = None  # the routing the loss's forward used
 
     @contextmanager
     def watch(self):
-        """Wrap the training forward to capture the routing the step starts from. Enter it
-        before `replay_routing`: a replayed forward's routing is the cache's, not the router's,
-        so then the live routing comes from one extra no-grad forward run here."""
+        """Wrap the step's training forwards (each under `forward`) to capture the routing the
+        step starts from. Under replay a forward's routing is the cache's, not the router's, so
+        then the live routing comes from one extra no-grad forward run here."""
         policy, mb = self.policy, self.mb
+        self._parts: list[RoutingReplayCache] = []
         if not self.active:
             yield
             return
@@ -195,18 +205,30 @@ class StepFlips:
             self.used = mb.replay
             yield
             return
+        yield
+        self.before = RoutingReplayCache.cat(self._parts)
+        self.used = self.before
+
+    @contextmanager
+    def forward(self, rows: slice = slice(None)):
+        """Around each training forward inside `watch`, over the minibatch's rows `rows` (in
+        order; all of them in one forward, or consecutive chunks): records its live routing.
+        Enter it before `replay_routing`."""
+        policy = self.policy
+        if not self.active or self.mb.replay is not None:
+            yield
+            return
         with record_routing(policy) as recorded:
             yield
-        self.before = RoutingReplayCache.from_recorded(recorded, policy.routed_valid(mb.valid_BT),
-                                                       policy.preset.num_experts)
-        self.used = self.before
+        self._parts.append(RoutingReplayCache.from_recorded(
+            recorded, policy.routed_valid(self.mb.valid_BT[rows]), policy.preset.num_experts))
 
     def after_step(self) -> dict:
         """Flip rates of this step and drift from pi_old (call once the optimizer stepped)."""
         if not self.active:
             return {}
         mb = self.mb
-        after = self._after_routing()
+        after, scores = self._after_routing()
         rows_N = token_rows(self.policy, after, loss_positions(mb.response_BT))
         on_rows, on_all = flip_counts_over(self.before, after, [rows_N, torch.ones_like(rows_N)])
         out = _keyed(on_rows, {s: f"moe/{s}/" for s in ("flip_rate", "any_flip", "jaccard",
@@ -215,18 +237,29 @@ class StepFlips:
         out.update(layer_flips(mb.old_routing, after, "moe/drift_vs_old/", rows_N))
         out.update(_keyed(flip_counts(mb.old_routing, self.used, rows_N),
                           {"flip_rate": "moe/loss_routing_vs_old/"}))
+        if scores is not None:
+            out.update(margin_metrics(scores, rows_N, self.margin_small))
         return out
 
-    def _after_routing(self) -> RoutingReplayCache:
-        """The live routing of `mb` now (and of `next_mb`'s rows into `next_before`)."""
+    def _after_routing(self) -> tuple[RoutingReplayCache, RouterScores | None]:
+        """The live routing of `mb` now and its router scores (None without `margin_small`),
+        and `next_mb`'s routing into `next_before`."""
         mb, nxt = self.mb, self.next_mb
+        tokens_BT, valid_BT = mb.tokens_BT, mb.valid_BT
+        if nxt is not None:
+            tokens_BT, valid_BT = torch.cat([tokens_BT, nxt.tokens_BT]), \
+                torch.cat([valid_BT, nxt.valid_BT])
+        if self.margin_small is None:
+            both, scores = routing_of(self.policy, tokens_BT, valid_BT), None
+        else:
+            with record_router_scores(self.policy) as recorded:
+                both = routing_of(self.policy, tokens_BT, valid_BT)
+            scores = RouterScores.from_recorded(recorded, both.valid_BT, both.num_experts)
         if nxt is None:
-            return routing_of(self.policy, mb.tokens_BT, mb.valid_BT)
-        both = routing_of(self.policy, torch.cat([mb.tokens_BT, nxt.tokens_BT]),
-                          torch.cat([mb.valid_BT, nxt.valid_BT]))
+            return both, scores
         n = len(mb)
         self.next_before = both.select(slice(n, None))
-        return both.select(slice(0, n))
+        return both.select(slice(0, n)), scores and scores.select(slice(0, n))
 
 
 class FlipSchedule:
@@ -245,8 +278,8 @@ class FlipSchedule:
         metrics.update(schedule.finish(flips, stepped))
     """
 
-    def __init__(self, every: int, old_is_live: bool):
-        self.every, self.old_is_live = every, old_is_live
+    def __init__(self, every: int, old_is_live: bool, margin_small: float | None = None):
+        self.every, self.old_is_live, self.margin_small = every, old_is_live, margin_small
         self._carried: RoutingReplayCache | None = None  # next minibatch's live routing
 
     def measures(self, step: int) -> bool:
@@ -260,7 +293,7 @@ class FlipSchedule:
         hand_over = next_mb is not None and next_mb.replay is not None \
             and self.measures(step + 1)
         return StepFlips(policy, mb, active=self.measures(step), before=before,
-                         next_mb=next_mb if hand_over else None)
+                         next_mb=next_mb if hand_over else None, margin_small=self.margin_small)
 
     def finish(self, flips: StepFlips, stepped: bool) -> dict:
         """The step's flip metrics (none if the optimizer skipped the step)."""

@@ -15,14 +15,20 @@ from megatron_gspo.errors import ConfigError
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Prompts from files (task.name=dataset; task.n_train / n_eval / seed do not apply)."""
+    """Prompts from files (task.name=dataset; task.n_train / n_val / n_test / seed do not apply)."""
     _section: ClassVar[str] = "data"
+    _renamed: ClassVar[dict] = {"eval_files": "test_files", "eval_fraction": "test_fraction",
+                                "max_eval": "max_test"}
 
     train_files: Paths = field(default_factory=list)
     """Training files (.jsonl, or .parquet with pyarrow installed); a string is one file. Set
     exactly when task.name=dataset."""
-    eval_files: Paths = field(default_factory=list)
-    """Held-out files; empty = split data.eval_fraction of the (shuffled) train rows off."""
+    test_files: Paths = field(default_factory=list)
+    """Held-out test files (evaluated at a run's first and last step, `test/...`); empty = split
+    data.test_fraction of the (shuffled) train rows off. Formerly eval_files (still read)."""
+    val_files: Paths = field(default_factory=list)
+    """Validation files (verl's val_files): what evals during training and the accuracy bands
+    read; empty = split data.val_fraction of the train rows off (after the test rows)."""
     format: Literal["verl", "plain"] = "verl"
     """Row schema. verl: `prompt` = list of chat messages ({role, content}),
     `reward_model.ground_truth`, `data_source`. plain: `question`, `answer` (a GSM8K answer's
@@ -41,14 +47,21 @@ class DataConfig:
     "Question: {prompt}\\nAnswer:" in YAML double quotes, where \\n is a newline (on the command
     line: data.template='"Question: {prompt}\\nAnswer:"'); {prompt} = the message contents
     joined by blank lines."""
-    eval_fraction: float = 0.1
-    """Fraction of the train rows held out for eval when data.eval_files is empty."""
-    max_eval: Optional[int] = None
-    """Cap on the eval examples (the first ones after the seeded shuffle); None = all."""
+    test_fraction: float = 0.1
+    """Fraction of the train rows held out for test when data.test_files is empty. Formerly
+    eval_fraction (still read)."""
+    val_fraction: float = 0.0
+    """Fraction of the train rows held out for validation when data.val_files is empty (taken
+    after the test rows, so the test split stays as without it); 0 = no validation split: evals
+    during training and the accuracy bands read the test split, as before this split existed."""
+    max_test: Optional[int] = None
+    """Cap on the test examples (the first ones after the seeded shuffle); None = all. Formerly
+    max_eval (still read)."""
     shuffle: bool = True
-    """Shuffle rows with data.seed before splitting (and the eval rows before max_eval)."""
+    """Shuffle rows with data.seed before splitting (and the test / validation rows read from
+    their own files)."""
     seed: int = 1234
-    """Seed of the shuffle and train / eval split."""
+    """Seed of the shuffle and train / validation / test split."""
     max_prompt_tokens: Optional[int] = None
     """Longest prompt in tokens (with <bos>); None = the model's max_seq_len minus
     rollout.max_new_tokens. Longer prompts are an error naming file, row and field, or skipped
@@ -56,8 +69,9 @@ class DataConfig:
     skip_overlong_prompts: bool = False
     """Skip (and count) prompts longer than max_prompt_tokens instead of failing."""
     special_tokens_in_text: Literal["forbid", "allow", "escape"] = "forbid"
-    """A special token's text inside a row's prompt or SFT target (`<|im_end|>`,
-    `<|im_start|>`), which the tokenizer would read as the token itself: a row could forge a
+    """A special token's text inside a row's prompt (a message's content, and its role where
+    the chat template renders it) or SFT target (`<|im_end|>`, `<|im_start|>`), which the
+    tokenizer would read as the token itself: a row could forge a
     chat turn, and an end-of-turn id also stops sampling. forbid: an error naming the file, line
     and token; escape: a zero-width space after its first character makes it ordinary text;
     allow: read as the token (Hugging Face's and verl's default)."""
@@ -68,12 +82,17 @@ class DataConfig:
 
     def __post_init__(self):
         validate(self, nonempty=("prompt_key", "answer_key", "sft_key", "tokenizer_path"),
-                 ge={"max_eval": 1, "max_prompt_tokens": 1})
-        for name in ("train_files", "eval_files"):
+                 ge={"max_test": 1, "max_prompt_tokens": 1})
+        for name in ("train_files", "test_files", "val_files"):
             check(self, name, all(isinstance(p, str) and p for p in getattr(self, name)),
                   "must be a list of non-empty paths")
-        check(self, "eval_fraction", 0 < self.eval_fraction < 1 or bool(self.eval_files),
-              "must be in (0, 1) (or give data.eval_files)")
+        check(self, "test_fraction", 0 < self.test_fraction < 1 or bool(self.test_files),
+              "must be in (0, 1) (or give data.test_files)")
+        check(self, "val_fraction", 0 <= self.val_fraction < 1, "must be in [0, 1)")
+        held_out = (0 if self.test_files else self.test_fraction) + \
+            (0 if self.val_files else self.val_fraction)
+        check(self, "val_fraction", held_out < 1, f"and data.test_fraction={self.test_fraction} "
+              "leave no training rows")
         check(self, "template", self.template is None or "{prompt}" in self.template,
               "must contain {prompt} (or be null for the tokenizer's chat template)")
 

@@ -29,15 +29,37 @@ def _unknown(prefix: str, name, cls) -> ConfigError:
                        f"{', '.join(field_types(cls))}")
 
 
+def renamed(cls) -> dict[str, str]:
+    """{older name: field} of the keys section `cls` still reads under a name it had before
+    (its `_renamed` class attribute): old configs and run records keep loading."""
+    return getattr(cls, "_renamed", {})
+
+
+def _current_names(cls, data: dict, prefix: str) -> dict:
+    """`data` with `cls`'s older key names (`renamed`) as the fields they became; ConfigError
+    when a mapping gives one key under both names."""
+    old = renamed(cls)
+    out = {}
+    for name, value in data.items():
+        new = old.get(name, name)
+        if new in out or (new != name and new in data):
+            raise ConfigError(f"{prefix}{name} and {prefix}{new} are one key ({prefix}{name} "
+                              f"is its older name): give it once, as {prefix}{new}")
+        out[new] = value
+    return out
+
+
 def build(cls, data, prefix: str = ""):
-    """Dataclass `cls` from a nested mapping (None = all defaults): every key known, every value
-    read into its field's type (`fields.coerce`, then the field's `Annotated` reader), then the
-    dataclass checks them. ConfigError naming the dotted key otherwise."""
+    """Dataclass `cls` from a nested mapping (None = all defaults): every key known (older names
+    read as their fields, `renamed`), every value read into its field's type (`fields.coerce`,
+    then the field's `Annotated` reader), then the dataclass checks them. ConfigError naming the
+    dotted key otherwise."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of keys, "
                           f"got {type(data).__name__} {data!r}")
+    data = _current_names(cls, data, prefix)
     types, readers = field_types(cls), field_readers(cls)
     kwargs = {}
     for name, value in data.items():
@@ -82,8 +104,11 @@ def apply_override(root, raw: dict, item: str) -> None:
     for i, name in enumerate(parts):
         prefix = "".join(p + "." for p in parts[:i])
         types = field_types(cls)
+        name = renamed(cls).get(name, name)
         if name not in types:
             raise _unknown(prefix, name, cls)
+        for old in [o for o, new in renamed(cls).items() if new == name]:
+            node.pop(old, None)  # the override replaces the value given under an older name
         tp, last = types[name], i == len(parts) - 1
         if dataclasses.is_dataclass(tp):
             if last:

@@ -3,7 +3,7 @@
     cfg = load_config("experiments/demo/gspo.yaml", ["loss.eps_low=3e-4", "train.steps=5"])
 
 `RunConfig` is the top level of an experiment file; its sections are one dataclass per component
-(`megatron_gspo.config.sections`, `.data`). Loading is strict and generic (`.loader` walks the
+(`megatron_gspo.config.sections`, `.rollout`, `.data`). Loading is strict and generic (`.loader` walks the
 dataclass fields, no per-section code): an unknown key at any level is an error naming the
 dotted key and listing the section's valid keys; values (YAML, or override text read as YAML:
 `1e-5`, `true`, `[1,2]`, `null`) are read into the field's type before a dataclass is built,
@@ -24,15 +24,15 @@ from megatron_gspo.config.data import (DataConfig, FilterConfig, RewardConfig,  
                                        check_data_sections)
 from megatron_gspo.config.docs import describe_fields, field_docs
 from megatron_gspo.config.fields import OptionalPath, Path, check, validate
-from megatron_gspo.config.loader import apply_override, build
+from megatron_gspo.config.loader import apply_override, build, renamed
+from megatron_gspo.config.rollout import RolloutConfig  # noqa: F401
 from megatron_gspo.config.sections import (LossConfig, ModelConfig, OptimConfig,  # noqa: F401
-                                           RolloutConfig, SFTConfig, TaskConfig, TrainConfig,
-                                           WandbConfig)
+                                           SFTConfig, TaskConfig, TrainConfig, WandbConfig)
 from megatron_gspo.config.yamlfile import atomic_write, load_layered
 from megatron_gspo.errors import ConfigError
 
 __all__ = ["RunConfig", "config_from_dict", "config_to_dict", "describe_config", "field_docs",
-           "load_config", "save_config"]
+           "load_config", "local_prompts", "renamed_keys", "save_config"]
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,31 @@ class RunConfig:
                 "train.routing_replay=r3 records routing through the KV-cache sampler: it needs "
                 f"rollout.kv_cache=true (got {self.rollout.kv_cache}) and "
                 f"model.sequence_parallel=false (got {self.model.sequence_parallel})")
+
+
+def local_prompts(cfg: RunConfig, dp: int) -> int:
+    """Prompts per rollout batch on one data-parallel rank; ConfigError unless the batch splits
+    evenly over the ranks and each rank's rows split into `train.num_minibatches`."""
+    prompts, group, n = cfg.rollout.prompts_per_batch, cfg.rollout.group_size, \
+        cfg.train.num_minibatches
+    if prompts % dp:
+        raise ConfigError(f"rollout.prompts_per_batch={prompts} is not divisible by the "
+                          f"data-parallel size {dp}")
+    if prompts // dp * group % n:  # each rank splits its own share into minibatches
+        raise ConfigError(f"train.num_minibatches={n} does not divide a data-parallel rank's "
+                          f"{prompts // dp * group} rollout rows (rollout.prompts_per_batch / "
+                          f"dp * rollout.group_size = {prompts} / {dp} * {group})")
+    return prompts // dp
+
+
+def renamed_keys() -> dict[str, str]:
+    """{older dotted key: its key now} over every section (`loader.renamed`): what a run record
+    written before a rename holds (task.n_eval: task.n_test)."""
+    out = {}
+    for f in dataclasses.fields(RunConfig):
+        tp = type(getattr(RunConfig(), f.name))
+        out.update({f"{f.name}.{old}": f"{f.name}.{new}" for old, new in renamed(tp).items()})
+    return out
 
 
 def config_from_dict(d: dict) -> RunConfig:

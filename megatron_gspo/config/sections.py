@@ -1,6 +1,7 @@
 """The run config's sections, one frozen dataclass per component: the model and its layout, the
-task, rollout sampling, the policy loss, the optimizer, the RL loop, the SFT cold start, wandb.
-(The dataset sections are in `megatron_gspo.config.data`, the top level in `.schema`.)
+task, the policy loss, the optimizer, the RL loop, the SFT cold start, wandb. (Rollout sampling
+is in `megatron_gspo.config.rollout`, the dataset sections in `.data`, the top level in
+`.schema`.)
 
 Every field has a docstring (a string literal right under it) that `megatron-gspo config`
 prints. `__post_init__` only checks (`fields.validate` / `fields.check`: one-line ConfigErrors
@@ -17,7 +18,6 @@ from typing import ClassVar, Literal, Optional
 
 from megatron_gspo.config.fields import (Band, OptionalPath, check, check_band, check_ratio_band,
                                          validate)
-from megatron_gspo.config.vllm import VLLMConfig
 from moe.presets import PRESETS
 from moe.settings import RECOMPUTE_MODULES, OptimSettings, layout_problems, resolve_dispatcher
 
@@ -65,6 +65,10 @@ class ModelConfig:
     layer shapes (e.g. qwen3-30b-a3b's 128 experts of hidden 2048) at a depth one device holds,
     for throughput and memory measurements. None = the preset's depth. Not with hf_path (a
     checkpoint's depth is its config.json's)."""
+    preset_overrides: dict = field(default_factory=dict)
+    """Architecture fields of model.preset to replace, e.g. {num_experts: 64, topk: 2,
+    moe_ffn_hidden_size: 32, norm_topk_prob: false} (any `moe.presets.MoEPreset` field but
+    name, vocab_size, max_seq_len, hf_model_type; random init). Not with hf_path."""
     recompute_granularity: Literal["off", "selective", "full"] = "off"
     """megatron's activation recompute for long responses: 'selective' re-runs
     recompute_modules in the backward, 'full' every transformer layer. Same grads (routing
@@ -90,6 +94,12 @@ class ModelConfig:
         check(self, "preset", self.preset in PRESETS, f"unknown preset; valid: {sorted(PRESETS)}")
         check(self, "num_layers", self.num_layers is None or self.hf_path is None,
               "only with model.preset (model.hf_path's depth comes from its config.json)")
+        check(self, "preset_overrides", not self.preset_overrides or self.hf_path is None,
+              "only with model.preset (model.hf_path's architecture is its config.json's)")
+        try:
+            PRESETS[self.preset].with_overrides(self.preset_overrides)
+        except (TypeError, ValueError) as e:
+            check(self, "preset_overrides", False, str(e))
         for name, msg in layout_problems(self):  # the rules live in moe.model
             check(self, name, False, msg)
 
@@ -102,8 +112,16 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class TaskConfig:
-    """Verifiable task and its train / eval splits."""
+    """Verifiable task and its train / validation / test splits.
+
+    Megatron-LM's train / valid / test (verl's val_files is the validation split): the evals
+    during training (`eval/accuracy`, train.eval_every, sft.eval_every) and whatever chooses
+    (sft.target_accuracy, train.start_accuracy) read the validation split; the test split is
+    evaluated at a run's first and last step (`test/...`) and chooses nothing. n_test was named
+    n_eval before the validation split existed: a config or run record with n_eval still loads
+    (as n_test), and draws the same test split."""
     _section: ClassVar[str] = "task"
+    _renamed: ClassVar[dict] = {"n_eval": "n_test"}
 
     name: str = "addition"
     """Task name (see `megatron_gspo.tasks.toy`), or dataset (prompts from files: the data
@@ -112,84 +130,21 @@ class TaskConfig:
     """Keyword arguments for the task constructor, e.g. {num_digits: 2}."""
     n_train: int = 2000
     """Number of training prompts."""
-    n_eval: int = 128
-    """Number of held-out eval prompts."""
+    n_test: int = 128
+    """Number of held-out test prompts: evaluated at a run's first and last step (`test/...`),
+    never read by anything that chooses. Formerly n_eval (still read). The same (task, n_test,
+    seed) draws the same test prompts whatever n_train and n_val are."""
+    n_val: int = 0
+    """Number of held-out validation prompts, disjoint from train and test (drawn after both, so
+    they stay as without it): what evals during training and the accuracy bands read. 0 = no
+    validation split: they read the test split, as before this split existed (a warning says so
+    where a band chooses on it)."""
     seed: int = 1234
-    """Seed of the train / eval split."""
+    """Seed of the train / validation / test split."""
 
     def __post_init__(self):
-        validate(self, nonempty=("name",), ge={"n_train": 1, "n_eval": 0})
+        validate(self, nonempty=("name",), ge={"n_train": 1, "n_test": 0, "n_val": 0})
         check(self, "kwargs", all(isinstance(k, str) for k in self.kwargs), "keys must be str")
-
-
-@dataclass(frozen=True)
-class RolloutConfig:
-    """Sampling of G responses per prompt."""
-    _section: ClassVar[str] = "rollout"
-
-    prompts_per_batch: int = 8
-    """Prompts per rollout batch (over all data-parallel ranks)."""
-    group_size: int = 8
-    """G: responses sampled per prompt (>= 2, advantages are group-normalised)."""
-    temperature: float = 1.0
-    """Sampling temperature (> 0); log-probs are computed at the same temperature."""
-    top_p: float = 1.0
-    """Nucleus sampling mass (0 < top_p <= 1)."""
-    max_new_tokens: int = 8
-    """Maximum response length in tokens."""
-    use_sampler_logprobs: bool = False
-    """Use the sampler's log-probs as pi_old instead of a recompute forward (the GSPO paper's
-    claim that inference-engine likelihoods can be used directly, sec. 4.3)."""
-    sampler_dtype: Literal["same", "bf16"] = "same"
-    """Precision of the sampler's forwards: "same" as the trainer, or "bf16" (autocast) for a
-    real train-inference mismatch with an fp32 trainer (`megatron_gspo.rollout.precision`):
-    log-probs and MoE routing then differ between sampler and trainer; pi_old, loss and eval
-    stay as trained."""
-    kv_cache: bool = True
-    """Sample with megatron-core's static KV cache (one new column per step); False recomputes
-    the full forward each step. Sequence parallelism always recomputes."""
-    backend: str = "lean"
-    """The sampler (`megatron_gspo.rollout.sampler`): "lean" (our KV-cache decoder in the
-    trainer process: walks megatron's layers itself, caches rotated keys, attends per K/V group;
-    `moe.decode`), "megatron" (`GPTModel.forward` with megatron-core's static inference context:
-    the same routing and logits to fp32 rounding, slower), "megatron_engine" (megatron-core's
-    dynamic inference engine over the same weights: paged KV cache, CUDA graphs; GPU and
-    megatron-core >= 0.19 only), or any name registered with `register_sampler`."""
-    decoder: Literal["lean", "megatron"] = "lean"
-    """The older spelling of backend=lean|megatron: with backend left at "lean",
-    decoder=megatron selects the megatron sampler."""
-    cuda_graphs: bool = True
-    """backend=megatron_engine: replay its decode steps as CUDA graphs (megatron's own,
-    `cuda_graph_impl=local` at block scope; training forwards stay eager)."""
-    engine_dtype: Literal["auto", "fp32", "bf16"] = "auto"
-    """backend=vllm: the engine's precision ("auto": the model's, model.dtype); bf16 with an
-    fp32 trainer is the train-inference mismatch R3 removes."""
-    engine_kv_cache_gb: float = 1.0
-    """backend=vllm: the engine's KV cache, in GiB (vLLM otherwise reserves a fraction of the
-    host's or GPU's memory)."""
-    push_check_tol: Optional[float] = None
-    """backend=vllm: after each weight push the engine's and the trainer's log-probs of the
-    engine's greedy continuation of a fixed prompt may differ by at most this (nats, over its
-    tokens the mean for a float32 engine, median for bfloat16) or the run stops before sampling;
-    None: 1e-4 for a float32 engine, 0.8 for bfloat16. May change on resume."""
-    vllm: VLLMConfig = field(default_factory=VLLMConfig)
-    """backend=vllm: where the engine runs (in this process or as engine servers)."""
-
-    def __post_init__(self):
-        validate(self, nonempty=("backend",),
-                 ge={"prompts_per_batch": 1, "group_size": 2, "max_new_tokens": 1},
-                 gt={"temperature": 0, "engine_kv_cache_gb": 0, "push_check_tol": 0})
-        check(self, "top_p", 0 < self.top_p <= 1, "must be in (0, 1]")
-
-    @property
-    def sampler(self) -> str:
-        """The sampler's registered name: `backend`, or `decoder` while backend is "lean"."""
-        return self.decoder if self.backend == "lean" else self.backend
-
-    @property
-    def engine_graphs(self) -> bool:
-        """Whether the policy is built with megatron's inference CUDA graphs."""
-        return self.sampler == "megatron_engine" and self.cuda_graphs
 
 
 @dataclass(frozen=True)
@@ -273,7 +228,20 @@ class TrainConfig:
     record it through the KV cache (needs rollout.kv_cache, no sequence parallelism), an
     inference engine reports its own."""
     flip_every: int = 1
-    """Measure per-layer expert flips every k optimizer steps (0 = never)."""
+    """Measure per-layer expert flips every k optimizer steps (0 = never), and the router margin
+    (`moe/router_margin/...`, from the same forward's router scores)."""
+    router_margin_small: float = 0.01
+    """The threshold of `moe/router_margin_small/layer_XX`: the fraction of loss positions whose
+    router-probability gap between their K-th and (K+1)-th expert is below it (> 0; a
+    probability, so compare with 1 / num_experts, 0.0625 for qwen3-moe-tiny)."""
+    route_sensitivity_every: int = 0
+    """Measure `moe/route_sensitivity/layer_XX` every k rollout batches, on the rollout batch at
+    pi_old's weights before its first optimizer step (0 = never): L + 1 no-grad forwards of the
+    whole batch (`megatron_gspo.algo.sensitivity`; train.logprob_max_tokens does not split
+    them). Changes nothing that is trained."""
+    route_sensitivity_fraction: float = 0.1
+    """The fraction of loss positions whose K-th expert is swapped for their (K+1)-th, one layer
+    at a time, in `moe/route_sensitivity` (in (0, 1])."""
     logprob_max_tokens: int = 4096
     """Token budget (sequences x padded length, at least one sequence) per forward of the
     no-grad passes over a whole rollout batch: pi_old, R3's replayed pi_old, the reference
@@ -282,6 +250,15 @@ class TrainConfig:
     per-forward overhead dominates there on CPU (`bench/step.py --pi-old`). The same
     numbers as one pass to fp32 rounding (GEMMs over fewer rows); ranks agree on the number of
     forwards. A memory knob: may change on resume."""
+    micro_max_tokens: int = 0
+    """Token budget (sequences x padded length, at least one sequence) per forward and backward
+    of an optimizer step: each minibatch runs in as few row chunks as keep within it, their
+    gradients accumulated into the one optimizer step; 0 = the whole minibatch in one forward.
+    Bounds a train step's activation memory (verl's ppo_max_token_len_per_gpu; `megatron-gspo
+    plan` sizes it). The same update to float rounding: each chunk's loss, a mean over its
+    sequences, weighs its share of the minibatch's rows, and the metrics cover the whole
+    minibatch (`megatron_gspo.jobs.rl_step`); the router noise draws continue over the chunks.
+    Ranks agree on the number of chunks. A memory knob: may change on resume."""
     router_noise_std: float = 0.0
     """Routing-volatility knob (0 = off): Gaussian noise of this std on the router logits picks
     the top-k experts in the loss's forward only (gate weights stay those of the clean logits;
@@ -311,10 +288,13 @@ class TrainConfig:
 
     def __post_init__(self):
         validate(self, ge={"steps": 1, "num_minibatches": 1, "log_every": 1, "flip_every": 0,
-                            "logprob_max_tokens": 0, "router_noise_std": 0,
+                            "logprob_max_tokens": 0, "micro_max_tokens": 0,
+                            "router_noise_std": 0,
                             "eval_every": 0, "save_every": 0, "keep_checkpoints": 0,
-                            "max_skipped_steps": 0,
-                            "collapse_entropy_floor": 0})
+                            "max_skipped_steps": 0, "route_sensitivity_every": 0,
+                            "collapse_entropy_floor": 0}, gt={"router_margin_small": 0})
+        check(self, "route_sensitivity_fraction", 0 < self.route_sensitivity_fraction <= 1,
+              "must be in (0, 1]")
         check(self, "collapse_reward_drop", 0 < self.collapse_reward_drop <= 1,
                "must be in (0, 1]")
         check_band(self, "start_accuracy")

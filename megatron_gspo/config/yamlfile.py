@@ -37,9 +37,14 @@ class YamlLoader(yaml.SafeLoader):
 
 def load_yaml(path: str):
     """Parse a YAML file with `YamlLoader`; any YAML error is a one-line ConfigError naming the
-    file, line and column."""
-    with open(path) as f:
-        text = f.read()
+    file, line and column, a file that is not UTF-8 text one naming the file and the byte."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text: byte 0x{data[e.start]:02x} at offset "
+                          f"{e.start} ({e.reason}); save the file as UTF-8") from None
     try:
         return yaml.load(text, Loader=YamlLoader)
     except yaml.MarkedYAMLError as e:

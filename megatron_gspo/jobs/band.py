@@ -21,17 +21,26 @@ measured from it described one checkpoint.
   (`check_start_accuracy`), before any RL step.
 
 The band, not the step count, is what a recipe promises on another machine: the step at which
-SFT enters it may differ. Accuracies are on the run's held-out prompts (greedy), averaged over
-data-parallel ranks.
+SFT enters it may differ. Accuracies are greedy, averaged over data-parallel ranks, on the
+run's validation split (`task.n_val`, `data.val_files` / `data.val_fraction`): the band chooses
+the cold start, so it must not read the test split that reports the results (a noisy rising
+curve stopped at its first high point regresses on the split that chose it). A run without a
+validation split reads the test split, as before that split existed, with a warning.
+
+`cold_start(sft_dir)` / `cold_start_line` name the cold start an experiment began from: the
+SFT run's fingerprint (run.json) and checkpoint step, its band record and its test accuracy.
 """
 
 from __future__ import annotations
 
+import json
 import os
 
 from megatron_gspo.config.schema import RunConfig
 from megatron_gspo.errors import ConfigError
+from megatron_gspo.run import checkpoint as ckpt
 from megatron_gspo.run.metrics import read_jsonl
+from megatron_gspo.run.rundir import RUN_FILE
 
 ACC = "eval/accuracy"
 
@@ -157,16 +166,59 @@ class SFTBand:
             self.last = (step, row[ACC])
 
 
-def cold_start_line(sft_dir: str) -> str:
-    """One line on where an SFT run stopped: its held-out accuracy (the start accuracy of RL
-    from it) and the step it entered sft.target_accuracy, read from its metrics.jsonl."""
-    path = os.path.join(sft_dir, "metrics.jsonl")
-    rows = read_jsonl(path) if os.path.isfile(path) else []
+def cold_start(sft_dir: str) -> dict:
+    """What RL from SFT run `sft_dir` begins with, read from the run dir: `fingerprint`
+    (run.json's hash of the run's semantic config, `megatron_gspo.run.rundir`; None before the
+    run was recorded), `step` (the checkpoint step `init_checkpoint` loads: the newest complete
+    one; None without), `validation` (whether the run had a validation split, so its band chose
+    on it; False: on the test split; None without a record), and from metrics.jsonl `band_step`
+    and `start_accuracy` (the band record; None without) and `test_accuracy` (the test split's
+    greedy accuracy at `step`, None where not logged)."""
+    rows, record = _rows(sft_dir), {}
+    if os.path.isfile(os.path.join(sft_dir, RUN_FILE)):
+        with open(os.path.join(sft_dir, RUN_FILE)) as f:
+            record = json.load(f)
+    try:
+        step = ckpt.newest_step(os.path.join(sft_dir, "checkpoints"))
+    except (OSError, ValueError):  # no checkpoints / a garbled `latest`: no step to name
+        step = None
     band = [r for r in rows if "sft/band_step" in r]
-    if band:
-        return (f"cold start {sft_dir}: start accuracy {band[-1]['sft/start_accuracy']:.4f}, "
-                f"entered the band at SFT step {band[-1]['sft/band_step']:.0f}")
-    evals = [r for r in rows if "eval/accuracy" in r]
+    test = [r["test/accuracy"] for r in rows if r["step"] == step and "test/accuracy" in r]
+    return {"run_dir": sft_dir, "fingerprint": record.get("fingerprint"), "step": step,
+            "validation": _had_validation(record["config"]) if record else None,
+            "band_step": int(band[-1]["sft/band_step"]) if band else None,
+            "start_accuracy": band[-1]["sft/start_accuracy"] if band else None,
+            "test_accuracy": test[-1] if test else None}
+
+
+def _had_validation(config: dict) -> bool:
+    """Whether a recorded semantic config (run.json's) had a validation split."""
+    return bool(config.get("task.n_val") or config.get("data.val_files")
+                or config.get("data.val_fraction"))
+
+
+def _rows(sft_dir: str) -> list[dict]:
+    path = os.path.join(sft_dir, "metrics.jsonl")
+    return read_jsonl(path) if os.path.isfile(path) else []
+
+
+def cold_start_line(sft_dir: str) -> str:
+    """One line on where an SFT run stopped (`cold_start`): the run's fingerprint and the
+    checkpoint step RL starts from, in brackets where known (and that its band chose on the
+    test split, for a run without a validation split), then its start accuracy and the step it
+    entered sft.target_accuracy, and its test accuracy there where logged."""
+    cold = cold_start(sft_dir)
+    known = [f"run {cold['fingerprint'][:12]}" if cold["fingerprint"] else "",
+             f"checkpoint step {cold['step']}" if cold["step"] is not None else "",
+             "band on the test split" if cold["validation"] is False else ""]
+    where = f"cold start {sft_dir}" + (f" [{', '.join(k for k in known if k)}]"
+                                       if any(known) else "")
+    if cold["band_step"] is not None:
+        test = "" if cold["test_accuracy"] is None else \
+            f"; test accuracy {cold['test_accuracy']:.4f}"
+        return (f"{where}: start accuracy {cold['start_accuracy']:.4f}, entered the band at SFT "
+                f"step {cold['band_step']}{test}")
+    evals = [r for r in _rows(sft_dir) if "eval/accuracy" in r]
     last = f"accuracy {evals[-1]['eval/accuracy']:.4f} at step {evals[-1]['step']}" \
         if evals else "no eval logged"
-    return f"cold start {sft_dir}: no band record ({last})"
+    return f"{where}: no band record ({last})"

@@ -43,11 +43,12 @@ from megatron_gspo.algo.flips import (FlipSchedule, loss_positions, sampler_mism
                                       token_rows)
 from megatron_gspo.algo.corrections import correction_inputs
 from megatron_gspo.algo.losses import PolicyLossFn, get_policy_loss
-from megatron_gspo.config.schema import RunConfig
-from megatron_gspo.errors import ConfigError
-from megatron_gspo.dist import all_ranks, max_over_ranks, reduce_metrics, sum_over_ranks
+from megatron_gspo.config.schema import RunConfig, local_prompts
+from megatron_gspo.dist import max_over_ranks, reduce_metrics
 from megatron_gspo.jobs.band import StartBand
-from megatron_gspo.jobs.rl_metrics import response_metrics, rollout_metrics, throughput
+from megatron_gspo.jobs.rl_metrics import (replay_diff, response_metrics, rollout_metrics,
+                                            route_sensitivity_row, throughput)
+from megatron_gspo.jobs.rl_step import accumulate, noise_inputs
 from megatron_gspo.rollout.batch import RolloutBatch
 from megatron_gspo.rollout.filters import overlong_filter, rollout_health, sample_rollouts
 from megatron_gspo.rollout.generate import generate_rollouts
@@ -57,10 +58,10 @@ from megatron_gspo.run.init import load_init_weights
 from megatron_gspo.run.loop import RunLoop, Schedule
 from megatron_gspo.run.metrics import Timer
 from megatron_gspo.run.oom import OLD_PASS, ROLLOUT, TRAIN_STEP, out_of_memory
-from megatron_gspo.run.setup import Runtime, build_policy, evaluate_runtime, setup_runtime
+from megatron_gspo.run.setup import (Runtime, build_policy, evaluate_runtime, evaluate_test,
+                                     setup_runtime)
 from moe.replay import (RoutingReplayCache, chunk_count, current_routing, replay_routing,
                         row_chunks)
-from moe.router_noise import router_noise
 
 PROGRESS_KEYS = ("reward/mean", "eval/accuracy", "policy/clip_frac/token",
                  "moe/flip_rate/mean", "train/grad_norm")
@@ -143,8 +144,8 @@ class Trainer:
         self.timer = Timer()
         self.filter_metrics: dict = {}  # dynamic sampling's, of the last rollout
         # pi_old's routing is the live one at its weights, except under R3 (the sampler's)
-        self.flips = FlipSchedule(cfg.train.flip_every,
-                                  old_is_live=cfg.train.routing_replay != "r3")
+        self.flips = FlipSchedule(cfg.train.flip_every, cfg.train.routing_replay != "r3",
+                                  margin_small=cfg.train.router_margin_small)
         self.loop = RunLoop(rt, self)  # resumes: self.state is the checkpoint's from here on
 
     @classmethod
@@ -174,6 +175,9 @@ class Trainer:
     def evaluate(self) -> dict:
         return evaluate_runtime(self.rt)
 
+    def test(self) -> dict:
+        return evaluate_test(self.rt, self.state.opt_step)
+
     # ------------------------------------------------------------------ one rollout batch
     def iteration(self) -> dict:
         """One rollout batch: sample, pi_old pass, `train.num_minibatches` optimizer steps. Logs
@@ -186,6 +190,9 @@ class Trainer:
         with self.timer("old_forward"), out_of_memory("the no-grad pass over the rollout batch",
                                                       cfg, OLD_PASS):
             full, shared = self.prepare(batch)
+        # at pi_old's weights, before any step of this batch
+        sensitivity = route_sensitivity_row(cfg, self.policy, batch, it, self.rt.info.dp_rank,
+                                            self.timer)
         shared["train/iteration"] = it
         order = torch.randperm(len(batch), generator=seeds.minibatch_order(cfg.seed, it))
         metrics = {}
@@ -198,7 +205,7 @@ class Trainer:
             if m < cfg.train.num_minibatches - 1:
                 self.rt.logger.log(self.state.opt_step, metrics)
         self.state.iteration = it + 1
-        metrics.update(self.timer.as_metrics())
+        metrics.update(sensitivity, **self.timer.as_metrics())
         metrics.update(throughput(batch, self.timer))
         metrics.update(self.collapse_alerts(metrics))
         return metrics
@@ -249,7 +256,8 @@ class Trainer:
     def records_sampler_routing(self) -> bool:
         """Record the sampler's routing: for R3, and to measure the sampler-trainer routing
         mismatch where it can be: an inference engine's (one rollout round), or our decoder's
-        in another precision (KV cache, one round, no sequence parallelism)."""
+        in another precision or with noisy routers (KV cache, one round, no sequence
+        parallelism)."""
         cfg = self.cfg
         if cfg.train.routing_replay == "r3":
             return True
@@ -257,8 +265,8 @@ class Trainer:
             return False
         if cfg.rollout.sampler in ENGINES:  # an engine reports its routing anyway
             return True
-        return cfg.rollout.sampler_dtype != "same" and cfg.rollout.kv_cache \
-            and not cfg.model.sequence_parallel
+        mismatched = cfg.rollout.sampler_dtype != "same" or cfg.rollout.router_noise_std > 0
+        return mismatched and cfg.rollout.kv_cache and not cfg.model.sequence_parallel
 
     def rollout(self, it: int) -> RolloutBatch:
         cfg, info = self.cfg, self.rt.info
@@ -273,7 +281,7 @@ class Trainer:
             return generate_rollouts(self.rt.sampler, self.rt.tokenizer, self.rt.task,
                                      [self.rt.train_set[i] for i in idx.tolist()],
                                      group_size=cfg.rollout.group_size, params=params,
-                                     generator=gen)
+                                     generator=gen, max_rows=cfg.rollout.max_batch_rows)
         batch, self.filter_metrics = sample_rollouts(draw, cfg.filter, self.local_prompts,
                                                      cfg.rollout.group_size,
                                                      self.rt.tokenizer.pad_id)
@@ -283,33 +291,23 @@ class Trainer:
     # ------------------------------------------------------------------ one optimizer step
     def train_step(self, mb: Minibatch, next_mb: Minibatch | None = None,
                    first: bool = False) -> dict:
-        """One optimizer step on a minibatch; `mb.replay` (R2/R3 rows) forces its routing.
-        `first`: no step since pi_old's pass; `next_mb`: the iteration's next minibatch (both
-        let the flip measurement reuse routing it already has, `flips.FlipSchedule`)."""
+        """One optimizer step on a minibatch (its forwards and backwards in row chunks of
+        `train.micro_max_tokens`, `rl_step.accumulate`); `mb.replay` (R2/R3 rows) forces its
+        routing. `first`: no step since pi_old's pass; `next_mb`: the iteration's next
+        minibatch (both let the flip measurement reuse routing it already has,
+        `flips.FlipSchedule`)."""
         cfg, policy = self.cfg, self.policy
         flips = self.flips.start(policy, mb, self.state.opt_step, next_mb, first)
         tis, tis_metrics = self.tis(mb)
         policy.zero_grad()
-        replayed: dict = {}  # what the routers used vs the replay cache (0 when replay works)
-        with flips.watch(), replay_routing(policy, mb.replay, replayed), self.router_noise(mb):
-            logp_BT, entropy_BT = policy.token_logprobs(
-                mb.tokens_BT, mb.valid_BT, cfg.rollout.temperature, with_entropy=True,
-                start=mb.rollout.response_start)
-            nan = logp_BT.detach()[mb.response_BT.to(logp_BT.device).bool()].isnan().any()
-            if all_ranks(not bool(nan)):
-                loss, metrics = self.loss_fn(logp_BT, mb.old_logp_BT, mb.adv_B,
-                                             mb.response_BT.float(), cfg.loss,
-                                             ref_logp_BT=mb.ref_logp_BT, **tis)
-            else:  # NaN weights / activations: a skipped step (guard), not the loss's ValueError
-                loss, metrics = logp_BT.new_tensor(float("nan")), {"policy/loss": float("nan")}
-        metrics.update(tis_metrics, **response_metrics(mb, logp_BT, entropy_BT))
+        noise = noise_inputs(cfg, mb, self.state.opt_step, policy.device)
+        with flips.watch():
+            done = accumulate(policy, mb, cfg, self.loss_fn, tis, flips.forward, noise)
+        metrics = dict(done.metrics)
+        metrics.update(tis_metrics, **response_metrics(mb, done.logp_BT, done.entropy_BT))
         if mb.replay is not None:
-            metrics["replay/route_diff"] = replay_diff(replayed)
-        stepped, grad_norm = False, float("nan")
-        # skip on every rank or none (docs/pitfalls.md#collectives)
-        if all_ranks(bool(torch.isfinite(loss))):
-            policy.backward(loss)
-            stepped, grad_norm = policy.step()
+            metrics["replay/route_diff"] = replay_diff(done.replayed)
+        stepped, grad_norm = policy.step() if done.finite else (False, float("nan"))
         metrics.update(self.guard(stepped), **{"train/grad_norm": grad_norm,
                                                "train/lr": policy.lr})
         metrics.update(self.flips.finish(flips, stepped))
@@ -323,15 +321,6 @@ class Trainer:
         forward)."""
         return correction_inputs(mb.old_logp_BT, mb.rollout.sampler_logp_BT, mb.response_BT,
                                  self.cfg.loss)
-
-    def router_noise(self, mb: Minibatch):
-        """`train.router_noise_std` on the loss's forward when it is not replayed; one seeded
-        draw per optimizer step (resumable)."""
-        std = self.cfg.train.router_noise_std
-        if not std or mb.replay is not None:
-            return router_noise(self.policy, 0.0, None)
-        gen = seeds.router_noise(self.cfg.seed, self.state.opt_step, self.policy.device)
-        return router_noise(self.policy, std, gen)
 
     def guard(self, stepped: bool) -> dict:
         """NaN/inf guard: a bad step is skipped and counted; too many in a row aborts."""
@@ -373,25 +362,3 @@ def schedule(cfg: RunConfig) -> Schedule:
                     progress_keys=PROGRESS_KEYS)
 
 
-def replay_diff(check: dict) -> float:
-    """The fraction of routes (token, layer) the loss's forward used that were not the replay
-    cache's, over all ranks (`moe.replay.watch_replayed`; one collective)."""
-    counts = torch.tensor([float(check.get("differ", 0)), float(check.get("routes", 0))],
-                          dtype=torch.float64)
-    differ, routes = sum_over_ranks(counts).tolist()
-    return differ / routes if routes else 0.0
-
-
-def local_prompts(cfg: RunConfig, dp: int) -> int:
-    """Prompts per rollout batch on one data-parallel rank; ConfigError unless the batch splits
-    evenly over the ranks and each rank's rows split into `train.num_minibatches`."""
-    prompts, group, n = cfg.rollout.prompts_per_batch, cfg.rollout.group_size, \
-        cfg.train.num_minibatches
-    if prompts % dp:
-        raise ConfigError(f"rollout.prompts_per_batch={prompts} is not divisible by the "
-                          f"data-parallel size {dp}")
-    if prompts // dp * group % n:  # each rank splits its own share into minibatches
-        raise ConfigError(f"train.num_minibatches={n} does not divide a data-parallel rank's "
-                          f"{prompts // dp * group} rollout rows (rollout.prompts_per_batch / "
-                          f"dp * rollout.group_size = {prompts} / {dp} * {group})")
-    return prompts // dp

@@ -1,6 +1,7 @@
 """RL's metrics of one rollout batch and of one optimizer step (GSPO paper, sec. 5: the reward,
 response length, clipping and entropy curves; here also the sampler-vs-trainer log-prob gap
-Routing Replay is about, sec. 5.3), computed from tensors the trainer already has: no forward.
+Routing Replay is about, sec. 5.3), computed from tensors the trainer already has: no forward,
+except the route sensitivity's where `train.route_sensitivity_every` asks for it.
 
 Shape legend: B sequences, T tokens.
 """
@@ -9,7 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from megatron_gspo.algo.sensitivity import route_sensitivity, sensitivity_metrics
+from megatron_gspo.dist import sum_over_ranks
 from megatron_gspo.rollout.batch import RolloutBatch
+from megatron_gspo.run import seeds
 from megatron_gspo.run.metrics import Timer
 
 
@@ -50,3 +54,28 @@ def throughput(batch: RolloutBatch, timer: Timer) -> dict:
     train_tokens = float(batch.valid_BT.sum())
     return {"perf/rollout_tokens_per_s": gen_tokens / max(t.get("time/rollout", 0.0), 1e-9),
             "perf/train_tokens_per_s": train_tokens / max(t.get("time/train", 0.0), 1e-9)}
+
+
+def route_sensitivity_row(cfg, policy, batch: RolloutBatch, iteration: int, dp_rank: int,
+                          timer: Timer) -> dict:
+    """`moe/route_sensitivity/...` of rollout batch `iteration` at the policy's weights now,
+    every `train.route_sensitivity_every` rollout batches ({} otherwise), timed as
+    `time/sensitivity` (L + 1 no-grad forwards, `megatron_gspo.algo.sensitivity`)."""
+    every = cfg.train.route_sensitivity_every
+    if not every or iteration % every:
+        return {}
+    with timer("sensitivity"):
+        per_layer = route_sensitivity(policy, batch.tokens_BT, batch.valid_BT,
+                                      batch.response_BT, cfg.train.route_sensitivity_fraction,
+                                      seeds.route_sensitivity(cfg.seed, iteration, dp_rank),
+                                      cfg.rollout.temperature)
+    return sensitivity_metrics(per_layer)
+
+
+def replay_diff(check: dict) -> float:
+    """The fraction of routes (token, layer) the loss's forward used that were not the replay
+    cache's, over all ranks (`moe.replay.watch_replayed`; one collective)."""
+    counts = torch.tensor([float(check.get("differ", 0)), float(check.get("routes", 0))],
+                          dtype=torch.float64)
+    differ, routes = sum_over_ranks(counts).tolist()
+    return differ / routes if routes else 0.0

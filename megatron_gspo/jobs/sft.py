@@ -7,9 +7,10 @@ batch. The GSPO paper starts RL from a cold-start fine-tuned model; here SFT is 
 the policy is partially right (`eval/accuracy` well inside (0, 1)), so that groups of G samples
 have non-zero reward variance and RL has something to learn.
 
-The job gives the run loop (`megatron_gspo.run.loop`) its step, its eval, its state (`SFTState`)
-and its band (`sft.target_accuracy`, `megatron_gspo.jobs.band.SFTBand`); resume, preemption, the
-save at the end and "already finished" are the loop's, as for RL.
+The job gives the run loop (`megatron_gspo.run.loop`) its step, its evals (validation; test at
+the first and last step), its state (`SFTState`) and its band (`sft.target_accuracy` on the
+validation split, `megatron_gspo.jobs.band.SFTBand`); resume, preemption, the save at the end
+and "already finished" are the loop's, as for RL.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from megatron_gspo.jobs.band import SFTBand
 from megatron_gspo.run import seeds
 from megatron_gspo.run.loop import RunLoop, Schedule
 from megatron_gspo.run.oom import SFT_STEP, out_of_memory
-from megatron_gspo.run.setup import evaluate_runtime, setup_runtime
+from megatron_gspo.run.setup import evaluate_runtime, evaluate_test, setup_runtime
 
 
 def sft_batch(tokenizer, examples) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -100,6 +101,9 @@ class SFTJob:
 
     def evaluate(self) -> dict:
         return evaluate_runtime(self.rt)
+
+    def test(self) -> dict:
+        return evaluate_test(self.rt, self.state.log_step)
 
     def restore(self, extra: dict) -> None:
         self.state = SFTState.from_checkpoint(extra)

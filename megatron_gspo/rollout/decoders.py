@@ -16,6 +16,12 @@ B drawn ids and their log-probs come back. On a GPU the draws use a device gener
 one draw from the host `generator` (`device_generator`): reproducible per seed, not the CPU
 run's tokens. `rollout.sampler_dtype=bf16` runs these forwards under bf16 autocast
 (`rollout.precision`): a real sampler-trainer mismatch on one stack.
+`rollout.router_noise_std` makes the sampler's routers pick their top-k from noisy router logits
+(`moe.router_noise`): an engine whose routing disagrees with the trainer's at a chosen rate, in
+every forward the sampler runs (rollouts and evaluations, as an engine serves both). "fixed"
+noise is one function of the router's input for the whole run (`noise_seed`); "fresh" noise is
+drawn anew in each rollout, seeded by one draw from its generator (resumable: a function of the
+rollout batch), and from `noise_seed` in evaluations, which pass no generator.
 
 Every rank takes the same number of decode steps: sampling stops only when all ranks are done
 (`dist.all_ranks`), finished rows meanwhile decode padding. A per-rank stop desynchronises the
@@ -31,6 +37,7 @@ from megatron_gspo.rollout.precision import sampler_precision
 from megatron_gspo.rollout.sampler import (Samples, SamplingParams, left_pad, prompt_ids,
                                            register_sampler)
 from moe.decode import kv_decoder
+from moe.router_noise import router_noise
 
 
 class DecoderSampler:
@@ -38,8 +45,11 @@ class DecoderSampler:
     policy's live weights (nothing to sync); the model runs in eval mode while it samples."""
 
     def __init__(self, policy, tokenizer, kind: str, kv_cache: bool = True,
-                 sampler_dtype: str = "same"):
+                 sampler_dtype: str = "same", router_noise_std: float = 0.0,
+                 router_noise: str = "fixed", noise_seed: int = 0):
         self.policy, self.kind, self.kv_cache, self.dtype = policy, kind, kv_cache, sampler_dtype
+        self.noise_std, self.noise_seed = router_noise_std, noise_seed
+        self.noise_fixed = router_noise == "fixed"
         self.pad_id = tokenizer.pad_id
         self.stop_ids = torch.tensor(sorted(tokenizer.stop_ids), dtype=torch.long)
 
@@ -53,11 +63,23 @@ class DecoderSampler:
         if was_training:
             self.policy.train(False)
         try:
-            with sampler_precision(self.policy, self.dtype):
+            with sampler_precision(self.policy, self.dtype), \
+                    router_noise(self.policy, self.noise_std, self._noise_generator(generator),
+                                 fixed=self.noise_fixed):
                 return self._sample(prompts, params, generator)
         finally:
             if was_training:
                 self.policy.train(True)
+
+    def _noise_generator(self, generator: torch.Generator | None) -> torch.Generator | None:
+        """The router noise's generator on the policy's device (None without noise): seeded
+        by `noise_seed` for fixed noise and in evaluations, else by one draw from `generator`
+        (a rollout's)."""
+        if not self.noise_std:
+            return None
+        seed = self.noise_seed if generator is None or self.noise_fixed else \
+            int(torch.randint(2 ** 63 - 1, (1,), generator=generator))
+        return torch.Generator(self.policy.device).manual_seed(seed)
 
     def _sample(self, prompts, params: SamplingParams, generator) -> Samples:
         policy = self.policy
@@ -145,7 +167,10 @@ def draw(logits_BV: torch.Tensor, params: SamplingParams,
 def _decoder_factory(kind: str):
     def factory(policy, tokenizer, cfg) -> DecoderSampler:
         return DecoderSampler(policy, tokenizer, kind, kv_cache=cfg.rollout.kv_cache,
-                              sampler_dtype=cfg.rollout.sampler_dtype)
+                              sampler_dtype=cfg.rollout.sampler_dtype,
+                              router_noise_std=cfg.rollout.router_noise_std,
+                              router_noise=cfg.rollout.router_noise,
+                              noise_seed=cfg.seed)
     return factory
 
 

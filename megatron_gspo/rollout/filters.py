@@ -35,6 +35,7 @@ from megatron_gspo.algo.advantages import ZERO_STD_TOL
 from megatron_gspo.dist import max_over_ranks
 from megatron_gspo.tasks.rewards import RAISED, TIMED_OUT
 from megatron_gspo.rollout.batch import RolloutBatch
+from moe.replay import RoutingReplayCache
 
 
 def rollout_health(batch: RolloutBatch) -> dict[str, float]:
@@ -72,9 +73,12 @@ def group_has_signal(rewards_B: torch.Tensor, group_size: int) -> torch.Tensor:
 def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
     """Rows of all batches; [B, T] tensors right-padded to the longest T (tokens with pad_id,
     masks False, log-probs 0). Each row stays contiguous, and positions / attention follow
-    valid_BT, so the policy sees every row as before. Group ids are renumbered."""
-    if any(b.routing is not None for b in batches):
-        raise ValueError("concat_batches: rollout-time routing (R3) cannot be merged")
+    valid_BT, so the policy sees every row as before. Group ids are renumbered. Rollout-time
+    routing (R3) merges when every batch has it (a cache holds valid tokens only: its rows
+    keep their ids, its mask is padded like valid_BT)."""
+    routing = [b.routing for b in batches]
+    if any(r is not None for r in routing) and any(r is None for r in routing):
+        raise ValueError("concat_batches: rollout-time routing (R3) in some batches only")
     T = max(b.tokens_BT.shape[1] for b in batches)
     out, offset, groups = {}, 0, []
     for b in batches:
@@ -84,6 +88,10 @@ def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
         values = [getattr(b, f.name) for b in batches]
         if f.name == "group_B":
             out[f.name] = torch.cat(groups)
+        elif f.name == "routing" and routing[0] is not None:
+            out[f.name] = RoutingReplayCache.cat([RoutingReplayCache(
+                r.ids_NLK, torch.nn.functional.pad(r.valid_BT, (0, T - r.valid_BT.shape[1])),
+                r.num_experts) for r in routing])
         elif all(v is None for v in values):
             out[f.name] = None
         elif isinstance(values[0], list):

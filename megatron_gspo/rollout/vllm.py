@@ -277,9 +277,9 @@ def write_config(folder: str, policy, cfg) -> dict:
 
 
 def hf_stream(policy, hf_config: dict):
-    """The policy's weights as (Hugging Face name, tensor), one megatron parameter at a time,
-    gathered over TP / EP (collective: every rank pulls the whole stream), vocabulary padding
-    cut."""
+    """The policy's weights as (Hugging Face name, tensor), one megatron parameter at a time
+    (a MoE layer's stacked expert weight: each expert's tensors), gathered over TP / EP
+    (collective: every rank pulls the whole stream), vocabulary padding cut."""
     mapping, vocab = HFMapping(hf_config), hf_config["vocab_size"]
     # which layers are MoE (local_to_te reads it off the router names)
     routers = [n for n, _ in policy.model.module.named_parameters() if ".mlp.router." in n]

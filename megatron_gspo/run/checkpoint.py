@@ -14,7 +14,8 @@ point to, so resume and `load_checkpoint` still see the previous complete step.
 
 Verified: each shard's sha256 and size are written beside it (`rank_XXXXX.pt.sha256`) and
 checked before it is loaded, so a truncated or overwritten file is a `CheckpointError` naming the
-file instead of silently wrong tensors. `mark_latest` also marks the step dir `complete`;
+file instead of silently wrong tensors; so is a shard whose checksum is missing (a step with
+incomplete checksums is incomplete: resume falls back past it, export refuses it). `mark_latest` also marks the step dir `complete`;
 `resume_candidates` lists the complete steps newest first, for a resume that falls back past a
 corrupt latest step, or past a `latest` that is missing, empty or names a step dir that is gone.
 A write that fails (disk full) raises `CheckpointError` with the OSError and leaves the previous
@@ -124,11 +125,13 @@ def write_checksum(path: str) -> None:
 
 
 def verify_file(path: str) -> None:
-    """CheckpointError unless `path` matches the sha256 and size written beside it. Files
-    without a checksum (written by an older version) pass unchecked."""
+    """CheckpointError unless `path` matches the sha256 and size written beside it. A file
+    without its checksum is not trusted either: its step is incomplete (every shard this
+    version writes has one)."""
     sidecar = path + CHECKSUM_SUFFIX
     if not os.path.isfile(sidecar):
-        return
+        raise CheckpointError(f"checkpoint file {path} has no checksum beside it ({sidecar} is "
+                              "missing): its step is incomplete")
     try:
         with open(sidecar) as f:
             want = json.load(f)
@@ -149,14 +152,16 @@ def verify_file(path: str) -> None:
 
 
 def verify_dir(directory: str, rank: int = 0, world_size: int = 1) -> None:
-    """`verify_file` for this rank's share (every `world_size`-th) of the files in `directory`
-    that have a checksum beside them, whatever layout wrote them: a resume with fewer ranks
-    checks the shards of the ranks it no longer has too. A file whose checksum is there but
-    which is gone is a CheckpointError."""
-    names = sorted(n for n in os.listdir(directory) if n.endswith(CHECKSUM_SUFFIX)) \
-        if os.path.isdir(directory) else []
+    """`verify_file` for this rank's share (every `world_size`-th) of the files in `directory`,
+    whatever layout wrote them: a resume with fewer ranks checks the shards of the ranks it no
+    longer has too. A file whose checksum is there but which is gone, and a file without its
+    checksum, are a CheckpointError (`.tmp` files, a killed write's, are not shards)."""
+    listed = os.listdir(directory) if os.path.isdir(directory) else []
+    names = sorted({n[:-len(CHECKSUM_SUFFIX)] if n.endswith(CHECKSUM_SUFFIX) else n
+                    for n in listed if not n.endswith(".tmp")
+                    and os.path.isfile(os.path.join(directory, n))})
     for name in names[rank::world_size]:
-        path = os.path.join(directory, name[:-len(CHECKSUM_SUFFIX)])
+        path = os.path.join(directory, name)
         if not os.path.isfile(path):
             raise CheckpointError(f"checkpoint file {path} is missing (its checksum is there)")
         verify_file(path)

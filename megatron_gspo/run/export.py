@@ -12,8 +12,9 @@ folder's; the character tokenizer has no Hugging Face files, so none are written
 OUT must be new or empty: nothing is overwritten.
 
 Atomic: everything is written into the sibling `OUT.partial` (fsync'ed), which is renamed to OUT
-only when complete, so an export killed or failing part-way (disk full at the tokenizer) leaves
-no OUT that transformers would load with a tokenizer missing or cut short. A failure removes
+only when complete, so an export killed or failing part-way (disk full at the weights or the
+tokenizer: one line, the OSError) leaves no OUT that transformers would load with weights or a
+tokenizer missing or cut short. A failure removes
 `OUT.partial`; a re-run removes the one a killed export left (it holds `PARTIAL_MARKER`), saying
 so. Every file gets the user's umask.
 """
@@ -88,7 +89,8 @@ def _source(run_dir: str, model_cfg: dict, hf_path: str | None, tok_path: str | 
         except (FileNotFoundError, ValueError):  # no usable tokenizer there (the run had its own)
             vocab = base["vocab_size"]
         return base, preset_from_hf_config(base, hf_path), vocab
-    preset = get_preset(model_cfg["preset"])
+    preset = get_preset(model_cfg["preset"]).with_overrides(model_cfg.get("preset_overrides")
+                                                            or {})
     if model_cfg.get("num_layers"):  # model.num_layers: the preset at that depth
         preset = dataclasses.replace(preset, num_layers=model_cfg["num_layers"])
     return None, preset, None

@@ -2,24 +2,35 @@
 
     run.json  {"job": ..., "fingerprint": ..., "config": {...},
                "inputs": {"data file a.jsonl": sha256, "train / eval split": sha256,
-                          "tokenizer": sha256, "chat template": sha256}}
+                          "tokenizer": sha256, "tokenizer encoding": sha256,
+                          "chat template": sha256}}
 
 A config names its data files and tokenizer folder by path; what is in them may change between a
 run and its resume (rows shuffled or appended, token ids renumbered, another chat template) and
-the resume would go on silently: with `data.eval_fraction` the held-out split is redrawn from
+the resume would go on silently: with `data.test_fraction` the held-out split is redrawn from
 training rows, and the embeddings belong to other ids. `input_fingerprints` is recorded at a
 run's first start (`rundir.record_run`); `changed_inputs` names what differs on a later start,
 which `rundir.check_inputs` refuses (resume=force continues and says so).
 
-What is hashed: each data file's bytes; the split as the ordered train and eval examples (prompt,
+What is hashed: each data file's bytes; the split as the ordered train, test and validation examples (prompt,
 target, ground truth and source row); a Hugging Face tokenizer's vocabulary (every token's id),
-merges, added and special tokens and eos / pad / bos / stop ids; the chat template. The character tokenizer is code, not a file: it is not recorded.
+merges, added and special tokens and eos / pad / bos / stop ids; the tokenizer's encoding: what
+`PROBE_TEXTS` become (ids, and the text those ids decode to) and the canonical JSON (sorted keys)
+of its files' settings besides the vocabulary, merges and template (normalizer, pre-tokenizer,
+post-processor, decoder, model options such as byte fallback, tokenizer_config.json's keys), so a
+normalizer added to a copied tokenizer.json is a changed input; the chat template. The character
+tokenizer is code, not a file: it is not recorded. A record written before the encoding was
+fingerprinted (no "tokenizer encoding" beside its "tokenizer") resumes without it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+
+
+ENCODING = "tokenizer encoding"
 
 
 def _sha(text: str) -> str:
@@ -34,10 +45,13 @@ def file_sha256(path: str) -> str:
     return sha.hexdigest()
 
 
-def split_sha256(train_set, eval_set) -> str:
-    """The train / eval examples in order (what the split and the shuffle made of the rows)."""
+def split_sha256(train_set, test_set, val_set=()) -> str:
+    """The train / test (and validation) examples in order (what the split and the shuffle made
+    of the rows). The test split hashes as "eval", its name before the validation split
+    existed, and an empty validation split not at all: a run recorded then fingerprints alike."""
     sha = hashlib.sha256()
-    for name, examples in (("train", train_set), ("eval", eval_set)):
+    splits = (("train", train_set), ("eval", test_set)) + ((("val", val_set),) if val_set else ())
+    for name, examples in splits:
         sha.update(f"{name} {len(examples)}\n".encode())
         for ex in examples:
             sha.update(repr((ex.prompt, ex.answer, ex.meta)).encode("utf-8") + b"\n")
@@ -68,24 +82,82 @@ def tokenizer_sha256(tokenizer) -> tuple[str, str] | None:
     return _sha(body), _sha(hf.chat_template or "")
 
 
-def input_fingerprints(cfg, tokenizer, train_set, eval_set) -> dict[str, str]:
+PROBE_TEXTS = (
+    "Maya has 10 apples.",
+    "  Hello\tWORLD,\n\nhow ARE you?  ",
+    "École naïve café; e\u0301 vs \u00e9; Straße; İstanbul",
+    "ﬁ ① Ｆｕｌｌ ½ ² ™ Å",
+    "日本語のテキスト, 中文, 한국어, русский, العربية",
+    "emoji 🙂👍🏽 and symbols ∑∫√ ≤ → \u200b\u00a0|",
+    "1234567890 3.14159 -42 +7 1,000,000 2024-01-31",
+    "x = f(y) * 2; if (a && b) { return c[0]; } // done",
+    "<|im_start|>user\nhi<|im_end|>\n<|endoftext|> </s> [INST]",
+)
+"""Texts whose ids (and those ids' decoding) stand for what the tokenizer makes of text: case,
+whitespace, Unicode normalization forms, scripts and bytes outside an English vocabulary, digits,
+code, special tokens' texts."""
+_SETTINGS_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json")
+_HASHED_ELSEWHERE = {"tokenizer.json": ("added_tokens",),
+                     "tokenizer_config.json": ("chat_template", "added_tokens_decoder")}
+"""Keys fingerprinted as contents by `tokenizer_sha256` (another serialisation of the same
+tokens must not count) or as the chat template: left out of the settings' JSON."""
+
+
+def _settings(folder: str) -> dict:
+    """{file: its JSON without the vocabulary, merges, added tokens and chat template} of a
+    tokenizer folder's settings files, and the sha256 of a sentencepiece model."""
+    out = {}
+    for name in _SETTINGS_FILES:
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+            if isinstance(data, dict):
+                data = {k: v for k, v in data.items() if k not in _HASHED_ELSEWHERE.get(name, ())}
+                if isinstance(data.get("model"), dict):
+                    data["model"] = {k: v for k, v in data["model"].items()
+                                     if k not in ("vocab", "merges")}
+            out[name] = data
+    if os.path.isfile(os.path.join(folder, "tokenizer.model")):
+        out["tokenizer.model"] = file_sha256(os.path.join(folder, "tokenizer.model"))
+    return out
+
+
+def encoding_sha256(tokenizer) -> str:
+    """The fingerprint of what text becomes which ids (module docstring): `PROBE_TEXTS` as ids
+    with and without the special tokens the tokenizer adds, their decoding, and the settings
+    files' canonical JSON."""
+    hf = tokenizer.hf
+    probes = [[hf.encode(text, add_special_tokens=False), hf.encode(text),
+               hf.decode(hf.encode(text, add_special_tokens=False))] for text in PROBE_TEXTS]
+    folder = getattr(tokenizer, "path", None)
+    settings = _settings(folder) if folder and os.path.isdir(folder) else {}
+    return _sha(json.dumps([probes, settings], sort_keys=True, ensure_ascii=False))
+
+
+def input_fingerprints(cfg, tokenizer, train_set, test_set, val_set=()) -> dict[str, str]:
     """{what: sha256} of everything the run reads besides its config (module docstring)."""
     out = {}
     if cfg.task.name == "dataset":
-        for path in [*cfg.data.train_files, *cfg.data.eval_files]:
+        for path in [*cfg.data.train_files, *cfg.data.test_files, *cfg.data.val_files]:
             out[f"data file {path}"] = file_sha256(path)
-    out["train / eval split"] = split_sha256(train_set, eval_set)
+    out["train / eval split"] = split_sha256(train_set, test_set, val_set)
     tok = tokenizer_sha256(tokenizer)
     if tok is not None:
         out["tokenizer"], out["chat template"] = tok
+        out[ENCODING] = encoding_sha256(tokenizer)
     return out
 
 
 def changed_inputs(recorded: dict, now: dict) -> list[str]:
-    """One phrase per input that differs between a run's record and this start."""
+    """One phrase per input that differs between a run's record and this start (the encoding
+    is not compared with a record from before it was fingerprinted)."""
     out = []
     for what in sorted(set(recorded) | set(now)):
         old, new = recorded.get(what), now.get(what)
+        if what == ENCODING and old is None and "tokenizer" in recorded:
+            continue
         if old is None:
             out.append(f"{what} (not read when the run started)")
         elif new is None:

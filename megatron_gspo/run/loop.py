@@ -10,16 +10,22 @@ the loop and a train module that owns the step):
 1. resume: building the loop restores the newest good checkpoint's policy, RNG and job state
    (`megatron_gspo.run.resume`); without one the run starts at step 0.
 2. a run with nothing left to do (every step done, or stopped inside its band) says so.
-3. a fresh run evaluates its initial policy (`Schedule.start_eval`) and asks the band: RL
-   refuses a start outside `train.start_accuracy` before any step (and forgets the record of
-   the refused start), SFT stops at once if already inside `sft.target_accuracy`.
+3. a fresh run evaluates its initial policy (`Schedule.start_eval`, on the validation split)
+   and asks the band: RL refuses a start outside `train.start_accuracy` before any step (and
+   forgets the record of the refused start), SFT stops at once if already inside
+   `sft.target_accuracy`; then the test split's first eval (`Job.test`). Step 0's row has both.
 4. each step's row is logged at the job's optimizer step, with its eval where due (averaged over
-   data-parallel ranks) and the band's verdict on it; weights gone non-finite stop the run
-   before a save; then a progress line, and a checkpoint every `save_every` steps, at the last
-   one and at a signal (SIGTERM, Ctrl-C, SIGHUP: `megatron_gspo.run.preempt`), after which
-   `Preempted` (exit 128 + the signal) unless that was the last step.
+   data-parallel ranks) and the band's verdict on it, and the test split's last eval at the
+   run's last step (the schedule's last, or where the band stops it); weights gone non-finite
+   stop the run before a save; then a progress line, and a checkpoint every `save_every`
+   steps, at the last one and at a signal (SIGTERM, Ctrl-C, SIGHUP:
+   `megatron_gspo.run.preempt`), after which `Preempted` (exit 128 + the signal) unless that
+   was the last step.
 5. finish: the band's last word (SFT's budget spent below its band is an error, its checkpoint
    saved first); the run dir is released however the run ends.
+
+The test split is read at the first and the last step only, and nothing chooses on it: the band
+reads `Job.evaluate`'s `eval/accuracy` (the validation split).
 
 Each checkpoint's `extra` is the job state's `to_checkpoint()` plus two keys of the loop's:
 `eval`, the saved step's row (the name SFT checkpoints have always used), and `band`, the band's
@@ -127,7 +133,10 @@ class Job(Protocol):
         itself)."""
 
     def evaluate(self) -> dict:
-        """Held-out metrics of the policy now, with `eval/accuracy` (this rank's)."""
+        """Validation metrics of the policy now, with `eval/accuracy` (this rank's)."""
+
+    def test(self) -> dict:
+        """Test-split metrics of the policy now (`test/...`; {} without a test split)."""
 
     def restore(self, extra: dict) -> None:
         """Take up the state a checkpoint saved: `state.to_checkpoint()` and the loop's
@@ -192,40 +201,49 @@ class RunLoop:
         return {}
 
     def _start(self) -> dict:
-        """A fresh run's eval of its initial policy, logged at step 0 after the band's
-        verdict; {} when the run resumed or its schedule has no start eval."""
-        if self.job.state.done or not self.job.schedule.start_eval:
+        """A fresh run's step 0: the eval of its initial policy (where the schedule has one)
+        and the band's verdict on it, then the test split's first eval; logged at step 0 (if
+        anything was evaluated). {} when the run resumed."""
+        if self.job.state.done:
             return {}
-        row = self._evaluate()
-        if not self._in_band(0, row):
+        row = self._evaluate() if self.job.schedule.start_eval else {}
+        stop = bool(row) and self._verdict(0, row)
+        row.update(self._test())
+        if stop:
+            self._stop_in_band(0, row)
+        elif row:
             self._log(row)
         return row
 
     def _step(self) -> dict:
-        """One step of the job: its row, with its eval where due, logged (unless the band
-        stopped the run there: then logged and saved with the band's record), the weights
-        checked, a progress line where due; returns the row."""
+        """One step of the job: its row, with its eval where due, the test split's last eval
+        at the run's last step, logged (and saved with the band's record where the band stops
+        the run), the weights checked, a progress line where due; returns the row."""
         job, sched = self.job, self.job.schedule
         row = job.iteration()
         n = job.state.done
+        stop = False
         if sched.eval_due(n):
             row.update(self._evaluate())
-            if self._in_band(n, row):
-                return row
+            stop = self._verdict(n, row)
+        if stop or n == sched.total:
+            row.update(self._test())
+        if stop:
+            self._stop_in_band(n, row)
+            return row
         self._log(row)
         self._check_weights(n)
         if self.rt.info.is_main and sched.progress_due(n):
             print(format_progress(n, sched.total, row, sched.progress_keys), flush=True)
         return row
 
-    def _in_band(self, n: int, row: dict) -> bool:
-        """The band's verdict on step n's eval. Inside a band that stops the run: the row, with
-        the band's record, is logged and saved, and True. Outside: the row is logged and the
-        step saved (step 0: a refused start saves nothing, and forgets the run's record if this
-        start wrote it, so a corrected re-run is a first start), then the band's error."""
-        band = self.job.band
+    def _verdict(self, n: int, row: dict) -> bool:
+        """The band's verdict on step n's eval: True where the run stops inside it. Outside:
+        the row is logged and the step saved (step 0: a refused start saves nothing, and
+        forgets the run's record if this start wrote it, so a corrected re-run is a first
+        start), then the band's error."""
         try:
-            stop = band.update(n, row[ACC])
+            return self.job.band.update(n, row[ACC])
         except ConfigError:
             self._log(row)
             if n:
@@ -233,12 +251,14 @@ class RunLoop:
             elif self.rt.first_start:  # not the record of a run finished before (save_every 0)
                 forget_run(self.rt.cfg.run_dir, self.rt.job)
             raise
-        if stop:
-            row.update(band.record())
-            self._log(row)
-            self._save(n, row)
-            self._say(f"{band.summary()}; saved in {self.rt.cfg.run_dir}")
-        return stop
+
+    def _stop_in_band(self, n: int, row: dict) -> None:
+        """Step n's row, with the band's record, logged and saved: the run stops here."""
+        band = self.job.band
+        row.update(band.record())
+        self._log(row)
+        self._save(n, row)
+        self._say(f"{band.summary()}; saved in {self.rt.cfg.run_dir}")
 
     def _save_or_stop(self, signum: int, row: dict) -> None:
         """Save step n where the schedule says or a signal came (every rank agrees on it);
@@ -268,6 +288,9 @@ class RunLoop:
 
     def _evaluate(self) -> dict:
         return reduce_metrics(self.job.evaluate())
+
+    def _test(self) -> dict:
+        return reduce_metrics(self.job.test())
 
     def _log(self, row: dict) -> None:
         self.rt.logger.log(self.job.state.log_step, row)

@@ -6,7 +6,8 @@
 Each line is {"step": int, "time": unix seconds, **metrics}, appended with unbuffered writes: a
 write that fails (disk full) truncates the file back to its last whole row and raises
 a `UserError`, one line naming the file and the OS reason (the CLI exits 2). A resumed run calls
-`drop_after(step)` first, so the rows of steps it will redo are not logged twice. Keys follow `group/name[/stat]`.
+`drop_after(step)` first, so the rows of steps it will redo are not logged twice; rows it cannot
+read are moved to `metrics.unreadable.txt` with their line numbers, and it says which. Keys follow `group/name[/stat]`.
 Tensors and numpy scalars become Python numbers; non-finite floats are written as the strings
 "nan", "inf", "-inf" (JSON has no NaN, and null would hide a blow-up). The file is opened in
 append mode, so a resumed run keeps earlier lines. Only rank 0 logs: construct with
@@ -34,6 +35,8 @@ from megatron_gspo.run.checkpoint import atomic_write
 from moe.checks import MissingDependency
 
 METRICS_FILE = "metrics.jsonl"
+UNREADABLE_FILE = "metrics.unreadable.txt"
+"""Beside metrics.jsonl: rows a resume found unreadable, kept as they were with their line."""
 WANDB_MODES = ("offline", "online", "disabled")
 
 
@@ -97,19 +100,37 @@ class MetricsLogger:
 
     def drop_after(self, step: int) -> int:
         """Remove rows with a step above `step` (logged after the checkpoint a run resumes
-        from); returns how many. The file is rewritten atomically."""
+        from); returns how many rows left the file. Rows that cannot be read (cut off, or
+        without a step) are moved to `UNREADABLE_FILE` ("metrics.jsonl:<line>: <text>",
+        appended) with a warning naming their lines. The file is rewritten atomically."""
         if not self.enabled or not os.path.getsize(self.path):
             return 0
         with open(self.path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-        kept = [ln for ln in lines if ln.strip() and _row_step(ln) <= step]
-        dropped = sum(1 for ln in lines if ln.strip()) - len(kept)
-        if dropped:
+            rows = [(i, ln) for i, ln in enumerate(f.read().splitlines(), 1) if ln.strip()]
+        unreadable = [(i, ln) for i, ln in rows if _row_step(ln) is None]
+        kept = [ln for _, ln in rows if (s := _row_step(ln)) is not None and s <= step]
+        if unreadable:
+            self._keep_aside(unreadable)
+        if len(kept) < len(rows):
             self._file.close()
             text = "".join(ln + "\n" for ln in kept)
             atomic_write(self.path, lambda f: f.write(text.encode("utf-8")))
             self._open()
-        return dropped
+        return len(rows) - len(kept)
+
+    def _keep_aside(self, rows: list[tuple[int, str]]) -> None:
+        """Append `rows` (line number, text) to `UNREADABLE_FILE` and say so."""
+        aside = os.path.join(os.path.dirname(self.path), UNREADABLE_FILE)
+        before = b""
+        if os.path.isfile(aside):
+            with open(aside, "rb") as f:
+                before = f.read()
+        name = os.path.basename(self.path)
+        text = "".join(f"{name}:{i}: {ln}\n" for i, ln in rows).encode("utf-8")
+        atomic_write(aside, lambda f: f.write(before + text))
+        lines = ", ".join(str(i) for i, _ in rows)
+        print(f"WARNING: {self.path}: line{'s' if len(rows) > 1 else ''} {lines} cannot be "
+              f"read (cut off, or no step): moved to {aside}", flush=True)
 
     def set_aside(self) -> str | None:
         """Move the rows of an earlier attempt that saved no checkpoint (a run restarting from
@@ -180,11 +201,13 @@ class MetricsLogger:
         self.close()
 
 
-def _row_step(line: str) -> float:
+def _row_step(line: str) -> float | None:
+    """The step of a row; None for a row that cannot be read (cut off, or without a step)."""
     try:
-        return json.loads(line)["step"]
+        step = json.loads(line)["step"]
     except (json.JSONDecodeError, KeyError, TypeError):
-        return float("inf")  # a malformed (half-written) row goes too
+        return None
+    return step if isinstance(step, (int, float)) and not isinstance(step, bool) else None
 
 
 def _online_or_offline(timeout_s: float = 3.0) -> str:

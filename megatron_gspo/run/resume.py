@@ -10,7 +10,7 @@ layout; RNG states are restored only for the same layout.
 
 Resume verifies every shard and falls back, with a warning, past a corrupt latest step to the
 newest good one; rows of metrics.jsonl logged after the resumed step are dropped, so no step is
-logged twice. A full disk during a save is one line; the steps already written stay as they
+logged twice (rows it cannot read are kept aside in metrics.unreadable.txt, named by line). A full disk during a save is one line; the steps already written stay as they
 were. Weights from another run (`init_checkpoint`) are `megatron_gspo.run.init`.
 """
 
@@ -161,6 +161,9 @@ def _load_policy(rt, root: str, step: int, state: dict) -> None:
     dist_dir = os.path.join(ckpt.step_dir(root, step), "dist")
     same_layout = tuple(state["layout"]) == layout
     check_optimizer_format(root, state, rt.cfg, layout)
+    if why := dist_ckpt.layout_error(rt.policy, dist_dir):  # every rank reads the same file
+        raise ConfigError(f"{why}; start a new run_dir with init_checkpoint={rt.cfg.run_dir} "
+                          "(weights only), or resume with the version that wrote it")
     try:
         dist_ckpt.load(rt.policy, dist_dir)  # collective; any layout
     except (Exception, CheckpointException) as e:  # resume=force onto another model

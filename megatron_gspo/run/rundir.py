@@ -3,7 +3,8 @@
     run_dir/run.json          {"job": "train", "fingerprint": "...", "config": {...semantic keys},
                                "inputs": {...},  (data files, tokenizer: megatron_gspo.run.inputs)
                                "init_step": 6}   (init_checkpoint's step read: the KL reference)
-    run_dir/.lock             flock'ed by rank 0 while a process writes the run ("pid job")
+    run_dir/.lock             flock'ed by rank 0 while a process writes the run ("pid job"); its
+                              forks hold no lock and die with it (moe.children)
     run_dir/{job}_config.yaml the resolved config, written once on first start, never replaced
 
 `claim_run_dir` runs on every rank before anything is written: rank 0 takes the lock and checks
@@ -19,9 +20,9 @@ RL start refused by `train.start_accuracy` before anything was saved.
 
 Semantic keys are the ones that change what is trained; the rest (how long, how often to eval,
 save and log, wandb, the collective timeout, memory knobs with the same gradients: activation
-recompute and the no-grad pass's token budget, the TP / EP / DP layout: LAYOUT) may change
-between resumes. Departure from verl / Megatron-LM, which resume whatever is in the save dir: they
-overwrite silently (docs/pitfalls.md#run-dir-ownership).
+recompute and the token budgets of the no-grad pass and of a train step's forwards, the TP / EP /
+DP layout: LAYOUT) may change between resumes. Departure from verl / Megatron-LM, which resume
+whatever is in the save dir: they overwrite silently (docs/pitfalls.md#run-dir-ownership).
 """
 
 from __future__ import annotations
@@ -38,10 +39,11 @@ from types import SimpleNamespace
 import torch.distributed as dist
 
 from megatron_gspo.algo.losses import clip_range
-from megatron_gspo.config.schema import RunConfig, config_to_dict
+from megatron_gspo.config.schema import RunConfig, config_to_dict, renamed_keys
 from megatron_gspo.errors import RunDirError, UserError
 from megatron_gspo.run.checkpoint import atomic_write
 from megatron_gspo.run.inputs import changed_inputs
+from moe.children import tie_forks
 
 RUN_FILE = "run.json"
 LOCK_FILE = ".lock"
@@ -53,10 +55,12 @@ VLLM_DEPLOYMENT = tuple(f"rollout.vllm.{k}" for k in (
 # Keys that may change when a run is resumed (dotted prefixes of config_to_dict's keys).
 NON_SEMANTIC = ("run_dir", "resume", "wandb", "train.steps", "train.eval_every",
                 "train.save_every", "train.keep_checkpoints", "train.log_every",
-                "train.flip_every", "sft.steps", "sft.eval_every", "sft.target_accuracy",
+                "train.flip_every", "train.router_margin_small", "train.route_sensitivity_every",
+                "train.route_sensitivity_fraction", "sft.steps", "sft.eval_every", "sft.target_accuracy",
                 "train.start_accuracy", "model.dist_timeout_min", "train.logprob_max_tokens",
                 "model.recompute_granularity", "model.recompute_modules",
-                "rollout.push_check_tol", "rollout.engine_kv_cache_gb", *VLLM_DEPLOYMENT)
+                "rollout.push_check_tol", "rollout.engine_kv_cache_gb",
+                "train.micro_max_tokens", "rollout.max_batch_rows", *VLLM_DEPLOYMENT)
 # Sections a job does not read, so they may differ too.
 UNUSED_BY_JOB = {"train": ("sft",), "sft": ("train", "loss", "rollout")}
 # The parallel layout: a checkpoint reshards over it (moe.dist_ckpt), so a resume may change it,
@@ -151,7 +155,22 @@ class RunDirLock:
             del _HELD[self.path]
 
 
+def _close_locks_in_child() -> None:
+    """In a forked child: close the run-dir locks' descriptors (the parent keeps its lock; a
+    child that outlived it would hold the lock on its behalf)."""
+    for fd, _ in _HELD.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_locks_in_child)
+
+
 def _lock(run_dir: str, job: str) -> RunDirLock:
+    """Lock run_dir for this process (its forks do not hold the lock)."""
     path = os.path.realpath(os.path.join(run_dir, LOCK_FILE))
     if path in _HELD:
         _HELD[path][1] += 1
@@ -162,12 +181,73 @@ def _lock(run_dir: str, job: str) -> RunDirLock:
     except BlockingIOError:
         owner = os.read(fd, 200).decode(errors="replace").strip() or "unknown"
         os.close(fd)
-        raise RunDirError(f"run_dir={run_dir} is being written by another process ({owner}); "
-                          "wait for it to finish or choose another run_dir") from None
+        raise RunDirError(f"run_dir={run_dir} is being written by another process "
+                          f"({_holder(path, owner)}); wait for it to finish or choose another "
+                          "run_dir") from None
     os.ftruncate(fd, 0)
     os.write(fd, f"pid {os.getpid()} job {job}".encode())
     _HELD[path] = [fd, 1]
     return RunDirLock(path)
+
+
+def _holder(path: str, owner: str) -> str:
+    """Who holds the lock at `path`: `owner` (the lock file's "pid N job J") while that process
+    lives; else the live processes that have the file open (Linux /proc), which a process forked
+    by the owner may be (it inherits the lock)."""
+    pid = owner.split()[1] if owner.startswith("pid ") and len(owner.split()) > 1 else ""
+    if pid.isdigit() and _alive(int(pid)):
+        return owner
+    holders = "; ".join(f"pid {p}: {_command(p)}" for p in _processes_with_open(path))
+    named = f"the lock file names {owner}, which has exited" if pid.isdigit() else \
+        "the lock file names no owner"
+    return f"{holders}; {named}" if holders else f"{owner}; no holder found"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    try:  # a zombie holds nothing
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def _processes_with_open(path: str) -> list[int]:
+    """The pids (this one left out) with file `path` open, read from /proc; [] without it."""
+    target = os.stat(path)
+    found = []
+    for entry in sorted(os.listdir("/proc"), key=lambda e: (len(e), e)) \
+            if os.path.isdir("/proc") else []:
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{entry}/fd")
+        except OSError:  # gone, or another user's
+            continue
+        for fd in fds:
+            try:
+                st = os.stat(f"/proc/{entry}/fd/{fd}")
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) == (target.st_dev, target.st_ino):
+                found.append(int(entry))
+                break
+    return found
+
+
+def _command(pid: int) -> str:
+    """The command line of `pid` (its first 120 characters), or '?'."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            text = " ".join(f.read().replace(b"\0", b" ").decode(errors="replace").split())
+    except OSError:
+        return "?"
+    return text[:120] + ("..." if len(text) > 120 else "") or "?"
 
 
 def remove_stale_tmp(run_dir: str) -> list[str]:
@@ -200,7 +280,9 @@ def _verdict(run_dir: str, job: str, config: dict, resume) -> str:
                 "checkpoints: choose another run_dir")
     new = semantic_config(config, job)
     if fingerprint(new) != record["fingerprint"] and resume != "force":
-        old = _kept(record["config"], _skipped(config, job))  # records may hold LAYOUT keys
+        renames = renamed_keys()  # a record from before a key was renamed: its key now
+        recorded = {renames.get(k, k): v for k, v in record["config"].items()}
+        old = _kept(recorded, _skipped(config, job))  # records may hold LAYOUT keys
         diff = differing_keys(old, new, default_semantic_config(job))
         if diff:
             return (f"run_dir={run_dir} was started with another config ({'; '.join(diff)}); "
@@ -227,7 +309,9 @@ def _agree(message: str) -> str:
 
 def claim_run_dir(run_dir: str, job: str, config: dict, resume, is_main: bool):
     """Lock run_dir for this run and check it may write there; returns the lock (rank 0) or
-    None. Raises RunDirError on every rank with rank 0's reason."""
+    None. Raises RunDirError on every rank with rank 0's reason. From here on every rank's
+    forks die with it (`moe.children.tie_forks`: megatron's checkpoint writer)."""
+    tie_forks()
     lock, message = None, ""
     if is_main:
         try:

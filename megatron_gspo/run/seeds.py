@@ -13,7 +13,16 @@ a new one changes what a seed trains.
 - `rollout_prompts`: the prompts of RL rollout batch `iteration` and the sampler's draws for
   them, per data-parallel rank (the same on every tensor-parallel rank of a replica);
 - `minibatch_order`: how a rollout batch's rows are dealt into its minibatches;
-- `router_noise`: `train.router_noise_std`'s draw for one optimizer step, on the policy's device.
+- `router_noise`: `train.router_noise_std`'s draw for one optimizer step, on the policy's device;
+- `route_sensitivity`: which loss positions `moe/route_sensitivity` swaps in rollout batch
+  `iteration`, per data-parallel rank;
+- `sampled_test`: the sampled responses of the test split's `test/reward` at optimizer step
+  `step` (the same on every rank: each samples the whole test split).
+
+The last two are streams of their own, so measuring them changes nothing a run trains.
+
+`rollout.router_noise_std`'s draws (the sampler's routers) come from the rollout's stream, one
+draw per rollout, and from `seed` itself in evaluations (`megatron_gspo.rollout.decoders`).
 
 The config keeps `seed < 2**32`, so every derived seed fits torch's 64-bit generator seed.
 """
@@ -26,6 +35,8 @@ SFT_BATCHES = 31
 ROLLOUT, ROLLOUT_ITERATION = 7_919, 104_729
 MINIBATCH_ORDER = 1_000_003
 ROUTER_NOISE, ROUTER_NOISE_OFFSET = 1_000_033, 17
+ROUTE_SENSITIVITY = 1_000_037
+TEST_SAMPLES = 1_000_039
 
 
 def _generator(seed: int, device=None) -> torch.Generator:
@@ -52,3 +63,13 @@ def minibatch_order(seed: int, iteration: int) -> torch.Generator:
 def router_noise(seed: int, opt_step: int, device) -> torch.Generator:
     """Router-logit noise of optimizer step `opt_step` (0-based), drawn on `device`."""
     return _generator(seed * ROUTER_NOISE + opt_step + ROUTER_NOISE_OFFSET, device)
+
+
+def route_sensitivity(seed: int, iteration: int, dp_rank: int) -> torch.Generator:
+    """The positions `moe/route_sensitivity` swaps in rollout batch `iteration` on `dp_rank`."""
+    return _generator(seed * ROUTE_SENSITIVITY + iteration * ROLLOUT_ITERATION + dp_rank)
+
+
+def sampled_test(seed: int, step: int) -> torch.Generator:
+    """The sampled responses of `test/reward` at optimizer step `step` (every rank alike)."""
+    return _generator(seed * TEST_SAMPLES + step)

@@ -19,9 +19,10 @@ import torch
 from megatron_gspo.config.schema import RunConfig, config_to_dict, save_config
 from megatron_gspo.errors import ConfigError
 from megatron_gspo.rollout.backends import build_sampler
-from megatron_gspo.rollout.generate import evaluate
-from megatron_gspo.rollout.sampler import Sampler
+from megatron_gspo.rollout.generate import evaluate, sampled_reward
+from megatron_gspo.rollout.sampler import Sampler, SamplingParams
 from megatron_gspo.run import checkpoint as ckpt
+from megatron_gspo.run import seeds
 from megatron_gspo.run.host import tune_malloc
 from megatron_gspo.run.init import check_init_checkpoint, load_init_weights, reference_dir
 from megatron_gspo.run.inputs import input_fingerprints
@@ -47,7 +48,11 @@ class Runtime:
     tokenizer: Tokenizer
     task: object
     train_set: list
-    eval_set: list
+    val_set: list
+    """Validation examples: what evals during training and the accuracy bands read (may be
+    empty: then they read `test_set`, `eval_set`)."""
+    test_set: list
+    """Test examples: evaluated at a run's first and last step (`test/...`), choosing nothing."""
     policy: MoEPolicy
     logger: MetricsLogger
     lock: RunDirLock | None = None
@@ -61,6 +66,12 @@ class Runtime:
     """The run's sampler over `policy` (`rollout.backend`): rollouts and the greedy eval."""
     job: str = "train"
     """The job that claimed run_dir: "train", "sft" or "eval"."""
+
+    @property
+    def eval_set(self) -> list:
+        """What evals during training read: the validation split, else (none configured) the
+        test split, as before the validation split existed."""
+        return self.val_set or self.test_set
 
     def close(self) -> None:
         """Close the metrics log and the sampler (an engine's memory), release run_dir."""
@@ -81,15 +92,16 @@ def layout_of(cfg: RunConfig) -> ParallelLayout:
 
 def resolve_preset(cfg: RunConfig, vocab_size: int) -> MoEPreset:
     """model.hf_path's config.json (vocab padded to vocab_multiple * tp), else model.preset with
-    the tokenizer's vocab padded to 16 * tp (the toy path, unchanged), model.num_layers deep if
-    set; model.max_seq_len if set."""
+    the tokenizer's vocab padded to 16 * tp (the toy path, unchanged), with
+    model.preset_overrides, model.num_layers deep if set; model.max_seq_len if set."""
     tp = cfg.model.tp
     if cfg.model.hf_path:
         preset = preset_from_hf(cfg.model.hf_path)
         preset = preset.with_vocab(max(preset.vocab_size, vocab_size),
                                    multiple=cfg.model.vocab_multiple * tp)
     else:
-        preset = get_preset(cfg.model.preset).with_vocab(vocab_size, multiple=16 * tp)
+        preset = get_preset(cfg.model.preset).with_overrides(cfg.model.preset_overrides) \
+            .with_vocab(vocab_size, multiple=16 * tp)
         if cfg.model.num_layers:
             preset = dataclasses.replace(preset, num_layers=cfg.model.num_layers)
     if cfg.model.max_seq_len:
@@ -167,7 +179,7 @@ def setup_runtime(cfg: RunConfig, job: str) -> Runtime:
     lock = claim_run_dir(cfg.run_dir, job, config_to_dict(cfg), cfg.resume, info.is_main) \
         if writes else None
     try:
-        tokenizer, task, train_set, eval_set, inputs = _data(cfg, job, info.is_main)
+        tokenizer, task, splits, inputs = _data(cfg, job, info.is_main)
         policy = build_policy(cfg, tokenizer.vocab_size, optim)
         init_dir = _init_weights(cfg, job, policy, resuming, info.is_main)
         sampler = build_sampler(cfg, policy, tokenizer)
@@ -181,7 +193,7 @@ def setup_runtime(cfg: RunConfig, job: str) -> Runtime:
         if lock is not None:
             lock.release()
         raise
-    return Runtime(cfg, info, tokenizer, task, train_set, eval_set, policy, logger, lock,
+    return Runtime(cfg, info, tokenizer, task, *splits, policy, logger, lock,
                    first_start=bool(first), init_dir=init_dir, sampler=sampler, job=job)
 
 
@@ -214,15 +226,15 @@ def _kl_reference(cfg: RunConfig, job: str) -> bool:
 
 
 def _data(cfg: RunConfig, job: str, is_main: bool) -> tuple:
-    """(tokenizer, task, train set, eval set, input fingerprints): the inputs, checked against
-    those the run started with (data files, tokenizer, template; resume=force: warned), and
-    SFT targets longer than rollout.max_new_tokens counted, before the run is recorded (a
-    fixed config may then reuse the run dir)."""
+    """(tokenizer, task, (train, validation, test sets), input fingerprints): the inputs,
+    checked against those the run started with (data files, tokenizer, template; resume=force:
+    warned), and SFT targets longer than rollout.max_new_tokens counted, before the run is
+    recorded (a fixed config may then reuse the run dir)."""
     writes = job != "eval"
     tokenizer = run_tokenizer(cfg)
-    task, train_set, eval_set = build_task(cfg, tokenizer, model_max_len(cfg), is_main)
-    inputs = input_fingerprints(cfg, tokenizer, train_set, eval_set) if writes and is_main \
-        else {}
+    task, train_set, val_set, test_set = build_task(cfg, tokenizer, model_max_len(cfg), is_main)
+    inputs = input_fingerprints(cfg, tokenizer, train_set, test_set, val_set) \
+        if writes and is_main else {}
     if writes:
         check_inputs(cfg.run_dir, inputs, cfg.resume, is_main)
     if job == "sft":
@@ -232,7 +244,20 @@ def _data(cfg: RunConfig, job: str, is_main: bool) -> tuple:
             print(f"WARNING: {cut} of {len(train_set)} SFT targets are longer than "
                   f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}: eval and rollouts "
                   "cut such answers", flush=True)
-    return tokenizer, task, train_set, eval_set, inputs
+    if writes and is_main and not val_set and _chooses(cfg, job):
+        print(f"WARNING: no validation split (task.n_val=0, no data.val_files / "
+              f"data.val_fraction): {_chooses(cfg, job)} chooses on the test split that reports "
+              "the results; set task.n_val (or data.val_fraction)", flush=True)
+    return tokenizer, task, (train_set, val_set, test_set), inputs
+
+
+def _chooses(cfg: RunConfig, job: str) -> str:
+    """The accuracy band of `job` that chooses on the eval split ("" for none)."""
+    if job == "sft" and cfg.sft.target_accuracy:
+        return "sft.target_accuracy"
+    if job == "train" and cfg.train.start_accuracy:
+        return "train.start_accuracy"
+    return ""
 
 
 def _init_weights(cfg: RunConfig, job: str, policy: MoEPolicy, resuming: bool,
@@ -258,9 +283,27 @@ def _resumes(cfg: RunConfig, job: str) -> bool:
 
 
 def evaluate_runtime(rt: Runtime) -> dict[str, float]:
-    """Greedy held-out accuracy of `rt.policy` on `rt.eval_set`, sampled as the config says."""
+    """`eval/...`: greedy accuracy of `rt.policy` on the validation split (`rt.eval_set`)."""
     return evaluate(rt.sampler, rt.tokenizer, rt.task, rt.eval_set,
                     max_new_tokens=rt.cfg.rollout.max_new_tokens)
+
+
+def evaluate_test(rt: Runtime, step: int) -> dict[str, float]:
+    """`test/accuracy`, `test/format_ok` (greedy) and `test/reward` (one response per prompt
+    sampled at the rollout temperature and top-p, the mean reward) of `rt.policy` on the test
+    split, at optimizer step `step` (its own seeded stream: nothing a run trains changes);
+    {} without a test split."""
+    if not rt.test_set:
+        return {}
+    rollout = rt.cfg.rollout
+    greedy = evaluate(rt.sampler, rt.tokenizer, rt.task, rt.test_set,
+                      max_new_tokens=rollout.max_new_tokens)
+    reward = sampled_reward(rt.sampler, rt.tokenizer, rt.task, rt.test_set,
+                            SamplingParams(max_new_tokens=rollout.max_new_tokens,
+                                           temperature=rollout.temperature, top_p=rollout.top_p),
+                            seeds.sampled_test(rt.cfg.seed, step))
+    return {"test/accuracy": greedy["eval/accuracy"], "test/format_ok": greedy["eval/format_ok"],
+            "test/reward": reward}
 
 
 def run_tokenizer(cfg: RunConfig) -> Tokenizer:

@@ -1,8 +1,9 @@
 """Datasets from your own files: prompts + ground truths in JSONL or parquet, as a task.
 
-    task, train_set, eval_set = build_task(cfg, tokenizer, model_max_len=256)
+    task, train_set, val_set, test_set = build_task(cfg, tokenizer, model_max_len=256)
 
-`task.name=dataset` reads `data.train_files` (and `data.eval_files`) row by row. Two schemas:
+`task.name=dataset` reads `data.train_files` (and `data.test_files`, `data.val_files`) row by
+row. Two schemas:
 
   verl   {"data_source": "openai/gsm8k",
           "prompt": [{"role": "user", "content": "Natalia sold ..."}],
@@ -16,9 +17,11 @@ becomes an `Example(prompt, answer, meta)`: `prompt` is the text the policy sees
 template applied with its generation prompt, or `data.template` with {prompt} replaced),
 `answer` the SFT target (`data.sft_key`, default the answer field) and
 `meta = (ground_truth, data_source, "file:line")`, what the reward reads. Rows are shuffled with
-`data.seed`, then `data.eval_fraction` of them is held out unless `data.eval_files` are given.
+`data.seed`, then `data.test_fraction` of them is held out for test unless `data.test_files` are
+given, and `data.val_fraction` for validation unless `data.val_files` are (`dataset_splits`).
 
-Errors name the file, the row (JSONL: line number; parquet: row index) and the field: a missing
+Files are read row by row by `megatron_gspo.tasks.rows`. Errors name the file, the row (JSONL:
+line number; parquet: row index) and the field: a missing
 file or field, a wrong type, an empty dataset, a prompt longer than `data.max_prompt_tokens`
 (or, with `data.skip_overlong_prompts`, that prompt is skipped and counted).
 
@@ -30,21 +33,18 @@ once at load time, not per batch.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import random
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterator
+from typing import Any, ClassVar
 
 from megatron_gspo.errors import ConfigError, DataError
 from megatron_gspo.tasks.rewards import check_math_available, get_format_check, get_reward
+from megatron_gspo.tasks.rows import read_rows
 from megatron_gspo.tasks.toy import Example, make_splits, make_task
-from moe.checks import MissingDependency
 
 _DEFAULT_KEYS = {"verl": ("prompt", "reward_model.ground_truth", "data_source"),
                  "plain": ("question", "answer", None)}
-_SUFFIXES = (".jsonl", ".parquet")
 
 
 @dataclass(frozen=True)
@@ -79,54 +79,6 @@ class DatasetTask:
 
 
 # ----------------------------------------------------------------------------- reading rows
-
-
-def read_rows(path: str, what: str = "data.train_files") -> Iterator[tuple[str, dict]]:
-    """(where, row) for each row of a .jsonl or .parquet file; where = 'path:line' / 'path row i'."""
-    if not os.path.isfile(path) and (os.path.isdir(path) or any(c in path for c in ",*?")):
-        raise DataError(f"{path} ({what}): one entry is one file, with no directories or "
-                        f"globs; list the files, e.g. {what}=[a.jsonl,b.jsonl]")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"data file not found: {path} ({what})")
-    if path.endswith(".parquet"):
-        yield from _parquet_rows(path)
-        return
-    if not path.endswith(".jsonl"):
-        raise DataError(f"{path}: unsupported file type ({what}); expected one of {_SUFFIXES}")
-    with open(path, "rb") as f:  # decoded line by line: a bad byte's error names its line
-        for lineno, raw in enumerate(f, start=1):
-            try:  # a leading BOM (Windows editors) is dropped
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not UTF-8 ({e.reason} at byte {e.start + 1}); "
-                                "save the file as UTF-8") from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                what = e.msg.removesuffix(" at")  # "Unterminated string starting at"
-                raise DataError(f"{path}:{lineno}: not valid JSON ({what} at column "
-                                f"{e.colno})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}:{lineno}: a row must be a JSON object, got "
-                                f"{type(row).__name__}")
-            yield f"{path}:{lineno}", row
-
-
-def _parquet_rows(path: str) -> Iterator[tuple[str, dict]]:
-    try:  # optional dependency (pyarrow): only .parquet files need it
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise MissingDependency(f"reading {path} needs pyarrow: pip install pyarrow (or convert "
-                                "the file to .jsonl)") from None
-    try:
-        rows = pq.read_table(path).to_pylist()
-    except (ValueError, OSError) as e:  # pyarrow's ArrowInvalid / ArrowIOError
-        raise DataError(f"{path}: not a readable parquet file ({' '.join(str(e).split())})") \
-            from None
-    for i, row in enumerate(rows):
-        yield f"{path} row {i}", row
 
 
 def get_field(row: dict, key: str, where: str, config_key: str):
@@ -217,13 +169,27 @@ def row_to_example(row: dict, where: str, data, tokenizer) -> Example:
         truth = _ground_truth(truth.rsplit("####", 1)[1], where, answer_key)  # GSM8K style
     target = truth_raw if data.sft_key is None else _sft_target(row, where, data.sft_key)
     source = row.get(source_key, "") if source_key else ""
+    messages = _checked_messages(messages, getattr(tokenizer, "special_texts", ()), data,
+                                 where, prompt_key)
     specials = getattr(tokenizer, "special_texts", ())
-    messages = [dict(m, content=special_text(m["content"], specials, data, where, prompt_key))
-                for m in messages]
     target = special_text(str(target).strip(), specials, data, where,
                           data.sft_key or answer_key)
     prompt = render_prompt(messages, tokenizer, data.template, where)
     return Example(prompt, target, (truth, str(source), where))
+
+
+def _checked_messages(messages: list[dict], specials: tuple, data, where: str,
+                      key: str) -> list[dict]:
+    """`messages` with every field the prompt renders under data.special_tokens_in_text
+    (`special_text`): each content, and each role where the chat template renders it (no
+    `data.template`)."""
+    out = []
+    for i, m in enumerate(messages):
+        role = m["role"] if data.template is not None else \
+            special_text(m["role"], specials, data, where, f"{key}[{i}].role")
+        out.append(dict(m, role=role,
+                        content=special_text(m["content"], specials, data, where, key)))
+    return out
 
 
 ESCAPE = "\u200b"
@@ -232,7 +198,7 @@ zero-width space): the text then tokenizes as ordinary text."""
 
 
 def special_text(text: str, specials: tuple, data, where: str, key: str) -> str:
-    """`text` of a row (a message's content, the SFT target) under
+    """`text` of a row (a message's content or role, the SFT target) under
     data.special_tokens_in_text: a special token's text in it (`<|im_end|>`) would be read as
     the token itself (a row could forge a turn; the end-of-turn id also stops sampling).
     forbid: DataError naming the row, the field and the token; escape: each occurrence broken
@@ -284,10 +250,35 @@ def load_examples(paths: list[str], data, tokenizer, max_prompt_tokens: int,
     return out, skipped
 
 
+def _held_out(data, tokenizer, limit: int, rng, train: list, split: str,
+              rows: int) -> tuple[list, list, int]:
+    """(held-out examples, train rows left, overlong prompts skipped) of split "test" / "val":
+    its own files (data.{split}_files, shuffled with `rng`), else the first
+    data.{split}_fraction of the `rows` rows read from data.train_files, taken from the front of
+    `train` (at least one row; none for a fraction 0)."""
+    files, fraction = getattr(data, f"{split}_files"), getattr(data, f"{split}_fraction")
+    if not files:
+        n = max(1, round(fraction * rows)) if fraction else 0
+        if n >= len(train):
+            raise DataError(f"{len(train)} rows in {data.train_files} leave no training rows "
+                            f"after holding out data.{split}_fraction={fraction}")
+        return train[:n], train[n:], 0
+    examples, skipped = load_examples(files, data, tokenizer, limit, f"data.{split}_files")
+    if data.shuffle:
+        rng.shuffle(examples)
+    if not examples:
+        raise DataError(f"no {split} examples in {files}"
+                        + (f" ({skipped} overlong prompts skipped)" if skipped else ""))
+    return examples, train, skipped
+
+
 def dataset_splits(data, tokenizer, max_prompt_tokens: int,
-                   ) -> tuple[list[Example], list[Example], dict[str, int]]:
-    """Train / eval examples (deterministic for data.seed) and counts: data/{train,eval}_size,
-    data/skipped_overlong_prompts."""
+                   ) -> tuple[list[Example], list[Example], list[Example], dict[str, int]]:
+    """Train / validation / test examples (deterministic for data.seed) and counts:
+    data/{train,val,test}_size, data/skipped_overlong_prompts. The rows of data.train_files are
+    shuffled; test comes from data.test_files or their first data.test_fraction, then validation
+    from data.val_files or the next data.val_fraction (none when 0), so the test split and its
+    shuffle are those of a config without a validation split."""
     if max_prompt_tokens < 1:
         raise DataError(f"no room for a prompt: max_prompt_tokens={max_prompt_tokens} (raise "
                         "model.max_seq_len or lower rollout.max_new_tokens)")
@@ -299,25 +290,14 @@ def dataset_splits(data, tokenizer, max_prompt_tokens: int,
                         + (f" ({skipped} overlong prompts skipped)" if skipped else ""))
     if data.shuffle:
         rng.shuffle(train)
-    skipped_eval = 0
-    if data.eval_files:
-        evals, skipped_eval = load_examples(data.eval_files, data, tokenizer, max_prompt_tokens,
-                                            "data.eval_files")
-        skipped += skipped_eval
-        if data.shuffle:
-            rng.shuffle(evals)
-    else:
-        n_eval = max(1, round(data.eval_fraction * len(train)))
-        if n_eval >= len(train):
-            raise DataError(f"{len(train)} rows in {data.train_files} leave no training rows "
-                            f"after holding out data.eval_fraction={data.eval_fraction}")
-        evals, train = train[:n_eval], train[n_eval:]
-    if not evals:
-        raise DataError(f"no eval examples in {data.eval_files}"
-                        + (f" ({skipped_eval} overlong prompts skipped)" if skipped_eval else ""))
-    evals = evals[:data.max_eval] if data.max_eval else evals
-    return train, evals, {"data/train_size": len(train), "data/eval_size": len(evals),
-                          "data/skipped_overlong_prompts": skipped}
+    rows = len(train)
+    test, train, n_test = _held_out(data, tokenizer, max_prompt_tokens, rng, train, "test", rows)
+    val, train, n_val = _held_out(data, tokenizer, max_prompt_tokens, rng, train, "val", rows)
+    skipped += n_test + n_val
+    test = test[:data.max_test] if data.max_test else test
+    return train, val, test, {"data/train_size": len(train), "data/val_size": len(val),
+                              "data/test_size": len(test),
+                              "data/skipped_overlong_prompts": skipped}
 
 
 def check_sft_lengths(tokenizer, examples, max_len: int, max_new_tokens: int) -> int:
@@ -340,14 +320,16 @@ def check_sft_lengths(tokenizer, examples, max_len: int, max_new_tokens: int) ->
 
 
 def build_task(cfg, tokenizer, model_max_len: int, verbose: bool = False):
-    """(task, train_set, eval_set): a toy task's seeded splits, or the dataset's."""
+    """(task, train, validation, test examples): a toy task's seeded splits, or the dataset's.
+    The validation split is empty without task.n_val / data.val_files / data.val_fraction."""
     if cfg.task.name != "dataset":
         task = make_task(cfg.task.name, **dict(cfg.task.kwargs))
         try:
-            train, evals = make_splits(task, cfg.task.n_train, cfg.task.n_eval, cfg.task.seed)
+            splits = make_splits(task, cfg.task.n_train, cfg.task.n_test, cfg.task.seed,
+                                 n_val=cfg.task.n_val)
         except ValueError as e:  # more prompts asked for than the task has
-            raise ConfigError(f"task.n_train / task.n_eval: {e}") from None
-        return task, train, evals
+            raise ConfigError(f"task.n_train / task.n_val / task.n_test: {e}") from None
+        return (task, *splits)
     task = DatasetTask(reward_name=cfg.reward.name or "math",
                        reward_timeout_s=cfg.reward.timeout_s,
                        reward_batch_timeout_s=cfg.reward.batch_timeout_s
@@ -359,13 +341,13 @@ def build_task(cfg, tokenizer, model_max_len: int, verbose: bool = False):
                           f"{room} tokens a prompt can have (model length {model_max_len} - "
                           f"rollout.max_new_tokens={cfg.rollout.max_new_tokens})")
     limit = cfg.data.max_prompt_tokens or room
-    train, evals, counts = dataset_splits(cfg.data, tokenizer, limit)
+    train, val, test, counts = dataset_splits(cfg.data, tokenizer, limit)
     if verbose:
         skipped = counts["data/skipped_overlong_prompts"]
-        print(f"data: {len(train)} train / {len(evals)} eval examples, reward "
-              f"{task.reward_name}" + (f", {skipped} overlong prompts skipped" if skipped
-                                       else ""), flush=True)
-    return task, train, evals
+        print(f"data: {len(train)} train / {len(val)} validation / {len(test)} test examples, "
+              f"reward {task.reward_name}" + (f", {skipped} overlong prompts skipped" if skipped
+                                              else ""), flush=True)
+    return task, train, val, test
 
 
 def tokenizer_folder(cfg) -> str | None:

@@ -21,7 +21,7 @@ import math
 import random
 import re
 from dataclasses import dataclass, fields
-from typing import ClassVar, Protocol, Sequence
+from typing import ClassVar, NamedTuple, Protocol, Sequence
 
 from megatron_gspo.tasks.expression import parse_expression  # noqa: F401 (re-exported)
 from megatron_gspo.tasks.rewards import compute_rewards, countdown_reward, exact_reward
@@ -328,23 +328,35 @@ def _draw_distinct(task: GeneratedTask, rng: random.Random, n: int, seen: set) -
                      f"{max_draws} draws; the task has too few distinct prompts for this split")
 
 
-def make_splits(task: GeneratedTask, n_train: int, n_eval: int,
-                seed: int) -> tuple[list[Example], list[Example]]:
-    """Train and eval examples with distinct prompts, disjoint, deterministic for `seed`.
+class Splits(NamedTuple):
+    """A task's examples: train, validation (what evals during training and the accuracy bands
+    read; may be empty) and test (evaluated at a run's first and last step only)."""
 
-    Eval is drawn first, so the eval set depends only on (task, n_eval, seed).
+    train: list[Example]
+    val: list[Example]
+    test: list[Example]
+
+
+def make_splits(task: GeneratedTask, n_train: int, n_test: int, seed: int,
+                n_val: int = 0) -> Splits:
+    """Train, validation and test examples with distinct prompts, pairwise disjoint,
+    deterministic for `seed`.
+
+    Test is drawn first, then train, then validation, from one seeded stream: the test set
+    depends only on (task, n_test, seed), and test and train are the same with or without a
+    validation split (the test split is the eval split of the runs from before it existed).
     """
-    for label, n in (("n_train", n_train), ("n_eval", n_eval)):
+    for label, n in (("n_train", n_train), ("n_test", n_test), ("n_val", n_val)):
         if not is_int(n) or n < 0:
             raise ValueError(f"make_splits: {label}={n!r} must be an int >= 0")
-    capacity = task.num_prompts()
-    if capacity is not None and n_train + n_eval > capacity:
+    capacity, total = task.num_prompts(), n_train + n_test + n_val
+    if capacity is not None and total > capacity:
         raise ValueError(f"{task!r} has only {capacity} distinct prompts; asked for "
-                         f"n_train + n_eval = {n_train} + {n_eval} = {n_train + n_eval}")
+                         f"n_train + n_test + n_val = {n_train} + {n_test} + {n_val} = {total}")
     rng, seen = random.Random(seed), set()
-    eval_set = _draw_distinct(task, rng, n_eval, seen)
-    train_set = _draw_distinct(task, rng, n_train, seen)
-    return train_set, eval_set
+    test = _draw_distinct(task, rng, n_test, seen)
+    train = _draw_distinct(task, rng, n_train, seen)
+    return Splits(train, _draw_distinct(task, rng, n_val, seen), test)
 
 
 def score(task: Task, examples: Sequence[Example], completions: Sequence[str]) -> dict[str, float]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 
 import torch
 
@@ -92,6 +93,19 @@ class SafetensorsReader:
         self._handles.clear()
 
 
+def _save_file(save_file, shard: dict, path: str) -> None:
+    """safetensors' `save_file`; a write the OS refused (a full disk) as the OSError it is:
+    safetensors raises its own SafetensorError ('... I/O error: No space left on device (os
+    error 28)'), which is no OSError."""
+    try:
+        save_file(shard, path, metadata={"format": "pt"})
+    except Exception as e:  # SafetensorError (safetensors' one error type)
+        code = re.search(r"\(os error (\d+)\)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), path) from None
+
+
 def write_safetensors(tensors: dict[str, torch.Tensor], folder: str,
                       max_shard_bytes: int = 5 * 1024**3) -> list[str]:
     """Write `tensors` as Hugging Face safetensors shards (+ index when > 1); file names back."""
@@ -115,7 +129,7 @@ def write_safetensors(tensors: dict[str, torch.Tensor], folder: str,
     mask = os.umask(0)
     os.umask(mask)
     for file, shard in zip(files, shards):
-        save_file(shard, os.path.join(folder, file), metadata={"format": "pt"})
+        _save_file(save_file, shard, os.path.join(folder, file))
         os.chmod(os.path.join(folder, file), 0o666 & ~mask)
     if n > 1:
         total = sum(t.numel() * t.element_size() for t in tensors.values())

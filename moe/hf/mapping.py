@@ -19,8 +19,9 @@ mbridge speaks the TransformerEngine layer spec's names; on CPU we build megatro
 - TE fuses the pre-attention RMSNorm into linear_qkv: `input_layernorm.weight` <->
   `self_attention.linear_qkv.layer_norm_weight` (and a dense MLP's `pre_mlp_layernorm` into
   linear_fc1; MoE layers keep `pre_mlp_layernorm`);
-- TEGroupedMLP names expert e `mlp.experts.linear_fcX.weight{e}`, the local SequentialMLP
-  `mlp.experts.local_experts.{e}.linear_fcX.weight`.
+- TEGroupedMLP names expert e `mlp.experts.linear_fcX.weight{e}`; ours (`moe.experts`) stacks
+  every expert of a layer in one `mlp.experts.linear_fcX.weight` [E, ...], whose row e is TE's
+  `...weight{e}` (`HFMapping.hf_names` / `to_hf` take the stacked name and the experts).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 
 from moe.checks import MissingDependency
 
-_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+_EXPERTS = re.compile(r"\.mlp\.experts\.linear_fc[12]\.weight$")
 _ROUTER = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.router\.")
 _PRE_MLP = re.compile(r"^decoder\.layers\.(\d+)\.pre_mlp_layernorm\.weight$")
 
@@ -43,13 +44,17 @@ def local_to_te(names: Iterable[str]) -> dict[str, str]:
     moe_layers = {m.group(1) for n in names if (m := _ROUTER.match(n))}
     out = {}
     for name in names:
-        te = _LOCAL_EXPERT.sub(r".mlp.experts.\2.weight\1", name)
         te = re.sub(r"\.input_layernorm\.weight$", ".self_attention.linear_qkv.layer_norm_weight",
-                    te)
+                    name)
         if (m := _PRE_MLP.match(te)) and m.group(1) not in moe_layers:
             te = f"decoder.layers.{m.group(1)}.mlp.linear_fc1.layer_norm_weight"
         out[name] = te
     return out
+
+
+def is_expert_stack(name: str) -> bool:
+    """Whether `name` is a MoE layer's stacked expert weight (`moe.experts`), [E, ...]."""
+    return bool(_EXPERTS.search(name))
 
 
 def _hf_config_object(config: dict):
@@ -80,8 +85,11 @@ class HFMapping:
                                              parallel_states=ParallelStates())
         self.dtype = dtype
 
-    def hf_names(self, te_name: str) -> list[str]:
-        """The Hugging Face tensors a megatron (TE-spec) parameter is made of."""
+    def hf_names(self, te_name: str, experts: Iterable[int] = ()) -> list[str]:
+        """The Hugging Face tensors a megatron (TE-spec) parameter is made of; of a stacked
+        expert weight (`is_expert_stack`), those of global experts `experts`."""
+        if is_expert_stack(te_name):
+            return [n for e in experts for n in self.hf_names(f"{te_name}{e}")]
         try:
             return self.bridge._weight_name_mapping_mcore_to_hf(te_name)
         except (KeyError, NotImplementedError):
@@ -93,6 +101,10 @@ class HFMapping:
         return self.bridge._weight_to_mcore_format(te_name, parts).to(self.dtype)
 
     def to_hf(self, te_name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """Split a full megatron tensor into its Hugging Face tensors."""
+        """Split a full megatron tensor into its Hugging Face tensors (a stacked expert weight
+        [E, ...]: each expert's, as views)."""
+        if is_expert_stack(te_name):
+            return [pair for e, row in enumerate(tensor) for pair in self.to_hf(f"{te_name}{e}",
+                                                                                 row)]
         names, parts = self.bridge._weight_to_hf_format(te_name, tensor)
         return list(zip(names, parts))

@@ -2,7 +2,8 @@
 
 Loading (`load_hf_weights`) walks `moe.sharding.shard_plan`, the same "which part of which full
 tensor does this rank hold" that `load_full_params` uses, and reads only that part:
-- experts: the whole tensors of this EP rank's experts only (expert TP is 1);
+- experts: the whole tensors of this EP rank's experts only (expert TP is 1), each fused by
+  mbridge into its row of the layer's stacked weight (`moe.experts`);
 - fused TP-split params (QKV, a shared expert's [gate; up]): rank r's r-th row chunk of every
   Hugging Face part (its query groups' q/k/v rows, its gate rows and up rows), fused by mbridge;
 - other TP-split params: rank r's chunk along the partition dim (columns of o_proj and of the
@@ -29,7 +30,7 @@ from megatron.core import parallel_state as ps
 
 from moe.hf.config import read_hf_config
 from moe.hf.io import SafetensorsReader, write_safetensors
-from moe.hf.mapping import HFMapping, local_to_te
+from moe.hf.mapping import HFMapping, is_expert_stack, local_to_te
 from moe.sharding import Shard, shard_plan
 
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -68,14 +69,13 @@ def _read_part(reader: SafetensorsReader, hf_name: str, shard: Shard, param: tor
     return tensor
 
 
-def _check_coverage(model, mapping: HFMapping, reader: SafetensorsReader, tp_rank: int, tp: int,
-                    ep: int) -> None:
+def _check_coverage(model, mapping: HFMapping, reader: SafetensorsReader, ep: int) -> None:
     """Every checkpoint tensor has a place in the model (on some EP rank)."""
-    wanted = set()
-    for ep_rank in range(ep):
-        names = [s.global_name for s in shard_plan(model, tp_rank, tp, ep_rank).values()]
-        for te_name in local_to_te(names).values():
-            wanted.update(mapping.hf_names(te_name))
+    wanted, params = set(), dict(model.named_parameters())
+    te = local_to_te(params)
+    for name, param in params.items():
+        experts = range(param.shape[0] * ep) if is_expert_stack(name) else ()
+        wanted.update(mapping.hf_names(te[name], experts))
     if getattr(model, "share_embeddings_and_output_weights", False):
         wanted.add("lm_head.weight")  # tied: a saved lm_head is the embedding again
     extra = sorted(reader.names() - wanted)
@@ -98,26 +98,37 @@ def load_hf_weights(model, path: str, reader: SafetensorsReader | None = None
     params = dict(inner.named_parameters())
     mapping = HFMapping(read_hf_config(path), next(iter(params.values())).dtype)
     reader = reader or SafetensorsReader(path)
-    _check_coverage(inner, mapping, reader, tp_rank, tp, ep)
-    plan = shard_plan(inner, tp_rank, tp, ep_rank)
-    te = local_to_te(s.global_name for s in plan.values())
+    _check_coverage(inner, mapping, reader, ep)
+    plan = shard_plan(inner, tp_rank, tp, ep_rank, ep)
+    te = local_to_te(plan)
     for name, shard in plan.items():
-        te_name = te[shard.global_name]
-        hf_names = mapping.hf_names(te_name)
-        parts = [_read_part(reader, n, shard, params[name], len(hf_names) > 1,
-                            shard.global_name in _VOCAB) for n in hf_names]
-        try:
-            value = mapping.to_mcore(te_name, parts)
-        except RuntimeError as e:  # a view / cat of parts whose shapes do not fit together
-            raise ValueError(f"{name} <- {hf_names} with shapes {[tuple(p.shape) for p in parts]}"
-                             f": {str(e).splitlines()[0]} (config.json and weights disagree?)"
-                             ) from None
-        if value.shape != params[name].shape:
-            raise ValueError(f"{name} <- {hf_names}: got shape {tuple(value.shape)}, the model "
-                             f"holds {tuple(params[name].shape)} (config.json and weights "
-                             "disagree?)")
-        params[name].copy_(value)
+        if not shard.experts:
+            _load_param(reader, mapping, name, te[name], shard, params[name])
+            continue
+        whole, E = Shard(None, 0, 1), params[name].shape[0]  # each expert read whole
+        for j in range(E):
+            _load_param(reader, mapping, f"{name}[{j}]", f"{te[name]}{ep_rank * E + j}", whole,
+                        params[name][j])
     return reader
+
+
+def _load_param(reader: SafetensorsReader, mapping: HFMapping, name: str, te_name: str,
+                shard: Shard, param: torch.Tensor) -> None:
+    """Read and fuse megatron tensor `te_name`'s Hugging Face parts into `param` (this rank's
+    part of it, `shard`); `name` names it in errors."""
+    hf_names = mapping.hf_names(te_name)
+    parts = [_read_part(reader, n, shard, param, len(hf_names) > 1, name in _VOCAB)
+             for n in hf_names]
+    try:
+        value = mapping.to_mcore(te_name, parts)
+    except RuntimeError as e:  # a view / cat of parts whose shapes do not fit together
+        raise ValueError(f"{name} <- {hf_names} with shapes {[tuple(p.shape) for p in parts]}"
+                         f": {str(e).splitlines()[0]} (config.json and weights disagree?)"
+                         ) from None
+    if value.shape != param.shape:
+        raise ValueError(f"{name} <- {hf_names}: got shape {tuple(value.shape)}, the model "
+                         f"holds {tuple(param.shape)} (config.json and weights disagree?)")
+    param.copy_(value)
 
 
 def hf_tensors(full: dict[str, torch.Tensor], hf_config: dict) -> dict[str, torch.Tensor]:

@@ -24,6 +24,8 @@ ARMS = ("gspo", "grpo", "grpo_r2")
 PROFILE_FILES = {os.path.join(ABL, f) for f in ablation_run.PROFILES.values() if f}
 CONFIGS = sorted(set(glob.glob(os.path.join(ROOT, "experiments", "*", "*.yaml")))
                  - PROFILE_FILES)
+PUBLISHED = [p for p in CONFIGS if not os.path.basename(p).startswith("qwen3_30b_a3b")]
+"""The configs a README table came from (the real-scale profile has run nowhere yet)."""
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -87,13 +89,15 @@ def test_gpu_profile_changes_the_preset():
 
 
 def test_demo_is_the_ablation_gspo_arm():
-    """The demo's README/YAML comments say so (a shorter run of that arm); keep it true."""
+    """The demo's README/YAML comments say so (a shorter run of that arm, with a validation
+    split for its band); keep it true."""
     demo, arm = (load_config(os.path.join(d, "gspo.yaml")) for d in (DEMO, ABL))
     assert config_diff(demo, arm) == {"run_dir", "init_checkpoint", "train.steps",
-                                "train.eval_every", "train.save_every"}
+                                "train.eval_every", "train.save_every", "task.n_val"}
     assert (demo.train.steps, arm.train.steps) == (60, 150)
     demo_sft, arm_sft = (load_config(os.path.join(d, "sft.yaml")) for d in (DEMO, ABL))
-    assert config_diff(demo_sft, arm_sft) == {"run_dir"}
+    assert config_diff(demo_sft, arm_sft) == {"run_dir", "task.n_val"}
+    assert demo.task == demo_sft.task and demo.task.n_val == 256  # the band reads validation
     # one accuracy band: SFT stops in it, every RL run (demo and arms) refuses a start outside
     assert demo.train.start_accuracy == arm_sft.sft.target_accuracy == [0.25, 0.45]
 
@@ -116,15 +120,28 @@ def test_profile_overlay_reads_yaml_like_the_config_loader(tmp_path, monkeypatch
     assert cfg.task.kwargs == {"num_digits": 3}
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: os.path.relpath(p, ROOT))
+@pytest.mark.parametrize("path", PUBLISHED, ids=lambda p: os.path.relpath(p, ROOT))
 def test_published_experiments_pin_the_kernels_they_ran_with(path):
-    """Every experiment README's tables were generated with megatron's DotProductAttention,
-    Adam's foreach path and one pi_old forward per rollout batch; the defaults changed
-    afterwards (issue 16). Their rounding can flip a sampled token, so the configs pin what
-    their numbers came from."""
-    cfg = load_config(path)
-    assert (cfg.model.attention, cfg.optim.adam_kernel, cfg.train.logprob_max_tokens) == \
-        ("megatron", "foreach", 0)
+    """Every experiment config names the attention, Adam path and pi_old chunking its README's
+    tables were generated with, in its YAML (not through defaults, which change: their
+    rounding can flip a sampled token). The experiments before the fast kernels became the
+    defaults ran with megatron's DotProductAttention, Adam's foreach path and one pi_old
+    forward per rollout batch; those after them, which say so in their README, with the fast
+    ones."""
+    from megatron_gspo.config.yamlfile import load_layered
+
+    raw = load_layered(path)
+    pinned = (raw.get("model", {}).get("attention"), raw.get("optim", {}).get("adam_kernel"),
+              raw.get("train", {}).get("logprob_max_tokens"))
+    assert None not in pinned, pinned
+    if os.path.basename(os.path.dirname(path)) in FAST_KERNELS:
+        assert pinned == ("sdpa", "fused", 4096)
+    else:
+        assert pinned == ("megatron", "foreach", 0)
+
+
+FAST_KERNELS = ("positive_control",)
+"""The experiments that ran with SDPA attention, fused Adam and 4096-token pi_old chunks."""
 
 
 def test_gpu_profile_uses_the_fast_kernels():

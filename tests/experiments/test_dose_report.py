@@ -189,6 +189,10 @@ def test_main_averages_start_accuracy_and_refuses_an_empty_root(tmp_path):
     assert doc.startswith("<!-- table:q:begin -->\n" + text + "\n<!-- table:q:end -->\n")
     runs_table = doc.split("<!-- table:q_runs:begin -->")[1]
     assert "grpo" in runs_table and "notes" not in runs_table
+    headed = report.main(str(tmp_path), str(calib), cold_start="cold start runs/x [run "
+                         "0123456789ab, checkpoint step 380]: start accuracy 0.2539")
+    assert headed.startswith("Cold start runs/x [run 0123456789ab, checkpoint step 380]: start "
+                             "accuracy 0.2539.\nCold start held-out accuracy 0.250;")
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(SystemExit, match="no finished runs"):

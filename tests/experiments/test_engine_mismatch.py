@@ -255,3 +255,18 @@ def test_collect_distills_results_again_keeping_wall_time_and_machine(tmp_path, 
         rec = json.load(f)
     assert (rec["wall_s"], rec["machine"], rec["log_ratio_first"]) == (7.0, MACHINE, 0.02)
     assert "stale" not in rec
+
+
+def test_the_cold_start_line_names_the_sft_run_and_step_where_recorded():
+    """results/sft written since the cold start was recorded carry the SFT run's fingerprint,
+    its checkpoint step and test accuracy; older ones give the line they always did."""
+    from experiments.engine_mismatch.report import sft_line
+
+    old = {"shape": "s", "start_accuracy": 0.2734, "band_step": 800.0}
+    assert sft_line({"s": old}, "s") == ("s: held-out accuracy 0.2734 (our float32 decoder), "
+                                         "entered the band at SFT step 800")
+    new = dict(old, fingerprint="0123456789abcdef", step=800, test_accuracy=0.25)
+    assert sft_line({"s": new}, "s") == ("s [run 0123456789ab, checkpoint step 800]: held-out "
+                                         "accuracy 0.2734 (our float32 decoder), entered the "
+                                         "band at SFT step 800; test accuracy 0.2500")
+    assert sft_line({}, "s") == "s: no cold start recorded"

@@ -2,6 +2,9 @@
 whose per-step metrics are pinned in tests/golden/golden_run.json. A refactor that changes what
 the trainer computes changes these numbers; `test_golden.py` compares within `TOLERANCE`.
 
+Each run's rows are pinned by step, keys in KEYS only: a row of none of them (step 0's evals of
+the initial policy, in SFT and, with a test split, in RL) pins its step.
+
 Regenerate (only when a change is *meant* to alter the numbers; say why in the commit):
     python -m tests.megatron_gspo.golden --write
 

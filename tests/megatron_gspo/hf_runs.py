@@ -30,7 +30,10 @@ def save_run(policy, cfg, run_dir: str) -> None:
     from moe import dist_ckpt
 
     root = os.path.join(run_dir, "checkpoints")
-    dist_ckpt.save(policy, os.path.join(ckpt.step_dir(root, 3), "dist"))
+    dist_dir = os.path.join(ckpt.step_dir(root, 3), "dist")
+    dist_ckpt.save(policy, dist_dir)
+    for path in dist_ckpt.files_written_by(dist_dir, 0):  # every shard checksummed, as there
+        ckpt.write_checksum(path)
     ckpt.save_checkpoint(root, 3, {"config": config_to_dict(cfg)})
     ckpt.mark_latest(root, 3)
 

@@ -42,10 +42,28 @@ def test_overrides_may_come_before_and_after_the_config_option(ran, tmp_path):
     assert (command, cfg.optim.lr, cfg.train.steps, cfg.seed) == ("train", 0.5, 4, 9)
 
 
-def test_only_eval_and_reward_metrics_are_printed(ran, capsys):
-    ran.result = {"eval/accuracy": 0.5, "reward/mean": 0.25, "train/loss": 1.0}
+def test_only_eval_test_and_reward_metrics_are_printed(ran, capsys):
+    ran.result = {"eval/accuracy": 0.5, "reward/mean": 0.25, "train/loss": 1.0,
+                  "test/accuracy": 0.375}
     assert cli.main(["eval"]) == 0
-    assert json.loads(capsys.readouterr().out) == {"eval/accuracy": 0.5, "reward/mean": 0.25}
+    assert json.loads(capsys.readouterr().out) == {"eval/accuracy": 0.5, "reward/mean": 0.25,
+                                                   "test/accuracy": 0.375}
+
+
+def test_eval_scores_the_validation_and_the_test_split(tmp_path, capsys):
+    """`megatron-gspo eval` of a checkpoint: eval/... on the validation split (what a run's
+    evals read), test/... on the test split; a run without a validation split scores the test
+    split under both."""
+    argv = ["eval", "model.preset=tiny", "task.kwargs.num_digits=1", "task.n_train=20",
+            "task.n_test=6", "rollout.max_new_tokens=3", "wandb.mode=disabled",
+            f"run_dir={tmp_path / 'e'}"]
+    assert cli.main([*argv, "task.n_val=4"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"eval/accuracy", "eval/reward_mean", "eval/format_ok", "test/accuracy",
+                        "test/format_ok", "test/reward"}
+    assert cli.main(argv) == 0
+    legacy = json.loads(capsys.readouterr().out)
+    assert legacy["eval/accuracy"] == legacy["test/accuracy"]
 
 
 @pytest.mark.parametrize("error", [ConfigError("bad key"), DataError("bad row"),

@@ -57,6 +57,9 @@ def _emitted_keys() -> set[str]:
     from megatron_gspo.algo.losses import POLICY_LOSSES, PolicyLossConfig, tis_weights
     from megatron_gspo.tasks.toy import Example, score
     from megatron_gspo.jobs.rl import response_metrics, rollout_metrics
+    from megatron_gspo.algo.margins import margin_metrics
+    from megatron_gspo.algo.sensitivity import sensitivity_metrics
+    from moe.router_scores import RouterScores
 
     g = torch.Generator().manual_seed(0)
     logp = -torch.rand(4, 5, generator=g)
@@ -77,6 +80,11 @@ def _emitted_keys() -> set[str]:
     mb = SimpleNamespace(response_BT=mask, old_logp_BT=old)
     keys |= set(response_metrics(mb, logp, torch.rand(4, 5, generator=g)))
     keys |= set(score(DatasetTask("exact"), [Example("p", "1", ("1", "", "f:1"))], ["1"]))
+    scores = RouterScores(torch.rand(3, 2, 3, generator=g).sort(2, descending=True).values,
+                          torch.arange(3).expand(3, 2, 3).to(torch.uint8),
+                          torch.ones(1, 3, dtype=torch.bool), 4)
+    keys |= set(margin_metrics(scores, torch.ones(3, dtype=torch.bool), 0.01))
+    keys |= set(sensitivity_metrics([0.1, 0.2]))
     return keys - {"rollout/x_r3/mean", "rollout/x_r3/max"}
 
 

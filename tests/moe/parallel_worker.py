@@ -103,6 +103,39 @@ def check_replay(policy, info, ref, rows, tokens_BT, valid_BT, what) -> None:
     assert torch.equal(got.sort(-1).values, want.sort(-1).values), f"{what}: recorded routing"
 
 
+def response_mask(valid_BT):
+    """The batch's last 5 columns as the response (the loss positions start at column 6)."""
+    response_BT = torch.zeros_like(valid_BT)
+    response_BT[:, -5:] = True
+    return response_BT
+
+
+def sensitivity_and_margins(policy, tokens_BT, valid_BT) -> tuple[list[float], dict]:
+    """Route sensitivity (every loss position swapped: no draw depends on the rank's shard) and
+    the router margins of the live routing, over every rank (collectives)."""
+    from megatron_gspo.algo.margins import margin_metrics
+    from megatron_gspo.algo.sensitivity import margin_rows, route_sensitivity
+    from moe.router_scores import RouterScores, record_router_scores
+
+    response_BT = response_mask(valid_BT)
+    sens = route_sensitivity(policy, tokens_BT, valid_BT, response_BT, 1.0, torch.Generator())
+    with torch.no_grad(), record_router_scores(policy) as recorded:
+        policy.logits(tokens_BT, valid_BT)
+    scores = RouterScores.from_recorded(recorded, policy.routed_valid(valid_BT),
+                                        policy.preset.num_experts)
+    return sens, margin_metrics(scores, margin_rows(policy, scores, response_BT), 0.05)
+
+
+def check_sensitivity(policy, ref, rows, tokens_BT, valid_BT, what) -> None:
+    """Under this layout (EP included: the swap goes through the replay cache) the route
+    sensitivity and the router margins over all ranks are the 1-process ones."""
+    sens, margins = sensitivity_and_margins(policy, tokens_BT, valid_BT)
+    torch.testing.assert_close(torch.tensor(sens), torch.tensor(ref["sensitivity"]), atol=1e-6,
+                               rtol=1e-3, msg=lambda m: f"{what}: route sensitivity: {m}")
+    for key, want in ref["margins"].items():
+        assert abs(margins[key] - want) <= 1e-6, f"{what}: {key} {margins[key]} != {want}"
+
+
 def check_kv_decode(policy, ref, rows, tokens_BT, valid_BT, what) -> None:
     """Both KV-cache decoders (lean and megatron's; prefill 8 columns, then one at a time) give
     the 1-process full-forward logits at each step and record the 1-process routing (none
@@ -192,6 +225,7 @@ def worker(rank: int, world: int, port: int, ref_path: str, layouts: list) -> No
                 f"{what}: optimizer grad norm {clip_norm} != {ref['grad_norm']}"
             check_replay(policy, info, ref, rows, tokens_BT[rows], valid_BT[rows], what)
             check_kv_decode(policy, ref, rows, tokens_BT[rows], valid_BT[rows], what)
+            check_sensitivity(policy, ref, rows, tokens_BT[rows], valid_BT[rows], what)
             check_sliced_output(policy, ref, rows, tokens_BT[rows], valid_BT[rows],
                                 readout_BTV[rows], what)
     finally:
@@ -303,7 +337,8 @@ def build_layout(preset, tp: int, ep: int):
 
 def checkpoint_checks(rank: int, preset, ref: dict, ckpt_dir: str) -> dict:
     """TP=2: 2 updates, save (each rank its shards), then the uninterrupted 3rd step; EP=2
-    (DP=2): resume from the TP=2 checkpoint and take the same 3rd step."""
+    (DP=2): resume from the TP=2 checkpoint, save it again (each EP rank its experts), and
+    take the same 3rd step."""
     from moe import dist_ckpt
     from moe.sharding import gather_full_params, load_full_params
 
@@ -317,6 +352,8 @@ def checkpoint_checks(rank: int, preset, ref: dict, ckpt_dir: str) -> dict:
 
     resumed, rows = build_layout(preset, tp=1, ep=2)
     dist_ckpt.load(resumed, ckpt_dir)
+    out["ep2_ckpt"] = os.path.join(os.path.dirname(ckpt_dir), "ep2_step_2")
+    dist_ckpt.save(resumed, out["ep2_ckpt"])
     out["ep2_loss3"] = step_loss(resumed, rows)
     train_steps(resumed, rows, 3, start=2)
     out["ep2_params3"] = gather_full_params(resumed.model.module)

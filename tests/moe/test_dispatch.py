@@ -38,12 +38,12 @@ def count_moe_syncs(policy, fn) -> list[str]:
 
 
 def syncs_of_the_dispatch(policy, records: list) -> list:
-    """The recorded syncs, less those of megatron's per-expert loop where it is the experts'
-    fallback (the grouped GEMM does not run on this device and dtype, e.g. fp32 on some CUDA
-    builds): it reads the tokens per expert on the host whatever the dispatcher does."""
+    """The recorded syncs, less those of the per-expert loop where it is the experts' fallback
+    (the grouped GEMM does not run on this device and dtype, e.g. fp32 on some CUDA builds): it
+    reads the tokens per expert on the host whatever the dispatcher does."""
     if grouped_mm_runs(policy.device.type, next(policy.model.parameters()).dtype):
         return records
-    loop = os.path.join("megatron", "core", "transformer", "moe", "experts.py")
+    loop = os.path.join("moe", "experts.py")
     return [r for r in records if not r.filename.endswith(loop)]
 
 
@@ -162,7 +162,7 @@ def test_sync_free_dispatch_is_installed_once_where_it_computes_megatrons(single
         patch.setattr(layers[0].config, "moe_expert_capacity_factor", 1.0)  # every layer's
         assert reinstall() == 0
     with monkeypatch.context() as patch:
-        patch.setattr(moe.dispatch, "GroupedSequentialMLP", type("Other", (), {}))
+        patch.setattr(moe.dispatch, "StackedExperts", type("Other", (), {}))
         assert reinstall() == 0
     with monkeypatch.context() as patch:
         patch.setattr(layers[0].token_dispatcher, "local_expert_indices",

@@ -70,12 +70,9 @@ def test_a_wrong_mapping_is_caught(single_process, hf_dirs):
     """Not vacuous: swapping two experts' weights in our model moves the logits past 1e-4."""
     tokens_BT, valid_BT = batch()
     policy, _ = hw.build_from_hf(hf_dirs["qwen3"], REAL_VOCAB)
-    experts = policy.model.module.decoder.layers[0].mlp.experts.local_experts
+    fc2 = policy.model.module.decoder.layers[0].mlp.experts.linear_fc2.weight
     with torch.no_grad():
-        a, b = experts[0].linear_fc2.weight, experts[1].linear_fc2.weight
-        a_copy = a.clone()
-        a.copy_(b)
-        b.copy_(a_copy)
+        fc2[[0, 1]] = fc2[[1, 0]]
         ours = policy.logits(tokens_BT, valid_BT)
     ref = hf_logits(hf_dirs["qwen3"], tokens_BT, valid_BT)
     assert hw.logit_diff(ours, ref, valid_BT, REAL_VOCAB) > 1e-2

@@ -55,7 +55,7 @@ def test_reader_slices_and_records_what_it_read(tmp_path):
 
 
 def shard(rank: int, parts: int, dim: int | None = 0) -> Shard:
-    return Shard(global_name="w", dim=dim, rank=rank, parts=parts)
+    return Shard(dim=dim, rank=rank, parts=parts)
 
 
 def test_fused_parts_are_split_in_row_chunks(tmp_path):

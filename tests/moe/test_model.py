@@ -275,9 +275,7 @@ def test_flops_per_token_match_torchs_flop_counter(single_process):
 
     preset = get_preset("qwen3-moe-tiny")
     policy = MoEPolicy.build(preset, ParallelLayout(), real_vocab=preset.vocab_size, optim=None,
-                             sdpa_attention=False)
-    for layer in policy.model.module.decoder.layers:  # the same experts, as megatron's loop
-        layer.mlp.experts.__class__ = SequentialMLP
+                             sdpa_attention=False, experts=SequentialMLP)  # megatron's loop
     B, T = 3, 20
     tokens_BT = torch.randint(0, preset.vocab_size, (B, T))
     valid_BT = torch.ones(B, T, dtype=torch.bool)
@@ -301,8 +299,8 @@ def test_model_params_in_the_model_dtype_and_expert_weights_tagged(single_proces
 
     params = dict(build("tiny", dtype=torch.bfloat16).model.module.named_parameters())
     assert {p.dtype for p in params.values()} == {torch.bfloat16}
-    experts = {n for n in params if ".mlp.experts.local_experts." in n}
-    assert len(experts) == 2 * 8 * 2  # layers x experts x (fc1, fc2)
+    experts = {n for n in params if ".mlp.experts." in n}
+    assert len(experts) == 2 * 2  # layers x (fc1, fc2), each stacked over the 8 experts
     assert {n for n, p in params.items() if p.is_moe_expert} == experts
     assert {n for n, p in params.items() if getattr(p, "allreduce", True) is False} == experts
 

@@ -2,7 +2,8 @@
 
 Also the Routing Replay cache under each layout: a forced routing sliced to this rank's rows and
 sequence shard reproduces the 1-process forced-routing logits, and the routing a rank records is
-the 1-process routing of its tokens (docs/pitfalls.md#replay-layout and #replay-payload).
+the 1-process routing of its tokens (docs/pitfalls.md#replay-layout and #replay-payload); and
+the route sensitivity (a swap forced through that cache) and router margins over all ranks.
 
 The sharded models load their weights sliced from the 1-process model (moe.sharding), so any
 difference in logits, gathered gradients or grad norm is a parallelism bug.
@@ -51,6 +52,8 @@ def single_process_reference(policy) -> dict:
     pw.run_model(policy, tokens_BT[:, :T], valid_BT[:, :T], readout_BTV[:, :T], first=pw.FIRST)
     ref["grads_odd"] = gather_full_params(policy.model.module, grads=True)
     ref.update(replay_reference(policy, policy.preset, tokens_BT, valid_BT))
+    ref["sensitivity"], ref["margins"] = pw.sensitivity_and_margins(policy, tokens_BT, valid_BT)
+    assert min(ref["sensitivity"]) > 0
     return ref
 
 

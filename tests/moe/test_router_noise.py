@@ -194,3 +194,43 @@ def test_recompute_replays_each_of_several_noisy_forwards(single_process):
         policy.backward(loss)
 
     assert_full_recompute_keeps_the_grads(step)
+
+
+def test_fixed_noise_is_a_function_of_the_router_input(single_process):
+    """fixed=True: two forwards of the same batch route the same way (fresh draws from one
+    generator do not), the routing differs from the clean one, and another generator seed
+    gives another function."""
+    policy = build()
+    tokens_BT, valid_BT, _ = batch(PRESET.vocab_size)
+
+    def routed(seed, fixed=True, std=2.0):
+        with torch.no_grad(), router_noise(policy, std, torch.Generator().manual_seed(seed),
+                                           fixed=fixed), record_routing(policy) as rec:
+            policy.logits(tokens_BT, valid_BT)
+        return [r.sort(-1).values for r in rec]
+
+    clean = routed(0, std=0.0)
+    first, second = routed(5), routed(5)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert mean_flip(clean, first, valid_BT) > 0.1
+    assert mean_flip(first, routed(6), valid_BT) > 0.05  # another seed, another function
+    # fresh draws from one generator differ between calls
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad(), router_noise(policy, 2.0, gen) as _, record_routing(policy) as a:
+        policy.logits(tokens_BT, valid_BT)
+    with torch.no_grad(), router_noise(policy, 2.0, gen) as _, record_routing(policy) as b:
+        policy.logits(tokens_BT, valid_BT)
+    assert mean_flip([x.sort(-1).values for x in a], [x.sort(-1).values for x in b],
+                     valid_BT) > 0.05
+
+
+def test_fixed_draws_depend_only_on_the_scores_row():
+    """The same scores row gets the same z wherever it sits in the batch; z has unit variance."""
+    from moe.router_noise import fixed_draws
+
+    draw = fixed_draws(torch.Generator().manual_seed(0), 16)
+    rows_NE = torch.randn(2000, 16, generator=torch.Generator().manual_seed(1))
+    z_NE = draw(rows_NE)
+    torch.testing.assert_close(draw(rows_NE.flip(0)), z_NE.flip(0))
+    torch.testing.assert_close(draw(3 * rows_NE + 1), z_NE)  # centred and scaled first
+    assert 0.8 < float(z_NE.var()) < 1.2

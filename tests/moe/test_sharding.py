@@ -12,14 +12,14 @@ import torch
 from moe import sharding
 
 TP, EP, E_LOCAL = 2, 2, 2
-EXPERT = "decoder.layers.0.mlp.experts.local_experts.{}.linear_fc1.weight"
-# global name: (shape, tensor_model_parallel, partition_dim, partition_stride)
+EXPERT = "decoder.layers.0.mlp.experts.linear_fc1.weight"  # stacked: [E, 6, 4]
+# name: (full shape, tensor_model_parallel, partition_dim, partition_stride)
 SPEC = {
     "embedding.word_embeddings.weight": ((8, 4), True, 0, 1),
     "decoder.layers.0.self_attention.linear_proj.weight": ((4, 6), True, 1, 1),
     "decoder.layers.0.mlp.shared_experts.linear_fc1.weight": ((8, 4), True, 0, 2),  # [gate; up]
     "decoder.final_layernorm.weight": ((4,), False, 0, 1),
-    **{EXPERT.format(e): ((6, 4), True, 0, 1) for e in range(EP * E_LOCAL)},
+    EXPERT: ((EP * E_LOCAL, 6, 4), True, 1, 1),
 }
 
 
@@ -34,7 +34,7 @@ def _full() -> dict[str, torch.Tensor]:
 
 
 def _expected_local(full: dict, tp_rank: int, ep_rank: int) -> dict[str, torch.Tensor]:
-    """Rank (tp_rank, ep_rank)'s tensors under their local names, sliced by hand."""
+    """Rank (tp_rank, ep_rank)'s tensors, sliced by hand."""
     r = tp_rank
     fc1 = full["decoder.layers.0.mlp.shared_experts.linear_fc1.weight"]
     local = {
@@ -46,8 +46,7 @@ def _expected_local(full: dict, tp_rank: int, ep_rank: int) -> dict[str, torch.T
             torch.cat([fc1[2 * r:2 * r + 2], fc1[4 + 2 * r:4 + 2 * r + 2]]),
         "decoder.final_layernorm.weight": full["decoder.final_layernorm.weight"],
     }
-    for j in range(E_LOCAL):
-        local[EXPERT.format(j)] = full[EXPERT.format(ep_rank * E_LOCAL + j)]
+    local[EXPERT] = full[EXPERT][ep_rank * E_LOCAL:(ep_rank + 1) * E_LOCAL]
     return local
 
 
@@ -58,7 +57,7 @@ class _Model:
         self.params = {}
         for name, tensor in local.items():
             expert = ".mlp.experts." in name
-            _, tp_split, dim, stride = SPEC[EXPERT.format(0) if expert else name]
+            _, tp_split, dim, stride = SPEC[name]
             p = torch.nn.Parameter(tensor.clone(), requires_grad=False)
             p.tensor_model_parallel, p.partition_dim, p.partition_stride = tp_split, dim, stride
             p.is_moe_expert = expert
@@ -70,22 +69,25 @@ class _Model:
 
 @pytest.mark.parametrize("tp_rank, ep_rank", [(0, 0), (1, 0), (0, 1), (1, 1)])
 def test_shard_from_full_gives_each_rank_its_slices(tp_rank, ep_rank):
-    """TP params split along their partition dim (a gated fc1 per half), experts whole and
-    renumbered by EP rank, the rest replicated."""
+    """TP params split along their partition dim (a gated fc1 per half), stacked experts split
+    along their expert dim by EP rank (never by TP), the rest replicated."""
     full = _full()
     want = _expected_local(full, tp_rank, ep_rank)
-    got = sharding.shard_from_full(_Model(want), full, tp_rank, TP, ep_rank)
+    got = sharding.shard_from_full(_Model(want), full, tp_rank, TP, ep_rank, EP)
     assert got.keys() == want.keys()
     for name in want:
         assert torch.equal(got[name], want[name]), name
 
 
 def test_merge_inverts_take():
-    """Merging every TP rank's `take` gives back the full tensor (plain and gated splits)."""
+    """Merging every rank's `take` gives back the full tensor (plain and gated TP splits, the
+    EP split of the experts)."""
     full = _full()
     for name, (_, _, dim, stride) in SPEC.items():
-        shard = sharding.Shard(name, dim, 0, TP, glu=stride == 2)
-        parts = [sharding.Shard(name, dim, r, TP, glu=stride == 2).take(full[name])
+        if name == EXPERT:
+            dim, stride = 0, 1
+        shard = sharding.Shard(dim, 0, TP, glu=stride == 2)
+        parts = [sharding.Shard(dim, r, TP, glu=stride == 2).take(full[name])
                  for r in range(TP)]
         assert torch.equal(shard.merge(parts), full[name]), name
 
@@ -93,20 +95,23 @@ def test_merge_inverts_take():
 def test_shard_from_full_names_missing_and_misshapen_entries():
     full = _full()
     model = _Model(_expected_local(full, 0, 1))
-    del full[EXPERT.format(3)]
-    with pytest.raises(KeyError, match=r"no entry '.*local_experts\.3\..*' \(for local param "
-                                       r"'.*local_experts\.1\."):
-        sharding.shard_from_full(model, full, 0, TP, 1)
+    del full[EXPERT]
+    with pytest.raises(KeyError, match=r"no entry 'decoder.layers.0.mlp.experts.linear_fc1"):
+        sharding.shard_from_full(model, full, 0, TP, 1, EP)
     full = _full()
     full["decoder.final_layernorm.weight"] = torch.zeros(5, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"final_layernorm.weight: shard shape \(5,\) != param "
                                          r"shape \(4,\)"):
-        sharding.shard_from_full(model, full, 0, TP, 1)
+        sharding.shard_from_full(model, full, 0, TP, 1, EP)
+    full = _full()
+    full[EXPERT] = full[EXPERT][:3]  # 3 experts cannot split 2 ways into the model's 2
+    with pytest.raises(ValueError, match=r"linear_fc1.weight: shard shape \(1, 6, 4\)"):
+        sharding.shard_from_full(model, full, 0, TP, 1, EP)
 
 
 def test_gather_full_params_reassembles_tp_and_ep_shards(monkeypatch):
-    """From TP rank 0 / EP rank 0: TP params gathered and merged, every EP rank's experts under
-    their global names (the collectives replaced by the other ranks' known slices)."""
+    """From TP rank 0 / EP rank 0: TP params gathered and merged, every EP rank's experts
+    stacked in EP rank order (the collectives replaced by the other ranks' known slices)."""
     from megatron.core import parallel_state as ps
 
     full = _full()
@@ -121,6 +126,7 @@ def test_gather_full_params_reassembles_tp_and_ep_shards(monkeypatch):
     for fn, value in [("get_tensor_model_parallel_world_size", TP),
                       ("get_expert_model_parallel_world_size", EP),
                       ("get_tensor_model_parallel_rank", 0),
+                      ("get_expert_model_parallel_rank", 0),
                       ("get_tensor_model_parallel_group", "tp"),
                       ("get_expert_model_parallel_group", "ep")]:
         monkeypatch.setattr(ps, fn, lambda v=value: v)

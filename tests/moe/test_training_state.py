@@ -4,7 +4,8 @@
   gives the 1-process optimizer's parameters after 3 clipped updates; in bf16 exactly the
   unsharded optimizer's; its dist checkpoint resumes exactly;
 - rank-local dist checkpoints (moe.dist_ckpt) saved with TP=2 resume with EP=2 (DP=2) and in 1
-  process: the next step's loss and parameters equal the uninterrupted TP=2 run's.
+  process, and the EP=2 one in 1 process: the next step's loss and parameters equal the
+  uninterrupted run's.
 """
 
 import os
@@ -60,17 +61,28 @@ def test_tp2_checkpoint_resumes_with_ep2(run):
 
 
 @pytest.mark.slow
-def test_tp2_checkpoint_resumes_in_one_process(single_process, run):
+@pytest.mark.parametrize("saved", ["tp2", "ep2"])
+def test_checkpoint_resumes_in_one_process(single_process, run, saved):
+    """The TP=2 and the EP=2 (4 of the 8 experts per rank) checkpoints in one process: the
+    same 3rd step. Each stacked expert weight is one global [layers, E, out, in] tensor of the
+    checkpoint, whichever EP size wrote it."""
+    from megatron.core import dist_checkpointing
+
     from moe import dist_ckpt
     from moe.presets import get_preset
     from moe.sharding import gather_full_params
 
-    policy, rows = pw.build_layout(get_preset("tiny"), tp=1, ep=1)
-    dist_ckpt.load(policy, run["tp2_ckpt"])
-    assert pw.step_loss(policy, rows) == pytest.approx(run["tp2_loss3"], rel=LOSS_RTOL)
+    preset = get_preset("tiny")
+    meta = dist_checkpointing.load_tensors_metadata(run[f"{saved}_ckpt"])
+    F, H = preset.moe_ffn_hidden_size, preset.hidden_size
+    assert meta["decoder.layers.mlp.experts.experts.linear_fc1.weight"].global_shape == (
+        preset.num_layers, preset.num_experts, 2 * F, H)
+    policy, rows = pw.build_layout(preset, tp=1, ep=1)
+    dist_ckpt.load(policy, run[f"{saved}_ckpt"])
+    assert pw.step_loss(policy, rows) == pytest.approx(run[f"{saved}_loss3"], rel=LOSS_RTOL)
     pw.train_steps(policy, rows, 3, start=2)
     for name, p in gather_full_params(policy.model.module).items():
-        torch.testing.assert_close(p, run["tp2_params3"][name], atol=pw.DP_ATOL, rtol=0,
+        torch.testing.assert_close(p, run[f"{saved}_params3"][name], atol=pw.DP_ATOL, rtol=0,
                                    msg=lambda m: f"1-process resumed, {name}: {m}")
 
 

@@ -308,7 +308,7 @@ def test_unreplayed_step_records_its_own_before_over_the_routed_shard(monkeypatc
     mb = SimpleNamespace(replay=None, old_routing=old, valid_BT=valid_BT,
                          tokens_BT=torch.zeros(2, 4, dtype=torch.long), response_BT=response_BT)
     step = flips.StepFlips(SecondHalfShard(), mb, active=True)
-    with step.watch():
+    with step.watch(), step.forward():  # the step's one training forward
         pass
     assert step.used is step.before
     assert step.before.ids_NLK[:, 0].tolist() == [b, a, a, a]

@@ -6,22 +6,28 @@ import dataclasses
 from megatron_gspo.config.schema import RunConfig, describe_config, field_docs
 
 
-def sections(cls) -> list:
-    """`cls` and every section under it, nested ones too (rollout.vllm)."""
+def _sections(cls=RunConfig) -> list[type]:
+    """`cls` and the class of each section under it, nested ones too (rollout.vllm)."""
     return [cls] + [c for f in dataclasses.fields(cls)
                     if dataclasses.is_dataclass(t := type(getattr(cls(), f.name)))
-                    for c in sections(t)]
+                    for c in _sections(t)]
+
+
+def _leaf_keys() -> int:
+    """Keys a user can set: every field of every section, the sections themselves excepted."""
+    return sum(not dataclasses.is_dataclass(getattr(cls(), f.name))
+               for cls in _sections() for f in dataclasses.fields(cls))
 
 
 def test_every_field_has_a_docstring():
     seen = 0
-    for cls in sections(RunConfig):
+    for cls in _sections():
         docs = field_docs(cls)
         for f in dataclasses.fields(cls):
             assert docs.get(f.name, "").strip(), f"{cls.__name__}.{f.name} has no docstring"
             seen += 1
-    # every field of every section (rollout: 15, and its vllm section: 14)
-    assert seen == 15 + 15 + 5 + 15 + 14 + 10 + 14 + 14 + 7 + 3 + 15 + 4 + 3
+    assert len(_sections()) >= 12 and seen > _leaf_keys() > 100  # every section was walked
+    assert any(cls.__name__ == "VLLMConfig" for cls in _sections())  # nested ones too
 
 
 def test_describe_config_lists_every_key_with_default_and_doc():
@@ -34,7 +40,7 @@ def test_describe_config_lists_every_key_with_default_and_doc():
     assert "train.num_minibatches: int = 4" in text
     assert "must divide prompts_per_batch * group_size" in text
     n_keys = sum(1 for ln in text.splitlines() if ln and not ln.startswith((" ", "[", "megat")))
-    assert n_keys == 4 + 15 + 5 + 14 + 14 + 10 + 14 + 14 + 7 + 3 + 15 + 4 + 3
+    assert n_keys == _leaf_keys()  # every key, once
     assert "rollout.vllm.tensor_parallel_size: int = 1" in text  # a nested section's keys
 
 

@@ -113,9 +113,9 @@ def test_a_tilde_in_a_path_is_the_home_directory():
     'model folder ~/m does not exist'."""
     home = os.path.expanduser("~")
     cfg = load_config(None, ["model.hf_path=~/m", "run_dir=~/r", "init_checkpoint=~/c",
-                             *DATASET, "data.tokenizer_path=~/t", "data.eval_files=[~/e.jsonl]"])
+                             *DATASET, "data.tokenizer_path=~/t", "data.test_files=[~/e.jsonl]"])
     assert (cfg.model.hf_path, cfg.run_dir, cfg.init_checkpoint, cfg.data.tokenizer_path,
-            cfg.data.eval_files) == (f"{home}/m", f"{home}/r", f"{home}/c", f"{home}/t",
+            cfg.data.test_files) == (f"{home}/m", f"{home}/r", f"{home}/c", f"{home}/t",
                                      [f"{home}/e.jsonl"])
 
 

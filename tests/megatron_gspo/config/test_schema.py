@@ -38,7 +38,7 @@ def test_yaml_file_and_demo_experiments_load(tmp_path):
     assert cfg.loss.eps_low == 3e-4 and isinstance(cfg.loss.eps_low, float)
     assert cfg.loss.eps_high == 4e-4
     assert cfg.train.routing_replay == "off"  # YAML 1.1 would make unquoted off a bool
-    assert cfg.task.n_train == 10 and cfg.task.n_eval == 128  # unset keys keep defaults
+    assert cfg.task.n_train == 10 and cfg.task.n_test == 128  # unset keys keep defaults
     root = os.path.join(ROOT, "experiments", "demo")
     for name in ("sft.yaml", "gspo.yaml"):  # both exist; a missing one fails here
         assert load_config(os.path.join(root, name)).wandb.mode == "disabled"

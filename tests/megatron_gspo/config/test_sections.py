@@ -38,7 +38,7 @@ EDGES = [
     ("model.max_seq_len", "2", "1", "must be >= 2"),
     ("model.num_layers", "1", "0", "must be >= 1"),
     ("task.n_train", "1", "0", "must be >= 1"),
-    ("task.n_eval", "0", "-1", "must be >= 0"),
+    ("task.n_test", "0", "-1", "must be >= 0"),
     ("rollout.prompts_per_batch", "1", "0", "must be >= 1"),
     ("rollout.group_size", "2", "1", "must be >= 2"),
     ("rollout.max_new_tokens", "1", "0", "must be >= 1"),
@@ -157,3 +157,23 @@ def test_loss_ranges_at_their_edges():
         with pytest.raises(ConfigError) as e:
             LossConfig(**{key: value})
         assert str(e.value) == f"loss.{key}={value}: {rule}"
+
+
+def test_preset_overrides_replace_architecture_fields_and_name_bad_ones():
+    """model.preset_overrides builds the preset with those fields (validated as a preset); an
+    unknown or fixed field, a wrong type or an impossible architecture is one ConfigError."""
+    from megatron_gspo.run.setup import resolve_preset
+
+    cfg = load_config(None, ["model.preset_overrides={num_experts: 32, topk: 1, "
+                             "moe_ffn_hidden_size: 16, norm_topk_prob: false}"])
+    p = resolve_preset(cfg, 20)
+    assert (p.num_experts, p.topk, p.moe_ffn_hidden_size, p.norm_topk_prob) == (32, 1, 16, False)
+    assert p.hidden_size == 64 and p.vocab_size == 32  # the rest is the preset's
+    for bad, msg in [("{num_expertz: 2}", "'num_expertz' is not an architecture field"),
+                     ("{vocab_size: 2}", "'vocab_size' is not an architecture field"),
+                     ("{topk: 17}", "topk=17 exceeds num_experts=16"),
+                     ("{norm_topk_prob: 1}", "norm_topk_prob=1 must be a bool")]:
+        with pytest.raises(ConfigError, match=msg):
+            load_config(None, [f"model.preset_overrides={bad}"])
+    with pytest.raises(ConfigError, match="preset_overrides.*only with model.preset"):
+        load_config(None, ["model.preset_overrides={topk: 1}", "model.hf_path=/m"])

@@ -142,3 +142,19 @@ def test_atomic_write_replaces_whole_or_not_at_all(tmp_path, monkeypatch):
     assert str(e.value) == (f"cannot write {path}: No space left on device; files already "
                             "written are unchanged")
     assert path.read_text() == "seed: 2\n" and os.listdir(tmp_path) == ["c.yaml"]
+
+
+def test_a_config_file_that_is_not_utf8_is_one_line_naming_the_byte(tmp_path, capsys):
+    """A config saved in Latin-1 (`café` in a comment), directly or as a `base:`, was a
+    UnicodeDecodeError traceback from the CLI; now one line naming the file and the byte."""
+    from megatron_gspo.cli import main
+
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("seed: 1\n# caf\u00e9\n".encode("latin-1"))
+    top = tmp_path / "top.yaml"
+    top.write_text("base: latin1.yaml\nseed: 2\n")
+    for config in (latin1, top):
+        assert main(["train", "--config", str(config)]) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        assert f"{latin1}: not UTF-8 text: byte 0xe9 at offset 13" in err, err

@@ -114,9 +114,10 @@ def test_real_sft_stops_in_band_and_rl_checks_its_start(tmp_path):
     extra = ckpt.load_checkpoint(os.path.join(sft_dir, "checkpoints"), rank=0)["extra"]
     assert extra["band"] == {"sft/start_accuracy": evals[-1][1], "sft/band_step": first}
     assert run_sft(cfg)["sft/band_step"] == first  # re-running: done, nothing trained
-    assert cold_start_line(str(sft_dir)) == (f"cold start {sft_dir}: start accuracy "
-                                             f"{evals[-1][1]:.4f}, entered the band at SFT "
-                                             f"step {first}")
+    line = cold_start_line(str(sft_dir))  # the run, the step RL loads, its band record
+    assert line.startswith(f"cold start {sft_dir} [run ") and \
+        f", checkpoint step {first}, band on the test split]: start accuracy " \
+        f"{evals[-1][1]:.4f}, entered the band at SFT step {first}; test accuracy " in line
 
     acc = out["sft/start_accuracy"]
     rl = [*BASE, f"init_checkpoint={sft_dir}", "train.steps=1", "train.eval_every=0"]
@@ -250,3 +251,74 @@ def test_sft_band_finish_is_the_exhausted_budget_only_with_a_band():
     with pytest.raises(AccuracyBandError, match=r"not reached in sft\.steps=.*held-out "
                                                 r"accuracy 0\.1000 at step 10"):
         band.finish()
+
+
+def split_evals(monkeypatch, val_accuracies, test_accuracy=0.9, n_val=12, n_test=20):
+    """The greedy eval (`megatron_gspo.run.setup.evaluate`) replaced by one that says which
+    split it was given (by size: n_val validation prompts, n_test test prompts, recorded in
+    the returned list) and returns the next of `val_accuracies` for validation, `test_accuracy`
+    for test."""
+    from megatron_gspo.run import setup
+
+    calls, val = [], iter(val_accuracies)
+
+    def evaluate(sampler, tokenizer, task, examples, *, max_new_tokens, batch_size=128):
+        split = {n_val: "val", n_test: "test"}[len(examples)]
+        calls.append(split)
+        acc = next(val) if split == "val" else test_accuracy
+        return {"eval/accuracy": acc, "eval/reward_mean": acc, "eval/format_ok": 1.0}
+    monkeypatch.setattr(setup, "evaluate", evaluate)
+    return calls
+
+
+def test_the_band_reads_the_validation_split_and_the_test_split_chooses_nothing(
+        tmp_path, monkeypatch, capsys):
+    """SFT's band and RL's start band read the validation split; the test split (above the
+    band here: a band reading it would refuse the run) is evaluated at the first and last
+    step only, beside `eval/accuracy`, and the cold start records its test accuracy."""
+    from megatron_gspo.jobs.rl import Trainer
+    from megatron_gspo.jobs.sft import run_sft
+
+    calls = split_evals(monkeypatch, [0.1, 0.2, 0.3])
+    sft_dir = tmp_path / "sft"
+    split = ["task.n_val=12", "task.n_test=20"]
+    out = run_sft(load_config(None, [*BASE, *split, f"run_dir={sft_dir}", "sft.steps=20",
+                                     "sft.eval_every=2", "sft.target_accuracy=[0.25,0.45]"]))
+    assert calls == ["val", "test", "val", "val", "test"]  # step 0, 2, 4 (in the band)
+    assert (out["sft/band_step"], out["sft/start_accuracy"]) == (4, 0.3)
+    rows = read_jsonl(sft_dir / "metrics.jsonl")
+    tested = [(r["step"], r["eval/accuracy"], r["test/accuracy"]) for r in rows
+              if "test/accuracy" in r]
+    assert tested == [(0, 0.1, 0.9), (4, 0.3, 0.9)]
+    assert all(0 <= r["test/reward"] <= 1 for r in rows if "test/accuracy" in r)
+    assert "WARNING: no validation split" not in capsys.readouterr().out
+    line = cold_start_line(str(sft_dir))
+    assert line.startswith(f"cold start {sft_dir} [run ") and ", checkpoint step 4]: " in line
+    assert line.endswith("start accuracy 0.3000, entered the band at SFT step 4; test "
+                         "accuracy 0.9000")
+
+    calls = split_evals(monkeypatch, [0.3])
+    Trainer.from_config(load_config(None, [
+        *BASE, *split, f"init_checkpoint={sft_dir}", f"run_dir={tmp_path / 'rl'}",
+        "train.steps=1", "train.eval_every=0", "train.start_accuracy=[0.25,0.45]"])).train()
+    assert calls == ["val", "test", "test"]  # the start check, then test at steps 0 and 2
+    rows = read_jsonl(tmp_path / "rl" / "metrics.jsonl")
+    assert rows[0]["step"] == 0 and (rows[0]["eval/accuracy"], rows[0]["test/accuracy"]) == \
+        (0.3, 0.9)
+    assert rows[-1]["step"] == 2 and rows[-1]["test/accuracy"] == 0.9
+
+
+def test_without_a_validation_split_the_band_reads_the_test_split_and_says_so(
+        tmp_path, monkeypatch, capsys):
+    """task.n_val=0 (every config from before the validation split): evals and the band read
+    the test split, as they did, and set-up warns that the band chooses on it."""
+    from megatron_gspo.jobs.sft import run_sft
+
+    calls = split_evals(monkeypatch, [], test_accuracy=0.3)
+    out = run_sft(load_config(None, [*BASE, "task.n_eval=20", f"run_dir={tmp_path / 'sft'}",
+                                     "sft.steps=4", "sft.eval_every=2",
+                                     "sft.target_accuracy=[0.25,0.45]"]))
+    assert out["sft/band_step"] == 0 and calls == ["test", "test"]
+    assert "WARNING: no validation split (task.n_val=0, no data.val_files / data.val_fraction)" \
+           ": sft.target_accuracy chooses on the test split" in capsys.readouterr().out
+    assert "band on the test split" in cold_start_line(str(tmp_path / "sft"))

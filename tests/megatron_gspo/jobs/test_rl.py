@@ -11,6 +11,7 @@ import torch
 from megatron_gspo.config.schema import load_config
 from megatron_gspo.errors import ConfigError
 from megatron_gspo.run.metrics import read_jsonl
+from tests.jsonl import step_rows
 from tests.megatron_gspo.jobs.trainers import BASE, make_trainer, params, stub
 
 
@@ -19,7 +20,7 @@ def test_first_minibatch_is_on_policy_later_ones_are_not(tmp_path):
     (docs/pitfalls.md#minibatches: with one minibatch GSPO would be plain on-policy PG)."""
     trainer = make_trainer(tmp_path, "train.steps=1", "loss.name=gspo")
     trainer.train()
-    rows = read_jsonl(os.path.join(trainer.cfg.run_dir, "metrics.jsonl"))
+    rows = step_rows(trainer.cfg.run_dir)
     assert [r["train/minibatch"] for r in rows] == [0, 1, 2, 3]
     assert abs(rows[0]["policy/ratio/mean"] - 1.0) < 1e-5
     assert rows[0]["policy/clip_frac/token"] == 0.0
@@ -101,7 +102,7 @@ def test_non_finite_loss_with_finite_grads_is_skipped(tmp_path):
     after = params(trainer)
     for n in before:
         assert torch.equal(before[n], after[n]), n
-    rows = read_jsonl(os.path.join(trainer.cfg.run_dir, "metrics.jsonl"))
+    rows = step_rows(trainer.cfg.run_dir)
     assert [r["train/skipped"] for r in rows] == [1.0] * 4
     assert trainer.state.skipped_in_a_row == 4
 
@@ -113,7 +114,7 @@ def test_a_skipped_step_logs_no_flips(tmp_path):
     real = trainer.loss_fn
     trainer.loss_fn = lambda *a, **k: (lambda out: (out[0] + float("inf"), out[1]))(real(*a, **k))
     trainer.train()
-    rows = read_jsonl(os.path.join(trainer.cfg.run_dir, "metrics.jsonl"))
+    rows = step_rows(trainer.cfg.run_dir)
     assert [r["train/skipped"] for r in rows] == [1.0, 1.0]
     assert not any(k.startswith("moe/flip_rate") for r in rows for k in r)
 
@@ -132,11 +133,11 @@ def test_guard_aborts_after_more_than_max_consecutive_skips_and_a_step_resets():
 def test_no_update_means_zero_flips_and_update_means_some(tmp_path):
     frozen = make_trainer(tmp_path, "train.steps=1", "optim.lr=0.0", name="frozen")
     frozen.train()
-    rows = read_jsonl(os.path.join(frozen.cfg.run_dir, "metrics.jsonl"))
+    rows = step_rows(frozen.cfg.run_dir)
     assert all(r["moe/flip_rate/mean"] == 0.0 for r in rows)
     moving = make_trainer(tmp_path, "train.steps=1", "optim.lr=0.05", name="moving")
     moving.train()
-    rows = read_jsonl(os.path.join(moving.cfg.run_dir, "metrics.jsonl"))
+    rows = step_rows(moving.cfg.run_dir)
     assert max(r["moe/flip_rate/mean"] for r in rows) > 0.0
     assert "moe/flip_rate/layer_01" in rows[0] and "moe/load_imbalance/layer_00" in rows[0]
 
@@ -203,27 +204,22 @@ def test_local_prompts_checks_each_data_parallel_ranks_rows():
         local_prompts(cfg, 3)
 
 
-def test_router_noise_is_a_fresh_seeded_draw_per_step_and_off_under_replay(monkeypatch):
+def test_router_noise_is_a_fresh_seeded_draw_per_step_and_off_under_replay():
     """Each optimizer step gets its own noise; the same step gets the same (resumable); a
     replayed forward or std 0 gets none."""
-    from megatron_gspo.jobs import rl as trainer_mod
+    from megatron_gspo.jobs.rl_step import noise_inputs
 
-    monkeypatch.setattr(trainer_mod, "router_noise", lambda policy, std, gen: (std, gen))
-    t = stub(router_noise_std=0.5)
-    t.policy = SimpleNamespace(device="cpu")
     live, replayed = SimpleNamespace(replay=None), SimpleNamespace(replay=object())
+    cfg = stub(router_noise_std=0.5).cfg
 
     def draw(step, mb=live):
-        t.state.opt_step = step
-        std, gen = trainer_mod.Trainer.router_noise(t, mb)
+        std, gen = noise_inputs(cfg, mb, step, "cpu")
         return std, (None if gen is None else torch.randn(4, generator=gen).tolist())
 
     assert draw(3) == draw(3) and draw(3)[0] == 0.5
     assert draw(3)[1] != draw(4)[1]
     assert draw(3, replayed) == (0.0, None)
-    quiet = stub(router_noise_std=0.0)
-    quiet.policy = t.policy
-    assert trainer_mod.Trainer.router_noise(quiet, live) == (0.0, None)
+    assert noise_inputs(stub(router_noise_std=0.0).cfg, live, 3, "cpu") == (0.0, None)
 
 
 @pytest.mark.parametrize("argv, fragment", [
@@ -231,7 +227,7 @@ def test_router_noise_is_a_fresh_seeded_draw_per_step_and_off_under_replay(monke
     (["train", "--config", "nope.yaml"], "config file not found: nope.yaml"),
     (["train", "train.routing_replay=r3", "rollout.kv_cache=false"], "rollout.kv_cache=true"),
     (["train", "task.kwargs.num_digits=1", "wandb.mode=disabled", "run_dir=RUN"],
-     "task.n_train / task.n_eval: Addition(num_digits=1) has only 100 distinct prompts"),
+     "task.n_train / task.n_val / task.n_test: Addition(num_digits=1) has only 100 distinct prompts"),
     (["train", "task.name=dataset", "data.train_files=[BAD]", "wandb.mode=disabled",
       "run_dir=RUN"], "bad.jsonl:1: not valid JSON"),
 ])
@@ -245,3 +241,39 @@ def test_cli_bad_config_exits_2_naming_the_problem(capsys, tmp_path, argv, fragm
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert fragment in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_tiny_run_logs_the_test_split_and_routing_sensitivity_and_trains_the_same(tmp_path):
+    """`test/{accuracy,format_ok,reward}` at step 0 and at the last step only,
+    `moe/router_margin/...` with every flip measurement and `moe/route_sensitivity/...` every
+    `train.route_sensitivity_every` rollout batches; neither the test evals nor the
+    sensitivity's forwards change what is trained (same rows as a run without them)."""
+    on = ["train.steps=2", "train.num_minibatches=2", "train.save_every=0", "task.n_val=8",
+          "train.route_sensitivity_every=2"]
+    measured = make_trainer(tmp_path, *on, name="measured")
+    measured.train()
+    plain = make_trainer(tmp_path, *on[:-1], name="plain")  # the same splits ...
+    plain.test = lambda: {}  # ... never evaluating the test split
+    plain.train()
+    rows = read_jsonl(os.path.join(measured.cfg.run_dir, "metrics.jsonl"))
+    tested = [r["step"] for r in rows if "test/accuracy" in r]
+    assert tested == [0, 4] and rows[0]["step"] == 0
+    for r in (rows[0], rows[-1]):
+        assert 0 <= r["test/accuracy"] <= 1 and 0 <= r["test/reward"] <= 1
+        assert 0 <= r["test/format_ok"] <= 1
+    steps = rows[1:]
+    L = measured.policy.preset.num_layers
+    for r in steps:
+        margins = [r[f"moe/router_margin/layer_{l:02d}"] for l in range(L)]
+        assert all(0 <= m <= 1 for m in margins)
+        assert r["moe/router_margin/mean"] == pytest.approx(sum(margins) / L)
+        assert 0 <= r["moe/router_margin_small/layer_00"] <= 1
+    sensed = [r["step"] for r in steps if "moe/route_sensitivity/layer_00" in r]
+    assert sensed == [2]  # rollout batch 0 (every 2nd), in its last row with its time
+    assert "time/sensitivity" in steps[1] and steps[1]["moe/route_sensitivity/mean"] > 0
+    same = ["policy/loss", "train/grad_norm", "reward/mean", "moe/flip_rate/mean",
+            "moe/router_margin/mean"]
+    assert [[r[k] for k in same] for r in steps] == [[r[k] for k in same]
+                                                     for r in step_rows(plain.cfg.run_dir)]
+    assert not any(k.startswith(("test/", "moe/route_sensitivity/")) for r in read_jsonl(
+        os.path.join(plain.cfg.run_dir, "metrics.jsonl")) for k in r)

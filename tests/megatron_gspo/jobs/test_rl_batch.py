@@ -3,12 +3,11 @@ reference policy's passes (temperature, token budget), advantages and the overlo
 minibatches that partition the batch."""
 
 import dataclasses
-import os
 
 import pytest
 import torch
 
-from megatron_gspo.run.metrics import read_jsonl
+from tests.jsonl import step_rows
 from tests.megatron_gspo.jobs.trainers import make_trainer, params
 from tests.megatron_gspo.samplers import backend
 
@@ -200,7 +199,7 @@ def test_minibatches_partition_the_batch_and_reuse_pi_old_advantages_and_ref(tmp
     want_adv, _ = group_advantages(full.rollout.rewards_B, G, eps=trainer.cfg.loss.adv_eps)
     assert torch.equal(full.adv_B, want_adv)
     assert full.adv_B.view(-1, G).sum(1).abs().max() < 1e-5 and full.adv_B.abs().sum() > 0
-    rows_log = read_jsonl(os.path.join(trainer.cfg.run_dir, "metrics.jsonl"))
+    rows_log = step_rows(trainer.cfg.run_dir)
     for rows, (logp, old, adv, resp, ref), ent, row in zip(rows_of, calls, ents, rows_log):
         assert torch.equal(old, full.old_logp_BT[rows]) and torch.equal(adv, full.adv_B[rows])
         assert ref is not None and torch.equal(ref, full.ref_logp_BT[rows])

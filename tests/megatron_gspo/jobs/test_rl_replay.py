@@ -2,7 +2,6 @@
 replay and where (only the loss's forward), flips under replay, router noise, the sampler's
 routing and log-prob mismatch, truncated importance sampling."""
 
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -10,7 +9,7 @@ import torch
 
 from megatron_gspo.config.schema import load_config
 from megatron_gspo.errors import ConfigError
-from megatron_gspo.run.metrics import read_jsonl
+from tests.jsonl import step_rows
 from tests.megatron_gspo.jobs.trainers import make_trainer
 from tests.megatron_gspo.samplers import backend, shift_routing
 
@@ -33,7 +32,7 @@ def test_routing_replay_is_confined_to_the_policy_forward(tmp_path, monkeypatch)
     trainer.train()
     assert_routing_idle(trainer.policy)
     assert len(calls) >= 3  # the start eval, the rollout, the eval after it
-    rows = read_jsonl(os.path.join(trainer.cfg.run_dir, "metrics.jsonl"))
+    rows = step_rows(trainer.cfg.run_dir)
     last = rows[-1]
     assert last["replay/cache_bytes"] > 0
     L, n_mb = len(trainer.policy.router_replays), trainer.cfg.train.num_minibatches
@@ -90,7 +89,7 @@ def test_flips_under_replay_take_one_forward_per_step_and_equal_separate_passes(
     separate = make_trainer(tmp_path, *run, name="separate")
     separate.train()
     assert rows_per_pass == [B // 4] * 8  # before + after for each step
-    got, want = (read_jsonl(os.path.join(t.cfg.run_dir, "metrics.jsonl"))
+    got, want = (step_rows(t.cfg.run_dir)
                  for t in (shared, separate))
     keys = [k for k in want[0] if k.startswith(("moe/flip_rate/", "moe/drift_vs_old/"))]
     assert keys and max(r["moe/flip_rate/mean"] for r in want) > 0
@@ -131,7 +130,7 @@ def test_replay_source_is_pi_old_for_r2_and_the_sampler_for_r3(tmp_path, monkeyp
     # flips compare the live routing before and after a step: pi_old's routing stands in for
     # "before" on the first step under R2 only; under R3 it is the (shifted) sampler's
     assert (befores[0] is not None) == (mode == "r2")
-    last = read_jsonl(os.path.join(trainer.cfg.run_dir, "metrics.jsonl"))[-1]
+    last = step_rows(trainer.cfg.run_dir)[-1]
     assert last["replay/cache_bytes"] > 0
     if mode == "r3":
         assert last["rollout/routing_mismatch/mean"] > 0.1
@@ -155,17 +154,21 @@ def test_r3_without_kv_cache_is_a_config_error():
     ("off", "megatron_engine", "same", True, False, False, True),  # an engine: always
     ("off", "vllm", "same", False, True, False, False),  # ... but one routing per round
     ("off", "custom", "same", True, False, False, False),  # another sampler: as the decoders
+    ("off", "lean", "noise", True, False, False, True),  # rollout.router_noise_std > 0
+    ("off", "lean", "noise", False, False, False, False),  # ... with the KV cache only
 ])
 def test_records_sampler_routing_only_where_it_can(replay, sampler, dtype, kv_cache, dynamic, sp,
                                                    want):
     """The sampler records its routing for R3, for an inference engine's mismatch, or for a
-    different-precision decoder's mismatch when the KV cache, one round and no sequence
+    different-precision or noisy-router decoder's mismatch when the KV cache, one round and no sequence
     parallelism make it possible."""
     from megatron_gspo.jobs.rl import Trainer
 
     ns = SimpleNamespace
+    noise = 0.5 if dtype == "noise" else 0.0
     cfg = ns(train=ns(routing_replay=replay),
-             rollout=ns(sampler=sampler, sampler_dtype=dtype, kv_cache=kv_cache),
+             rollout=ns(sampler=sampler, sampler_dtype="same" if noise else dtype,
+                        kv_cache=kv_cache, router_noise_std=noise),
              filter=ns(dynamic_sampling=dynamic), model=ns(sequence_parallel=sp))
     assert Trainer.records_sampler_routing(ns(cfg=cfg)) is want
 
@@ -205,7 +208,7 @@ def test_router_noise_reaches_only_the_unreplayed_loss_forward(tmp_path, mode):
         return real(*args, **kwargs)
     trainer.rt.sampler.sample = clean
     trainer.train()
-    rows = read_jsonl(os.path.join(trainer.cfg.run_dir, "metrics.jsonl"))
+    rows = step_rows(trainer.cfg.run_dir)
     assert len(rows) == 2
     for r in rows:
         assert r["rollout/logprob_mismatch/mean"] < 1e-5  # sampler vs pi_old: both clean
@@ -227,7 +230,7 @@ def test_r3_pi_old_replays_the_sampler_routing(tmp_path):
                            "train.num_minibatches=2", "train.flip_every=1",
                            backend("shifted", shift_routing))
     trainer.train()
-    rows = read_jsonl(os.path.join(trainer.cfg.run_dir, "metrics.jsonl"))
+    rows = step_rows(trainer.cfg.run_dir)
     first = [r for r in rows if r.get("train/minibatch") == 0]
     later = [r for r in rows if r.get("train/minibatch") == 1]
     assert len(first) == 2 and len(later) == 2
@@ -255,7 +258,7 @@ def test_bf16_sampler_is_a_real_mismatch_that_tis_reweights(tmp_path, mode):
                            "loss.tis_cap=1.0001", f"train.routing_replay={mode}",
                            "train.num_minibatches=2")
     trainer.train()
-    rows = read_jsonl(os.path.join(trainer.cfg.run_dir, "metrics.jsonl"))
+    rows = step_rows(trainer.cfg.run_dir)
     for r in rows:
         assert r["rollout/logprob_mismatch/mean"] > 1e-4
         assert r["policy/tis/max_raw"] > 1.0 and r["policy/tis/mean"] <= 1.0001
@@ -263,6 +266,77 @@ def test_bf16_sampler_is_a_real_mismatch_that_tis_reweights(tmp_path, mode):
         assert "rollout/routing_mismatch/mean" in r  # recorded without R3 too
     first = [r for r in rows if r["train/minibatch"] == 0]
     assert first and first[0]["policy/log_ratio/abs_max"] < 1e-5
+
+
+@pytest.mark.parametrize("mode", ["off", "r2", "r3"])
+def test_sampler_router_noise_is_a_routing_mismatch_r3_removes(tmp_path, mode):
+    """rollout.router_noise_std: the sampler routes noisily (rollouts and evals), the trainer
+    cleanly. The mismatch is logged in every arm; R3's pi_old replays the sampler's noisy
+    routing and reproduces its log-probs to fp32 rounding (the engine's policy exactly), while
+    without R3 pi_old is the clean recompute and differs from the sampler's."""
+    trainer = make_trainer(tmp_path, "train.steps=1", "rollout.router_noise_std=1.0",
+                           f"train.routing_replay={mode}", "train.num_minibatches=2",
+                           "train.eval_every=1")
+    trainer.train()
+    rows = step_rows(trainer.cfg.run_dir)
+    for r in (r for r in rows if "train/minibatch" in r):
+        assert r["rollout/routing_mismatch/mean"] > 0.1
+        assert r["rollout/logprob_mismatch/mean"] > 1e-3
+        if mode == "r3":
+            assert r["rollout/logprob_mismatch_r3/mean"] < 1e-5
+    first = [r for r in rows if r.get("train/minibatch") == 0]
+    assert first and first[0]["policy/log_ratio/abs_max"] < 1e-5  # pi_old is the trainer's
+
+
+@pytest.mark.parametrize("kind", ["fixed", "fresh"])
+def test_sampler_router_noise_is_seeded_per_rollout_and_off_at_zero(tmp_path, kind):
+    """The same rollout batch draws the same noise (a resumed run samples what an
+    uninterrupted one would); std 0 samples exactly what a run without the knob does."""
+    def rollout(*overrides, name):
+        trainer = make_trainer(tmp_path, "train.steps=1", *overrides, name=name)
+        try:
+            batch = trainer.rollout(0)
+            return batch.tokens_BT, batch.sampler_logp_BT
+        finally:
+            trainer.rt.close()
+
+    noise = ["rollout.router_noise_std=3.0", f"rollout.router_noise={kind}"]
+    tokens, logp = rollout(*noise, name="a")
+    again = rollout(*noise, name="b")
+    assert torch.equal(tokens, again[0]) and torch.equal(logp, again[1])
+    clean = rollout(name="c")
+    zero = rollout("rollout.router_noise_std=0.0", name="d")
+    assert torch.equal(clean[0], zero[0]) and torch.equal(clean[1], zero[1])
+    assert not torch.equal(logp, clean[1])
+
+
+@pytest.mark.parametrize("replay", ["off", "r3"])
+def test_gspo_on_the_samplers_logprobs_sees_its_routing_mismatch_unless_r3(tmp_path, replay):
+    """GSPO with pi_old = the sampler's log-probs: on a rollout batch's first minibatch (the
+    weights are pi_old's) the sequence ratio is the sampler-trainer mismatch alone, and a
+    routing disagreement puts sequences past GSPO's clip (3e-4 / 4e-4) before any update; R3
+    replays the sampler's routing in the loss's forward, so that ratio is 1 and nothing clips
+    (docs/pitfalls.md#gspo-on-an-engines-likelihoods)."""
+    trainer = make_trainer(tmp_path, "train.steps=1", "loss.name=gspo", "loss.eps_low=3e-4",
+                           "loss.eps_high=4e-4", "rollout.use_sampler_logprobs=true",
+                           "rollout.router_noise_std=1.0", f"train.routing_replay={replay}",
+                           "train.num_minibatches=2")
+    trainer.train()
+    first = [r for r in step_rows(trainer.cfg.run_dir) if r.get("train/minibatch") == 0]
+    assert len(first) == 1
+    if replay == "r3":
+        assert first[0]["policy/log_ratio/abs_max"] < 1e-5
+        assert first[0]["policy/clip_frac/seq"] == 0.0
+    else:
+        assert first[0]["policy/log_ratio/abs_mean"] > 1e-3
+        assert first[0]["policy/clip_frac/seq"] > 0.0
+
+
+def test_sampler_router_noise_needs_our_decoders():
+    with pytest.raises(ConfigError, match="rollout.router_noise_std=0.5: needs backend lean"):
+        load_config(None, ["rollout.router_noise_std=0.5", "rollout.backend=vllm"])
+    with pytest.raises(ConfigError, match="rollout.router_noise_std=-1"):
+        load_config(None, ["rollout.router_noise_std=-1"])
 
 
 def test_tis_with_sampler_logprobs_is_a_config_error():

@@ -128,3 +128,31 @@ def test_evaluate_scores_the_greedy_completions_in_example_order(policy, monkeyp
         evaluate(counted, tok, Addition(), [], max_new_tokens=3)
 
 
+
+
+def test_rollouts_in_blocks_of_whole_groups_are_the_blocks_sampled_in_turn(policy):
+    """`max_rows=5` at G=2 (`rollout.max_batch_rows`): the sampler gets 2 prompts x 2 (4 rows),
+    then the last prompt's 2; the one batch holds each block's rows as sampling that block from
+    the same generator in turn gives them (right-padded to the widest block), group ids
+    0..2, and R3's routing merged row by row."""
+    from megatron_gspo.rollout.filters import concat_batches
+
+    tok = CharTokenizer()
+    examples = [Example("12+345=", "357"), Example("7+8=", "15"), Example("9+1=", "10")]
+    params = rollout_params(4, record_routing=True)
+    counted = Counted(decoder_sampler(policy, tok), policy)
+    batch = generate_rollouts(counted, tok, Addition(), examples, group_size=2, params=params,
+                              generator=torch.Generator().manual_seed(5), max_rows=5)
+    assert [n for n, _ in counted.calls] == [4, 2]
+    gen = torch.Generator().manual_seed(5)
+    blocks = [generate_rollouts(decoder_sampler(policy, tok), tok, Addition(), part,
+                                group_size=2, params=params, generator=gen)
+              for part in (examples[:2], examples[2:])]
+    want = concat_batches(blocks, tok.pad_id)
+    for name in ("tokens_BT", "valid_BT", "response_BT", "sampler_logp_BT", "rewards_B"):
+        assert torch.equal(getattr(batch, name), getattr(want, name)), name
+    assert batch.group_B.tolist() == [0, 0, 1, 1, 2, 2]
+    assert torch.equal(batch.routing.valid_BT, batch.valid_BT)
+    for rows, block in ((torch.arange(4), blocks[0]), (torch.arange(4, 6), blocks[1])):
+        assert torch.equal(batch.routing.select(rows).ids_NLK, block.routing.ids_NLK)
+    assert batch.tokens_BT.shape[1] == max(b.tokens_BT.shape[1] for b in blocks)

@@ -107,7 +107,8 @@ def test_a_backend_registered_here_runs_an_rl_iteration(tmp_path):
     before = [p.detach().clone() for p in trainer.policy.model.module.parameters()]
     trainer.train()
     assert isinstance(sampler, FixedTokens)
-    assert [p.greedy for p in sampler.calls] == [True, False, True]  # eval, rollout, eval
+    # step 0: the eval, the test split greedy and sampled; the rollout; the last step: the same
+    assert [p.greedy for p in sampler.calls] == [True, True, False, False, True, True, False]
     rows = read_jsonl(os.path.join(cfg.run_dir, "metrics.jsonl"))
     assert [r.get("train/minibatch") for r in rows] == [None, 0, 1]
     assert rows[-1]["reward/accuracy"] == 0.5  # the even rows' sums

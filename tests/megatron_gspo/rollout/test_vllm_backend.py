@@ -63,7 +63,7 @@ def test_rl_with_r3_from_vllm_keeps_the_engine_on_the_trainers_weights(tmp_path,
     trainer.train()
     after = list(trainer.policy.model.module.parameters())
     assert any(not torch.equal(a, b) for a, b in zip(after, before))  # the pushes mattered
-    rows = read_jsonl(os.path.join(cfg.run_dir, "metrics.jsonl"))
+    rows = [r for r in read_jsonl(os.path.join(cfg.run_dir, "metrics.jsonl")) if r["step"]]
     assert [r["train/minibatch"] for r in rows] == [0, 1, 0, 1]
     for r in rows:
         assert r["rollout/logprob_mismatch/max"] <= 1e-5
@@ -73,6 +73,7 @@ def test_rl_with_r3_from_vllm_keeps_the_engine_on_the_trainers_weights(tmp_path,
         assert "rollout/routing_mismatch/layer_01" in r
     for r in rows[::2]:
         assert r["policy/log_ratio/abs_max"] < 1e-5  # pi_old routed as the engine did
+    for r in rows[2::2]:  # the first push came with step 0's test eval, before any rollout
         assert r["rollout/push_probe_diff"] <= 1e-5 and r["time/weight_sync"] > 0
     assert trainer.policy.version == start + 4  # four updates; pushed before each batch
 
@@ -124,7 +125,7 @@ def test_the_guard_ignores_one_token_whose_bf16_routing_flipped_but_not_a_moved_
 
 def test_the_config_reference_states_the_guards_defaults():
     from megatron_gspo.config.docs import field_docs
-    from megatron_gspo.config.sections import RolloutConfig
+    from megatron_gspo.config.rollout import RolloutConfig
     from megatron_gspo.rollout.vllm import CHECK_TOL
 
     doc = " ".join(field_docs(RolloutConfig)["push_check_tol"].split())
@@ -209,11 +210,13 @@ def test_under_ep2_each_rank_engine_gets_the_gathered_weights(tmp_path, hf_dir):
         raise
     assert proc.returncode == 0, err[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r["step"]]  # step 0: the test split's eval of the initial policy
     assert [r["train/iteration"] for r in rows] == [0, 0, 1, 1]
     assert rows[-1]["policy/log_ratio/abs_max"] > 1e-4  # the weights moved between pushes
     for r in rows:
-        assert r["rollout/logprob_mismatch/max"] <= 1e-5
-        assert r["rollout/push_probe_diff"] <= 1e-5 and r["rollout/routing_any_diff"] == 0.0
+        assert r["rollout/logprob_mismatch/max"] <= 1e-5 and r["rollout/routing_any_diff"] == 0.0
+    for r in rows[2:]:  # the first push came with step 0's test eval, before any rollout
+        assert r["rollout/push_probe_diff"] <= 1e-5
 
 
 class _Fake:

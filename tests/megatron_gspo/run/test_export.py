@@ -66,16 +66,20 @@ def test_export_round_trip_and_greedy_generation_match(single_process, hf_dir, t
         assert torch.equal(p, before[n]), n
 
 
-@pytest.mark.parametrize("layers", [None, 3], ids=["preset", "num_layers"])
+@pytest.mark.parametrize("layers", [None, 3, "e4k3"], ids=["preset", "num_layers", "overrides"])
 def test_export_of_a_toy_run_is_a_qwen3_moe_model(single_process, tmp_path, capsys, layers):
     """A run without hf_path exports its preset's shape (no tokenizer files); with
-    model.num_layers, at that depth."""
+    model.num_layers, at that depth; with model.preset_overrides, that architecture."""
     from megatron_gspo.run.setup import build_policy
 
-    cfg = load_config(None, [f"run_dir={tmp_path / 'toy'}", "model.preset=tiny"]
-                      + ([f"model.num_layers={layers}"] if layers else []))
+    arch = {"e4k3": ["model.preset_overrides={num_experts: 4, topk: 3}"],
+            3: ["model.num_layers=3"], None: []}[layers]
+    cfg = load_config(None, [f"run_dir={tmp_path / 'toy'}", "model.preset=tiny", *arch])
     policy = build_policy(cfg, 26, optim=None)
+    layers = layers if layers != "e4k3" else None
     assert policy.preset.num_layers == (layers or 2)
+    if arch and not layers:
+        assert (policy.preset.num_experts, policy.preset.topk) == (4, 3)
     save_run(policy, cfg, cfg.run_dir)
     out = str(tmp_path / "toy_hf")
     assert cli_main(["export", "--run-dir", cfg.run_dir, "--to-hf", out]) == 0

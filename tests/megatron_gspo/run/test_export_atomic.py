@@ -81,6 +81,30 @@ def test_a_disk_full_at_the_tokenizer_keeps_out_absent_and_is_one_line(hf_run, t
     assert not os.path.exists(out) and not os.path.exists(out + ".partial")
 
 
+def test_a_disk_full_while_writing_the_weights_is_one_line(hf_run, tmp_path, capsys,
+                                                           monkeypatch):
+    """The disk fills while safetensors writes a weight shard: a 21-line SafetensorError
+    traceback. Now one line with the OS reason, as at the tokenizer, and no OUT (nor its
+    staging folder). The error is safetensors' own for ENOSPC (a tmpfs filled up gives it)."""
+    import safetensors
+    import safetensors.torch
+
+    out = str(tmp_path / "hf")
+
+    def full_disk(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"\x00" * 64)
+        raise safetensors.SafetensorError(
+            "Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    assert cli_main(["export", "--run-dir", hf_run, "--to-hf", out]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "No space left on device" in err and "model.safetensors" in err, err
+    assert not os.path.exists(out) and not os.path.exists(out + ".partial")
+
+
 def test_a_staging_folder_not_left_by_an_export_is_not_removed(hf_run, tmp_path, capsys):
     out = tmp_path / "hf"
     (tmp_path / "hf.partial").mkdir()

@@ -29,9 +29,9 @@ def learnable(monkeypatch):
     real = setup.build_task
 
     def build_task(*args, **kwargs):
-        task, train_set, eval_set = real(*args, **kwargs)
+        task, *splits = real(*args, **kwargs)
         object.__setattr__(task, "reward", digit_first)  # a frozen dataclass
-        return task, train_set, eval_set
+        return task, *splits
 
     monkeypatch.setattr(setup, "build_task", build_task)
 

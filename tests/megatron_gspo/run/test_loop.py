@@ -49,9 +49,9 @@ class StubJob:
     """A job whose `iteration` only counts, recording evals and steps in `events`; `signal_at`
     sends this process SIGTERM during that step (0-based)."""
 
-    def __init__(self, schedule, events, signal_at=None, band=None):
+    def __init__(self, schedule, events, signal_at=None, band=None, test=False):
         self.schedule, self.events, self.signal_at = schedule, events, signal_at
-        self.state, self.band = CountState(), band or NoBand()
+        self.state, self.band, self.has_test = CountState(), band or NoBand(), test
 
     def iteration(self):
         it = self.state.done
@@ -64,6 +64,13 @@ class StubJob:
     def evaluate(self):
         self.events.append(("eval", self.state.done))
         return {"eval/accuracy": 0.5}
+
+    def test(self):
+        """The test split's eval, recorded in `events` when the job has one (`test=True`)."""
+        if not self.has_test:
+            return {}
+        self.events.append(("test", self.state.done))
+        return {"test/accuracy": 0.25}
 
     def restore(self, extra):
         self.state = CountState(extra["done"])
@@ -102,6 +109,46 @@ def test_iteration_zero_eval_runs_on_a_fresh_run_only(monkeypatch):
     no_eval, run = start(monkeypatch, "train.steps=1", "train.eval_every=0", "train.save_every=0")
     run.run()
     assert no_eval.events == [("iter", 0), ("log", 10), "close"]
+
+
+def test_the_test_split_is_evaluated_at_the_first_and_last_step_only(monkeypatch):
+    """A fresh run evaluates the test split at step 0 (after the validation eval and the band's
+    verdict; in a row of its own when the schedule has no start eval) and at its last step;
+    a resumed run only at its last step; never in between, whatever the eval cadence."""
+    stub, run = start(monkeypatch, "train.steps=3", "train.eval_every=1", "train.save_every=0",
+                      test=True)
+    row = run.run()
+    assert stub.events == [("eval", 0), ("test", 0), ("log", 0), ("iter", 0), ("eval", 1),
+                           ("log", 10), ("iter", 1), ("eval", 2), ("log", 20), ("iter", 2),
+                           ("eval", 3), ("test", 3), ("log", 30), "close"]
+    assert row["test/accuracy"] == 0.25 and row["eval/accuracy"] == 0.5
+    quiet, run = start(monkeypatch, "train.steps=2", "train.eval_every=0", "train.save_every=0",
+                       test=True)
+    run.run()
+    assert quiet.events == [("test", 0), ("log", 0), ("iter", 0), ("log", 10), ("iter", 1),
+                            ("test", 2), ("log", 20), "close"]
+    resumed, run = start(monkeypatch, "train.steps=2", "train.eval_every=0",
+                         "train.save_every=0", resumed={"done": 1}, test=True)
+    run.run()
+    assert resumed.events == [("iter", 1), ("test", 2), ("log", 20), "close"]
+
+
+def test_a_band_that_stops_the_run_gets_the_last_test_eval_and_a_refused_start_none(
+        monkeypatch):
+    """Where the band stops SFT is its last step: the test split is evaluated there, after the
+    band's verdict (which reads only the validation eval), and saved with the row. A start the
+    band refuses runs no test eval."""
+    stub, run = start(monkeypatch, "sft.steps=4", "sft.eval_every=2", job="sft",
+                      band=ScriptedBand(stop_at=2), test=True)
+    assert run.run() == {"reward/mean": 1.0, "eval/accuracy": 0.5, "test/accuracy": 0.25,
+                         "band/step": 2.0}
+    assert stub.events[-5:] == [("eval", 2), ("test", 2), ("log", 20), ("save", 2), "close"]
+    assert stub.saved[2]["eval"]["test/accuracy"] == 0.25
+    refused, run = start(monkeypatch, "train.steps=2", "train.eval_every=1",
+                         band=ScriptedBand(refuse_at=0), test=True)
+    with pytest.raises(ConfigError, match="outside the band at step 0"):
+        run.run()
+    assert refused.events == [("eval", 0), ("log", 0), "close"]
 
 
 def test_signal_at_the_last_rollout_batch_saves_and_finishes_without_preempted(monkeypatch):

@@ -64,6 +64,11 @@ CHANGED = {"run_dir": None, "resume": "resume=force", "wandb": "wandb.project=ot
            "model.recompute_modules": "model.recompute_modules=core_attn",
            "rollout.push_check_tol": "rollout.push_check_tol=30",
            "rollout.engine_kv_cache_gb": "rollout.engine_kv_cache_gb=2",
+           "train.micro_max_tokens": "train.micro_max_tokens=512",
+           "rollout.max_batch_rows": "rollout.max_batch_rows=64",
+           "train.router_margin_small": "train.router_margin_small=0.05",
+           "train.route_sensitivity_every": "train.route_sensitivity_every=2",
+           "train.route_sensitivity_fraction": "train.route_sensitivity_fraction=0.5",
            **{f"rollout.vllm.{k}": ("rollout.vllm.mode=server", f"rollout.vllm.{k}={v}")
               for k, v in [("tensor_parallel_size", 2), ("replicas", 2),
                            ("addresses", '["127.0.0.1:8000"]'), ("host", "0.0.0.0"),
@@ -146,13 +151,17 @@ def test_lock_file_names_its_current_owner_only(tmp_path):
 
 
 def test_a_lock_held_by_an_unknown_process_is_still_refused(tmp_path):
-    """A holder that wrote no owner line (not our process) is refused as 'unknown'."""
+    """A holder that wrote no owner line (not our process) is refused, naming the process that
+    has the lock file open (where /proc tells)."""
     (tmp_path / LOCK_FILE).write_text("")
     with lock_holder(f"""
             import fcntl, os, time
             fd = os.open({str(tmp_path / LOCK_FILE)!r}, os.O_RDWR)
-            fcntl.flock(fd, fcntl.LOCK_EX); print("locked", flush=True); time.sleep(60)"""):
-        with pytest.raises(RunDirError, match=r"another process \(unknown\)"):
+            fcntl.flock(fd, fcntl.LOCK_EX); print("locked", flush=True); time.sleep(60)""") \
+            as holder:
+        named = rf"pid {holder.pid}: .*; the lock file names no owner" \
+            if os.path.isdir("/proc") else "unknown; no holder found"
+        with pytest.raises(RunDirError, match=rf"another process \({named}\)"):
             claim(tmp_path)
 
 
@@ -262,3 +271,29 @@ def test_a_record_with_the_paper_clip_range_spelled_out_matches_none():
     assert differing_keys(old, new) == []
     moved = semantic_config(config_to_dict(load_config(None, ["loss.eps_low=0.001"])), "train")
     assert differing_keys(old, moved) == ["loss.eps_low: 0.0003 -> 0.001"]
+
+
+def test_a_record_from_before_the_validation_split_resumes_under_the_new_names(tmp_path):
+    """run.json written before the validation split holds task.n_eval and data.eval_files /
+    eval_fraction / max_eval, and no n_val / val_*: the same run's config (its keys now
+    task.n_test, data.test_*) resumes; a changed test split is still refused, by its new name."""
+    import json
+
+    from megatron_gspo.run.rundir import RUN_FILE, fingerprint
+
+    cfg = config_to_dict(load_config(None, [f"run_dir={tmp_path}", "task.n_test=256"]))
+    new = semantic_config(cfg, "train")
+    old = {k: v for k, v in new.items() if ".val_" not in k and k != "task.n_val"}
+    for now, before in (("task.n_test", "task.n_eval"), ("data.test_files", "data.eval_files"),
+                        ("data.test_fraction", "data.eval_fraction"),
+                        ("data.max_test", "data.max_eval")):
+        old[before] = old.pop(now)
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / RUN_FILE).write_text(json.dumps(
+        {"job": "train", "fingerprint": fingerprint(old), "config": old}))
+    claim(tmp_path, "train", "task.n_test=256").release()
+    claim(tmp_path, "train", "task.n_eval=256").release()  # the old spelling of the same run
+    with pytest.raises(RunDirError, match=r"task.n_test: 256 -> 64"):
+        claim(tmp_path, "train", "task.n_test=64")
+    with pytest.raises(RunDirError, match=r"task.n_val: <unset> -> 32"):
+        claim(tmp_path, "train", "task.n_test=256", "task.n_val=32")

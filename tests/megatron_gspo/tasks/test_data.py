@@ -46,14 +46,14 @@ def verl_row(i, question=None, truth=None):
 
 
 def data_cfg(**kw):
-    return DataConfig(**{"eval_fraction": 0.25, **kw})
+    return DataConfig(**{"test_fraction": 0.25, **kw})
 
 
 def test_verl_rows_become_examples(tmp_path):
     path = write_jsonl(tmp_path / "train.jsonl", [verl_row(i) for i in range(8)])
-    train, evals, counts = dataset_splits(data_cfg(train_files=[path], shuffle=False),
+    train, _, evals, counts = dataset_splits(data_cfg(train_files=[path], shuffle=False),
                                           ByteTok(), max_prompt_tokens=100)
-    assert counts == {"data/train_size": 6, "data/eval_size": 2,
+    assert counts == {"data/train_size": 6, "data/val_size": 0, "data/test_size": 2,
                       "data/skipped_overlong_prompts": 0}
     assert evals[0] == Example("<u>What is 0 + 0?<a>", "0", ("0", "toy/src", f"{path}:1"))
     assert [ex.answer for ex in train] == [str(2 * i) for i in range(2, 8)]
@@ -61,14 +61,14 @@ def test_verl_rows_become_examples(tmp_path):
 
 def test_sft_key_and_plain_format_with_gsm8k_answers(tmp_path):
     path = write_jsonl(tmp_path / "train.jsonl", [verl_row(i) for i in range(4)])
-    train, _, _ = dataset_splits(data_cfg(train_files=[path], shuffle=False,
+    train, _, _, _ = dataset_splits(data_cfg(train_files=[path], shuffle=False,
                                           sft_key="extra_info.answer"), ByteTok(), 100)
     assert train[0].answer == "1 + 1 = 2.\n#### 2" and train[0].meta[0] == "2"
     plain = write_jsonl(tmp_path / "plain.jsonl", [
         {"question": "Tom has {x} and 3 more?", "answer": "He has 3 + 4 = 7.\n#### 7"},
         {"question": "q2", "answer": "5"}, {"question": "q3", "answer": "6"},
         {"question": "q4", "answer": "8"}])
-    train, evals, _ = dataset_splits(data_cfg(train_files=[plain], format="plain",
+    train, _, evals, _ = dataset_splits(data_cfg(train_files=[plain], format="plain",
                                               template="Q: {prompt}\nA:", shuffle=False),
                                      ByteTok(chat=False), 100)
     # {x} in the prompt survives (the template is filled by replace, not str.format)
@@ -82,7 +82,7 @@ def test_plain_ground_truth_is_the_text_after_the_last_marker(tmp_path):
     rewards.math_gold_text reads it); the SFT target keeps the whole text."""
     plain = write_jsonl(tmp_path / "plain.jsonl", [
         {"question": f"q{i}", "answer": f"write #### then {i}.\n#### {i} "} for i in range(4)])
-    train, evals, _ = dataset_splits(data_cfg(train_files=[plain], format="plain",
+    train, _, evals, _ = dataset_splits(data_cfg(train_files=[plain], format="plain",
                                               template="{prompt}", shuffle=False),
                                      ByteTok(chat=False), 100)
     assert [ex.meta[0] for ex in evals + train] == ["0", "1", "2", "3"]
@@ -93,7 +93,7 @@ def test_custom_dotted_keys_and_structured_ground_truth(tmp_path):
     rows = [{"q": f"n{i}", "sol": {"final": {"numbers": [1, i], "target": i + 1}}}
             for i in range(4)]
     path = write_jsonl(tmp_path / "cd.jsonl", rows)
-    train, _, _ = dataset_splits(data_cfg(train_files=[path], prompt_key="q",
+    train, _, _, _ = dataset_splits(data_cfg(train_files=[path], prompt_key="q",
                                           answer_key="sol.final", shuffle=False), ByteTok(), 100)
     assert train[0].meta[0] == (("numbers", (1, 1)), ("target", 2))
     hash(train[0])
@@ -103,17 +103,36 @@ def test_custom_dotted_keys_and_structured_ground_truth(tmp_path):
 def test_split_is_seeded_disjoint_and_eval_files_replace_it(tmp_path):
     path = write_jsonl(tmp_path / "t.jsonl", [verl_row(i) for i in range(40)])
     split = lambda **kw: dataset_splits(data_cfg(train_files=[path], **kw), ByteTok(), 100)
-    a_train, a_eval, _ = split(seed=1)
-    b_train, b_eval, _ = split(seed=1)
-    c_train, c_eval, _ = split(seed=2)
+    a_train, _, a_eval, _ = split(seed=1)
+    b_train, _, b_eval, _ = split(seed=1)
+    c_train, _, c_eval, _ = split(seed=2)
     assert (a_train, a_eval) == (b_train, b_eval) and a_eval != c_eval
     assert len(a_eval) == 10 and len(a_train) == 30
     assert {e.prompt for e in a_eval}.isdisjoint(e.prompt for e in a_train)
     assert sorted(e.meta[0] for e in a_train + a_eval) == sorted(str(2 * i) for i in range(40))
     ev = write_jsonl(tmp_path / "e.jsonl", [verl_row(i) for i in range(100, 106)])
-    train, evals, counts = split(eval_files=[ev], max_eval=4)
-    assert len(train) == 40 and len(evals) == 4 and counts["data/eval_size"] == 4
+    train, _, evals, counts = split(test_files=[ev], max_test=4)
+    assert len(train) == 40 and len(evals) == 4 and counts["data/test_size"] == 4
     assert {e.meta[0] for e in evals} <= {str(2 * i) for i in range(100, 106)}
+
+
+def test_a_validation_split_leaves_the_test_split_as_it_was(tmp_path):
+    """data.val_fraction takes its rows from the training rows after the test split's, so the
+    test split (and its order) is the one of the same config without it; data.val_files are
+    their own rows, shuffled after the test files (whose shuffle they leave alone)."""
+    path = write_jsonl(tmp_path / "t.jsonl", [verl_row(i) for i in range(40)])
+    split = lambda **kw: dataset_splits(data_cfg(train_files=[path], **kw), ByteTok(), 100)
+    train0, val0, test0, _ = split(seed=1)
+    train, val, test, counts = split(seed=1, val_fraction=0.2)
+    assert test == test0 and val0 == [] and (len(train), len(val), len(test)) == (22, 8, 10)
+    assert val == train0[:8] and train == train0[8:]
+    assert (counts["data/val_size"], counts["data/test_size"]) == (8, 10)
+    ev = write_jsonl(tmp_path / "e.jsonl", [verl_row(i) for i in range(100, 106)])
+    va = write_jsonl(tmp_path / "v.jsonl", [verl_row(i) for i in range(200, 203)])
+    _, _, test_files, _ = split(test_files=[ev])
+    train, val, test, _ = split(test_files=[ev], val_files=[va])
+    assert test == test_files and len(train) == 40
+    assert sorted(e.meta[0] for e in val) == [str(2 * i) for i in range(200, 203)]
 
 
 def test_parquet_gives_the_same_examples_as_jsonl(tmp_path):
@@ -128,8 +147,8 @@ def test_parquet_gives_the_same_examples_as_jsonl(tmp_path):
     from_json = dataset_splits(data_cfg(train_files=[jsonl], **cfg), ByteTok(), 100)
     from_pq = dataset_splits(data_cfg(train_files=[parquet], **cfg), ByteTok(), 100)
     strip = lambda exs: [(e.prompt, e.answer, e.meta[:2]) for e in exs]
-    assert strip(from_json[0]) == strip(from_pq[0]) and strip(from_json[1]) == strip(from_pq[1])
-    assert from_pq[1][0].meta[2] == f"{parquet} row 0"
+    assert strip(from_json[0]) == strip(from_pq[0]) and strip(from_json[2]) == strip(from_pq[2])
+    assert from_pq[2][0].meta[2] == f"{parquet} row 0"
 
 
 @pytest.mark.parametrize("rows,fragment", [
@@ -197,7 +216,7 @@ def test_overlong_prompts_error_or_are_skipped_and_counted(tmp_path):
     with pytest.raises(DataError, match=r"t.jsonl:7: prompt \(prompt\) is 56 tokens, over "
                                         r"data.max_prompt_tokens=20"):
         dataset_splits(data_cfg(train_files=[path]), ByteTok(), 20)
-    train, evals, counts = dataset_splits(data_cfg(train_files=[path],
+    train, _, evals, counts = dataset_splits(data_cfg(train_files=[path],
                                                    skip_overlong_prompts=True), ByteTok(), 20)
     assert counts["data/skipped_overlong_prompts"] == 1 and len(train) + len(evals) == 6
     with pytest.raises(DataError, match="is 21 tokens"):  # a <bos> counts
@@ -212,13 +231,13 @@ def test_eval_files_are_seeded_shuffled_and_their_skips_counted(tmp_path):
     path = write_jsonl(tmp_path / "t.jsonl", [verl_row(i) for i in range(4)])
     ev = write_jsonl(tmp_path / "e.jsonl", [verl_row(i) for i in range(100, 108)]
                      + [verl_row(9, question="x" * 50)])
-    split = lambda **kw: dataset_splits(data_cfg(train_files=[path], eval_files=[ev],
+    split = lambda **kw: dataset_splits(data_cfg(train_files=[path], test_files=[ev],
                                                  skip_overlong_prompts=True, **kw), ByteTok(), 30)
-    _, in_order, counts = split(shuffle=False)
+    _, _, in_order, counts = split(shuffle=False)
     truths = [str(2 * i) for i in range(100, 108)]
     assert [e.meta[0] for e in in_order] == truths
-    assert counts["data/skipped_overlong_prompts"] == 1 and counts["data/eval_size"] == 8
-    (_, a, _), (_, a2, _), (_, b, _) = split(seed=1), split(seed=1), split(seed=2)
+    assert counts["data/skipped_overlong_prompts"] == 1 and counts["data/test_size"] == 8
+    (_, _, a, _), (_, _, a2, _), (_, _, b, _) = split(seed=1), split(seed=1), split(seed=2)
     assert a == a2 and a != in_order and a != b
     assert sorted(e.meta[0] for e in a) == sorted(truths)
 
@@ -236,8 +255,8 @@ def test_real_chat_template_from_the_fixture_tokenizer():
 
     tok = load_tokenizer(FIXTURE)
     data = data_cfg(train_files=[os.path.join(FIXTURE, "train.jsonl")],
-                    eval_files=[os.path.join(FIXTURE, "test.jsonl")], shuffle=False)
-    train, evals, _ = dataset_splits(data, tok, 200)
+                    test_files=[os.path.join(FIXTURE, "test.jsonl")], shuffle=False)
+    train, _, evals, _ = dataset_splits(data, tok, 200)
     assert (len(train), len(evals)) == (180, 20)
     assert train[0].prompt.startswith("<|im_start|>user\nMaya has 10 apples.")
     assert train[0].prompt.endswith("\"####\".<|im_end|>\n<|im_start|>assistant\n")
@@ -286,7 +305,7 @@ def test_config_rules():
         (["reward.name=math"], "toy task addition has its own verifier"),
         ([*base, "reward.format_weight=1.0"], "reward.format_weight=1.0: must be in [0, 1)"),
         ([*base, "data.template=Answer"], "data.template=Answer: must contain {prompt}"),
-        ([*base, "data.eval_fraction=0"], "data.eval_fraction=0.0: must be in (0, 1)"),
+        ([*base, "data.test_fraction=0"], "data.test_fraction=0.0: must be in (0, 1)"),
         ([*base, "data.train_files=[a.jsonl, '']"], "must be a list of non-empty paths"),
         ([*base, "task.kwargs.num_digits=2"], "configured by the data section"),
         (["filter.dynamic_sampling=true", "train.routing_replay=r3"], "use r2"),
@@ -295,7 +314,7 @@ def test_config_rules():
         with pytest.raises(ConfigError) as e:
             load_config(None, bad)
         assert fragment in str(e.value), (bad, str(e.value))
-    assert load_config(None, [*base, "data.eval_fraction=0", "data.eval_files=b.jsonl"])
+    assert load_config(None, [*base, "data.test_fraction=0", "data.test_files=b.jsonl"])
     with pytest.raises(ConfigError) as e:  # a registry's name: checked at set-up
         check_names(load_config(None, [*base, "reward.name=mth"]))
     assert "reward.name=mth: valid names: ['countdown', 'exact'" in str(e.value)
@@ -323,9 +342,9 @@ def test_template_bos_text_is_not_doubled(tmp_path):
 
     path = write_jsonl(tmp_path / "t.jsonl", [verl_row(i) for i in range(4)])
     cfg = data_cfg(train_files=[path], shuffle=False)
-    _, evals, _ = dataset_splits(cfg, BosTok(bos=2), 100)
+    _, _, evals, _ = dataset_splits(cfg, BosTok(bos=2), 100)
     assert evals[0].prompt == "<u>What is 0 + 0?<a>"
-    _, evals, _ = dataset_splits(cfg, BosTok(bos=None), 100)  # no bos id: the text stays
+    _, _, evals, _ = dataset_splits(cfg, BosTok(bos=None), 100)  # no bos id: the text stays
     assert evals[0].prompt == "<s><u>What is 0 + 0?<a>"
 
 
@@ -343,10 +362,10 @@ def test_build_task_prompt_limit_defaults_to_model_length_minus_new_tokens(tmp_p
                                         r"data.max_prompt_tokens=22"):
         build_task(cfg, ByteTok(), model_max_len(cfg))
     cfg = load_config(None, over + ["data.skip_overlong_prompts=true"])
-    task, train, evals = build_task(cfg, ByteTok(), model_max_len(cfg), verbose=True)
+    task, train, _, evals = build_task(cfg, ByteTok(), model_max_len(cfg), verbose=True)
     assert (task.name, task.reward_name, len(train), len(evals)) == ("dataset", "exact", 4, 1)
     assert task.reward(evals[0], evals[0].meta[0]) == 1.0
-    assert "4 train / 1 eval examples, reward exact, 1 overlong prompts skipped" \
+    assert "4 train / 0 validation / 1 test examples, reward exact, 1 overlong prompts skipped" \
         in capsys.readouterr().out
     # an explicit data.max_prompt_tokens replaces the default (here 64 - 8 = 56)
     cfg = load_config(None, over + ["model.max_seq_len=64", "data.max_prompt_tokens=22"])

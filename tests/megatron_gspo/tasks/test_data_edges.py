@@ -54,7 +54,7 @@ def test_template_joins_messages_with_a_blank_line_and_chat_sees_only_role_conte
     path = write_jsonl(tmp_path / "t.jsonl", [{**verl_row(i), "prompt": messages}
                                               for i in range(4)])
     cfg = dict(train_files=[path], shuffle=False)
-    _, evals, _ = dataset_splits(data_cfg(template="Q: {prompt}", **cfg), ByteTok(), 100)
+    _, _, evals, _ = dataset_splits(data_cfg(template="Q: {prompt}", **cfg), ByteTok(), 100)
     assert evals[0].prompt == "Q: Be brief.\n\n1+1?"
 
     seen = []
@@ -76,7 +76,7 @@ def test_bos_text_is_removed_only_where_the_template_starts_with_it(tmp_path):
         hf = SimpleNamespace(bos_token="<s>")
 
     path = write_jsonl(tmp_path / "t.jsonl", [verl_row(i) for i in range(4)])
-    _, evals, _ = dataset_splits(data_cfg(train_files=[path], shuffle=False),
+    _, _, evals, _ = dataset_splits(data_cfg(train_files=[path], shuffle=False),
                                  BosNotWritten(bos=2), 100)
     assert evals[0].prompt == "<u>What is 0 + 0?<a>"
 
@@ -84,14 +84,14 @@ def test_bos_text_is_removed_only_where_the_template_starts_with_it(tmp_path):
 def test_verl_ground_truth_with_a_marker_is_kept_whole(tmp_path):
     """Only the plain schema reduces 'solution #### answer'; a verl ground truth is the field."""
     path = write_jsonl(tmp_path / "t.jsonl", [verl_row(i, truth=f"x #### {i}") for i in range(4)])
-    train, _, _ = dataset_splits(data_cfg(train_files=[path], shuffle=False), ByteTok(), 100)
+    train, _, _, _ = dataset_splits(data_cfg(train_files=[path], shuffle=False), ByteTok(), 100)
     assert train[0].meta[0] == "x #### 1"
 
 
 def test_eval_fraction_rounds_to_the_nearest_row(tmp_path):
     """9 rows * 0.2 = 1.8 -> 2 eval rows (rounded, not truncated)."""
     path = write_jsonl(tmp_path / "t.jsonl", [verl_row(i) for i in range(9)])
-    train, evals, _ = dataset_splits(data_cfg(train_files=[path], eval_fraction=0.2),
+    train, _, evals, _ = dataset_splits(data_cfg(train_files=[path], test_fraction=0.2),
                                      ByteTok(), 100)
     assert (len(train), len(evals)) == (7, 2)
 
@@ -99,8 +99,8 @@ def test_eval_fraction_rounds_to_the_nearest_row(tmp_path):
 def test_eval_files_with_no_usable_row_are_an_error(tmp_path):
     path = write_jsonl(tmp_path / "t.jsonl", [verl_row(i) for i in range(4)])
     ev = write_jsonl(tmp_path / "e.jsonl", [verl_row(9, question="x" * 50)])
-    with pytest.raises(DataError, match="no eval examples in"):
-        dataset_splits(data_cfg(train_files=[path], eval_files=[ev], skip_overlong_prompts=True),
+    with pytest.raises(DataError, match="no test examples in"):
+        dataset_splits(data_cfg(train_files=[path], test_files=[ev], skip_overlong_prompts=True),
                        ByteTok(), 30)
 
 
@@ -112,7 +112,7 @@ def test_build_task_takes_reward_settings_and_a_prompt_limit_equal_to_the_room(t
                              "reward.name=exact", "reward.timeout_s=2.5",
                              "reward.format_weight=0.2", "rollout.max_new_tokens=8",
                              "model.max_seq_len=30", "data.max_prompt_tokens=22"])
-    task, train, evals = build_task(cfg, ByteTok(), 30)
+    task, train, _, evals = build_task(cfg, ByteTok(), 30)
     assert (task.reward_timeout_s, task.format_weight) == (2.5, 0.2)
     assert len(train) + len(evals) == 5
 
@@ -234,10 +234,10 @@ def test_a_row_that_is_not_utf8_names_its_line(tmp_path):
 
 
 def test_eval_files_whose_prompts_were_all_skipped_say_so(tmp_path):
-    """As for the train files: 'no eval examples' alone read like an empty file."""
+    """As for the train files: 'no test examples' alone read like an empty file."""
     path = write_jsonl(tmp_path / "t.jsonl", [verl_row(i) for i in range(4)])
     ev = write_jsonl(tmp_path / "e.jsonl", [verl_row(9, question="x" * 50)] * 2)
-    with pytest.raises(DataError, match=r"no eval examples in \[.*e.jsonl'\] \(2 overlong "
+    with pytest.raises(DataError, match=r"no test examples in \[.*e.jsonl'\] \(2 overlong "
                                         r"prompts skipped\)$"):
-        dataset_splits(data_cfg(train_files=[path], eval_files=[ev], skip_overlong_prompts=True),
+        dataset_splits(data_cfg(train_files=[path], test_files=[ev], skip_overlong_prompts=True),
                        ByteTok(), 30)

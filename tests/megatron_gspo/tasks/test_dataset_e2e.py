@@ -16,7 +16,7 @@ MAX_NEW = 16
 def config(tmp_path, *overrides):
     return load_config(None, [
         "model.preset=tiny", "model.max_seq_len=128", "task.name=dataset",
-        f"data.train_files=[{FIXTURE}/train.jsonl]", f"data.eval_files=[{FIXTURE}/test.jsonl]",
+        f"data.train_files=[{FIXTURE}/train.jsonl]", f"data.test_files=[{FIXTURE}/test.jsonl]",
         "data.sft_key=extra_info.answer", f"data.tokenizer_path={FIXTURE}",
         "reward.name=math", f"rollout.max_new_tokens={MAX_NEW}", "rollout.prompts_per_batch=2",
         "rollout.group_size=4", "train.num_minibatches=2", "train.eval_every=0",
@@ -75,7 +75,10 @@ def test_two_rl_iterations_on_the_fixture(tmp_path, monkeypatch):
     assert last["filter/overlong_masked"] == last["response/truncated_frac"]
     assert last["reward/errors"] == 0.0 and last["filter/rounds"] in (1.0, 2.0)
     assert last["filter/prompts_drawn"] == 2.0 * last["filter/rounds"]
-    assert all(torch.isfinite(torch.tensor(r["policy/loss"])) for r in rows)
+    assert all(torch.isfinite(torch.tensor(r["policy/loss"])) for r in rows if r["step"])
+    assert {k for k in rows[0] if k.startswith("test/")} == {"test/accuracy", "test/format_ok",
+                                                            "test/reward"}  # step 0 and last
+    assert rows[0]["step"] == 0 and "test/reward" in last
 
 
 def test_fixture_sft_batch_targets_the_worked_solution(tmp_path):
@@ -86,7 +89,7 @@ def test_fixture_sft_batch_targets_the_worked_solution(tmp_path):
 
     cfg = config(tmp_path)
     tok = load_tokenizer(FIXTURE)
-    _, train, _ = build_task(cfg, tok, model_max_len=128)
+    _, train, _, _ = build_task(cfg, tok, model_max_len=128)
     ex = train[0]
     assert ex.answer.endswith(f"#### {ex.meta[0]}") and "=" in ex.answer
     tokens, valid, target = sft_batch(tok, [ex])

@@ -177,21 +177,37 @@ def test_bounds_hand_values():
 
 def test_make_splits_deterministic_disjoint():
     task = make_task("addition")
-    train, ev = make_splits(task, 300, 50, seed=0)
-    train2, ev2 = make_splits(task, 300, 50, seed=0)
+    train, _, ev = make_splits(task, 300, 50, seed=0)
+    train2, _, ev2 = make_splits(task, 300, 50, seed=0)
     assert train == train2 and ev == ev2
     assert (len(train), len(ev)) == (300, 50)
     prompts = [ex.prompt for ex in train + ev]
     assert len(set(prompts)) == 350  # distinct within and across splits
-    other, ev_other = make_splits(task, 300, 50, seed=1)
+    other, _, ev_other = make_splits(task, 300, 50, seed=1)
     assert [ex.prompt for ex in other] != [ex.prompt for ex in train]
-    assert make_splits(task, 10, 50, seed=0)[1] == ev  # eval does not depend on n_train
+    assert make_splits(task, 10, 50, seed=0).test == ev  # test does not depend on n_train
+
+
+def test_a_validation_split_is_disjoint_and_leaves_train_and_test_as_they_were():
+    """Drawn after test and train: the same (task, n_train, n_test, seed) gives the same train
+    and test examples with or without it (old runs' splits), and its prompts are new."""
+    task = make_task("addition")
+    before = make_splits(task, 300, 50, seed=0)
+    splits = make_splits(task, 300, 50, seed=0, n_val=40)
+    assert (splits.train, splits.test) == (before.train, before.test) and before.val == []
+    assert len(splits.val) == 40
+    assert len({ex.prompt for ex in splits.train + splits.val + splits.test}) == 390
+    assert make_splits(task, 300, 50, seed=0, n_val=40) == splits
+    with pytest.raises(ValueError, match=r"n_train \+ n_test \+ n_val = 90 \+ 5 \+ 6 = 101"):
+        make_splits(make_task("addition", num_digits=1), 90, 5, seed=0, n_val=6)
+    with pytest.raises(ValueError, match="n_val=-1"):
+        make_splits(task, 1, 1, seed=0, n_val=-1)
 
 
 def test_make_splits_capacity_errors():
     with pytest.raises(ValueError, match="only 100 distinct prompts"):
         make_splits(make_task("addition", num_digits=1), 90, 11, seed=0)
-    train, ev = make_splits(make_task("addition", num_digits=1), 90, 10, seed=0)
+    train, _, ev = make_splits(make_task("addition", num_digits=1), 90, 10, seed=0)
     assert len({ex.prompt for ex in train + ev}) == 100
     # countdown with 2 numbers in [1, 2], hand-enumerated: (1,1)>{2,0,1}, (1,2)>{3,2},
     # (2,1)>{3,1,2}, (2,2)>{4,0} = 10 prompts
@@ -199,9 +215,9 @@ def test_make_splits_capacity_errors():
     assert small.num_prompts() == 10
     with pytest.raises(ValueError, match="only 10 distinct prompts"):
         make_splits(small, 8, 3, seed=0)
-    with pytest.raises(ValueError, match="n_eval=-1"):
+    with pytest.raises(ValueError, match="n_test=-1"):
         make_splits(small, 1, -1, seed=0)
-    train, ev = make_splits(small, 3, 0, seed=0)  # task.n_eval=0 is a valid config
+    train, _, ev = make_splits(small, 3, 0, seed=0)  # task.n_test=0 is a valid config
     assert len(train) == 3 and ev == []
 
 
@@ -209,7 +225,7 @@ def test_countdown_samples_reach_every_counted_prompt():
     """Targets of 0 are drawn (resampling is only for negative targets), and num_prompts with
     shuffle counts each distinct listing order of a multiset once (hand-enumerated)."""
     small = make_task("countdown", num_numbers=2, max_number=2)
-    train, ev = make_splits(small, 7, 3, seed=0)
+    train, _, ev = make_splits(small, 7, 3, seed=0)
     assert {ex.prompt for ex in train + ev} == {
         "c:1,1>2=", "c:1,1>0=", "c:1,1>1=", "c:1,2>3=", "c:1,2>2=", "c:2,1>3=", "c:2,1>1=",
         "c:2,1>2=", "c:2,2>4=", "c:2,2>0="}
@@ -339,7 +355,7 @@ def test_num_prompts_hand_values():
     assert make_task("sort", length=2).num_prompts() == 100
     small = make_task("running_sum", num_numbers=2, max_number=3)
     assert small.num_prompts() == 9
-    train, _ = make_splits(small, 9, 0, seed=0)
+    train, _, _ = make_splits(small, 9, 0, seed=0)
     assert len({ex.prompt for ex in train}) == 9
     with pytest.raises(ValueError, match="only 9 distinct prompts"):
         make_splits(small, 10, 0, seed=0)

@@ -1,0 +1,73 @@
+"""What the positive control's scripts share: the candidates, paths, cold starts, JSON files."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+RUNS = "runs/positive_control"
+
+# name -> config overrides of the architecture (the screen's levers); the same active expert
+# width per token (topk x moe_ffn_hidden_size = 256) in each top-k candidate. Top-1 keeps the
+# all-expert softmax as its gate weight (norm_topk_prob false): renormalised over one expert
+# the weight is always 1 and the router would get no gradient.
+CANDIDATES: dict[str, list[str]] = {
+    "top4": [],
+    "top2": ["model.preset_overrides={topk: 2, moe_ffn_hidden_size: 128}"],
+    "top1": ["model.preset_overrides={topk: 1, moe_ffn_hidden_size: 256, "
+             "norm_topk_prob: false}"],
+    "top1_e64": ["model.preset_overrides={num_experts: 64, topk: 1, moe_ffn_hidden_size: 256, "
+                 "norm_topk_prob: false}"],
+    "deep12": ["model.num_layers=12"],
+}
+
+
+def py(*args: str, log: str) -> None:
+    """`python -m ...` from the repository root with one torch thread, output to `log`."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    os.makedirs(os.path.dirname(log), exist_ok=True)
+    print("$", *args, flush=True)
+    with open(log, "w") as f:
+        subprocess.run([sys.executable, "-m", *args], cwd=ROOT, check=True, env=env, stdout=f,
+                       stderr=subprocess.STDOUT)
+
+
+def cold_start(name: str) -> tuple[str, dict]:
+    """The candidate's SFT run dir (SFT'd into the band if it has not been) and where it
+    stopped: {"accuracy", "step"} from its band record."""
+    sft_dir = f"{RUNS}/sft_{name}"
+    rows = _band_rows(sft_dir)
+    if not rows:
+        py("megatron_gspo.cli", "sft", "--config", os.path.join(HERE, "sft.yaml"),
+           *CANDIDATES[name], f"run_dir={sft_dir}",
+           log=os.path.join(ROOT, RUNS, "logs", f"sft_{name}.log"))
+        rows = _band_rows(sft_dir)
+    return sft_dir, {"accuracy": rows[-1]["sft/start_accuracy"],
+                     "step": int(rows[-1]["sft/band_step"])}
+
+
+def _band_rows(sft_dir: str) -> list[dict]:
+    path = os.path.join(ROOT, sft_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return []
+    from megatron_gspo.run.metrics import read_jsonl
+    return [r for r in read_jsonl(path) if "sft/band_step" in r]
+
+
+def load_json(path: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def write_json(path: str, obj) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(path + ".tmp", path)

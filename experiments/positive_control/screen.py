@@ -1,0 +1,182 @@
+"""The screen: how much does a routing change move the sampled tokens' log-probs, per lever?
+
+Usage:
+    python -m experiments.positive_control.screen                  # every candidate, table
+    python -m experiments.positive_control.screen --only top4 top1 # some candidates
+    python -m experiments.positive_control.screen --table-only     # table from saved JSON
+
+Shape legend: B sequences, T tokens.
+
+GRPO's token ratio is clipped at [0.8, 1.27] (|log-ratio| about 0.22-0.24) and GSPO's
+sequence ratio at [1 - 3e-4, 1 + 4e-4]. Routing Replay can only matter where a routing change
+moves a token's log-prob by an amount of that order. For each candidate (an architecture,
+`model.preset_overrides`, on the task of `sft.yaml`) the screen makes its own cold start (SFT
+to the validation band), samples one rollout batch, and re-scores it with Gaussian noise of
+several stds on the router logits that pick the top-k (`moe.router_noise`; gate weights from
+the clean logits): the same perturbation an engine whose routers disagree with the trainer's
+(`rollout.router_noise_std`) or a policy whose routing moved (`train.router_noise_std`) makes.
+Per std, over DRAWS noise draws: the flip rate of the (token, expert) activations on the loss
+positions, the mean |log pi_noisy - log pi_clean| over response tokens, the fraction of response
+tokens beyond GRPO's clip (|log-ratio| > 0.2), the mean |per-sequence mean log-ratio| and the
+fraction of sequences beyond GSPO's clip (> 3e-4). The table interpolates each at 10% flips
+(the GSPO paper's volatility on Qwen3-30B-A3B, the R3 paper's router disagreement). Beside it,
+per layer, `moe/route_sensitivity` (`megatron_gspo.algo.sensitivity`): the mean |log-prob
+change| when a random 10% of the loss positions take their (K+1)-th expert instead of their
+K-th at that layer only: the cost of one near-tie flip, layer by layer.
+
+Results: runs/positive_control/screen/<candidate>.json; the table goes between README.md's
+`<!-- table:screen:... -->` markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+
+import torch
+
+from megatron_gspo.algo.sensitivity import route_sensitivity
+from bench.result_table import machine_line, write_into
+from experiments.positive_control.common import (CANDIDATES, HERE, ROOT, RUNS, cold_start,
+                                                 load_json, write_json)
+
+GRID = (0.01, 0.03, 0.1, 0.3, 1.0)
+DRAWS = 3
+GRPO_CLIP = 0.2
+GSPO_CLIP = 3e-4
+TARGET_FLIPS = 0.1
+SWAP_FRACTION = 0.1
+
+
+def perturbation_stats(clean_BT: torch.Tensor, noisy_BT: torch.Tensor,
+                       response_BT: torch.Tensor) -> dict[str, float]:
+    """Token and sequence statistics of the log-ratio noisy - clean over response tokens."""
+    resp_BT = response_BT.float()
+    d_BT = (noisy_BT.double() - clean_BT.double()) * resp_BT
+    n_B = resp_BT.sum(1).clamp_min(1)
+    seq_B = d_BT.sum(1) / n_B
+    keep_B = resp_BT.sum(1) > 0
+    tokens = resp_BT.sum()
+    return {"abs_log_ratio": float(d_BT.abs().sum() / tokens),
+            "tokens_past_grpo_clip": float(((d_BT.abs() > GRPO_CLIP) & resp_BT.bool()).sum()
+                                           / tokens),
+            "seq_abs_log_ratio": float(seq_B[keep_B].abs().mean()),
+            "seqs_past_gspo_clip": float((seq_B[keep_B].abs() > GSPO_CLIP).double().mean())}
+
+
+def measure(policy, batch, std: float, temperature: float) -> dict:
+    """Means over DRAWS noise draws at `std` (see the module docstring)."""
+    from megatron_gspo.algo.flips import flip_counts, loss_positions, token_rows
+    from moe.replay import RoutingReplayCache, current_routing, record_routing
+    from moe.router_noise import router_noise
+
+    tokens_BT, valid_BT = batch.tokens_BT, batch.valid_BT
+    clean_BT, clean = current_routing(policy, tokens_BT, valid_BT, temperature)
+    rows_N = token_rows(policy, clean, loss_positions(batch.response_BT))
+    draws = []
+    for draw in range(DRAWS):
+        gen = torch.Generator().manual_seed(1000 + draw)
+        with torch.no_grad(), router_noise(policy, std, gen), record_routing(policy) as rec:
+            noisy_BT = policy.token_logprobs(tokens_BT, valid_BT, temperature)
+        noisy = RoutingReplayCache.from_recorded(rec, policy.routed_valid(valid_BT),
+                                                 policy.preset.num_experts)
+        per_layer = flip_counts(clean, noisy, rows_N)["flip_rate"]
+        draws.append({"flip_rate": sum(per_layer) / len(per_layer),
+                      **perturbation_stats(clean_BT.cpu(), noisy_BT.cpu(), batch.response_BT)})
+    return {"std": std, **{k: sum(d[k] for d in draws) / DRAWS for k in draws[0]}}
+
+
+def at_flip_rate(grid: list[dict], key: str, target: float = TARGET_FLIPS) -> float:
+    """`key` at flip rate `target`, log-log between the bracketing grid points (NaN outside)."""
+    pts = sorted((g["flip_rate"], g[key]) for g in grid if g["flip_rate"] > 0)
+    for (f0, v0), (f1, v1) in zip(pts, pts[1:]):
+        if f0 <= target <= f1:
+            if v0 <= 0 or v1 <= 0:
+                return v0 + (v1 - v0) * (target - f0) / (f1 - f0)
+            w = (math.log(target) - math.log(f0)) / (math.log(f1) - math.log(f0))
+            return math.exp(math.log(v0) + w * (math.log(v1) - math.log(v0)))
+    return float("nan")
+
+
+def screen_one(name: str) -> dict:
+    """The candidate's cold start (made if absent), one rollout batch, the noise grid."""
+    from megatron_gspo.config.schema import load_config
+    from megatron_gspo.rollout.generate import generate_rollouts
+    from megatron_gspo.rollout.sampler import SamplingParams
+    from megatron_gspo.run.setup import setup_runtime
+
+    sft_dir, start = cold_start(name)
+    cfg = load_config(os.path.join(ROOT, "experiments/positive_control/rl.yaml"), [
+        *CANDIDATES[name], f"init_checkpoint={sft_dir}",
+        f"run_dir={RUNS}/screen/{name}_eval", "train.start_accuracy=null"])
+    rt = setup_runtime(cfg, job="eval")
+    try:
+        gen = torch.Generator().manual_seed(cfg.seed)
+        idx = torch.randint(len(rt.train_set), (cfg.rollout.prompts_per_batch,), generator=gen)
+        params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
+                                temperature=cfg.rollout.temperature)
+        batch = generate_rollouts(rt.sampler, rt.tokenizer, rt.task,
+                                  [rt.train_set[i] for i in idx.tolist()],
+                                  group_size=cfg.rollout.group_size, params=params, generator=gen)
+        sens = route_sensitivity(rt.policy, batch.tokens_BT, batch.valid_BT, batch.response_BT,
+                                 SWAP_FRACTION, torch.Generator().manual_seed(cfg.seed),
+                                 cfg.rollout.temperature)
+        grid = []
+        for std in GRID:
+            grid.append(measure(rt.policy, batch, std, cfg.rollout.temperature))
+            print(name, json.dumps(grid[-1]), flush=True)
+    finally:
+        rt.close()
+    return {"candidate": name, "overrides": CANDIDATES[name], "cold_start": start,
+            "route_sensitivity": sens, "grid": grid}
+
+
+KEYS = ("abs_log_ratio", "tokens_past_grpo_clip", "seq_abs_log_ratio", "seqs_past_gspo_clip")
+
+
+def table(results: list[dict]) -> str:
+    head = ("| candidate | overrides | cold start (val acc, SFT step) | flips at std 1 | "
+            "abs log-ratio | tokens past GRPO's clip | abs seq log-ratio | seqs past GSPO's "
+            "clip | route sensitivity per layer (10% swapped) |")
+    lines = [head, "| " + " | ".join(["---"] * 9) + " |"]
+    for r in results:
+        g = {k: at_flip_rate(r["grid"], k) for k in KEYS}
+        top = max(r["grid"], key=lambda x: x["std"])
+        cs = r["cold_start"]  # the band's accuracy (validation) and the step it entered
+        lines.append(
+            f"| {r['candidate']} | {' '.join(r['overrides']) or 'qwen3-moe-tiny'} | "
+            f"{cs['accuracy']:.3f}, {cs['step']} | {top['flip_rate']:.3f} | "
+            f"{g['abs_log_ratio']:.4f} | {g['tokens_past_grpo_clip']:.4f} | "
+            f"{g['seq_abs_log_ratio']:.4f} | {g['seqs_past_gspo_clip']:.3f} | "
+            f"{' '.join(f'{v:.4f}' for v in r['route_sensitivity'])} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="+", choices=sorted(CANDIDATES))
+    ap.add_argument("--table-only", action="store_true")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    names = args.only or list(CANDIDATES)
+    results = []
+    for name in names:
+        path = os.path.join(ROOT, RUNS, "screen", f"{name}.json")
+        if not args.table_only and load_json(path) is None:
+            write_json(path, screen_one(name))
+        if load_json(path) is not None:
+            results.append(load_json(path))
+    text = "\n".join([machine_line(), "Cold start: validation accuracy where SFT entered the "
+                      "band, and its step. Fresh noise draws on the routers that pick the "
+                      "top-k; columns 5-8 at 10% of expert activations changed.", "",
+                      table(results)])
+    print(text)
+    if not args.table_only or results:
+        write_into(os.path.join(HERE, "README.md"), text, "screen")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

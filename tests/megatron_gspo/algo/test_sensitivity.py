@@ -1,0 +1,100 @@
+"""Routing sensitivity (megatron_gspo.algo.margins, .sensitivity): the margin statistics equal
+numpy's float64 median and fraction, and the route sensitivity equals a float64 mean of |log-prob
+change| under an independent swap (a router patched to take its (K+1)-th expert), not through
+the replay cache."""
+
+from functools import partial
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_gspo.algo.flips import loss_positions
+from megatron_gspo.algo.margins import margin_metrics
+from megatron_gspo.algo.sensitivity import route_sensitivity, sensitivity_metrics
+from moe.policy import MoEPolicy
+from moe.presets import get_preset
+from moe.router_scores import RouterScores
+from moe.settings import ParallelLayout
+from tests.moe.parallel_worker import batch
+
+PRESET = get_preset("tiny")
+
+
+def test_margin_metrics_are_numpys_median_and_fraction_over_the_rows():
+    g = torch.Generator().manual_seed(0)
+    N, L, K = 9, 3, 2
+    probs_NLJ = torch.rand(N, L, K + 1, generator=g).sort(dim=2, descending=True).values / 3
+    ids_NLJ = torch.arange(K + 1).expand(N, L, K + 1).to(torch.uint8)
+    scores = RouterScores(probs_NLJ, ids_NLJ, torch.ones(1, N, dtype=torch.bool), 4)
+    rows_N = torch.tensor([1, 0, 1, 1, 0, 1, 1, 1, 0], dtype=torch.bool)  # 6 rows: even count
+    out = margin_metrics(scores, rows_N, small=0.05)
+    m_NL = (probs_NLJ[:, :, K - 1] - probs_NLJ[:, :, K]).double().numpy()[rows_N.numpy()]
+    for layer in range(L):
+        assert out[f"moe/router_margin/layer_{layer:02d}"] == pytest.approx(
+            float(np.median(m_NL[:, layer])), abs=1e-12)
+        assert out[f"moe/router_margin_small/layer_{layer:02d}"] == pytest.approx(
+            float((m_NL[:, layer] < 0.05).mean()), abs=1e-12)
+    assert out["moe/router_margin/mean"] == pytest.approx(float(np.median(m_NL, 0).mean()))
+    none = margin_metrics(scores, torch.zeros(N, dtype=torch.bool), small=0.05)
+    assert np.isnan(none["moe/router_margin/layer_00"])
+
+
+def build(seed=3):
+    return MoEPolicy.build(PRESET, ParallelLayout(), real_vocab=PRESET.vocab_size, seed=seed,
+                           optim=None)
+
+
+def rollout(B=4, T=12, prompt=6):
+    tokens_BT, valid_BT, _ = batch(PRESET.vocab_size, B=B, T=T)
+    response_BT = torch.zeros(B, T, dtype=torch.bool)
+    response_BT[:, prompt:] = True
+    return tokens_BT, valid_BT, response_BT
+
+
+def _take_next_best(router, swap_R, scores, topk, num_groups=None, group_topk=None,
+                    default_compute_topk=None):
+    """A plain top-k, except that rows `swap_R` take their (K+1)-th expert for their K-th."""
+    _, ids_RJ = torch.topk(scores, topk + 1, dim=1)
+    ids_RK = ids_RJ[:, :topk].clone()
+    ids_RK[swap_R, topk - 1] = ids_RJ[swap_R, topk]
+    return scores.gather(1, ids_RK), ids_RK
+
+
+def reference(policy, tokens_BT, valid_BT, response_BT, layer):
+    """float64 mean over response tokens of |log p(swapped) - log p| with every loss position
+    of `layer` on its (K+1)-th expert, the swap made inside the router (no replay)."""
+    with torch.no_grad():
+        base = policy.token_logprobs(tokens_BT, valid_BT, start=1).double()
+        router = policy.router_replays[layer]
+        swap_R = (loss_positions(response_BT) & valid_BT).T.reshape(-1)  # sequence-first rows
+        router.get_replay_topk = partial(_take_next_best, router, swap_R)
+        try:
+            swapped = policy.token_logprobs(tokens_BT, valid_BT, start=1).double()
+        finally:
+            del router.get_replay_topk
+    return float((swapped - base).abs()[response_BT].mean())
+
+
+def test_route_sensitivity_equals_a_float64_reference_swap(single_process):
+    policy = build()
+    tokens_BT, valid_BT, response_BT = rollout()
+    got = route_sensitivity(policy, tokens_BT, valid_BT, response_BT, 1.0,
+                            torch.Generator().manual_seed(0))
+    want = [reference(policy, tokens_BT, valid_BT, response_BT, l)
+            for l in range(PRESET.num_layers)]
+    assert min(want) > 1e-5  # the swap moves the log-probs
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-7)
+    zero = route_sensitivity(policy, tokens_BT, valid_BT, response_BT, 0.0,
+                             torch.Generator().manual_seed(0))
+    assert zero == [0.0] * PRESET.num_layers  # replaying the router's own top-k changes nothing
+    some = route_sensitivity(policy, tokens_BT, valid_BT, response_BT, 0.3,
+                             torch.Generator().manual_seed(0))
+    assert 0 < sum(some) < sum(got)
+    assert some == route_sensitivity(policy, tokens_BT, valid_BT, response_BT, 0.3,
+                                     torch.Generator().manual_seed(0))  # seeded
+    metrics = sensitivity_metrics(got)
+    assert metrics["moe/route_sensitivity/layer_01"] == got[1]
+    assert metrics["moe/route_sensitivity/mean"] == pytest.approx(sum(got) / len(got))
+    with pytest.raises(ValueError, match="fraction=1.5"):
+        route_sensitivity(policy, tokens_BT, valid_BT, response_BT, 1.5, torch.Generator())

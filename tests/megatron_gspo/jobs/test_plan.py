@@ -1,0 +1,133 @@
+"""`megatron-gspo plan` (megatron_gspo.jobs.plan): the per-GPU table and its exit statuses, the
+one-line refusals of layouts that cannot exist, the layout pick, and no torch. Against measured
+peaks: test_plan_measured.py; the real-scale profile: tests/experiments/test_qwen3_30b_a3b.py."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_gspo import cli
+from megatron_gspo.config.schema import load_config
+from megatron_gspo.jobs import plan
+from moe.presets import get_preset
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "..")
+PROFILE = "experiments/ablation/qwen3_30b_a3b.yaml"
+ACCEPTANCE = ["plan", "--config", PROFILE, "--gpus", "16", "--gpu-mem-gib", "80"]
+PARTS = ("weights (bf16)", "grads (fp32 main grads)", "fp32 masters (distributed; else",
+         "Adam moments (distributed; else", "routing caches: pi_old's",
+         "rollout: KV cache (lean: 16 rows x 10240)", "pi_old: no-grad forward (1 row x 10240)",
+         "train: saved layers (1 row x 10240 per microbatch, recompute full)",
+         "train: log-prob backward")
+
+
+def test_the_profile_on_16_h100s_prints_the_per_gpu_table_and_fits(capsys):
+    """The acceptance command: every part of the per-GPU table in GiB, the peak, that it fits,
+    the layouts with the pick, the step time split and the assumptions; exit 0."""
+    assert cli.main(ACCEPTANCE) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    for part in PARTS:
+        row = next(ln for ln in lines if ln.strip().startswith(part))
+        assert float(row.split()[-1]) > 0, row
+    peak = next(ln for ln in lines if ln.strip().startswith("peak:"))
+    assert 40 < float(peak.split()[-1]) < 72, peak
+    assert any(ln.startswith("  fits: at most 90% of 80 GiB") for ln in lines)
+    table = {tuple(ln.split()[-4:-2]): ln for ln in lines if ln.endswith(("yes", "no"))}
+    assert table[("1", "16")].split()[-1] == "yes"  # the config's layout
+    assert table[("1", "8")].startswith("*")  # GSPO alone fits EP 8 (the profile: R3's pick)
+    for phase in ("rollout", "pi_old", "train", "total"):
+        assert any(ln.split()[:1] == [phase] and ln.rstrip().split()[-1] in ("s", "h)")
+                   for ln in lines), phase
+    assert "model.hf_path=/path/to/Qwen3-30B-A3B does not exist here" in out
+    assert "experiments/gpu/results/train_l4.json" in out
+
+
+def test_a_plan_that_does_not_fit_exits_1(capsys):
+    """The same profile on 16 GPUs of 40 GiB: printed, 'does not fit', exit status 1."""
+    assert cli.main([*ACCEPTANCE[:-1], "40"]) == 1
+    assert "  does not fit: at most 90% of 40 GiB" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["model.ep=3", "--gpus", "3"], "model.tp=1 model.ep=3: preset 'qwen3-30b-a3b': "
+     "num_experts=128 is not divisible by ep=3"),
+    (["model.tp=8", "model.sequence_parallel=true", "model.ep=8", "--gpus", "16"],
+     "model.tp=8 model.ep=8: preset 'qwen3-30b-a3b': num_query_groups=4 is not divisible "
+     "by tp=8"),
+    (["--gpus", "12"], "--gpus 12 is not a multiple of model.ep=16"),
+    (["model.tp=2", "model.sequence_parallel=true", "model.ep=4", "--gpus", "6"],
+     "--gpus 6 is not a multiple of model.ep=4"),
+    (["--gpus", "32", "rollout.prompts_per_batch=48"],
+     "rollout.prompts_per_batch=48 is not divisible by the data-parallel size 32"),
+    (["--gpus", "0"], "plan needs --gpus N >= 1 and --gpu-mem-gib M > 0 (got --gpus 0, "
+     "--gpu-mem-gib 80.0)"),
+    (["--gpus", "16", "model.ep=0"], "model.ep=0"),
+], ids=["ep-experts", "tp-heads", "gpus-ep", "gpus-lcm", "dp-batch", "flags", "bad-value"])
+def test_a_layout_that_cannot_exist_is_one_line_and_exit_2(capsys, argv, line):
+    """EP not dividing the experts, TP not dividing the heads' KV groups, N not a multiple of
+    TP and EP, a batch DP does not split, bad flags: one line naming the value, exit 2."""
+    code = cli.main(["plan", "--config", PROFILE, "--gpu-mem-gib", "80", *argv])
+    out, err = capsys.readouterr()
+    assert (code, out) == (2, "")
+    assert err.count("\n") == 1 and err.startswith(f"megatron-gspo: error: {line}"), err
+
+
+def test_the_pick_is_the_fitting_layout_with_the_fewest_tp_then_ep_ranks():
+    assert plan.pick([(1, 1, 9.0, False), (1, 4, 5.0, True), (1, 8, 4.0, True),
+                      (2, 2, 3.0, True)]) == (1, 4)
+    assert plan.pick([(1, 1, 9.0, False)]) is None
+
+
+def test_phases_do_not_add_up_and_the_vllm_engine_stays_for_the_step():
+    """The peak is the state and caches plus the largest phase; an in-process vLLM engine's
+    weights (the whole model) and cache are there in every phase."""
+    p = get_preset("qwen3-30b-a3b")
+    cfg = load_config(os.path.join(ROOT, PROFILE))
+    lean = plan.plan_layout(p, cfg, 16)
+    assert lean.peak == lean.persistent + max(lean.phases.values())
+    assert lean.peak < lean.persistent + sum(lean.phases.values())
+    vllm = plan.plan_layout(p, load_config(os.path.join(ROOT, PROFILE),
+                                           ["rollout.backend=vllm"]), 16)
+    engine = dict(vllm.rows)["vLLM engine weights (the whole model)"]
+    assert engine == p.num_params()["total"] * 2
+    assert vllm.persistent == lean.persistent + engine + 1.0 * plan.GIB
+    assert vllm.phases["rollout"] == 0.0
+
+
+def test_an_hf_path_folder_sizes_the_model_from_its_config_json(tmp_path):
+    """With model.hf_path an existing folder, its config.json is the architecture (here a
+    Qwen3-MoE config cut to 2 layers), not model.preset; no note about the placeholder."""
+    from moe.hf.config import hf_config_dict
+
+    small = get_preset("qwen3-30b-a3b").__class__(
+        **{**get_preset("qwen3-30b-a3b").__dict__, "num_layers": 2})
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_dict(small, small.vocab_size)))
+    cfg = load_config(os.path.join(ROOT, PROFILE), [f"model.hf_path={tmp_path}"])
+    preset, note = plan.model_preset(cfg)
+    assert (preset.num_layers, note) == (2, "")
+    text, fits = plan.report("x", cfg, 16, 80)
+    assert fits and "does not exist" not in text
+
+
+def test_plan_loads_neither_torch_nor_megatron():
+    """A plan answers in a fraction of a second: no torch, no megatron-core, no model."""
+    code = (f"import sys; from megatron_gspo import cli; cli.main({ACCEPTANCE!r}); "
+            "print(sorted(m for m in ('torch', 'megatron.core') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_docs_example_is_the_plans_output(capsys):
+    """docs/plan.md shows the acceptance command's output between its plan markers: the same
+    text the code prints now (regenerate the block when the accounting changes)."""
+    assert cli.main(ACCEPTANCE) == 0
+    with open(os.path.join(ROOT, "docs", "plan.md")) as f:
+        doc = f.read()
+    block = doc.split("<!-- plan:begin -->\n```\n")[1].split("\n```\n<!-- plan:end -->")[0]
+    assert block == capsys.readouterr().out.rstrip("\n")
