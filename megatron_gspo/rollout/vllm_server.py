@@ -30,7 +30,7 @@ bytes), this process at most one chunk per connected rank beyond the request tha
 mark; neither grows with the batch.
 
 `--parent-pid` (set by a trainer that starts the server): the kernel kills the server when
-that process dies, and its workers when the server dies (`vllm_wire.die_with_parent`). An
+that process dies, and its workers when the server dies (`moe.children.die_with_parent`). An
 engine that fails (a worker killed, an error in a step) makes the server tell every rank and
 exit with status 1; the trainer restarts it (`rollout.vllm.max_restarts`).
 """
@@ -50,8 +50,8 @@ import traceback
 from megatron_gspo.rollout.vllm_capture import ROW_KEY
 from megatron_gspo.rollout.vllm_engine import unavailable
 from megatron_gspo.rollout.vllm_wire import (BACKEND, ERROR_PREFIX, WORKER_EXTENSION, Channel,
-                                             ChannelClosed, auth_key, challenge,
-                                             die_with_parent)
+                                             ChannelClosed, auth_key, challenge)
+from moe.children import die_with_parent
 
 MSG_TIMEOUT_S = 120.0
 """How long the rest of a message may take once its first byte arrived."""
@@ -89,7 +89,8 @@ def build_llm(spec: dict, tp: int):
         enable_prefix_caching=not capture, enforce_eager=capture, tensor_parallel_size=tp,
         distributed_executor_backend="mp" if tp > 1 else "uni",
         worker_extension_cls=WORKER_EXTENSION, weight_transfer_config={"backend": BACKEND})
-    layers = max(llm.collective_rpc("mg_setup", kwargs={"capture_routing": capture}))
+    layers = max(llm.collective_rpc("mg_setup", kwargs={"capture_routing": capture,
+                                                        "server_pid": os.getpid()}))
     return llm, layers
 
 

@@ -19,12 +19,10 @@ end; [0, count] ends the push. A receiver unpacks a bucket into views of its pay
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import hmac
 import os
 import pickle
-import signal
 import socket
 import struct
 import time
@@ -257,18 +255,6 @@ def receive_buckets(group: WeightGroup) -> Iterator[tuple[int, list]]:
             tensors.append((name, payload_N[start:start + size].view(dt).view(shape)))
         received += len(tensors)
         yield meta["version"], tensors
-
-
-def die_with_parent(parent_pid: int | None = None) -> None:
-    """Have the kernel SIGKILL this process when its parent exits (Linux PR_SET_PDEATHSIG);
-    if the parent (`parent_pid`) is already gone, exit now. Elsewhere: nothing."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
-    except (OSError, AttributeError):
-        return
-    if parent_pid is not None and os.getppid() != parent_pid:
-        os._exit(1)
 
 
 def wait_for(condition: Callable[[], bool], timeout_s: float, every_s: float = 0.2) -> bool:

@@ -33,7 +33,8 @@ import torch
 from megatron_gspo.rollout import vllm_engine
 from megatron_gspo.rollout.vllm_capture import (RoutingCapture, install_logprobs_before_top_p,
                                                 runner_of)
-from megatron_gspo.rollout.vllm_wire import BACKEND, die_with_parent, open_group, receive_buckets
+from megatron_gspo.rollout.vllm_wire import BACKEND, open_group, receive_buckets
+from moe.children import die_with_parent
 
 try:  # only vLLM's workers import this module; elsewhere (no vLLM) it defines nothing usable
     import vllm
@@ -156,10 +157,11 @@ class WorkerExtension:
     """Mixed into each vLLM worker (`worker_extension_cls`); called by name through
     `LLM.collective_rpc` from the server."""
 
-    def mg_setup(self, capture_routing: bool) -> int:
-        """Die with the server, report log-probs before top-p, capture routing on worker 0;
-        returns the number of MoE layers captured (0 elsewhere)."""
-        die_with_parent()
+    def mg_setup(self, capture_routing: bool, server_pid: int) -> int:
+        """Die with the server (`server_pid`, this worker's parent), report log-probs before
+        top-p, capture routing on worker 0; returns the number of MoE layers captured (0
+        elsewhere)."""
+        die_with_parent(server_pid)
         runner = runner_of(self)
         install_logprobs_before_top_p(runner)
         self.mg_capture = None
