@@ -98,6 +98,20 @@ def test_phases_do_not_add_up_and_the_vllm_engine_stays_for_the_step():
     assert vllm.phases["rollout"] == 0.0
 
 
+def test_a_vllm_engine_server_leaves_only_the_weight_push_on_the_trainers_gpus():
+    """rollout.vllm.mode=server: the engine's weights and cache live on the engine's devices;
+    the trainer's rollout phase holds a push's gathered parameter and one bucket."""
+    p = get_preset("qwen3-30b-a3b")
+    cfg = load_config(os.path.join(ROOT, PROFILE), ["rollout.backend=vllm",
+                                                    "rollout.vllm.mode=server"])
+    lean = plan.plan_layout(p, load_config(os.path.join(ROOT, PROFILE)), 16)
+    server = plan.plan_layout(p, cfg, 16)
+    assert not any("engine weights" in label for label, _ in server.rows)
+    assert server.persistent == lean.persistent
+    fc1 = 128 * 2 * 768 * 2048 * 2  # all 128 experts' fc1 [E, 2F, H] in bf16: 0.75 GiB
+    assert server.phases["rollout"] == 2 * fc1 + 256 * 2**20
+
+
 def test_an_hf_path_folder_sizes_the_model_from_its_config_json(tmp_path):
     """With model.hf_path an existing folder, its config.json is the architecture (here a
     Qwen3-MoE config cut to 2 layers), not model.preset; no note about the placeholder."""
