@@ -25,6 +25,7 @@ forgets them: a worker holds the routes of requests in flight only.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -153,6 +154,14 @@ class StreamingCapture(RoutingCapture):
             self.closed.add(key)
 
 
+def tie_to_server(server_pid: int) -> None:
+    """Die with the engine server `server_pid`: a worker process it started gets a
+    parent-death signal; a worker in the server's own process (tensor_parallel_size 1, vLLM's
+    "uni" executor) already dies with it."""
+    if os.getpid() != server_pid:
+        die_with_parent(server_pid)
+
+
 class WorkerExtension:
     """Mixed into each vLLM worker (`worker_extension_cls`); called by name through
     `LLM.collective_rpc` from the server."""
@@ -161,7 +170,7 @@ class WorkerExtension:
         """Die with the server (`server_pid`, this worker's parent), report log-probs before
         top-p, capture routing on worker 0; returns the number of MoE layers captured (0
         elsewhere)."""
-        die_with_parent(server_pid)
+        tie_to_server(server_pid)
         runner = runner_of(self)
         install_logprobs_before_top_p(runner)
         self.mg_capture = None

@@ -191,6 +191,19 @@ def test_a_killed_trainer_leaves_no_engine_server(tmp_path):
     assert vllm_wire.wait_for(lambda: gone(server), 60)
 
 
+def test_a_worker_in_the_servers_own_process_is_not_killed_by_its_tie():
+    """tensor_parallel_size 1 runs the worker in the server's process (vLLM's "uni"
+    executor): tying it to the server (its own pid) must leave it alive, where a parent-death
+    tie to the server's pid would find another parent and kill it at once."""
+    script = ("import os\n"
+              "from megatron_gspo.rollout.vllm_worker import tie_to_server\n"
+              "tie_to_server(os.getpid())\n"
+              "print('alive', flush=True)\n")
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout == "alive\n", out.stderr[-2000:]
+
+
 def test_cpu_bind_splits_the_cores_over_the_workers_of_every_replica(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
     assert vllm_remote.cpu_bind(0, 1, 2) == "0,1,2,3|4,5,6,7"
