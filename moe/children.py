@@ -2,6 +2,7 @@
 
     tie_forks()                        # from now on, forks of the main thread die with it
     manager = spawned_manager(ctx)     # a multiprocessing Manager whose server dies with us
+                                       # (and only then: a group's SIGTERM leaves it alone)
 
 megatron-core's dist_checkpointing writer forks one process per write bucket during a save (a
 copy of the trainer: its memory, its open descriptors, its signal handlers) and keeps a
@@ -64,9 +65,21 @@ def tie_forks() -> None:
         _FORKS["tied"] = True
 
 
+def _serve_until_parent_dies(parent: int) -> None:
+    """A Manager server's start: it dies with `parent` and ignores SIGTERM and SIGINT."""
+    die_with_parent(parent)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def spawned_manager(ctx) -> SyncManager:
     """A started multiprocessing `SyncManager` of context `ctx` whose server process dies with
-    this one (the thread calling this: call it from the main thread)."""
+    this one (the thread calling this: call it from the main thread).
+
+    The server ignores SIGTERM and SIGINT: a signal to the whole process group (torchrun's
+    shutdown, `kill -- -PGID`, a scheduler's preemption) asks the trainer for a last save, and
+    a server ended by it mid-save failed that save with 'Broken pipe'. It ends with the trainer
+    (parent death), or at `shutdown()` (a message, then SIGKILL if it lingers)."""
     manager = SyncManager(ctx=ctx)
-    manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
+    manager.start(initializer=_serve_until_parent_dies, initargs=(os.getpid(),))
     return manager

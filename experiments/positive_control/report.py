@@ -1,8 +1,12 @@
 """The positive control's tables, from the runs' metrics.jsonl: one row per arm and level.
 
 Usage:
-    python -m experiments.positive_control.report            # tables into README.md
+    python -m experiments.positive_control.report --collect  # runs/ -> results/, tables
+    python -m experiments.positive_control.report            # tables from results/ into README
     python -m experiments.positive_control.report --print    # print only
+
+The tables read `results/<lever>/<run>.json` (committed): `run_stats` of each finished run,
+distilled from its metrics.jsonl by `--collect` (the runner does it after its runs).
 
 Per run: accuracy at the start and the end (`test/accuracy`, greedy on the test split, which
 chooses nothing; runs made before the split existed fall back to `eval/accuracy`), whether it
@@ -21,8 +25,9 @@ import os
 import re
 
 from bench.result_table import machine_line, write_into
-from experiments.positive_control.common import HERE, ROOT, RUNS
+from experiments.positive_control.common import HERE, ROOT, RUNS, load_json, write_json
 from experiments.replay_dose_response.report import ci
+from megatron_gspo.jobs.band import cold_start_line
 
 RUN_RE = re.compile(r"^(?P<arm>[a-z0-9_]+?)_n(?P<level>[0-9.]+)_s(?P<seed>\d+)$")
 COLLAPSED = 0.01
@@ -60,17 +65,31 @@ def run_stats(path: str) -> dict | None:
             "lr0": _mean(first_mb, "policy/log_ratio/abs_mean")}
 
 
+def distill(runs_root: str, results_root: str) -> int:
+    """Write `run_stats` of every finished run under `runs_root/<lever>/` to
+    `results_root/<lever>/<run>.json` (small files, committed); returns how many."""
+    n = 0
+    for lever in LEVER_WORDS:
+        lever_dir = os.path.join(runs_root, lever)
+        for name in sorted(os.listdir(lever_dir)) if os.path.isdir(lever_dir) else []:
+            path = os.path.join(lever_dir, name, "metrics.jsonl")
+            if RUN_RE.match(name) and os.path.exists(path) \
+                    and (stats := run_stats(path)) is not None:
+                write_json(os.path.join(results_root, lever, f"{name}.json"), stats)
+                n += 1
+    return n
+
+
 def collect(lever_dir: str) -> dict:
-    """{(arm, level): {seed: stats}} over the finished runs under `lever_dir`."""
+    """{(arm, level): {seed: stats}} over the distilled runs (`<run>.json`) in `lever_dir`."""
     out: dict = {}
     if not os.path.isdir(lever_dir):
         return out
     for name in sorted(os.listdir(lever_dir)):
-        m = RUN_RE.match(name)
-        path = os.path.join(lever_dir, name, "metrics.jsonl")
-        if m and os.path.exists(path) and (stats := run_stats(path)) is not None:
-            key = (m["arm"], float(m["level"]))
-            out.setdefault(key, {})[int(m["seed"])] = stats
+        m = RUN_RE.match(name.removesuffix(".json"))
+        if m and name.endswith(".json") and (stats := load_json(
+                os.path.join(lever_dir, name))) is not None:
+            out.setdefault((m["arm"], float(m["level"])), {})[int(m["seed"])] = stats
     return out
 
 
@@ -108,8 +127,8 @@ def arms_table(runs: dict, clean: dict) -> str:
     return "\n".join(lines)
 
 
-PAIRS = (("gspo_sl_r3", "gspo_sl"), ("gspo_r3", "gspo"), ("grpo_r3", "grpo"),
-         ("grpo_r2", "grpo"), ("gspo", "grpo"))
+PAIRS = (("gspo_sl_r3", "gspo_sl"), ("grpo_sl_r3", "grpo_sl"), ("gspo_r3", "gspo"),
+         ("grpo_r3", "grpo"), ("grpo_r2", "grpo"), ("gspo", "grpo"))
 """(with, without) compared in the answer: what replay (or GSPO) changes, paired by seed."""
 
 
@@ -147,14 +166,24 @@ def answer_table(runs: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--print", action="store_true", help="print the tables only")
+    ap.add_argument("--collect", action="store_true",
+                    help=f"first distill {RUNS}/<lever>/*/metrics.jsonl into results/")
     args = ap.parse_args(argv)
-    root = os.path.join(ROOT, RUNS)
+    root = os.path.join(HERE, "results")
+    if args.collect:
+        print(f"distilled {distill(os.path.join(ROOT, RUNS), root)} runs into {root}")
+        write_json(os.path.join(root, "measured.json"), {
+            "line": machine_line(),
+            "cold_start": cold_start_line(os.path.join(ROOT, RUNS, "sft_top4")).replace(
+                ROOT + os.sep, "") + "."})
+    record = load_json(os.path.join(root, "measured.json")) or {}
+    measured = " ".join([record.get("line") or machine_line(), record.get("cold_start", "")])
     clean = collect(os.path.join(root, "engine"))
     for lever, words in LEVER_WORDS.items():
         runs = collect(os.path.join(root, lever))
         if not runs:
             continue
-        text = "\n".join([machine_line(), f"Lever: {words}. Accuracy: greedy on the test "
+        text = "\n".join([measured, f"Lever: {words}. Accuracy: greedy on the test "
                           "split (256 prompts), at the first and last step; ± = 95% t interval "
                           "over seeds.", "", arms_table(runs, clean)])
         tables = {f"arms_{lever}": text}

@@ -96,7 +96,7 @@ def main(argv=None) -> int:
                                   args.overrides) for arm, lv, seed in jobs]:
                 f.result()
     from experiments.positive_control import report
-    return report.main([])
+    return report.main(["--collect"])
 
 
 if __name__ == "__main__":

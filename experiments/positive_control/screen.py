@@ -24,8 +24,8 @@ per layer, `moe/route_sensitivity` (`megatron_gspo.algo.sensitivity`): the mean 
 change| when a random 10% of the loss positions take their (K+1)-th expert instead of their
 K-th at that layer only: the cost of one near-tie flip, layer by layer.
 
-Results: runs/positive_control/screen/<candidate>.json; the table goes between README.md's
-`<!-- table:screen:... -->` markers.
+Results: results/screen/<candidate>.json (committed; its cold start under
+runs/positive_control/); the table goes between README.md's `<!-- table:screen:... -->` markers.
 """
 
 from __future__ import annotations
@@ -34,13 +34,15 @@ import argparse
 import json
 import math
 import os
+import subprocess
 
 import torch
 
-from megatron_gspo.algo.sensitivity import route_sensitivity
 from bench.result_table import machine_line, write_into
 from experiments.positive_control.common import (CANDIDATES, HERE, ROOT, RUNS, cold_start,
                                                  load_json, write_json)
+from experiments.replay_dose_response.calibrate import one_rollout_batch
+from megatron_gspo.algo.sensitivity import route_sensitivity
 
 GRID = (0.01, 0.03, 0.1, 0.3, 1.0)
 DRAWS = 3
@@ -103,8 +105,6 @@ def at_flip_rate(grid: list[dict], key: str, target: float = TARGET_FLIPS) -> fl
 def screen_one(name: str) -> dict:
     """The candidate's cold start (made if absent), one rollout batch, the noise grid."""
     from megatron_gspo.config.schema import load_config
-    from megatron_gspo.rollout.generate import generate_rollouts
-    from megatron_gspo.rollout.sampler import SamplingParams
     from megatron_gspo.run.setup import setup_runtime
 
     sft_dir, start = cold_start(name)
@@ -113,13 +113,7 @@ def screen_one(name: str) -> dict:
         f"run_dir={RUNS}/screen/{name}_eval", "train.start_accuracy=null"])
     rt = setup_runtime(cfg, job="eval")
     try:
-        gen = torch.Generator().manual_seed(cfg.seed)
-        idx = torch.randint(len(rt.train_set), (cfg.rollout.prompts_per_batch,), generator=gen)
-        params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
-                                temperature=cfg.rollout.temperature)
-        batch = generate_rollouts(rt.sampler, rt.tokenizer, rt.task,
-                                  [rt.train_set[i] for i in idx.tolist()],
-                                  group_size=cfg.rollout.group_size, params=params, generator=gen)
+        batch = one_rollout_batch(rt, cfg)
         sens = route_sensitivity(rt.policy, batch.tokens_BT, batch.valid_BT, batch.response_BT,
                                  SWAP_FRACTION, torch.Generator().manual_seed(cfg.seed),
                                  cfg.rollout.temperature)
@@ -130,7 +124,7 @@ def screen_one(name: str) -> dict:
     finally:
         rt.close()
     return {"candidate": name, "overrides": CANDIDATES[name], "cold_start": start,
-            "route_sensitivity": sens, "grid": grid}
+            "route_sensitivity": sens, "grid": grid, "measured": machine_line()}
 
 
 KEYS = ("abs_log_ratio", "tokens_past_grpo_clip", "seq_abs_log_ratio", "seqs_past_gspo_clip")
@@ -154,6 +148,12 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def measured_line(results: list[dict]) -> str:
+    """The machine and date the screen ran on (kept in its results), else this one's."""
+    lines = {r["measured"] for r in results if "measured" in r}
+    return lines.pop() if len(lines) == 1 else machine_line()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="+", choices=sorted(CANDIDATES))
@@ -161,17 +161,25 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     names = args.only or list(CANDIDATES)
-    results = []
+    results, skipped = [], []
     for name in names:
-        path = os.path.join(ROOT, RUNS, "screen", f"{name}.json")
+        path = os.path.join(HERE, "results", "screen", f"{name}.json")
         if not args.table_only and load_json(path) is None:
-            write_json(path, screen_one(name))
+            try:
+                write_json(path, screen_one(name))
+            except subprocess.CalledProcessError:  # its SFT missed the band: the log says how
+                print(f"{name}: no cold start in the band (runs/positive_control/logs/"
+                      f"sft_{name}.log); skipped", flush=True)
         if load_json(path) is not None:
             results.append(load_json(path))
-    text = "\n".join([machine_line(), "Cold start: validation accuracy where SFT entered the "
+        else:
+            skipped.append(name)
+    text = "\n".join([measured_line(results), "Cold start: validation accuracy where SFT entered the "
                       "band, and its step. Fresh noise draws on the routers that pick the "
                       "top-k; columns 5-8 at 10% of expert activations changed.", "",
-                      table(results)])
+                      table(results)]
+                     + ([f"\nNo cold start in the band (SFT jumped over it or ran out of steps): "
+                         f"{', '.join(skipped)}."] if skipped else []))
     print(text)
     if not args.table_only or results:
         write_into(os.path.join(HERE, "README.md"), text, "screen")

@@ -49,6 +49,21 @@ def measure(policy, batch, std: float, temperature: float) -> dict:
     return {"std": std, "flip_rate": sum(flips) / DRAWS, "abs_log_ratio": sum(lrs) / DRAWS}
 
 
+def one_rollout_batch(rt, cfg):
+    """One rollout batch of the run's train prompts, seeded by `cfg.seed`, from `rt`'s sampler
+    (`megatron_gspo.run.setup.setup_runtime`'s runtime)."""
+    from megatron_gspo.rollout.generate import generate_rollouts
+    from megatron_gspo.rollout.sampler import SamplingParams
+
+    gen = torch.Generator().manual_seed(cfg.seed)
+    idx = torch.randint(len(rt.train_set), (cfg.rollout.prompts_per_batch,), generator=gen)
+    params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
+                            temperature=cfg.rollout.temperature)
+    return generate_rollouts(rt.sampler, rt.tokenizer, rt.task,
+                             [rt.train_set[i] for i in idx.tolist()],
+                             group_size=cfg.rollout.group_size, params=params, generator=gen)
+
+
 def interpolate(grid: list[dict], target: float) -> float:
     """The std whose flip rate is `target`, log-log between the bracketing grid points."""
     pts = sorted((g["flip_rate"], g["std"]) for g in grid if g["flip_rate"] > 0)
@@ -69,20 +84,12 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     from megatron_gspo.config.schema import load_config
-    from megatron_gspo.rollout.generate import generate_rollouts
-    from megatron_gspo.rollout.sampler import SamplingParams
     from megatron_gspo.run.setup import setup_runtime
 
     cfg = load_config(args.config, args.overrides)
     rt = setup_runtime(cfg, job="eval")
     try:
-        gen = torch.Generator().manual_seed(cfg.seed)
-        idx = torch.randint(len(rt.train_set), (cfg.rollout.prompts_per_batch,), generator=gen)
-        params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
-                                temperature=cfg.rollout.temperature)
-        batch = generate_rollouts(rt.sampler, rt.tokenizer, rt.task,
-                                  [rt.train_set[i] for i in idx.tolist()],
-                                  group_size=cfg.rollout.group_size, params=params, generator=gen)
+        batch = one_rollout_batch(rt, cfg)
         grid = [measure(rt.policy, batch, std, cfg.rollout.temperature) for std in GRID]
     finally:
         rt.close()

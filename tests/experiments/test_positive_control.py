@@ -63,12 +63,14 @@ def test_run_stats_reads_the_test_split_and_calls_a_dead_last_quarter_a_collapse
 
 
 def test_the_arms_table_pairs_each_arm_with_grpo_at_its_level_by_seed(tmp_path):
+    """Runs distilled into results/ JSON, then paired by seed with GRPO at the same level."""
     lever = tmp_path / "engine"
     for seed, (g, r3) in enumerate([(0.4, 0.6), (0.5, 0.8), (0.1, 0.2)]):
         _write(lever / f"grpo_n0.3_s{seed}" / "metrics.jsonl", _run(0.1, final=g))
         _write(lever / f"grpo_r3_n0.3_s{seed}" / "metrics.jsonl", _run(0.1, final=r3))
     _write(lever / "grpo_r3_n0.3_s7" / "metrics.jsonl", _run(0.1, final=1.0))  # unpaired
-    runs = report.collect(str(lever))
+    assert report.distill(str(tmp_path), str(tmp_path / "results")) == 7
+    runs = report.collect(str(tmp_path / "results" / "engine"))
     assert set(runs) == {("grpo", 0.3), ("grpo_r3", 0.3)}
     line = next(ln for ln in report.arms_table(runs, {}).splitlines() if "GRPO + R3" in ln)
     diffs = [0.2, 0.3, 0.1]
