@@ -239,17 +239,25 @@ class RemoteEngine:
             self.num_layers = reply["layers"]
 
     def _open_group(self, addresses) -> None:
-        """Rank 0 and every worker of every replica: a new weight-sync group."""
+        """Rank 0 and every worker of every replica: a new weight-sync group. Each server
+        says how many workers it has (a running one at an address has its own
+        --tensor-parallel-size, whatever rollout.vllm.tensor_parallel_size says)."""
         host = self.vcfg.sync_host or "127.0.0.1"
         port = self.vcfg.sync_port or free_port()
-        tp = self.vcfg.tensor_parallel_size
-        world = 1 + self.replicas * tp
+        timeout = self.vcfg.start_timeout_s
+        try:
+            tps = [call(self.chans[r], {"op": "hello"}, timeout, r)["tp"]
+                   for r in range(self.replicas)]
+        except (RuntimeError, EngineLost) as e:
+            raise UserError(f"rollout.vllm: an engine server did not say its size: {e}") \
+                from None
+        offsets = [1 + sum(tps[:r]) for r in range(self.replicas)]
+        world = 1 + sum(tps)
         device = torch.device("cuda", torch.cuda.current_device()) \
             if torch.cuda.is_available() else torch.device("cpu")
-        timeout = self.vcfg.start_timeout_s
         with ThreadPoolExecutor(self.replicas) as pool:
             futures = [pool.submit(call, self.chans[r], {"op": "init_weights", "init_info": {
-                "host": host, "port": port, "rank_offset": 1 + r * tp, "world_size": world,
+                "host": host, "port": port, "rank_offset": offsets[r], "world_size": world,
                 "timeout_s": self.vcfg.request_timeout_s}}, timeout, r)
                 for r in range(self.replicas)]
             try:

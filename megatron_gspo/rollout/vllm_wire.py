@@ -10,7 +10,7 @@ server unpickles nothing from a peer that does not hold the key.
 
 Weights travel over a torch.distributed process group of its own (`open_group`: a TCPStore
 rendezvous and a gloo group on CPU, NCCL on a GPU) between the trainer's rank 0 (group rank 0)
-and every engine worker (rank 1 + replica * tensor_parallel_size + worker), apart from the
+and every engine worker (rank 1 + the workers of the replicas before + worker), apart from the
 trainer's own groups. A push is a sequence of broadcasts from rank 0 (`send_buckets`,
 `receive_buckets`): per bucket a two-int64 header [H, N], H bytes of pickled metadata
 (names, dtypes, shapes, the weights' version) and N bytes of payload, the tensors packed end to

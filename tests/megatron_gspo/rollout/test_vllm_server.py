@@ -169,6 +169,55 @@ def test_a_wrong_address_is_one_line():
                "rollout.vllm.sync_host=127.0.0.1")
 
 
+def _fake_server(tp: int, seen: list) -> tuple[socket.socket, threading.Thread]:
+    """A running engine server of `tp` workers at an address, without vLLM: it answers hello,
+    build and init_weights, and its `tp` workers join the weight-sync group it is told of."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        chan = vllm_wire.Channel(listener.accept()[0])
+        assert vllm_wire.challenge(chan, vllm_wire.auth_key(), 30)
+        groups = []
+        try:
+            while (msg := chan.recv(60))["op"] != "close":
+                seen.append(msg)
+                if msg["op"] == "init_weights":
+                    info = msg["init_info"]
+                    joins = [threading.Thread(target=lambda rank: groups.append(
+                        vllm_wire.open_group(info["host"], info["port"], rank,
+                                             info["world_size"], info["timeout_s"],
+                                             torch.device("cpu"))),
+                        args=(info["rank_offset"] + w,)) for w in range(tp)]
+                    [t.start() for t in joins]
+                    [t.join() for t in joins]
+                chan.send({"ok": True, "tp": tp, "layers": 1})
+        except vllm_wire.ChannelClosed:  # the trainer closed its channel (it never stops us)
+            pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return listener, thread
+
+
+def test_a_running_server_at_an_address_brings_its_own_tensor_parallel_size():
+    """rollout.vllm.tensor_parallel_size is for the servers the trainer starts: a server at an
+    address runs its own --tensor-parallel-size, and the weight-sync group counts its workers
+    (counted from the config, a TP=2 server's second worker had no rank in the group)."""
+    seen = []
+    listener, thread = _fake_server(2, seen)
+    port = listener.getsockname()[1]
+    eng = engine(f'rollout.vllm.addresses=["127.0.0.1:{port}"]',
+                 "rollout.vllm.request_timeout_s=20")
+    try:
+        init = [m["init_info"] for m in seen if m["op"] == "init_weights"]
+        assert [(i["rank_offset"], i["world_size"]) for i in init] == [(1, 3)]
+        assert eng.group is not None
+    finally:
+        eng.close()
+        thread.join(30)
+        listener.close()
+
+
 def test_a_killed_trainer_leaves_no_engine_server(tmp_path):
     """The server dies with the process that started it (its parent-death signal), however
     that process ends: SIGKILL runs none of its own clean-up."""
