@@ -40,7 +40,8 @@ class VLLMConfig:
     torch.distributed group between the trainer's rank 0 and the engine workers."""
     tensor_parallel_size: int = 1
     """mode=server: vLLM's tensor-parallel size of each engine server (its worker processes);
-    engines started by the trainer only (a running engine has its own)."""
+    engines started by the trainer only (a running engine at an address has its own
+    --tensor-parallel-size, which it tells the trainer)."""
     replicas: int = 1
     """mode=server: engine servers the trainer starts (data-parallel replicas); the trainer's
     data-parallel groups are spread over them. With addresses: 1 or len(addresses)."""

@@ -1,9 +1,9 @@
 """rollout.vllm.mode=server with real vLLM engine servers (TP = 2 over two CPU cores, float32):
 R3 runs end to end on the committed GSM8K-style fixture with `qwen3-moe-tiny-hd32` (head_dim
 32, which vLLM's CPU attention needs; its MoE FFN of 64 leaves 32 per engine worker, which
-the CPU experts kernel takes unpadded), parity with a trainer under EP = 2, and an engine
-process killed mid-rollout: restarted and re-pushed, or the run stops in one line; a trainer
-killed leaves no engine process. Skipped without vLLM (Python >= 3.11, docs/vllm.md)."""
+the CPU experts kernel takes unpadded), parity with a trainer under EP = 2 (one server, or two
+replicas of TP = 1), and an engine process killed mid-rollout: restarted and re-pushed, or the
+run stops in one line; a trainer killed leaves no engine process. Skipped without vLLM (Python >= 3.11, docs/vllm.md)."""
 
 import importlib.util
 import os
@@ -127,6 +127,20 @@ def test_a_tp2_engine_server_matches_an_ep2_trainer_over_three_updates(tmp_path)
     assert [r["train/iteration"] for r in rows] == [0, 1, 2, 3]
     check_parity(rows)
     assert len({r["rollout/push_probe_diff"] for r in rows[1:]}) > 1  # new weights each time
+    assert not alive(seen)
+
+
+def test_two_engine_replicas_serve_the_two_data_parallel_ranks_of_an_ep2_trainer(tmp_path):
+    """rollout.vllm.replicas=2 (TP 1 each): trainer rank r samples on replica r, rank 0 pushes
+    to both in one weight-sync group and probes both; each rank's routes and log-probs are
+    the trainer's."""
+    proc, err, rows, seen = run_cli(tmp_path, "train.steps=2", "train.num_minibatches=1",
+                                    "model.ep=2", "rollout.vllm.tensor_parallel_size=1",
+                                    "rollout.vllm.replicas=2", nproc=2)
+    assert proc.returncode == 0, err[-3000:]
+    assert [r["train/iteration"] for r in rows] == [0, 1]
+    check_parity(rows)
+    assert len(seen) >= 2  # two servers (each its own worker)
     assert not alive(seen)
 
 
