@@ -145,3 +145,17 @@ def test_the_docs_example_is_the_plans_output(capsys):
         doc = f.read()
     block = doc.split("<!-- plan:begin -->\n```\n")[1].split("\n```\n<!-- plan:end -->")[0]
     assert block == capsys.readouterr().out.rstrip("\n")
+
+
+def test_the_vllm_server_docs_example_is_the_plans_output(capsys):
+    """docs/vllm.md's Qwen3-30B-A3B deployment (8 trainer GPUs, the engines on 8 others): the
+    plan fits the trainer's GPUs, and the page shows its table as the code prints it now."""
+    config = "experiments/ablation/qwen3_30b_a3b_vllm_server.yaml"
+    assert cli.main(["plan", "--config", config, "--gpus", "8", "--gpu-mem-gib", "80"]) == 0
+    out = capsys.readouterr().out
+    with open(os.path.join(ROOT, "docs", "vllm.md")) as f:
+        doc = f.read()
+    block = doc.split("<!-- plan-vllm-server:begin -->\n```\n")[1].split(
+        "\n```\n<!-- plan-vllm-server:end -->")[0]
+    assert "rollout: push: one bucket" in block and "fits: at most 90% of 80 GiB" in block
+    assert out.startswith(block + "\n")
