@@ -174,6 +174,7 @@ def trainer_killing(tmp_path, victim: str, *overrides):
             state["killed"] = target.pid
 
             def send_then_kill(msg, send=chan.send):
+                chan.send = send  # once: a later message (the close) finds the target gone
                 target.suspend()  # it cannot answer before it dies, however busy the CPU
                 send(msg)
                 target.kill()
