@@ -10,6 +10,7 @@
                                                           # (bench/sweep.py)
     python -m bench.throughput --with-vllm          # three sides: ours, ours with vLLM
                                                     # rollouts, TRL (a head_dim-32 preset)
+    python -m bench.throughput --vllm-server-tp 2   # and a fourth: vLLM as an engine server
     python -m bench.throughput --skip-trl --peak-tflops 989 --set model.dtype=bf16 \
         --set model.preset=small --force-length --max-new-tokens 128   # a GPU: ours, MFU
 
@@ -45,6 +46,12 @@ then runs `qwen3-moe-tiny-hd32` (qwen3-moe-tiny's layer with 2 query heads / 1 K
 32). The engine replaces `torch.set_num_threads` with a no-op in the whole process; the
 benchmark sets threads through the function it held before (vLLM's kernels then run on the
 same thread count). Without vLLM installed the side is skipped with the reason.
+`--vllm-server-tp N` (implies --with-vllm): one more side in the same alternation, vLLM as an
+engine server of N tensor-parallel workers (`rollout.vllm.mode=server`,
+`megatron_gspo/rollout/vllm_server.py`): rollout = weight push over the weight-sync group +
+sampling in the server's processes (on CPU its workers bound to this machine's cores split
+over them, `rollout.vllm.cpu_bind`; the other sides run --threads threads) + the samples,
+log-probs and routes back over a socket + reward.
 
 `--force-length`: every response is exactly max_new_tokens long on both sides (<eos> suppressed
 at sampling in TRL; our sampler gets a tokenizer with no stop ids, so <eos> is an ordinary token
@@ -119,6 +126,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--with-vllm", action="store_true",
                    help=f"also time ours with rollout.backend=vllm (same alternation); every "
                         f"side then runs {VLLM_PRESET}")
+    p.add_argument("--vllm-server-tp", type=int, default=0, metavar="N",
+                   help="also time ours with vLLM as an engine server of N tensor-parallel "
+                        "workers (implies --with-vllm)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the summary here")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="the device's dense peak TFLOP/s for the run's dtype: report MFU")
@@ -127,6 +137,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "bench/sweep.py's (see its --help)")
     add_readme_args(p, "point")  # e.g. a GPU run: --readme experiments/throughput/README.md
     args = p.parse_args(argv)
+    if args.vllm_server_tp < 0:
+        p.error(f"--vllm-server-tp={args.vllm_server_tp} must be >= 0")
+    args.with_vllm = args.with_vllm or args.vllm_server_tp > 0
     for name in ("iterations", "threads", "prompts", "minibatches", "max_new_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
@@ -207,7 +220,7 @@ def measure(args) -> dict:
     _set_num_threads(args.threads)
     total = args.warmup + args.iterations
     skip_reason = "--skip-trl" if args.skip_trl else trl_unavailable()
-    vllm_skip = None
+    vllm_skip = server_skip = None
     with tempfile.TemporaryDirectory(prefix="bench_throughput_") as tmp:
         ours_trainer, overrides = build_ours(args, os.path.join(tmp, "ours"))
         preset = ours_trainer.policy.preset  # vocab already padded like the trainer does
@@ -223,6 +236,13 @@ def measure(args) -> dict:
                                                ("rollout.backend=vllm",))[0], [])
                 except Exception as e:  # noqa: BLE001 - report the others without it
                     vllm_skip = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+            server_skip = vllm_skip
+            if args.vllm_server_tp and vllm_skip is None:
+                try:
+                    runs["server"] = (build_ours(args, os.path.join(tmp, "server"),
+                                                 server_overrides(args))[0], [])
+                except Exception as e:  # noqa: BLE001 - report the others without it
+                    server_skip = f"{type(e).__name__}: {str(e).splitlines()[0]}"
             _set_num_threads(args.threads)
 
         def run_ours() -> None:
@@ -256,13 +276,20 @@ def measure(args) -> dict:
     seq_len = round(out["ours"]["train_tokens"] / (args.prompts * args.group_size))
     out.update(train_flops_per_token=3 * preset.flops_per_token(seq_len),
                device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
-    out.update(skip_reason=skip_reason, vllm_skip=vllm_skip, wall=wall, attn_impl=attn_impl,
+    out.update(skip_reason=skip_reason, vllm_skip=vllm_skip, server_skip=server_skip, wall=wall,
+               attn_impl=attn_impl,
                overrides=overrides[1:],
                preset=f"{preset.name}, {preset.num_layers} layer" + "s" * (preset.num_layers > 1),
                vocab=preset.vocab_size,
                params=preset.num_params()["total"], cpu=cpu_model(), versions=versions(),
                malloc=malloc_state())
     return out
+
+
+def server_overrides(args) -> tuple:
+    """The engine-server side's overrides beside ours'."""
+    return ("rollout.backend=vllm", "rollout.vllm.mode=server",
+            f"rollout.vllm.tensor_parallel_size={args.vllm_server_tp}")
 
 
 def vllm_unavailable() -> str | None:
@@ -294,7 +321,9 @@ def report(args, res: dict) -> None:
     """Print the side-by-side table and the run's set-up (batch, model, machine, overrides)."""
     ours, trl = res["ours"], res["trl"]
     print_table(ours, trl, res["skip_reason"], vllm=res.get("vllm"),
-                vllm_skip=res.get("vllm_skip"), with_vllm=args.with_vllm)
+                vllm_skip=res.get("vllm_skip"), with_vllm=args.with_vllm,
+                server=res.get("server"), server_tp=args.vllm_server_tp,
+                server_skip=res.get("server_skip"))
     if "flip" in res:
         flip = res["flip"]
         print(f"flip instrumentation (train.flip_every=1): train s/iter {flip['train_s']:.3f} vs "
@@ -309,6 +338,7 @@ def report(args, res: dict) -> None:
           + ", task addition(num_digits=2)")
     print(f"iterations: {args.warmup} warm-up + {args.iterations} measured per framework"
           + (", alternating " + "/".join(["ours", *(["vLLM"] if res.get("vllm") else []),
+                                          *(["vLLM server"] if res.get("server") else []),
                                           *(["TRL"] if trl else [])])
              if trl or res.get("vllm") else "") + f"; wall {res['wall']:.1f}s")
     print(f"model: {res['preset']} (vocab {res['vocab']}, {res['params']} params"
@@ -319,7 +349,9 @@ def report(args, res: dict) -> None:
           f"(every side, one process): {res.get('malloc', 'untuned')}")
     print(f"ours overrides: {' '.join(res['overrides'])}"
           + ("; vLLM side: the same plus rollout.backend=vllm (in-process engine, "
-             "weights pushed before every rollout batch)" if args.with_vllm else ""))
+             "weights pushed before every rollout batch)" if args.with_vllm else "")
+          + (f"; vLLM server side: the same plus {' '.join(server_overrides(args)[1:])}"
+             if args.vllm_server_tp else ""))
 
 
 if __name__ == "__main__":

@@ -44,17 +44,24 @@ def _ratio(a: dict | None, b: dict | None, key: str) -> str:
 
 def format_table(ours: dict, trl: dict | None, skip_reason: str | None,
                  vllm: dict | None = None, vllm_skip: str | None = None,
-                 with_vllm: bool = False) -> str:
-    """The side-by-side Markdown table (with `with_vllm`, three sides and three ratios), the
-    spread line and why a side was skipped."""
+                 with_vllm: bool = False, server: dict | None = None,
+                 server_tp: int = 0, server_skip: str | None = None) -> str:
+    """The side-by-side Markdown table (with `with_vllm`, three sides and three ratios; with
+    `server_tp`, a vLLM engine-server side and its ratios to ours and to the in-process
+    engine), the spread line and why a side was skipped."""
     sides = [("ours (megatron-core)", ours)]
     if with_vllm:
         sides = [("ours (megatron-core, lean decoder)", ours), ("ours + vLLM rollouts", vllm)]
+    if server_tp:
+        sides.append((f"ours + vLLM server (TP={server_tp})", server))
     sides.append(("TRL GRPOTrainer", trl))
     ratios = [("ours/TRL", "ours", "trl")]
     if with_vllm:
         ratios += [("vLLM/TRL", "vllm", "trl"), ("vLLM/ours", "vllm", "ours")]
-    by_name = {"ours": ours, "trl": trl, "vllm": vllm}
+    if server_tp:
+        ratios += [("server/ours", "server", "ours"), ("server/vLLM", "server", "vllm")]
+    by_name = {"ours": ours, "trl": trl, "vllm": vllm, "server": server}
+    engines = [side for side in (vllm, server) if side is not None]
     cols = ["metric (median per iteration)", *(n for n, _ in sides), *(n for n, _, _ in ratios)]
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
     for label, key, fmt in ROWS:
@@ -64,7 +71,7 @@ def format_table(ours: dict, trl: dict | None, skip_reason: str | None,
         for _, side in sides:
             if side is None:
                 cells.append("skipped")
-            elif key == "sync_s" and side is not vllm:
+            elif key == "sync_s" and not any(side is e for e in engines):
                 cells.append("-")
             else:
                 cells.append(fmt.format(side[key]))
@@ -72,12 +79,15 @@ def format_table(ours: dict, trl: dict | None, skip_reason: str | None,
                   for _, a, b in ratios]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     spread = [f"ours {ours['spread']}"] + ([f"vLLM {vllm['spread']}"] if vllm else []) \
+        + ([f"vLLM server {server['spread']}"] if server else []) \
         + ([f"TRL {trl['spread']}"] if trl else [])
     lines += ["", "min-max over iterations: " + "; ".join(spread)]
     if skip_reason:
         lines.append(f"TRL skipped: {skip_reason}")
     if with_vllm and vllm_skip:
         lines.append(f"vLLM skipped: {vllm_skip}")
+    if server_tp and server_skip:
+        lines.append(f"vLLM server skipped: {server_skip}")
     return "\n".join(lines)
 
 

@@ -95,3 +95,14 @@ def gather_rows(t_NC: torch.Tensor) -> torch.Tensor:
     dist.all_gather(parts, padded.to(device))
     out = torch.cat(parts).cpu()
     return out[out[:, -1] == 1.0, :-1]
+
+
+def broadcast_object(obj, src: int = 0):
+    """`obj` (picklable) of rank `src` on every rank (collective: every rank must call it)."""
+    if world_size() == 1:
+        return obj
+    box = [obj if dist.get_rank() == src else None]
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend() == "nccl" else None
+    dist.broadcast_object_list(box, src=src, device=device)
+    return box[0]

@@ -108,6 +108,18 @@ def init_parallel(tp: int = 1, ep: int = 1, seed: int = 0,
                         dp_rank=ps.get_data_parallel_rank(), device=device)
 
 
+def broadcast_over_tp(obj):
+    """`obj` (picklable) of the first rank of this rank's tensor-parallel group on every rank
+    of the group, which all call this; `obj` itself without TP."""
+    if not ps.model_parallel_is_initialized() or ps.get_tensor_model_parallel_world_size() == 1:
+        return obj
+    box = [obj if ps.get_tensor_model_parallel_rank() == 0 else None]
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda_available() else None
+    dist.broadcast_object_list(box, src=ps.get_tensor_model_parallel_src_rank(),
+                               group=ps.get_tensor_model_parallel_group(), device=device)
+    return box[0]
+
+
 def destroy_parallel() -> None:
     """Tear down megatron's groups and the process group (for tests and clean exits)."""
     if ps.model_parallel_is_initialized():

@@ -5,10 +5,11 @@ settings. Conventions as in `megatron_gspo.config.sections`: every field has a d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Optional
 
 from megatron_gspo.config.fields import check, validate
+from megatron_gspo.config.vllm import VLLMConfig
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,8 @@ class RolloutConfig:
     engine's greedy continuation of a fixed prompt may differ by at most this (nats, over its
     tokens the mean for a float32 engine, median for bfloat16) or the run stops before sampling;
     None: 1e-4 for a float32 engine, 0.8 for bfloat16. May change on resume."""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """backend=vllm: where the engine runs (in this process or as engine servers)."""
 
     def __post_init__(self):
         validate(self, nonempty=("backend",),

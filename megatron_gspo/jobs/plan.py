@@ -141,7 +141,7 @@ def plan_layout(p, cfg: RunConfig, gpus: int) -> Plan:
             cache)]
     persistent = sum(state.values()) + cache
     engine, phases = _rollout_rows(q, cfg, rows, T, a, ep), {}
-    if r.sampler == "vllm":  # in the trainer's process for the whole step
+    if r.sampler == "vllm" and r.vllm.mode == "in_process":  # there for the whole step
         out += engine
         persistent += sum(b for _, b in engine)
         engine = []
@@ -172,6 +172,12 @@ def _micro_rows(cfg: RunConfig, rows: int, T: int) -> int:
 def _rollout_rows(q, cfg: RunConfig, rows: int, T: int, a: int, ep: int) -> list:
     r, m = cfg.rollout, cfg.model
     per_call = rows_per_call(cfg, rows)
+    if r.sampler == "vllm" and r.vllm.mode == "server":  # the engine on its own devices
+        largest = max(q.num_experts * 2 * q.moe_ffn_hidden_size, q.vocab_size) \
+            * q.hidden_size * a  # a stacked fc1 or the embedding, gathered whole
+        return [("push: largest parameter gathered, parts + whole", 2 * largest),
+                (f"push: one bucket (rollout.vllm.bucket_mb={r.vllm.bucket_mb:g})",
+                 r.vllm.bucket_mb * 2**20)]
     if r.sampler == "vllm":
         engine_a = a if r.engine_dtype == "auto" else mem.ITEMSIZE[r.engine_dtype]
         return [("vLLM engine weights (the whole model)", q.num_params()["total"] * engine_a),

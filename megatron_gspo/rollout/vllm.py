@@ -39,12 +39,18 @@ import time
 
 import torch
 
-from megatron_gspo.errors import ConfigError
+import torch.distributed as dist
+
+from megatron_gspo.dist import broadcast_object
+from megatron_gspo.errors import ConfigError, UserError
 from megatron_gspo.rollout.sampler import Samples, SamplingParams, register_sampler
 from megatron_gspo.rollout.vllm_engine import CPU_HEAD_DIMS, VLLMEngine, unavailable
+from megatron_gspo.rollout.vllm_remote import EngineLost, RemoteEngine
+from megatron_gspo.rollout.vllm_wire import sample_requests
 from moe.engine import to_batch
 from moe.hf.config import hf_config_dict, read_hf_config
 from moe.hf.mapping import HFMapping, local_to_te
+from moe.parallel import broadcast_over_tp
 from moe.sharding import iter_full_params
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -58,7 +64,8 @@ PROBE_PROMPT, PROBE_NEW = 8, 16
 
 
 class VLLMSampler:
-    """`Sampler` over an in-process vLLM engine (see the module docstring)."""
+    """`Sampler` over vLLM: an engine in this process, or engine servers (`rollout.vllm.mode`;
+    see the module docstring)."""
 
     def __init__(self, policy, tokenizer, cfg):
         self.policy, self.tokenizer, self.num_experts = policy, tokenizer, \
@@ -66,55 +73,100 @@ class VLLMSampler:
         self.dtype = DTYPES.get(cfg.rollout.engine_dtype) or DTYPES.get(cfg.model.dtype,
                                                                           "float32")
         self.tol = cfg.rollout.push_check_tol or CHECK_TOL[self.dtype]
+        self.max_model_len = policy.preset.max_seq_len
         self.folder = tempfile.TemporaryDirectory(prefix="megatron_gspo_vllm_")
         self.hf_config = write_config(self.folder.name, policy, cfg)
-        try:
-            self.engine = VLLMEngine(self.folder.name, dtype=self.dtype, seed=cfg.seed,
-                                     max_model_len=policy.preset.max_seq_len,
-                                     kv_cache_gb=cfg.rollout.engine_kv_cache_gb,
-                                     capture_routing=True,
-                                     engine_args={"load_format": "dummy"})
-        except Exception as e:  # vLLM's start-up errors: one line naming what failed
-            raise ConfigError(f"rollout.backend=vllm: the engine did not start: "
-                              f"{type(e).__name__}: {str(e).splitlines()[0][:300]}") from None
+        self.server = cfg.rollout.vllm.mode == "server"
+        self.engine = self._remote(cfg) if self.server else self._in_process(cfg)
         g = torch.Generator().manual_seed(cfg.seed)
         self.probe = torch.randint(0, tokenizer.vocab_size, (PROBE_PROMPT,), generator=g).tolist()
         self.pushed = None  # the policy version the engine holds
         self.metrics: dict[str, float] = {}
 
+    def _in_process(self, cfg) -> VLLMEngine:
+        try:
+            return VLLMEngine(self.folder.name, dtype=self.dtype, seed=cfg.seed,
+                              max_model_len=self.max_model_len,
+                              kv_cache_gb=cfg.rollout.engine_kv_cache_gb,
+                              capture_routing=True, engine_args={"load_format": "dummy"})
+        except Exception as e:  # vLLM's start-up errors: one line naming what failed
+            raise ConfigError(f"rollout.backend=vllm: the engine did not start: "
+                              f"{type(e).__name__}: {str(e).splitlines()[0][:300]}") from None
+
+    def _remote(self, cfg) -> RemoteEngine:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        spec = {"config": self.hf_config, "dtype": self.dtype, "seed": cfg.seed,
+                "max_model_len": self.max_model_len, "capture_routing": True,
+                "kv_cache_gb": cfg.rollout.engine_kv_cache_gb}
+        # megatron's rank order puts the ranks of a tensor-parallel group next to each other
+        return RemoteEngine(spec, cfg.rollout.vllm, rank=rank, tp=cfg.model.tp,
+                            tp_rank=rank % cfg.model.tp)
+
     def close(self) -> None:
-        """Shut the engine down (`VLLMEngine.close`) and remove its config folder."""
+        """Shut the engine down (`VLLMEngine.close`, `RemoteEngine.close`) and remove its
+        config folder."""
         self.engine.close()
         self.folder.cleanup()
 
     def sample(self, prompts: list[list[int]], params: SamplingParams,
                generator: torch.Generator | None = None) -> Samples:
-        self.sync()
         seed = None if generator is None else \
             int(torch.randint(2 ** 31 - 1 - len(prompts), (1,), generator=generator))
-        results = self.engine.generate(
-            prompts, temperature=params.temperature, top_p=params.top_p,
-            max_new_tokens=params.max_new_tokens, stop_ids=sorted(self.tokenizer.stop_ids),
-            greedy=params.greedy, seed=seed)
+        kwargs = dict(temperature=params.temperature, top_p=params.top_p,
+                      max_new_tokens=params.max_new_tokens, greedy=params.greedy, seed=seed,
+                      stop_ids=sorted(self.tokenizer.stop_ids))
+        if self.server:
+            requests = sample_requests(prompts, n=1, max_model_len=self.max_model_len,
+                                       **kwargs)
+            results = recovering(self, lambda: self._remote_generate(requests,
+                                                                     params.record_routing))
+        else:
+            self.sync()
+            results = self.engine.generate(prompts, **kwargs)
         tokens_BT, valid_BT, response_BT, logp_BT, routing = to_batch(
             results, self.tokenizer.pad_id, self.num_experts)
         return Samples(tokens_BT, valid_BT, response_BT, logp_BT,
                        routing if params.record_routing else None)
 
+    def _remote_generate(self, requests, routes: bool):
+        """Push if needed, then this rank's samples (the first rank of a tensor-parallel group
+        asks its engine server and hands them to the others)."""
+        self.sync()
+        results, lost = None, None
+        if self.engine.sender:
+            try:
+                results = self.engine.generate(requests, self.pushed, routes=routes)
+            except EngineLost as e:
+                lost = (e.replica, e.why)
+        results, lost = broadcast_over_tp((results, lost))
+        if lost is not None:
+            raise EngineLost(*lost)
+        return results
+
     def sync(self) -> None:
         """Push the policy's weights if they changed since the last push, then check them."""
         self.metrics = {"time/weight_sync": 0.0}
+        if self.server:
+            self.metrics["rollout/engine_restarts"] = self.engine.restarts
         if self.pushed == self.policy.version:
             return
         t0 = time.perf_counter()
+        failure = None  # in server mode every rank hears it in probe_diff's broadcast
         try:
-            self.engine.push_weights(hf_stream(self.policy, self.hf_config))
+            if self.server:
+                self.engine.push(hf_stream(self.policy, self.hf_config), self.policy.version)
+            else:
+                self.engine.push_weights(hf_stream(self.policy, self.hf_config))
+        except EngineLost as e:
+            failure = e
         except Exception as e:  # a push that fails: one line, nothing sampled
-            raise ConfigError(f"rollout.backend=vllm: pushing the weights (version "
-                              f"{self.policy.version}) failed: {type(e).__name__}: "
-                              f"{str(e).splitlines()[0][:300]}") from None
+            failure = ConfigError(f"rollout.backend=vllm: pushing the weights (version "
+                                  f"{self.policy.version}) failed: {type(e).__name__}: "
+                                  f"{str(e).splitlines()[0][:300]}")
+            if not self.server:
+                raise failure from None
         self.metrics["time/weight_sync"] = time.perf_counter() - t0
-        self.metrics["rollout/push_probe_diff"] = diff = self.probe_diff()
+        self.metrics["rollout/push_probe_diff"] = diff = self.probe_diff(failure)
         if not diff <= self.tol:
             raise ConfigError(f"rollout.backend=vllm: after pushing the weights (version "
                               f"{self.policy.version}) the engine's log-probs of a probe "
@@ -123,13 +175,44 @@ class VLLMSampler:
                               "from wrong weights")
         self.pushed = self.policy.version
 
-    @torch.no_grad()
-    def probe_diff(self) -> float:
+    def probe_diff(self, failure: Exception | None = None) -> float:
         """`probe_statistic` of the engine's and the trainer's log-probs (temperature 1) of the
-        engine's greedy continuation of the probe prompt."""
+        engine's greedy continuation of the probe prompt; in server mode the largest over the
+        replicas (rank 0 asks them and tells every rank the sequences, or its `failure`;
+        every rank runs the trainer's forward)."""
+        if not self.server:
+            seq = self.probe + self.engine.generate([self.probe], greedy=True,
+                                                    max_new_tokens=PROBE_NEW)[0].tokens
+            return self._statistic(seq, self.engine.logprobs_of(seq))
+        probes = None
+        if failure is None and self.engine.rank == 0:
+            try:
+                probes = [self._probe_replica(r) for r in range(self.engine.replicas)]
+            except EngineLost as e:
+                failure = e
+            except RuntimeError as e:
+                failure = ConfigError(f"rollout.backend=vllm: the probe after pushing the "
+                                      f"weights (version {self.policy.version}) failed: {e}")
+        probes = broadcast_object(
+            ("lost", failure.replica, failure.why) if isinstance(failure, EngineLost) else
+            ("error", str(failure)) if failure is not None else probes)
+        if probes[0] == "lost":
+            raise EngineLost(*probes[1:])
+        if probes[0] == "error":
+            raise ConfigError(probes[1])
+        return max(self._statistic(seq, theirs) for seq, theirs in probes)
+
+    def _probe_replica(self, replica: int) -> tuple[list[int], list[float]]:
+        greedy = sample_requests([self.probe], n=1, temperature=1.0, top_p=1.0,
+                                 max_new_tokens=PROBE_NEW, stop_ids=(), greedy=True, seed=None,
+                                 max_model_len=self.max_model_len)
+        seq = self.probe + self.engine.generate(greedy, self.policy.version, routes=False,
+                                                replica=replica)[0].tokens
+        return seq, self.engine.logprobs_of(seq, self.policy.version, replica)
+
+    @torch.no_grad()
+    def _statistic(self, seq: list[int], theirs: list[float]) -> float:
         P = len(self.probe)
-        seq = self.probe + self.engine.generate([self.probe], greedy=True,
-                                                max_new_tokens=PROBE_NEW)[0].tokens
         ids_1T = torch.tensor([seq])
         was = self.policy.model.training
         self.policy.train(False)
@@ -137,8 +220,33 @@ class VLLMSampler:
             ours = self.policy.token_logprobs(ids_1T, torch.ones_like(ids_1T, dtype=torch.bool))
         finally:
             self.policy.train(was)
-        theirs = torch.tensor(self.engine.logprobs_of(seq)[P - 1:])
-        return probe_statistic(ours[0, P:].cpu(), theirs, self.dtype)
+        return probe_statistic(ours[0, P:].cpu(), torch.tensor(theirs[P - 1:]), self.dtype)
+
+
+def recovering(sampler: VLLMSampler, fn):
+    """`fn()`, after restarting the engine servers lost while it ran and re-pushing, as often
+    as `rollout.vllm.max_restarts` allows (`RemoteEngine.restart`). Collective: every rank
+    learns which engines any rank lost, and stops when any rank failed otherwise."""
+    while True:
+        lost = error = out = None
+        try:
+            out = fn()
+        except EngineLost as e:
+            lost = e
+        except Exception as e:  # raised below on every rank, not on this one alone
+            error = e
+        replicas, failed = sampler.engine.lost_replicas(lost, error is not None)
+        if failed:
+            if error is not None:
+                raise error
+            raise UserError("rollout.vllm: a request of another trainer rank to its engine "
+                            "server failed (its message is in that rank's output)")
+        if not replicas:
+            return out
+        sampler.engine.restart(replicas, str(lost) if lost else
+                               f"engine server(s) {replicas} exited")
+        sampler.pushed = None
+        sampler.metrics["rollout/engine_restarts"] = sampler.engine.restarts
 
 
 STATISTIC = {"float32": "mean", "bfloat16": "median"}

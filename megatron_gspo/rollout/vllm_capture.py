@@ -24,6 +24,23 @@ def runner_of(worker):
     return getattr(worker, "worker", worker).model_runner
 
 
+def install_logprobs_before_top_p(runner, enabled=lambda: True) -> None:
+    """Make the runner's sampler report the log-softmax of the (temperature-divided) logits its
+    top-k/top-p step receives, before the mask, while `enabled()` (docs/vllm.md, "Log-probs";
+    the engine runs `logprobs_mode="processed_logprobs"`)."""
+    sampler = runner.sampler.topk_topp_sampler
+    inner = sampler.forward
+
+    def forward(logits, generators, k, p):
+        if not enabled():
+            return inner(logits, generators, k, p)
+        logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)  # before the mask
+        sampled, _ = inner(logits, generators, k, p)
+        return sampled, logprobs
+
+    sampler.forward = forward
+
+
 class RoutingCapture:
     """Top-k ids per (request row, position) from the MoE routers of an in-process engine."""
 

@@ -57,7 +57,9 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
-from megatron_gspo.rollout.vllm_capture import ROW_KEY, RoutingCapture, runner_of
+from megatron_gspo.rollout.vllm_capture import (ROW_KEY, RoutingCapture,
+                                                install_logprobs_before_top_p, runner_of)
+from megatron_gspo.rollout.vllm_wire import sample_requests
 
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 # vLLM versions whose CPU weight reload gaps (module docstring) were read and tested here
@@ -142,7 +144,8 @@ class VLLMEngine:
         # private switches: the tests turn each fix off to show it is needed
         self._reprepack = self._repack_tied_head = self._reset_prefix_cache = True
         self._pre_top_p = True
-        self._call(self._install_logprobs_before_top_p)
+        self._call(lambda w: install_logprobs_before_top_p(runner_of(w),
+                                                           lambda: self._pre_top_p))
         self.captures: list[RoutingCapture] = []  # the first one fills EngineResult.routing
         if capture_routing:
             self._add_capture("router")
@@ -158,19 +161,6 @@ class VLLMEngine:
     def _call(self, fn):
         """fn(worker) on the one in-process worker."""
         return self.llm.collective_rpc(fn)[0]
-
-    def _install_logprobs_before_top_p(self, worker) -> None:
-        sampler = runner_of(worker).sampler.topk_topp_sampler
-        inner = sampler.forward
-
-        def forward(logits, generators, k, p):
-            if not self._pre_top_p:
-                return inner(logits, generators, k, p)
-            logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)  # before the mask
-            sampled, _ = inner(logits, generators, k, p)
-            return sampled, logprobs
-
-        sampler.forward = forward
 
     def close(self) -> None:
         """Shut the engine down and undo what vLLM changed in this process: a default process
@@ -202,22 +192,13 @@ class VLLMEngine:
         k draws with seed + k (reproducible per seed), None: vLLM's own stream."""
         from vllm import SamplingParams  # optional dependency, imported at use (`unavailable`)
 
-        if not (greedy or temperature > 0):
-            raise ValueError(f"temperature={temperature}: sampling needs temperature > 0")
-        longest = max(len(p) for p in prompt_ids) + max_new_tokens
-        if longest > self.max_model_len:
-            raise ValueError(f"prompt + max_new_tokens = {longest} exceeds max_model_len="
-                             f"{self.max_model_len}")
         requests, params = [], []
-        for i, prompt in enumerate(prompt_ids):
-            for j in range(n):
-                requests.append({"prompt_token_ids": list(prompt)})
-                params.append(SamplingParams(
-                    n=1, temperature=0.0 if greedy else temperature,
-                    top_p=1.0 if greedy else top_p, max_tokens=max_new_tokens,
-                    stop_token_ids=list(stop_ids), ignore_eos=True, logprobs=0,
-                    detokenize=False, extra_args={ROW_KEY: i * n + j},
-                    seed=None if seed is None else seed + i * n + j))
+        for k, (prompt, kwargs) in enumerate(sample_requests(
+                prompt_ids, n=n, temperature=temperature, top_p=top_p,
+                max_new_tokens=max_new_tokens, stop_ids=stop_ids, greedy=greedy, seed=seed,
+                max_model_len=self.max_model_len)):
+            requests.append({"prompt_token_ids": prompt})
+            params.append(SamplingParams(**kwargs, extra_args={ROW_KEY: k}))
         for capture in self.captures:
             capture.rows, capture.active = {}, True
         try:

@@ -47,6 +47,11 @@ from moe.children import tie_forks
 
 RUN_FILE = "run.json"
 LOCK_FILE = ".lock"
+# Where and how the vLLM engine runs (rollout.vllm): the same rollouts wherever it runs.
+VLLM_DEPLOYMENT = tuple(f"rollout.vllm.{k}" for k in (
+    "mode", "tensor_parallel_size", "replicas", "addresses", "host", "port", "sync_host",
+    "sync_port", "start_timeout_s", "request_timeout_s", "max_restarts", "bucket_mb", "chunk_mb",
+    "cpu_bind"))
 # Keys that may change when a run is resumed (dotted prefixes of config_to_dict's keys).
 NON_SEMANTIC = ("run_dir", "resume", "plugins", "wandb", "train.steps", "train.eval_every",
                 "train.save_every", "train.keep_checkpoints", "train.log_every",
@@ -55,7 +60,7 @@ NON_SEMANTIC = ("run_dir", "resume", "plugins", "wandb", "train.steps", "train.e
                 "train.start_accuracy", "model.dist_timeout_min", "train.logprob_max_tokens",
                 "model.recompute_granularity", "model.recompute_modules",
                 "rollout.push_check_tol", "rollout.engine_kv_cache_gb",
-                "train.micro_max_tokens", "rollout.max_batch_rows")
+                "train.micro_max_tokens", "rollout.max_batch_rows", *VLLM_DEPLOYMENT)
 # The parallel layout: a checkpoint reshards over it (moe.dist_ckpt), so a resume may change it,
 # except TP / EP under the distributed optimizer (its state reshards over DP only).
 LAYOUT = ("model.tp", "model.ep", "model.sequence_parallel", "model.dispatcher")

@@ -1,5 +1,5 @@
 """bench/throughput.py: the arguments (--with-vllm switches every side's preset), the side-by-side
-table with two or three sides, and --force-length reaching the sampler that was already built
+table with two, three or four sides (the vLLM engine server's), and --force-length reaching the sampler that was already built
 (our decoder's stop ids, the vLLM sampler's tokenizer)."""
 
 import importlib.util
@@ -49,6 +49,26 @@ def test_three_sides_with_every_ratio():
     assert "ours rollout 100; vLLM rollout 80; TRL rollout 50" in text
 
 
+def test_the_engine_server_side_with_its_ratios_to_ours_and_to_the_in_process_engine():
+    args = bench.parse_args(["--vllm-server-tp", "2"])
+    assert args.with_vllm and bench.preset_name(args) == bench.VLLM_PRESET
+    text = throughput_table.format_table(side(100.0, 300.0, 1.0), None, "--skip-trl",
+                                         vllm=side(80.0, 300.0, 1.25, sync_s=0.25),
+                                         with_vllm=True, server=side(40.0, 300.0, 2.5, 0.5),
+                                         server_tp=2)
+    assert ("| ours (megatron-core, lean decoder) | ours + vLLM rollouts | ours + vLLM server "
+            "(TP=2) | TRL GRPOTrainer | ours/TRL | vLLM/TRL | vLLM/ours | server/ours | "
+            "server/vLLM |") in text
+    assert "| rollout tokens/s | 100.0 | 80.0 | 40.0 | skipped | - | - | 0.80 | 0.40 | 0.50 |" \
+        in text
+    assert "| weight push s/iter (in rollout) | - | 0.250 | 0.500 | skipped | -" in text
+    assert "ours rollout 100; vLLM rollout 80; vLLM server rollout 40" in text
+    skipped = throughput_table.format_table(side(100.0, 300.0, 1.0), None, None,
+                                            vllm=side(80.0, 300.0, 1.25), with_vllm=True,
+                                            server_tp=2, server_skip="UserError: no engine")
+    assert skipped.endswith("vLLM server skipped: UserError: no engine")
+
+
 def test_a_skipped_side_says_why_and_drops_its_ratios():
     text = throughput_table.format_table(side(100.0, 300.0, 1.0), None, "--skip-trl", vllm=None,
                               vllm_skip="rollout.backend=vllm needs vLLM", with_vllm=True)
@@ -77,18 +97,23 @@ def test_force_length_reaches_our_decoder(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
-def test_with_vllm_measures_three_sides_in_one_run(capsys):
-    """One run, the vLLM side in the same alternation: its rollouts forced to length too, a
-    weight push timed every iteration, the report naming it; torch's thread count set and kept
-    (the engine's no-op set_num_threads bypassed, and undone when the engine closes)."""
+def test_with_vllm_measures_the_engine_sides_in_one_run(capsys):
+    """One run, the vLLM sides (in process, and an engine server of two workers) in the same
+    alternation: their rollouts forced to length too, a weight push timed every iteration, the
+    report naming them; torch's thread count set and kept (the engine's no-op
+    set_num_threads bypassed, and undone when the engine closes)."""
     import torch
 
-    args, res = _one_iteration(["--with-vllm"])
+    args, res = _one_iteration(["--with-vllm", "--vllm-server-tp", "2"])
     assert res["vllm_skip"] is None and res["vllm"]["rollout_tokens"] == pytest.approx(4 * 3)
+    assert res["server_skip"] is None and res["server"]["rollout_tokens"] == pytest.approx(4 * 3)
+    assert res["server"]["sync_s"] > 0
     assert res["ours"]["rollout_tokens"] == pytest.approx(4 * 3) and res["vllm"]["sync_s"] > 0
     assert res["preset"].startswith(bench.VLLM_PRESET) and torch.get_num_threads() == 1
     assert torch.set_num_threads is bench._set_num_threads
     bench.report(args, res)
     out = capsys.readouterr().out
-    assert "| ours + vLLM rollouts | TRL GRPOTrainer | ours/TRL | vLLM/TRL | vLLM/ours |" in out
-    assert "alternating ours/vLLM;" in out and "plus rollout.backend=vllm" in out
+    assert ("| ours + vLLM rollouts | ours + vLLM server (TP=2) | TRL GRPOTrainer | ours/TRL | "
+            "vLLM/TRL | vLLM/ours | server/ours | server/vLLM |") in out
+    assert "alternating ours/vLLM/vLLM server;" in out and "plus rollout.backend=vllm" in out
+    assert "plus rollout.vllm.mode=server rollout.vllm.tensor_parallel_size=2" in out

@@ -6,10 +6,11 @@ import dataclasses
 from megatron_gspo.config.schema import RunConfig, describe_config, field_docs
 
 
-def _sections() -> list[type]:
-    """RunConfig and the class of each of its sections."""
-    return [RunConfig] + [type(getattr(RunConfig(), f.name)) for f in dataclasses.fields(RunConfig)
-                          if dataclasses.is_dataclass(getattr(RunConfig(), f.name))]
+def _sections(cls=RunConfig) -> list[type]:
+    """`cls` and the class of each section under it, nested ones too (rollout.vllm)."""
+    return [cls] + [c for f in dataclasses.fields(cls)
+                    if dataclasses.is_dataclass(t := type(getattr(cls(), f.name)))
+                    for c in _sections(t)]
 
 
 def _leaf_keys() -> int:
@@ -26,6 +27,7 @@ def test_every_field_has_a_docstring():
             assert docs.get(f.name, "").strip(), f"{cls.__name__}.{f.name} has no docstring"
             seen += 1
     assert len(_sections()) >= 12 and seen > _leaf_keys() > 100  # every section was walked
+    assert any(cls.__name__ == "VLLMConfig" for cls in _sections())  # nested ones too
 
 
 def test_describe_config_lists_every_key_with_default_and_doc():
@@ -39,6 +41,7 @@ def test_describe_config_lists_every_key_with_default_and_doc():
     assert "must divide prompts_per_batch * group_size" in text
     n_keys = sum(1 for ln in text.splitlines() if ln and not ln.startswith((" ", "[", "megat")))
     assert n_keys == _leaf_keys()  # every key, once
+    assert "rollout.vllm.tensor_parallel_size: int = 1" in text  # a nested section's keys
 
 
 def test_field_docs_and_defaults_as_declared():

@@ -98,6 +98,20 @@ def test_phases_do_not_add_up_and_the_vllm_engine_stays_for_the_step():
     assert vllm.phases["rollout"] == 0.0
 
 
+def test_a_vllm_engine_server_leaves_only_the_weight_push_on_the_trainers_gpus():
+    """rollout.vllm.mode=server: the engine's weights and cache live on the engine's devices;
+    the trainer's rollout phase holds a push's gathered parameter and one bucket."""
+    p = get_preset("qwen3-30b-a3b")
+    cfg = load_config(os.path.join(ROOT, PROFILE), ["rollout.backend=vllm",
+                                                    "rollout.vllm.mode=server"])
+    lean = plan.plan_layout(p, load_config(os.path.join(ROOT, PROFILE)), 16)
+    server = plan.plan_layout(p, cfg, 16)
+    assert not any("engine weights" in label for label, _ in server.rows)
+    assert server.persistent == lean.persistent
+    fc1 = 128 * 2 * 768 * 2048 * 2  # all 128 experts' fc1 [E, 2F, H] in bf16: 0.75 GiB
+    assert server.phases["rollout"] == 2 * fc1 + 256 * 2**20
+
+
 def test_an_hf_path_folder_sizes_the_model_from_its_config_json(tmp_path):
     """With model.hf_path an existing folder, its config.json is the architecture (here a
     Qwen3-MoE config cut to 2 layers), not model.preset; no note about the placeholder."""
@@ -131,3 +145,17 @@ def test_the_docs_example_is_the_plans_output(capsys):
         doc = f.read()
     block = doc.split("<!-- plan:begin -->\n```\n")[1].split("\n```\n<!-- plan:end -->")[0]
     assert block == capsys.readouterr().out.rstrip("\n")
+
+
+def test_the_vllm_server_docs_example_is_the_plans_output(capsys):
+    """docs/vllm.md's Qwen3-30B-A3B deployment (8 trainer GPUs, the engines on 8 others): the
+    plan fits the trainer's GPUs, and the page shows its table as the code prints it now."""
+    config = "experiments/ablation/qwen3_30b_a3b_vllm_server.yaml"
+    assert cli.main(["plan", "--config", config, "--gpus", "8", "--gpu-mem-gib", "80"]) == 0
+    out = capsys.readouterr().out
+    with open(os.path.join(ROOT, "docs", "vllm.md")) as f:
+        doc = f.read()
+    block = doc.split("<!-- plan-vllm-server:begin -->\n```\n")[1].split(
+        "\n```\n<!-- plan-vllm-server:end -->")[0]
+    assert "rollout: push: one bucket" in block and "fits: at most 90% of 80 GiB" in block
+    assert out.startswith(block + "\n")

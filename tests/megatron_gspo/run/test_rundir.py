@@ -74,7 +74,15 @@ CHANGED = {"run_dir": None, "resume": "resume=force", "plugins": "plugins=[my_pl
            "rollout.max_batch_rows": "rollout.max_batch_rows=64",
            "train.router_margin_small": "train.router_margin_small=0.05",
            "train.route_sensitivity_every": "train.route_sensitivity_every=2",
-           "train.route_sensitivity_fraction": "train.route_sensitivity_fraction=0.5"}
+           "train.route_sensitivity_fraction": "train.route_sensitivity_fraction=0.5",
+           **{f"rollout.vllm.{k}": ("rollout.vllm.mode=server", f"rollout.vllm.{k}={v}")
+              for k, v in [("tensor_parallel_size", 2), ("replicas", 2),
+                           ("addresses", '["127.0.0.1:8000"]'), ("host", "0.0.0.0"),
+                           ("port", 8000), ("sync_host", "10.0.0.1"), ("sync_port", 8001),
+                           ("start_timeout_s", 5), ("request_timeout_s", 5),
+                           ("max_restarts", 0), ("bucket_mb", 8), ("chunk_mb", 1),
+                           ("cpu_bind", "0|1")]},
+           "rollout.vllm.mode": "rollout.vllm.mode=server"}
 
 
 def test_every_non_semantic_key_is_listed_here():
@@ -88,11 +96,12 @@ def test_each_non_semantic_key_may_change_on_resume(tmp_path, job, key):
     """Guards NON_SEMANTIC entry by entry: a resume that changes only how long / how often /
     where to log (not what is trained) is accepted, with the run's fingerprint unchanged."""
     base = config_to_dict(load_config(None, [f"run_dir={tmp_path}"]))
-    changed = config_to_dict(load_config(None, [f"run_dir={tmp_path}", CHANGED[key]]))
+    overrides = CHANGED[key] if isinstance(CHANGED[key], tuple) else (CHANGED[key],)
+    changed = config_to_dict(load_config(None, [f"run_dir={tmp_path}", *overrides]))
     assert changed != base
     assert semantic_config(changed, UNUSED[job]) == semantic_config(base, UNUSED[job])
     claim(tmp_path, job).release()
-    claim(tmp_path, job, CHANGED[key]).release()
+    claim(tmp_path, job, *overrides).release()
 
 
 def test_task_kwargs_are_one_recorded_value():
