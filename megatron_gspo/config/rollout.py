@@ -90,16 +90,8 @@ class RolloutConfig:
                      "router_noise_std": 0, "max_batch_rows": 0},
                  gt={"temperature": 0, "engine_kv_cache_gb": 0, "push_check_tol": 0})
         check(self, "top_p", 0 < self.top_p <= 1, "must be in (0, 1]")
-        check(self, "router_noise_std", not self.router_noise_std
-              or self.sampler in ("lean", "megatron"),
-              f"needs backend lean or megatron (our decoders), not {self.sampler!r}")
 
     @property
     def sampler(self) -> str:
         """The sampler's registered name: `backend`, or `decoder` while backend is "lean"."""
         return self.decoder if self.backend == "lean" else self.backend
-
-    @property
-    def engine_graphs(self) -> bool:
-        """Whether the policy is built with megatron's inference CUDA graphs."""
-        return self.sampler == "megatron_engine" and self.cuda_graphs

@@ -94,12 +94,6 @@ class RunConfig:
                     f"loss.{key}={getattr(self.loss, key)} reads pi_old / pi_sampler: with "
                     "rollout.use_sampler_logprobs=true pi_old is the sampler's, so every ratio "
                     "would be 1")
-        if self.train.routing_replay == "r3" and self.rollout.sampler in ("lean", "megatron") \
-                and (not self.rollout.kv_cache or self.model.sequence_parallel):
-            raise ConfigError(
-                "train.routing_replay=r3 records routing through the KV-cache sampler: it needs "
-                f"rollout.kv_cache=true (got {self.rollout.kv_cache}) and "
-                f"model.sequence_parallel=false (got {self.model.sequence_parallel})")
 
 
 def local_prompts(cfg: RunConfig, dp: int) -> int:

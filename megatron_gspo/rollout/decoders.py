@@ -33,9 +33,9 @@ from __future__ import annotations
 import torch
 
 from megatron_gspo.dist import all_ranks
+from megatron_gspo.rollout.batch import left_pad
 from megatron_gspo.rollout.precision import sampler_precision
-from megatron_gspo.rollout.sampler import (Samples, SamplingParams, left_pad, prompt_ids,
-                                           register_sampler)
+from megatron_gspo.rollout.sampler import Samples, SamplingParams, prompt_ids
 from moe.decode import kv_decoder
 from moe.router_noise import router_noise
 
@@ -174,5 +174,7 @@ def _decoder_factory(kind: str):
     return factory
 
 
-register_sampler("lean")(_decoder_factory("lean"))
-register_sampler("megatron")(_decoder_factory("megatron"))
+lean_sampler = _decoder_factory("lean")
+"""Backend "lean"'s factory (registered in `megatron_gspo.rollout.backends`)."""
+megatron_sampler = _decoder_factory("megatron")
+"""Backend "megatron"'s factory (registered in `megatron_gspo.rollout.backends`)."""

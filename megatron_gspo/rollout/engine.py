@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from megatron_gspo.errors import ConfigError
-from megatron_gspo.rollout.sampler import Samples, SamplingParams, register_sampler
+from megatron_gspo.rollout.sampler import Samples, SamplingParams
 from moe import engine as moe_engine
 
 
@@ -63,11 +63,11 @@ class MegatronEngineSampler:
                        routing if params.record_routing else None)
 
 
-@register_sampler("megatron_engine")
-def _factory(policy, tokenizer, cfg) -> MegatronEngineSampler:
+def factory(policy, tokenizer, cfg) -> MegatronEngineSampler:
+    """Backend "megatron_engine"'s factory (registered in `megatron_gspo.rollout.backends`)."""
     rows = cfg.rollout.prompts_per_batch * cfg.rollout.group_size
     return MegatronEngineSampler(policy, tokenizer, max_requests=max(rows, 4),
                                  cuda_graphs=cfg.rollout.cuda_graphs)
 
 
-_factory.unavailable = moe_engine.unavailable  # checked before any set-up
+factory.unavailable = moe_engine.unavailable  # checked before any set-up

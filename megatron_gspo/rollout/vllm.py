@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from megatron_gspo.dist import broadcast_object
 from megatron_gspo.errors import ConfigError, UserError
-from megatron_gspo.rollout.sampler import Samples, SamplingParams, register_sampler
+from megatron_gspo.rollout.sampler import Samples, SamplingParams
 from megatron_gspo.rollout.vllm_engine import CPU_HEAD_DIMS, VLLMEngine, unavailable
 from megatron_gspo.rollout.vllm_remote import EngineLost, RemoteEngine
 from megatron_gspo.rollout.vllm_wire import sample_requests
@@ -291,8 +291,8 @@ def hf_stream(policy, hf_config: dict):
             yield hf_name, part.contiguous()
 
 
-@register_sampler("vllm")
-def _factory(policy, tokenizer, cfg) -> VLLMSampler:
+def factory(policy, tokenizer, cfg) -> VLLMSampler:
+    """Backend "vllm"'s factory (registered in `megatron_gspo.rollout.backends`)."""
     if not torch.cuda.is_available() and policy.preset.kv_channels not in CPU_HEAD_DIMS:
         raise ConfigError(f"rollout.backend=vllm: head_dim={policy.preset.kv_channels} is not "
                           f"supported by vLLM's CPU attention (needs one of "
@@ -300,4 +300,4 @@ def _factory(policy, tokenizer, cfg) -> VLLMSampler:
     return VLLMSampler(policy, tokenizer, cfg)
 
 
-_factory.unavailable = unavailable  # checked before any set-up
+factory.unavailable = unavailable  # checked before any set-up

@@ -9,6 +9,7 @@ import torch
 
 from megatron_gspo.config.schema import load_config
 from megatron_gspo.errors import ConfigError
+from megatron_gspo.rollout.sampler import register_sampler
 from tests.jsonl import step_rows
 from tests.megatron_gspo.jobs.trainers import make_trainer
 from tests.megatron_gspo.samplers import backend, shift_routing
@@ -139,12 +140,17 @@ def test_replay_source_is_pi_old_for_r2_and_the_sampler_for_r3(tmp_path, monkeyp
 
 
 def test_r3_without_kv_cache_is_a_config_error():
+    from megatron_gspo.rollout.backends import check_config
+
     with pytest.raises(ConfigError, match="rollout.kv_cache=true"):
-        load_config(None, ["train.routing_replay=r3", "rollout.kv_cache=false"])
+        check_config(load_config(None, ["train.routing_replay=r3", "rollout.kv_cache=false"]))
+
+
+register_sampler("plain_stub")(lambda policy, tokenizer, cfg: None)  # a Backend() by default
 
 
 @pytest.mark.parametrize("replay, sampler, dtype, kv_cache, dynamic, sp, want", [
-    ("r3", "lean", "same", True, True, True, True),  # R3 always records
+    ("r3", "lean", "same", True, False, True, True),  # R3 always records
     ("off", "lean", "same", True, False, False, False),  # same precision: nothing to measure
     ("off", "lean", "bf16", True, False, False, True),
     ("r2", "megatron", "bf16", True, False, False, True),
@@ -153,24 +159,24 @@ def test_r3_without_kv_cache_is_a_config_error():
     ("off", "lean", "bf16", True, False, True, False),  # sequence parallelism
     ("off", "megatron_engine", "same", True, False, False, True),  # an engine: always
     ("off", "vllm", "same", False, True, False, False),  # ... but one routing per round
-    ("off", "custom", "same", True, False, False, False),  # another sampler: as the decoders
+    ("off", "plain_stub", "same", True, False, False, False),  # declares no routing record
     ("off", "lean", "noise", True, False, False, True),  # rollout.router_noise_std > 0
     ("off", "lean", "noise", False, False, False, False),  # ... with the KV cache only
 ])
 def test_records_sampler_routing_only_where_it_can(replay, sampler, dtype, kv_cache, dynamic, sp,
                                                    want):
     """The sampler records its routing for R3, for an inference engine's mismatch, or for a
-    different-precision or noisy-router decoder's mismatch when the KV cache, one round and no sequence
-    parallelism make it possible."""
+    different-precision or noisy-router decoder's mismatch when the KV cache, one round and no
+    sequence parallelism make it possible: what its backend declares (`sampler.Backend`)."""
     from megatron_gspo.jobs.rl import Trainer
 
-    ns = SimpleNamespace
-    noise = 0.5 if dtype == "noise" else 0.0
-    cfg = ns(train=ns(routing_replay=replay),
-             rollout=ns(sampler=sampler, sampler_dtype="same" if noise else dtype,
-                        kv_cache=kv_cache, router_noise_std=noise),
-             filter=ns(dynamic_sampling=dynamic), model=ns(sequence_parallel=sp))
-    assert Trainer.records_sampler_routing(ns(cfg=cfg)) is want
+    noise = dtype == "noise"
+    cfg = load_config(None, [
+        f"train.routing_replay={replay}", f"rollout.backend={sampler}",
+        f"rollout.kv_cache={kv_cache}", f"filter.dynamic_sampling={dynamic}",
+        *(["model.tp=2", "model.sequence_parallel=true"] if sp else []),
+        *(["rollout.router_noise_std=0.5"] if noise else [f"rollout.sampler_dtype={dtype}"])])
+    assert Trainer.records_sampler_routing(SimpleNamespace(cfg=cfg)) is want
 
 
 def test_routing_mismatch_counts_the_loss_positions_only(tmp_path):
@@ -333,8 +339,11 @@ def test_gspo_on_the_samplers_logprobs_sees_its_routing_mismatch_unless_r3(tmp_p
 
 
 def test_sampler_router_noise_needs_our_decoders():
-    with pytest.raises(ConfigError, match="rollout.router_noise_std=0.5: needs backend lean"):
-        load_config(None, ["rollout.router_noise_std=0.5", "rollout.backend=vllm"])
+    from megatron_gspo.rollout.backends import check_config
+
+    with pytest.raises(ConfigError, match=r"^rollout.router_noise_std=0.5: needs "
+                                          r"rollout.backend=lean or megatron\b.* not 'vllm'$"):
+        check_config(load_config(None, ["rollout.router_noise_std=0.5", "rollout.backend=vllm"]))
     with pytest.raises(ConfigError, match="rollout.router_noise_std=-1"):
         load_config(None, ["rollout.router_noise_std=-1"])
 
