@@ -23,7 +23,7 @@ import yaml
 from megatron_gspo.config.data import (DataConfig, FilterConfig, RewardConfig,  # noqa: F401
                                        check_data_sections)
 from megatron_gspo.config.docs import describe_fields, field_docs
-from megatron_gspo.config.fields import OptionalPath, Path, check, validate
+from megatron_gspo.config.fields import OptionalPath, Path, check, field_types, validate
 from megatron_gspo.config.loader import apply_override, build, renamed
 from megatron_gspo.config.rollout import RolloutConfig  # noqa: F401
 from megatron_gspo.config.sections import (LossConfig, ModelConfig, OptimConfig,  # noqa: F401
@@ -111,13 +111,14 @@ def local_prompts(cfg: RunConfig, dp: int) -> int:
     return prompts // dp
 
 
-def renamed_keys() -> dict[str, str]:
-    """{older dotted key: its key now} over every section (`loader.renamed`): what a run record
-    written before a rename holds (task.n_eval: task.n_test)."""
-    out = {}
-    for f in dataclasses.fields(RunConfig):
-        tp = type(getattr(RunConfig(), f.name))
-        out.update({f"{f.name}.{old}": f"{f.name}.{new}" for old, new in renamed(tp).items()})
+def renamed_keys(cls=RunConfig, prefix: str = "") -> dict[str, str]:
+    """{older dotted key: its key now} over every section, nested ones too (`loader.renamed`):
+    what a run record written before a rename holds (task.n_eval: task.n_test,
+    rollout.engine_dtype: rollout.vllm.dtype)."""
+    out = {f"{prefix}{old}": f"{prefix}{new}" for old, new in renamed(cls).items()}
+    for name, tp in field_types(cls).items():
+        if dataclasses.is_dataclass(tp):
+            out.update(renamed_keys(tp, f"{prefix}{name}."))
     return out
 
 

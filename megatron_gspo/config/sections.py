@@ -225,7 +225,7 @@ class TrainConfig:
     routing_replay: Literal["off", "r2", "r3"] = "off"
     """Routing Replay: off; r2 = replay pi_old's routing from its training-side forward (GSPO
     paper sec. 5.3); r3 = replay the routing the sampler used (arXiv 2510.11370): our decoders
-    record it through the KV cache (needs rollout.kv_cache, no sequence parallelism), an
+    record it through the KV cache (needs rollout.decoders.kv_cache, no sequence parallelism), an
     inference engine reports its own."""
     flip_every: int = 1
     """Measure per-layer expert flips every k optimizer steps (0 = never), and the router margin

@@ -2,9 +2,9 @@
 
 A section nested in `rollout` (the loader builds any dataclass-typed field as a section:
 `rollout.vllm.mode=server` overrides, a `vllm:` mapping under `rollout:` in YAML). It holds the
-settings only the vLLM backend reads; those that describe the deployment (mode, sizes,
-addresses, timeouts, buffers) change nothing the trainer computes, so a resume may change them
-(`megatron_gspo.run.rundir.NON_SEMANTIC`).
+settings only the vLLM backend reads: the engine's precision, its KV cache and the push guard,
+then those that describe the deployment (mode, sizes, addresses, timeouts, buffers), which change
+nothing the trainer computes, so a resume may change them (`megatron_gspo.run.rundir`).
 """
 
 from __future__ import annotations
@@ -33,6 +33,17 @@ class VLLMConfig:
     tensor parallelism) that the trainer starts or connects to (docs/vllm.md)."""
     _section: ClassVar[str] = "rollout.vllm"
 
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """The engine's precision ("auto": the model's, model.dtype); bf16 with an fp32 trainer is
+    the train-inference mismatch R3 removes."""
+    kv_cache_gb: float = 1.0
+    """The engine's KV cache, in GiB (vLLM otherwise reserves a fraction of the host's or GPU's
+    memory)."""
+    push_check_tol: Optional[float] = None
+    """After each weight push the engine's and the trainer's log-probs of the engine's greedy
+    continuation of a fixed prompt may differ by at most this (nats, over its tokens the mean
+    for a float32 engine, median for bfloat16) or the run stops before sampling; None: 1e-4 for
+    a float32 engine, 0.8 for bfloat16. May change on resume."""
     mode: Literal["in_process", "server"] = "in_process"
     """"in_process": one engine inside each trainer rank (tensor_parallel_size 1). "server":
     engine server processes (`megatron_gspo.rollout.vllm_server`) with their own tensor
@@ -86,7 +97,7 @@ class VLLMConfig:
                  ge={"tensor_parallel_size": 1, "replicas": 1, "port": 0, "sync_port": 0,
                      "max_restarts": 0},
                  gt={"start_timeout_s": 0, "request_timeout_s": 0, "bucket_mb": 0,
-                     "chunk_mb": 0})
+                     "chunk_mb": 0, "kv_cache_gb": 0, "push_check_tol": 0})
         check(self, "port", self.port + self.replicas - 1 < 65536, "must be < 65536 - replicas")
         check(self, "sync_port", self.sync_port < 65536, "must be < 65536")
         server = self.mode == "server"

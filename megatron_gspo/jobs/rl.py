@@ -26,8 +26,8 @@ and the first minibatch is on-policy (ratio 1). It logs `rollout/routing_mismatc
 rate of the sampler's routing vs the training-side live recompute of the same weights, and
 `rollout/logprob_mismatch_r3/...`, the sampler's log-probs vs pi_old's replayed ones (what is
 left after R3: the precision). Departure: by default both sides run the same weights in the same
-framework and precision, so the mismatch is float rounding only (`rollout.sampler_dtype=bf16`
-makes it real, `megatron_gspo.rollout.precision`); with a separate inference engine (vLLM/SGLang
+framework and precision, so the mismatch is float rounding only
+(`rollout.decoders.sampler_dtype=bf16` makes it real, `megatron_gspo.rollout.precision`); with a separate inference engine (vLLM/SGLang
 kernels, bf16) it is what R3 exists to remove.
 """
 

@@ -29,18 +29,19 @@ ENGINE_BUFFER_GIB = 4.0  # megatron_engine's KV buffer (moe.engine's buffer_size
 def _decoders_record(cfg) -> bool:
     """The KV-cache decoder records routing; the recomputing one (no KV cache, or sequence
     parallelism, which megatron-core requires for MoE with TP > 1) cannot."""
-    return cfg.rollout.kv_cache and not cfg.model.sequence_parallel
+    return cfg.rollout.decoders.kv_cache and not cfg.model.sequence_parallel
 
 
 def _decoders_mismatched(cfg) -> bool:
-    return cfg.rollout.sampler_dtype != "same" or cfg.rollout.router_noise_std > 0
+    d = cfg.rollout.decoders
+    return d.sampler_dtype != "same" or d.router_noise_std > 0
 
 
 def _decoders_check(cfg) -> None:
     if cfg.train.routing_replay == "r3" and not _decoders_record(cfg):
         raise ConfigError(
             "train.routing_replay=r3 records routing through the KV-cache sampler: it needs "
-            f"rollout.kv_cache=true (got {cfg.rollout.kv_cache}) and "
+            f"rollout.decoders.kv_cache=true (got {cfg.rollout.decoders.kv_cache}) and "
             f"model.sequence_parallel=false (got {cfg.model.sequence_parallel})")
 
 
@@ -69,7 +70,8 @@ def _decoders_memory(q, cfg, rows: int, T: int, lean: bool) -> tuple[list, bool]
 
 def _decoders(name: str) -> Backend:
     return Backend(records_routing=_decoders_record, mismatched=_decoders_mismatched,
-                   own_keys=("rollout.router_noise_std",), check=_decoders_check,
+                   settings="rollout.decoders", own_keys=("rollout.decoders.router_noise_std",),
+                   check=_decoders_check,
                    plan_memory=functools.partial(_decoders_memory, lean=name == "lean"),
                    measured=lambda cfg: name)
 
@@ -86,15 +88,19 @@ def _always(cfg) -> bool:
     return True
 
 
+def _graphs(cfg) -> bool:
+    return cfg.rollout.megatron_engine.cuda_graphs
+
+
 def _megatron_engine_memory(q, cfg, rows: int, T: int) -> tuple[list, bool]:
     return [("megatron_engine KV buffer", ENGINE_BUFFER_GIB * mem.GIB)], False
 
 
 register_sampler("megatron_engine", Backend(
     engine=True, records_routing=_always, needs_cuda=True,
-    cuda_graphs=lambda cfg: cfg.rollout.cuda_graphs, plan_memory=_megatron_engine_memory,
-    measured=lambda cfg: "megatron_engine_graphs" if cfg.rollout.cuda_graphs
-    else "megatron_engine"), factory="megatron_gspo.rollout.engine:factory")
+    settings="rollout.megatron_engine", cuda_graphs=_graphs, plan_memory=_megatron_engine_memory,
+    measured=lambda cfg: "megatron_engine_graphs" if _graphs(cfg) else "megatron_engine"),
+    factory="megatron_gspo.rollout.engine:factory")
 
 
 def _vllm_memory(q, cfg, rows: int, T: int) -> tuple[list, bool]:
@@ -107,10 +113,10 @@ def _vllm_memory(q, cfg, rows: int, T: int) -> tuple[list, bool]:
         return [("push: largest parameter gathered, parts + whole", 2 * largest),
                 (f"push: one bucket (rollout.vllm.bucket_mb={r.vllm.bucket_mb:g})",
                  r.vllm.bucket_mb * 2**20)], False
-    engine_a = a if r.engine_dtype == "auto" else mem.ITEMSIZE[r.engine_dtype]
+    engine_a = a if r.vllm.dtype == "auto" else mem.ITEMSIZE[r.vllm.dtype]
     return [("vLLM engine weights (the whole model)", q.num_params()["total"] * engine_a),
-            (f"vLLM KV cache (rollout.engine_kv_cache_gb={r.engine_kv_cache_gb:g})",
-             r.engine_kv_cache_gb * mem.GIB)], True
+            (f"vLLM KV cache (rollout.vllm.kv_cache_gb={r.vllm.kv_cache_gb:g})",
+             r.vllm.kv_cache_gb * mem.GIB)], True
 
 
 register_sampler("vllm", Backend(engine=True, records_routing=_always, settings="rollout.vllm",

@@ -59,7 +59,7 @@ NON_SEMANTIC = ("run_dir", "resume", "wandb", "train.steps", "train.eval_every",
                 "train.route_sensitivity_fraction", "sft.steps", "sft.eval_every", "sft.target_accuracy",
                 "train.start_accuracy", "model.dist_timeout_min", "train.logprob_max_tokens",
                 "model.recompute_granularity", "model.recompute_modules",
-                "rollout.push_check_tol", "rollout.engine_kv_cache_gb",
+                "rollout.vllm.push_check_tol", "rollout.vllm.kv_cache_gb",
                 "train.micro_max_tokens", "rollout.max_batch_rows", *VLLM_DEPLOYMENT)
 # Sections a job does not read, so they may differ too.
 UNUSED_BY_JOB = {"train": ("sft",), "sft": ("train", "loss", "rollout")}

@@ -23,8 +23,8 @@ def backend(name: str, edit) -> str:
     backend's capabilities); returns the override that selects it."""
     @register_sampler(name, BACKENDS["lean"])
     def factory(policy, tokenizer, cfg):
-        inner = DecoderSampler(policy, tokenizer, "lean", cfg.rollout.kv_cache,
-                               cfg.rollout.sampler_dtype)
+        inner = DecoderSampler(policy, tokenizer, "lean", cfg.rollout.decoders.kv_cache,
+                               cfg.rollout.decoders.sampler_dtype)
         return Edited(inner, edit)
     return f"rollout.backend={name}"
 

@@ -62,13 +62,15 @@ def test_no_backend_name_outside_its_own_module_and_the_registry():
 
 def test_the_decoders_record_routing_for_r3_only_with_the_kv_cache_and_no_sequence_parallel():
     """R3 records routing through the KV-cache sampler, which sequence parallelism and
-    rollout.kv_cache=false bypass: the decoders' own check, in one line naming the keys."""
+    rollout.decoders.kv_cache=false bypass: the decoders' own check, in one line naming the keys."""
     with pytest.raises(ConfigError, match=r"model.sequence_parallel=false \(got True\)"):
         check_config(load_config(None, ["train.routing_replay=r3", "model.tp=2",
                                         "model.sequence_parallel=true"]))
-    with pytest.raises(ConfigError, match=r"rollout.kv_cache=true \(got False\)"):
-        check_config(load_config(None, ["train.routing_replay=r3", "rollout.kv_cache=false"]))
-    for ok in (["train.routing_replay=r3"], ["train.routing_replay=r2", "rollout.kv_cache=false"],
+    with pytest.raises(ConfigError, match=r"rollout.decoders.kv_cache=true \(got False\)"):
+        check_config(load_config(None, ["train.routing_replay=r3",
+                                        "rollout.decoders.kv_cache=false"]))
+    for ok in (["train.routing_replay=r3"],
+               ["train.routing_replay=r2", "rollout.decoders.kv_cache=false"],
                ["train.routing_replay=r3", "rollout.backend=vllm", "model.tp=2",
                 "model.sequence_parallel=true"]):  # an engine records whatever the layout
         check_config(load_config(None, ok))
@@ -159,3 +161,22 @@ def test_a_backend_that_needs_cuda_is_refused_in_one_line_without_it():
     with pytest.raises(ConfigError, match=r"^rollout.backend=fake_cuda needs a CUDA GPU; none "
                                           r"is visible here$"):
         check_backend(load_config(None, ["rollout.backend=fake_cuda"]))
+
+
+def test_each_backends_settings_are_a_section_of_their_own():
+    """A backend's settings live in the section it declares (`Backend.settings`), nested in
+    rollout; its own keys are keys of that section; the decoders share one."""
+    from megatron_gspo.config.schema import RunConfig
+
+    sections = {}
+    for name in BUILT_IN:
+        caps = BACKENDS[name]
+        section = RunConfig()
+        for part in caps.settings.split("."):
+            section = getattr(section, part)
+        assert dataclasses.is_dataclass(section) and section._section == caps.settings, name
+        sections[name] = section
+        assert all(k.startswith(caps.settings + ".") for k in caps.own_keys), name
+    assert type(sections["lean"]) is type(sections["megatron"])
+    assert {BACKENDS[n].settings for n in BUILT_IN} == {
+        "rollout.decoders", "rollout.megatron_engine", "rollout.vllm"}
