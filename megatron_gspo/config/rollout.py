@@ -12,13 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Optional
 
-from megatron_gspo.config.fields import check, validate
+from megatron_gspo.config.fields import check, may_change, validate
 from megatron_gspo.config.vllm import VLLMConfig
 
 
 @dataclass(frozen=True)
 class DecodersConfig:
-    """backend=lean|megatron: our KV-cache decoders in the trainer process (`rollout.decoders`)."""
+    """backend=lean|megatron: our KV-cache decoders in the trainer process."""
     _section: ClassVar[str] = "rollout.decoders"
 
     kv_cache: bool = True
@@ -48,8 +48,7 @@ class DecodersConfig:
 
 @dataclass(frozen=True)
 class MegatronEngineConfig:
-    """backend=megatron_engine: megatron-core's dynamic inference engine
-    (`rollout.megatron_engine`)."""
+    """backend=megatron_engine: megatron-core's dynamic inference engine."""
     _section: ClassVar[str] = "rollout.megatron_engine"
 
     cuda_graphs: bool = True
@@ -80,7 +79,7 @@ class RolloutConfig:
     """Nucleus sampling mass (0 < top_p <= 1)."""
     max_new_tokens: int = 8
     """Maximum response length in tokens."""
-    max_batch_rows: int = 0
+    max_batch_rows: int = may_change(0)
     """Most rows (responses) one sampler call decodes at once: a rank's rollout rows are
     sampled in consecutive calls of whole groups of at most this many rows (one group at
     least), merged into one batch; 0 = all of a rank's rows in one call. Bounds the KV-cache
