@@ -40,7 +40,7 @@ TRL's timed sections), so slow drifts of a noisy machine hit both. No timing is 
 
 `--with-vllm`: a third side in the same alternation, our trainer with `rollout.backend=vllm`
 (vLLM in this process, `megatron_gspo/rollout/vllm.py`; its precision the model's, float32,
-unless `--set rollout.engine_dtype=bf16`): rollout = weight push + the engine's sampling +
+unless `--set rollout.vllm.dtype=bf16`): rollout = weight push + the engine's sampling +
 reward, the rest as ours. vLLM's CPU attention needs head_dim in {32, 64, ...}, so every side
 then runs `qwen3-moe-tiny-hd32` (qwen3-moe-tiny's layer with 2 query heads / 1 KV head of dim
 32). The engine replaces `torch.set_num_threads` with a no-op in the whole process; the

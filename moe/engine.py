@@ -110,10 +110,10 @@ class EngineSampler:
         if problems:
             raise ValueError(f"rollout.backend=megatron_engine does not support {problems}")
         if cuda_graphs and gpt.config.params_dtype == torch.float32:
-            raise ValueError("rollout.cuda_graphs=true needs a 16-bit model (model.dtype=bf16): "
-                             "torch's float32 grouped GEMM reads the experts' offsets on the "
-                             "host, which a CUDA graph cannot capture; or rollout.cuda_graphs="
-                             "false")
+            raise ValueError("rollout.megatron_engine.cuda_graphs=true needs a 16-bit model "
+                             "(model.dtype=bf16): torch's float32 grouped GEMM reads the "
+                             "experts' offsets on the host, which a CUDA graph cannot capture; "
+                             "or rollout.megatron_engine.cuda_graphs=false")
         self.policy, self.gpt = policy, gpt
         paged_attention.install(gpt)
         config = InferenceConfig(

@@ -15,7 +15,7 @@ are recovered as log-probs). So the noise changes *which* experts run and nothin
 
 With `fixed=True` the noise is instead a fixed function of each router's scores (`fixed_draws`):
 the same input always picks the same experts, as an engine whose kernels compute slightly
-other router logits would (`rollout.router_noise=fixed`, the sampler's side).
+other router logits would (`rollout.decoders.router_noise=fixed`, the sampler's side).
 
 Under Routing Replay (megatron's REPLAY_FORWARD / REPLAY_BACKWARD actions) the selection is
 forced, so the noise has no effect at all: by construction the knob adds exactly the part of the

@@ -10,7 +10,7 @@ Usage:
 Part 1, `measure` (measure.yaml): on two head_dim-32 shapes (vLLM's CPU attention needs head_dim
 in {32, 64, ...}; `moe/presets.py`), from a random init and from an in-band SFT cold start
 (sft.yaml: the ablation's recipe and band), with a float32 and a bfloat16 engine
-(`rollout.engine_dtype`), the trainer in float32: GRPO with `rollout.backend=vllm` for a few
+(`rollout.vllm.dtype`), the trainer in float32: GRPO with `rollout.backend=vllm` for a few
 rollout batches. Before every rollout batch the trainer pushes its weights to the engine (and
 checks a probe sequence), so engine and trainer hold the same weights; the trainer then
 recomputes the batch and logs, per rollout batch, `rollout/routing_mismatch/layer_XX` (the
@@ -133,7 +133,7 @@ def measure_job(lay: Layout, shape: str, init: str, dtype: str, steps: int | Non
     init_args = ["init_checkpoint=null"] if init == "random" else \
         [f"init_checkpoint={os.path.relpath(lay.sft_dir(shape), ROOT)}"]
     wall = py(["megatron_gspo.cli", "train", "--config", os.path.join(HERE, "measure.yaml"),
-               f"model.preset={shape}", f"rollout.engine_dtype={dtype}",
+               f"model.preset={shape}", f"rollout.vllm.dtype={dtype}",
                *init_args,
                f"run_dir={os.path.relpath(run_dir, ROOT)}", "resume=false",
                *([f"train.steps={steps}"] if steps else []), *extra],

@@ -35,8 +35,10 @@ LABELS = {"grpo_clean": "GRPO, no disagreement", "grpo": "GRPO", "grpo_r2": "GRP
           "grpo_r3": "GRPO + R3", "grpo_tis": "GRPO + TIS (cap 2)", "gspo": "GSPO", "gspo_r3": "GSPO + R3",
           "grpo_sl": "GRPO, pi_old = sampler's", "grpo_sl_r3": "GRPO + R3, pi_old = sampler's",
           "gspo_sl": "GSPO, pi_old = sampler's", "gspo_sl_r3": "GSPO + R3, pi_old = sampler's"}
-LEVER_WORDS = {"engine": "sampler's routers, fixed noise (`rollout.router_noise=fixed`)",
-               "engine_fresh": "sampler's routers, fresh noise (`rollout.router_noise=fresh`)",
+LEVER_WORDS = {"engine": "sampler's routers, fixed noise "
+                         "(`rollout.decoders.router_noise=fixed`)",
+               "engine_fresh": "sampler's routers, fresh noise "
+                               "(`rollout.decoders.router_noise=fresh`)",
                "trainer": "the loss's routers (`train.router_noise_std`)"}
 
 

@@ -7,7 +7,7 @@ Usage:
     python -m experiments.positive_control.run --report-only
 
 Levers (`--lever`):
-- `engine`: `rollout.router_noise_std` = level: the sampler's routers pick their top-k from
+- `engine`: `rollout.decoders.router_noise_std` = level: the sampler's routers pick their top-k from
   noisy logits in rollouts and evaluations (an inference engine whose routing differs from the
   trainer's, as a bf16 engine's does at scale; the R3 paper's setting). R3 replays the routing
   the sampler used; R2 and no replay route cleanly in the trainer. Every arm is evaluated by
@@ -45,8 +45,10 @@ SL = ["rollout.use_sampler_logprobs=true"]
 ARMS.update({"gspo_sl": [*ARMS["gspo"], *SL], "gspo_sl_r3": [*ARMS["gspo"], *SL,
                                                              "train.routing_replay=r3"],
              "grpo_sl": [*GRPO, *SL], "grpo_sl_r3": [*GRPO, *SL, "train.routing_replay=r3"]})
-LEVERS = {"engine": ("rollout.router_noise_std", ["rollout.router_noise=fixed"]),
-          "engine_fresh": ("rollout.router_noise_std", ["rollout.router_noise=fresh"]),
+LEVERS = {"engine": ("rollout.decoders.router_noise_std",
+                     ["rollout.decoders.router_noise=fixed"]),
+          "engine_fresh": ("rollout.decoders.router_noise_std",
+                           ["rollout.decoders.router_noise=fresh"]),
           "trainer": ("train.router_noise_std", [])}
 
 

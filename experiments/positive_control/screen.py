@@ -14,7 +14,8 @@ moves a token's log-prob by an amount of that order. For each candidate (an arch
 to the validation band), samples one rollout batch, and re-scores it with Gaussian noise of
 several stds on the router logits that pick the top-k (`moe.router_noise`; gate weights from
 the clean logits): the same perturbation an engine whose routers disagree with the trainer's
-(`rollout.router_noise_std`) or a policy whose routing moved (`train.router_noise_std`) makes.
+(`rollout.decoders.router_noise_std`) or a policy whose routing moved (`train.router_noise_std`)
+makes.
 Per std, over DRAWS noise draws: the flip rate of the (token, expert) activations on the loss
 positions, the mean |log pi_noisy - log pi_clean| over response tokens, the fraction of response
 tokens beyond GRPO's clip (|log-ratio| > 0.2), the mean |per-sequence mean log-ratio| and the

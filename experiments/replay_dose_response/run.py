@@ -13,8 +13,8 @@ Usage:
 3. The grid: GRPO and GSPO at noise 0 and the three calibrated stds; GRPO + R2 once per seed,
    because under replay the noise has no effect by construction (`moe.router_noise`), so its
    runs at every level are the same run. Then a real train-inference mismatch at noise 0: the
-   sampler under bf16 autocast (`rollout.sampler_dtype=bf16`) with GRPO, GRPO + R3 and GRPO +
-   TIS (`loss.tis_cap=2`). Each run: rl.yaml (8 minibatches per rollout batch),
+   sampler under bf16 autocast (`rollout.decoders.sampler_dtype=bf16`) with GRPO, GRPO + R3 and
+   GRPO + TIS (`loss.tis_cap=2`). Each run: rl.yaml (8 minibatches per rollout batch),
    `--workers` runs at a time, each a `megatron-gspo train` subprocess with 1 torch thread.
 4. Summary: per run, the last held-out eval accuracy, the mean measured per-step flip rate on
    the loss positions (`moe/flip_rate/mean`), GRPO's token clip fraction and the routing-induced
@@ -50,7 +50,7 @@ ARMS = {"grpo": ["loss.name=grpo", "loss.eps_low=0.2", "loss.eps_high=0.27"],
         "gspo": ["loss.name=gspo", "loss.eps_low=3e-4", "loss.eps_high=4e-4"]}
 TARGETS = (0.01, 0.03, 0.1)
 # The precision mismatch (noise 0): the sampler under bf16 autocast, the trainer fp32.
-BF16 = ["rollout.sampler_dtype=bf16"]
+BF16 = ["rollout.decoders.sampler_dtype=bf16"]
 MISMATCH_ARMS = {"grpo_bf16": [*ARMS["grpo"], *BF16],
                  "grpo_r3_bf16": [*ARMS["grpo"], *BF16, "train.routing_replay=r3"],
                  "grpo_tis_bf16": [*ARMS["grpo"], *BF16, "loss.tis_cap=2.0"]}

@@ -9,7 +9,10 @@ import functools
 import inspect
 import textwrap
 
-from megatron_gspo.config.fields import field_types, type_name
+from megatron_gspo.config.fields import MAY_CHANGE, field_types, type_name
+
+RESUMABLE = "  (a resume may change it)"
+"""After a key (or section) marked `fields.may_change` in the listing."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -35,14 +38,16 @@ def describe_fields(cls, prefix: str, lines: list[str]) -> None:
     docs = field_docs(cls)
     defaults = {f.name: f.default_factory() if f.default is dataclasses.MISSING else f.default
                 for f in dataclasses.fields(cls)}  # as declared
+    resumable = {f.name: RESUMABLE if f.metadata.get(MAY_CHANGE) else ""
+                 for f in dataclasses.fields(cls)}
     sections = []
     for name, tp in field_types(cls).items():
         if dataclasses.is_dataclass(tp):
             sections.append((name, tp))
             continue
-        lines.append(f"{prefix}{name}: {type_name(tp)} = {defaults[name]!r}")
+        lines.append(f"{prefix}{name}: {type_name(tp)} = {defaults[name]!r}{resumable[name]}")
         lines.extend("    " + ln for ln in docs.get(name, "(undocumented)").splitlines())
     for name, tp in sections:
         doc = " ".join((tp.__doc__ or "").split())  # one line per section header
-        lines.append(f"\n[{prefix}{name}] {doc}")
+        lines.append(f"\n[{prefix}{name}] {doc}{resumable[name]}")
         describe_fields(tp, f"{prefix}{name}.", lines)

@@ -183,6 +183,23 @@ Band = Annotated[Optional[list], band_values]
 """An accuracy band [low, high] (`check_band`), or None."""
 
 
+# ----------------------------------------------------------------------------- resume metadata
+
+
+MAY_CHANGE = "may_change"
+"""The field metadata key `may_change` sets."""
+
+
+def may_change(default=dataclasses.MISSING, *, factory=dataclasses.MISSING):
+    """A field (a value, or a whole section) that a resume may change: it changes nothing the
+    run computes (how long, how often to eval, save and log, where logs go, memory knobs with
+    the same gradients, where an inference engine runs). `dataclasses.field` with metadata
+    `{MAY_CHANGE: True}`; `megatron_gspo.config.schema.resume_may_change` lists the keys so
+    marked, which a run's fingerprint leaves out (`megatron_gspo.run.rundir`)."""
+    return dataclasses.field(default=default, default_factory=factory,
+                             metadata={MAY_CHANGE: True})
+
+
 # ----------------------------------------------------------------------------- checking values
 
 

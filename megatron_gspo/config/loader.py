@@ -30,22 +30,33 @@ def _unknown(prefix: str, name, cls) -> ConfigError:
 
 
 def renamed(cls) -> dict[str, str]:
-    """{older name: field} of the keys section `cls` still reads under a name it had before
-    (its `_renamed` class attribute): old configs and run records keep loading."""
+    """{older name: key now} of the keys section `cls` still reads under a name it had before
+    (its `_renamed` class attribute; the key now may be dotted, a key of a section nested in
+    `cls` that it moved into): old configs and run records keep loading."""
     return getattr(cls, "_renamed", {})
 
 
 def _current_names(cls, data: dict, prefix: str) -> dict:
-    """`data` with `cls`'s older key names (`renamed`) as the fields they became; ConfigError
-    when a mapping gives one key under both names."""
+    """`data` with `cls`'s older key names (`renamed`) as the keys they became (a dotted one
+    placed in its nested section, the input's mappings copied, not changed); ConfigError when
+    a mapping gives one key under both names."""
     old = renamed(cls)
-    out = {}
+    out = {name: value for name, value in data.items() if name not in old}
     for name, value in data.items():
-        new = old.get(name, name)
-        if new in out or (new != name and new in data):
-            raise ConfigError(f"{prefix}{name} and {prefix}{new} are one key ({prefix}{name} "
-                              f"is its older name): give it once, as {prefix}{new}")
-        out[new] = value
+        if name not in old:
+            continue
+        *path, last = old[name].split(".")
+        node = out
+        for i, part in enumerate(path):
+            sub = node.get(part)
+            if sub is not None and not isinstance(sub, dict):
+                raise ConfigError(f"{prefix}{'.'.join(path[:i + 1])}: expected a mapping of "
+                                  f"keys, got {type(sub).__name__} {sub!r}")
+            node[part] = node = dict(sub or {})
+        if last in node:
+            raise ConfigError(f"{prefix}{name} and {prefix}{old[name]} are one key ({prefix}"
+                              f"{name} is its older name): give it once, as {prefix}{old[name]}")
+        node[last] = value
     return out
 
 
@@ -96,19 +107,28 @@ def _override_value(key: str, text: str, tp):
     return value
 
 
+def _drop_older(cls, node: dict, rest: list[str]) -> None:
+    """Remove from `node` (section `cls`'s raw mapping) the values given under an older name of
+    the key `rest` leads to: an override replaces them."""
+    for old, new in renamed(cls).items():
+        if rest[:len(new.split("."))] == new.split("."):
+            node.pop(old, None)
+
+
 def apply_override(root, raw: dict, item: str) -> None:
-    """Set one `a.b=c` into the nested raw dict, checking the path against `root`'s schema."""
+    """Set one `a.b=c` into the nested raw dict, checking the path against `root`'s schema
+    (an older key name, `renamed`, read as the key it became)."""
     parts, text = _parse_override(item)
     key = ".".join(parts)
-    cls, node = root, raw
-    for i, name in enumerate(parts):
+    cls, node, i = root, raw, 0
+    while i < len(parts):
         prefix = "".join(p + "." for p in parts[:i])
         types = field_types(cls)
-        name = renamed(cls).get(name, name)
+        parts[i:i + 1] = renamed(cls).get(parts[i], parts[i]).split(".")
+        name = parts[i]
         if name not in types:
             raise _unknown(prefix, name, cls)
-        for old in [o for o, new in renamed(cls).items() if new == name]:
-            node.pop(old, None)  # the override replaces the value given under an older name
+        _drop_older(cls, node, parts[i:])
         tp, last = types[name], i == len(parts) - 1
         if dataclasses.is_dataclass(tp):
             if last:
@@ -118,9 +138,10 @@ def apply_override(root, raw: dict, item: str) -> None:
                 node[name] = {}
             if not isinstance(node[name], dict):
                 raise ConfigError(f"{prefix}{name}: expected a mapping, got {node[name]!r}")
-            cls, node = tp, node[name]
+            cls, node, i = tp, node[name], i + 1
         elif last:
             node[name] = _override_value(key, text, tp)
+            return
         elif tp is dict or get_origin(tp) is dict:  # task.kwargs.num_digits=3
             default = {f.name: f for f in dataclasses.fields(cls)}[name].default_factory()
             sub = node.get(name, default)
@@ -133,5 +154,3 @@ def apply_override(root, raw: dict, item: str) -> None:
         else:
             raise ConfigError(f"{key}: {prefix}{name} is a value of type {type_name(tp)}, "
                               "not a section")
-
-

@@ -1,6 +1,10 @@
-"""The run config's `rollout` section: sampling G responses per prompt, and the sampler backend's
-settings. Conventions as in `megatron_gspo.config.sections`: every field has a docstring,
-`__post_init__` only checks, derived values are properties (`RolloutConfig.sampler`).
+"""The run config's `rollout` section: sampling G responses per prompt, and the settings of the
+sampler backends, each in its own section nested in it (`rollout.decoders`,
+`rollout.megatron_engine`, `rollout.vllm`: `megatron_gspo.config.vllm`; a backend declares its
+section, `megatron_gspo.rollout.sampler.Backend.settings`). Conventions as in
+`megatron_gspo.config.sections`: every field has a docstring, `__post_init__` only checks,
+derived values are properties (`RolloutConfig.sampler`). Keys that moved into a backend's section
+still load under their older names (`RolloutConfig._renamed`).
 """
 
 from __future__ import annotations
@@ -8,35 +12,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Optional
 
-from megatron_gspo.config.fields import check, validate
+from megatron_gspo.config.fields import check, may_change, validate
 from megatron_gspo.config.vllm import VLLMConfig
 
 
 @dataclass(frozen=True)
-class RolloutConfig:
-    """Sampling of G responses per prompt."""
-    _section: ClassVar[str] = "rollout"
+class DecodersConfig:
+    """backend=lean|megatron: our KV-cache decoders in the trainer process."""
+    _section: ClassVar[str] = "rollout.decoders"
 
-    prompts_per_batch: int = 8
-    """Prompts per rollout batch (over all data-parallel ranks)."""
-    group_size: int = 8
-    """G: responses sampled per prompt (>= 2, advantages are group-normalised)."""
-    temperature: float = 1.0
-    """Sampling temperature (> 0); log-probs are computed at the same temperature."""
-    top_p: float = 1.0
-    """Nucleus sampling mass (0 < top_p <= 1)."""
-    max_new_tokens: int = 8
-    """Maximum response length in tokens."""
-    max_batch_rows: int = 0
-    """Most rows (responses) one sampler call decodes at once: a rank's rollout rows are
-    sampled in consecutive calls of whole groups of at most this many rows (one group at
-    least), merged into one batch; 0 = all of a rank's rows in one call. Bounds the KV-cache
-    sampler's cache (rows x (prompt + max_new_tokens) x layers x 2 x KV heads x head dim;
-    `megatron-gspo plan` sizes it). Reproducible (the calls draw from the same seeded stream in
-    turn), but another value samples other tokens. A memory knob: may change on resume."""
-    use_sampler_logprobs: bool = False
-    """Use the sampler's log-probs as pi_old instead of a recompute forward (the GSPO paper's
-    claim that inference-engine likelihoods can be used directly, sec. 4.3)."""
+    kv_cache: bool = True
+    """Sample with megatron-core's static KV cache (one new column per step); False recomputes
+    the full forward each step. Sequence parallelism always recomputes."""
     sampler_dtype: Literal["same", "bf16"] = "same"
     """Precision of the sampler's forwards: "same" as the trainer, or "bf16" (autocast) for a
     real train-inference mismatch with an fp32 trainer (`megatron_gspo.rollout.precision`):
@@ -48,15 +35,60 @@ class RolloutConfig:
     logits), in every forward the sampler runs, rollouts and evaluations: an inference engine
     whose routing differs from the trainer's (as a bf16 engine's does at scale) at a chosen
     rate. R3 replays the noisy routing it recorded; R2 and no replay route cleanly in the
-    trainer. The KV-cache decoders only (backend lean / megatron; `moe.router_noise`)."""
+    trainer. Refused with another backend (`moe.router_noise`)."""
     router_noise: Literal["fixed", "fresh"] = "fixed"
     """How router_noise_std draws: "fixed", a fixed function of each router's input for the
     whole run (the same token in the same context always routes the same way: an engine whose
     kernels compute other router logits, as bf16 ones do), or "fresh", a new Gaussian draw in
     every rollout (an engine whose routing is not even reproducible)."""
-    kv_cache: bool = True
-    """Sample with megatron-core's static KV cache (one new column per step); False recomputes
-    the full forward each step. Sequence parallelism always recomputes."""
+
+    def __post_init__(self):
+        validate(self, ge={"router_noise_std": 0})
+
+
+@dataclass(frozen=True)
+class MegatronEngineConfig:
+    """backend=megatron_engine: megatron-core's dynamic inference engine."""
+    _section: ClassVar[str] = "rollout.megatron_engine"
+
+    cuda_graphs: bool = True
+    """Replay the engine's decode steps as CUDA graphs (megatron's own, `cuda_graph_impl=local`
+    at block scope; training forwards stay eager)."""
+
+    def __post_init__(self):
+        validate(self)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Sampling of G responses per prompt."""
+    _section: ClassVar[str] = "rollout"
+    _renamed: ClassVar[dict] = {
+        "kv_cache": "decoders.kv_cache", "sampler_dtype": "decoders.sampler_dtype",
+        "router_noise_std": "decoders.router_noise_std", "router_noise": "decoders.router_noise",
+        "cuda_graphs": "megatron_engine.cuda_graphs", "engine_dtype": "vllm.dtype",
+        "engine_kv_cache_gb": "vllm.kv_cache_gb", "push_check_tol": "vllm.push_check_tol"}
+
+    prompts_per_batch: int = 8
+    """Prompts per rollout batch (over all data-parallel ranks)."""
+    group_size: int = 8
+    """G: responses sampled per prompt (>= 2, advantages are group-normalised)."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0); log-probs are computed at the same temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (0 < top_p <= 1)."""
+    max_new_tokens: int = 8
+    """Maximum response length in tokens."""
+    max_batch_rows: int = may_change(0)
+    """Most rows (responses) one sampler call decodes at once: a rank's rollout rows are
+    sampled in consecutive calls of whole groups of at most this many rows (one group at
+    least), merged into one batch; 0 = all of a rank's rows in one call. Bounds the KV-cache
+    sampler's cache (rows x (prompt + max_new_tokens) x layers x 2 x KV heads x head dim;
+    `megatron-gspo plan` sizes it). Reproducible (the calls draw from the same seeded stream in
+    turn), but another value samples other tokens. A memory knob: may change on resume."""
+    use_sampler_logprobs: bool = False
+    """Use the sampler's log-probs as pi_old instead of a recompute forward (the GSPO paper's
+    claim that inference-engine likelihoods can be used directly, sec. 4.3)."""
     backend: str = "lean"
     """The sampler (`megatron_gspo.rollout.sampler`): "lean" (our KV-cache decoder in the
     trainer process: walks megatron's layers itself, caches rotated keys, attends per K/V group;
@@ -67,39 +99,22 @@ class RolloutConfig:
     decoder: Literal["lean", "megatron"] = "lean"
     """The older spelling of backend=lean|megatron: with backend left at "lean",
     decoder=megatron selects the megatron sampler."""
-    cuda_graphs: bool = True
-    """backend=megatron_engine: replay its decode steps as CUDA graphs (megatron's own,
-    `cuda_graph_impl=local` at block scope; training forwards stay eager)."""
-    engine_dtype: Literal["auto", "fp32", "bf16"] = "auto"
-    """backend=vllm: the engine's precision ("auto": the model's, model.dtype); bf16 with an
-    fp32 trainer is the train-inference mismatch R3 removes."""
-    engine_kv_cache_gb: float = 1.0
-    """backend=vllm: the engine's KV cache, in GiB (vLLM otherwise reserves a fraction of the
-    host's or GPU's memory)."""
-    push_check_tol: Optional[float] = None
-    """backend=vllm: after each weight push the engine's and the trainer's log-probs of the
-    engine's greedy continuation of a fixed prompt may differ by at most this (nats, over its
-    tokens the mean for a float32 engine, median for bfloat16) or the run stops before sampling;
-    None: 1e-4 for a float32 engine, 0.8 for bfloat16. May change on resume."""
+    decoders: DecodersConfig = field(default_factory=DecodersConfig)
+    """backend=lean|megatron: the KV-cache decoders' settings."""
+    megatron_engine: MegatronEngineConfig = field(default_factory=MegatronEngineConfig)
+    """backend=megatron_engine: the engine's settings."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
-    """backend=vllm: where the engine runs (in this process or as engine servers)."""
+    """backend=vllm: the engine's precision and cache, and where it runs (in this process or as
+    engine servers)."""
 
     def __post_init__(self):
         validate(self, nonempty=("backend",),
                  ge={"prompts_per_batch": 1, "group_size": 2, "max_new_tokens": 1,
-                     "router_noise_std": 0, "max_batch_rows": 0},
-                 gt={"temperature": 0, "engine_kv_cache_gb": 0, "push_check_tol": 0})
+                     "max_batch_rows": 0},
+                 gt={"temperature": 0})
         check(self, "top_p", 0 < self.top_p <= 1, "must be in (0, 1]")
-        check(self, "router_noise_std", not self.router_noise_std
-              or self.sampler in ("lean", "megatron"),
-              f"needs backend lean or megatron (our decoders), not {self.sampler!r}")
 
     @property
     def sampler(self) -> str:
         """The sampler's registered name: `backend`, or `decoder` while backend is "lean"."""
         return self.decoder if self.backend == "lean" else self.backend
-
-    @property
-    def engine_graphs(self) -> bool:
-        """Whether the policy is built with megatron's inference CUDA graphs."""
-        return self.sampler == "megatron_engine" and self.cuda_graphs

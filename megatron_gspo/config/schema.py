@@ -14,6 +14,7 @@ for `megatron-gspo config`. docs/config.md is the reference.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Sequence, Union
@@ -23,7 +24,8 @@ import yaml
 from megatron_gspo.config.data import (DataConfig, FilterConfig, RewardConfig,  # noqa: F401
                                        check_data_sections)
 from megatron_gspo.config.docs import describe_fields, field_docs
-from megatron_gspo.config.fields import OptionalPath, Path, Paths, check, validate
+from megatron_gspo.config.fields import (MAY_CHANGE, OptionalPath, Path, Paths, check,
+                                         field_types, may_change, validate)
 from megatron_gspo.config.loader import apply_override, build, renamed
 from megatron_gspo.config.rollout import RolloutConfig  # noqa: F401
 from megatron_gspo.config.sections import (LossConfig, ModelConfig, OptimConfig,  # noqa: F401
@@ -32,7 +34,7 @@ from megatron_gspo.config.yamlfile import atomic_write, load_layered
 from megatron_gspo.errors import ConfigError
 
 __all__ = ["RunConfig", "config_from_dict", "config_to_dict", "describe_config", "field_docs",
-           "load_config", "local_prompts", "renamed_keys", "save_config"]
+           "load_config", "local_prompts", "renamed_keys", "resume_may_change", "save_config"]
 
 
 @dataclass(frozen=True)
@@ -40,17 +42,17 @@ class RunConfig:
     """Top level of an experiment file."""
     _section: ClassVar[str] = ""
 
-    run_dir: Path = "runs/default"
+    run_dir: Path = may_change("runs/default")
     """Output directory: metrics.jsonl, resolved config, checkpoints/."""
     seed: int = 0
     """Global seed (model init, sampling, minibatch order); 0 <= seed < 2**32."""
     init_checkpoint: OptionalPath = None
     """Initial weights: a run dir (its latest checkpoint) or a step dir, any parallel layout."""
-    resume: Union[bool, Literal["force"]] = True
+    resume: Union[bool, Literal["force"]] = may_change(True)
     """Resume from run_dir's newest good checkpoint if there is one. A run dir belongs to one
     run: resuming with a different job or semantic config is refused (`megatron_gspo.run.rundir`);
     "force" resumes anyway with the new config; false refuses a run dir holding checkpoints."""
-    plugins: Paths = field(default_factory=list)
+    plugins: Paths = may_change(factory=list)
     """User modules imported before the config's names are checked, so that a loss, reward,
     task or sampler they register is valid (docs/extending.md): a module name importable here
     or a path to a .py file or package folder (relative to the working directory). The CLI's
@@ -69,7 +71,7 @@ class RunConfig:
     """RL loop."""
     sft: SFTConfig = field(default_factory=SFTConfig)
     """Supervised cold start."""
-    wandb: WandbConfig = field(default_factory=WandbConfig)
+    wandb: WandbConfig = may_change(factory=WandbConfig)
     """wandb logging."""
     data: DataConfig = field(default_factory=DataConfig)
     """Dataset files (task.name=dataset)."""
@@ -101,12 +103,6 @@ class RunConfig:
                     f"loss.{key}={getattr(self.loss, key)} reads pi_old / pi_sampler: with "
                     "rollout.use_sampler_logprobs=true pi_old is the sampler's, so every ratio "
                     "would be 1")
-        if self.train.routing_replay == "r3" and self.rollout.sampler in ("lean", "megatron") \
-                and (not self.rollout.kv_cache or self.model.sequence_parallel):
-            raise ConfigError(
-                "train.routing_replay=r3 records routing through the KV-cache sampler: it needs "
-                f"rollout.kv_cache=true (got {self.rollout.kv_cache}) and "
-                f"model.sequence_parallel=false (got {self.model.sequence_parallel})")
 
 
 def local_prompts(cfg: RunConfig, dp: int) -> int:
@@ -124,14 +120,30 @@ def local_prompts(cfg: RunConfig, dp: int) -> int:
     return prompts // dp
 
 
-def renamed_keys() -> dict[str, str]:
-    """{older dotted key: its key now} over every section (`loader.renamed`): what a run record
-    written before a rename holds (task.n_eval: task.n_test)."""
-    out = {}
-    for f in dataclasses.fields(RunConfig):
-        tp = type(getattr(RunConfig(), f.name))
-        out.update({f"{f.name}.{old}": f"{f.name}.{new}" for old, new in renamed(tp).items()})
+def renamed_keys(cls=RunConfig, prefix: str = "") -> dict[str, str]:
+    """{older dotted key: its key now} over every section, nested ones too (`loader.renamed`):
+    what a run record written before a rename holds (task.n_eval: task.n_test,
+    rollout.engine_dtype: rollout.vllm.dtype)."""
+    out = {f"{prefix}{old}": f"{prefix}{new}" for old, new in renamed(cls).items()}
+    for name, tp in field_types(cls).items():
+        if dataclasses.is_dataclass(tp):
+            out.update(renamed_keys(tp, f"{prefix}{name}."))
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def resume_may_change(cls=RunConfig, prefix: str = "") -> tuple[str, ...]:
+    """The dotted keys of the fields (or whole sections) marked `fields.may_change`, nested
+    sections walked: what a resume may change (`megatron_gspo.run.rundir` leaves them out of a
+    run's fingerprint)."""
+    out = []
+    for f in dataclasses.fields(cls):
+        tp = field_types(cls)[f.name]
+        if f.metadata.get(MAY_CHANGE):
+            out.append(prefix + f.name)
+        elif dataclasses.is_dataclass(tp):
+            out += resume_may_change(tp, f"{prefix}{f.name}.")
+    return tuple(out)
 
 
 def config_from_dict(d: dict) -> RunConfig:

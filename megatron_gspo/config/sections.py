@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Optional
 
 from megatron_gspo.config.fields import (Band, OptionalPath, check, check_band, check_ratio_band,
-                                         validate)
+                                         may_change, validate)
 from moe.presets import PRESETS
 from moe.settings import RECOMPUTE_MODULES, OptimSettings, layout_problems, resolve_dispatcher
 
@@ -44,7 +44,7 @@ class ModelConfig:
     (megatron's Float16 optimizer); fp16 adds loss scaling (optim.loss_scale)."""
     aux_loss_coeff: float = 0.0
     """MoE load-balancing auxiliary loss coefficient (0 = off)."""
-    dist_timeout_min: float = 10.0
+    dist_timeout_min: float = may_change(10.0)
     """Timeout of every collective (torch.distributed and megatron's groups), in minutes: a rank
     waiting longer on its peers fails with the backend's timeout error instead of hanging
     (torch's default is 30)."""
@@ -69,11 +69,11 @@ class ModelConfig:
     """Architecture fields of model.preset to replace, e.g. {num_experts: 64, topk: 2,
     moe_ffn_hidden_size: 32, norm_topk_prob: false} (any `moe.presets.MoEPreset` field but
     name, vocab_size, max_seq_len, hf_model_type; random init). Not with hf_path."""
-    recompute_granularity: Literal["off", "selective", "full"] = "off"
+    recompute_granularity: Literal["off", "selective", "full"] = may_change("off")
     """megatron's activation recompute for long responses: 'selective' re-runs
     recompute_modules in the backward, 'full' every transformer layer. Same grads (routing
     replay included), less activation memory, one more forward."""
-    recompute_modules: str = "moe"
+    recompute_modules: str = may_change("moe")
     """Comma-separated modules for 'selective': moe (the whole MoE layer: router, dispatch,
     experts), core_attn."""
     attention: Literal["megatron", "sdpa"] = "sdpa"
@@ -214,7 +214,7 @@ class TrainConfig:
     """RL loop: iterations, minibatching, Routing Replay, instrumentation."""
     _section: ClassVar[str] = "train"
 
-    steps: int = 20
+    steps: int = may_change(20)
     """Unit: rollout batches (iterations), NOT optimizer steps: each rollout batch takes
     `num_minibatches` optimizer steps, so a run makes steps * num_minibatches of them (the
     metrics' `step` counts optimizer steps; `train/iteration` counts rollout batches). eval_every,
@@ -225,24 +225,24 @@ class TrainConfig:
     routing_replay: Literal["off", "r2", "r3"] = "off"
     """Routing Replay: off; r2 = replay pi_old's routing from its training-side forward (GSPO
     paper sec. 5.3); r3 = replay the routing the sampler used (arXiv 2510.11370): our decoders
-    record it through the KV cache (needs rollout.kv_cache, no sequence parallelism), an
+    record it through the KV cache (needs rollout.decoders.kv_cache, no sequence parallelism), an
     inference engine reports its own."""
-    flip_every: int = 1
+    flip_every: int = may_change(1)
     """Measure per-layer expert flips every k optimizer steps (0 = never), and the router margin
     (`moe/router_margin/...`, from the same forward's router scores)."""
-    router_margin_small: float = 0.01
+    router_margin_small: float = may_change(0.01)
     """The threshold of `moe/router_margin_small/layer_XX`: the fraction of loss positions whose
     router-probability gap between their K-th and (K+1)-th expert is below it (> 0; a
     probability, so compare with 1 / num_experts, 0.0625 for qwen3-moe-tiny)."""
-    route_sensitivity_every: int = 0
+    route_sensitivity_every: int = may_change(0)
     """Measure `moe/route_sensitivity/layer_XX` every k rollout batches, on the rollout batch at
     pi_old's weights before its first optimizer step (0 = never): L + 1 no-grad forwards of the
     whole batch (`megatron_gspo.algo.sensitivity`; train.logprob_max_tokens does not split
     them). Changes nothing that is trained."""
-    route_sensitivity_fraction: float = 0.1
+    route_sensitivity_fraction: float = may_change(0.1)
     """The fraction of loss positions whose K-th expert is swapped for their (K+1)-th, one layer
     at a time, in `moe/route_sensitivity` (in (0, 1])."""
-    logprob_max_tokens: int = 4096
+    logprob_max_tokens: int = may_change(4096)
     """Token budget (sequences x padded length, at least one sequence) per forward of the
     no-grad passes over a whole rollout batch: pi_old, R3's replayed pi_old, the reference
     policy; 0 = all at once. Bounds their activation and logits memory (verl's
@@ -250,7 +250,7 @@ class TrainConfig:
     per-forward overhead dominates there on CPU (`bench/step.py --pi-old`). The same
     numbers as one pass to fp32 rounding (GEMMs over fewer rows); ranks agree on the number of
     forwards. A memory knob: may change on resume."""
-    micro_max_tokens: int = 0
+    micro_max_tokens: int = may_change(0)
     """Token budget (sequences x padded length, at least one sequence) per forward and backward
     of an optimizer step: each minibatch runs in as few row chunks as keep within it, their
     gradients accumulated into the one optimizer step; 0 = the whole minibatch in one forward.
@@ -265,14 +265,14 @@ class TrainConfig:
     sampler, pi_old, eval and flip-measurement forwards are clean; seeded per optimizer step).
     Under train.routing_replay=r2/r3 the replayed top-k is forced, so it has no effect: it adds
     exactly the routing-induced noise replay removes (`moe.router_noise`)."""
-    eval_every: int = 10
+    eval_every: int = may_change(10)
     """Evaluate every k iterations (0 = never)."""
-    save_every: int = 10
+    save_every: int = may_change(10)
     """Checkpoint every k iterations and at the end (0 = never)."""
-    keep_checkpoints: int = 0
+    keep_checkpoints: int = may_change(0)
     """Keep the newest k checkpoint steps (`latest` and the complete ones before it), deleting
     older step dirs after each save (0 = keep all). May change on resume."""
-    log_every: int = 1
+    log_every: int = may_change(1)
     """Print a progress line every k iterations (metrics.jsonl gets every step)."""
     collapse_reward_drop: float = 0.5
     """Alert when the rolling reward falls by this fraction from its best."""
@@ -280,7 +280,7 @@ class TrainConfig:
     """Alert when the mean token entropy falls below this."""
     max_skipped_steps: int = 10
     """Abort after this many consecutive steps skipped for NaN / inf loss or grad norm."""
-    start_accuracy: Band = None
+    start_accuracy: Band = may_change(None)
     """[low, high]: refuse to start (before any RL step) when the initial policy's held-out
     accuracy, the iteration-0 eval (run for this check also with eval_every 0), is outside this
     band, so that every arm of an experiment starts where its recipe says
@@ -305,14 +305,14 @@ class SFTConfig:
     """Supervised cold start (`megatron-gspo sft`)."""
     _section: ClassVar[str] = "sft"
 
-    steps: int = 300
+    steps: int = may_change(300)
     """Unit: optimizer steps (one batch of batch_size examples each), unlike train.steps, which
     counts rollout batches."""
     batch_size: int = 64
     """Examples per step (over all data-parallel ranks)."""
     lr: float = 3e-3
     """Learning rate."""
-    eval_every: int = 100
+    eval_every: int = may_change(100)
     """Evaluate every k steps (0 = never)."""
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
     """lr schedule (megatron's OptimizerParamScheduler): constant, or linear / cosine decay from
@@ -320,7 +320,7 @@ class SFTConfig:
     decay spans, not where SFT stops)."""
     min_lr: float = 0.0
     """Floor of the linear / cosine decay."""
-    target_accuracy: Band = None
+    target_accuracy: Band = may_change(None)
     """[low, high]: stop at the first eval (every sft.eval_every steps) whose held-out accuracy
     is in [low, high] and save there; sft.steps is then a budget: exhausting it is an error
     (the checkpoint is kept), and so is an eval that jumps past high (`megatron_gspo.jobs.band`).

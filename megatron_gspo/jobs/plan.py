@@ -5,16 +5,17 @@ N GPUs fit, and an estimated step time; every assumption printed. No torch, no m
 Memory (`moe.memory`, the accounting tools/train_memory and tools/replay_memory use): the
 training state (weights, fp32 main grads, fp32 masters and Adam moments, with and without the
 distributed optimizer), the routing caches the trainer keeps for a rollout batch, then the
-largest of three phases, which never overlap: the rollout (the KV-cache sampler's cache and its
-stacked expert weights, megatron_engine's buffer; vLLM's own weights and cache stay for the whole
-step), the pi_old pass (one no-grad forward of `train.logprob_max_tokens`) and the train step
-(one microbatch of `train.micro_max_tokens`: saved layers under the recompute setting, the
-log-prob's backward, a layer's backward). It fits when that peak is at most `HEADROOM` of the
+largest of three phases, which never overlap: the rollout (what the backend declares,
+`megatron_gspo.rollout.sampler.Backend.plan_memory`: the KV-cache sampler's cache and its
+stacked expert weights, an engine's buffer; an in-process engine's own weights and cache stay
+for the whole step), the pi_old pass (one no-grad forward of `train.logprob_max_tokens`) and the
+train step (one microbatch of `train.micro_max_tokens`: saved layers under the recompute
+setting, the log-prob's backward, a layer's backward). It fits when that peak is at most `HEADROOM` of the
 GPU's memory. Time: `plan_time`.
 
-A layout that cannot exist is one line and exit status 2 (`check_layout`: the config's own rules,
-`MoEPreset.check_parallel`, N a multiple of TP and EP, the batch split over DP); a plan that does
-not fit exits 1.
+A layout that cannot exist is one line and exit status 2 (`check_layout`: the config's own rules
+and its backend's, `rollout.backends.check_config`; `MoEPreset.check_parallel`, N a multiple of
+TP and EP, the batch split over DP); a plan that does not fit exits 1.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from megatron_gspo.config.schema import RunConfig, local_prompts
 from megatron_gspo.errors import ConfigError
 from megatron_gspo.jobs.plan_time import rows_per_call, step_time
+from megatron_gspo.rollout.backends import backend_of, check_config
 from moe import memory as mem
 from moe.hf.config import preset_from_hf
 from moe.presets import get_preset
@@ -34,7 +36,6 @@ from moe.presets import get_preset
 HEADROOM = 0.9
 """Share of a GPU's memory the plan may fill: the rest is for the CUDA context, NCCL's buffers
 and the caching allocator's fragmentation."""
-ENGINE_BUFFER_GIB = 4.0  # megatron_engine's KV buffer (moe.engine's buffer_size_gb default)
 GIB = mem.GIB
 WIDTH = 100  # the report's line width
 
@@ -107,6 +108,7 @@ def with_layout(cfg: RunConfig, tp: int, ep: int) -> RunConfig:
 def check_layout(p, cfg: RunConfig, gpus: int) -> None:
     """ConfigError, one line naming the values, for a layout that cannot exist on `gpus`."""
     tp, ep = cfg.model.tp, cfg.model.ep
+    check_config(cfg)
     for key, value in (("model.tp", tp), ("model.ep", ep)):
         if gpus % value:
             raise ConfigError(f"--gpus {gpus} is not a multiple of {key}={value}")
@@ -140,8 +142,9 @@ def plan_layout(p, cfg: RunConfig, gpus: int) -> Plan:
            ("routing caches: pi_old's" + (" and the sampler's (R3)" if caches > 1 else ""),
             cache)]
     persistent = sum(state.values()) + cache
-    engine, phases = _rollout_rows(q, cfg, rows, T, a, ep), {}
-    if r.sampler == "vllm" and r.vllm.mode == "in_process":  # there for the whole step
+    engine, whole_step = backend_of(cfg).plan_memory(q, cfg, rows_per_call(cfg, rows), T)
+    phases = {}
+    if whole_step:
         out += engine
         persistent += sum(b for _, b in engine)
         engine = []
@@ -167,37 +170,6 @@ def _micro_rows(cfg: RunConfig, rows: int, T: int) -> int:
     minibatch = rows // cfg.train.num_minibatches
     budget = cfg.train.micro_max_tokens
     return minibatch if not budget else min(minibatch, max(1, budget // T))
-
-
-def _rollout_rows(q, cfg: RunConfig, rows: int, T: int, a: int, ep: int) -> list:
-    r, m = cfg.rollout, cfg.model
-    per_call = rows_per_call(cfg, rows)
-    if r.sampler == "vllm" and r.vllm.mode == "server":  # the engine on its own devices
-        largest = max(q.num_experts * 2 * q.moe_ffn_hidden_size, q.vocab_size) \
-            * q.hidden_size * a  # a stacked fc1 or the embedding, gathered whole
-        return [("push: largest parameter gathered, parts + whole", 2 * largest),
-                (f"push: one bucket (rollout.vllm.bucket_mb={r.vllm.bucket_mb:g})",
-                 r.vllm.bucket_mb * 2**20)]
-    if r.sampler == "vllm":
-        engine_a = a if r.engine_dtype == "auto" else mem.ITEMSIZE[r.engine_dtype]
-        return [("vLLM engine weights (the whole model)", q.num_params()["total"] * engine_a),
-                (f"vLLM KV cache (rollout.engine_kv_cache_gb={r.engine_kv_cache_gb:g})",
-                 r.engine_kv_cache_gb * GIB)]
-    if r.sampler == "megatron_engine":
-        return [("megatron_engine KV buffer", ENGINE_BUFFER_GIB * GIB)]
-    if r.kv_cache and not m.sequence_parallel:
-        out = [(f"KV cache ({r.sampler}: {_rows(per_call)} x {T})",
-                mem.kv_cache_bytes(q, per_call, T, a, m.tp))]
-    else:  # full recompute each step: one no-grad forward of the call's rows
-        out = [(f"recomputed forward ({_rows(per_call)} x {T}, no KV cache)",
-                mem.forward_memory(q, per_call, T, 1, a, m.tp, ep, m.sequence_parallel))]
-    stack = mem.expert_stack_bytes(q, ep, a)
-    if r.sampler == "lean" and m.tp == 1 and ep == 1:  # its own MoE path keeps them stacked
-        out.append(("stacked expert weights (lean decoder, for the rollout)",
-                    q.num_layers * stack))
-    else:  # megatron's MoE layer stacks one layer's experts per forward
-        out.append(("one layer's expert weights stacked per forward", stack))
-    return out
 
 
 def _old_pass_rows(q, cfg: RunConfig, rows: int, T: int, new: int, a: int) -> list:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from megatron_gspo.rollout.backends import backend_of
+
 PEAK_TFLOPS = 989.0  # H100 SXM dense bf16 (bench.gpu_stages.PEAK_TFLOPS)
 GPU = "NVIDIA H100 80GB HBM3"
 TRAIN = {"file": "experiments/gpu/results/train_l4.json", "layers": 4, "micro": 4, "B": 8,
@@ -25,9 +27,11 @@ DECODE = {"file": "experiments/gpu/results/rollout.json", "layers": 2, "rows": 6
           "prompt": 64, "new_tokens": 512,
           "tokens_per_s": {"lean": 1080.1736100200283, "megatron": 1080.1736100200283,
                            "megatron_engine": 4684.8891816492605,
-                           "megatron_engine_graphs": 10339.95033829267}}
-"""New tokens per second of each sampler at 2 layers, 64 rows x 512 new tokens (the megatron
-decoder was not measured on the GPU: the lean one's figure stands in)."""
+                           "megatron_engine_graphs": 10339.95033829267},
+          "stand_in": "megatron_engine_graphs"}
+"""New tokens per second of each sampler at 2 layers, 64 rows x 512 new tokens, by the key a
+backend names (`rollout.sampler.Backend.measured`; the megatron decoder was not measured on the
+GPU: the lean one's figure stands in); a backend without one gets `stand_in`'s."""
 
 
 @dataclass(frozen=True)
@@ -53,13 +57,12 @@ def rows_per_call(cfg, rows: int) -> int:
 
 def sampler_figure(cfg) -> tuple[str, float, str]:
     """(measured backend, its tokens/s, a note) for the config's sampler."""
-    name = cfg.rollout.sampler
-    if name == "megatron_engine":
-        name = "megatron_engine_graphs" if cfg.rollout.cuda_graphs else name
-    if name in DECODE["tokens_per_s"]:
-        return name, DECODE["tokens_per_s"][name], ""
-    return "megatron_engine_graphs", DECODE["tokens_per_s"]["megatron_engine_graphs"], \
-        f"rollout.backend={name} has no GPU figure here: megatron_engine_graphs' stands in"
+    key = backend_of(cfg).measured(cfg)
+    if key in DECODE["tokens_per_s"]:
+        return key, DECODE["tokens_per_s"][key], ""
+    key = DECODE["stand_in"]
+    return key, DECODE["tokens_per_s"][key], \
+        f"rollout.backend={cfg.rollout.sampler} has no GPU figure here: {key}' stands in"
 
 
 def recompute_factor(p, cfg, seq_len: int) -> tuple[float, str]:

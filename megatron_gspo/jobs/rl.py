@@ -26,8 +26,8 @@ and the first minibatch is on-policy (ratio 1). It logs `rollout/routing_mismatc
 rate of the sampler's routing vs the training-side live recompute of the same weights, and
 `rollout/logprob_mismatch_r3/...`, the sampler's log-probs vs pi_old's replayed ones (what is
 left after R3: the precision). Departure: by default both sides run the same weights in the same
-framework and precision, so the mismatch is float rounding only (`rollout.sampler_dtype=bf16`
-makes it real, `megatron_gspo.rollout.precision`); with a separate inference engine (vLLM/SGLang
+framework and precision, so the mismatch is float rounding only
+(`rollout.decoders.sampler_dtype=bf16` makes it real, `megatron_gspo.rollout.precision`); with a separate inference engine (vLLM/SGLang
 kernels, bf16) it is what R3 exists to remove.
 """
 
@@ -50,10 +50,11 @@ from megatron_gspo.jobs.band import StartBand
 from megatron_gspo.jobs.rl_metrics import (replay_diff, response_metrics, rollout_metrics,
                                             route_sensitivity_row, throughput)
 from megatron_gspo.jobs.rl_step import accumulate, noise_inputs
+from megatron_gspo.rollout.backends import backend_of
 from megatron_gspo.rollout.batch import RolloutBatch
 from megatron_gspo.rollout.filters import overlong_filter, rollout_health, sample_rollouts
 from megatron_gspo.rollout.generate import generate_rollouts
-from megatron_gspo.rollout.sampler import ENGINES, SamplingParams
+from megatron_gspo.rollout.sampler import SamplingParams
 from megatron_gspo.run import seeds
 from megatron_gspo.run.init import load_init_weights
 from megatron_gspo.run.loop import RunLoop, Schedule
@@ -286,18 +287,16 @@ class Trainer:
 
     def records_sampler_routing(self) -> bool:
         """Record the sampler's routing: for R3, and to measure the sampler-trainer routing
-        mismatch where it can be: an inference engine's (one rollout round), or our decoder's
-        in another precision or with noisy routers (KV cache, one round, no sequence
-        parallelism)."""
+        mismatch where it can differ and the backend can record it (`rollout.sampler.Backend`):
+        an inference engine's, or our decoder's in another precision or with noisy routers
+        (KV cache, no sequence parallelism); one rollout round only."""
         cfg = self.cfg
         if cfg.train.routing_replay == "r3":
             return True
         if cfg.filter.dynamic_sampling:
             return False
-        if cfg.rollout.sampler in ENGINES:  # an engine reports its routing anyway
-            return True
-        mismatched = cfg.rollout.sampler_dtype != "same" or cfg.rollout.router_noise_std > 0
-        return mismatched and cfg.rollout.kv_cache and not cfg.model.sequence_parallel
+        caps = backend_of(cfg)
+        return (caps.engine or caps.mismatched(cfg)) and caps.records_routing(cfg)
 
     def rollout(self, it: int) -> RolloutBatch:
         cfg, info = self.cfg, self.rt.info

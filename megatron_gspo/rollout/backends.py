@@ -1,30 +1,194 @@
-"""`rollout.backend` -> a `Sampler`: the built-in backends registered, and the one lookup.
+"""`rollout.backend` -> a `Sampler`: the built-in backends declared, a config checked against
+its backend's capabilities, and the one lookup.
 
-Importing this module registers "lean" and "megatron" (`rollout.decoders`), "megatron_engine"
-(`rollout.engine`) and "vllm" (`rollout.vllm`); a backend defined elsewhere registers itself with
+The built-in backends register here with their capabilities (`sampler.Backend`) and the path
+of their factory, imported when a run builds the sampler: "lean" and "megatron" (our KV-cache
+decoders in the trainer process, `rollout.decoders`), "megatron_engine" (megatron-core's
+dynamic inference engine on a GPU, `rollout.engine`) and "vllm" (`rollout.vllm`). So the
+trainer, the run's set-up and `megatron-gspo plan` ask a backend what it can do without
+importing it (the plan runs without torch). A backend defined elsewhere registers itself with
 `megatron_gspo.rollout.sampler.register_sampler` and is found by the same name.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+
+from megatron_gspo.config.schema import RunConfig
 from megatron_gspo.errors import ConfigError
-from megatron_gspo.rollout import decoders, engine, vllm  # noqa: F401  (they register backends)
-from megatron_gspo.rollout.sampler import SAMPLERS, Sampler
+from megatron_gspo.rollout.sampler import BACKENDS, SAMPLERS, Backend, Sampler, register_sampler
+from moe import memory as mem
+
+ENGINE_BUFFER_GIB = 4.0  # megatron_engine's KV buffer (moe.engine's buffer_size_gb default)
+
+
+# ----------------------------------------------------------------------------- our decoders
+
+
+def _decoders_record(cfg) -> bool:
+    """The KV-cache decoder records routing; the recomputing one (no KV cache, or sequence
+    parallelism, which megatron-core requires for MoE with TP > 1) cannot."""
+    return cfg.rollout.decoders.kv_cache and not cfg.model.sequence_parallel
+
+
+def _decoders_mismatched(cfg) -> bool:
+    d = cfg.rollout.decoders
+    return d.sampler_dtype != "same" or d.router_noise_std > 0
+
+
+def _decoders_check(cfg) -> None:
+    if cfg.train.routing_replay == "r3" and not _decoders_record(cfg):
+        raise ConfigError(
+            "train.routing_replay=r3 records routing through the KV-cache sampler: it needs "
+            f"rollout.decoders.kv_cache=true (got {cfg.rollout.decoders.kv_cache}) and "
+            f"model.sequence_parallel=false (got {cfg.model.sequence_parallel})")
+
+
+def _rows(n: int) -> str:
+    return f"{n} row" + ("" if n == 1 else "s")
+
+
+def _decoders_memory(q, cfg, rows: int, T: int, lean: bool) -> tuple[list, bool]:
+    """The KV cache (or a recomputed forward) of one call's rows, and the expert weights the
+    decoder stacks: the lean decoder's own MoE path keeps every layer's stacked at TP = EP = 1."""
+    m, a = cfg.model, mem.ITEMSIZE[cfg.model.dtype]
+    if _decoders_record(cfg):
+        out = [(f"KV cache ({cfg.rollout.sampler}: {_rows(rows)} x {T})",
+                mem.kv_cache_bytes(q, rows, T, a, m.tp))]
+    else:  # full recompute each step: one no-grad forward of the call's rows
+        out = [(f"recomputed forward ({_rows(rows)} x {T}, no KV cache)",
+                mem.forward_memory(q, rows, T, 1, a, m.tp, m.ep, m.sequence_parallel))]
+    stack = mem.expert_stack_bytes(q, m.ep, a)
+    if lean and m.tp == 1 and m.ep == 1:
+        out.append(("stacked expert weights (lean decoder, for the rollout)",
+                    q.num_layers * stack))
+    else:  # megatron's MoE layer stacks one layer's experts per forward
+        out.append(("one layer's expert weights stacked per forward", stack))
+    return out, False
+
+
+def _decoders(name: str) -> Backend:
+    return Backend(records_routing=_decoders_record, mismatched=_decoders_mismatched,
+                   settings="rollout.decoders", own_keys=("rollout.decoders.router_noise_std",),
+                   check=_decoders_check,
+                   plan_memory=functools.partial(_decoders_memory, lean=name == "lean"),
+                   measured=lambda cfg: name)
+
+
+register_sampler("lean", _decoders("lean"), factory="megatron_gspo.rollout.decoders:lean_sampler")
+register_sampler("megatron", _decoders("megatron"),
+                 factory="megatron_gspo.rollout.decoders:megatron_sampler")
+
+
+# ----------------------------------------------------------------------------- the engines
+
+
+def _always(cfg) -> bool:
+    return True
+
+
+def _graphs(cfg) -> bool:
+    return cfg.rollout.megatron_engine.cuda_graphs
+
+
+def _megatron_engine_memory(q, cfg, rows: int, T: int) -> tuple[list, bool]:
+    return [("megatron_engine KV buffer", ENGINE_BUFFER_GIB * mem.GIB)], False
+
+
+register_sampler("megatron_engine", Backend(
+    engine=True, records_routing=_always, needs_cuda=True,
+    settings="rollout.megatron_engine", cuda_graphs=_graphs, plan_memory=_megatron_engine_memory,
+    measured=lambda cfg: "megatron_engine_graphs" if _graphs(cfg) else "megatron_engine"),
+    factory="megatron_gspo.rollout.engine:factory")
+
+
+def _vllm_memory(q, cfg, rows: int, T: int) -> tuple[list, bool]:
+    """In this process: the engine's whole model and KV cache, for the whole step. As engine
+    servers: on the trainer's GPUs only a push's largest gathered parameter and one bucket."""
+    r, a = cfg.rollout, mem.ITEMSIZE[cfg.model.dtype]
+    if r.vllm.mode == "server":  # the engine on its own devices
+        largest = max(q.num_experts * 2 * q.moe_ffn_hidden_size, q.vocab_size) \
+            * q.hidden_size * a  # a stacked fc1 or the embedding, gathered whole
+        return [("push: largest parameter gathered, parts + whole", 2 * largest),
+                (f"push: one bucket (rollout.vllm.bucket_mb={r.vllm.bucket_mb:g})",
+                 r.vllm.bucket_mb * 2**20)], False
+    engine_a = a if r.vllm.dtype == "auto" else mem.ITEMSIZE[r.vllm.dtype]
+    return [("vLLM engine weights (the whole model)", q.num_params()["total"] * engine_a),
+            (f"vLLM KV cache (rollout.vllm.kv_cache_gb={r.vllm.kv_cache_gb:g})",
+             r.vllm.kv_cache_gb * mem.GIB)], True
+
+
+register_sampler("vllm", Backend(engine=True, records_routing=_always, settings="rollout.vllm",
+                                 plan_memory=_vllm_memory),
+                 factory="megatron_gspo.rollout.vllm:factory")
+
+
+# ----------------------------------------------------------------------------- lookup, checks
+
+
+def backend_of(cfg) -> Backend:
+    """The capabilities of the run's sampler (`cfg.rollout.sampler`); ConfigError naming
+    `rollout.backend` unless one of that name is registered."""
+    name = cfg.rollout.sampler
+    if name not in BACKENDS:
+        key = "rollout.backend" if cfg.rollout.backend == name else "rollout.decoder"
+        raise ConfigError(f"{key}={name!r}: no such sampler; registered: {sorted(BACKENDS)}")
+    return BACKENDS[name]
+
+
+def _value(cfg, key: str):
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def check_config(cfg) -> Backend:
+    """The backend's capabilities, once the config passes what they require (ConfigError in one
+    line otherwise): its own checks, no other backend's own key set, and R3 only with a backend
+    that records its routing. Imports no backend."""
+    caps, name = backend_of(cfg), cfg.rollout.sampler
+    default = RunConfig()
+    for key in dict.fromkeys(k for b in BACKENDS.values() for k in b.own_keys):
+        value = _value(cfg, key)
+        if key not in caps.own_keys and value != _value(default, key):
+            owners = [n for n, b in BACKENDS.items() if key in b.own_keys]
+            raise ConfigError(f"{key}={value}: needs rollout.backend={' or '.join(owners)}, "
+                              f"not {name!r}")
+    caps.check(cfg)
+    if cfg.train.routing_replay == "r3" and not caps.records_routing(cfg):
+        raise ConfigError(f"train.routing_replay=r3 replays the sampler's routing: "
+                          f"rollout.backend={name} does not record it")
+    return caps
+
+
+def sampler_factory(name: str):
+    """The factory registered as `name`, imported if it was registered by path."""
+    factory = SAMPLERS[name]
+    if isinstance(factory, str):
+        module, _, attribute = factory.partition(":")
+        factory = getattr(importlib.import_module(module), attribute)
+    return factory
 
 
 def check_backend(cfg) -> None:
-    """ConfigError naming `rollout.backend` unless a sampler of that name is registered and
-    can run here (a factory's optional `unavailable()` says why not in one line)."""
-    name = cfg.rollout.sampler
-    if name not in SAMPLERS:
-        key = "rollout.backend" if cfg.rollout.backend == name else "rollout.decoder"
-        raise ConfigError(f"{key}={name!r}: no such sampler; registered: {sorted(SAMPLERS)}")
-    why = getattr(SAMPLERS[name], "unavailable", lambda: None)()
+    """`check_config`, then whether the backend can run here: its factory's optional
+    `unavailable()` (a reason in one line), then a CUDA GPU where it needs one. Imports the
+    backend's module."""
+    caps = check_config(cfg)
+    why = getattr(sampler_factory(cfg.rollout.sampler), "unavailable", lambda: None)()
     if why:
         raise ConfigError(why)
+    if caps.needs_cuda:
+        import torch  # only when a run starts: the plan reads this module without torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"rollout.backend={cfg.rollout.sampler} needs a CUDA GPU; none "
+                              "is visible here")
 
 
 def build_sampler(cfg, policy, tokenizer) -> Sampler:
     """The run's sampler (`cfg.rollout.sampler`) over `policy`."""
     check_backend(cfg)
-    return SAMPLERS[cfg.rollout.sampler](policy, tokenizer, cfg)
+    return sampler_factory(cfg.rollout.sampler)(policy, tokenizer, cfg)
+

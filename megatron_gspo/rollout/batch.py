@@ -61,3 +61,17 @@ class RolloutBatch:
         (unused) log-probs of a few prompt columns too."""
         cols = self.response_BT.any(0).nonzero()
         return max(1, int(cols[0])) if len(cols) else 1
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompt ids [B, P], left-padded to the longest, and their valid mask: the prompt columns
+    of a sampled batch (`megatron_gspo.rollout.sampler.Samples`)."""
+    if not prompts or not all(prompts):
+        raise ValueError("left_pad: every prompt needs at least one token")
+    P = max(len(p) for p in prompts)
+    tokens_BP = torch.full((len(prompts), P), pad_id, dtype=torch.long)
+    valid_BP = torch.zeros(len(prompts), P, dtype=torch.bool)
+    for b, ids in enumerate(prompts):
+        tokens_BP[b, P - len(ids):] = torch.tensor(ids)
+        valid_BP[b, P - len(ids):] = True
+    return tokens_BP, valid_BP

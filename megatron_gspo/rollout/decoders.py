@@ -5,7 +5,7 @@ Shape legend: B sequences, P prompt columns, T total columns, V vocab.
 Each step appends one column to every row: the prompt columns are prefilled once, then each
 step runs the model on the new column only (`moe.decode.kv_decoder`: "lean" walks megatron's
 layers itself, "megatron" runs `GPTModel.forward` with megatron-core's static inference
-context; same logits to fp32 rounding). With `rollout.kv_cache=false`, or under sequence
+context; same logits to fp32 rounding). With `rollout.decoders.kv_cache=false`, or under sequence
 parallelism (which megatron-core requires for MoE with TP > 1), each step recomputes the full
 forward instead. With `record_routing` (R3) the decoder records every MoE layer's top-k as it
 goes, plus one last decode step for the final sampled column: the routing the sampler used.
@@ -14,10 +14,10 @@ Each step's temperature, log-softmax, top-p and draw run where the logits are (o
 [B, V] copy to the host per token, 39 MB at B=64 and Qwen3's 151,936-token vocabulary); only the
 B drawn ids and their log-probs come back. On a GPU the draws use a device generator seeded by
 one draw from the host `generator` (`device_generator`): reproducible per seed, not the CPU
-run's tokens. `rollout.sampler_dtype=bf16` runs these forwards under bf16 autocast
+run's tokens. `rollout.decoders.sampler_dtype=bf16` runs these forwards under bf16 autocast
 (`rollout.precision`): a real sampler-trainer mismatch on one stack.
-`rollout.router_noise_std` makes the sampler's routers pick their top-k from noisy router logits
-(`moe.router_noise`): an engine whose routing disagrees with the trainer's at a chosen rate, in
+`rollout.decoders.router_noise_std` makes the sampler's routers pick their top-k from noisy router
+logits (`moe.router_noise`): an engine whose routing disagrees with the trainer's at a chosen rate, in
 every forward the sampler runs (rollouts and evaluations, as an engine serves both). "fixed"
 noise is one function of the router's input for the whole run (`noise_seed`); "fresh" noise is
 drawn anew in each rollout, seeded by one draw from its generator (resumable: a function of the
@@ -33,9 +33,9 @@ from __future__ import annotations
 import torch
 
 from megatron_gspo.dist import all_ranks
+from megatron_gspo.rollout.batch import left_pad
 from megatron_gspo.rollout.precision import sampler_precision
-from megatron_gspo.rollout.sampler import (Samples, SamplingParams, left_pad, prompt_ids,
-                                           register_sampler)
+from megatron_gspo.rollout.sampler import Samples, SamplingParams, prompt_ids
 from moe.decode import kv_decoder
 from moe.router_noise import router_noise
 
@@ -166,13 +166,15 @@ def draw(logits_BV: torch.Tensor, params: SamplingParams,
 
 def _decoder_factory(kind: str):
     def factory(policy, tokenizer, cfg) -> DecoderSampler:
-        return DecoderSampler(policy, tokenizer, kind, kv_cache=cfg.rollout.kv_cache,
-                              sampler_dtype=cfg.rollout.sampler_dtype,
-                              router_noise_std=cfg.rollout.router_noise_std,
-                              router_noise=cfg.rollout.router_noise,
+        return DecoderSampler(policy, tokenizer, kind, kv_cache=cfg.rollout.decoders.kv_cache,
+                              sampler_dtype=cfg.rollout.decoders.sampler_dtype,
+                              router_noise_std=cfg.rollout.decoders.router_noise_std,
+                              router_noise=cfg.rollout.decoders.router_noise,
                               noise_seed=cfg.seed)
     return factory
 
 
-register_sampler("lean")(_decoder_factory("lean"))
-register_sampler("megatron")(_decoder_factory("megatron"))
+lean_sampler = _decoder_factory("lean")
+"""Backend "lean"'s factory (registered in `megatron_gspo.rollout.backends`)."""
+megatron_sampler = _decoder_factory("megatron")
+"""Backend "megatron"'s factory (registered in `megatron_gspo.rollout.backends`)."""

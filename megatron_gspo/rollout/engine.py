@@ -4,8 +4,8 @@ Shape legend: B sequences, T columns.
 
 `moe.engine.EngineSampler` runs the policy's own GPTModel (no weight copy, nothing to push: the
 optimizer updates the weights the engine reads, in place, so its CUDA graphs stay valid) with a
-paged KV cache, in-flight batching and, with `rollout.cuda_graphs`, its decode steps replayed
-as CUDA graphs. It records every MoE layer's top-k per token, which R3 replays: the engine's
+paged KV cache, in-flight batching and, with `rollout.megatron_engine.cuda_graphs`, its decode
+steps replayed as CUDA graphs. It records every MoE layer's top-k per token, which R3 replays: the engine's
 routing, not a recompute. One engine per rank (data parallelism); expert parallelism needs
 megatron's inference coordinator and is refused in one line, as are CPUs and megatron-core
 older than 0.19 (`moe.engine.unavailable`).
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from megatron_gspo.errors import ConfigError
-from megatron_gspo.rollout.sampler import Samples, SamplingParams, register_sampler
+from megatron_gspo.rollout.sampler import Samples, SamplingParams
 from moe import engine as moe_engine
 
 
@@ -63,11 +63,11 @@ class MegatronEngineSampler:
                        routing if params.record_routing else None)
 
 
-@register_sampler("megatron_engine")
-def _factory(policy, tokenizer, cfg) -> MegatronEngineSampler:
+def factory(policy, tokenizer, cfg) -> MegatronEngineSampler:
+    """Backend "megatron_engine"'s factory (registered in `megatron_gspo.rollout.backends`)."""
     rows = cfg.rollout.prompts_per_batch * cfg.rollout.group_size
     return MegatronEngineSampler(policy, tokenizer, max_requests=max(rows, 4),
-                                 cuda_graphs=cfg.rollout.cuda_graphs)
+                                 cuda_graphs=cfg.rollout.megatron_engine.cuda_graphs)
 
 
-_factory.unavailable = moe_engine.unavailable  # checked before any set-up
+factory.unavailable = moe_engine.unavailable  # checked before any set-up

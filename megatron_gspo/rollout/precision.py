@@ -9,8 +9,8 @@ MoE the routing does too (near-tied router logits pick other experts). The train
 `rollout/routing_mismatch/...`: the sampler's recorded routing vs the recompute's, under R3).
 With one framework and one precision on both sides they are float rounding only.
 
-`rollout.sampler_dtype=bf16` makes the mismatch real: the sampler's forwards (and only those)
-run under `torch.autocast(dtype=bfloat16)`, so every matmul (attention, router, experts, output
+`rollout.decoders.sampler_dtype=bf16` makes the mismatch real: the sampler's forwards (and only
+those) run under `torch.autocast(dtype=bfloat16)`, so every matmul (attention, router, experts, output
 layer) takes bf16 inputs, as a bf16 engine's would, while the trainer's pi_old, loss and eval
 forwards stay in the model's own precision. Autocast rounds the current weights at each call,
 which equals a bf16 copy refreshed after every optimizer step without holding one. Departure

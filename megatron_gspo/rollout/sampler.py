@@ -1,29 +1,33 @@
-"""The sampler seam: one protocol between the RL loop and whatever generates the rollouts.
+"""The sampler seam: one protocol between the RL loop and whatever generates the rollouts, and
+the registry of backends with what each can do.
 
 Shape legend: B sequences, T columns (prompt then response), L MoE layers, K top-k.
 
 A `Sampler` takes prompt token ids (chat template and <bos> already applied) and sampling
 parameters, and returns `Samples` in the trainer's layout: prompts left-padded so that every
-row's prompt ends in the same column, responses after it (with their stop token), right
-padding; the sampler's own log-probs of each response token (under the temperature-scaled
-distribution the token was drawn from, before top-p, as vLLM reports them); and, where the
-backend can record it and `record_routing` asks, every valid token's top-k experts per MoE
-layer (`moe.replay.RoutingReplayCache`): the routing R3 replays (arXiv 2510.11370).
+row's prompt ends in the same column (`megatron_gspo.rollout.batch.left_pad`), responses after
+it (with their stop token), right padding; the sampler's own log-probs of each response token
+(under the temperature-scaled distribution the token was drawn from, before top-p, as vLLM
+reports them); and, where the backend can record it and `record_routing` asks, every valid
+token's top-k experts per MoE layer (`moe.replay.RoutingReplayCache`): the routing R3 replays
+(arXiv 2510.11370).
 
-Backends register by name (`register_sampler`); `rollout.backend` picks one and
-`megatron_gspo.rollout.backends.build_sampler` builds it. Built in: "lean" and "megatron" (our
-KV-cache decoders in the trainer process, `rollout.decoders`), "megatron_engine"
-(megatron-core's dynamic inference engine on a GPU, `rollout.engine`). A sampler keeps its own
-copy of the weights in sync itself (the decoders read the policy's; an engine with a separate
-copy pushes before sampling when the policy has stepped).
+Backends register by name with their capabilities (`register_sampler(name, caps=Backend(...))`);
+`rollout.backend` picks one, `megatron_gspo.rollout.backends` checks a config against its
+capabilities and builds it, and the trainer, the run's set-up and `megatron-gspo plan` read the
+capabilities, never a backend's name. The built-in backends are declared in
+`megatron_gspo.rollout.backends`. A sampler keeps its own copy of the weights in sync itself
+(the decoders read the policy's; an engine with a separate copy pushes before sampling when the
+policy has stepped). No torch at import: the plan reads this registry in a process without it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
-import torch
+if TYPE_CHECKING:  # annotations only: the plan imports this registry without torch
+    import torch
 
 
 @dataclass(frozen=True)
@@ -71,19 +75,76 @@ tokenizer (`pad_id`, `stop_ids`) and config (`megatron_gspo.config.schema.RunCon
 may carry `unavailable() -> str | None`, checked before the run sets anything up (a backend
 that needs a GPU or an optional package says so in one line)."""
 
-SAMPLERS: dict[str, SamplerFactory] = {}
 
-ENGINES = ("megatron_engine", "vllm")
-"""Backends that are inference engines: their numerics differ from the trainer's, and their
-routing comes with every batch (the trainer then always logs the per-layer mismatch)."""
+def _no(cfg) -> bool:
+    return False
 
 
-def register_sampler(name: str):
-    """Decorator registering a sampler factory under `name` (a `rollout.backend` value)."""
-    def deco(factory: SamplerFactory) -> SamplerFactory:
-        SAMPLERS[name] = factory
-        return factory
-    return deco
+def _fine(cfg) -> None:
+    return None
+
+
+def _nothing_counted(preset, cfg, rows: int, T: int) -> tuple[list, bool]:
+    return [], False
+
+
+def _no_figure(cfg) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What a sampler backend is and can do, declared where it registers. The defaults describe
+    a sampler in the trainer process that records no routing and needs nothing more; each hook
+    takes the run's config (`megatron_gspo.config.schema.RunConfig`)."""
+
+    engine: bool = False
+    """An inference engine: its numerics differ from the trainer's and its routing comes with
+    every batch, so the trainer records it (one rollout round) and logs the per-layer
+    sampler-trainer mismatch."""
+    records_routing: Callable[[Any], bool] = _no
+    """`records_routing(cfg)`: whether it can record the routing it sampled with under this
+    config (what R3 replays, and what the mismatch metrics compare)."""
+    mismatched: Callable[[Any], bool] = _no
+    """`mismatched(cfg)`: whether, not being an engine, its routing may still differ from the
+    trainer's under this config (another precision, noisy routers): the trainer then records
+    it where it can and logs the mismatch."""
+    cuda_graphs: Callable[[Any], bool] = _no
+    """`cuda_graphs(cfg)`: whether the policy is built with megatron's inference CUDA graphs for
+    it (and the parallel state with their RNG tracker)."""
+    needs_cuda: bool = False
+    """Runs on a CUDA GPU only: refused in one line where none is visible."""
+    settings: Optional[str] = None
+    """Its config section (dotted, e.g. "rollout.vllm"), or None."""
+    own_keys: tuple = ()
+    """Dotted keys only the backends declaring them read: set away from their default while
+    another backend runs, they are refused in one line (a knob that would do nothing)."""
+    check: Callable[[Any], None] = _fine
+    """`check(cfg)`: its own checks of a config; a one-line ConfigError naming the keys."""
+    plan_memory: Callable[..., tuple[list, bool]] = _nothing_counted
+    """`plan_memory(preset, cfg, rows, T) -> (items, whole_step)`: the per-GPU memory
+    `megatron-gspo plan` counts for its rollouts (`moe.presets.MoEPreset` with the run's padded
+    vocabulary, calls of `rows` sequences of T positions), [(label, bytes)], and whether it stays
+    for the whole step (else only during the rollout phase)."""
+    measured: Callable[[Any], Optional[str]] = _no_figure
+    """`measured(cfg)`: the key of its measured decode speed in
+    `megatron_gspo.jobs.plan_time.DECODE`, or None (the plan then says whose stands in)."""
+
+
+SAMPLERS: dict[str, SamplerFactory | str] = {}
+"""name -> its factory, or the "module:attribute" path of one, imported when a run builds it."""
+BACKENDS: dict[str, Backend] = {}
+"""name -> its capabilities."""
+
+
+def register_sampler(name: str, caps: Backend | None = None, factory: str | None = None):
+    """Register backend `name` (a `rollout.backend` value) with its capabilities `caps`
+    (default `Backend()`): as a decorator of its factory, or with `factory="module:attribute"`,
+    imported only when a run builds the sampler (so reading `caps` imports no torch)."""
+    def deco(f):
+        SAMPLERS[name], BACKENDS[name] = f, caps or Backend()
+        return f
+    return deco if factory is None else deco(factory)
 
 
 def prompt_ids(tokenizer, prompts: list[str]) -> list[list[int]]:
@@ -91,16 +152,3 @@ def prompt_ids(tokenizer, prompts: list[str]) -> list[list[int]]:
     sampler takes."""
     bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
     return [bos + tokenizer.encode(p) for p in prompts]
-
-
-def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompt ids [B, P], left-padded to the longest, and their valid mask."""
-    if not prompts or not all(prompts):
-        raise ValueError("left_pad: every prompt needs at least one token")
-    P = max(len(p) for p in prompts)
-    tokens_BP = torch.full((len(prompts), P), pad_id, dtype=torch.long)
-    valid_BP = torch.zeros(len(prompts), P, dtype=torch.bool)
-    for b, ids in enumerate(prompts):
-        tokens_BP[b, P - len(ids):] = torch.tensor(ids)
-        valid_BP[b, P - len(ids):] = True
-    return tokens_BP, valid_BP

@@ -11,7 +11,7 @@ one tensor at a time (`moe.sharding.iter_full_params`: gathered over TP / EP on 
 never the whole model at once), named as Hugging Face names by `moe.hf.mapping`. After each
 push a guard has the engine continue a fixed prompt greedily and scores the continuation with
 both engine and trainer (`probe_statistic`): a |log-prob difference| above
-`rollout.push_check_tol` stops the run in one line before anything is sampled from wrong
+`rollout.vllm.push_check_tol` stops the run in one line before anything is sampled from wrong
 weights. A mis-packed or stale push moves log-probs by nats (docs/vllm.md). A float32 engine
 agrees to float32 rounding on every token, so the guard takes the mean: one wrong token shows.
 A bfloat16 engine's difference is usually hundredths of a nat but spikes: a token whose routing
@@ -25,7 +25,7 @@ engine-vs-trainer mismatch per layer.
 `metrics` after a sample: `time/weight_sync` (seconds of the last push, 0 without one) and
 `rollout/push_probe_diff` (the guard's number, `probe_statistic`).
 
-Departures: the engine's precision is `rollout.engine_dtype` (default: the model's); one engine
+Departures: the engine's precision is `rollout.vllm.dtype` (default: the model's); one engine
 per data-parallel rank, each sampling its own prompts; vLLM's own seeded draws (per request,
 from the run's generator), so its tokens are not our decoders' for a seed.
 """
@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from megatron_gspo.dist import broadcast_object
 from megatron_gspo.errors import ConfigError, UserError
-from megatron_gspo.rollout.sampler import Samples, SamplingParams, register_sampler
+from megatron_gspo.rollout.sampler import Samples, SamplingParams
 from megatron_gspo.rollout.vllm_engine import CPU_HEAD_DIMS, VLLMEngine, unavailable
 from megatron_gspo.rollout.vllm_remote import EngineLost, RemoteEngine
 from megatron_gspo.rollout.vllm_wire import sample_requests
@@ -55,7 +55,7 @@ from moe.sharding import iter_full_params
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 CHECK_TOL = {"float32": 1e-4, "bfloat16": 0.8}
-"""Default `rollout.push_check_tol` by engine dtype, a bound on `probe_statistic`: a mis-packed
+"""Default `rollout.vllm.push_check_tol` by engine dtype, a bound on `probe_statistic`: a mis-packed
 or stale push moves log-probs by nats (docs/vllm.md), float32 parity is ~1e-6 a token,
 bfloat16's median usually hundredths of a nat, at most tenths in the runs measured: its bound
 sits about as far above the largest correct value of experiments/engine_mismatch as below a
@@ -70,9 +70,9 @@ class VLLMSampler:
     def __init__(self, policy, tokenizer, cfg):
         self.policy, self.tokenizer, self.num_experts = policy, tokenizer, \
             policy.preset.num_experts
-        self.dtype = DTYPES.get(cfg.rollout.engine_dtype) or DTYPES.get(cfg.model.dtype,
+        self.dtype = DTYPES.get(cfg.rollout.vllm.dtype) or DTYPES.get(cfg.model.dtype,
                                                                           "float32")
-        self.tol = cfg.rollout.push_check_tol or CHECK_TOL[self.dtype]
+        self.tol = cfg.rollout.vllm.push_check_tol or CHECK_TOL[self.dtype]
         self.max_model_len = policy.preset.max_seq_len
         self.folder = tempfile.TemporaryDirectory(prefix="megatron_gspo_vllm_")
         self.hf_config = write_config(self.folder.name, policy, cfg)
@@ -87,7 +87,7 @@ class VLLMSampler:
         try:
             return VLLMEngine(self.folder.name, dtype=self.dtype, seed=cfg.seed,
                               max_model_len=self.max_model_len,
-                              kv_cache_gb=cfg.rollout.engine_kv_cache_gb,
+                              kv_cache_gb=cfg.rollout.vllm.kv_cache_gb,
                               capture_routing=True, engine_args={"load_format": "dummy"})
         except Exception as e:  # vLLM's start-up errors: one line naming what failed
             raise ConfigError(f"rollout.backend=vllm: the engine did not start: "
@@ -97,7 +97,7 @@ class VLLMSampler:
         rank = dist.get_rank() if dist.is_initialized() else 0
         spec = {"config": self.hf_config, "dtype": self.dtype, "seed": cfg.seed,
                 "max_model_len": self.max_model_len, "capture_routing": True,
-                "kv_cache_gb": cfg.rollout.engine_kv_cache_gb}
+                "kv_cache_gb": cfg.rollout.vllm.kv_cache_gb}
         # megatron's rank order puts the ranks of a tensor-parallel group next to each other
         return RemoteEngine(spec, cfg.rollout.vllm, rank=rank, tp=cfg.model.tp,
                             tp_rank=rank % cfg.model.tp)
@@ -171,7 +171,7 @@ class VLLMSampler:
             raise ConfigError(f"rollout.backend=vllm: after pushing the weights (version "
                               f"{self.policy.version}) the engine's log-probs of a probe "
                               f"sequence differ from the trainer's by {diff:.3g} ({STATISTIC[self.dtype]}) > "
-                              f"rollout.push_check_tol={self.tol:g}: stopping before sampling "
+                              f"rollout.vllm.push_check_tol={self.tol:g}: stopping before sampling "
                               "from wrong weights")
         self.pushed = self.policy.version
 
@@ -291,8 +291,8 @@ def hf_stream(policy, hf_config: dict):
             yield hf_name, part.contiguous()
 
 
-@register_sampler("vllm")
-def _factory(policy, tokenizer, cfg) -> VLLMSampler:
+def factory(policy, tokenizer, cfg) -> VLLMSampler:
+    """Backend "vllm"'s factory (registered in `megatron_gspo.rollout.backends`)."""
     if not torch.cuda.is_available() and policy.preset.kv_channels not in CPU_HEAD_DIMS:
         raise ConfigError(f"rollout.backend=vllm: head_dim={policy.preset.kv_channels} is not "
                           f"supported by vLLM's CPU attention (needs one of "
@@ -300,4 +300,4 @@ def _factory(policy, tokenizer, cfg) -> VLLMSampler:
     return VLLMSampler(policy, tokenizer, cfg)
 
 
-_factory.unavailable = unavailable  # checked before any set-up
+factory.unavailable = unavailable  # checked before any set-up

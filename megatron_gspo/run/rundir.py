@@ -18,11 +18,14 @@ config once the run has really started (policy built, init weights loaded), so a
 its set-up leaves nothing that would refuse its corrected re-run; `forget_run` undoes it for an
 RL start refused by `train.start_accuracy` before anything was saved.
 
-Semantic keys are the ones that change what is trained; the rest (how long, how often to eval,
-save and log, wandb, the collective timeout, memory knobs with the same gradients: activation
-recompute and the token budgets of the no-grad pass and of a train step's forwards, the TP / EP /
-DP layout: LAYOUT) may change between resumes. Departure from verl / Megatron-LM, which resume
-whatever is in the save dir: they overwrite silently (docs/pitfalls.md#run-dir-ownership).
+Semantic keys are the ones that change what is trained; the rest may change between resumes:
+the fields marked `megatron_gspo.config.fields.may_change` where they are declared (how long,
+how often to eval, save and log, wandb, the collective timeout, memory knobs with the same
+gradients: activation recompute and the token budgets of the no-grad pass and of a train step's
+forwards, where the vLLM engine runs; `megatron_gspo.config.schema.resume_may_change` lists
+them), the sections a job does not read (its `JobSpec`) and the TP / EP / DP layout (LAYOUT).
+Departure from verl / Megatron-LM, which resume whatever is in the save dir: they overwrite
+silently (docs/pitfalls.md#run-dir-ownership).
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ from types import SimpleNamespace
 import torch.distributed as dist
 
 from megatron_gspo.algo.losses import clip_range
-from megatron_gspo.config.schema import RunConfig, config_to_dict, renamed_keys
+from megatron_gspo.config.schema import (RunConfig, config_to_dict, renamed_keys,
+                                         resume_may_change)
 from megatron_gspo.errors import RunDirError, UserError
 from megatron_gspo.run.checkpoint import atomic_write
 from megatron_gspo.run.inputs import changed_inputs
@@ -47,20 +51,6 @@ from moe.children import tie_forks
 
 RUN_FILE = "run.json"
 LOCK_FILE = ".lock"
-# Where and how the vLLM engine runs (rollout.vllm): the same rollouts wherever it runs.
-VLLM_DEPLOYMENT = tuple(f"rollout.vllm.{k}" for k in (
-    "mode", "tensor_parallel_size", "replicas", "addresses", "host", "port", "sync_host",
-    "sync_port", "start_timeout_s", "request_timeout_s", "max_restarts", "bucket_mb", "chunk_mb",
-    "cpu_bind"))
-# Keys that may change when a run is resumed (dotted prefixes of config_to_dict's keys).
-NON_SEMANTIC = ("run_dir", "resume", "plugins", "wandb", "train.steps", "train.eval_every",
-                "train.save_every", "train.keep_checkpoints", "train.log_every",
-                "train.flip_every", "train.router_margin_small", "train.route_sensitivity_every",
-                "train.route_sensitivity_fraction", "sft.steps", "sft.eval_every", "sft.target_accuracy",
-                "train.start_accuracy", "model.dist_timeout_min", "train.logprob_max_tokens",
-                "model.recompute_granularity", "model.recompute_modules",
-                "rollout.push_check_tol", "rollout.engine_kv_cache_gb",
-                "train.micro_max_tokens", "rollout.max_batch_rows", *VLLM_DEPLOYMENT)
 # The parallel layout: a checkpoint reshards over it (moe.dist_ckpt), so a resume may change it,
 # except TP / EP under the distributed optimizer (its state reshards over DP only).
 LAYOUT = ("model.tp", "model.ep", "model.sequence_parallel", "model.dispatcher")
@@ -79,7 +69,7 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 def _skipped(config: dict, unused: tuple) -> tuple:
     distributed = (config.get("optim") or {}).get("distributed")
-    return NON_SEMANTIC + tuple(unused) + (LAYOUT[2:] if distributed else LAYOUT)
+    return resume_may_change() + tuple(unused) + (LAYOUT[2:] if distributed else LAYOUT)
 
 
 def _kept(flat: dict, skip: tuple) -> dict:
@@ -88,9 +78,9 @@ def _kept(flat: dict, skip: tuple) -> dict:
 
 
 def semantic_config(config: dict, unused: tuple = ()) -> dict:
-    """The dotted keys of `config` that define the run (see NON_SEMANTIC and LAYOUT; `unused`:
-    the sections the run's job does not read, `megatron_gspo.run.setup.JobSpec`), a None clip
-    range as the number it means (`_resolved`)."""
+    """The dotted keys of `config` that define the run (all but `resume_may_change()` and
+    LAYOUT; `unused`: the sections the run's job does not read,
+    `megatron_gspo.run.setup.JobSpec`), a None clip range as the number it means (`_resolved`)."""
     kept = _resolved(_kept(_flatten(config), _skipped(config, unused)))
     return json.loads(json.dumps(kept, default=str))  # as run.json holds it (tuples -> lists)
 

@@ -21,8 +21,8 @@ a new one changes what a seed trains.
 
 The last two are streams of their own, so measuring them changes nothing a run trains.
 
-`rollout.router_noise_std`'s draws (the sampler's routers) come from the rollout's stream, one
-draw per rollout, and from `seed` itself in evaluations (`megatron_gspo.rollout.decoders`).
+`rollout.decoders.router_noise_std`'s draws (the sampler's routers) come from the rollout's
+stream, one draw per rollout, and from `seed` itself in evaluations (`megatron_gspo.rollout.decoders`).
 
 The config keeps `seed < 2**32`, so every derived seed fits torch's 64-bit generator seed.
 """

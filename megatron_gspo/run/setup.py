@@ -23,7 +23,7 @@ import torch
 
 from megatron_gspo.config.schema import RunConfig, config_to_dict, save_config
 from megatron_gspo.errors import ConfigError
-from megatron_gspo.rollout.backends import build_sampler
+from megatron_gspo.rollout.backends import backend_of, build_sampler
 from megatron_gspo.rollout.generate import evaluate, sampled_reward
 from megatron_gspo.rollout.sampler import Sampler, SamplingParams
 from megatron_gspo.run import checkpoint as ckpt
@@ -172,7 +172,7 @@ def build_policy(cfg: RunConfig, vocab_size: int, optim: OptimSettings | None,
                              aux_loss_coeff=cfg.model.aux_loss_coeff,
                              optim=optim, recompute=recompute_of(cfg),
                              sdpa_attention=cfg.model.attention == "sdpa",
-                             inference_graphs=cfg.rollout.engine_graphs)
+                             inference_graphs=backend_of(cfg).cuda_graphs(cfg))
     if cfg.model.hf_path:
         try:
             load_hf_weights(policy.model.module, cfg.model.hf_path)  # this rank's shard only
@@ -220,7 +220,7 @@ def _preflight(cfg: RunConfig, spec: JobSpec) -> tuple[ParallelInfo, bool]:
     try:
         info = init_parallel(cfg.model.tp, cfg.model.ep, seed=cfg.seed,
                              timeout_min=cfg.model.dist_timeout_min,
-                             cudagraph_rng=cfg.rollout.engine_graphs)
+                             cudagraph_rng=backend_of(cfg).cuda_graphs(cfg))
     except ValueError as e:  # e.g. model.ep=8 without torchrun --nproc-per-node 8
         raise ConfigError(f"model.tp={cfg.model.tp} model.ep={cfg.model.ep}: {e} (start N "
                           "processes: torchrun --nproc-per-node N -m megatron_gspo.cli ...)"

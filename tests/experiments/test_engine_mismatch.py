@@ -184,7 +184,7 @@ def test_measurement_commands_and_skip_when_a_result_exists(tmp_path, monkeypatc
     assert len(calls) == 2
     assert calls[0][:4] == ["megatron_gspo.cli", "train", "--config",
                             os.path.join(HERE, "measure.yaml")]
-    assert calls[0][4:] == [f"model.preset={em.SHAPES[1]}", "rollout.engine_dtype=bf16",
+    assert calls[0][4:] == [f"model.preset={em.SHAPES[1]}", "rollout.vllm.dtype=bf16",
                             "init_checkpoint=null",
                             f"run_dir=runs/engine_mismatch_t/measure/{em.SHAPES[1]}_random_bf16",
                             "resume=false", "train.steps=3", "optim.lr=0"]
@@ -220,16 +220,16 @@ def test_arms_differ_only_in_the_loss_and_replay():
     for arm in ("grpo_r2", "grpo_r3"):
         assert _diff(cfgs["grpo"], cfgs[arm]) == {"run_dir", "train.routing_replay"}
     # the controls: the same GRPO without the bfloat16 engine's mismatch
-    assert _diff(cfgs["grpo"], cfgs["grpo_fp32"]) == {"run_dir", "rollout.engine_dtype"}
+    assert _diff(cfgs["grpo"], cfgs["grpo_fp32"]) == {"run_dir", "rollout.vllm.dtype"}
     assert _diff(cfgs["grpo"], cfgs["grpo_lean"]) == {"run_dir", "rollout.backend",
-                                                      "rollout.engine_dtype"}
-    assert (cfgs["grpo_fp32"].rollout.engine_dtype, cfgs["grpo_lean"].rollout.backend) == \
+                                                      "rollout.vllm.dtype"}
+    assert (cfgs["grpo_fp32"].rollout.vllm.dtype, cfgs["grpo_lean"].rollout.backend) == \
         ("fp32", "lean")
-    assert cfgs["grpo_fp32"].rollout.push_check_tol is None  # the float32 default guard
+    assert cfgs["grpo_fp32"].rollout.vllm.push_check_tol is None  # the float32 default guard
     for arm, c in cfgs.items():
         if arm not in ("grpo_fp32", "grpo_lean"):
-            assert (c.rollout.backend, c.rollout.engine_dtype) == ("vllm", "bf16")
-            assert c.rollout.push_check_tol is None  # the bfloat16 default guard
+            assert (c.rollout.backend, c.rollout.vllm.dtype) == ("vllm", "bf16")
+            assert c.rollout.vllm.push_check_tol is None  # the bfloat16 default guard
         assert c.model.dtype == "fp32"
         assert c.rollout.use_sampler_logprobs and c.train.num_minibatches == 4
         assert c.model.preset == em.SHAPES[0] and c.train.start_accuracy == [0.25, 0.45]

@@ -1,6 +1,7 @@
 """Test samplers: the lean decoder with each sampled batch passed through an edit (a shifted
 routing, shifted log-probs, a spy), registered under a name (`rollout.backend=NAME`)."""
 
+from megatron_gspo.rollout.backends import BACKENDS
 from megatron_gspo.rollout.decoders import DecoderSampler
 from megatron_gspo.rollout.sampler import register_sampler
 
@@ -18,12 +19,12 @@ class Edited:
 
 
 def backend(name: str, edit) -> str:
-    """Register the lean decoder with `edit` applied to each batch as `name`; returns the
-    override that selects it."""
-    @register_sampler(name)
+    """Register the lean decoder with `edit` applied to each batch as `name` (with the lean
+    backend's capabilities); returns the override that selects it."""
+    @register_sampler(name, BACKENDS["lean"])
     def factory(policy, tokenizer, cfg):
-        inner = DecoderSampler(policy, tokenizer, "lean", cfg.rollout.kv_cache,
-                               cfg.rollout.sampler_dtype)
+        inner = DecoderSampler(policy, tokenizer, "lean", cfg.rollout.decoders.kv_cache,
+                               cfg.rollout.decoders.sampler_dtype)
         return Edited(inner, edit)
     return f"rollout.backend={name}"
 

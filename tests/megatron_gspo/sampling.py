@@ -4,7 +4,8 @@ against: text prompts in, the (tokens, valid, response, log-probs, routing) tupl
 import torch
 
 from megatron_gspo.rollout import decoders
-from megatron_gspo.rollout.sampler import SamplingParams, left_pad, prompt_ids
+from megatron_gspo.rollout.batch import left_pad
+from megatron_gspo.rollout.sampler import SamplingParams, prompt_ids
 
 
 def encode_prompts(tokenizer, prompts):

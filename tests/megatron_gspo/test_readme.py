@@ -123,13 +123,13 @@ def test_routing_mismatch_is_logged_for_a_bf16_sampler_without_r3():
     sampler's routing (and so logs it) without R3 too."""
     from megatron_gspo.jobs.rl import Trainer
 
-    cfg = load_config(None, ["rollout.sampler_dtype=bf16"])
+    cfg = load_config(None, ["rollout.decoders.sampler_dtype=bf16"])
     assert cfg.train.routing_replay == "off"
     assert Trainer.records_sampler_routing(SimpleNamespace(cfg=cfg))
     assert "`rollout/routing_mismatch/...` (R3 only" not in _page("docs/metrics.md")
     row, = [ln for ln in _page("docs/metrics.md").splitlines()
             if ln.startswith("| `rollout/routing_mismatch/{layer_XX,mean,max}`")]
-    assert "rollout.sampler_dtype" in row
+    assert "rollout.decoders.sampler_dtype" in row
 
 
 def test_every_test_the_reliability_page_names_exists():

@@ -3,6 +3,7 @@ key with its type, default and docstring."""
 
 import dataclasses
 
+from megatron_gspo.config.docs import RESUMABLE
 from megatron_gspo.config.schema import RunConfig, describe_config, field_docs
 
 
@@ -36,12 +37,21 @@ def test_describe_config_lists_every_key_with_default_and_doc():
                          ("train.routing_replay", "'off'"), ("loss.eps_low", "None"),
                          ("sft.lr", "0.003"), ("wandb.name", "None")]:
         line = next(ln for ln in text.splitlines() if ln.startswith(key + ":"))
-        assert line.endswith("= " + default), line
+        assert line.removesuffix(RESUMABLE).endswith("= " + default), line
     assert "train.num_minibatches: int = 4" in text
     assert "must divide prompts_per_batch * group_size" in text
     n_keys = sum(1 for ln in text.splitlines() if ln and not ln.startswith((" ", "[", "megat")))
     assert n_keys == _leaf_keys()  # every key, once
     assert "rollout.vllm.tensor_parallel_size: int = 1" in text  # a nested section's keys
+
+
+def test_the_listing_marks_what_a_resume_may_change():
+    """A key (or section) marked `fields.may_change` says so in `megatron-gspo config`."""
+    lines = describe_config().splitlines()
+    marked = {ln.split(":")[0].strip("[]").split("]")[0] for ln in lines if ln.endswith(RESUMABLE)}
+    assert {"run_dir", "train.steps", "rollout.vllm.mode", "rollout.vllm.kv_cache_gb",
+            "wandb"} <= marked
+    assert not marked & {"train.routing_replay", "rollout.vllm.dtype", "optim.lr", "rollout"}
 
 
 def test_field_docs_and_defaults_as_declared():

@@ -39,9 +39,10 @@ def test_one_and_zero_are_booleans_only_as_text():
     assert load_config(None, ["resume=1"]).resume is True
     assert load_config(None, ["resume=0"]).resume is False
     assert load_config(None, ["resume=on"]).resume is True
-    assert config_from_dict({"rollout": {"kv_cache": "0"}}).rollout.kv_cache is False
-    with pytest.raises(ConfigError, match=r"^rollout.kv_cache=1: expected bool$"):
-        load_config(None, ["rollout.kv_cache=1"])
+    assert config_from_dict({"rollout": {"decoders": {"kv_cache": "0"}}}).rollout.decoders \
+        .kv_cache is False
+    with pytest.raises(ConfigError, match=r"^rollout.decoders.kv_cache=1: expected bool$"):
+        load_config(None, ["rollout.decoders.kv_cache=1"])
 
 
 @pytest.mark.parametrize("text, flag", [("true", True), ("false", False), ("True", True),

@@ -91,7 +91,7 @@ def test_overrides_coerce_types():
     ("model.num_layers=0", "model.num_layers=0: must be >= 1"),
     ("train.steps=true", "train.steps=True: expected int"),  # a bool is not a number
     ("rollout.temperature=true", "rollout.temperature=True: expected float"),
-    ("rollout.kv_cache=2", "rollout.kv_cache=2: expected bool"),  # no truthiness
+    ("rollout.decoders.kv_cache=2", "rollout.decoders.kv_cache=2: expected bool"),  # no truthiness
     ("run_dir=", "run_dir=: must be non-empty"),
     ("model.recompute_modules=moe,bogus", "model.recompute_modules=moe,bogus: expected a comma"),
     ("task.n_train=0", "task.n_train=0: must be >= 1"),
@@ -160,3 +160,50 @@ def test_a_built_config_does_not_alias_its_input_dicts():
     assert cfg.task.kwargs == {"num_digits": 2}
     a = load_config(None, ["task.kwargs.num_digits=3"])
     assert load_config(None, []).task.kwargs == {} and a.task.kwargs == {"num_digits": 3}
+
+
+OLD = {"rollout.kv_cache": False, "rollout.sampler_dtype": "bf16",
+       "rollout.router_noise_std": 0.5, "rollout.router_noise": "fresh",
+       "rollout.cuda_graphs": False, "rollout.engine_dtype": "bf16",
+       "rollout.engine_kv_cache_gb": 2.0, "rollout.push_check_tol": 0.5}
+"""Backend settings that moved from `rollout` into their backend's section, at non-defaults."""
+
+
+def _nested(cfg, dotted: str):
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def test_keys_moved_into_a_backend_section_load_under_their_older_names(tmp_path):
+    """rollout.kv_cache, .engine_dtype, ... (a config or a saved `*_config.yaml` from before
+    the backend sections) load as rollout.decoders.kv_cache, rollout.vllm.dtype, ...: in YAML
+    beside keys of the section they moved into, as overrides (which replace the file's value
+    under the other name, either way round), and in the run records' key map; one mapping giving
+    a key under both names is refused naming both."""
+    from megatron_gspo.config.schema import renamed_keys
+
+    old = _write(tmp_path, "rollout:\n" + "".join(
+        f"  {k.split('.')[1]}: {str(v).lower()}\n" for k, v in OLD.items())
+        + "  vllm: {mode: server}\n  decoders: null\n")
+    cfg = load_config(old)
+    moved = {k: renamed_keys()[k] for k in OLD}
+    assert {new: _nested(cfg, new) for new in moved.values()} == \
+        {moved[k]: v for k, v in OLD.items()}
+    assert moved["rollout.engine_dtype"] == "rollout.vllm.dtype"
+    assert moved["rollout.cuda_graphs"] == "rollout.megatron_engine.cuda_graphs"
+    assert cfg.rollout.vllm.mode == "server"
+    assert load_config(old, ["rollout.vllm.dtype=fp32"]).rollout.vllm.dtype == "fp32"
+    assert load_config(old, ["rollout.decoders.kv_cache=true", "rollout.kv_cache=false"]) \
+        .rollout.decoders.kv_cache is False  # the later override wins, under either name
+    new = _write(tmp_path, "rollout:\n  vllm:\n    dtype: bf16\n")
+    assert load_config(new, ["rollout.engine_dtype=fp32"]).rollout.vllm.dtype == "fp32"
+    both = _write(tmp_path, "rollout:\n  engine_dtype: fp32\n  vllm: {dtype: bf16}\n")
+    with pytest.raises(ConfigError, match=r"^rollout.engine_dtype and rollout.vllm.dtype are one "
+                                          r"key \(rollout.engine_dtype is its older name\): "
+                                          r"give it once, as rollout.vllm.dtype$"):
+        load_config(both)
+    with pytest.raises(ConfigError, match=r"^rollout.vllm: expected a mapping of keys, got str"):
+        load_config(_write(tmp_path, "rollout:\n  engine_dtype: fp32\n  vllm: server\n"))
+    with pytest.raises(ConfigError, match=r"^rollout.vllm.dtype=fp16: expected one of"):
+        load_config(None, ["rollout.engine_dtype=fp16"])

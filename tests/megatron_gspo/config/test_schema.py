@@ -56,21 +56,6 @@ def test_num_minibatches_must_divide_batch():
     assert cfg.train.num_minibatches == 6
 
 
-def test_r3_needs_the_kv_cache_sampler_without_sequence_parallel():
-    """R3 records routing through the KV-cache sampler, which sequence parallelism bypasses."""
-    with pytest.raises(ConfigError, match=r"model.sequence_parallel=false \(got True\)"):
-        load_config(None, ["train.routing_replay=r3", "model.tp=2", "model.sequence_parallel=true"])
-    assert load_config(None, ["train.routing_replay=r3"]).train.routing_replay == "r3"
-
-
-def test_r3_without_the_kv_cache_is_refused():
-    """Guards R3's kv_cache requirement (its sequence-parallel half is the test above)."""
-    with pytest.raises(ConfigError, match=r"rollout.kv_cache=true \(got False\)"):
-        load_config(None, ["train.routing_replay=r3", "rollout.kv_cache=false"])
-    assert load_config(None, ["train.routing_replay=r2", "rollout.kv_cache=false"]) \
-        .train.routing_replay == "r2"
-
-
 def test_tis_cap_with_the_samplers_logprobs_is_refused():
     """Guards RunConfig's tis_cap x use_sampler_logprobs rule: pi_old would be the sampler's,
     so every TIS weight would be 1."""

@@ -36,7 +36,8 @@ def test_a_nested_section_loads_from_yaml_and_overrides_and_round_trips(tmp_path
     (["rollout.vllm.mode=server", "rollout.vllm.port=65535", "rollout.vllm.replicas=2"],
      r"^rollout.vllm.port=65535: must be < 65536 - replicas"),
     (["rollout.vllm.tp=2"], r"^unknown config key 'rollout.vllm.tp'; valid keys of "
-                            r"rollout.vllm: mode, tensor_parallel_size"),
+                            r"rollout.vllm: dtype, kv_cache_gb, push_check_tol, mode, "
+                            r"tensor_parallel_size"),
 ])
 def test_bad_values_are_one_line_naming_the_dotted_key(overrides, match):
     with pytest.raises(ConfigError, match=match):

@@ -225,7 +225,8 @@ def test_router_noise_is_a_fresh_seeded_draw_per_step_and_off_under_replay():
 @pytest.mark.parametrize("argv, fragment", [
     (["train", "train.stepz=3"], "unknown config key 'train.stepz'"),
     (["train", "--config", "nope.yaml"], "config file not found: nope.yaml"),
-    (["train", "train.routing_replay=r3", "rollout.kv_cache=false"], "rollout.kv_cache=true"),
+    (["train", "train.routing_replay=r3", "rollout.decoders.kv_cache=false"],
+     "rollout.decoders.kv_cache=true"),
     (["train", "task.kwargs.num_digits=1", "wandb.mode=disabled", "run_dir=RUN"],
      "task.n_train / task.n_val / task.n_test: Addition(num_digits=1) has only 100 distinct prompts"),
     (["train", "task.name=dataset", "data.train_files=[BAD]", "wandb.mode=disabled",

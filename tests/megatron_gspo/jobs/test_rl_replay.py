@@ -9,6 +9,7 @@ import torch
 
 from megatron_gspo.config.schema import load_config
 from megatron_gspo.errors import ConfigError
+from megatron_gspo.rollout.sampler import register_sampler
 from tests.jsonl import step_rows
 from tests.megatron_gspo.jobs.trainers import make_trainer
 from tests.megatron_gspo.samplers import backend, shift_routing
@@ -139,12 +140,18 @@ def test_replay_source_is_pi_old_for_r2_and_the_sampler_for_r3(tmp_path, monkeyp
 
 
 def test_r3_without_kv_cache_is_a_config_error():
-    with pytest.raises(ConfigError, match="rollout.kv_cache=true"):
-        load_config(None, ["train.routing_replay=r3", "rollout.kv_cache=false"])
+    from megatron_gspo.rollout.backends import check_config
+
+    with pytest.raises(ConfigError, match="rollout.decoders.kv_cache=true"):
+        check_config(load_config(None, ["train.routing_replay=r3",
+                                        "rollout.decoders.kv_cache=false"]))
+
+
+register_sampler("plain_stub")(lambda policy, tokenizer, cfg: None)  # a Backend() by default
 
 
 @pytest.mark.parametrize("replay, sampler, dtype, kv_cache, dynamic, sp, want", [
-    ("r3", "lean", "same", True, True, True, True),  # R3 always records
+    ("r3", "lean", "same", True, False, True, True),  # R3 always records
     ("off", "lean", "same", True, False, False, False),  # same precision: nothing to measure
     ("off", "lean", "bf16", True, False, False, True),
     ("r2", "megatron", "bf16", True, False, False, True),
@@ -153,24 +160,25 @@ def test_r3_without_kv_cache_is_a_config_error():
     ("off", "lean", "bf16", True, False, True, False),  # sequence parallelism
     ("off", "megatron_engine", "same", True, False, False, True),  # an engine: always
     ("off", "vllm", "same", False, True, False, False),  # ... but one routing per round
-    ("off", "custom", "same", True, False, False, False),  # another sampler: as the decoders
-    ("off", "lean", "noise", True, False, False, True),  # rollout.router_noise_std > 0
+    ("off", "plain_stub", "same", True, False, False, False),  # declares no routing record
+    ("off", "lean", "noise", True, False, False, True),  # rollout.decoders.router_noise_std > 0
     ("off", "lean", "noise", False, False, False, False),  # ... with the KV cache only
 ])
 def test_records_sampler_routing_only_where_it_can(replay, sampler, dtype, kv_cache, dynamic, sp,
                                                    want):
     """The sampler records its routing for R3, for an inference engine's mismatch, or for a
-    different-precision or noisy-router decoder's mismatch when the KV cache, one round and no sequence
-    parallelism make it possible."""
+    different-precision or noisy-router decoder's mismatch when the KV cache, one round and no
+    sequence parallelism make it possible: what its backend declares (`sampler.Backend`)."""
     from megatron_gspo.jobs.rl import Trainer
 
-    ns = SimpleNamespace
-    noise = 0.5 if dtype == "noise" else 0.0
-    cfg = ns(train=ns(routing_replay=replay),
-             rollout=ns(sampler=sampler, sampler_dtype="same" if noise else dtype,
-                        kv_cache=kv_cache, router_noise_std=noise),
-             filter=ns(dynamic_sampling=dynamic), model=ns(sequence_parallel=sp))
-    assert Trainer.records_sampler_routing(ns(cfg=cfg)) is want
+    noise = dtype == "noise"
+    cfg = load_config(None, [
+        f"train.routing_replay={replay}", f"rollout.backend={sampler}",
+        f"rollout.decoders.kv_cache={kv_cache}", f"filter.dynamic_sampling={dynamic}",
+        *(["model.tp=2", "model.sequence_parallel=true"] if sp else []),
+        "rollout.decoders.router_noise_std=0.5" if noise
+        else f"rollout.decoders.sampler_dtype={dtype}"])
+    assert Trainer.records_sampler_routing(SimpleNamespace(cfg=cfg)) is want
 
 
 def test_routing_mismatch_counts_the_loss_positions_only(tmp_path):
@@ -249,12 +257,12 @@ def test_r3_pi_old_replays_the_sampler_routing(tmp_path):
 
 @pytest.mark.parametrize("mode", ["off", "r3"])
 def test_bf16_sampler_is_a_real_mismatch_that_tis_reweights(tmp_path, mode):
-    """rollout.sampler_dtype=bf16 with an fp32 trainer: the sampler's log-probs differ from the
-    trainer's recompute (fp32 on both sides agrees to < 1e-5, see the noise test above) and
+    """rollout.decoders.sampler_dtype=bf16 with an fp32 trainer: the sampler's log-probs differ
+    from the trainer's recompute (fp32 on both sides agrees to < 1e-5, see the noise test above) and
     loss.tis_cap weights the tokens by min(pi_old / pi_sampler, cap); R3 still makes the first
     minibatch on-policy (pi_old replays the bf16 sampler's routing in fp32); without R3 the
     sampler's routing is recorded anyway, to log its mismatch."""
-    trainer = make_trainer(tmp_path, "train.steps=1", "rollout.sampler_dtype=bf16",
+    trainer = make_trainer(tmp_path, "train.steps=1", "rollout.decoders.sampler_dtype=bf16",
                            "loss.tis_cap=1.0001", f"train.routing_replay={mode}",
                            "train.num_minibatches=2")
     trainer.train()
@@ -270,11 +278,11 @@ def test_bf16_sampler_is_a_real_mismatch_that_tis_reweights(tmp_path, mode):
 
 @pytest.mark.parametrize("mode", ["off", "r2", "r3"])
 def test_sampler_router_noise_is_a_routing_mismatch_r3_removes(tmp_path, mode):
-    """rollout.router_noise_std: the sampler routes noisily (rollouts and evals), the trainer
-    cleanly. The mismatch is logged in every arm; R3's pi_old replays the sampler's noisy
+    """rollout.decoders.router_noise_std: the sampler routes noisily (rollouts and evals), the
+    trainer cleanly. The mismatch is logged in every arm; R3's pi_old replays the sampler's noisy
     routing and reproduces its log-probs to fp32 rounding (the engine's policy exactly), while
     without R3 pi_old is the clean recompute and differs from the sampler's."""
-    trainer = make_trainer(tmp_path, "train.steps=1", "rollout.router_noise_std=1.0",
+    trainer = make_trainer(tmp_path, "train.steps=1", "rollout.decoders.router_noise_std=1.0",
                            f"train.routing_replay={mode}", "train.num_minibatches=2",
                            "train.eval_every=1")
     trainer.train()
@@ -300,12 +308,12 @@ def test_sampler_router_noise_is_seeded_per_rollout_and_off_at_zero(tmp_path, ki
         finally:
             trainer.rt.close()
 
-    noise = ["rollout.router_noise_std=3.0", f"rollout.router_noise={kind}"]
+    noise = ["rollout.decoders.router_noise_std=3.0", f"rollout.decoders.router_noise={kind}"]
     tokens, logp = rollout(*noise, name="a")
     again = rollout(*noise, name="b")
     assert torch.equal(tokens, again[0]) and torch.equal(logp, again[1])
     clean = rollout(name="c")
-    zero = rollout("rollout.router_noise_std=0.0", name="d")
+    zero = rollout("rollout.decoders.router_noise_std=0.0", name="d")
     assert torch.equal(clean[0], zero[0]) and torch.equal(clean[1], zero[1])
     assert not torch.equal(logp, clean[1])
 
@@ -319,7 +327,8 @@ def test_gspo_on_the_samplers_logprobs_sees_its_routing_mismatch_unless_r3(tmp_p
     (docs/pitfalls.md#gspo-on-an-engines-likelihoods)."""
     trainer = make_trainer(tmp_path, "train.steps=1", "loss.name=gspo", "loss.eps_low=3e-4",
                            "loss.eps_high=4e-4", "rollout.use_sampler_logprobs=true",
-                           "rollout.router_noise_std=1.0", f"train.routing_replay={replay}",
+                           "rollout.decoders.router_noise_std=1.0",
+                           f"train.routing_replay={replay}",
                            "train.num_minibatches=2")
     trainer.train()
     first = [r for r in step_rows(trainer.cfg.run_dir) if r.get("train/minibatch") == 0]
@@ -333,10 +342,14 @@ def test_gspo_on_the_samplers_logprobs_sees_its_routing_mismatch_unless_r3(tmp_p
 
 
 def test_sampler_router_noise_needs_our_decoders():
-    with pytest.raises(ConfigError, match="rollout.router_noise_std=0.5: needs backend lean"):
-        load_config(None, ["rollout.router_noise_std=0.5", "rollout.backend=vllm"])
-    with pytest.raises(ConfigError, match="rollout.router_noise_std=-1"):
-        load_config(None, ["rollout.router_noise_std=-1"])
+    from megatron_gspo.rollout.backends import check_config
+
+    with pytest.raises(ConfigError, match=r"^rollout.decoders.router_noise_std=0.5: needs "
+                                          r"rollout.backend=lean or megatron\b.* not 'vllm'$"):
+        check_config(load_config(None, ["rollout.decoders.router_noise_std=0.5",
+                                        "rollout.backend=vllm"]))
+    with pytest.raises(ConfigError, match="rollout.decoders.router_noise_std=-1"):
+        load_config(None, ["rollout.decoders.router_noise_std=-1"])
 
 
 def test_tis_with_sampler_logprobs_is_a_config_error():

@@ -41,7 +41,8 @@ def test_rl_with_r3_from_the_engine(tmp_path, dtype, graphs, tol):
     from megatron_gspo.jobs.rl import Trainer
 
     cfg = load_config(None, [*BASE, "train.steps=2", "train.routing_replay=r3",
-                             f"model.dtype={dtype}", f"rollout.cuda_graphs={str(graphs).lower()}",
+                             f"model.dtype={dtype}",
+                             f"rollout.megatron_engine.cuda_graphs={str(graphs).lower()}",
                              f"run_dir={tmp_path / 'run'}"])
     Trainer.from_config(cfg).train()
     rows = read_jsonl(os.path.join(cfg.run_dir, "metrics.jsonl"))

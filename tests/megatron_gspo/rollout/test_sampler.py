@@ -8,8 +8,9 @@ import torch
 
 from megatron_gspo.config.schema import load_config
 from megatron_gspo.errors import ConfigError
-from megatron_gspo.rollout.sampler import (SAMPLERS, Samples, SamplingParams, left_pad,
-                                           prompt_ids, register_sampler)
+from megatron_gspo.rollout.batch import left_pad
+from megatron_gspo.rollout.sampler import (SAMPLERS, Samples, SamplingParams, prompt_ids,
+                                           register_sampler)
 from megatron_gspo.run.metrics import read_jsonl
 from megatron_gspo.tasks.toy import CharTokenizer
 

@@ -96,7 +96,7 @@ def test_weights_the_engine_did_not_get_stop_the_run_before_sampling(tmp_path, h
     real = sampler.engine.generate
     sampler.engine.generate = lambda *a, **k: calls.append(k.get("greedy")) or real(*a, **k)
     with pytest.raises(ConfigError, match=r"probe sequence differ from the trainer's by .* "
-                                          r"\(mean\) > rollout.push_check_tol=0.0001"):
+                                          r"\(mean\) > rollout.vllm.push_check_tol=0.0001"):
         trainer.rollout(1)
     assert pushes and pushes[0] > 0 and calls == [True]  # the probe's continuation, no rollout
     trainer.rt.close()
@@ -125,10 +125,10 @@ def test_the_guard_ignores_one_token_whose_bf16_routing_flipped_but_not_a_moved_
 
 def test_the_config_reference_states_the_guards_defaults():
     from megatron_gspo.config.docs import field_docs
-    from megatron_gspo.config.rollout import RolloutConfig
+    from megatron_gspo.config.vllm import VLLMConfig
     from megatron_gspo.rollout.vllm import CHECK_TOL
 
-    doc = " ".join(field_docs(RolloutConfig)["push_check_tol"].split())
+    doc = " ".join(field_docs(VLLMConfig)["push_check_tol"].split())
     assert "mean for a float32 engine, median for bfloat16" in doc
     m = re.search(r"None: (\S+) for a float32 engine, (\S+) for bfloat16", doc)
     assert m and (float(m[1]), float(m[2])) == (CHECK_TOL["float32"], CHECK_TOL["bfloat16"])
@@ -141,7 +141,7 @@ def test_the_bf16_guard_passes_a_correct_push_and_stops_a_mis_packed_one(tmp_pat
     from megatron_gspo.jobs.rl import Trainer
     from megatron_gspo.rollout.vllm import CHECK_TOL, hf_stream
 
-    trainer = Trainer.from_config(config(tmp_path, hf_dir, "rollout.engine_dtype=bf16"))
+    trainer = Trainer.from_config(config(tmp_path, hf_dir, "rollout.vllm.dtype=bf16"))
     sampler = trainer.rt.sampler
     trainer.rollout(0)
     assert sampler.metrics["rollout/push_probe_diff"] <= CHECK_TOL["bfloat16"] / 10

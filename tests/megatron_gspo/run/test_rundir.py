@@ -11,9 +11,8 @@ import textwrap
 
 import pytest
 
-from megatron_gspo.config.schema import config_to_dict, load_config
-from megatron_gspo.run.rundir import (LOCK_FILE, NON_SEMANTIC, claim_run_dir, record_run,
-                                      semantic_config)
+from megatron_gspo.config.schema import config_to_dict, load_config, resume_may_change
+from megatron_gspo.run.rundir import LOCK_FILE, claim_run_dir, record_run, semantic_config
 from megatron_gspo.errors import RunDirError
 from megatron_gspo.jobs import rl, sft
 
@@ -68,8 +67,8 @@ CHANGED = {"run_dir": None, "resume": "resume=force", "plugins": "plugins=[my_pl
            "train.logprob_max_tokens": "train.logprob_max_tokens=0",
            "model.recompute_granularity": "model.recompute_granularity=full",
            "model.recompute_modules": "model.recompute_modules=core_attn",
-           "rollout.push_check_tol": "rollout.push_check_tol=30",
-           "rollout.engine_kv_cache_gb": "rollout.engine_kv_cache_gb=2",
+           "rollout.vllm.push_check_tol": "rollout.vllm.push_check_tol=30",
+           "rollout.vllm.kv_cache_gb": "rollout.vllm.kv_cache_gb=2",
            "train.micro_max_tokens": "train.micro_max_tokens=512",
            "rollout.max_batch_rows": "rollout.max_batch_rows=64",
            "train.router_margin_small": "train.router_margin_small=0.05",
@@ -86,14 +85,38 @@ CHANGED = {"run_dir": None, "resume": "resume=force", "plugins": "plugins=[my_pl
 
 
 def test_every_non_semantic_key_is_listed_here():
-    """Keeps CHANGED (the cases below) in step with rundir.NON_SEMANTIC."""
-    assert set(CHANGED) == set(NON_SEMANTIC)
+    """Keeps CHANGED (the cases below) in step with the fields marked `may_change`."""
+    assert set(CHANGED) == set(resume_may_change())
+
+
+VLLM_DEPLOYMENT = tuple(f"rollout.vllm.{k}" for k in (
+    "mode", "tensor_parallel_size", "replicas", "addresses", "host", "port", "sync_host",
+    "sync_port", "start_timeout_s", "request_timeout_s", "max_restarts", "bucket_mb", "chunk_mb",
+    "cpu_bind"))
+LISTED = ("run_dir", "resume", "plugins", "wandb", "train.steps", "train.eval_every",
+          "train.save_every", "train.keep_checkpoints", "train.log_every",
+          "train.flip_every", "train.router_margin_small", "train.route_sensitivity_every",
+          "train.route_sensitivity_fraction", "sft.steps", "sft.eval_every",
+          "sft.target_accuracy", "train.start_accuracy", "model.dist_timeout_min",
+          "train.logprob_max_tokens", "model.recompute_granularity", "model.recompute_modules",
+          "rollout.push_check_tol", "rollout.engine_kv_cache_gb",
+          "train.micro_max_tokens", "rollout.max_batch_rows", *VLLM_DEPLOYMENT)
+"""rundir.py's hand list of the keys a resume may change, as it was before the fields said so
+themselves (`fields.may_change`), under the names of the time."""
+
+
+def test_the_fields_marked_may_change_are_the_keys_the_hand_list_held():
+    """Marking the fields changed no verdict: the same keys, the two that moved into
+    rollout.vllm under their new names."""
+    moved = {"rollout.push_check_tol": "rollout.vllm.push_check_tol",
+             "rollout.engine_kv_cache_gb": "rollout.vllm.kv_cache_gb"}
+    assert sorted(resume_may_change()) == sorted(moved.get(k, k) for k in LISTED)
 
 
 @pytest.mark.parametrize("job", ["train", "sft"])
 @pytest.mark.parametrize("key", [k for k in CHANGED if CHANGED[k]])
 def test_each_non_semantic_key_may_change_on_resume(tmp_path, job, key):
-    """Guards NON_SEMANTIC entry by entry: a resume that changes only how long / how often /
+    """Guards `resume_may_change()` entry by entry: a resume that changes only how long / how often /
     where to log (not what is trained) is accepted, with the run's fingerprint unchanged."""
     base = config_to_dict(load_config(None, [f"run_dir={tmp_path}"]))
     overrides = CHANGED[key] if isinstance(CHANGED[key], tuple) else (CHANGED[key],)
@@ -304,3 +327,46 @@ def test_a_record_from_before_the_validation_split_resumes_under_the_new_names(t
         claim(tmp_path, "train", "task.n_test=64")
     with pytest.raises(RunDirError, match=r"task.n_val: <unset> -> 32"):
         claim(tmp_path, "train", "task.n_test=256", "task.n_val=32")
+
+
+OLD_ROLLOUT = {"rollout.backend": "lean", "rollout.cuda_graphs": False, "rollout.decoder": "lean",
+               "rollout.engine_dtype": "bf16", "rollout.group_size": 8, "rollout.kv_cache": False,
+               "rollout.max_new_tokens": 8, "rollout.prompts_per_batch": 8,
+               "rollout.router_noise": "fresh", "rollout.router_noise_std": 0.5,
+               "rollout.sampler_dtype": "bf16", "rollout.temperature": 1.0, "rollout.top_p": 1.0,
+               "rollout.use_sampler_logprobs": False}
+"""The rollout keys of a run.json written before the backend sections (as the code of the time
+recorded `OLD_SETTINGS`): the backends' settings flat in rollout."""
+OLD_SETTINGS = ["rollout.engine_dtype=bf16", "rollout.kv_cache=false", "rollout.cuda_graphs=false",
+                "rollout.sampler_dtype=bf16", "rollout.router_noise_std=0.5",
+                "rollout.router_noise=fresh"]
+NEW_SETTINGS = ["rollout.vllm.dtype=bf16", "rollout.decoders.kv_cache=false",
+                "rollout.megatron_engine.cuda_graphs=false", "rollout.decoders.sampler_dtype=bf16",
+                "rollout.decoders.router_noise_std=0.5", "rollout.decoders.router_noise=fresh"]
+
+
+def test_a_record_from_before_the_backend_sections_resumes_under_the_new_names(tmp_path):
+    """run.json written before the backends' settings moved into rollout.decoders /
+    megatron_engine / vllm holds rollout.kv_cache, rollout.engine_dtype, ...: the same run's
+    config resumes, under the new names or the old ones; a key that moved and now may change
+    (rollout.vllm.kv_cache_gb) may; a real change is still refused, by its new name."""
+    import json
+
+    from megatron_gspo.run.rundir import RUN_FILE, fingerprint
+
+    cfg = config_to_dict(load_config(None, [f"run_dir={tmp_path}", *NEW_SETTINGS]))
+    old = {k: v for k, v in semantic_config(cfg, "train").items()
+           if not k.startswith("rollout.")}
+    old.update(OLD_ROLLOUT)
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / RUN_FILE).write_text(json.dumps(
+        {"job": "train", "fingerprint": fingerprint(old), "config": old}))
+    claim(tmp_path, "train", *NEW_SETTINGS).release()
+    claim(tmp_path, "train", *OLD_SETTINGS).release()  # the old spelling of the same run
+    claim(tmp_path, "train", *NEW_SETTINGS, "rollout.vllm.kv_cache_gb=3",
+          "rollout.engine_kv_cache_gb=4").release()
+    with pytest.raises(RunDirError, match=r"started with another config \(rollout.vllm.dtype: "
+                                          r"'bf16' -> 'fp32'\)"):
+        claim(tmp_path, "train", *NEW_SETTINGS, "rollout.vllm.dtype=fp32")
+    with pytest.raises(RunDirError, match=r"\(rollout.decoders.kv_cache: False -> True\)"):
+        claim(tmp_path, "train", *OLD_SETTINGS, "rollout.kv_cache=true")
