@@ -5,7 +5,7 @@
 
 One trainer (the `bench.throughput --force-length` set-up: qwen3-moe-tiny, every response
 exactly N tokens, 1 torch thread) samples rollout batches with `rollout.decoder=lean`
-(`moe.decode.LeanKVDecoder`) and `megatron` (`moe.decode.KVCacheDecoder`) in alternation, after
+(`moe.inference.decode.LeanKVDecoder`) and `megatron` (`moe.inference.decode.KVCacheDecoder`) in alternation, after
 one warm-up batch each; the policy does not change between them. Prints each decoder's best and
 median seconds per rollout batch and the ratio megatron / lean of the best (> 1: lean faster).
 """

@@ -8,7 +8,7 @@ import json
 import os
 
 OPTIMIZER_LOOPS = {"megatron": "megatron-core's per-tensor loops",
-                   "foreach": "`_foreach` ops (`moe.compat.use_foreach_optimizer_kernels`)",
+                   "foreach": "`_foreach` ops (`moe.platform.compat.use_foreach_optimizer_kernels`)",
                    "fused": "TransformerEngine's or Apex's fused kernels"}
 """How the grad norm, clip scaling and master-to-model copies ran (`--megatron-loops`): results
 written before the option were megatron-core's loops."""

@@ -59,8 +59,8 @@ PY
     train)
       timeout 150 "${BENCH[@]}" train --out "$RESULTS" 2>&1 | tee "$RESULTS/train.log" | tail -25 ;;
     tests)
-      timeout 150 "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests/moe/test_gpu.py \
-        tests/moe/test_engine.py tests/megatron_gspo/rollout/test_engine_backend.py \
+      timeout 150 "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests/moe/model/test_gpu.py \
+        tests/moe/inference/test_engine.py tests/megatron_gspo/rollout/test_engine_backend.py \
         > "$RESULTS/tests.log" 2>&1
       rc=$?; tail -15 "$RESULTS/tests.log"; [ $rc -eq 0 ] ;;
     report)

@@ -31,12 +31,12 @@ from torch.profiler import ProfilerActivity, profile
 from bench.gpu_report import report
 from megatron_gspo.rollout.decoders import DecoderSampler
 from megatron_gspo.rollout.sampler import SamplingParams
-from moe.engine import EngineSampler, routing_mismatch, to_batch
-from moe.model import ParallelLayout
-from moe.parallel import init_parallel
-from moe.policy import MoEPolicy, OptimSettings
-from moe.presets import get_preset
-from moe.replay import current_routing
+from moe.inference.engine import EngineSampler, routing_mismatch, to_batch
+from moe.model.gpt import ParallelLayout
+from moe.platform.parallel import init_parallel
+from moe.model.policy import MoEPolicy, OptimSettings
+from moe.model.presets import get_preset
+from moe.routing.replay import current_routing
 
 # after moe: its import hook comes before any megatron import
 from megatron.core import utils as mcore_utils  # noqa: E402
@@ -131,7 +131,7 @@ def stage_train(args) -> dict:
                      if torch.cuda.is_available() else float("nan")})
         print(json.dumps(rows[-1]), flush=True)
     out = {"layers": args.layers, "matmul_params": matmul_params(p), "rows": rows,
-           "optimizer_loops": {"megatron.core.utils": "megatron", "moe.compat": "foreach"}.get(
+           "optimizer_loops": {"megatron.core.utils": "megatron", "moe.platform.compat": "foreach"}.get(
                clip_grads.l2_norm_impl.__module__, "fused")}
     if args.top:
         T = lengths[len(lengths) // 2]
@@ -280,7 +280,7 @@ def parse_args(argv=None):
     ap.add_argument("--micro", default="1,4", help="train: microbatches per optimizer step "
                     "(counts above one at the first length only)")
     ap.add_argument("--megatron-loops", action="store_true", help="train: megatron-core's "
-                    "per-tensor optimizer loops instead of moe.compat's _foreach ops (baseline)")
+                    "per-tensor optimizer loops instead of moe.platform.compat's _foreach ops (baseline)")
     ap.add_argument("--iterations", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--top", type=int, default=12, help="train: profile rows (0: no profile)")

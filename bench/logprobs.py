@@ -1,5 +1,5 @@
 """Peak memory and time of the log-prob pass at a 151,936-token vocabulary on CPU, before and
-after the chunks of tokens (`moe.logprobs`), in one run.
+after the chunks of tokens (`moe.model.logprobs`), in one run.
 
     python -m bench.logprobs                          # 2 x 512 positions, fp32 and bf16
     python -m bench.logprobs --seqs 1 --positions 2048 --dtypes bf16 --rounds 5
@@ -8,7 +8,7 @@ The pass: the sampled tokens' log-probs from the output layer's logits [B, S, V]
 trainer runs it after the output layer. `pi_old`: no grad, log-probs only (the no-grad pass
 over a rollout batch); `loss`: log-probs and entropy, then the backward of a weighted sum
 (the loss forward and its backward down to the logits' grad).
-  before, fp32: `moe.logprobs.plain_token_logprobs` (a float32 log-softmax over [B, S, U]:
+  before, fp32: `moe.model.logprobs.plain_token_logprobs` (a float32 log-softmax over [B, S, U]:
                 what float32 policies ran);
   before, bf16: `chunked_token_logprobs` chunked by whole sequences, at least one (what 16-bit
                 policies ran: at long sequences one sequence a chunk, a float32 [S, U] scratch);
@@ -36,7 +36,7 @@ import sys
 CHILD = """
 import json, re, sys, time
 import torch
-import moe.logprobs as lp
+import moe.model.logprobs as lp
 torch.set_num_threads(1)
 a = json.loads(sys.argv[1])
 lp.CHUNK_ELEMENTS = a["chunk_elements"] or lp.CHUNK_ELEMENTS
@@ -128,7 +128,7 @@ def parse_args(argv=None):
     p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--chunk-elements", type=int, default=0,
-                   help="float32 elements per chunk (default: moe.logprobs.CHUNK_ELEMENTS)")
+                   help="float32 elements per chunk (default: moe.model.logprobs.CHUNK_ELEMENTS)")
     p.add_argument("--out", default=None, help="also write the rows as JSON here")
     args = p.parse_args(argv)
     args.dtypes = args.dtypes.split(",")

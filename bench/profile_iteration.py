@@ -68,7 +68,7 @@ def top_table(prof, n: int, where: str = "CPU") -> str:
 
 STEP_PARTS = (("forward", "policy", "token_logprobs"), ("loss", "trainer", "loss_fn"),
               ("backward", "policy", "backward"), ("optimizer", "policy", "step"))
-# inside "optimizer": megatron's ChainedOptimizer pieces that `moe.optim.PolicyOptimizer.step`
+# inside "optimizer": megatron's ChainedOptimizer pieces that `moe.model.optim.PolicyOptimizer.step`
 # calls (the clip pass, when it runs, and the schedule are the rest of "optimizer")
 OPTIMIZER_PARTS = (("of which: main grads to masters", "megatron", "prepare_grads"),
                    ("of which: grad norm", "megatron", "get_grad_norm"),

@@ -31,7 +31,7 @@ from megatron_gspo.algo.margins import margin_metrics
 from megatron_gspo.algo.sensitivity import margin_rows, route_sensitivity
 from megatron_gspo.config.schema import load_config
 from megatron_gspo.jobs.rl import Trainer
-from moe.router_scores import RouterScores, record_router_scores
+from moe.routing.scores import RouterScores, record_router_scores
 
 RECIPE = ["model.preset=qwen3-moe-tiny", "task.name=addition", "task.kwargs.num_digits=2",
           "task.n_train=4000", "task.n_test=8", "rollout.prompts_per_batch=16",

@@ -14,7 +14,7 @@ experts), log-softmax and gather on its logits. The two alternate round by round
 thread; the table reports each side's best round (other jobs only slow a round down) and ours/HF.
 No optimizer step: see `bench.throughput` for whole iterations.
 
-`--pi-old N`: also pi_old's no-grad pass over the B sequences (`moe.replay.current_routing`,
+`--pi-old N`: also pi_old's no-grad pass over the B sequences (`moe.routing.replay.current_routing`,
 routing recorded) in one forward against forwards of at most N tokens
 (`train.logprob_max_tokens`), alternating, best round each.
 """
@@ -30,7 +30,7 @@ import torch
 
 from bench.throughput import build_ours, cpu_model, parse_args as bench_args
 from bench.trl import hf_model
-from moe.replay import chunk_count, current_routing
+from moe.routing.replay import chunk_count, current_routing
 from tools.result_table import add_readme_args, output_into
 
 

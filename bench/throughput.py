@@ -60,7 +60,7 @@ there), so both sides generate and train on equal token counts at any length.
 any `--set`) runs in the same alternation; the report gives its train time over ours'.
 Model FLOPs: ours' train tokens/s x 3 x `MoEPreset.flops_per_token(mean sequence length)`
 (matmuls of the activated weights and attention; the count torch's FlopCounterMode gives,
-tests/moe/test_model.py); `--peak-tflops` (the device's dense peak for the run's dtype, e.g.
+tests/moe/model/test_model.py); `--peak-tflops` (the device's dense peak for the run's dtype, e.g.
 989 for an H100 SXM in bf16) turns it into MFU.
 
 Threads default to 1: with 2 threads on a 2-core machine where anything else is running, OpenMP

@@ -107,4 +107,4 @@ def model_flops_line(train_tps: float, flops_per_token: int, peak_tflops: float 
     tflops, mfu = model_tflops(train_tps, flops_per_token, peak_tflops)
     mfu = f"; MFU {mfu:.2f}% of {peak_tflops:g} TFLOP/s" if mfu is not None else ""
     return (f"ours train: {tflops:.4g} model TFLOP/s ({flops_per_token:,} FLOPs per token, "
-            f"3 x moe.presets.flops_per_token){mfu}")
+            f"3 x moe.model.presets.flops_per_token){mfu}")

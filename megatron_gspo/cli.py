@@ -36,7 +36,7 @@ from megatron_gspo.config.schema import describe_config, load_config
 from megatron_gspo.errors import UserError
 from megatron_gspo.jobs import plan
 from megatron_gspo.run.preempt import Interrupted, Preempted, StartupSignals
-from moe.checks import MissingDependency
+from moe.platform.checks import MissingDependency
 
 # What exits 2 with its one line: the project's UserError, and what it cannot subclass: a
 # missing file (raised by moe and the stdlib as FileNotFoundError), a missing optional package

@@ -11,7 +11,7 @@ warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 @pytest.fixture(scope="session")
 def single_process():
     """megatron parallel state with tp=ep=dp=1 in the pytest process itself."""
-    from moe.parallel import init_parallel
+    from moe.platform.parallel import init_parallel
 
     os.environ.pop("RANK", None)
     os.environ.pop("WORLD_SIZE", None)

@@ -133,7 +133,7 @@ def test_the_link_checker_sees_what_it_should():
     assert anchors(text) >= {"top-x-level", "top-x-level-1", "pin"}
     assert links(text) == ["README.md", "#top-x-level-1", "#pin", "https://x.org/#q",
                            "nope.md", "#nope", "../../outside.md"]
-    assert slug("5. Replay: `moe/replay.py`'s *ids*") == "5-replay-moereplaypys-ids"
+    assert slug("5. Replay: `moe/routing/replay.py`'s *ids*") == "5-replay-moeroutingreplaypys-ids"
 
 
 def named_tests(text: str) -> list[tuple[str, str | None]]:

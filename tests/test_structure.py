@@ -29,6 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("moe", "megatron_gspo")
 ROOMS = ("config", "algo", "tasks", "rollout", "run", "jobs", "cli")
+MOE_ROOMS = ("platform", "routing", "model", "inference", "hf")
+"""moe/'s rooms, lowest first (moe/__init__.py says what each holds)."""
 """megatron_gspo's rooms, lowest first; the top-level helpers (errors, dist) sit below config."""
 SCRIPTS = ("tools", "bench", "experiments")
 """The script folders, lowest first: user CLIs, benchmarks, experiments."""
@@ -124,10 +126,13 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def room(module: str) -> int:
-    """Rank of a module's room: moe -1, megatron_gspo's helpers 0, then ROOMS in order."""
+    """Rank of a module's room: moe's rooms in MOE_ROOMS order (all below megatron_gspo; the
+    package `moe` itself with platform, whose import hook it runs), megatron_gspo's helpers 0,
+    then ROOMS in order."""
     parts = module.split(".")
     if parts[0] == "moe":
-        return -1
+        name = parts[1] if len(parts) > 1 and parts[1] in MOE_ROOMS else MOE_ROOMS[0]
+        return MOE_ROOMS.index(name) - len(MOE_ROOMS)
     if len(parts) == 1 or parts[1] not in ROOMS:
         return 0  # megatron_gspo, megatron_gspo.errors, megatron_gspo.dist
     return ROOMS.index(parts[1]) + 1
@@ -275,6 +280,14 @@ def test_no_python_file_over_400_lines():
 def test_megatron_gspo_has_few_top_level_modules():
     top = sorted(p.stem for p in (ROOT / "megatron_gspo").glob("*.py") if p.stem != "__init__")
     assert len(top) <= MAX_TOP_LEVEL_MODULES, top
+
+
+def test_moe_modules_live_in_its_rooms():
+    """moe/ holds its rooms (MOE_ROOMS) and its package file, nothing flat beside them."""
+    flat = sorted(p.name for p in (ROOT / "moe").glob("*.py") if p.stem != "__init__")
+    rooms = sorted(p.name for p in (ROOT / "moe").iterdir()
+                   if p.is_dir() and p.name != "__pycache__")
+    assert flat == [] and rooms == sorted(MOE_ROOMS), (flat, rooms)
 
 
 def test_tools_holds_only_the_user_clis():

@@ -38,9 +38,9 @@ from megatron_gspo.rollout.sampler import SamplingParams  # noqa: E402
 from megatron_gspo.tasks.tokenizer import load_tokenizer  # noqa: E402
 from moe.hf.config import preset_from_hf  # noqa: E402
 from moe.hf.weights import load_hf_weights  # noqa: E402
-from moe.parallel import destroy_parallel, init_parallel  # noqa: E402
-from moe.policy import MoEPolicy  # noqa: E402
-from moe.settings import ParallelLayout  # noqa: E402
+from moe.platform.parallel import destroy_parallel, init_parallel  # noqa: E402
+from moe.model.policy import MoEPolicy  # noqa: E402
+from moe.model.settings import ParallelLayout  # noqa: E402
 
 DEFAULT_PROMPTS = ("What is 12 + 30?", "Name three primary colors.", "The capital of France is")
 

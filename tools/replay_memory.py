@@ -5,7 +5,7 @@ Usage:
     python -m tools.replay_memory --preset small --prompts 64 --group 8 --tokens 2048
     python -m tools.replay_memory --measure-only        # just the measured tiny-scale part
 
-The cache (`moe.memory.replay_cache_bytes`, shared with `megatron-gspo plan`) keeps, for every
+The cache (`moe.model.memory.replay_cache_bytes`, shared with `megatron-gspo plan`) keeps, for every
 valid token of a rollout batch, the K expert ids chosen at each of the
 L MoE layers: bytes = tokens x L x K x itemsize, with itemsize 1 (uint8) for <= 256 experts and
 2 (int16) above. megatron's recorded indices are int64, so the compact cache is 8x smaller than
@@ -29,12 +29,12 @@ warnings.filterwarnings("ignore")  # megatron's install notes at import: before 
 
 import torch  # noqa: E402
 
-from moe.memory import GIB, replay_cache_bytes  # noqa: E402 (the formula `plan` uses too)
-from moe.parallel import init_parallel  # noqa: E402
-from moe.policy import MoEPolicy, OptimSettings  # noqa: E402
-from moe.presets import get_preset  # noqa: E402
-from moe.replay import current_routing, replay_routing  # noqa: E402
-from moe.settings import ParallelLayout  # noqa: E402
+from moe.model.memory import GIB, replay_cache_bytes  # noqa: E402 (the formula `plan` uses too)
+from moe.platform.parallel import init_parallel  # noqa: E402
+from moe.model.policy import MoEPolicy, OptimSettings  # noqa: E402
+from moe.model.presets import get_preset  # noqa: E402
+from moe.routing.replay import current_routing, replay_routing  # noqa: E402
+from moe.model.settings import ParallelLayout  # noqa: E402
 from tools.result_table import output_into  # noqa: E402
 
 cache_bytes = replay_cache_bytes  # tokens x layers x K x itemsize (None: the compact dtype)

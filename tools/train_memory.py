@@ -6,7 +6,7 @@ Usage:
     python -m tools.train_memory --no-measure       # just the table
     python -m tools.train_memory --with-recompute   # + bf16 with activation recompute
 
-Analytic part (`moe.memory`, which `megatron-gspo plan` uses too): bytes per parameter of the
+Analytic part (`moe.model.memory`, which `megatron-gspo plan` uses too): bytes per parameter of the
 model state megatron keeps for training (its distributed-optimizer docs use the same
 accounting), per data-parallel replica of the model:
 
@@ -48,12 +48,12 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
 
-from moe.compat import cuda_available  # noqa: E402
-from moe.memory import GIB, MIB, TRAINING_STATE, bytes_per_param  # noqa: E402, F401 (shared)
-from moe.parallel import init_parallel  # noqa: E402
-from moe.policy import MoEPolicy  # noqa: E402
-from moe.presets import get_preset  # noqa: E402
-from moe.settings import OptimSettings, ParallelLayout, Recompute  # noqa: E402
+from moe.platform.compat import cuda_available  # noqa: E402
+from moe.model.memory import GIB, MIB, TRAINING_STATE, bytes_per_param  # noqa: E402, F401 (shared)
+from moe.platform.parallel import init_parallel  # noqa: E402
+from moe.model.policy import MoEPolicy  # noqa: E402
+from moe.model.presets import get_preset  # noqa: E402
+from moe.model.settings import OptimSettings, ParallelLayout, Recompute  # noqa: E402
 from tools.result_table import output_into  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -8,7 +8,7 @@ Usage:
     python -m experiments.engine_mismatch.run --plot-only       # README + figures from results/
 
 Part 1, `measure` (measure.yaml): on two head_dim-32 shapes (vLLM's CPU attention needs head_dim
-in {32, 64, ...}; `moe/presets.py`), from a random init and from an in-band SFT cold start
+in {32, 64, ...}; `moe/model/presets.py`), from a random init and from an in-band SFT cold start
 (sft.yaml: the ablation's recipe and band), with a float32 and a bfloat16 engine
 (`rollout.vllm.dtype`), the trainer in float32: GRPO with `rollout.backend=vllm` for a few
 rollout batches. Before every rollout batch the trainer pushes its weights to the engine (and

@@ -22,7 +22,7 @@ HEADER = """# GPU: a train step and rollouts at Qwen3-30B-A3B's layer shapes
 **Question.** On one GPU, how fast does the trainer step at real layer shapes (hidden 2048,
 32 / 4 heads of 128, 128 experts top-8 of FFN 768, vocab 151,936; 2 layers, bf16 with fp32
 masters), how fast do rollouts come from the lean decoder and from megatron-core's dynamic
-inference engine (`moe.engine`), and how often does the engine's routing disagree with the
+inference engine (`moe.inference.engine`), and how often does the engine's routing disagree with the
 trainer's recompute of the same tokens, per layer (the mismatch R3 removes)?
 
 **Command** (about 6 minutes on one GPU, from the repository's root with the project
@@ -76,7 +76,7 @@ def verdicts(train, rollout) -> list[str]:
 
 
 def foreach_lines(train, loops) -> list[str]:
-    """Step times with moe.compat's `_foreach` optimizer ops over megatron-core's per-tensor
+    """Step times with moe.platform.compat's `_foreach` optimizer ops over megatron-core's per-tensor
     loops, row by row (both from one machine: `--megatron-loops` right after the train stage)."""
     if not (train and loops and "rows" in train and "rows" in loops):
         return []
@@ -121,7 +121,7 @@ def render() -> str:
     lines += foreach_lines(train, read("train_megatron_loops.json"))
     lines += ["## What it means", "",
               "The engine samples the policy's own GPTModel (no weight copy) and records every "
-              "MoE layer's top-k per token; its attention runs through `moe.paged_attention` "
+              "MoE layer's top-k per token; its attention runs through `moe.inference.paged_attention` "
               "(plain torch over the paged cache) because no flash-attn wheel fits beside this "
               "machine's CUDA 13 torch. The mismatch tables compare, on the same sampled tokens, "
               "the sampler's routing and log-probs with the trainer's full-sequence bf16 "
@@ -129,20 +129,20 @@ def render() -> str:
               "each row is left out (its routing is never computed by a sampler).", "",
               "Where the train step's time goes (the profile tables): at two layers the output "
               "layer holds most of the matmul parameters, so the vocabulary's log-softmax "
-              "(float32 copies of [B, T, 151,936] logits, `moe.logprobs`) weighs as much as the "
+              "(float32 copies of [B, T, 151,936] logits, `moe.model.logprobs`) weighs as much as the "
               "layers; with more layers the per-expert costs grow instead: megatron's "
               "`SequentialMLP` keeps each expert's weights as separate parameters, so every "
               "step stacks them for `_grouped_mm` in the forward and again in the backward "
-              "(`moe.experts`) and adds each expert's grad on its own (`aten::copy_`, "
+              "(`moe.model.experts`) and adds each expert's grad on its own (`aten::copy_`, "
               "`aten::add_` by the thousand). Without TransformerEngine or Apex, megatron-core "
-              "also clips and copies the optimizer's tensors one by one; `moe.compat` runs that "
+              "also clips and copies the optimizer's tensors one by one; `moe.platform.compat` runs that "
               "work as `_foreach` ops instead (`results/train_megatron_loops.json`: the same "
               "machine with megatron-core's loops, `--megatron-loops`). Microbatches (`M` > 1) "
               "spread the optimizer's fixed cost.", "",
               "These results predate the two changes aimed at those costs: one stacked "
-              "parameter per expert weight (`moe.experts.StackedExperts`: the grouped GEMMs "
+              "parameter per expert weight (`moe.model.experts.StackedExperts`: the grouped GEMMs "
               "read it directly and its grads land stacked) and the sampled tokens' log-probs "
-              "in float32 chunks of tokens (`moe.logprobs`, no [T, V] float32 copy). The "
+              "in float32 chunks of tokens (`moe.model.logprobs`, no [T, V] float32 copy). The "
               "command above measures today's code; until it runs again, the tables describe "
               "the per-expert layout.", ""]
     return "\n".join(lines)

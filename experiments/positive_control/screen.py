@@ -12,7 +12,7 @@ sequence ratio at [1 - 3e-4, 1 + 4e-4]. Routing Replay can only matter where a r
 moves a token's log-prob by an amount of that order. For each candidate (an architecture,
 `model.preset_overrides`, on the task of `sft.yaml`) the screen makes its own cold start (SFT
 to the validation band), samples one rollout batch, and re-scores it with Gaussian noise of
-several stds on the router logits that pick the top-k (`moe.router_noise`; gate weights from
+several stds on the router logits that pick the top-k (`moe.routing.noise`; gate weights from
 the clean logits): the same perturbation an engine whose routers disagree with the trainer's
 (`rollout.decoders.router_noise_std`) or a policy whose routing moved (`train.router_noise_std`)
 makes.
@@ -47,8 +47,8 @@ from megatron_gspo.algo.sensitivity import route_sensitivity
 from megatron_gspo.config.schema import load_config
 from megatron_gspo.jobs import evaluate
 from megatron_gspo.run.setup import setup_runtime
-from moe.replay import RoutingReplayCache, current_routing, record_routing
-from moe.router_noise import router_noise
+from moe.routing.replay import RoutingReplayCache, current_routing, record_routing
+from moe.routing.noise import router_noise
 from tools.result_table import machine_line, write_into
 
 GRID = (0.01, 0.03, 0.1, 0.3, 1.0)

@@ -7,7 +7,7 @@ Usage (the runner calls it):
 Shape legend: B sequences, T tokens.
 
 Samples one rollout batch with the cold-start policy (the config's init_checkpoint), then for a
-grid of noise stds runs the loss's forward with `moe.router_noise` several times and measures,
+grid of noise stds runs the loss's forward with `moe.routing.noise` several times and measures,
 on the loss positions (`megatron_gspo.algo.flips`), the flip rate of the noisy routing vs the clean
 one and the mean |log pi_noisy - log pi_clean| over response tokens (the routing-induced
 log-ratio GRPO's first minibatch sees). The std for each target flip rate is interpolated
@@ -29,8 +29,8 @@ from megatron_gspo.jobs import evaluate
 from megatron_gspo.rollout.generate import generate_rollouts
 from megatron_gspo.rollout.sampler import SamplingParams
 from megatron_gspo.run.setup import setup_runtime
-from moe.replay import RoutingReplayCache, current_routing, record_routing
-from moe.router_noise import router_noise
+from moe.routing.replay import RoutingReplayCache, current_routing, record_routing
+from moe.routing.noise import router_noise
 
 GRID = (0.003, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
 DRAWS = 3

@@ -11,7 +11,7 @@ Usage:
 2. Calibration (`calibrate.py`): on one rollout batch of the cold start, the router-noise std
    that flips 1%, 3% and 10% of the loss positions' expert activations.
 3. The grid: GRPO and GSPO at noise 0 and the three calibrated stds; GRPO + R2 once per seed,
-   because under replay the noise has no effect by construction (`moe.router_noise`), so its
+   because under replay the noise has no effect by construction (`moe.routing.noise`), so its
    runs at every level are the same run. Then a real train-inference mismatch at noise 0: the
    sampler under bf16 autocast (`rollout.decoders.sampler_dtype=bf16`) with GRPO, GRPO + R3 and
    GRPO + TIS (`loss.tis_cap=2`). Each run: rl.yaml (8 minibatches per rollout batch),

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from moe.checks import is_int
+from moe.platform.checks import is_int
 
 ZERO_STD_TOL = 1e-12
 """A group with population reward std below this counts as zero-variance."""

@@ -33,7 +33,7 @@ step under R2 (the same weights; under R3 pi_old's pass replays the sampler's ro
 there), else the previous measured step's "after" forward, which then runs over both
 minibatches' rows (`next_mb`: one call, twice the rows), else one extra forward. The "after"
 routing is one no-grad forward; its router scores also give the router margin
-(`megatron_gspo.algo.margins`: `moe/router_margin/...`) at no forward's cost. Under router noise (`moe.router_noise`,
+(`megatron_gspo.algo.margins`: `moe/router_margin/...`) at no forward's cost. Under router noise (`moe.routing.noise`,
 `train.router_noise_std`) the recorded "before" of an unreplayed step is the noisy routing its
 loss actually used, so `moe/flip_rate` counts the noise's flips too.
 """
@@ -46,9 +46,9 @@ import torch
 
 from megatron_gspo.algo.margins import margin_metrics
 from megatron_gspo.dist import sum_over_ranks
-from moe.replay import RoutingReplayCache, current_routing, record_routing
-from moe.router_scores import RouterScores, record_router_scores
-from moe.routing_stats import topk_mask
+from moe.routing.replay import RoutingReplayCache, current_routing, record_routing
+from moe.routing.scores import RouterScores, record_router_scores
+from moe.routing.stats import topk_mask
 
 
 def loss_positions(response_BT: torch.Tensor) -> torch.Tensor:

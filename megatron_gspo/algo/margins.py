@@ -5,7 +5,7 @@ Shape legend: N routed valid tokens (this rank's shard), L MoE layers, K top-k.
 `moe/router_margin/layer_XX` is the median over the loss positions (the positions whose
 next-token logits score a response token, as for expert flips, `megatron_gspo.algo.flips`) of
 p_(K) - p_(K+1): the router probability (softmax over all E experts of the router logits, in
-float32; `moe.router_scores`) of a token's K-th expert minus that of the best expert left out.
+float32; `moe.routing.scores`) of a token's K-th expert minus that of the best expert left out.
 `moe/router_margin_small/layer_XX` is the fraction of those margins below a threshold
 (`train.router_margin_small`): the tokens a small change of the router logits flips. Both come
 from the router scores of the no-grad forward the flip measurement runs after each measured
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from megatron_gspo.dist import gather_rows
-from moe.router_scores import RouterScores
+from moe.routing.scores import RouterScores
 
 
 def margin_metrics(scores: RouterScores, rows_N: torch.Tensor, small: float) -> dict:

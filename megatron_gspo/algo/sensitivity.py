@@ -9,7 +9,7 @@ Expert flips (`megatron_gspo.algo.flips`) say how often routing changes and the 
 which decides whether Routing Replay has anything to remove. `moe/route_sensitivity/layer_XX`
 (`route_sensitivity`): at one layer at a time, a random `fraction` of the loss positions (the
 positions whose next-token logits score a response token, as for flips) route to their (K+1)-th
-expert instead of their K-th (forced through megatron's replay, `moe.replay.replay_routing`,
+expert instead of their K-th (forced through megatron's replay, `moe.routing.replay.replay_routing`,
 so it runs under expert parallelism like any replay), every other route as the router chose;
 the value is the mean over response tokens of |log pi(swapped) - log pi(as routed)| of the
 sampled tokens, in nats, a ratio of sums over ranks. L + 1 no-grad forwards of the batch (one
@@ -23,8 +23,8 @@ import torch
 
 from megatron_gspo.algo.flips import loss_positions
 from megatron_gspo.dist import sum_over_ranks
-from moe.replay import replay_routing
-from moe.router_scores import RouterScores, record_router_scores
+from moe.routing.replay import replay_routing
+from moe.routing.scores import RouterScores, record_router_scores
 
 
 def margin_rows(policy, scores: RouterScores, response_BT: torch.Tensor) -> torch.Tensor:

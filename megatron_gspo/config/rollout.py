@@ -35,7 +35,7 @@ class DecodersConfig:
     logits), in every forward the sampler runs, rollouts and evaluations: an inference engine
     whose routing differs from the trainer's (as a bf16 engine's does at scale) at a chosen
     rate. R3 replays the noisy routing it recorded; R2 and no replay route cleanly in the
-    trainer. Refused with another backend (`moe.router_noise`)."""
+    trainer. Refused with another backend (`moe.routing.noise`)."""
     router_noise: Literal["fixed", "fresh"] = "fixed"
     """How router_noise_std draws: "fixed", a fixed function of each router's input for the
     whole run (the same token in the same context always routes the same way: an engine whose
@@ -92,7 +92,7 @@ class RolloutConfig:
     backend: str = "lean"
     """The sampler (`megatron_gspo.rollout.sampler`): "lean" (our KV-cache decoder in the
     trainer process: walks megatron's layers itself, caches rotated keys, attends per K/V group;
-    `moe.decode`), "megatron" (`GPTModel.forward` with megatron-core's static inference context:
+    `moe.inference.decode`), "megatron" (`GPTModel.forward` with megatron-core's static inference context:
     the same routing and logits to fp32 rounding, slower), "megatron_engine" (megatron-core's
     dynamic inference engine over the same weights: paged KV cache, CUDA graphs; GPU and
     megatron-core >= 0.19 only), or any name registered with `register_sampler`."""

@@ -18,8 +18,8 @@ from typing import ClassVar, Literal, Optional
 
 from megatron_gspo.config.fields import (Band, OptionalPath, check, check_band, check_ratio_band,
                                          may_change, validate)
-from moe.presets import PRESETS
-from moe.settings import RECOMPUTE_MODULES, OptimSettings, layout_problems, resolve_dispatcher
+from moe.model.presets import PRESETS
+from moe.model.settings import RECOMPUTE_MODULES, OptimSettings, layout_problems, resolve_dispatcher
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class ModelConfig:
     _section: ClassVar[str] = "model"
 
     preset: str = "qwen3-moe-tiny"
-    """Model preset name (validated by `moe.presets`); ignored when hf_path is set."""
+    """Model preset name (validated by `moe.model.presets`); ignored when hf_path is set."""
     tp: int = 1
     """Tensor-parallel size."""
     ep: int = 1
@@ -67,7 +67,7 @@ class ModelConfig:
     checkpoint's depth is its config.json's)."""
     preset_overrides: dict = field(default_factory=dict)
     """Architecture fields of model.preset to replace, e.g. {num_experts: 64, topk: 2,
-    moe_ffn_hidden_size: 32, norm_topk_prob: false} (any `moe.presets.MoEPreset` field but
+    moe_ffn_hidden_size: 32, norm_topk_prob: false} (any `moe.model.presets.MoEPreset` field but
     name, vocab_size, max_seq_len, hf_model_type; random init). Not with hf_path."""
     recompute_granularity: Literal["off", "selective", "full"] = may_change("off")
     """megatron's activation recompute for long responses: 'selective' re-runs
@@ -77,7 +77,7 @@ class ModelConfig:
     """Comma-separated modules for 'selective': moe (the whole MoE layer: router, dispatch,
     experts), core_attn."""
     attention: Literal["megatron", "sdpa"] = "sdpa"
-    """Core attention of the local (CPU) layer spec: one torch SDPA call (`moe.attention`), or
+    """Core attention of the local (CPU) layer spec: one torch SDPA call (`moe.model.attention`), or
     megatron's unfused DotProductAttention (experiments published before SDPA became the
     default ran with it and pin it; equal to fp32 rounding, which can flip an occasional sampled
     token). In bf16 / fp16, SDPA keeps scores and softmax in fp32 where megatron's unfused path
@@ -100,13 +100,13 @@ class ModelConfig:
             PRESETS[self.preset].with_overrides(self.preset_overrides)
         except (TypeError, ValueError) as e:
             check(self, "preset_overrides", False, str(e))
-        for name, msg in layout_problems(self):  # the rules live in moe.model
+        for name, msg in layout_problems(self):  # the rules live in moe.model.gpt
             check(self, name, False, msg)
 
     @property
     def resolved_dispatcher(self) -> str:
         """The dispatcher the model is built with: `dispatcher`, 'auto' resolved
-        (`moe.settings.resolve_dispatcher`)."""
+        (`moe.model.settings.resolve_dispatcher`)."""
         return resolve_dispatcher(self.dispatcher, self.ep)
 
 
@@ -200,7 +200,7 @@ class LossConfig:
 
 @dataclass(frozen=True)
 class OptimConfig(OptimSettings):
-    """megatron-core's Adam and lr schedule; the fields are `moe.settings.OptimSettings`'s."""
+    """megatron-core's Adam and lr schedule; the fields are `moe.model.settings.OptimSettings`'s."""
     _section: ClassVar[str] = "optim"
 
     def __post_init__(self):
@@ -264,7 +264,7 @@ class TrainConfig:
     the top-k experts in the loss's forward only (gate weights stay those of the clean logits;
     sampler, pi_old, eval and flip-measurement forwards are clean; seeded per optimizer step).
     Under train.routing_replay=r2/r3 the replayed top-k is forced, so it has no effect: it adds
-    exactly the routing-induced noise replay removes (`moe.router_noise`)."""
+    exactly the routing-induced noise replay removes (`moe.routing.noise`)."""
     eval_every: int = may_change(10)
     """Evaluate every k iterations (0 = never)."""
     save_every: int = may_change(10)

@@ -2,7 +2,7 @@
 GPU is spent, the per-GPU memory of the layout a config names, whether it fits, which layouts of
 N GPUs fit, and an estimated step time; every assumption printed. No torch, no model: seconds.
 
-Memory (`moe.memory`, the accounting tools/train_memory and tools/replay_memory use): the
+Memory (`moe.model.memory`, the accounting tools/train_memory and tools/replay_memory use): the
 training state (weights, fp32 main grads, fp32 masters and Adam moments, with and without the
 distributed optimizer), the routing caches the trainer keeps for a rollout batch, then the
 largest of three phases, which never overlap: the rollout (what the backend declares,
@@ -29,9 +29,9 @@ from megatron_gspo.config.schema import RunConfig, local_prompts
 from megatron_gspo.errors import ConfigError
 from megatron_gspo.jobs.plan_time import rows_per_call, step_time
 from megatron_gspo.rollout.backends import backend_of, check_config
-from moe import memory as mem
+from moe.model import memory as mem
 from moe.hf.config import preset_from_hf
-from moe.presets import get_preset
+from moe.model.presets import get_preset
 
 HEADROOM = 0.9
 """Share of a GPU's memory the plan may fill: the rest is for the CUDA context, NCCL's buffers
@@ -287,7 +287,7 @@ def _memory_assumptions(cfg: RunConfig, note: str) -> list[str]:
     return out + [
         "every row at full length (prompt data.max_prompt_tokens or model length less the "
         "response, response rollout.max_new_tokens): an upper bound",
-        "activations and logits `moe.memory` (the local layer spec, fused SDPA as on a GPU; "
+        "activations and logits `moe.model.memory` (the local layer spec, fused SDPA as on a GPU; "
         "within 1% of the H100 steps experiments/gpu measured), routing balanced over the "
         "experts",
         "the phases (rollout, pi_old pass, train step) never overlap; their buffers are freed "

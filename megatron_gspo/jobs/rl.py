@@ -62,9 +62,9 @@ from megatron_gspo.run.metrics import Timer
 from megatron_gspo.run.oom import OLD_PASS, ROLLOUT, TRAIN_STEP, out_of_memory
 from megatron_gspo.run.setup import (JobSpec, Runtime, build_policy, evaluate_runtime,
                                      evaluate_test, setup_runtime)
-from moe.replay import (RoutingReplayCache, chunk_count, current_routing, replay_routing,
+from moe.routing.replay import (RoutingReplayCache, chunk_count, current_routing, replay_routing,
                         row_chunks)
-from moe.settings import OptimSettings
+from moe.model.settings import OptimSettings
 
 PROGRESS_KEYS = ("reward/mean", "eval/accuracy", "policy/clip_frac/token",
                  "moe/flip_rate/mean", "train/grad_norm")

@@ -74,7 +74,7 @@ def route_sensitivity_row(cfg, policy, batch: RolloutBatch, iteration: int, dp_r
 
 def replay_diff(check: dict) -> float:
     """The fraction of routes (token, layer) the loss's forward used that were not the replay
-    cache's, over all ranks (`moe.replay.watch_replayed`; one collective)."""
+    cache's, over all ranks (`moe.routing.replay.watch_replayed`; one collective)."""
     counts = torch.tensor([float(check.get("differ", 0)), float(check.get("routes", 0))],
                           dtype=torch.float64)
     differ, routes = sum_over_ranks(counts).tolist()

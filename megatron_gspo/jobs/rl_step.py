@@ -28,8 +28,8 @@ import torch
 
 from megatron_gspo.dist import all_ranks, max_over_ranks
 from megatron_gspo.run import seeds
-from moe.replay import chunk_count, replay_routing, row_chunks
-from moe.router_noise import router_noise
+from moe.routing.replay import chunk_count, replay_routing, row_chunks
+from moe.routing.noise import router_noise
 
 
 @dataclass
@@ -45,7 +45,7 @@ class Accumulated:
     finite: bool
     """Every chunk's log-probs and loss were finite on every rank: the optimizer may step."""
     replayed: dict
-    """Routes replayed vs used, summed over the chunks (`moe.replay.replay_routing`)."""
+    """Routes replayed vs used, summed over the chunks (`moe.routing.replay.replay_routing`)."""
 
 
 def accumulate(policy, mb, cfg, loss_fn, tis: dict, record, noise: tuple) -> Accumulated:

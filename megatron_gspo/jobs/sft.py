@@ -29,7 +29,7 @@ from megatron_gspo.run.oom import SFT_STEP, out_of_memory
 from megatron_gspo.run.setup import (JobSpec, evaluate_runtime, evaluate_test, model_max_len,
                                      setup_runtime)
 from megatron_gspo.tasks.datasets import check_sft_lengths
-from moe.settings import OptimSettings
+from moe.model.settings import OptimSettings
 
 
 def sft_batch(tokenizer, examples) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -18,9 +18,9 @@ import importlib
 from megatron_gspo.config.schema import RunConfig
 from megatron_gspo.errors import ConfigError
 from megatron_gspo.rollout.sampler import BACKENDS, SAMPLERS, Backend, Sampler, register_sampler
-from moe import memory as mem
+from moe.model import memory as mem
 
-ENGINE_BUFFER_GIB = 4.0  # megatron_engine's KV buffer (moe.engine's buffer_size_gb default)
+ENGINE_BUFFER_GIB = 4.0  # megatron_engine's KV buffer (moe.inference.engine's buffer_size_gb default)
 
 
 # ----------------------------------------------------------------------------- our decoders

@@ -28,7 +28,7 @@ class RolloutBatch:
     completions: list
     examples: list
     routing: object = None
-    """Rollout-time routing (`moe.replay.RoutingReplayCache`) when recorded for R3, else None."""
+    """Rollout-time routing (`moe.routing.replay.RoutingReplayCache`) when recorded for R3, else None."""
     truncated_B: torch.Tensor | None = None
     """True where the response hit max_new_tokens without a stop token."""
     reward_status_B: torch.Tensor | None = None

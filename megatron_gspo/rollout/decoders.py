@@ -3,7 +3,7 @@
 Shape legend: B sequences, P prompt columns, T total columns, V vocab.
 
 Each step appends one column to every row: the prompt columns are prefilled once, then each
-step runs the model on the new column only (`moe.decode.kv_decoder`: "lean" walks megatron's
+step runs the model on the new column only (`moe.inference.decode.kv_decoder`: "lean" walks megatron's
 layers itself, "megatron" runs `GPTModel.forward` with megatron-core's static inference
 context; same logits to fp32 rounding). With `rollout.decoders.kv_cache=false`, or under sequence
 parallelism (which megatron-core requires for MoE with TP > 1), each step recomputes the full
@@ -17,7 +17,7 @@ one draw from the host `generator` (`device_generator`): reproducible per seed, 
 run's tokens. `rollout.decoders.sampler_dtype=bf16` runs these forwards under bf16 autocast
 (`rollout.precision`): a real sampler-trainer mismatch on one stack.
 `rollout.decoders.router_noise_std` makes the sampler's routers pick their top-k from noisy router
-logits (`moe.router_noise`): an engine whose routing disagrees with the trainer's at a chosen rate, in
+logits (`moe.routing.noise`): an engine whose routing disagrees with the trainer's at a chosen rate, in
 every forward the sampler runs (rollouts and evaluations, as an engine serves both). "fixed"
 noise is one function of the router's input for the whole run (`noise_seed`); "fresh" noise is
 drawn anew in each rollout, seeded by one draw from its generator (resumable: a function of the
@@ -36,12 +36,12 @@ from megatron_gspo.dist import all_ranks
 from megatron_gspo.rollout.batch import left_pad
 from megatron_gspo.rollout.precision import sampler_precision
 from megatron_gspo.rollout.sampler import Samples, SamplingParams, prompt_ids
-from moe.decode import kv_decoder
-from moe.router_noise import router_noise
+from moe.inference.decode import kv_decoder
+from moe.routing.noise import router_noise
 
 
 class DecoderSampler:
-    """Samples with `moe.decode`'s KV-cache decoder `kind` ("lean" or "megatron") over the
+    """Samples with `moe.inference.decode`'s KV-cache decoder `kind` ("lean" or "megatron") over the
     policy's live weights (nothing to sync); the model runs in eval mode while it samples."""
 
     def __init__(self, policy, tokenizer, kind: str, kv_cache: bool = True,

@@ -2,13 +2,13 @@
 
 Shape legend: B sequences, T columns.
 
-`moe.engine.EngineSampler` runs the policy's own GPTModel (no weight copy, nothing to push: the
+`moe.inference.engine.EngineSampler` runs the policy's own GPTModel (no weight copy, nothing to push: the
 optimizer updates the weights the engine reads, in place, so its CUDA graphs stay valid) with a
 paged KV cache, in-flight batching and, with `rollout.megatron_engine.cuda_graphs`, its decode
 steps replayed as CUDA graphs. It records every MoE layer's top-k per token, which R3 replays: the engine's
 routing, not a recompute. One engine per rank (data parallelism); expert parallelism needs
 megatron's inference coordinator and is refused in one line, as are CPUs and megatron-core
-older than 0.19 (`moe.engine.unavailable`).
+older than 0.19 (`moe.inference.engine.unavailable`).
 
 Departures from the decoder samplers: the engine draws with its own generator (seeded from the
 run's), so its tokens are not the decoders' for a seed; one stop id ends a request inside the
@@ -23,11 +23,11 @@ import torch
 
 from megatron_gspo.errors import ConfigError
 from megatron_gspo.rollout.sampler import Samples, SamplingParams
-from moe import engine as moe_engine
+from moe.inference import engine as moe_engine
 
 
 class MegatronEngineSampler:
-    """`Sampler` over `moe.engine.EngineSampler` (see the module docstring)."""
+    """`Sampler` over `moe.inference.engine.EngineSampler` (see the module docstring)."""
 
     def __init__(self, policy, tokenizer, max_requests: int, cuda_graphs: bool):
         why = moe_engine.unavailable()

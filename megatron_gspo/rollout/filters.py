@@ -35,7 +35,7 @@ from megatron_gspo.algo.advantages import ZERO_STD_TOL
 from megatron_gspo.dist import max_over_ranks
 from megatron_gspo.tasks.rewards import RAISED, TIMED_OUT
 from megatron_gspo.rollout.batch import RolloutBatch
-from moe.replay import RoutingReplayCache
+from moe.routing.replay import RoutingReplayCache
 
 
 def rollout_health(batch: RolloutBatch) -> dict[str, float]:

@@ -9,7 +9,7 @@ row's prompt ends in the same column (`megatron_gspo.rollout.batch.left_pad`), r
 it (with their stop token), right padding; the sampler's own log-probs of each response token
 (under the temperature-scaled distribution the token was drawn from, before top-p, as vLLM
 reports them); and, where the backend can record it and `record_routing` asks, every valid
-token's top-k experts per MoE layer (`moe.replay.RoutingReplayCache`): the routing R3 replays
+token's top-k experts per MoE layer (`moe.routing.replay.RoutingReplayCache`): the routing R3 replays
 (arXiv 2510.11370).
 
 Backends register by name with their capabilities (`register_sampler(name, caps=Backend(...))`);
@@ -58,7 +58,7 @@ class Samples:
     logp_BT: torch.Tensor
     """The sampler's log-prob of each response token (0 elsewhere)."""
     routing: object = None
-    """`moe.replay.RoutingReplayCache` of every valid token, or None."""
+    """`moe.routing.replay.RoutingReplayCache` of every valid token, or None."""
 
 
 class Sampler(Protocol):
@@ -70,7 +70,7 @@ class Sampler(Protocol):
 
 
 SamplerFactory = Callable[..., Sampler]
-"""`factory(policy, tokenizer, cfg) -> Sampler`: the run's policy (`moe.policy.MoEPolicy`),
+"""`factory(policy, tokenizer, cfg) -> Sampler`: the run's policy (`moe.model.policy.MoEPolicy`),
 tokenizer (`pad_id`, `stop_ids`) and config (`megatron_gspo.config.schema.RunConfig`). A factory
 may carry `unavailable() -> str | None`, checked before the run sets anything up (a backend
 that needs a GPU or an optional package says so in one line)."""
@@ -123,7 +123,7 @@ class Backend:
     """`check(cfg)`: its own checks of a config; a one-line ConfigError naming the keys."""
     plan_memory: Callable[..., tuple[list, bool]] = _nothing_counted
     """`plan_memory(preset, cfg, rows, T) -> (items, whole_step)`: the per-GPU memory
-    `megatron-gspo plan` counts for its rollouts (`moe.presets.MoEPreset` with the run's padded
+    `megatron-gspo plan` counts for its rollouts (`moe.model.presets.MoEPreset` with the run's padded
     vocabulary, calls of `rows` sequences of T positions), [(label, bytes)], and whether it stays
     for the whole step (else only during the rollout phase)."""
     measured: Callable[[Any], Optional[str]] = _no_figure

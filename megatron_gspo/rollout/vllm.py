@@ -7,7 +7,7 @@ config.json written from the policy's preset (any `model.preset`, or `model.hf_p
 config.json with the vocabulary cut to the tokenizer's), with random weights at start
 (`load_format="dummy"`): before sampling, whenever the policy's weights changed since the last
 push (`MoEPolicy.version`: an optimizer step, a checkpoint load), it streams them to the engine
-one tensor at a time (`moe.sharding.iter_full_params`: gathered over TP / EP on every rank,
+one tensor at a time (`moe.model.sharding.iter_full_params`: gathered over TP / EP on every rank,
 never the whole model at once), named as Hugging Face names by `moe.hf.mapping`. After each
 push a guard has the engine continue a fixed prompt greedily and scores the continuation with
 both engine and trainer (`probe_statistic`): a |log-prob difference| above
@@ -47,11 +47,11 @@ from megatron_gspo.rollout.sampler import Samples, SamplingParams
 from megatron_gspo.rollout.vllm_engine import CPU_HEAD_DIMS, VLLMEngine, unavailable
 from megatron_gspo.rollout.vllm_remote import EngineLost, RemoteEngine
 from megatron_gspo.rollout.vllm_wire import sample_requests
-from moe.engine import to_batch
+from moe.inference.engine import to_batch
 from moe.hf.config import hf_config_dict, read_hf_config
 from moe.hf.mapping import HFMapping, local_to_te
-from moe.parallel import broadcast_over_tp
-from moe.sharding import iter_full_params
+from moe.platform.parallel import broadcast_over_tp
+from moe.model.sharding import iter_full_params
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 CHECK_TOL = {"float32": 1e-4, "bfloat16": 0.8}

@@ -7,7 +7,7 @@ E experts, N tokens in one engine step (all requests of the step, flattened).
 `generate` returns, per (prompt, sample), the sampled ids, the engine's log-prob of each sampled
 token and, with `capture_routing`, the routing of every token but the last as expert ids
 [P + R - 1, L, K] (uint8 for E <= 256, else int16): the last sampled token never runs through
-the model, so it has no routing (the layout `moe.engine.to_batch` pads with filler).
+the model, so it has no routing (the layout `moe.inference.engine.to_batch` pads with filler).
 `push_weights` takes new weights by Hugging Face name, streamed; `logprobs_of` scores a fixed
 sequence (prompt log-probs at temperature 1), for a guard against stale weights.
 

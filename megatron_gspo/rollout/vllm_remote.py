@@ -42,7 +42,7 @@ from megatron_gspo.errors import UserError
 from megatron_gspo.rollout.vllm_engine import EngineResult
 from megatron_gspo.rollout.vllm_wire import (ERROR_PREFIX, ChannelClosed, auth_key, connect,
                                              open_group, send_buckets, wait_for)
-from moe.parallel import free_port
+from moe.platform.parallel import free_port
 
 
 ALL = -1

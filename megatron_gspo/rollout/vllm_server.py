@@ -30,7 +30,7 @@ bytes), this process at most one chunk per connected rank beyond the request tha
 mark; neither grows with the batch.
 
 `--parent-pid` (set by a trainer that starts the server): the kernel kills the server when
-that process dies, and its workers when the server dies (`moe.children.die_with_parent`). An
+that process dies, and its workers when the server dies (`moe.platform.children.die_with_parent`). An
 engine that fails (a worker killed, an error in a step) makes the server tell every rank and
 exit with status 1; the trainer restarts it (`rollout.vllm.max_restarts`).
 """
@@ -51,7 +51,7 @@ from megatron_gspo.rollout.vllm_capture import ROW_KEY
 from megatron_gspo.rollout.vllm_engine import unavailable
 from megatron_gspo.rollout.vllm_wire import (BACKEND, ERROR_PREFIX, WORKER_EXTENSION, Channel,
                                              ChannelClosed, auth_key, challenge)
-from moe.children import die_with_parent
+from moe.platform.children import die_with_parent
 
 MSG_TIMEOUT_S = 120.0
 """How long the rest of a message may take once its first byte arrived."""

@@ -35,7 +35,7 @@ from megatron_gspo.rollout import vllm_engine
 from megatron_gspo.rollout.vllm_capture import (RoutingCapture, install_logprobs_before_top_p,
                                                 runner_of)
 from megatron_gspo.rollout.vllm_wire import BACKEND, open_group, receive_buckets
-from moe.children import die_with_parent
+from moe.platform.children import die_with_parent
 
 try:  # only vLLM's workers import this module; elsewhere (no vLLM) it defines nothing usable
     import vllm

@@ -1,6 +1,6 @@
 """`megatron-gspo export --run-dir R --to-hf OUT`: a run's latest weights as a Hugging Face model.
 
-Reads the run's dist checkpoint into a 1-process model (`moe.dist_ckpt.full_params`: whatever
+Reads the run's dist checkpoint into a 1-process model (`moe.model.dist_ckpt.full_params`: whatever
 TP/EP layout the run used, so the export does not depend on it) and the run's model config
 from rank 0's file.
 A run started from `model.hf_path` exports that architecture with the source folder's
@@ -8,7 +8,7 @@ config.json keys (token ids, ...), its tokenizer files, chat template and genera
 toy run exports its preset as a `qwen3_moe` config. The tokenizer written is the one the run
 trained with: `data.tokenizer_path`'s files when set (over the source folder's), else the source
 folder's; the character tokenizer has no Hugging Face files, so none are written.
-`transformers.AutoModelForCausalLM.from_pretrained(OUT)` loads the result (tests/moe/test_hf.py).
+`transformers.AutoModelForCausalLM.from_pretrained(OUT)` loads the result (tests/moe/hf/test_hf.py).
 OUT must be new or empty: nothing is overwritten.
 
 Atomic: everything is written into the sibling `OUT.partial` (fsync'ed), which is renamed to OUT
@@ -33,10 +33,10 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from megatron_gspo.files import fsync_path
 from megatron_gspo.run import checkpoint as ckpt
 from megatron_gspo.tasks.tokenizer import load_tokenizer
-from moe import dist_ckpt
+from moe.model import dist_ckpt
 from moe.hf.config import hf_config_dict, preset_from_hf_config, read_hf_config
 from moe.hf.weights import export_hf
-from moe.presets import get_preset
+from moe.model.presets import get_preset
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
 _SKIP = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}

@@ -3,7 +3,7 @@ layout) read into a fresh policy, and the step a run's frozen KL reference stays
 
 A run's own checkpoints (save and resume) are `megatron_gspo.run.resume`; the layout on disk is
 `megatron_gspo.run.checkpoint`. Only weights come from `init_checkpoint`: the optimizer, its lr
-schedule and every counter start fresh. Dist checkpoints (`dist/`, written by `moe.dist_ckpt`)
+schedule and every counter start fresh. Dist checkpoints (`dist/`, written by `moe.model.dist_ckpt`)
 load into any TP / EP / DP layout. A model that does not match is one line naming the saved and the built model.
 """
 
@@ -19,8 +19,8 @@ from megatron_gspo.errors import ConfigError
 from megatron_gspo.dist import all_ranks
 from megatron_gspo.run import checkpoint as ckpt
 from megatron_gspo.run.rundir import recorded_value
-from moe import dist_ckpt
-from moe.policy import MoEPolicy
+from moe.model import dist_ckpt
+from moe.model.policy import MoEPolicy
 
 
 def check_init_checkpoint(path: str) -> str:

@@ -32,7 +32,7 @@ from urllib.parse import urlparse
 
 from megatron_gspo.errors import UserError
 from megatron_gspo.run.checkpoint import atomic_write
-from moe.checks import MissingDependency
+from moe.platform.checks import MissingDependency
 
 METRICS_FILE = "metrics.jsonl"
 UNREADABLE_FILE = "metrics.unreadable.txt"

@@ -2,7 +2,7 @@
 restart takes up the newest good step (`try_resume`).
 
 Layout (`megatron_gspo.run.checkpoint`, `latest` marker): in each step dir, `dist/` is the
-policy (model, optimizer, lr schedule) written by `moe.dist_ckpt` through megatron-core's
+policy (model, optimizer, lr schedule) written by `moe.model.dist_ckpt` through megatron-core's
 dist_checkpointing, each rank writing only its own shards (checksummed like the rank files);
 `rank_XXXXX.pt` holds each rank's job state (`extra`: the run loop's `JobState` and row,
 `megatron_gspo.run.loop`), RNG state and config. A checkpoint resumes with any TP / EP / DP
@@ -29,7 +29,7 @@ from megatron_gspo.dist import all_ranks
 from megatron_gspo.run import checkpoint as ckpt
 from megatron_gspo.run.init import built_model, saved_model
 from megatron_gspo.run.setup import Runtime
-from moe import dist_ckpt
+from moe.model import dist_ckpt
 
 
 def barrier() -> None:

@@ -4,7 +4,7 @@
                                "inputs": {...},  (data files, tokenizer: megatron_gspo.run.inputs)
                                "init_step": 6}   (init_checkpoint's step read: the KL reference)
     run_dir/.lock             flock'ed by rank 0 while a process writes the run ("pid job"); its
-                              forks hold no lock and die with it (moe.children)
+                              forks hold no lock and die with it (moe.platform.children)
     run_dir/{job}_config.yaml the resolved config, written once on first start, never replaced
 
 `claim_run_dir` runs on every rank before anything is written: rank 0 takes the lock and checks
@@ -47,11 +47,11 @@ from megatron_gspo.config.schema import (RunConfig, config_to_dict, renamed_keys
 from megatron_gspo.errors import RunDirError, UserError
 from megatron_gspo.run.checkpoint import atomic_write
 from megatron_gspo.run.inputs import changed_inputs
-from moe.children import tie_forks
+from moe.platform.children import tie_forks
 
 RUN_FILE = "run.json"
 LOCK_FILE = ".lock"
-# The parallel layout: a checkpoint reshards over it (moe.dist_ckpt), so a resume may change it,
+# The parallel layout: a checkpoint reshards over it (moe.model.dist_ckpt), so a resume may change it,
 # except TP / EP under the distributed optimizer (its state reshards over DP only).
 LAYOUT = ("model.tp", "model.ep", "model.sequence_parallel", "model.dispatcher")
 
@@ -241,7 +241,7 @@ def _command(pid: int) -> str:
 
 def remove_stale_tmp(run_dir: str) -> list[str]:
     """Delete what a killed save left under run_dir: `.*.tmp` files (atomic_write's) and the
-    `checkpoints/step_*/dist.tmp` dirs moe.dist_ckpt writes before renaming them."""
+    `checkpoints/step_*/dist.tmp` dirs moe.model.dist_ckpt writes before renaming them."""
     root = glob.escape(run_dir)
     stale = glob.glob(os.path.join(root, "**", ".*.tmp"), recursive=True)
     for path in stale:
@@ -302,7 +302,7 @@ def claim_run_dir(run_dir: str, job: str, config: dict, resume, is_main: bool,
     """Lock run_dir for job `job` (its name) and check it may write there (`unused`: the config
     sections the job does not read); returns the lock (rank 0) or None. Raises RunDirError on
     every rank with rank 0's reason. From here on every rank's forks die with it
-    (`moe.children.tie_forks`: megatron's checkpoint writer)."""
+    (`moe.platform.children.tie_forks`: megatron's checkpoint writer)."""
     tie_forks()
     lock, message = None, ""
     if is_main:

@@ -8,7 +8,7 @@ iterations and ranks apart. They are part of every pinned result (tests/golden/g
 a new one changes what a seed trains.
 
 - the policy's initial weights and megatron's RNG trackers: `seed` itself
-  (`megatron_gspo.run.setup.build_policy`, `moe.parallel.init_parallel`);
+  (`megatron_gspo.run.setup.build_policy`, `moe.platform.parallel.init_parallel`);
 - `sft_batches`: SFT's example draws, one stream per data-parallel rank for the whole job;
 - `rollout_prompts`: the prompts of RL rollout batch `iteration` and the sampler's draws for
   them, per data-parallel rank (the same on every tensor-parallel rank of a replica);

@@ -39,10 +39,10 @@ from megatron_gspo.tasks.datasets import build_task, tokenizer_folder
 from megatron_gspo.tasks.tokenizer import Tokenizer, load_tokenizer
 from moe.hf.config import preset_from_hf
 from moe.hf.weights import load_hf_weights
-from moe.parallel import ParallelInfo, init_parallel
-from moe.policy import MoEPolicy
-from moe.presets import MoEPreset, get_preset
-from moe.settings import OptimSettings, ParallelLayout, Recompute
+from moe.platform.parallel import ParallelInfo, init_parallel
+from moe.model.policy import MoEPolicy
+from moe.model.presets import MoEPreset, get_preset
+from moe.model.settings import OptimSettings, ParallelLayout, Recompute
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -51,7 +51,7 @@ from typing import Any, Callable, Sequence
 
 from megatron_gspo.errors import UnknownName
 from megatron_gspo.tasks.expression import parse_expression
-from moe.checks import MissingDependency
+from moe.platform.checks import MissingDependency
 
 RewardFn = Callable[[str, Any], float]
 REWARDS: dict[str, RewardFn] = {}

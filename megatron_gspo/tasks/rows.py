@@ -8,7 +8,7 @@ import os
 from typing import Iterator
 
 from megatron_gspo.errors import DataError
-from moe.checks import MissingDependency
+from moe.platform.checks import MissingDependency
 
 _SUFFIXES = (".jsonl", ".parquet")
 

@@ -25,7 +25,7 @@ from typing import Protocol, Sequence
 from jinja2 import TemplateError  # installed with torch (and transformers)
 
 from megatron_gspo.errors import ConfigError
-from moe.checks import MissingDependency
+from moe.platform.checks import MissingDependency
 from moe.hf.config import check_local_folder  # noqa: F401 (one hub-name error for both)
 
 _SPECIALS = ("<pad>", "<bos>", "<eos>")

@@ -26,7 +26,7 @@ from typing import ClassVar, NamedTuple, Protocol, Sequence
 from megatron_gspo.tasks.expression import parse_expression  # noqa: F401 (re-exported)
 from megatron_gspo.tasks.rewards import compute_rewards, countdown_reward, exact_reward
 from megatron_gspo.tasks.tokenizer import CharTokenizer  # noqa: F401 (re-exported)
-from moe.checks import is_int
+from moe.platform.checks import is_int
 
 @dataclass(frozen=True)
 class Example:

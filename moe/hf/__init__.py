@@ -9,7 +9,7 @@ smaller cousins) and `qwen2_moe` (shared expert with a sigmoid gate, QKV bias, u
 top-k). Names and fused-tensor formats come from
 mbridge's maintained per-family mapping (`moe.hf.mapping`, which translates megatron's local
 layer-spec names to the TransformerEngine names mbridge speaks); reading is our own so that each
-rank reads only the slices it holds (`moe.hf.io`, `moe.sharding.shard_plan`).
+rank reads only the slices it holds (`moe.hf.io`, `moe.model.sharding.shard_plan`).
 
 Submodules are imported on use: `moe.hf.config` needs neither megatron nor transformers.
 """

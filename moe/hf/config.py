@@ -22,7 +22,7 @@ import json
 import os
 
 from moe.hf.families import hf_family, required
-from moe.presets import MoEPreset
+from moe.model.presets import MoEPreset
 
 
 def check_local_folder(path: str, what: str) -> None:

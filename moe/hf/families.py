@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from moe.presets import MoEPreset
+from moe.model.presets import MoEPreset
 
 
 def _no_refusal(cfg: dict, where: str) -> None:

@@ -19,7 +19,7 @@ mbridge speaks the TransformerEngine layer spec's names; on CPU we build megatro
 - TE fuses the pre-attention RMSNorm into linear_qkv: `input_layernorm.weight` <->
   `self_attention.linear_qkv.layer_norm_weight` (and a dense MLP's `pre_mlp_layernorm` into
   linear_fc1; MoE layers keep `pre_mlp_layernorm`);
-- TEGroupedMLP names expert e `mlp.experts.linear_fcX.weight{e}`; ours (`moe.experts`) stacks
+- TEGroupedMLP names expert e `mlp.experts.linear_fcX.weight{e}`; ours (`moe.model.experts`) stacks
   every expert of a layer in one `mlp.experts.linear_fcX.weight` [E, ...], whose row e is TE's
   `...weight{e}` (`HFMapping.hf_names` / `to_hf` take the stacked name and the experts).
 """
@@ -31,7 +31,7 @@ from typing import Iterable
 
 import torch
 
-from moe.checks import MissingDependency
+from moe.platform.checks import MissingDependency
 
 _EXPERTS = re.compile(r"\.mlp\.experts\.linear_fc[12]\.weight$")
 _ROUTER = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.router\.")
@@ -53,7 +53,7 @@ def local_to_te(names: Iterable[str]) -> dict[str, str]:
 
 
 def is_expert_stack(name: str) -> bool:
-    """Whether `name` is a MoE layer's stacked expert weight (`moe.experts`), [E, ...]."""
+    """Whether `name` is a MoE layer's stacked expert weight (`moe.model.experts`), [E, ...]."""
     return bool(_EXPERTS.search(name))
 
 

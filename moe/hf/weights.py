@@ -1,9 +1,9 @@
 """Hugging Face safetensors -> this rank's megatron shard, and full megatron params -> safetensors.
 
-Loading (`load_hf_weights`) walks `moe.sharding.shard_plan`, the same "which part of which full
+Loading (`load_hf_weights`) walks `moe.model.sharding.shard_plan`, the same "which part of which full
 tensor does this rank hold" that `load_full_params` uses, and reads only that part:
 - experts: the whole tensors of this EP rank's experts only (expert TP is 1), each fused by
-  mbridge into its row of the layer's stacked weight (`moe.experts`);
+  mbridge into its row of the layer's stacked weight (`moe.model.experts`);
 - fused TP-split params (QKV, a shared expert's [gate; up]): rank r's r-th row chunk of every
   Hugging Face part (its query groups' q/k/v rows, its gate rows and up rows), fused by mbridge;
 - other TP-split params: rank r's chunk along the partition dim (columns of o_proj and of the
@@ -31,7 +31,7 @@ from megatron.core import parallel_state as ps
 from moe.hf.config import read_hf_config
 from moe.hf.io import SafetensorsReader, write_safetensors
 from moe.hf.mapping import HFMapping, is_expert_stack, local_to_te
-from moe.sharding import Shard, shard_plan
+from moe.model.sharding import Shard, shard_plan
 
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -89,7 +89,7 @@ def load_hf_weights(model, path: str, reader: SafetensorsReader | None = None
                     ) -> SafetensorsReader:
     """Load local Hugging Face folder `path` into this rank's shard of `model` (any TP/EP).
 
-    Needs megatron's parallel state (`moe.parallel.init_parallel`). Returns the reader, whose
+    Needs megatron's parallel state (`moe.platform.parallel.init_parallel`). Returns the reader, whose
     `reads` list what this rank read.
     """
     inner = getattr(model, "module", model)

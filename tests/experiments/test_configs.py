@@ -13,7 +13,7 @@ from megatron_gspo.config.schema import config_to_dict, load_config
 from megatron_gspo.config.yamlfile import load_yaml
 from megatron_gspo.errors import ConfigError
 from megatron_gspo.run.names import check_names
-from moe.presets import get_preset
+from moe.model.presets import get_preset
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 ABL = os.path.join(ROOT, "experiments", "ablation")

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from experiments.replay_dose_response import calibrate
-from moe.model import ParallelLayout
-from moe.presets import get_preset
+from moe.model.gpt import ParallelLayout
+from moe.model.presets import get_preset
 from tests.moe.parallel_worker import batch
 
 PRESET = get_preset("tiny")
@@ -16,7 +16,7 @@ PRESET = get_preset("tiny")
 
 def test_measure_zero_noise_and_large_noise(single_process):
     """std 0: no flips, no log-ratio; std 1: many flips, nonzero log-ratio, same on a rerun."""
-    from moe.policy import MoEPolicy
+    from moe.model.policy import MoEPolicy
 
     policy = MoEPolicy.build(PRESET, ParallelLayout(), real_vocab=PRESET.vocab_size, seed=3,
                              optim=None)
@@ -34,8 +34,8 @@ def test_measure_zero_noise_and_large_noise(single_process):
 def test_measure_log_ratio_is_the_draw_mean_over_response_tokens(single_process, monkeypatch):
     """abs_log_ratio = mean over draws (seeds 1000, 1001) of |log pi_noisy - log pi_clean|
     averaged over response tokens only."""
-    from moe.policy import MoEPolicy
-    from moe.router_noise import router_noise
+    from moe.model.policy import MoEPolicy
+    from moe.routing.noise import router_noise
 
     policy = MoEPolicy.build(PRESET, ParallelLayout(), real_vocab=PRESET.vocab_size, seed=3,
                              optim=None)
@@ -61,9 +61,9 @@ def test_measure_flip_rate_is_the_draw_and_layer_mean_on_loss_positions(single_p
     """flip_rate = mean over draws of the layer-mean flip rate on the positions whose logits
     score a response token (t - 1 for response token t), not the response tokens themselves."""
     from megatron_gspo.algo.flips import flip_counts, token_rows
-    from moe.policy import MoEPolicy
-    from moe.replay import RoutingReplayCache, current_routing, record_routing
-    from moe.router_noise import router_noise
+    from moe.model.policy import MoEPolicy
+    from moe.routing.replay import RoutingReplayCache, current_routing, record_routing
+    from moe.routing.noise import router_noise
 
     policy = MoEPolicy.build(PRESET, ParallelLayout(), real_vocab=PRESET.vocab_size, seed=3,
                              optim=None)

@@ -211,7 +211,7 @@ def test_an_ablation_arm_a_signal_stopped_resumes(tmp_path, monkeypatch):
 
 def test_arms_differ_only_in_the_loss_and_replay():
     from megatron_gspo.rollout.vllm_engine import CPU_HEAD_DIMS
-    from moe.presets import get_preset
+    from moe.model.presets import get_preset
     from tests.experiments.test_configs import config_diff as _diff
 
     cfgs = {arm: load_config(os.path.join(HERE, f"{arm}.yaml")) for arm in em.ARMS}

@@ -32,7 +32,7 @@ class _Clock:
 
 def _fake_trainers(monkeypatch, durations):
     """Trainers whose iteration() advances a fake clock by the next of `durations[preset]`."""
-    from moe.presets import get_preset
+    from moe.model.presets import get_preset
 
     clock, calls = _Clock(), []
     monkeypatch.setattr(mc, "time", types.SimpleNamespace(perf_counter=clock))

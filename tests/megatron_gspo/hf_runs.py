@@ -27,7 +27,7 @@ def run_config(hf_dir, run_dir, *extra):
 def save_run(policy, cfg, run_dir: str) -> None:
     """What megatron_gspo.run.resume.save_state writes and the export reads: the dist checkpoint
     and rank 0's config."""
-    from moe import dist_ckpt
+    from moe.model import dist_ckpt
 
     root = os.path.join(run_dir, "checkpoints")
     dist_dir = os.path.join(ckpt.step_dir(root, 3), "dist")

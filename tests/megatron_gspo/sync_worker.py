@@ -65,7 +65,7 @@ def rollout_and_train(trainer, prompts: list[str], adv_B: torch.Tensor,
     from tests.megatron_gspo.sampling import sample
     from megatron_gspo.jobs.rl import Minibatch
     from megatron_gspo.dist import reduce_metrics
-    from moe.sharding import gather_full_params
+    from moe.model.sharding import gather_full_params
 
     policy, tok = trainer.policy, trainer.rt.tokenizer
     out = {}
@@ -114,8 +114,8 @@ def worker(rank: int, world: int, port: int, ref_path: str, out_dir: str, eps: l
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     from megatron_gspo.rollout.generate import evaluate
     from megatron_gspo.jobs.rl import Trainer
-    from moe.parallel import destroy_parallel
-    from moe.sharding import load_full_params
+    from moe.platform.parallel import destroy_parallel
+    from moe.model.sharding import load_full_params
 
     from megatron_gspo.jobs import rl as trainer_module
     from megatron_gspo.dist import all_ranks, max_over_ranks, reduce_metrics

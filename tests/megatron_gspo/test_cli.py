@@ -15,7 +15,7 @@ from megatron_gspo.errors import (CheckpointError, ConfigError, DataError, RunDi
                                   UnknownName, UserError)
 from megatron_gspo.jobs.band import AccuracyBandError
 from megatron_gspo.run.preempt import Preempted
-from moe.checks import MissingDependency
+from moe.platform.checks import MissingDependency
 
 
 @pytest.fixture

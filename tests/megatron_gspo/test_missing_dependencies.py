@@ -9,7 +9,7 @@ import megatron_gspo.tasks.rewards as rewards_mod
 from megatron_gspo.tasks.datasets import read_rows
 from megatron_gspo.run.metrics import MetricsLogger
 from megatron_gspo.tasks.tokenizer import HFTokenizer
-from moe.checks import MissingDependency
+from moe.platform.checks import MissingDependency
 
 
 def test_parquet_without_pyarrow(tmp_path, monkeypatch):

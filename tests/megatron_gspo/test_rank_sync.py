@@ -54,7 +54,7 @@ def reference(single_process, tmp_path_factory):
     from megatron_gspo.rollout.generate import evaluate
     from tests.megatron_gspo.sampling import sample
     from megatron_gspo.jobs.rl import Trainer
-    from moe.sharding import gather_full_params
+    from moe.model.sharding import gather_full_params
 
     root = tmp_path_factory.mktemp("rank_sync")
     trainer = Trainer.from_config(sw.make_config(str(root / "ref"), ep=1))

@@ -59,7 +59,7 @@ def _emitted_keys() -> set[str]:
     from megatron_gspo.jobs.rl import response_metrics, rollout_metrics
     from megatron_gspo.algo.margins import margin_metrics
     from megatron_gspo.algo.sensitivity import sensitivity_metrics
-    from moe.router_scores import RouterScores
+    from moe.routing.scores import RouterScores
 
     g = torch.Generator().manual_seed(0)
     logp = -torch.rand(4, 5, generator=g)

@@ -3,7 +3,7 @@ TP/EP/DP-sharded megatron model (the reference megatron's optimizer norm is chec
 
 Each distinct parameter element is counted once: a TP-partitioned tensor contributes its shard on
 every TP rank, a TP-replicated tensor only on TP rank 0 (after DDP's reduce its grads are equal on
-all TP ranks), and expert tensors (tagged `is_moe_expert` by `moe.model`; expert tensor parallel
+all TP ranks), and expert tensors (tagged `is_moe_expert` by `moe.model.gpt`; expert tensor parallel
 is 1 here) contribute on every EP rank, since each EP rank holds different experts. DP replicas
 hold identical reduced grads and are not summed.
 """
@@ -55,8 +55,8 @@ def global_grad_norm(params, grad=lambda p: p.grad) -> float:
 
 
 def dense_cache(ids_BTLK: torch.Tensor, valid_BT: torch.Tensor, num_experts: int):
-    """A `moe.replay.RoutingReplayCache` from batch-first ids [B, T, L, K] (a forced routing)."""
-    from moe.replay import RoutingReplayCache, ids_dtype
+    """A `moe.routing.replay.RoutingReplayCache` from batch-first ids [B, T, L, K] (a forced routing)."""
+    from moe.routing.replay import RoutingReplayCache, ids_dtype
 
     return RoutingReplayCache(ids_BTLK[valid_BT.bool()].to(ids_dtype(num_experts)),
                               valid_BT.bool(), num_experts)

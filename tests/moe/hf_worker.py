@@ -1,4 +1,4 @@
-"""Worker for the 2-process Hugging Face tests (spawned like tests/moe/test_parallel.py's).
+"""Worker for the 2-process Hugging Face tests (spawned like tests/moe/platform/test_parallel.py's).
 
 For each (model, tp, ep, sp) layout: build our policy from the Hugging Face folder in that layout,
 check its logits against transformers' (computed once by the parent, float32), check that this
@@ -25,8 +25,8 @@ def build_from_hf(folder: str, real_vocab: int, tp: int = 1, ep: int = 1, sp: bo
     """Our policy (no optimizer) with `folder`'s weights in this layout, and the reader."""
     from moe.hf.config import preset_from_hf
     from moe.hf.weights import load_hf_weights
-    from moe.policy import MoEPolicy
-    from moe.settings import ParallelLayout
+    from moe.model.policy import MoEPolicy
+    from moe.model.settings import ParallelLayout
 
     preset = preset_from_hf(folder)
     preset = preset.with_vocab(max(preset.vocab_size, real_vocab), multiple=128 * tp)
@@ -76,7 +76,7 @@ def export_matches_source(policy, folder: str) -> None:
     from moe.hf.config import read_hf_config
     from moe.hf.io import SafetensorsReader
     from moe.hf.weights import hf_tensors
-    from moe.sharding import gather_full_params
+    from moe.model.sharding import gather_full_params
 
     full = gather_full_params(policy.model.module)  # collective
     if torch.distributed.get_rank() != 0:
@@ -91,7 +91,7 @@ def export_matches_source(policy, folder: str) -> None:
 def worker(rank: int, world: int, port: int, ref_path: str, layouts: list) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    from moe.parallel import destroy_parallel, init_parallel
+    from moe.platform.parallel import destroy_parallel, init_parallel
 
     ref = torch.load(ref_path, weights_only=False)
     results = []

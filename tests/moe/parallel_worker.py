@@ -13,7 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.moe.grads import dense_cache, reduce_grads
-from moe.parallel import free_port  # noqa: F401 (the tests' rendezvous port)
+from moe.platform.parallel import free_port  # noqa: F401 (the tests' rendezvous port)
 
 warnings.filterwarnings("ignore")
 
@@ -87,7 +87,7 @@ def dense_ids(cache, B: int, T: int):
 def check_replay(policy, info, ref, rows, tokens_BT, valid_BT, what) -> None:
     """Under this layout, forced routing gives the 1-process forced-routing logits, and the
     routing recorded on this rank is the 1-process routing of the same tokens."""
-    from moe.replay import RoutingReplayCache, current_routing, replay_routing
+    from moe.routing.replay import RoutingReplayCache, current_routing, replay_routing
 
     E = policy.preset.num_experts
     cols = local_columns(policy, info, tokens_BT.shape[1])
@@ -115,7 +115,7 @@ def sensitivity_and_margins(policy, tokens_BT, valid_BT) -> tuple[list[float], d
     the router margins of the live routing, over every rank (collectives)."""
     from megatron_gspo.algo.margins import margin_metrics
     from megatron_gspo.algo.sensitivity import margin_rows, route_sensitivity
-    from moe.router_scores import RouterScores, record_router_scores
+    from moe.routing.scores import RouterScores, record_router_scores
 
     response_BT = response_mask(valid_BT)
     sens = route_sensitivity(policy, tokens_BT, valid_BT, response_BT, 1.0, torch.Generator())
@@ -146,7 +146,7 @@ def check_kv_decode(policy, ref, rows, tokens_BT, valid_BT, what) -> None:
 
 
 def _check_kv_decoder(policy, kind, ref, rows, tokens_BT, valid_BT, what) -> None:
-    from moe.decode import kv_decoder
+    from moe.inference.decode import kv_decoder
 
     B, T = tokens_BT.shape
     decoder = kv_decoder(policy, kind, B, T, record_routing=True)
@@ -166,7 +166,7 @@ def _check_kv_decoder(policy, kind, ref, rows, tokens_BT, valid_BT, what) -> Non
 def check_sliced_output(policy, ref, rows, tokens_BT, valid_BT, readout_BTV, what) -> None:
     """The output layer projects positions FIRST.. only (under SP: gathered, then sliced), with
     the 1-process logits and grads; also at T - 1 columns, which SP pads to a multiple of TP."""
-    from moe.sharding import gather_full_params
+    from moe.model.sharding import gather_full_params
 
     for T, key in ((tokens_BT.shape[1], "from_first"), (tokens_BT.shape[1] - 1, "odd")):
         seen = []
@@ -188,10 +188,10 @@ def check_sliced_output(policy, ref, rows, tokens_BT, valid_BT, readout_BTV, wha
 def worker(rank: int, world: int, port: int, ref_path: str, layouts: list) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    from moe.parallel import destroy_parallel, init_parallel
-    from moe.policy import MoEPolicy
-    from moe.settings import OptimSettings, ParallelLayout
-    from moe.sharding import gather_full_params, load_full_params
+    from moe.platform.parallel import destroy_parallel, init_parallel
+    from moe.model.policy import MoEPolicy
+    from moe.model.settings import OptimSettings, ParallelLayout
+    from moe.model.sharding import gather_full_params, load_full_params
 
     ref = torch.load(ref_path, weights_only=False)
     preset = ref["preset"]  # a MoEPreset (variants of the named ones included)
@@ -248,9 +248,9 @@ def train_steps(policy, rows, steps: int, start: int = 0) -> None:
 
 
 def build_trained(preset, params, rows, steps, dtype=torch.float32, distributed=False):
-    from moe.policy import MoEPolicy
-    from moe.settings import OptimSettings, ParallelLayout
-    from moe.sharding import load_full_params
+    from moe.model.policy import MoEPolicy
+    from moe.model.settings import OptimSettings, ParallelLayout
+    from moe.model.sharding import load_full_params
 
     policy = MoEPolicy.build(preset, ParallelLayout(), real_vocab=preset.vocab_size, dtype=dtype,
                              optim=OptimSettings(lr=LR, grad_clip=CLIP, distributed=distributed))
@@ -263,9 +263,9 @@ def build_trained(preset, params, rows, steps, dtype=torch.float32, distributed=
 def optimizer_checks(rank: int, preset, ref: dict, ckpt_dir: str) -> dict:
     """DP=2: megatron's distributed optimizer (masters and moments sharded over the 2 ranks)
     after 3 updates, its resume from the ranks' dist checkpoint, and bf16 sharded vs not."""
-    from moe import dist_ckpt
-    from moe.parallel import init_parallel
-    from moe.sharding import gather_full_params
+    from moe.model import dist_ckpt
+    from moe.platform.parallel import init_parallel
+    from moe.model.sharding import gather_full_params
 
     info = init_parallel(tp=1, ep=1, seed=0)
     assert info.dp == 2
@@ -274,7 +274,7 @@ def optimizer_checks(rank: int, preset, ref: dict, ckpt_dir: str) -> dict:
     out = {"dp2_params3": gather_full_params(sharded.model.module),
            "dp2_total_numel": sum(p.numel() for p in sharded.model.module.parameters()),
            "dp2_local_master_numel": sum(p.numel() for p in sharded.optimizer.master_params())}
-    # Resume: each rank's shards after 2 updates (moe.dist_ckpt, megatron's dp_reshardable
+    # Resume: each rank's shards after 2 updates (moe.model.dist_ckpt, megatron's dp_reshardable
     # optimizer format), loaded into a fresh policy whose Adam state does not exist yet.
     half = build_trained(preset, ref["params"], rows, 2, distributed=True)
     dist_ckpt.save(half, ckpt_dir)
@@ -295,7 +295,7 @@ def training_worker(rank: int, world: int, port: int, ref_path: str, tmp_dir: st
     `checkpoint_checks`; rank 0 saves what the tests compare."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    from moe.parallel import destroy_parallel
+    from moe.platform.parallel import destroy_parallel
 
     ref = torch.load(ref_path, weights_only=False)
     preset = ref["preset"]
@@ -323,9 +323,9 @@ def step_loss(policy, rows) -> float:
 
 
 def build_layout(preset, tp: int, ep: int):
-    from moe.parallel import init_parallel
-    from moe.policy import MoEPolicy
-    from moe.settings import OptimSettings, ParallelLayout
+    from moe.platform.parallel import init_parallel
+    from moe.model.policy import MoEPolicy
+    from moe.model.settings import OptimSettings, ParallelLayout
 
     info = init_parallel(tp=tp, ep=ep, seed=0)
     layout = ParallelLayout(tp=tp, ep=ep, sequence_parallel=tp > 1)
@@ -339,8 +339,8 @@ def checkpoint_checks(rank: int, preset, ref: dict, ckpt_dir: str) -> dict:
     """TP=2: 2 updates, save (each rank its shards), then the uninterrupted 3rd step; EP=2
     (DP=2): resume from the TP=2 checkpoint, save it again (each EP rank its experts), and
     take the same 3rd step."""
-    from moe import dist_ckpt
-    from moe.sharding import gather_full_params, load_full_params
+    from moe.model import dist_ckpt
+    from moe.model.sharding import gather_full_params, load_full_params
 
     policy, rows = build_layout(preset, tp=2, ep=1)
     load_full_params(policy.model.module, ref["params"])

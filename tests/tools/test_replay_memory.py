@@ -42,7 +42,7 @@ def test_table_has_a_row_per_prompt_count_and_sequence_length():
 def test_table_switches_to_int16_above_256_experts(monkeypatch, experts, dtype, gib):
     """qwen3-30b-a3b with E experts, 16 prompts x G=16 x 2048 tokens = 524,288 tokens x 48 x 8 =
     201,326,592 ids: 0.1875 GiB as uint8, twice that as int16 (int32 0.75, int64 1.50)."""
-    from moe import presets
+    from moe.model import presets
 
     monkeypatch.setitem(presets.PRESETS, "wide-e", dataclasses.replace(
         presets.get_preset("qwen3-30b-a3b"), name="wide-e", num_experts=experts))

@@ -21,7 +21,7 @@ def test_bytes_per_param_match_megatron_accounting():
 _MEASURE = """
 import json, os
 os.environ.pop("RANK", None); os.environ.pop("WORLD_SIZE", None)
-from moe.parallel import init_parallel
+from moe.platform.parallel import init_parallel
 from tools import train_memory as tm
 init_parallel(1, 1, seed=0)
 print(json.dumps([tm.measure_one("qwen3-moe-tiny-deep", d, batch=8, seq=32)
@@ -156,8 +156,8 @@ def test_measure_one_builds_the_asked_policy_and_restores_onednn(monkeypatch, dt
     before afterwards, and params counts the built model's parameters."""
     import torch
 
-    from moe.policy import MoEPolicy
-    from moe.settings import Recompute
+    from moe.model.policy import MoEPolicy
+    from moe.model.settings import Recompute
 
     built, real_build = [], MoEPolicy.build.__func__
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron_gspo.algo.flips import flip_counts, layer_flips, loss_positions, token_rows
-from moe.replay import RoutingReplayCache
+from moe.routing.replay import RoutingReplayCache
 from tests.moe.grads import dense_cache
 
 E = 4

@@ -12,10 +12,10 @@ import torch
 from megatron_gspo.algo.flips import loss_positions
 from megatron_gspo.algo.margins import margin_metrics
 from megatron_gspo.algo.sensitivity import route_sensitivity, sensitivity_metrics
-from moe.policy import MoEPolicy
-from moe.presets import get_preset
-from moe.router_scores import RouterScores
-from moe.settings import ParallelLayout
+from moe.model.policy import MoEPolicy
+from moe.model.presets import get_preset
+from moe.routing.scores import RouterScores
+from moe.model.settings import ParallelLayout
 from tests.moe.parallel_worker import batch
 
 PRESET = get_preset("tiny")

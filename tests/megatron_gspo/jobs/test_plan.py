@@ -12,7 +12,7 @@ import pytest
 from megatron_gspo import cli
 from megatron_gspo.config.schema import load_config
 from megatron_gspo.jobs import plan
-from moe.presets import get_preset
+from moe.model.presets import get_preset
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "..")
 PROFILE = "experiments/ablation/qwen3_30b_a3b.yaml"

@@ -11,8 +11,8 @@ import pytest
 
 from megatron_gspo.config.schema import load_config
 from megatron_gspo.jobs import plan, plan_time
-from moe import memory
-from moe.presets import get_preset
+from moe.model import memory
+from moe.model.presets import get_preset
 from tools import train_memory
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "..")
@@ -67,7 +67,7 @@ def _measure(recompute: str) -> dict:
 @pytest.mark.parametrize("recompute", ["off", "selective", "full"])
 def test_moe_memory_is_within_the_stated_tolerance_of_a_cpu_step(recompute):
     """One optimizer step measured in a fresh process (tools/train_memory's child) against
-    `moe.memory`'s activations (CPU attention materialises the [T, T] scores:
+    `moe.model.memory`'s activations (CPU attention materialises the [T, T] scores:
     `fused_attention=False`) and its peak (the analytic training state added)."""
     r = _measure(recompute)
     p = get_preset("qwen3-moe-tiny")

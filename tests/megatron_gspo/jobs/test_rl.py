@@ -150,7 +150,7 @@ def test_sft_checkpoint_initialises_rl(tmp_path):
     run_sft(sft_cfg)
     trainer = make_trainer(tmp_path, "train.steps=1", f"init_checkpoint={tmp_path / 'sft'}")
     from megatron_gspo.run.setup import build_policy
-    from moe import dist_ckpt
+    from moe.model import dist_ckpt
 
     fresh = build_policy(trainer.cfg, trainer.rt.tokenizer.vocab_size, optim=None)
     saved = build_policy(trainer.cfg, trainer.rt.tokenizer.vocab_size, optim=None, seed=123)

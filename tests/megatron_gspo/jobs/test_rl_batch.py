@@ -131,7 +131,7 @@ def test_minibatch_select_keeps_every_part_row_aligned():
     """One `select` slices tokens, pi_old log-probs, advantages and both routing caches."""
     from megatron_gspo.rollout.batch import RolloutBatch
     from megatron_gspo.jobs.rl import Minibatch, TrainerState
-    from moe.replay import RoutingReplayCache
+    from moe.routing.replay import RoutingReplayCache
 
     B, T, L, K = 4, 3, 2, 2
     valid_BT = torch.tensor([[1, 1, 1], [0, 1, 1], [0, 0, 1], [1, 1, 1]], dtype=torch.bool)

@@ -17,7 +17,7 @@ from tests.megatron_gspo.samplers import backend, shift_routing
 
 def test_routing_replay_is_confined_to_the_policy_forward(tmp_path, monkeypatch):
     """With r2 the loss forward replays pi_old's routes, but rollout / eval never do."""
-    from moe.replay import assert_routing_idle
+    from moe.routing.replay import assert_routing_idle
 
     trainer = make_trainer(tmp_path, "train.steps=1", "train.routing_replay=r2",
                            "train.eval_every=1")
@@ -251,7 +251,7 @@ def test_r3_pi_old_replays_the_sampler_routing(tmp_path):
         assert r["rollout/logprob_mismatch/mean"] < 1e-5
         assert r["rollout/logprob_mismatch_r3/mean"] > 1e-3
     assert any(r["policy/log_ratio/abs_max"] > 1e-4 for r in later)  # the check can fail
-    # every loss forward used exactly the replayed routes (moe.replay.watch_replayed)
+    # every loss forward used exactly the replayed routes (moe.routing.replay.watch_replayed)
     assert [r["replay/route_diff"] for r in rows if "train/minibatch" in r] == [0.0] * 4
 
 

@@ -17,9 +17,9 @@ PROMPTS = ["12+345=", "7+8=", "99+1=", "3+40="]
 
 @pytest.fixture(scope="module")
 def policy(single_process):
-    from moe.policy import MoEPolicy
-    from moe.presets import get_preset
-    from moe.settings import ParallelLayout
+    from moe.model.policy import MoEPolicy
+    from moe.model.presets import get_preset
+    from moe.model.settings import ParallelLayout
 
     return MoEPolicy.build(get_preset("qwen3-moe-tiny"), ParallelLayout(), real_vocab=26,
                            seed=3, optim=None)
@@ -127,7 +127,7 @@ def test_cpu_sampling_is_bitwise_the_host_sampler(policy, top_p, greedy):
 def test_device_generator_keeps_a_generator_of_the_device_and_seeds_others():
     cpu = torch.Generator().manual_seed(3)
     assert device_generator(cpu, torch.device("cpu")) is cpu  # CPU runs: the stream unchanged
-    assert device_generator(None, torch.device("cpu")) is None  # (CUDA: tests/moe/test_gpu.py)
+    assert device_generator(None, torch.device("cpu")) is None  # (CUDA: tests/moe/model/test_gpu.py)
 
 
 @pytest.mark.parametrize("greedy", [True, False])
@@ -170,7 +170,7 @@ def test_tiny_top_p_is_greedy(policy):
 def test_recorded_rollout_routing_is_the_full_forward_routing(policy):
     """R3's cache: the sampler's per-step routing, stitched, equals one full forward's routing on
     every valid token (the last sampled column included), and padding is excluded."""
-    from moe.replay import current_routing
+    from moe.routing.replay import current_routing
 
     tok = CharTokenizer()
     tokens_BT, valid_BT, _, _, routing = sample(

@@ -34,7 +34,7 @@ def test_rl_with_r3_from_the_engine(tmp_path, dtype, graphs, tol):
     """Two iterations: pi_old replays the engine's routing, so each rollout batch's first
     minibatch has ratio 1; the engine-vs-trainer routing mismatch is logged per layer (the
     tiny model's padded vocabulary masked in the engine's logits, not in the trainer's grads)."""
-    from moe.engine import unavailable
+    from moe.inference.engine import unavailable
 
     if unavailable():
         pytest.skip(unavailable())

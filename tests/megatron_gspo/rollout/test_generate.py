@@ -14,9 +14,9 @@ PROMPTS = ["12+345=", "7+8=", "99+1=", "3+40="]
 
 @pytest.fixture(scope="module")
 def policy(single_process):
-    from moe.policy import MoEPolicy
-    from moe.presets import get_preset
-    from moe.settings import ParallelLayout
+    from moe.model.policy import MoEPolicy
+    from moe.model.presets import get_preset
+    from moe.model.settings import ParallelLayout
 
     return MoEPolicy.build(get_preset("qwen3-moe-tiny"), ParallelLayout(), real_vocab=26,
                            seed=3, optim=None)

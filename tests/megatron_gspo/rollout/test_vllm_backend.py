@@ -237,7 +237,7 @@ def _sampler(monkeypatch, **fail):
     from types import SimpleNamespace
 
     from megatron_gspo.rollout import vllm as backend
-    from moe.presets import get_preset
+    from moe.model.presets import get_preset
 
     monkeypatch.setattr(backend, "VLLMEngine", type("Fake", (_Fake,), fail))
     policy = SimpleNamespace(preset=get_preset("qwen3-moe-tiny"), real_vocab=26, version=1)

@@ -2,7 +2,7 @@
 
 Tiny MoE models with head_dim 32 (which vLLM's CPU attention supports) are built locally and
 compared in float32 with transformers (log-probs within 1e-5, router top-k equal) and with
-`moe.policy.MoEPolicy` before and after optimizer updates pushed into the engine. Each CPU fix
+`moe.model.policy.MoEPolicy` before and after optimizer updates pushed into the engine. Each CPU fix
 in `push_weights` (re-prepacking the MoE experts, rebuilding a tied output layer, resetting the
 prefix cache) has a test that turns it off and sees the engine go wrong. Three engines are
 shared by the module: `engine` (Qwen3-MoE, 8 experts, top-3) captures routing (prefix caching
@@ -308,8 +308,8 @@ def policy_diff(policy, results, temperature):
 def test_logprobs_equal_our_policy_before_and_after_three_pushed_updates(engine, dirs):
     from moe.hf.config import preset_from_hf, read_hf_config
     from moe.hf.weights import load_hf_weights
-    from moe.policy import MoEPolicy
-    from moe.settings import OptimSettings, ParallelLayout
+    from moe.model.policy import MoEPolicy
+    from moe.model.settings import OptimSettings, ParallelLayout
 
     preset = preset_from_hf(dirs["old"]).with_vocab(REAL_VOCAB, multiple=128)
     policy = MoEPolicy.build(preset, ParallelLayout(), real_vocab=REAL_VOCAB,

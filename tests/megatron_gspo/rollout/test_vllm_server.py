@@ -16,7 +16,7 @@ import torch
 from megatron_gspo.config.schema import load_config
 from megatron_gspo.errors import UserError
 from megatron_gspo.rollout import vllm_remote, vllm_wire
-from moe.parallel import free_port
+from moe.platform.parallel import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 

@@ -1,5 +1,5 @@
 """Runs whose checkpoints hold megatron's per-expert expert weights (`SequentialMLP`: what runs
-wrote before the stacked expert weights of `moe.experts`): resume and export read them as they
+wrote before the stacked expert weights of `moe.model.experts`): resume and export read them as they
 are; the distributed optimizer's state, laid out by the old parameters, is refused in one line
 naming the way on, which works (docs/checkpoints.md)."""
 
@@ -8,16 +8,16 @@ import functools
 import pytest
 from megatron.core.transformer.moe.experts import SequentialMLP
 
-import moe.policy
+import moe.model.policy
 from megatron_gspo.cli import main
-from moe.model import build_gpt_moe
+from moe.model.gpt import build_gpt_moe
 from tests.megatron_gspo.run.test_faults import TINY, one_line_error
 
 
 @pytest.fixture
 def per_expert(monkeypatch):
     """Until `undo()`: policies are built with megatron's per-expert experts."""
-    monkeypatch.setattr(moe.policy, "build_gpt_moe",
+    monkeypatch.setattr(moe.model.policy, "build_gpt_moe",
                         functools.partial(build_gpt_moe, experts=SequentialMLP))
     return monkeypatch
 

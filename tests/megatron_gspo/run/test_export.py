@@ -153,7 +153,7 @@ def test_export_keeps_the_parameter_dtype(single_process, tmp_path):
     from moe.hf.config import hf_config_dict
     from moe.hf.io import SafetensorsReader
     from moe.hf.weights import export_hf
-    from moe.sharding import gather_full_params
+    from moe.model.sharding import gather_full_params
 
     cfg = load_config(None, [f"run_dir={tmp_path / 'toy'}", "model.preset=tiny"])
     policy = build_policy(cfg, 26, optim=None)
@@ -203,7 +203,7 @@ def test_a_bf16_run_exports_bf16_tensors(single_process, hf_dir, tmp_path):
     from megatron_gspo.run.export import export_run
     from megatron_gspo.run.setup import build_policy
     from moe.hf.io import SafetensorsReader
-    from moe.sharding import gather_full_params
+    from moe.model.sharding import gather_full_params
 
     cfg = run_config(hf_dir, tmp_path / "run", "model.dtype=bf16")
     policy = build_policy(cfg, 300, optim=None)

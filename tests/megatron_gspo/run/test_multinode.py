@@ -14,7 +14,7 @@ import uuid
 import pytest
 
 from megatron_gspo.run import checkpoint as ckpt
-from moe.parallel import free_port
+from moe.platform.parallel import free_port
 from tests.megatron_gspo.run.test_faults import TINY
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "..")

@@ -140,7 +140,7 @@ def test_the_hf_family_of_docs_extending_md_reads_and_exports_mixtral(single_pro
 
     from moe.hf.config import hf_config_dict, preset_from_hf, read_hf_config
     from tests.moe import hf_worker as hw
-    from tests.moe.test_hf import REAL_VOCAB, batch, hf_logits
+    from tests.moe.hf.test_hf import REAL_VOCAB, batch, hf_logits
 
     config = MixtralConfig(vocab_size=REAL_VOCAB, hidden_size=48, intermediate_size=40,
                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

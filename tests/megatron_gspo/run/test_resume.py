@@ -313,7 +313,7 @@ def test_resume_force_onto_another_model_is_one_line(tmp_path, capsys):
 def test_a_resume_that_runs_out_of_memory_is_not_called_another_model(tmp_path, monkeypatch):
     """Only a shape / key mismatch is 'this run builds another model'; any other failure of the
     load (out of memory, I/O) keeps its own exception and traceback."""
-    from moe import dist_ckpt
+    from moe.model import dist_ckpt
 
     run = tmp_path / "run"
     trainer(run, "train.steps=1").train()

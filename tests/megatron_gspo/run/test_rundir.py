@@ -262,7 +262,7 @@ def test_a_record_holding_the_layout_keys_resumes_with_another_layout(tmp_path):
 
 
 def test_a_dist_checkpoint_a_killed_save_left_half_written_is_removed(tmp_path):
-    """A second Ctrl-C (or SIGKILL) during a save leaves moe.dist_ckpt's `dist.tmp` in a step
+    """A second Ctrl-C (or SIGKILL) during a save leaves moe.model.dist_ckpt's `dist.tmp` in a step
     dir `latest` never pointed to: a whole checkpoint's worth of disk, never reused when the
     run's later saves land on other steps. The next start removes it, not a user's `x.tmp`."""
     step = tmp_path / "checkpoints" / "step_000062"

@@ -19,8 +19,8 @@ from megatron_gspo.jobs import sft as sft_job
 from megatron_gspo.run.setup import (build_policy, layout_of, model_max_len, recompute_of,
                                      resolve_preset, setup_runtime)
 from megatron_gspo.errors import DataError
-from moe.dist_ckpt import files_written_by
-from moe.settings import Recompute
+from moe.model.dist_ckpt import files_written_by
+from moe.model.settings import Recompute
 from tests.hf_fixtures import make_model
 from tests.megatron_gspo.run.test_rundir import _lock_is_held
 
