@@ -60,6 +60,18 @@ def _current_names(cls, data: dict, prefix: str) -> dict:
     return out
 
 
+def current_names(cls, data, prefix: str = ""):
+    """`data` (a nested mapping for dataclass `cls`) with older key names as the keys they
+    became in every section (`renamed`); unknown keys and values are left for `build` to
+    judge. ConfigError when a mapping gives one key under both names."""
+    if not isinstance(data, dict):
+        return data
+    data, types = _current_names(cls, data, prefix), field_types(cls)
+    return {name: current_names(types[name], value, f"{prefix}{name}.")
+            if name in types and dataclasses.is_dataclass(types[name]) else value
+            for name, value in data.items()}
+
+
 def build(cls, data, prefix: str = ""):
     """Dataclass `cls` from a nested mapping (None = all defaults): every key known (older names
     read as their fields, `renamed`), every value read into its field's type (`fields.coerce`,

@@ -26,7 +26,7 @@ from megatron_gspo.config.data import (DataConfig, FilterConfig, RewardConfig,  
 from megatron_gspo.config.docs import describe_fields, field_docs
 from megatron_gspo.config.fields import (MAY_CHANGE, OptionalPath, Path, Paths, check,
                                          field_types, may_change, validate)
-from megatron_gspo.config.loader import apply_override, build, renamed
+from megatron_gspo.config.loader import apply_override, build, current_names, renamed
 from megatron_gspo.config.rollout import RolloutConfig  # noqa: F401
 from megatron_gspo.config.sections import (LossConfig, ModelConfig, OptimConfig,  # noqa: F401
                                            SFTConfig, TaskConfig, TrainConfig, WandbConfig)
@@ -160,7 +160,8 @@ def config_to_dict(cfg) -> dict:
 def load_config(path: str | None, overrides: Sequence[str] = ()) -> RunConfig:
     """YAML experiment file (None = all defaults; `base: other.yaml` inherits, see
     `yamlfile.load_layered`), then `a.b=c` overrides; all strict."""
-    raw = {} if path is None else load_layered(path)
+    raw = {} if path is None else load_layered(
+        path, normalize=lambda layer: current_names(RunConfig, layer))
     for item in overrides:
         apply_override(RunConfig, raw, item)
     return config_from_dict(raw)

@@ -207,3 +207,15 @@ def test_keys_moved_into_a_backend_section_load_under_their_older_names(tmp_path
         load_config(_write(tmp_path, "rollout:\n  engine_dtype: fp32\n  vllm: server\n"))
     with pytest.raises(ConfigError, match=r"^rollout.vllm.dtype=fp16: expected one of"):
         load_config(None, ["rollout.engine_dtype=fp16"])
+
+
+def test_a_file_overrides_its_base_under_a_keys_older_or_newer_name(tmp_path):
+    """Older names are read file by file, before a file is merged over its base: a user's file
+    that still says rollout.engine_dtype over a base that says rollout.vllm.dtype (or the other
+    way round) overrides it, where both names met in one mapping and were refused."""
+    (tmp_path / "new_base.yaml").write_text("rollout:\n  vllm: {dtype: bf16}\n")
+    (tmp_path / "old_base.yaml").write_text("rollout:\n  engine_dtype: bf16\n")
+    (tmp_path / "old_child.yaml").write_text("base: new_base.yaml\nrollout:\n  engine_dtype: fp32\n")
+    (tmp_path / "new_child.yaml").write_text("base: old_base.yaml\nrollout:\n  vllm: {dtype: fp32}\n")
+    for child in ("old_child.yaml", "new_child.yaml"):
+        assert load_config(str(tmp_path / child)).rollout.vllm.dtype == "fp32", child
