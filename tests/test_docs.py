@@ -187,6 +187,18 @@ def test_experiment_readmes_are_reports(page):
     assert not diary, f"{page}: {diary}"
 
 
+def other_texts():
+    """(path, text) of each tracked text file but this one (its examples would match)."""
+    here = os.path.relpath(os.path.abspath(__file__), ROOT)
+    for rel in tracked_files():
+        if rel == here or rel.endswith((".png", ".jpg", ".pt", ".whl", ".parquet")):
+            continue
+        try:
+            yield rel, read(rel)
+        except UnicodeDecodeError:
+            continue
+
+
 OUTSIDE = re.compile(r"(?<![\w.])(?:\.\./)+[\w.\-/]*|(?<![\w.~])/work/[\w.\-/]*")
 
 
@@ -194,14 +206,8 @@ def test_no_file_references_a_path_outside_the_repository():
     """A `../x` that climbs out of the repository from the file that names it, or an absolute
     path into this machine's work area: a clone has neither. (This file's own examples
     excepted.)"""
-    bad, here = [], os.path.relpath(os.path.abspath(__file__), ROOT)
-    for rel in tracked_files():
-        if rel == here or rel.endswith((".png", ".jpg", ".pt", ".whl", ".parquet")):
-            continue
-        try:
-            text = read(rel)
-        except UnicodeDecodeError:
-            continue
+    bad = []
+    for rel, text in other_texts():
         for m in OUTSIDE.finditer(text):
             ref = m.group(0)
             if ref.startswith("/work/"):
@@ -250,14 +256,5 @@ def test_no_file_speaks_of_internal_issues_or_borrowed_machines():
     borrowed GPU machines (leases, device calls, their output folder), and no scratch paths in
     the GPU guide and bench/: the text speaks to a user with a GPU machine. (This file's own
     examples excepted.)"""
-    here = os.path.relpath(os.path.abspath(__file__), ROOT)
-    bad = []
-    for rel in tracked_files():
-        if rel == here or rel.endswith((".png", ".jpg", ".pt", ".whl", ".parquet")):
-            continue
-        try:
-            text = read(rel)
-        except UnicodeDecodeError:
-            continue
-        bad += [f"{rel}: {word}" for word in internal_words(rel, text)]
+    bad = [f"{rel}: {word}" for rel, text in other_texts() for word in internal_words(rel, text)]
     assert not bad, bad
