@@ -63,7 +63,7 @@ from megatron_gspo.run.oom import OLD_PASS, ROLLOUT, TRAIN_STEP, out_of_memory
 from megatron_gspo.run.setup import (JobSpec, Runtime, build_policy, evaluate_runtime,
                                      evaluate_test, setup_runtime)
 from moe.routing.replay import (RoutingReplayCache, chunk_count, current_routing, replay_routing,
-                        row_chunks)
+                                row_chunks)
 from moe.model.settings import OptimSettings
 
 PROGRESS_KEYS = ("reward/mean", "eval/accuracy", "policy/clip_frac/token",

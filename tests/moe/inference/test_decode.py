@@ -7,8 +7,8 @@ DP=2 against the 1-process reference: tests/moe/platform/test_parallel.py)."""
 import pytest
 import torch
 
-from moe.inference.decode import (LeanKVDecoder, grouped_attention, lean_moe_ok, linear, qkv, sdpa_attention,
-                        sdpa_ok, unsupported)
+from moe.inference.decode import (LeanKVDecoder, grouped_attention, lean_moe_ok, linear, qkv,
+                                  sdpa_attention, sdpa_ok, unsupported)
 from moe.inference.decode import KVCacheDecoder, kv_decoder
 from moe.model.policy import MoEPolicy
 from moe.model.presets import get_preset

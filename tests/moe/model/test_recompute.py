@@ -9,7 +9,7 @@ from moe.model.policy import MoEPolicy
 from moe.model.presets import get_preset
 from moe.model.settings import ParallelLayout, Recompute
 from moe.routing.replay import (RoutingReplayCache, assert_routing_idle, current_routing,
-                        replay_routing)
+                                replay_routing)
 from tests.moe.parallel_worker import batch, loss_fn
 
 SETTINGS = [Recompute("selective", ("moe",)), Recompute("selective", ("core_attn",)),

@@ -7,7 +7,7 @@ from tests.moe.grads import dense_cache
 from moe.model.presets import get_preset
 from moe.model.settings import ParallelLayout
 from moe.routing.replay import (RoutingReplayCache, assert_routing_idle, ids_dtype, record_routing,
-                        replay_routing)
+                                replay_routing)
 
 PRESET = get_preset("tiny")
 
