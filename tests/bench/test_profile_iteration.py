@@ -65,7 +65,7 @@ def test_sync_sites_counts_each_synchronizing_line(monkeypatch):
 def test_call_sites_are_named_from_their_package_root():
     from bench.profile_iteration import REPO, site
 
-    assert site(f"{REPO}/moe/policy.py", 3) == "moe/model/policy.py:3"
+    assert site(f"{REPO}/moe/model/policy.py", 3) == "moe/model/policy.py:3"
     assert site("/usr/lib/python3/dist-packages/torch/a.py", 1) == "torch/a.py:1"
     assert site("/x/.venv/lib/python3.11/site-packages/megatron/core/b.py", 2) == \
         "megatron/core/b.py:2"
