@@ -41,14 +41,11 @@ import torch
 
 from experiments.positive_control.common import (CANDIDATES, HERE, ROOT, RUNS, cold_start,
                                                  load_json, write_json)
-from experiments.replay_dose_response.calibrate import one_rollout_batch
-from megatron_gspo.algo.flips import flip_counts, loss_positions, token_rows
+from experiments.replay_dose_response.calibrate import noisy_draws, one_rollout_batch
 from megatron_gspo.algo.sensitivity import route_sensitivity
 from megatron_gspo.config.schema import load_config
 from megatron_gspo.jobs import evaluate
 from megatron_gspo.run.setup import setup_runtime
-from moe.routing.replay import RoutingReplayCache, current_routing, record_routing
-from moe.routing.noise import router_noise
 from tools.result_table import machine_line, write_into
 
 GRID = (0.01, 0.03, 0.1, 0.3, 1.0)
@@ -77,20 +74,11 @@ def perturbation_stats(clean_BT: torch.Tensor, noisy_BT: torch.Tensor,
 
 def measure(policy, batch, std: float, temperature: float) -> dict:
     """Means over DRAWS noise draws at `std` (see the module docstring)."""
-    tokens_BT, valid_BT = batch.tokens_BT, batch.valid_BT
-    clean_BT, clean = current_routing(policy, tokens_BT, valid_BT, temperature)
-    rows_N = token_rows(policy, clean, loss_positions(batch.response_BT))
-    draws = []
-    for draw in range(DRAWS):
-        gen = torch.Generator().manual_seed(1000 + draw)
-        with torch.no_grad(), router_noise(policy, std, gen), record_routing(policy) as rec:
-            noisy_BT = policy.token_logprobs(tokens_BT, valid_BT, temperature)
-        noisy = RoutingReplayCache.from_recorded(rec, policy.routed_valid(valid_BT),
-                                                 policy.preset.num_experts)
-        per_layer = flip_counts(clean, noisy, rows_N)["flip_rate"]
-        draws.append({"flip_rate": sum(per_layer) / len(per_layer),
-                      **perturbation_stats(clean_BT.cpu(), noisy_BT.cpu(), batch.response_BT)})
-    return {"std": std, **{k: sum(d[k] for d in draws) / DRAWS for k in draws[0]}}
+    clean_BT, draws = noisy_draws(policy, batch, std, temperature, DRAWS)
+    stats = [{"flip_rate": flip,
+              **perturbation_stats(clean_BT.cpu(), noisy_BT.cpu(), batch.response_BT)}
+             for flip, noisy_BT in draws]
+    return {"std": std, **{k: sum(d[k] for d in stats) / DRAWS for k in stats[0]}}
 
 
 def at_flip_rate(grid: list[dict], key: str, target: float = TARGET_FLIPS) -> float:

@@ -36,21 +36,31 @@ GRID = (0.003, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
 DRAWS = 3
 
 
-def measure(policy, batch, std: float, temperature: float) -> dict:
-    """Mean over DRAWS noise draws of the loss-position flip rate and response |log-ratio|."""
-    tokens_BT, valid_BT, resp_BT = batch.tokens_BT, batch.valid_BT, batch.response_BT.float()
+def noisy_draws(policy, batch, std: float, temperature: float, draws: int):
+    """The clean forward's log-probs [B, T] and, for each of `draws` seeded router-noise draws
+    at `std`, (its mean per-layer flip rate at the loss positions, its log-probs [B, T])."""
+    tokens_BT, valid_BT = batch.tokens_BT, batch.valid_BT
     clean_BT, clean = current_routing(policy, tokens_BT, valid_BT, temperature)
     rows_N = token_rows(policy, clean, loss_positions(batch.response_BT))
-    flips, lrs = [], []
-    for draw in range(DRAWS):
+    out = []
+    for draw in range(draws):
         gen = torch.Generator().manual_seed(1000 + draw)
         with torch.no_grad(), router_noise(policy, std, gen), record_routing(policy) as rec:
             noisy_BT = policy.token_logprobs(tokens_BT, valid_BT, temperature)
         noisy = RoutingReplayCache.from_recorded(rec, policy.routed_valid(valid_BT),
                                                  policy.preset.num_experts)
         per_layer = flip_counts(clean, noisy, rows_N)["flip_rate"]
-        flips.append(sum(per_layer) / len(per_layer))
-        lrs.append(float(((noisy_BT - clean_BT).abs().cpu() * resp_BT).sum() / resp_BT.sum()))
+        out.append((sum(per_layer) / len(per_layer), noisy_BT))
+    return clean_BT, out
+
+
+def measure(policy, batch, std: float, temperature: float) -> dict:
+    """Mean over DRAWS noise draws of the loss-position flip rate and response |log-ratio|."""
+    resp_BT = batch.response_BT.float()
+    clean_BT, draws = noisy_draws(policy, batch, std, temperature, DRAWS)
+    flips = [flip for flip, _ in draws]
+    lrs = [float(((noisy_BT - clean_BT).abs().cpu() * resp_BT).sum() / resp_BT.sum())
+           for _, noisy_BT in draws]
     return {"std": std, "flip_rate": sum(flips) / DRAWS, "abs_log_ratio": sum(lrs) / DRAWS}
 
 
