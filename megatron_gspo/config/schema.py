@@ -136,14 +136,21 @@ def resume_may_change(cls=RunConfig, prefix: str = "") -> tuple[str, ...]:
     """The dotted keys of the fields (or whole sections) marked `fields.may_change`, nested
     sections walked: what a resume may change (`megatron_gspo.run.rundir` leaves them out of a
     run's fingerprint)."""
-    out = []
+    out, types = [], field_types(cls)
     for f in dataclasses.fields(cls):
-        tp = field_types(cls)[f.name]
+        tp = types[f.name]
         if f.metadata.get(MAY_CHANGE):
             out.append(prefix + f.name)
         elif dataclasses.is_dataclass(tp):
             out += resume_may_change(tp, f"{prefix}{f.name}.")
     return tuple(out)
+
+
+def value_at(cfg, key: str):
+    """The value of dotted `key` ("rollout.decoders.kv_cache") in a config (or a section)."""
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
 
 
 def config_from_dict(d: dict) -> RunConfig:

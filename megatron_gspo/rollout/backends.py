@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import importlib
 
-from megatron_gspo.config.schema import RunConfig
+from megatron_gspo.config.schema import RunConfig, value_at
 from megatron_gspo.errors import ConfigError
 from megatron_gspo.rollout.sampler import BACKENDS, SAMPLERS, Backend, Sampler, register_sampler
 from moe.model import memory as mem
@@ -137,12 +137,6 @@ def backend_of(cfg) -> Backend:
     return BACKENDS[name]
 
 
-def _value(cfg, key: str):
-    for part in key.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
-
-
 def check_config(cfg) -> Backend:
     """The backend's capabilities, once the config passes what they require (ConfigError in one
     line otherwise): its own checks, no other backend's own key set, and R3 only with a backend
@@ -150,8 +144,8 @@ def check_config(cfg) -> Backend:
     caps, name = backend_of(cfg), cfg.rollout.sampler
     default = RunConfig()
     for key in dict.fromkeys(k for b in BACKENDS.values() for k in b.own_keys):
-        value = _value(cfg, key)
-        if key not in caps.own_keys and value != _value(default, key):
+        value = value_at(cfg, key)
+        if key not in caps.own_keys and value != value_at(default, key):
             owners = [n for n, b in BACKENDS.items() if key in b.own_keys]
             raise ConfigError(f"{key}={value}: needs rollout.backend={' or '.join(owners)}, "
                               f"not {name!r}")

@@ -17,6 +17,7 @@ import contextlib
 
 import torch
 
+from megatron_gspo.config.schema import value_at
 from megatron_gspo.errors import UserError
 
 ROLLOUT = (("rollout.prompts_per_batch", "rollout.group_size", "rollout.max_new_tokens"), ())
@@ -38,20 +39,14 @@ def is_out_of_memory(error: BaseException) -> bool:
                                                 or "can't allocate memory" in text)
 
 
-def _value(cfg, key: str):
-    for part in key.split("."):
-        cfg = getattr(cfg, part)
-    return cfg
-
-
 def remedy(cfg, settings: tuple) -> str:
     """'lower a=1, b=2, or raise c=4' for (keys to lower, keys to raise), with `cfg`'s values;
     a recompute already at its maximum (full) is left out."""
     lower, higher = settings
     higher = [k for k in higher if not (k == "model.recompute_granularity"
-                                        and _value(cfg, k) == "full")]
-    text = "lower " + ", ".join(f"{k}={_value(cfg, k)}" for k in lower)
-    return text + (", or raise " + ", ".join(f"{k}={_value(cfg, k)}" for k in higher)
+                                        and value_at(cfg, k) == "full")]
+    text = "lower " + ", ".join(f"{k}={value_at(cfg, k)}" for k in lower)
+    return text + (", or raise " + ", ".join(f"{k}={value_at(cfg, k)}" for k in higher)
                    if higher else "")
 
 
