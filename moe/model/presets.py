@@ -117,21 +117,12 @@ class MoEPreset:
 
     def check_parallel(self, tp: int, ep: int) -> None:
         """Raise a ValueError naming the value if this preset cannot be split tp x ep ways."""
-        if self.num_experts % ep:
-            raise ValueError(f"preset {self.name!r}: num_experts={self.num_experts} is not "
-                             f"divisible by ep={ep}")
-        if self.num_query_groups % tp:
-            raise ValueError(f"preset {self.name!r}: num_query_groups={self.num_query_groups} is "
-                             f"not divisible by tp={tp}")
-        if self.vocab_size % tp:
-            raise ValueError(f"preset {self.name!r}: vocab_size={self.vocab_size} is not "
-                             f"divisible by tp={tp}")
-        if self.moe_ffn_hidden_size % tp:
-            raise ValueError(f"preset {self.name!r}: moe_ffn_hidden_size="
-                             f"{self.moe_ffn_hidden_size} is not divisible by tp={tp}")
-        if self.shared_expert_ffn_hidden_size % tp:
-            raise ValueError(f"preset {self.name!r}: shared_expert_ffn_hidden_size="
-                             f"{self.shared_expert_ffn_hidden_size} is not divisible by tp={tp}")
+        for key, (axis, n) in (("num_experts", ("ep", ep)), ("num_query_groups", ("tp", tp)),
+                               ("vocab_size", ("tp", tp)), ("moe_ffn_hidden_size", ("tp", tp)),
+                               ("shared_expert_ffn_hidden_size", ("tp", tp))):
+            if getattr(self, key) % n:
+                raise ValueError(f"preset {self.name!r}: {key}={getattr(self, key)} is not "
+                                 f"divisible by {axis}={n}")
 
     def num_params(self) -> dict[str, int]:
         """Analytic parameter counts: total and activated per token (embeddings included)."""
