@@ -14,7 +14,6 @@ hangs. The last test runs the user's command (`torchrun ... train ... model.ep=2
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -22,6 +21,7 @@ import pytest
 import torch
 
 from tests.megatron_gspo import sync_worker as sw
+from tests.processes import communicate_or_kill
 from tests.moe import parallel_worker as pw
 
 TIMEOUT_S = 600  # hard deadline of a 2-process run (a hang fails; about 20 s when it passes)
@@ -212,12 +212,7 @@ def test_pitfall13_torchrun_train_ep2_with_early_eos_completes(single_process, t
            *E2E_OVERRIDES, f"run_dir={run_dir}", f"init_checkpoint={init}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
-    try:
-        _, err = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: a hang fails the test
-        proc.communicate()
-        raise
+    _, err = communicate_or_kill(proc, TIMEOUT_S)  # torchrun and its workers: a hang fails
     assert proc.returncode == 0, err[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert {r["train/iteration"] for r in records if "train/iteration" in r} == {0, 1}, records

@@ -14,6 +14,7 @@ from megatron_gspo.config.schema import load_config
 from megatron_gspo.errors import ConfigError
 from megatron_gspo.run.metrics import read_jsonl
 from tests.hf_fixtures import make_model
+from tests.processes import communicate_or_kill
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM is not installed (pip install -e '.[vllm]')")
@@ -186,7 +187,6 @@ def test_under_ep2_each_rank_engine_gets_the_gathered_weights(tmp_path, hf_dir):
     trainer's within 1e-5 before and after the updates (weight decay moves every weight even
     where the math reward gives no gradient)."""
     import json
-    import signal
     import subprocess
     import sys
 
@@ -202,12 +202,7 @@ def test_under_ep2_each_rank_engine_gets_the_gathered_weights(tmp_path, hf_dir):
            f"run_dir={run_dir}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
-    try:
-        _, err = proc.communicate(timeout=600)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
+    _, err = communicate_or_kill(proc, 600)
     assert proc.returncode == 0, err[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if r["step"]]  # step 0: the test split's eval of the initial policy

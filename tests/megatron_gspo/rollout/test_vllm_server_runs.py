@@ -19,6 +19,7 @@ from megatron_gspo.config.schema import load_config
 from megatron_gspo.errors import UserError
 from megatron_gspo.rollout.vllm_wire import wait_for
 from tests.jsonl import step_rows
+from tests.processes import communicate_or_kill
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")]
@@ -78,11 +79,7 @@ def run_cli(tmp_path, *overrides, nproc: int = 1, kill_after_row: bool = False):
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        _, err = proc.communicate(timeout=1500)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
+        _, err = communicate_or_kill(proc, 1500)
     finally:
         done.set()
         watcher.join()
