@@ -12,15 +12,15 @@ Examples:
     torchrun --nproc-per-node 2 -m megatron_gspo.cli train --config ... model.ep=2
 
 Overrides use dotted keys and YAML values; unknown keys are errors. A bad config (typo, wrong
-type, bad value, unregistered name, malformed YAML, missing file or checkpoint), a run dir that
-belongs to another run, a corrupt checkpoint, weights / a loss gone non-finite, a full disk under
-metrics.jsonl, out of memory in a training phase (naming the settings to lower), or an optional
-package a setting needs (pyarrow, math-verify, wandb, transformers) exits with status 2 and one
-line naming it (`megatron_gspo.errors.UserError`, and the few other types `USER_ERRORS` lists);
-nothing already written is lost. SIGTERM / Ctrl-C / SIGHUP saves a checkpoint and
-exits with 128 + the signal number (during start-up, before the first step: it exits at once,
-one line, the same status). The resolved config is saved in run_dir next to
-metrics.jsonl on a run's first start.
+type, bad value, unregistered name or one a plugin registers twice, malformed YAML, missing file
+or checkpoint), a run dir that belongs to another run, a corrupt checkpoint, weights / a loss
+gone non-finite, a full disk under metrics.jsonl, out of memory in a training phase (naming the
+settings to lower), or an optional package a setting needs (pyarrow, math-verify, wandb,
+transformers) exits with status 2 and one line naming it (`megatron_gspo.errors.UserError`, and
+the few other types `USER_ERRORS` lists); nothing already written is lost. SIGTERM / Ctrl-C /
+SIGHUP saves a checkpoint and exits with 128 + the signal number (during start-up, before the
+first step: it exits at once, one line, the same status). The resolved config is saved in
+run_dir next to metrics.jsonl on a run's first start.
 """
 
 from __future__ import annotations
@@ -36,12 +36,14 @@ from megatron_gspo.config.schema import describe_config, load_config
 from megatron_gspo.errors import UserError
 from megatron_gspo.jobs import plan
 from megatron_gspo.run.preempt import Interrupted, Preempted, StartupSignals
-from moe.platform.checks import MissingDependency
+from moe.platform.checks import DuplicateName, MissingDependency
 
 # What exits 2 with its one line: the project's UserError, and what it cannot subclass: a
 # missing file (raised by moe and the stdlib as FileNotFoundError), a missing optional package
-# (moe's own type: moe does not import megatron_gspo), weights or a loss gone non-finite.
-USER_ERRORS = (UserError, FileNotFoundError, MissingDependency, FloatingPointError)
+# and a name registered twice (moe's own types: moe does not import megatron_gspo), weights or
+# a loss gone non-finite.
+USER_ERRORS = (UserError, FileNotFoundError, MissingDependency, DuplicateName,
+               FloatingPointError)
 
 
 def build_parser() -> argparse.ArgumentParser:

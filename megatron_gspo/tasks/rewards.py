@@ -51,7 +51,7 @@ from typing import Any, Callable, Sequence
 
 from megatron_gspo.errors import UnknownName
 from megatron_gspo.tasks.expression import parse_expression
-from moe.platform.checks import MissingDependency
+from moe.platform.checks import MissingDependency, refuse_duplicate
 
 RewardFn = Callable[[str, Any], float]
 REWARDS: dict[str, RewardFn] = {}
@@ -70,7 +70,7 @@ def register_reward(name: str, *, format_check: Callable[[str], bool]):
     """Decorator adding `fn(completion, ground_truth) -> float` to REWARDS."""
     def deco(fn: RewardFn) -> RewardFn:
         if name in REWARDS:
-            raise ValueError(f"reward {name!r} is already registered")
+            refuse_duplicate("reward", name, REWARDS[name], fn)
         REWARDS[name] = fn
         FORMAT_CHECKS[name] = format_check
         return fn

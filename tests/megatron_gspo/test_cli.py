@@ -15,7 +15,7 @@ from megatron_gspo.errors import (CheckpointError, ConfigError, DataError, RunDi
                                   UnknownName, UserError)
 from megatron_gspo.jobs.band import AccuracyBandError
 from megatron_gspo.run.preempt import Preempted
-from moe.platform.checks import MissingDependency
+from moe.platform.checks import DuplicateName, MissingDependency
 
 
 @pytest.fixture
@@ -86,7 +86,7 @@ def test_every_project_error_is_one_user_error():
     for cls in (ConfigError, DataError, RunDirError, CheckpointError, UnknownName,
                 AccuracyBandError):
         assert issubclass(cls, UserError), cls
-    assert cli.USER_ERRORS == (UserError, FileNotFoundError, MissingDependency,
+    assert cli.USER_ERRORS == (UserError, FileNotFoundError, MissingDependency, DuplicateName,
                                FloatingPointError)
     assert issubclass(UnknownName, KeyError) and issubclass(ConfigError, ValueError)
     assert str(UnknownName("plain 'text'")) == "plain 'text'"  # not KeyError's repr()

@@ -141,6 +141,7 @@ def test_an_engine_declared_elsewhere_is_an_engine_to_the_trainer_and_the_plan()
 
     cfg = load_config(None, ["rollout.backend=fake_engine", "model.preset=tiny"])
     assert not Trainer.records_sampler_routing(SimpleNamespace(cfg=cfg))  # it cannot
+    SAMPLERS.pop("fake_engine")  # registered again, recording its routing
     register_sampler("fake_engine", dataclasses.replace(FAKE, records_routing=lambda c: True))(
         lambda policy, tokenizer, cfg: None)
     assert Trainer.records_sampler_routing(SimpleNamespace(cfg=cfg))

@@ -33,19 +33,19 @@ def code_blocks(text: str, language: str) -> list[str]:
 
 
 @pytest.fixture
-def registries():
+def registries(tmp_path_factory):
     """The registries as they were before the test: a plugin's entries leave with it, and its
-    module is imported afresh by the next test."""
+    modules (those imported from a test's folder) are imported afresh by the next test."""
     kept = [(d, dict(d)) for d in (losses.POLICY_LOSSES, losses._PAPER_EPS, rewards.REWARDS,
-                                   rewards.FORMAT_CHECKS, toy.TASKS, sampler.SAMPLERS,
-                                   HF_FAMILIES)]
-    modules = set(sys.modules)
+                                   rewards.FORMAT_CHECKS, toy.TASKS,
+                                   sampler.SAMPLERS, sampler.BACKENDS, HF_FAMILIES)]
+    modules, tests = set(sys.modules), str(tmp_path_factory.getbasetemp())
     yield
     for registry, before in kept:
         registry.clear()
         registry.update(before)
     for name in set(sys.modules) - modules:
-        if name == "my_plugin" or name.startswith("plugin_pkg"):
+        if (getattr(sys.modules[name], "__file__", None) or "").startswith(tests):
             del sys.modules[name]
 
 
