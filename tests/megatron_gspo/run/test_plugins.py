@@ -37,7 +37,7 @@ def registries(tmp_path_factory):
     """The registries as they were before the test: a plugin's entries leave with it, and its
     modules (those imported from a test's folder) are imported afresh by the next test."""
     kept = [(d, dict(d)) for d in (losses.POLICY_LOSSES, losses._PAPER_EPS, rewards.REWARDS,
-                                   rewards.FORMAT_CHECKS, toy.TASKS,
+                                   rewards.FORMAT_CHECKS, rewards.GROUND_TRUTHS, toy.TASKS,
                                    sampler.SAMPLERS, sampler.BACKENDS, HF_FAMILIES)]
     modules, tests = set(sys.modules), str(tmp_path_factory.getbasetemp())
     yield
