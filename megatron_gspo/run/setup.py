@@ -34,7 +34,8 @@ from megatron_gspo.run.inputs import input_fingerprints
 from megatron_gspo.run.metrics import MetricsLogger
 from megatron_gspo.run.names import check_names
 from megatron_gspo.run.progress import ChunkProgress
-from megatron_gspo.run.rundir import RunDirLock, check_inputs, claim_run_dir, record_run
+from megatron_gspo.run.lock import RunDirLock
+from megatron_gspo.run.rundir import check_inputs, claim_run_dir, record_run
 from megatron_gspo.tasks.datasets import build_task, tokenizer_folder
 from megatron_gspo.tasks.tokenizer import Tokenizer, load_tokenizer
 from moe.hf.config import preset_from_hf

@@ -12,7 +12,8 @@ import textwrap
 import pytest
 
 from megatron_gspo.config.schema import config_to_dict, load_config, resume_may_change
-from megatron_gspo.run.rundir import LOCK_FILE, claim_run_dir, record_run, semantic_config
+from megatron_gspo.run.lock import LOCK_FILE
+from megatron_gspo.run.rundir import claim_run_dir, record_run, semantic_config
 from megatron_gspo.errors import RunDirError
 from megatron_gspo.jobs import rl, sft
 
