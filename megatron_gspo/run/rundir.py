@@ -10,10 +10,12 @@
 `claim_run_dir` runs on every rank before anything is written: rank 0 takes the lock and checks
 the record, every rank gets the same verdict (one collective). Refused, with a one-line
 `RunDirError` naming what differs: a run dir owned by another job (`sft` into an RL run), a
-config whose semantic keys differ from the recorded ones (unless `resume=force`), a second
-process writing the same run dir, an unwritable path; once the data is loaded, `check_inputs`
-refuses data files, a tokenizer or a chat template whose contents changed since the run started
-(unless `resume=force`, which says what changed). `record_run` writes the record and the
+config whose semantic keys differ from the recorded ones (unless `resume=force`), a record that
+cannot be read (`megatron_gspo.run.record`), checkpoints without a record (run.json deleted:
+unless `resume=force`, which records this start's config), a second process writing the same
+run dir, an unwritable path (a symbolic link that leads nowhere is named); once the data is
+loaded, `check_inputs` refuses data files, a tokenizer, a chat template or plugin code whose
+contents changed since the run started (unless `resume=force`, which says what changed). `record_run` writes the record and the
 config once the run has really started (policy built, init weights loaded), so a run that fails
 its set-up leaves nothing that would refuse its corrected re-run; `forget_run` undoes it for an
 RL start refused by `train.start_accuracy` before anything was saved.
@@ -30,6 +32,7 @@ silently (docs/pitfalls.md#run-dir-ownership).
 
 from __future__ import annotations
 
+import errno
 import glob
 import hashlib
 import json
@@ -46,9 +49,9 @@ from megatron_gspo.errors import RunDirError, UserError
 from megatron_gspo.run.checkpoint import atomic_write
 from megatron_gspo.run.inputs import changed_inputs
 from megatron_gspo.run.lock import lock_run_dir
+from megatron_gspo.run.record import RUN_FILE, read_record
 from moe.platform.children import tie_forks
 
-RUN_FILE = "run.json"
 # The parallel layout: a checkpoint reshards over it (moe.model.dist_ckpt), so a resume may change it,
 # except TP / EP under the distributed optimizer (its state reshards over DP only).
 LAYOUT = ("model.tp", "model.ep", "model.sequence_parallel", "model.dispatcher")
@@ -138,17 +141,15 @@ def remove_stale_tmp(run_dir: str) -> list[str]:
 
 def _verdict(run_dir: str, job: str, config: dict, resume, unused: tuple) -> str:
     """Rank 0's check of the record: "" when this run may go on, else the one-line reason."""
-    record_path = os.path.join(run_dir, RUN_FILE)
-    if not os.path.isfile(record_path):
+    record = read_record(run_dir)
+    if record is None:
         other = sorted(os.path.basename(p)[:-len("_config.yaml")] for p in glob.glob(
             os.path.join(glob.escape(run_dir), "*_config.yaml")))
         other = [j for j in other if j != job]
         if other:  # written before run.json existed
             return (f"run_dir={run_dir} holds a '{other[0]}' run; `{job}` would replace its "
                     "checkpoints: choose another run_dir")
-        return _overwrites(run_dir, resume)  # checkpoints of a run from before run.json
-    with open(record_path) as f:
-        record = json.load(f)
+        return _overwrites(run_dir, resume) or _unrecorded(run_dir, resume)
     if record["job"] != job:
         return (f"run_dir={run_dir} holds a '{record['job']}' run; `{job}` would replace its "
                 "checkpoints: choose another run_dir")
@@ -164,11 +165,43 @@ def _verdict(run_dir: str, job: str, config: dict, resume, unused: tuple) -> str
     return _overwrites(run_dir, resume)
 
 
+def _unrecorded(run_dir: str, resume) -> str:
+    """The reason a start may not adopt `run_dir`'s checkpoints without a record (run.json
+    deleted: any config would be taken for the run's), or "": none there, or resume=force,
+    which says it records this start's config."""
+    if not glob.glob(os.path.join(glob.escape(run_dir), "checkpoints", "step_*")):
+        return ""
+    if resume == "force":
+        print(f"WARNING: resume=force: run_dir={run_dir} holds checkpoints but no {RUN_FILE}: "
+              "continuing them with this config, recorded as the run's", flush=True)
+        return ""
+    return (f"run_dir={run_dir} holds checkpoints but no {RUN_FILE}, the record of the config "
+            "and inputs they were trained with: restore it, use a new run_dir "
+            f"(init_checkpoint={run_dir} starts from their weights), or resume=force to continue "
+            "them with this config")
+
+
 def _overwrites(run_dir: str, resume) -> str:
     """The reason `resume=false` may not start in `run_dir` (it holds checkpoints), or ""."""
     if resume is False and os.path.isdir(os.path.join(run_dir, "checkpoints")):
         return (f"run_dir={run_dir} holds checkpoints and resume=false would overwrite them; "
                 "use a new run_dir, or resume=true")
+    return ""
+
+
+def _broken_link(path: str) -> str:
+    """What is wrong with the first symbolic link on `path` (itself or a folder above it) that
+    leads nowhere: "X is a symbolic link to T, which does not exist" or "... link loop"; ""."""
+    parts = os.path.abspath(path).split(os.sep)
+    for i in range(2, len(parts) + 1):
+        part = os.sep.join(parts[:i])
+        if os.path.islink(part) and not os.path.exists(part):
+            try:
+                os.stat(part)
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    return f"{part} is a symbolic link loop ({part} -> {os.readlink(part)})"
+            return f"{part} is a symbolic link to {os.readlink(part)}, which does not exist"
     return ""
 
 
@@ -197,7 +230,8 @@ def claim_run_dir(run_dir: str, job: str, config: dict, resume, is_main: bool,
         except RunDirError as e:
             message = str(e)
         except OSError as e:
-            message = f"run_dir={run_dir}: cannot write there ({e.strerror or e})"
+            why = _broken_link(run_dir) or e.strerror or e
+            message = f"run_dir={run_dir}: cannot write there ({why})"
         if message and lock is not None:
             lock.release()
             lock = None
@@ -228,9 +262,8 @@ def check_inputs(run_dir: str, inputs: dict, resume, is_main: bool) -> None:
     start's `inputs` (rank 0's); resume=force goes on with a warning naming them. A record from
     before inputs were recorded, or none yet, passes."""
     message = ""
-    if is_main and os.path.isfile(os.path.join(run_dir, RUN_FILE)):
-        with open(os.path.join(run_dir, RUN_FILE)) as f:
-            recorded = json.load(f).get("inputs")
+    if is_main:
+        recorded = (read_record(run_dir) or {}).get("inputs")
         changed = changed_inputs(recorded, inputs) if recorded is not None else []
         if changed and resume == "force":
             print(f"WARNING: resume=force: {run_dir} continues with inputs other than it started "
@@ -246,10 +279,7 @@ def check_inputs(run_dir: str, inputs: dict, resume, is_main: bool) -> None:
 
 def recorded_value(run_dir: str, key: str, is_main: bool):
     """run.json's `key` on every rank (rank 0 reads it); None when absent."""
-    text = ""
-    if is_main and os.path.isfile(os.path.join(run_dir, RUN_FILE)):
-        with open(os.path.join(run_dir, RUN_FILE)) as f:
-            text = json.dumps(json.load(f).get(key))
+    text = json.dumps((read_record(run_dir) or {}).get(key)) if is_main else ""
     return json.loads(_agree(text) or "null")
 
 

@@ -197,13 +197,14 @@ def setup_runtime(cfg: RunConfig, spec: JobSpec) -> Runtime:
         policy = build_policy(cfg, tokenizer.vocab_size, optim)
         init_dir = _init_weights(cfg, spec, policy, resuming, info.is_main)
         sampler = build_sampler(cfg, policy, tokenizer)
+        logger = MetricsLogger(cfg.run_dir, config_to_dict(cfg), wandb_mode=cfg.wandb.mode,
+                               project=cfg.wandb.project, name=cfg.wandb.name,
+                               enabled=spec.writes and info.is_main)  # before the record:
+        # a metrics.jsonl it cannot log to is refused with nothing written
         first = spec.writes and info.is_main and record_run(
             cfg.run_dir, spec.name, config_to_dict(cfg), lambda p: save_config(cfg, p),
             {"inputs": inputs, "init_step": init_dir and ckpt.step_of(init_dir)},
             spec.unused_sections)
-        logger = MetricsLogger(cfg.run_dir, config_to_dict(cfg), wandb_mode=cfg.wandb.mode,
-                               project=cfg.wandb.project, name=cfg.wandb.name,
-                               enabled=spec.writes and info.is_main)
     except BaseException:
         if lock is not None:
             lock.release()

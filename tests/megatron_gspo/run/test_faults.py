@@ -221,6 +221,7 @@ def test_truncated_shard_is_a_one_line_error(tmp_path):
 
 
 def test_stale_tmp_files_are_removed_and_files_follow_the_umask(tmp_path):
+    claim(tmp_path).release()  # the run's record
     root = tmp_path / "checkpoints"
     step = root / "step_000001"
     step.mkdir(parents=True)

@@ -266,6 +266,7 @@ def test_a_dist_checkpoint_a_killed_save_left_half_written_is_removed(tmp_path):
     """A second Ctrl-C (or SIGKILL) during a save leaves moe.model.dist_ckpt's `dist.tmp` in a step
     dir `latest` never pointed to: a whole checkpoint's worth of disk, never reused when the
     run's later saves land on other steps. The next start removes it, not a user's `x.tmp`."""
+    claim(tmp_path).release()  # the run's record
     step = tmp_path / "checkpoints" / "step_000062"
     (step / "dist.tmp").mkdir(parents=True)
     (step / "dist.tmp" / "__0_0.distcp").write_bytes(b"half")
