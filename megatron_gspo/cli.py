@@ -33,9 +33,11 @@ import sys
 import warnings
 
 from megatron_gspo.config.schema import describe_config, load_config
-from megatron_gspo.errors import UserError
+from megatron_gspo.errors import ConfigError, UserError
 from megatron_gspo.jobs import plan
+from megatron_gspo.run.plugins import load_plugins
 from megatron_gspo.run.preempt import Interrupted, Preempted, StartupSignals
+from megatron_gspo.run.record import recorded_plugins
 from moe.platform.checks import DuplicateName, MissingDependency
 
 # What exits 2 with its one line: the project's UserError, and what it cannot subclass: a
@@ -52,9 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("command", choices=["sft", "train", "eval", "config", "export", "plan"])
     parser.add_argument("--config", default=None, help="YAML experiment file")
     parser.add_argument("--plugin", action="append", default=[], metavar="MODULE_OR_PATH",
-                        help="sft / train / eval: import user code that registers a loss, "
-                             "reward, task or sampler (adds to the config's `plugins`; "
-                             "repeatable; docs/extending.md)")
+                        help="import user code that registers a loss, reward, task, sampler or "
+                             "Hugging Face family (adds to the config's `plugins`; export: "
+                             "instead of the run's own; repeatable; docs/extending.md)")
     # export: a run's latest checkpoint as a Hugging Face model folder (megatron_gspo.run.export)
     parser.add_argument("--run-dir", default=None, help="export: the run (or step) dir")
     parser.add_argument("--to-hf", default=None, help="export: output folder")
@@ -130,11 +132,34 @@ def _run_job(args) -> dict:
     # in a fraction of a second without it
     from megatron_gspo.run.names import check_names
 
-    cfg = load_config(args.config, args.overrides)
-    if args.plugin:  # recorded with the run's config, so that a resume imports them too
-        cfg = dataclasses.replace(cfg, plugins=[*cfg.plugins, *args.plugin])
+    cfg = _resumed_plugins(_with_plugins(load_config(args.config, args.overrides), args),
+                           args.command)
     check_names(cfg)  # imports the plugins; before anything is written
     return run(args.command, cfg)
+
+
+def _with_plugins(cfg, args):
+    """`cfg` with the `--plugin` entries added to its `plugins` (recorded with the run's config,
+    so that a resume imports them too)."""
+    return dataclasses.replace(cfg, plugins=[*cfg.plugins, *args.plugin]) if args.plugin else cfg
+
+
+def _resumed_plugins(cfg, job: str):
+    """`cfg`, or with no plugins given, with those `cfg.run_dir`'s run of `job` recorded (a
+    resume without `--plugin`), said on rank 0; a recorded one that cannot be imported here is
+    one line naming the record."""
+    recorded = [] if cfg.plugins or cfg.resume is False else recorded_plugins(cfg.run_dir, job)
+    if not recorded:
+        return cfg
+    try:
+        load_plugins(recorded)
+    except ConfigError as e:
+        raise ConfigError(f"{e}; run_dir={cfg.run_dir} recorded it in {job}_config.yaml: pass "
+                          "--plugin with its place here") from None
+    if os.environ.get("RANK", "0") == "0":
+        print(f"resuming run_dir={cfg.run_dir}: importing the plugins it recorded: {recorded}",
+              flush=True)
+    return dataclasses.replace(cfg, plugins=recorded)
 
 
 def run(command: str, cfg) -> dict:
@@ -153,8 +178,9 @@ def _plan(args) -> int:
         return _fail(f"plan needs --gpus N >= 1 and --gpu-mem-gib M > 0 (got --gpus "
                      f"{args.gpus}, --gpu-mem-gib {args.gpu_mem_gib})")
     try:
-        text, fits = plan.report(args.config or "the default config",
-                                 load_config(args.config, args.overrides), args.gpus,
+        cfg = _with_plugins(load_config(args.config, args.overrides), args)
+        load_plugins(cfg.plugins)  # a backend, task or family of the config's plugins
+        text, fits = plan.report(args.config or "the default config", cfg, args.gpus,
                                  args.gpu_mem_gib)
     except USER_ERRORS as e:
         return _fail(str(e))
@@ -167,7 +193,7 @@ def _export(args) -> dict:
     from megatron_gspo.run import export  # heavy import (torch, megatron-core): export only
 
     return export.export_run(args.run_dir, args.to_hf, hf_path=args.hf_path,
-                             max_shard_bytes=args.max_shard_bytes)
+                             max_shard_bytes=args.max_shard_bytes, plugins=args.plugin)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Reading a run's record: `run_dir/run.json` (written by `megatron_gspo.run.rundir.record_run`).
+"""Reading a run's record: `run_dir/run.json` (written by `megatron_gspo.run.rundir.record_run`)
+and the plugins its saved config names.
 
     run.json  {"job": "train", "fingerprint": "...", "config": {...}, "inputs": {...}, ...}
 
@@ -13,7 +14,8 @@ from __future__ import annotations
 import json
 import os
 
-from megatron_gspo.errors import RunDirError
+from megatron_gspo.config.yamlfile import load_yaml
+from megatron_gspo.errors import ConfigError, RunDirError
 
 RUN_FILE = "run.json"
 _KEYS = ("job", "fingerprint", "config")
@@ -39,3 +41,17 @@ def read_record(run_dir: str) -> dict | None:
                           "move it away and start with resume=force to record this start's")
     return record
 
+
+def recorded_plugins(run_dir: str, job: str) -> list[str]:
+    """The `plugins` of the config `run_dir`'s run of `job` saved at its first start
+    (`{job}_config.yaml`); [] without a record of that job or a saved config."""
+    record = read_record(run_dir)
+    path = os.path.join(run_dir, f"{job}_config.yaml") if record and record["job"] == job else ""
+    if not os.path.isfile(path):
+        return []
+    saved = load_yaml(path)
+    plugins = (saved.get("plugins") if isinstance(saved, dict) else None) or []
+    if not isinstance(plugins, list) or not all(isinstance(p, str) for p in plugins):
+        raise ConfigError(f"{path}: plugins={plugins!r}: expected a list of module names or "
+                          "paths")
+    return plugins
