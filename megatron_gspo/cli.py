@@ -32,9 +32,10 @@ import os
 import sys
 import warnings
 
-from megatron_gspo.config.schema import describe_config, load_config
+from megatron_gspo.config.schema import describe_config, load_config_origins
 from megatron_gspo.errors import ConfigError, UserError
 from megatron_gspo.jobs import plan
+from megatron_gspo.rollout.backends import unused_settings
 from megatron_gspo.run.plugins import load_plugins
 from megatron_gspo.run.preempt import Interrupted, Preempted, StartupSignals
 from megatron_gspo.run.record import recorded_plugins
@@ -132,10 +133,17 @@ def _run_job(args) -> dict:
     # in a fraction of a second without it
     from megatron_gspo.run.names import check_names
 
-    cfg = _resumed_plugins(_with_plugins(load_config(args.config, args.overrides), args),
-                           args.command)
+    cfg, origins = load_config_origins(args.config, args.overrides)
+    cfg = _resumed_plugins(_with_plugins(cfg, args), args.command)
     check_names(cfg)  # imports the plugins; before anything is written
+    _warn(unused_settings(cfg, origins))
     return run(args.command, cfg)
+
+
+def _warn(lines: list[str]) -> None:
+    """Each line as a warning on stdout (rank 0 only under torchrun)."""
+    for line in lines if os.environ.get("RANK", "0") == "0" else ():
+        print(f"WARNING: {line}", flush=True)
 
 
 def _with_plugins(cfg, args):
@@ -178,8 +186,10 @@ def _plan(args) -> int:
         return _fail(f"plan needs --gpus N >= 1 and --gpu-mem-gib M > 0 (got --gpus "
                      f"{args.gpus}, --gpu-mem-gib {args.gpu_mem_gib})")
     try:
-        cfg = _with_plugins(load_config(args.config, args.overrides), args)
+        cfg, origins = load_config_origins(args.config, args.overrides)
+        cfg = _with_plugins(cfg, args)
         load_plugins(cfg.plugins)  # a backend, task or family of the config's plugins
+        _warn(unused_settings(cfg, origins))
         text, fits = plan.report(args.config or "the default config", cfg, args.gpus,
                                  args.gpu_mem_gib)
     except USER_ERRORS as e:
