@@ -4,8 +4,8 @@ Shape legend: P prompt tokens, R sampled tokens, L MoE layers, K experts per tok
 
 `RemoteEngine` is what `VLLMSampler` samples through in server mode, on every trainer rank:
 
-- start: rank 0 starts `rollout.vllm.replicas` servers (`EngineProcess`: `python -m
-  megatron_gspo.rollout.vllm_server`, a new session, killed by the kernel when rank 0 dies,
+- start: rank 0 starts `rollout.vllm.replicas` servers (`vllm_launch.EngineProcess`: `python
+  -m megatron_gspo.rollout.vllm_server`, a new session, killed by the kernel when rank 0 dies,
   its log in a temporary folder) or takes `rollout.vllm.addresses`; it has each build the
   model (`vllm_server`'s `build`) and opens the weight-sync group with their workers
   (`vllm_wire.open_group`). Every rank that samples (the first of each tensor-parallel group)
@@ -25,12 +25,7 @@ Shape legend: P prompt tokens, R sampled tokens, L MoE layers, K experts per tok
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -40,8 +35,8 @@ import torch
 from megatron_gspo.dist import broadcast_object, sum_over_ranks
 from megatron_gspo.errors import UserError
 from megatron_gspo.rollout.vllm_engine import EngineResult
-from megatron_gspo.rollout.vllm_wire import (ERROR_PREFIX, ChannelClosed, auth_key, connect,
-                                             open_group, send_buckets, wait_for)
+from megatron_gspo.rollout.vllm_launch import EngineProcess, open_channel
+from megatron_gspo.rollout.vllm_wire import ChannelClosed, open_group, send_buckets
 from moe.platform.parallel import free_port
 
 
@@ -59,89 +54,6 @@ class EngineLost(RuntimeError):
     def __str__(self) -> str:
         who = "an engine server" if self.replica == ALL else f"engine server {self.replica}"
         return f"{who} was lost: {self.why}"
-
-
-def cpu_bind(replica: int, replicas: int, tp: int) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for `replica`: this process's cores split evenly over
-    replicas * tp workers (shared round-robin where there are fewer cores than workers)."""
-    cores = sorted(os.sched_getaffinity(0))
-    slots = replicas * tp
-    size = max(1, len(cores) // slots)
-    lists = []
-    for s in range(replica * tp, (replica + 1) * tp):
-        chunk = cores[s * size:(s + 1) * size] if (s + 1) * size <= len(cores) \
-            else [cores[s % len(cores)]]
-        lists.append(",".join(map(str, chunk)))
-    return "|".join(lists)
-
-
-class EngineProcess:
-    """An engine server this trainer started (rank 0): its process, port and log."""
-
-    def __init__(self, replica: int, vcfg, log_dir: str):
-        self.replica, self.host = replica, vcfg.host
-        self.port = vcfg.port + replica if vcfg.port else free_port()
-        self.log = os.path.join(log_dir, f"server_{replica}.log")
-        env = dict(os.environ)
-        if not torch.cuda.is_available() and "VLLM_CPU_OMP_THREADS_BIND" not in env:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = vcfg.cpu_bind or cpu_bind(
-                replica, vcfg.replicas, vcfg.tensor_parallel_size)
-        with open(self.log, "a") as log:  # a restart adds to the log of the one before
-            self.proc = subprocess.Popen(self.command(vcfg), stdout=log, stderr=subprocess.STDOUT,
-                                         env=env, start_new_session=True)
-
-    def command(self, vcfg) -> list[str]:
-        return [sys.executable, "-m", "megatron_gspo.rollout.vllm_server", "--host", self.host,
-                "--port", str(self.port), "--tensor-parallel-size",
-                str(vcfg.tensor_parallel_size), "--parent-pid", str(os.getpid())]
-
-    def exited(self) -> int | None:
-        return self.proc.poll()
-
-    def last_line(self) -> str:
-        """The server's error line (`vllm_wire.ERROR_PREFIX`), else its log's last line."""
-        try:
-            with open(self.log, errors="replace") as f:
-                lines = [ln.strip() for ln in f if ln.strip()]
-        except OSError:
-            return "(no log)"
-        errors = [ln[len(ERROR_PREFIX):] for ln in lines if ln.startswith(ERROR_PREFIX)]
-        return (errors or lines or ["(empty log)"])[-1][:500]
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """Wait for the server to exit (after `close`), then kill its session, workers too."""
-        if self.proc.poll() is None and not wait_for(lambda: self.proc.poll() is not None,
-                                                     timeout_s):
-            self.proc.kill()
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # its workers, if any outlived it
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.proc.wait()
-
-
-def open_channel(host: str, port: int, timeout_s: float, proc: EngineProcess | None,
-                 where: str):
-    """A channel to the server at host:port, retried while a server we started comes up; one
-    line (UserError) for an exited server, a timeout, or (at an address) nothing listening."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc is not None and proc.exited() is not None:
-            raise UserError(f"{where}: the engine server exited with status "
-                            f"{proc.exited()}: {proc.last_line()} (log: {proc.log})")
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise UserError(f"{where}: the engine server at {host}:{port} did not answer "
-                            f"within rollout.vllm.start_timeout_s={timeout_s:g}")
-        try:
-            return connect(host, port, auth_key(), timeout=min(left, 10.0))
-        except (ConnectionRefusedError, TimeoutError, socket.timeout) as e:
-            if proc is None and isinstance(e, ConnectionRefusedError):
-                raise UserError(f"{where}: nothing listens at {host}:{port} (connection "
-                                "refused; is the engine server running there?)") from None
-            time.sleep(0.2)
-        except OSError as e:  # an unknown host, an unreachable network, a refused key
-            raise UserError(f"{where}: cannot connect to {host}:{port}: {e}") from None
 
 
 def call(chan, msg: dict, timeout_s: float, replica: int) -> dict:
