@@ -37,8 +37,8 @@ def read_record(run_dir: str) -> dict | None:
         why = getattr(e, "strerror", None) or " ".join(str(e).split())
     if why:
         raise RunDirError(f"run_dir={run_dir}: {path} is not a readable run record ({why}); it "
-                          "holds the config and inputs the run started with: restore it, or "
-                          "move it away and start with resume=force to record this start's")
+                          "holds the config and inputs the run started with: restore it, or move "
+                          "it away and start with resume=force to record this start's config")
     return record
 
 

@@ -15,10 +15,11 @@ cannot be read (`megatron_gspo.run.record`), checkpoints without a record (run.j
 unless `resume=force`, which records this start's config), a second process writing the same
 run dir, an unwritable path (a symbolic link that leads nowhere is named); once the data is
 loaded, `check_inputs` refuses data files, a tokenizer, a chat template or plugin code whose
-contents changed since the run started (unless `resume=force`, which says what changed). `record_run` writes the record and the
-config once the run has really started (policy built, init weights loaded), so a run that fails
-its set-up leaves nothing that would refuse its corrected re-run; `forget_run` undoes it for an
-RL start refused by `train.start_accuracy` before anything was saved.
+contents changed since the run started (unless `resume=force`, which says what changed).
+`record_run` writes the record and the config once the run has really started (policy built,
+init weights loaded), so a run that fails its set-up leaves nothing that would refuse its
+corrected re-run; `forget_run` undoes it for an RL start refused by `train.start_accuracy`
+before anything was saved.
 
 Semantic keys are the ones that change what is trained; the rest may change between resumes:
 the fields marked `megatron_gspo.config.fields.may_change` where they are declared (how long,

@@ -98,7 +98,8 @@ def test_second_process_is_refused_while_the_first_writes(tmp_path):
     with lock_holder(f"""
             import sys, time
             from megatron_gspo.run.lock import lock_run_dir
-            lock_run_dir({str(tmp_path)!r}, "train"); print("locked", flush=True); time.sleep(60)""",
+            lock_run_dir({str(tmp_path)!r}, "train"); print("locked", flush=True)
+            time.sleep(60)""",
                      cwd=os.getcwd()) as holder:
         with pytest.raises(RunDirError, match=rf"another process \(pid {holder.pid} job train"):
             claim(tmp_path)
