@@ -158,11 +158,12 @@ def check_config(cfg) -> Backend:
 
 def unused_settings(cfg, origins: dict[str, str]) -> list[str]:
     """The settings `origins` gives (dotted key -> where: a config file, or COMMAND_LINE:
-    `config.schema.load_config_origins`) in a part of the config the run does not use: the
-    settings section of a backend (`Backend.settings`) other than the run's backend's. The
-    first one given on the command line is a ConfigError; those a file gives (a `base:` file
-    may set defaults for several backends) are returned, one warning line each."""
-    used = backend_of(cfg).settings
+    `config.schema.load_config_origins`) away from their default in a part of the config the
+    run does not use: the settings section of a backend (`Backend.settings`) other than the
+    run's backend's. The first one given on the command line is a ConfigError; those a file
+    gives (a `base:` file may set defaults for several backends) are returned, one warning line
+    each."""
+    used, default = backend_of(cfg).settings, RunConfig()
     owners: dict[str, list[str]] = {}
     for name, caps in BACKENDS.items():
         if caps.settings and caps.settings != used:
@@ -170,7 +171,7 @@ def unused_settings(cfg, origins: dict[str, str]) -> list[str]:
     warnings = []
     for key, where in origins.items():
         section = next((s for s in owners if key.startswith(s + ".")), None)
-        if section is None:
+        if section is None or value_at(cfg, key) == value_at(default, key):
             continue
         line = (f"{key}={value_at(cfg, key)!r} is a setting of rollout.backend="
                 f"{' or '.join(owners[section])}; this run samples with "

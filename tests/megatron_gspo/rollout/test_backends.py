@@ -205,11 +205,11 @@ def test_a_setting_of_a_backend_the_run_does_not_use_is_refused_on_the_command_l
 def test_a_file_setting_another_backends_defaults_is_warned_about_naming_it(tmp_path,
                                                                             monkeypatch, capsys):
     """A `base:` file may set defaults for several backends: the run goes on, with a warning
-    naming the file and each setting its backend ignores; on the command line the same setting
-    stops the CLI (train and plan) before anything runs."""
+    naming the file and each setting away from its default that its backend ignores; on the
+    command line the same setting stops the CLI (train and plan) before anything runs."""
     base, exp = tmp_path / "base.yaml", tmp_path / "exp.yaml"
-    base.write_text("rollout:\n  vllm: {dtype: bf16, kv_cache_gb: 2}\n"
-                    "  decoders: {sampler_dtype: bf16}\n")
+    base.write_text("rollout:\n  vllm: {dtype: bf16, kv_cache_gb: 2, mode: in_process}\n"
+                    "  decoders: {sampler_dtype: bf16}\n")  # mode: its default, nothing ignored
     exp.write_text("base: base.yaml\nrollout: {backend: megatron}\n")
     seen = []
     monkeypatch.setattr(cli, "run", lambda command, cfg: seen.append(cfg) or {})
