@@ -12,15 +12,15 @@ Examples:
     torchrun --nproc-per-node 2 -m megatron_gspo.cli train --config ... model.ep=2
 
 Overrides use dotted keys and YAML values; unknown keys are errors. A bad config (typo, wrong
-type, bad value, unregistered name, malformed YAML, missing file or checkpoint), a run dir that
-belongs to another run, a corrupt checkpoint, weights / a loss gone non-finite, a full disk under
-metrics.jsonl, out of memory in a training phase (naming the settings to lower), or an optional
-package a setting needs (pyarrow, math-verify, wandb, transformers) exits with status 2 and one
-line naming it (`megatron_gspo.errors.UserError`, and the few other types `USER_ERRORS` lists);
-nothing already written is lost. SIGTERM / Ctrl-C / SIGHUP saves a checkpoint and
-exits with 128 + the signal number (during start-up, before the first step: it exits at once,
-one line, the same status). The resolved config is saved in run_dir next to
-metrics.jsonl on a run's first start.
+type, bad value, unregistered name or one a plugin registers twice, malformed YAML, missing file
+or checkpoint), a run dir that belongs to another run, a corrupt checkpoint, weights / a loss
+gone non-finite, a full disk under metrics.jsonl, out of memory in a training phase (naming the
+settings to lower), or an optional package a setting needs (pyarrow, math-verify, wandb,
+transformers) exits with status 2 and one line naming it (`megatron_gspo.errors.UserError`, and
+the few other types `USER_ERRORS` lists); nothing already written is lost. SIGTERM / Ctrl-C /
+SIGHUP saves a checkpoint and exits with 128 + the signal number (during start-up, before the
+first step: it exits at once, one line, the same status). The resolved config is saved in
+run_dir next to metrics.jsonl on a run's first start.
 """
 
 from __future__ import annotations
@@ -32,16 +32,21 @@ import os
 import sys
 import warnings
 
-from megatron_gspo.config.schema import describe_config, load_config
-from megatron_gspo.errors import UserError
+from megatron_gspo.config.schema import describe_config, load_config_origins
+from megatron_gspo.errors import ConfigError, UserError
 from megatron_gspo.jobs import plan
+from megatron_gspo.rollout.backends import unused_settings
+from megatron_gspo.run.plugins import load_plugins
 from megatron_gspo.run.preempt import Interrupted, Preempted, StartupSignals
-from moe.platform.checks import MissingDependency
+from megatron_gspo.run.record import recorded_plugins
+from moe.platform.checks import DuplicateName, MissingDependency
 
 # What exits 2 with its one line: the project's UserError, and what it cannot subclass: a
 # missing file (raised by moe and the stdlib as FileNotFoundError), a missing optional package
-# (moe's own type: moe does not import megatron_gspo), weights or a loss gone non-finite.
-USER_ERRORS = (UserError, FileNotFoundError, MissingDependency, FloatingPointError)
+# and a name registered twice (moe's own types: moe does not import megatron_gspo), weights or
+# a loss gone non-finite.
+USER_ERRORS = (UserError, FileNotFoundError, MissingDependency, DuplicateName,
+               FloatingPointError)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,9 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("command", choices=["sft", "train", "eval", "config", "export", "plan"])
     parser.add_argument("--config", default=None, help="YAML experiment file")
     parser.add_argument("--plugin", action="append", default=[], metavar="MODULE_OR_PATH",
-                        help="sft / train / eval: import user code that registers a loss, "
-                             "reward, task or sampler (adds to the config's `plugins`; "
-                             "repeatable; docs/extending.md)")
+                        help="import user code that registers a loss, reward, task, sampler or "
+                             "Hugging Face family (adds to the config's `plugins`; export: "
+                             "instead of the run's own; repeatable; docs/extending.md)")
     # export: a run's latest checkpoint as a Hugging Face model folder (megatron_gspo.run.export)
     parser.add_argument("--run-dir", default=None, help="export: the run (or step) dir")
     parser.add_argument("--to-hf", default=None, help="export: output folder")
@@ -128,11 +133,41 @@ def _run_job(args) -> dict:
     # in a fraction of a second without it
     from megatron_gspo.run.names import check_names
 
-    cfg = load_config(args.config, args.overrides)
-    if args.plugin:  # recorded with the run's config, so that a resume imports them too
-        cfg = dataclasses.replace(cfg, plugins=[*cfg.plugins, *args.plugin])
+    cfg, origins = load_config_origins(args.config, args.overrides)
+    cfg = _resumed_plugins(_with_plugins(cfg, args), args.command)
     check_names(cfg)  # imports the plugins; before anything is written
+    _warn(unused_settings(cfg, origins))
     return run(args.command, cfg)
+
+
+def _warn(lines: list[str]) -> None:
+    """Each line as a warning on stdout (rank 0 only under torchrun)."""
+    for line in lines if os.environ.get("RANK", "0") == "0" else ():
+        print(f"WARNING: {line}", flush=True)
+
+
+def _with_plugins(cfg, args):
+    """`cfg` with the `--plugin` entries added to its `plugins` (recorded with the run's config,
+    so that a resume imports them too)."""
+    return dataclasses.replace(cfg, plugins=[*cfg.plugins, *args.plugin]) if args.plugin else cfg
+
+
+def _resumed_plugins(cfg, job: str):
+    """`cfg`, or with no plugins given, with those `cfg.run_dir`'s run of `job` recorded (a
+    resume without `--plugin`), said on rank 0; a recorded one that cannot be imported here is
+    one line naming the record."""
+    recorded = [] if cfg.plugins or cfg.resume is False else recorded_plugins(cfg.run_dir, job)
+    if not recorded:
+        return cfg
+    try:
+        load_plugins(recorded)
+    except ConfigError as e:
+        raise ConfigError(f"{e}; run_dir={cfg.run_dir} recorded it in {job}_config.yaml: pass "
+                          "--plugin with its place here") from None
+    if os.environ.get("RANK", "0") == "0":
+        print(f"resuming run_dir={cfg.run_dir}: importing the plugins it recorded: {recorded}",
+              flush=True)
+    return dataclasses.replace(cfg, plugins=recorded)
 
 
 def run(command: str, cfg) -> dict:
@@ -151,8 +186,11 @@ def _plan(args) -> int:
         return _fail(f"plan needs --gpus N >= 1 and --gpu-mem-gib M > 0 (got --gpus "
                      f"{args.gpus}, --gpu-mem-gib {args.gpu_mem_gib})")
     try:
-        text, fits = plan.report(args.config or "the default config",
-                                 load_config(args.config, args.overrides), args.gpus,
+        cfg, origins = load_config_origins(args.config, args.overrides)
+        cfg = _with_plugins(cfg, args)
+        load_plugins(cfg.plugins)  # a backend, task or family of the config's plugins
+        _warn(unused_settings(cfg, origins))
+        text, fits = plan.report(args.config or "the default config", cfg, args.gpus,
                                  args.gpu_mem_gib)
     except USER_ERRORS as e:
         return _fail(str(e))
@@ -165,7 +203,7 @@ def _export(args) -> dict:
     from megatron_gspo.run import export  # heavy import (torch, megatron-core): export only
 
     return export.export_run(args.run_dir, args.to_hf, hf_path=args.hf_path,
-                             max_shard_bytes=args.max_shard_bytes)
+                             max_shard_bytes=args.max_shard_bytes, plugins=args.plugin)
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ import torch
 from megatron_gspo.config.sections import LossConfig as PolicyLossConfig
 from megatron_gspo.errors import ConfigError, UnknownName
 from megatron_gspo.algo.corrections import tis_weights  # noqa: F401 (its former home)
+from moe.platform.checks import refuse_duplicate
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}
@@ -65,7 +66,7 @@ def register_policy_loss(name: str, *, eps: tuple[float, float] | None = None):
     """Decorator adding a loss to POLICY_LOSSES; `eps` = its default (eps_low, eps_high)."""
     def deco(fn: PolicyLossFn) -> PolicyLossFn:
         if name in POLICY_LOSSES:
-            raise ValueError(f"policy loss {name!r} is already registered")
+            refuse_duplicate("policy loss", name, POLICY_LOSSES[name], fn)
         POLICY_LOSSES[name] = fn
         if eps is not None:
             _PAPER_EPS[name] = (float(eps[0]), float(eps[1]))

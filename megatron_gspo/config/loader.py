@@ -127,9 +127,10 @@ def _drop_older(cls, node: dict, rest: list[str]) -> None:
             node.pop(old, None)
 
 
-def apply_override(root, raw: dict, item: str) -> None:
+def apply_override(root, raw: dict, item: str) -> str:
     """Set one `a.b=c` into the nested raw dict, checking the path against `root`'s schema
-    (an older key name, `renamed`, read as the key it became)."""
+    (an older key name, `renamed`, read as the key it became); returns the dotted key set (its
+    name now)."""
     parts, text = _parse_override(item)
     key = ".".join(parts)
     cls, node, i = root, raw, 0
@@ -153,7 +154,7 @@ def apply_override(root, raw: dict, item: str) -> None:
             cls, node, i = tp, node[name], i + 1
         elif last:
             node[name] = _override_value(key, text, tp)
-            return
+            return ".".join(parts)
         elif tp is dict or get_origin(tp) is dict:  # task.kwargs.num_digits=3
             default = {f.name: f for f in dataclasses.fields(cls)}[name].default_factory()
             sub = node.get(name, default)
@@ -162,7 +163,7 @@ def apply_override(root, raw: dict, item: str) -> None:
                 sub[p] = dict(sub[p]) if isinstance(sub.get(p), dict) else {}
                 sub = sub[p]
             sub[parts[-1]] = _override_value(key, text, Any)
-            return
+            return ".".join(parts)
         else:
             raise ConfigError(f"{key}: {prefix}{name} is a value of type {type_name(tp)}, "
                               "not a section")

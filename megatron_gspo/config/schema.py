@@ -33,8 +33,9 @@ from megatron_gspo.config.sections import (LossConfig, ModelConfig, OptimConfig,
 from megatron_gspo.config.yamlfile import atomic_write, load_layered
 from megatron_gspo.errors import ConfigError
 
-__all__ = ["RunConfig", "config_from_dict", "config_to_dict", "describe_config", "field_docs",
-           "load_config", "local_prompts", "renamed_keys", "resume_may_change", "save_config"]
+__all__ = ["COMMAND_LINE", "RunConfig", "config_from_dict", "config_to_dict", "describe_config",
+           "field_docs", "load_config", "load_config_origins", "local_prompts", "renamed_keys",
+           "resume_may_change", "save_config"]
 
 
 @dataclass(frozen=True)
@@ -164,14 +165,27 @@ def config_to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
+COMMAND_LINE = "the command line"
+"""Where `load_config_origins` says an override's value comes from."""
+
+
 def load_config(path: str | None, overrides: Sequence[str] = ()) -> RunConfig:
     """YAML experiment file (None = all defaults; `base: other.yaml` inherits, see
     `yamlfile.load_layered`), then `a.b=c` overrides; all strict."""
+    return load_config_origins(path, overrides)[0]
+
+
+def load_config_origins(path: str | None, overrides: Sequence[str] = ()
+                        ) -> tuple[RunConfig, dict[str, str]]:
+    """`load_config`, and {dotted key (its name now): where its value was given, the file of
+    the base chain that set it last or COMMAND_LINE} of every key the file and the overrides
+    set (what `megatron_gspo.rollout.backends.unused_settings` reads)."""
+    origins: dict[str, str] = {}
     raw = {} if path is None else load_layered(
-        path, normalize=lambda layer: current_names(RunConfig, layer))
+        path, normalize=lambda layer: current_names(RunConfig, layer), origins=origins)
     for item in overrides:
-        apply_override(RunConfig, raw, item)
-    return config_from_dict(raw)
+        origins[apply_override(RunConfig, raw, item)] = COMMAND_LINE
+    return config_from_dict(raw), origins
 
 
 def save_config(cfg: RunConfig, path: str) -> None:

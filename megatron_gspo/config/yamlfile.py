@@ -66,13 +66,15 @@ def deep_merge(base: dict, top: dict) -> dict:
     return out
 
 
-def load_layered(path: str, _chain: tuple[str, ...] = (), normalize=None) -> dict:
+def load_layered(path: str, _chain: tuple[str, ...] = (), normalize=None,
+                 origins: dict | None = None) -> dict:
     """A YAML mapping with inheritance: a top-level `base: other.yaml` (a path relative to this
     file) is loaded first, recursively, and this file's other keys are deep-merged on top
     (`deep_merge`). A cycle, a missing base file or a non-mapping file is a one-line
     ConfigError naming the files. One base per file; no interpolation. `normalize(mapping)`,
     if given, rewrites each file's mapping before the merge (older key names as the keys they
-    became, so a file may override its base under either name)."""
+    became, so a file may override its base under either name). `origins`, if given, gets
+    {dotted key: the file that set it last} of every value the files set."""
     real = os.path.realpath(path)
     if real in _chain:
         names = " -> ".join(os.path.relpath(p) for p in (*_chain, real))
@@ -88,12 +90,15 @@ def load_layered(path: str, _chain: tuple[str, ...] = (), normalize=None) -> dic
                           f"got {type(raw).__name__}")
     base = raw.pop("base", None)
     raw = normalize(raw) if normalize else raw
-    if base is None:
-        return raw
-    if not isinstance(base, str) or not base:
-        raise ConfigError(f"{path}: base={base!r}: expected the path of a YAML file")
-    base_path = os.path.join(os.path.dirname(path), base)
-    return deep_merge(load_layered(base_path, (*_chain, real), normalize), raw)
+    merged = raw
+    if base is not None:
+        if not isinstance(base, str) or not base:
+            raise ConfigError(f"{path}: base={base!r}: expected the path of a YAML file")
+        base_path = os.path.join(os.path.dirname(path), base)
+        merged = deep_merge(load_layered(base_path, (*_chain, real), normalize, origins), raw)
+    if origins is not None:  # after the base's: this file's values win
+        origins.update((key.partition("=")[0], path) for key in mapping_to_overrides(raw))
+    return merged
 
 
 def mapping_to_overrides(mapping: dict, prefix: str = "") -> list[str]:

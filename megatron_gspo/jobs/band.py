@@ -33,14 +33,13 @@ SFT run's fingerprint (run.json) and checkpoint step, its band record and its te
 
 from __future__ import annotations
 
-import json
 import os
 
 from megatron_gspo.config.schema import RunConfig
 from megatron_gspo.errors import ConfigError
 from megatron_gspo.run import checkpoint as ckpt
 from megatron_gspo.run.metrics import read_jsonl
-from megatron_gspo.run.rundir import RUN_FILE
+from megatron_gspo.run.record import read_record
 
 ACC = "eval/accuracy"
 
@@ -174,10 +173,7 @@ def cold_start(sft_dir: str) -> dict:
     on it; False: on the test split; None without a record), and from metrics.jsonl `band_step`
     and `start_accuracy` (the band record; None without) and `test_accuracy` (the test split's
     greedy accuracy at `step`, None where not logged)."""
-    rows, record = _rows(sft_dir), {}
-    if os.path.isfile(os.path.join(sft_dir, RUN_FILE)):
-        with open(os.path.join(sft_dir, RUN_FILE)) as f:
-            record = json.load(f)
+    rows, record = _rows(sft_dir), read_record(sft_dir) or {}
     try:
         step = ckpt.newest_step(os.path.join(sft_dir, "checkpoints"))
     except (OSError, ValueError):  # no checkpoints / a garbled `latest`: no step to name

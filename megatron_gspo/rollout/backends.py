@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import importlib
 
-from megatron_gspo.config.schema import RunConfig, value_at
+from megatron_gspo.config.schema import COMMAND_LINE, RunConfig, value_at
 from megatron_gspo.errors import ConfigError
 from megatron_gspo.rollout.sampler import BACKENDS, SAMPLERS, Backend, Sampler, register_sampler
 from moe.model import memory as mem
@@ -154,6 +154,32 @@ def check_config(cfg) -> Backend:
         raise ConfigError(f"train.routing_replay=r3 replays the sampler's routing: "
                           f"rollout.backend={name} does not record it")
     return caps
+
+
+def unused_settings(cfg, origins: dict[str, str]) -> list[str]:
+    """The settings `origins` gives (dotted key -> where: a config file, or COMMAND_LINE:
+    `config.schema.load_config_origins`) away from their default in a part of the config the
+    run does not use: the settings section of a backend (`Backend.settings`) other than the
+    run's backend's. The first one given on the command line is a ConfigError; those a file
+    gives (a `base:` file may set defaults for several backends) are returned, one warning line
+    each."""
+    used, default = backend_of(cfg).settings, RunConfig()
+    owners: dict[str, list[str]] = {}
+    for name, caps in BACKENDS.items():
+        if caps.settings and caps.settings != used:
+            owners.setdefault(caps.settings, []).append(name)
+    warnings = []
+    for key, where in origins.items():
+        section = next((s for s in owners if key.startswith(s + ".")), None)
+        if section is None or value_at(cfg, key) == value_at(default, key):
+            continue
+        line = (f"{key}={value_at(cfg, key)!r} is a setting of rollout.backend="
+                f"{' or '.join(owners[section])}; this run samples with "
+                f"{cfg.rollout.sampler!r}, which never reads it")
+        if where == COMMAND_LINE:
+            raise ConfigError(f"{line}: drop it, or set rollout.backend")
+        warnings.append(f"{where}: {line} (ignored)")
+    return warnings
 
 
 def sampler_factory(name: str):

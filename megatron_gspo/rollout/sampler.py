@@ -26,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
+from moe.platform.checks import refuse_duplicate
+
 if TYPE_CHECKING:  # annotations only: the plan imports this registry without torch
     import torch
 
@@ -140,8 +142,11 @@ BACKENDS: dict[str, Backend] = {}
 def register_sampler(name: str, caps: Backend | None = None, factory: str | None = None):
     """Register backend `name` (a `rollout.backend` value) with its capabilities `caps`
     (default `Backend()`): as a decorator of its factory, or with `factory="module:attribute"`,
-    imported only when a run builds the sampler (so reading `caps` imports no torch)."""
+    imported only when a run builds the sampler (so reading `caps` imports no torch). A name
+    already registered (a built-in one too) is refused naming both definitions."""
     def deco(f):
+        if name in SAMPLERS:
+            refuse_duplicate("sampler backend", name, SAMPLERS[name], f)
         SAMPLERS[name], BACKENDS[name] = f, caps or Backend()
         return f
     return deco if factory is None else deco(factory)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import tempfile
 import time
 
@@ -77,7 +78,11 @@ class VLLMSampler:
         self.folder = tempfile.TemporaryDirectory(prefix="megatron_gspo_vllm_")
         self.hf_config = write_config(self.folder.name, policy, cfg)
         self.server = cfg.rollout.vllm.mode == "server"
-        self.engine = self._remote(cfg) if self.server else self._in_process(cfg)
+        try:
+            self.engine = self._remote(cfg) if self.server else self._in_process(cfg)
+        except BaseException:
+            self.folder.cleanup()  # nothing left in the temporary folder by a failed start
+            raise
         g = torch.Generator().manual_seed(cfg.seed)
         self.probe = torch.randint(0, tokenizer.vocab_size, (PROBE_PROMPT,), generator=g).tolist()
         self.pushed = None  # the policy version the engine holds
@@ -98,9 +103,12 @@ class VLLMSampler:
         spec = {"config": self.hf_config, "dtype": self.dtype, "seed": cfg.seed,
                 "max_model_len": self.max_model_len, "capture_routing": True,
                 "kv_cache_gb": cfg.rollout.vllm.kv_cache_gb}
+        # what an engine server names when another trainer asks it: rank 0's, on every rank
+        run = broadcast_object(f"run_dir={os.path.realpath(cfg.run_dir)} (trainer pid "
+                               f"{os.getpid()} on {socket.gethostname()})")
         # megatron's rank order puts the ranks of a tensor-parallel group next to each other
         return RemoteEngine(spec, cfg.rollout.vllm, rank=rank, tp=cfg.model.tp,
-                            tp_rank=rank % cfg.model.tp)
+                            tp_rank=rank % cfg.model.tp, run=run)
 
     def close(self) -> None:
         """Shut the engine down (`VLLMEngine.close`, `RemoteEngine.close`) and remove its

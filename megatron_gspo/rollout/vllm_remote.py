@@ -4,8 +4,8 @@ Shape legend: P prompt tokens, R sampled tokens, L MoE layers, K experts per tok
 
 `RemoteEngine` is what `VLLMSampler` samples through in server mode, on every trainer rank:
 
-- start: rank 0 starts `rollout.vllm.replicas` servers (`EngineProcess`: `python -m
-  megatron_gspo.rollout.vllm_server`, a new session, killed by the kernel when rank 0 dies,
+- start: rank 0 starts `rollout.vllm.replicas` servers (`vllm_launch.EngineProcess`: `python
+  -m megatron_gspo.rollout.vllm_server`, a new session, killed by the kernel when rank 0 dies,
   its log in a temporary folder) or takes `rollout.vllm.addresses`; it has each build the
   model (`vllm_server`'s `build`) and opens the weight-sync group with their workers
   (`vllm_wire.open_group`). Every rank that samples (the first of each tensor-parallel group)
@@ -26,11 +26,9 @@ Shape legend: P prompt tokens, R sampled tokens, L MoE layers, K experts per tok
 from __future__ import annotations
 
 import os
+import re
 import shutil
-import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -40,8 +38,8 @@ import torch
 from megatron_gspo.dist import broadcast_object, sum_over_ranks
 from megatron_gspo.errors import UserError
 from megatron_gspo.rollout.vllm_engine import EngineResult
-from megatron_gspo.rollout.vllm_wire import (ERROR_PREFIX, ChannelClosed, auth_key, connect,
-                                             open_group, send_buckets, wait_for)
+from megatron_gspo.rollout.vllm_launch import EngineProcess, open_channel
+from megatron_gspo.rollout.vllm_wire import ChannelClosed, open_group, rendezvous, send_buckets
 from moe.platform.parallel import free_port
 
 
@@ -61,89 +59,6 @@ class EngineLost(RuntimeError):
         return f"{who} was lost: {self.why}"
 
 
-def cpu_bind(replica: int, replicas: int, tp: int) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for `replica`: this process's cores split evenly over
-    replicas * tp workers (shared round-robin where there are fewer cores than workers)."""
-    cores = sorted(os.sched_getaffinity(0))
-    slots = replicas * tp
-    size = max(1, len(cores) // slots)
-    lists = []
-    for s in range(replica * tp, (replica + 1) * tp):
-        chunk = cores[s * size:(s + 1) * size] if (s + 1) * size <= len(cores) \
-            else [cores[s % len(cores)]]
-        lists.append(",".join(map(str, chunk)))
-    return "|".join(lists)
-
-
-class EngineProcess:
-    """An engine server this trainer started (rank 0): its process, port and log."""
-
-    def __init__(self, replica: int, vcfg, log_dir: str):
-        self.replica, self.host = replica, vcfg.host
-        self.port = vcfg.port + replica if vcfg.port else free_port()
-        self.log = os.path.join(log_dir, f"server_{replica}.log")
-        env = dict(os.environ)
-        if not torch.cuda.is_available() and "VLLM_CPU_OMP_THREADS_BIND" not in env:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = vcfg.cpu_bind or cpu_bind(
-                replica, vcfg.replicas, vcfg.tensor_parallel_size)
-        with open(self.log, "a") as log:  # a restart adds to the log of the one before
-            self.proc = subprocess.Popen(self.command(vcfg), stdout=log, stderr=subprocess.STDOUT,
-                                         env=env, start_new_session=True)
-
-    def command(self, vcfg) -> list[str]:
-        return [sys.executable, "-m", "megatron_gspo.rollout.vllm_server", "--host", self.host,
-                "--port", str(self.port), "--tensor-parallel-size",
-                str(vcfg.tensor_parallel_size), "--parent-pid", str(os.getpid())]
-
-    def exited(self) -> int | None:
-        return self.proc.poll()
-
-    def last_line(self) -> str:
-        """The server's error line (`vllm_wire.ERROR_PREFIX`), else its log's last line."""
-        try:
-            with open(self.log, errors="replace") as f:
-                lines = [ln.strip() for ln in f if ln.strip()]
-        except OSError:
-            return "(no log)"
-        errors = [ln[len(ERROR_PREFIX):] for ln in lines if ln.startswith(ERROR_PREFIX)]
-        return (errors or lines or ["(empty log)"])[-1][:500]
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """Wait for the server to exit (after `close`), then kill its session, workers too."""
-        if self.proc.poll() is None and not wait_for(lambda: self.proc.poll() is not None,
-                                                     timeout_s):
-            self.proc.kill()
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # its workers, if any outlived it
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.proc.wait()
-
-
-def open_channel(host: str, port: int, timeout_s: float, proc: EngineProcess | None,
-                 where: str):
-    """A channel to the server at host:port, retried while a server we started comes up; one
-    line (UserError) for an exited server, a timeout, or (at an address) nothing listening."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc is not None and proc.exited() is not None:
-            raise UserError(f"{where}: the engine server exited with status "
-                            f"{proc.exited()}: {proc.last_line()} (log: {proc.log})")
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise UserError(f"{where}: the engine server at {host}:{port} did not answer "
-                            f"within rollout.vllm.start_timeout_s={timeout_s:g}")
-        try:
-            return connect(host, port, auth_key(), timeout=min(left, 10.0))
-        except (ConnectionRefusedError, TimeoutError, socket.timeout) as e:
-            if proc is None and isinstance(e, ConnectionRefusedError):
-                raise UserError(f"{where}: nothing listens at {host}:{port} (connection "
-                                "refused; is the engine server running there?)") from None
-            time.sleep(0.2)
-        except OSError as e:  # an unknown host, an unreachable network, a refused key
-            raise UserError(f"{where}: cannot connect to {host}:{port}: {e}") from None
-
-
 def call(chan, msg: dict, timeout_s: float, replica: int) -> dict:
     """Send `msg`, return the answer; EngineLost if the server is gone or silent, RuntimeError
     for an error it reports."""
@@ -155,10 +70,14 @@ def call(chan, msg: dict, timeout_s: float, replica: int) -> dict:
 
 
 def answer(chan, timeout_s: float, replica: int) -> dict:
+    """The server's next message; EngineLost if it is gone or silent, UserError when it serves
+    another run, RuntimeError for an error it reports."""
     try:
         reply = chan.recv(timeout_s)
     except (ChannelClosed, TimeoutError) as e:
         raise EngineLost(replica, str(e)) from None
+    if reply.get("busy"):
+        raise UserError(f"rollout.vllm engine server {replica}: {reply['error']}")
     if reply.get("engine_failed"):
         raise EngineLost(replica, reply["error"])
     if "error" in reply:
@@ -169,15 +88,17 @@ def answer(chan, timeout_s: float, replica: int) -> dict:
 class RemoteEngine:
     """Engine servers seen from one trainer rank (see the module docstring)."""
 
-    def __init__(self, spec: dict, vcfg, *, rank: int, tp: int, tp_rank: int):
+    def __init__(self, spec: dict, vcfg, *, rank: int, tp: int, tp_rank: int, run: str = ""):
         self.spec, self.vcfg, self.rank = spec, vcfg, rank
+        self.run = run or f"trainer pid {os.getpid()} on {socket.gethostname()}"
         self.replicas = vcfg.num_replicas
         self.sender = tp_rank == 0
         self.replica = (rank // tp) % self.replicas
         self.procs: list[EngineProcess | None] = [None] * self.replicas
         self.chans: dict[int, object] = {}  # replica -> channel (rank 0: all; senders: theirs)
         self.group, self.restarts, self.calls = None, 0, 0
-        self.logs = tempfile.mkdtemp(prefix="megatron_gspo_vllm_logs_") if rank == 0 else None
+        self.logs = tempfile.mkdtemp(prefix="megatron_gspo_vllm_logs_") \
+            if rank == 0 and not vcfg.addresses else None  # the servers it starts log there
         self.keep_logs = False
         self.num_layers = 0
         try:
@@ -199,12 +120,14 @@ class RemoteEngine:
         failure = None
         try:
             if self.rank == 0:
+                self.group = None  # its rendezvous frees the port this one may reuse
+                store = self._rendezvous()  # before anything is started or waited for
                 if not self.vcfg.addresses:
                     for r in replicas:
                         self.procs[r] = EngineProcess(r, self.vcfg, self.logs)
                 self._connect(replicas, self._addresses())
                 self._build(replicas)
-                self._open_group(self._addresses())
+                self._open_group(*store)
         except UserError as e:
             failure = str(e)
         addresses = broadcast_object(None if failure else self._addresses())
@@ -230,23 +153,40 @@ class RemoteEngine:
     def _build(self, replicas) -> None:
         for r in replicas:
             try:
-                reply = call(self.chans[r], {"op": "build", "spec": self.spec,
-                                             "chunk_mb": self.vcfg.chunk_mb},
+                reply = call(self.chans[r], self._op("build", spec=self.spec,
+                                                     chunk_mb=self.vcfg.chunk_mb),
                              self.vcfg.start_timeout_s, r)
             except (RuntimeError, EngineLost) as e:
                 raise UserError(f"rollout.vllm engine server {r}: building the engine failed: "
                                 f"{e}") from None
             self.num_layers = reply["layers"]
 
-    def _open_group(self, addresses) -> None:
-        """Rank 0 and every worker of every replica: a new weight-sync group. Each server
-        says how many workers it has (a running one at an address has its own
-        --tensor-parallel-size, whatever rollout.vllm.tensor_parallel_size says)."""
+    def _op(self, op: str, **fields) -> dict:
+        """A message to a server: `op`, this trainer's run (a server serves one) and `fields`."""
+        return {"op": op, "run": self.run, **fields}
+
+    def _rendezvous(self) -> tuple:
+        """(store, host, port) of the weight-sync group's rendezvous, which rank 0 hosts; a
+        port that cannot be listened on is one line at once, before any engine starts."""
         host = self.vcfg.sync_host or "127.0.0.1"
         port = self.vcfg.sync_port or free_port()
+        try:
+            return rendezvous(host, port, 0, self.vcfg.request_timeout_s), host, port
+        except RuntimeError as e:  # torch's DistNetworkError: EADDRINUSE, EADDRNOTAVAIL
+            why = re.search(r"message: ([^\n]+)", str(e))
+            raise UserError(f"rollout.vllm.sync_port={self.vcfg.sync_port}: the weight-sync "
+                            f"rendezvous cannot listen on {host}:{port} "
+                            f"({why.group(1) if why else str(e).splitlines()[0]}): set "
+                            "rollout.vllm.sync_port to a free port (0: one picked at start)") \
+                from None
+
+    def _open_group(self, store, host: str, port: int) -> None:
+        """Rank 0 and every worker of every replica: a new weight-sync group over `store` at
+        host:port. Each server says how many workers it has (a running one at an address has
+        its own --tensor-parallel-size, whatever rollout.vllm.tensor_parallel_size says)."""
         timeout = self.vcfg.start_timeout_s
         try:
-            tps = [call(self.chans[r], {"op": "hello"}, timeout, r)["tp"]
+            tps = [call(self.chans[r], self._op("hello"), timeout, r)["tp"]
                    for r in range(self.replicas)]
         except (RuntimeError, EngineLost) as e:
             raise UserError(f"rollout.vllm: an engine server did not say its size: {e}") \
@@ -256,13 +196,13 @@ class RemoteEngine:
         device = torch.device("cuda", torch.cuda.current_device()) \
             if torch.cuda.is_available() else torch.device("cpu")
         with ThreadPoolExecutor(self.replicas) as pool:
-            futures = [pool.submit(call, self.chans[r], {"op": "init_weights", "init_info": {
+            futures = [pool.submit(call, self.chans[r], self._op("init_weights", init_info={
                 "host": host, "port": port, "rank_offset": offsets[r], "world_size": world,
-                "timeout_s": self.vcfg.request_timeout_s}}, timeout, r)
+                "timeout_s": self.vcfg.request_timeout_s}), timeout, r)
                 for r in range(self.replicas)]
             try:
                 self.group = open_group(host, port, 0, world, self.vcfg.request_timeout_s,
-                                        device)
+                                        device, store)
                 for f in futures:
                     f.result()
             except (RuntimeError, EngineLost) as e:
@@ -318,9 +258,8 @@ class RemoteEngine:
         r = self.replica if replica is None else replica
         chan, self.calls = self.chans[r], self.calls + 1
         try:
-            chan.send({"op": "generate", "call": self.calls, "version": version,
-                       "requests": requests, "routes": routes,
-                       "prompt_logprobs": prompt_logprobs})
+            chan.send(self._op("generate", call=self.calls, version=version, requests=requests,
+                               routes=routes, prompt_logprobs=prompt_logprobs))
         except ChannelClosed as e:
             raise EngineLost(r, str(e)) from None
         rows: dict[int, dict] = {}
@@ -343,7 +282,7 @@ class RemoteEngine:
         lost, t0 = None, time.perf_counter()
         for r in range(self.replicas):
             try:
-                self.chans[r].send({"op": "push", "version": version})
+                self.chans[r].send(self._op("push", version=version))
             except ChannelClosed as e:
                 lost = lost or EngineLost(r, str(e))
         try:
@@ -374,7 +313,7 @@ class RemoteEngine:
         for r, proc in enumerate(self.procs):
             if proc is not None and r in self.chans:
                 try:
-                    self.chans[r].send({"op": "close"})
+                    self.chans[r].send(self._op("close"))
                 except ChannelClosed:
                     pass
         for chan in self.chans.values():

@@ -7,13 +7,18 @@ Shape legend: P prompt tokens, R sampled tokens, L MoE layers, K experts per tok
 
 The trainer starts one per replica itself unless `rollout.vllm.addresses` names running ones.
 A server binds its port first (a port in use is one line on stderr and exit status 2), then
-answers trainer ranks (`vllm_wire.Channel`, one connection each) one message at a time:
+answers trainer ranks (`vllm_wire.Channel`, one connection each) one message at a time. Every
+message names the run it comes from (`run`: the trainer's run dir, host and pid): a server
+serves one run at a time, until the last of its connections closes, and refuses another's
+messages naming the run it serves (each trainer counts weight versions from 0, so a second
+trainer's build or push would mix its weights into the first one's rollouts).
 
 - `build`: the model (the trainer's config.json, dtype, seed, lengths, KV cache): a `vllm.LLM`
   over random weights (`load_format="dummy"`) with `tensor_parallel_size` workers (vLLM's
   multiprocessing executor; the engine core runs in this process), `vllm_worker`'s extension
-  and weight-transfer backend. A server keeps the model it built; another model is refused.
-  Every build forgets the weights' version: nothing is sampled until the trainer pushed.
+  and weight-transfer backend; the config.json's temporary folder is removed once built. A
+  server keeps the model it built; another model is refused naming what differs. Every build
+  forgets the weights' version: nothing is sampled until the trainer pushed.
 - `init_weights` / `push`: vLLM's weight-transfer calls (`vllm_worker.GroupWeightTransfer`);
   a push waits until no request is in flight, then stamps the weights with its version
   (`LLM.finish_weight_update(weight_version=...)`).
@@ -41,6 +46,7 @@ import argparse
 import json
 import os
 import selectors
+import shutil
 import socket
 import sys
 import tempfile
@@ -68,30 +74,47 @@ def build_llm(spec: dict, tp: int):
     import vllm  # the server's one heavy import, after the port is bound (a busy port: fast)
 
     folder = tempfile.mkdtemp(prefix="megatron_gspo_vllm_server_")
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(spec["config"], f)
-    why = unavailable(folder)
-    if why:
-        raise RuntimeError(why)
-    from vllm.platforms import current_platform  # loaded with vllm above
+    try:  # vLLM reads the config.json while it builds; the folder goes with the build
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(spec["config"], f)
+        why = unavailable(folder)
+        if why:
+            raise RuntimeError(why)
+        from vllm.platforms import current_platform  # loaded with vllm above
 
-    per_worker, _ = divmod(spec["config"].get("moe_intermediate_size") or 32, tp)
-    if current_platform.is_cpu() and per_worker % 32:
-        raise RuntimeError(  # the CPU experts kernel pads it, and a reload then fails
-            f"moe_intermediate_size / tensor_parallel_size = {per_worker} is not a multiple of "
-            "32, which vLLM's CPU experts kernel pads to; weight pushes fail on a padded "
-            "layer: use a tensor_parallel_size that leaves a multiple of 32")
-    capture = spec["capture_routing"]
-    llm = vllm.LLM(
-        model=folder, dtype=spec["dtype"], seed=spec["seed"],
-        max_model_len=spec["max_model_len"], kv_cache_memory_bytes=int(spec["kv_cache_gb"] * 2**30),
-        skip_tokenizer_init=True, logprobs_mode="processed_logprobs", load_format="dummy",
-        enable_prefix_caching=not capture, enforce_eager=capture, tensor_parallel_size=tp,
-        distributed_executor_backend="mp" if tp > 1 else "uni",
-        worker_extension_cls=WORKER_EXTENSION, weight_transfer_config={"backend": BACKEND})
+        per_worker, _ = divmod(spec["config"].get("moe_intermediate_size") or 32, tp)
+        if current_platform.is_cpu() and per_worker % 32:
+            raise RuntimeError(  # the CPU experts kernel pads it, and a reload then fails
+                f"moe_intermediate_size / tensor_parallel_size = {per_worker} is not a multiple "
+                "of 32, which vLLM's CPU experts kernel pads to; weight pushes fail on a padded "
+                "layer: use a tensor_parallel_size that leaves a multiple of 32")
+        capture = spec["capture_routing"]
+        llm = vllm.LLM(
+            model=folder, dtype=spec["dtype"], seed=spec["seed"],
+            max_model_len=spec["max_model_len"],
+            kv_cache_memory_bytes=int(spec["kv_cache_gb"] * 2**30), skip_tokenizer_init=True,
+            logprobs_mode="processed_logprobs", load_format="dummy",
+            enable_prefix_caching=not capture, enforce_eager=capture, tensor_parallel_size=tp,
+            distributed_executor_backend="mp" if tp > 1 else "uni",
+            worker_extension_cls=WORKER_EXTENSION, weight_transfer_config={"backend": BACKEND})
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     layers = max(llm.collective_rpc("mg_setup", kwargs={"capture_routing": capture,
                                                         "server_pid": os.getpid()}))
     return llm, layers
+
+
+def spec_difference(held: dict, asked: dict) -> str:
+    """What differs between the model a server holds and a build message's (its config.json's
+    keys one by one): "seed: the server's 0, this run's 1; ..."."""
+    def flat(spec: dict) -> dict:
+        out = {k: v for k, v in spec.items() if k != "config"}
+        out.update((f"config.json {k}", v) for k, v in (spec.get("config") or {}).items())
+        return out
+
+    a, b = flat(held), flat(asked)
+    return "; ".join(f"{k}: the server's {a.get(k)!r}, this run's {b.get(k)!r}"
+                     for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
 
 
 class Server:
@@ -108,6 +131,7 @@ class Server:
         self.calls: dict[tuple, dict] = {}  # (channel, call id) -> rows left, outbox
         self.pending_push: tuple | None = None  # (channel, message) waiting for no requests
         self.next_key = 0
+        self.runs: dict[Channel, str] = {}  # channel -> the run it speaks for (one run at once)
 
     # ------------------------------------------------------------------ the loop
     def serve(self) -> None:
@@ -136,6 +160,7 @@ class Server:
         """A rank went away: its requests are aborted, its calls forgotten."""
         self.sel.unregister(chan)
         chan.close()
+        self.runs.pop(chan, None)  # the last rank of a run gone: the server is free
         ids = [rid for rid, r in self.requests.items() if r["chan"] is chan]
         if ids:
             self.llm.llm_engine.abort_request(ids)
@@ -149,6 +174,13 @@ class Server:
             self.drop(chan)
             return None
         op = msg["op"]
+        held = {run for other, run in self.runs.items() if other is not chan}
+        if held and msg.get("run") not in held:  # a second trainer: refused, nothing changed
+            chan.send({"busy": True, "error": f"this engine server serves another run, "
+                       f"{held.pop()}: it serves one trainer at a time (another run's weights "
+                       "or versions would mix with these): give this run its own server"})
+            return None
+        self.runs[chan] = msg.get("run")
         try:
             if op == "push":  # after the requests in flight
                 self.pending_push = (chan, msg)
@@ -173,8 +205,8 @@ class Server:
             self.llm, self.layers = build_llm(spec, self.tp)
             self.spec = spec
         elif spec != self.spec:
-            raise RuntimeError("this engine server holds another model (config, dtype, "
-                               "lengths or KV cache differ): start a new one")
+            raise RuntimeError(f"this engine server holds another model "
+                               f"({spec_difference(self.spec, spec)}): start a new one")
         self.version, self.chunk_bytes = None, int(msg["chunk_mb"] * 2**20)
         import vllm  # the version reported (imported by build_llm)
 

@@ -168,14 +168,21 @@ class WeightGroup:
         self.pg.broadcast([tensor], opts).wait()
 
 
+def rendezvous(host: str, port: int, rank: int, timeout_s: float):
+    """The weight-sync group's TCPStore at host:port; rank 0 hosts it (and fails at once,
+    `torch.distributed.DistNetworkError`, where the port is in use)."""
+    return dist.TCPStore(host, port, None, rank == 0, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
 def open_group(host: str, port: int, rank: int, world_size: int, timeout_s: float,
-               device: torch.device) -> WeightGroup:
-    """This process's member of the weight-sync group (rank 0 hosts the rendezvous): a gloo
-    process group on CPU, NCCL on a CUDA device; independent of torch.distributed's default
-    group. Blocks until all `world_size` members joined."""
+               device: torch.device, store=None) -> WeightGroup:
+    """This process's member of the weight-sync group (rank 0 hosts the rendezvous, `store`
+    when it opened it already): a gloo process group on CPU, NCCL on a CUDA device;
+    independent of torch.distributed's default group. Blocks until all `world_size` members
+    joined."""
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size, rank == 0, timeout=timeout,
-                          wait_for_workers=False)
+    store = store or rendezvous(host, port, rank, timeout_s)
     prefixed = dist.PrefixStore("megatron_gspo_weights", store)
     if device.type == "cuda":
         opts = dist.ProcessGroupNCCL.Options()

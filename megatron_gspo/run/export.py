@@ -2,7 +2,8 @@
 
 Reads the run's dist checkpoint into a 1-process model (`moe.model.dist_ckpt.full_params`: whatever
 TP/EP layout the run used, so the export does not depend on it) and the run's model config
-from rank 0's file.
+from rank 0's file, after importing the run's plugins (its config's `plugins`, or `--plugin`
+instead: a Hugging Face family a plugin registers exports like a built-in one).
 A run started from `model.hf_path` exports that architecture with the source folder's
 config.json keys (token ids, ...), its tokenizer files, chat template and generation config; a
 toy run exports its preset as a `qwen3_moe` config. The tokenizer written is the one the run
@@ -32,6 +33,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 from megatron_gspo.files import fsync_path
 from megatron_gspo.run import checkpoint as ckpt
+from megatron_gspo.run.plugins import load_plugins
 from megatron_gspo.tasks.tokenizer import load_tokenizer
 from moe.model import dist_ckpt
 from moe.hf.config import hf_config_dict, preset_from_hf_config, read_hf_config
@@ -97,17 +99,19 @@ def _source(run_dir: str, model_cfg: dict, hf_path: str | None, tok_path: str | 
 
 
 def export_run(run_dir: str, out: str, hf_path: str | None = None,
-               max_shard_bytes: int = 5 * 1024**3) -> dict:
+               max_shard_bytes: int = 5 * 1024**3, plugins=()) -> dict:
     """Export `run_dir`'s latest checkpoint (or a step dir) to Hugging Face folder `out`.
 
-    `hf_path` overrides the run's model.hf_path (the source folder moved). Returns a summary.
+    `hf_path` overrides the run's model.hf_path (the source folder moved); `plugins` are
+    imported instead of the run's own (its config's `plugins`: a Hugging Face family it
+    registers is the export's). Returns a summary.
     """
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         # never overwrite: the source folder's weights, or a previous export's shards that
         # transformers would load in place of the new ones (model.safetensors beats an index)
         raise FileExistsError(f"--to-hf {out!r} exists and is not an empty folder; export into "
                               "a new or empty one")
-    full, config, preset, model_cfg, hf_path, tok_path = _read_run(run_dir, hf_path)
+    full, config, preset, model_cfg, hf_path, tok_path = _read_run(run_dir, hf_path, plugins)
     with _staging(out) as tmp:
         files = export_hf(full, tmp, config, max_shard_bytes=max_shard_bytes)
         copied = _copy_tokenizer_files(hf_path, tmp) if hf_path else []
@@ -119,9 +123,10 @@ def export_run(run_dir: str, out: str, hf_path: str | None = None,
             "model_type": preset.hf_model_type}
 
 
-def _read_run(run_dir: str, hf_path: str | None) -> tuple:
+def _read_run(run_dir: str, hf_path: str | None, plugins=()) -> tuple:
     """(full parameters, config.json dict, preset, the run's model config, source folder,
-    tokenizer folder) of `run_dir`'s latest checkpoint."""
+    tokenizer folder) of `run_dir`'s latest checkpoint, once `plugins` (else the run's own) are
+    imported."""
     root = os.path.join(run_dir, "checkpoints")
     root = root if os.path.isdir(root) else run_dir
     if not os.path.isdir(root):
@@ -129,6 +134,7 @@ def _read_run(run_dir: str, hf_path: str | None) -> tuple:
     state = ckpt.load_checkpoint(root, rank=0)
     step_dir = root if os.path.isfile(ckpt.rank_file(root, 0)) \
         else ckpt.step_dir(root, ckpt.latest_step(root))
+    load_plugins(list(plugins) or state["config"].get("plugins") or [])
     model_cfg = state["config"]["model"]
     hf_path = hf_path or model_cfg.get("hf_path")
     tok_path = _run_tokenizer(run_dir, state["config"], hf_path)

@@ -1,9 +1,11 @@
-"""What a run reads besides its config, fingerprinted: data files, the split, tokenizer, template.
+"""What a run reads besides its config, fingerprinted: data files, the split, tokenizer, template,
+plugin code.
 
     run.json  {"job": ..., "fingerprint": ..., "config": {...},
                "inputs": {"data file a.jsonl": sha256, "train / eval split": sha256,
                           "tokenizer": sha256, "tokenizer encoding": sha256,
-                          "chat template": sha256}}
+                          "chat template": sha256, "plugin my_loss.py": sha256,
+                          "plugins": sha256}}
 
 A config names its data files and tokenizer folder by path; what is in them may change between a
 run and its resume (rows shuffled or appended, token ids renumbered, another chat template) and
@@ -18,9 +20,13 @@ merges, added and special tokens and eos / pad / bos / stop ids; the tokenizer's
 `PROBE_TEXTS` become (ids, and the text those ids decode to) and the canonical JSON (sorted keys)
 of its files' settings besides the vocabulary, merges and template (normalizer, pre-tokenizer,
 post-processor, decoder, model options such as byte fallback, tokenizer_config.json's keys), so a
-normalizer added to a copied tokenizer.json is a changed input; the chat template. The character
-tokenizer is code, not a file: it is not recorded. A record written before the encoding was
-fingerprinted (no "tokenizer encoding" beside its "tokenizer") resumes without it.
+normalizer added to a copied tokenizer.json is a changed input; the chat template; the bytes of
+every source file of the config's plugins (`megatron_gspo.run.plugins.plugin_files`: a module's
+file, each .py file of a package folder, named relative to where the module is found, so a moved
+plugin keeps its name) and, as "plugins", the list of those names. The character tokenizer is
+code, not a file: it is not recorded. A record written before the encoding was fingerprinted (no
+"tokenizer encoding" beside its "tokenizer"), or before plugin code was (no "plugins"), resumes
+without it.
 """
 
 from __future__ import annotations
@@ -29,8 +35,12 @@ import hashlib
 import json
 import os
 
+from megatron_gspo.run.plugins import plugin_files
+
 
 ENCODING = "tokenizer encoding"
+PLUGINS = "plugins"
+"""The key of the plugin files' names (each file's own key: "plugin NAME")."""
 
 
 def _sha(text: str) -> str:
@@ -147,16 +157,28 @@ def input_fingerprints(cfg, tokenizer, train_set, test_set, val_set=()) -> dict[
     if tok is not None:
         out["tokenizer"], out["chat template"] = tok
         out[ENCODING] = encoding_sha256(tokenizer)
+    files = plugin_files(cfg.plugins)
+    out.update((f"plugin {name}", file_sha256(path)) for name, path in files.items())
+    out[PLUGINS] = _sha(json.dumps(sorted(files)))
     return out
 
 
+def _from_before(what: str, recorded: dict) -> bool:
+    """Whether `what` was not fingerprinted when `recorded` was written: the encoding beside a
+    recorded tokenizer, plugin code in a record without PLUGINS."""
+    if what == ENCODING:
+        return ENCODING not in recorded and "tokenizer" in recorded
+    return what.startswith("plugin ") and PLUGINS not in recorded
+
+
 def changed_inputs(recorded: dict, now: dict) -> list[str]:
-    """One phrase per input that differs between a run's record and this start (the encoding
-    is not compared with a record from before it was fingerprinted)."""
+    """One phrase per input that differs between a run's record and this start (what a record
+    was written before fingerprinting is not compared; PLUGINS only marks that the plugin files
+    were, each named by its own key)."""
     out = []
     for what in sorted(set(recorded) | set(now)):
         old, new = recorded.get(what), now.get(what)
-        if what == ENCODING and old is None and "tokenizer" in recorded:
+        if what == PLUGINS or _from_before(what, recorded):
             continue
         if old is None:
             out.append(f"{what} (not read when the run started)")

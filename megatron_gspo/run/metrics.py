@@ -86,6 +86,10 @@ class MetricsLogger:
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
+        if os.path.lexists(self.path) and not os.path.isfile(self.path):
+            what = "a folder" if os.path.isdir(self.path) else "not a regular file"
+            raise UserError(f"{self.path} is {what}, where the run logs its metrics: move it "
+                            "away")
         needs_newline = os.path.exists(self.path) and os.path.getsize(self.path) > 0 \
             and not _ends_with_newline(self.path)
         self._open()

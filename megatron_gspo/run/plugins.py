@@ -8,8 +8,12 @@ its `@register_*` decorators, so the loss, reward, task or sampler it registers 
 run imports them, once per process. A file is imported under its own name (its stem, or the
 folder's), so it can import the modules beside it when its folder is on `sys.path`.
 
-An entry that names no module or file is a ConfigError naming it (one line, exit 2); an error
-raised by the plugin's own code reaches the user with its traceback, as their code's.
+An entry that names no module or file is a ConfigError naming it (one line, exit 2); a name
+a registry already holds (a built-in one too) is refused naming both definitions
+(`moe.platform.checks.DuplicateName`, one line); any other error raised by the plugin's own code
+reaches the user with its traceback, as their code's. A run records the contents of the files
+it imported (`plugin_files`, `megatron_gspo.run.inputs`): a resume whose plugin code changed is
+refused naming the file, as a changed data file is.
 """
 
 from __future__ import annotations
@@ -28,6 +32,29 @@ _HINT = "(a module name importable here, or a path to a .py file or a package fo
 def load_plugins(entries) -> list[ModuleType]:
     """Import each of `entries` (module names or paths) once per process; their modules."""
     return [_load(entry) for entry in entries]
+
+
+def plugin_files(entries) -> dict[str, str]:
+    """{shown name: real path} of the source of every module of `entries` (imported here, once
+    per process): a module's file, or every .py file under a package's folder, shown relative to
+    the folder its top-level module is found in ("my_plugin.py", "plugin_pkg/helper.py"), so a
+    moved plugin keeps its names. A resume compares their contents (`megatron_gspo.run.inputs`)."""
+    out = {}
+    for module in load_plugins(entries):
+        levels = module.__name__.count(".") + 1
+        folders = [os.path.realpath(f) for f in getattr(module, "__path__", None) or []]
+        if folders:  # a package: every .py file under its folder(s)
+            files = [os.path.join(d, f) for folder in folders for d, _, names in os.walk(folder)
+                     for f in names if f.endswith(".py")]
+        elif getattr(module, "__file__", None):
+            files = [os.path.realpath(module.__file__)]
+        else:  # a built-in module: no source
+            continue
+        root = (folders or files)[0]
+        for _ in range(levels):
+            root = os.path.dirname(root)
+        out.update((os.path.relpath(path, root), path) for path in sorted(files))
+    return out
 
 
 def _is_path(entry: str) -> bool:

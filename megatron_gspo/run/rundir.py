@@ -3,20 +3,23 @@
     run_dir/run.json          {"job": "<job>", "fingerprint": "...", "config": {...semantic keys},
                                "inputs": {...},  (data files, tokenizer: megatron_gspo.run.inputs)
                                "init_step": 6}   (init_checkpoint's step read: the KL reference)
-    run_dir/.lock             flock'ed by rank 0 while a process writes the run ("pid job"); its
-                              forks hold no lock and die with it (moe.platform.children)
+    run_dir/.lock             flock'ed by rank 0 while a process writes the run ("pid job"; its
+                              forks hold no lock and die with it: megatron_gspo.run.lock)
     run_dir/{job}_config.yaml the resolved config, written once on first start, never replaced
 
 `claim_run_dir` runs on every rank before anything is written: rank 0 takes the lock and checks
 the record, every rank gets the same verdict (one collective). Refused, with a one-line
 `RunDirError` naming what differs: a run dir owned by another job (`sft` into an RL run), a
-config whose semantic keys differ from the recorded ones (unless `resume=force`), a second
-process writing the same run dir, an unwritable path; once the data is loaded, `check_inputs`
-refuses data files, a tokenizer or a chat template whose contents changed since the run started
-(unless `resume=force`, which says what changed). `record_run` writes the record and the
-config once the run has really started (policy built, init weights loaded), so a run that fails
-its set-up leaves nothing that would refuse its corrected re-run; `forget_run` undoes it for an
-RL start refused by `train.start_accuracy` before anything was saved.
+config whose semantic keys differ from the recorded ones (unless `resume=force`), a record that
+cannot be read (`megatron_gspo.run.record`), checkpoints without a record (run.json deleted:
+unless `resume=force`, which records this start's config), a second process writing the same
+run dir, an unwritable path (a symbolic link that leads nowhere is named); once the data is
+loaded, `check_inputs` refuses data files, a tokenizer, a chat template or plugin code whose
+contents changed since the run started (unless `resume=force`, which says what changed).
+`record_run` writes the record and the config once the run has really started (policy built,
+init weights loaded), so a run that fails its set-up leaves nothing that would refuse its
+corrected re-run; `forget_run` undoes it for an RL start refused by `train.start_accuracy`
+before anything was saved.
 
 Semantic keys are the ones that change what is trained; the rest may change between resumes:
 the fields marked `megatron_gspo.config.fields.may_change` where they are declared (how long,
@@ -30,13 +33,12 @@ silently (docs/pitfalls.md#run-dir-ownership).
 
 from __future__ import annotations
 
-import fcntl
+import errno
 import glob
 import hashlib
 import json
 import os
 import shutil
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch.distributed as dist
@@ -47,10 +49,10 @@ from megatron_gspo.config.schema import (RunConfig, config_to_dict, renamed_keys
 from megatron_gspo.errors import RunDirError, UserError
 from megatron_gspo.run.checkpoint import atomic_write
 from megatron_gspo.run.inputs import changed_inputs
+from megatron_gspo.run.lock import lock_run_dir
+from megatron_gspo.run.record import RUN_FILE, read_record
 from moe.platform.children import tie_forks
 
-RUN_FILE = "run.json"
-LOCK_FILE = ".lock"
 # The parallel layout: a checkpoint reshards over it (moe.model.dist_ckpt), so a resume may change it,
 # except TP / EP under the distributed optimizer (its state reshards over DP only).
 LAYOUT = ("model.tp", "model.ep", "model.sequence_parallel", "model.dispatcher")
@@ -125,120 +127,6 @@ def default_semantic_config(unused: tuple = ()) -> dict:
     return semantic_config(config_to_dict(RunConfig()), unused)
 
 
-# Locks this process holds, by real path: a second Trainer in one process (tests, a notebook)
-# shares the lock; another process is refused.
-_HELD: dict[str, list] = {}
-
-
-@dataclass
-class RunDirLock:
-    path: str
-
-    def release(self) -> None:
-        held = _HELD.get(self.path)
-        if held is None:
-            return
-        held[1] -= 1
-        if held[1] == 0:
-            os.close(held[0])  # closing the descriptor drops the flock
-            del _HELD[self.path]
-
-
-def _close_locks_in_child() -> None:
-    """In a forked child: close the run-dir locks' descriptors (the parent keeps its lock; a
-    child that outlived it would hold the lock on its behalf)."""
-    for fd, _ in _HELD.values():
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    _HELD.clear()
-
-
-os.register_at_fork(after_in_child=_close_locks_in_child)
-
-
-def _lock(run_dir: str, job: str) -> RunDirLock:
-    """Lock run_dir for this process (its forks do not hold the lock)."""
-    path = os.path.realpath(os.path.join(run_dir, LOCK_FILE))
-    if path in _HELD:
-        _HELD[path][1] += 1
-        return RunDirLock(path)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        owner = os.read(fd, 200).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise RunDirError(f"run_dir={run_dir} is being written by another process "
-                          f"({_holder(path, owner)}); wait for it to finish or choose another "
-                          "run_dir") from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"pid {os.getpid()} job {job}".encode())
-    _HELD[path] = [fd, 1]
-    return RunDirLock(path)
-
-
-def _holder(path: str, owner: str) -> str:
-    """Who holds the lock at `path`: `owner` (the lock file's "pid N job J") while that process
-    lives; else the live processes that have the file open (Linux /proc), which a process forked
-    by the owner may be (it inherits the lock)."""
-    pid = owner.split()[1] if owner.startswith("pid ") and len(owner.split()) > 1 else ""
-    if pid.isdigit() and _alive(int(pid)):
-        return owner
-    holders = "; ".join(f"pid {p}: {_command(p)}" for p in _processes_with_open(path))
-    named = f"the lock file names {owner}, which has exited" if pid.isdigit() else \
-        "the lock file names no owner"
-    return f"{holders}; {named}" if holders else f"{owner}; no holder found"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's: alive
-        return True
-    try:  # a zombie holds nothing
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"
-    except OSError:
-        return True
-
-
-def _processes_with_open(path: str) -> list[int]:
-    """The pids (this one left out) with file `path` open, read from /proc; [] without it."""
-    target = os.stat(path)
-    found = []
-    for entry in sorted(os.listdir("/proc"), key=lambda e: (len(e), e)) \
-            if os.path.isdir("/proc") else []:
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            fds = os.listdir(f"/proc/{entry}/fd")
-        except OSError:  # gone, or another user's
-            continue
-        for fd in fds:
-            try:
-                st = os.stat(f"/proc/{entry}/fd/{fd}")
-            except OSError:
-                continue
-            if (st.st_dev, st.st_ino) == (target.st_dev, target.st_ino):
-                found.append(int(entry))
-                break
-    return found
-
-
-def _command(pid: int) -> str:
-    """The command line of `pid` (its first 120 characters), or '?'."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            text = " ".join(f.read().replace(b"\0", b" ").decode(errors="replace").split())
-    except OSError:
-        return "?"
-    return text[:120] + ("..." if len(text) > 120 else "") or "?"
-
-
 def remove_stale_tmp(run_dir: str) -> list[str]:
     """Delete what a killed save left under run_dir: `.*.tmp` files (atomic_write's) and the
     `checkpoints/step_*/dist.tmp` dirs moe.model.dist_ckpt writes before renaming them."""
@@ -254,17 +142,15 @@ def remove_stale_tmp(run_dir: str) -> list[str]:
 
 def _verdict(run_dir: str, job: str, config: dict, resume, unused: tuple) -> str:
     """Rank 0's check of the record: "" when this run may go on, else the one-line reason."""
-    record_path = os.path.join(run_dir, RUN_FILE)
-    if not os.path.isfile(record_path):
+    record = read_record(run_dir)
+    if record is None:
         other = sorted(os.path.basename(p)[:-len("_config.yaml")] for p in glob.glob(
             os.path.join(glob.escape(run_dir), "*_config.yaml")))
         other = [j for j in other if j != job]
         if other:  # written before run.json existed
             return (f"run_dir={run_dir} holds a '{other[0]}' run; `{job}` would replace its "
                     "checkpoints: choose another run_dir")
-        return _overwrites(run_dir, resume)  # checkpoints of a run from before run.json
-    with open(record_path) as f:
-        record = json.load(f)
+        return _overwrites(run_dir, resume) or _unrecorded(run_dir, resume)
     if record["job"] != job:
         return (f"run_dir={run_dir} holds a '{record['job']}' run; `{job}` would replace its "
                 "checkpoints: choose another run_dir")
@@ -280,11 +166,43 @@ def _verdict(run_dir: str, job: str, config: dict, resume, unused: tuple) -> str
     return _overwrites(run_dir, resume)
 
 
+def _unrecorded(run_dir: str, resume) -> str:
+    """The reason a start may not adopt `run_dir`'s checkpoints without a record (run.json
+    deleted: any config would be taken for the run's), or "": none there, or resume=force,
+    which says it records this start's config."""
+    if not glob.glob(os.path.join(glob.escape(run_dir), "checkpoints", "step_*")):
+        return ""
+    if resume == "force":
+        print(f"WARNING: resume=force: run_dir={run_dir} holds checkpoints but no {RUN_FILE}: "
+              "continuing them with this config, recorded as the run's", flush=True)
+        return ""
+    return (f"run_dir={run_dir} holds checkpoints but no {RUN_FILE}, the record of the config "
+            "and inputs they were trained with: restore it, use a new run_dir "
+            f"(init_checkpoint={run_dir} starts from their weights), or resume=force to continue "
+            "them with this config")
+
+
 def _overwrites(run_dir: str, resume) -> str:
     """The reason `resume=false` may not start in `run_dir` (it holds checkpoints), or ""."""
     if resume is False and os.path.isdir(os.path.join(run_dir, "checkpoints")):
         return (f"run_dir={run_dir} holds checkpoints and resume=false would overwrite them; "
                 "use a new run_dir, or resume=true")
+    return ""
+
+
+def _broken_link(path: str) -> str:
+    """What is wrong with the first symbolic link on `path` (itself or a folder above it) that
+    leads nowhere: "X is a symbolic link to T, which does not exist" or "... link loop"; ""."""
+    parts = os.path.abspath(path).split(os.sep)
+    for i in range(2, len(parts) + 1):
+        part = os.sep.join(parts[:i])
+        if os.path.islink(part) and not os.path.exists(part):
+            try:
+                os.stat(part)
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    return f"{part} is a symbolic link loop ({part} -> {os.readlink(part)})"
+            return f"{part} is a symbolic link to {os.readlink(part)}, which does not exist"
     return ""
 
 
@@ -308,12 +226,13 @@ def claim_run_dir(run_dir: str, job: str, config: dict, resume, is_main: bool,
     if is_main:
         try:
             os.makedirs(run_dir, exist_ok=True)
-            lock = _lock(run_dir, job)
+            lock = lock_run_dir(run_dir, job)
             message = _verdict(run_dir, job, config, resume, unused)
         except RunDirError as e:
             message = str(e)
         except OSError as e:
-            message = f"run_dir={run_dir}: cannot write there ({e.strerror or e})"
+            why = _broken_link(run_dir) or e.strerror or e
+            message = f"run_dir={run_dir}: cannot write there ({why})"
         if message and lock is not None:
             lock.release()
             lock = None
@@ -344,9 +263,8 @@ def check_inputs(run_dir: str, inputs: dict, resume, is_main: bool) -> None:
     start's `inputs` (rank 0's); resume=force goes on with a warning naming them. A record from
     before inputs were recorded, or none yet, passes."""
     message = ""
-    if is_main and os.path.isfile(os.path.join(run_dir, RUN_FILE)):
-        with open(os.path.join(run_dir, RUN_FILE)) as f:
-            recorded = json.load(f).get("inputs")
+    if is_main:
+        recorded = (read_record(run_dir) or {}).get("inputs")
         changed = changed_inputs(recorded, inputs) if recorded is not None else []
         if changed and resume == "force":
             print(f"WARNING: resume=force: {run_dir} continues with inputs other than it started "
@@ -362,10 +280,7 @@ def check_inputs(run_dir: str, inputs: dict, resume, is_main: bool) -> None:
 
 def recorded_value(run_dir: str, key: str, is_main: bool):
     """run.json's `key` on every rank (rank 0 reads it); None when absent."""
-    text = ""
-    if is_main and os.path.isfile(os.path.join(run_dir, RUN_FILE)):
-        with open(os.path.join(run_dir, RUN_FILE)) as f:
-            text = json.dumps(json.load(f).get(key))
+    text = json.dumps((read_record(run_dir) or {}).get(key)) if is_main else ""
     return json.loads(_agree(text) or "null")
 
 

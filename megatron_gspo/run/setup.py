@@ -34,7 +34,8 @@ from megatron_gspo.run.inputs import input_fingerprints
 from megatron_gspo.run.metrics import MetricsLogger
 from megatron_gspo.run.names import check_names
 from megatron_gspo.run.progress import ChunkProgress
-from megatron_gspo.run.rundir import RunDirLock, check_inputs, claim_run_dir, record_run
+from megatron_gspo.run.lock import RunDirLock
+from megatron_gspo.run.rundir import check_inputs, claim_run_dir, record_run
 from megatron_gspo.tasks.datasets import build_task, tokenizer_folder
 from megatron_gspo.tasks.tokenizer import Tokenizer, load_tokenizer
 from moe.hf.config import preset_from_hf
@@ -196,13 +197,14 @@ def setup_runtime(cfg: RunConfig, spec: JobSpec) -> Runtime:
         policy = build_policy(cfg, tokenizer.vocab_size, optim)
         init_dir = _init_weights(cfg, spec, policy, resuming, info.is_main)
         sampler = build_sampler(cfg, policy, tokenizer)
+        logger = MetricsLogger(cfg.run_dir, config_to_dict(cfg), wandb_mode=cfg.wandb.mode,
+                               project=cfg.wandb.project, name=cfg.wandb.name,
+                               enabled=spec.writes and info.is_main)  # before the record:
+        # a metrics.jsonl it cannot log to is refused with nothing written
         first = spec.writes and info.is_main and record_run(
             cfg.run_dir, spec.name, config_to_dict(cfg), lambda p: save_config(cfg, p),
             {"inputs": inputs, "init_step": init_dir and ckpt.step_of(init_dir)},
             spec.unused_sections)
-        logger = MetricsLogger(cfg.run_dir, config_to_dict(cfg), wandb_mode=cfg.wandb.mode,
-                               project=cfg.wandb.project, name=cfg.wandb.name,
-                               enabled=spec.writes and info.is_main)
     except BaseException:
         if lock is not None:
             lock.release()

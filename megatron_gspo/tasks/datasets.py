@@ -23,7 +23,8 @@ given, and `data.val_fraction` for validation unless `data.val_files` are (`data
 Files are read row by row by `megatron_gspo.tasks.rows`. Errors name the file, the row (JSONL:
 line number; parquet: row index) and the field: a missing
 file or field, a wrong type, an empty dataset, a prompt longer than `data.max_prompt_tokens`
-(or, with `data.skip_overlong_prompts`, that prompt is skipped and counted).
+(or, with `data.skip_overlong_prompts`, that prompt is skipped and counted), a ground truth the
+reward can never score (a float or a list under `exact`: `check_ground_truths`).
 
 The reward is `DatasetTask.reward`: the registry's `reward.name` (default `math`) on the row's
 ground truth, `reward.format_weight` for a wrong answer in the right format. Departures from
@@ -39,7 +40,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from megatron_gspo.errors import ConfigError, DataError
-from megatron_gspo.tasks.rewards import check_math_available, get_format_check, get_reward
+from megatron_gspo.tasks.rewards import (GROUND_TRUTHS, check_math_available, get_format_check,
+                                         get_reward)
 from megatron_gspo.tasks.rows import read_rows
 from megatron_gspo.tasks.toy import Example, make_splits, make_task
 
@@ -158,10 +160,27 @@ def _sft_target(row: dict, where: str, key: str):
     return value
 
 
+def _answer_key(data) -> str:
+    """The field of a row holding its ground truth (`data.answer_key`, else the format's)."""
+    return data.answer_key or _DEFAULT_KEYS[data.format][1]
+
+
+def check_ground_truths(reward_name: str, data, *splits) -> None:
+    """DataError naming the row (file:line) and field of an example whose ground truth reward
+    `reward_name` can never score (`rewards.GROUND_TRUTHS`: a float or a list under `exact`, a
+    list under `math`)."""
+    problem = GROUND_TRUTHS.get(reward_name)
+    for examples in splits if problem else ():
+        for ex in examples:
+            if why := problem(ex.meta[0]):
+                raise DataError(f"{ex.meta[2]}: field {_answer_key(data)!r} (the ground truth) "
+                                f"{why}")
+
+
 def row_to_example(row: dict, where: str, data, tokenizer) -> Example:
-    prompt_key, answer_key, source_key = _DEFAULT_KEYS[data.format]
+    prompt_key, _, source_key = _DEFAULT_KEYS[data.format]
     prompt_key = data.prompt_key or prompt_key
-    answer_key = data.answer_key or answer_key
+    answer_key = _answer_key(data)
     messages = _messages(get_field(row, prompt_key, where, "data.prompt_key"), where, prompt_key)
     truth_raw = get_field(row, answer_key, where, "data.answer_key")
     truth = _ground_truth(truth_raw, where, answer_key)
@@ -342,6 +361,7 @@ def build_task(cfg, tokenizer, model_max_len: int, verbose: bool = False):
                           f"rollout.max_new_tokens={cfg.rollout.max_new_tokens})")
     limit = cfg.data.max_prompt_tokens or room
     train, val, test, counts = dataset_splits(cfg.data, tokenizer, limit)
+    check_ground_truths(task.reward_name, cfg.data, train, val, test)
     if verbose:
         skipped = counts["data/skipped_overlong_prompts"]
         print(f"data: {len(train)} train / {len(val)} validation / {len(test)} test examples, "

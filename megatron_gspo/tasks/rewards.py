@@ -4,19 +4,22 @@
     fn("... so she has 72 apples. #### 72", "72")          -> 1.0
     rewards, status = compute_rewards(task, examples, completions, timeout_s=5.0)
 
-Every reward has one signature, `fn(completion: str, ground_truth) -> float` in [0, 1], and a
-format check `format_ok(completion) -> bool` (`get_format_check`):
+Every reward has one signature, `fn(completion: str, ground_truth) -> float` in [0, 1], a
+format check `format_ok(completion) -> bool` (`get_format_check`) and the ground truths it can
+score (`GROUND_TRUTHS`: a dataset row with another one is refused when the data is loaded):
   exact      completion.strip() == str(ground_truth).strip() (the toy tasks addition / sort /
-             running_sum; format: non-empty).
+             running_sum; format: non-empty); a dataset's ground truth is a string or an integer
+             (a float 82.0 would be the text "82.0", a list no text an answer writes).
   countdown  the completion is an expression over + - * ( ) using the given numbers once each
              and hitting the target (`expression.parse_expression`); ground truth (numbers, target) or
              verl/TinyZero's {"numbers": [...], "target": n}.
   math       the `math-verify` package (pip install -e .[math]): extracts the last answer of the
              completion (`\\boxed{...}`, `#### 72`, a final number or LaTeX expression), parses it
-             with sympy and compares it with the ground truth (fractions vs decimals, `\\dfrac`,
-             `1,000`, `\\sqrt{4}` = 2, ...). A ground truth holding "####" (a GSM8K solution) is
-             reduced to the text after the last "####"; one without `\\boxed` is wrapped in it
-             (as verl's math_verify scorer does). Format: a `\\boxed{` or a `#### ` answer line.
+             with sympy and compares it with the ground truth, one string or number (fractions vs
+             decimals, `\\dfrac`, `1,000`, `\\sqrt{4}` = 2, ...). A ground truth holding "####"
+             (a GSM8K solution) is reduced to the text after the last "####"; one without
+             `\\boxed` is wrapped in it (as verl's math_verify scorer does). Format: a `\\boxed{`
+             or a `#### ` answer line.
 
 `compute_rewards` is the one place rewards are computed (rollouts and eval, toy tasks and
 datasets): it calls `task.reward(example, completion)` under a per-answer time limit, and the
@@ -47,15 +50,18 @@ import signal
 import threading
 import time
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from megatron_gspo.errors import UnknownName
 from megatron_gspo.tasks.expression import parse_expression
-from moe.platform.checks import MissingDependency
+from moe.platform.checks import MissingDependency, is_int, refuse_duplicate
 
 RewardFn = Callable[[str, Any], float]
 REWARDS: dict[str, RewardFn] = {}
 FORMAT_CHECKS: dict[str, Callable[[str], bool]] = {}
+GROUND_TRUTHS: dict[str, Callable[[Any], Optional[str]]] = {}
+"""name -> `problem(ground_truth)`: why a dataset row's ground truth can never score under the
+reward (a phrase), or None; the data check refuses such a row (`datasets.check_ground_truths`)."""
 
 OK, RAISED, TIMED_OUT = 0, 1, 2
 """Per-answer status codes of `compute_rewards`."""
@@ -66,15 +72,48 @@ class RewardTimeout(BaseException):
     `except Exception` blocks of sympy / math-verify cannot swallow it."""
 
 
-def register_reward(name: str, *, format_check: Callable[[str], bool]):
-    """Decorator adding `fn(completion, ground_truth) -> float` to REWARDS."""
+def _any_truth(ground_truth) -> None:
+    return None
+
+
+def register_reward(name: str, *, format_check: Callable[[str], bool],
+                    ground_truth: Callable[[Any], Optional[str]] = _any_truth):
+    """Decorator adding `fn(completion, ground_truth) -> float` to REWARDS; `ground_truth(value)`
+    says why a dataset row's ground truth (a JSON value as `datasets.freeze` keeps it: lists as
+    tuples, objects as sorted (key, value) tuples) can never score under it, or None (the
+    default accepts every value)."""
     def deco(fn: RewardFn) -> RewardFn:
         if name in REWARDS:
-            raise ValueError(f"reward {name!r} is already registered")
-        REWARDS[name] = fn
-        FORMAT_CHECKS[name] = format_check
+            refuse_duplicate("reward", name, REWARDS[name], fn)
+        REWARDS[name], FORMAT_CHECKS[name], GROUND_TRUTHS[name] = fn, format_check, ground_truth
         return fn
     return deco
+
+
+def _kind(value) -> str:
+    """A ground truth's JSON kind, for a message."""
+    if isinstance(value, tuple):
+        pairs = bool(value) and all(isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str)
+                                    for v in value)
+        return "a JSON object" if pairs else "a list"
+    return f"the {'number' if isinstance(value, (int, float)) else type(value).__name__} {value!r}"
+
+
+def _text_truth(value) -> str | None:
+    """exact: a string or an integer (the text of both is what a completion writes)."""
+    if isinstance(value, str) or is_int(value):
+        return None
+    return (f"is {_kind(value)}: reward 'exact' compares the answer's text with "
+            f"{str(value)!r}, which no answer writes as meant; write the ground truth as a "
+            "JSON string")
+
+
+def _one_value(value) -> str | None:
+    """math: one string or number (a list or an object is no answer math-verify compares)."""
+    if not isinstance(value, tuple):
+        return None
+    return (f"is {_kind(value)}: reward 'math' compares one answer; write the ground truth as "
+            "a string or a number")
 
 
 def get_reward(name: str) -> RewardFn:
@@ -102,7 +141,7 @@ def _non_empty(completion: str) -> bool:
     return bool(_check_completion(completion).strip())
 
 
-@register_reward("exact", format_check=_non_empty)
+@register_reward("exact", format_check=_non_empty, ground_truth=_text_truth)
 def exact_reward(completion: str, ground_truth) -> float:
     """1.0 iff the stripped completion equals the stripped ground truth (as text)."""
     return float(_check_completion(completion).strip() == str(ground_truth).strip())
@@ -130,7 +169,19 @@ def countdown_truth(ground_truth) -> tuple[tuple[int, ...], int]:
     return tuple(int(n) for n in numbers), int(target)
 
 
-@register_reward("countdown", format_check=_countdown_format)
+def _pair_or_mapping(value) -> str | None:
+    """countdown: (numbers, target) or {"numbers", "target"} (`countdown_truth` reads both)."""
+    try:
+        if isinstance(value, tuple):
+            countdown_truth(value)
+            return None
+    except (TypeError, ValueError):
+        pass
+    return (f"is {_kind(value)}: reward 'countdown' reads [numbers, target] or "
+            '{"numbers": [...], "target": n}')
+
+
+@register_reward("countdown", format_check=_countdown_format, ground_truth=_pair_or_mapping)
 def countdown_reward(completion: str, ground_truth) -> float:
     """1.0 iff the completion's expression uses each given number exactly once and hits the
     target (the toy task's verifier, `tasks.Countdown`)."""
@@ -189,7 +240,7 @@ def _parse_gold(text: str):
     return gold
 
 
-@register_reward("math", format_check=_math_format)
+@register_reward("math", format_check=_math_format, ground_truth=_one_value)
 def math_reward(completion: str, ground_truth) -> float:
     """1.0 iff math-verify finds the completion's answer equal to the ground truth."""
     mv = _math_verify()

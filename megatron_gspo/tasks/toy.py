@@ -26,7 +26,7 @@ from typing import ClassVar, NamedTuple, Protocol, Sequence
 from megatron_gspo.tasks.expression import parse_expression  # noqa: F401 (re-exported)
 from megatron_gspo.tasks.rewards import compute_rewards, countdown_reward, exact_reward
 from megatron_gspo.tasks.tokenizer import CharTokenizer  # noqa: F401 (re-exported)
-from moe.platform.checks import is_int
+from moe.platform.checks import is_int, refuse_duplicate
 
 @dataclass(frozen=True)
 class Example:
@@ -65,7 +65,7 @@ def register_task(cls: type) -> type:
     """Class decorator adding a `GeneratedTask` dataclass to TASKS under its `name`; its fields
     are the `task.kwargs` the config accepts."""
     if cls.name in TASKS:
-        raise ValueError(f"task {cls.name!r} is already registered")
+        refuse_duplicate("task", cls.name, TASKS[cls.name], cls)
     TASKS[cls.name] = cls
     return cls
 

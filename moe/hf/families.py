@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from moe.model.presets import MoEPreset
+from moe.platform.checks import refuse_duplicate
 
 
 def _no_refusal(cfg: dict, where: str) -> None:
@@ -58,7 +59,11 @@ HF_FAMILIES: dict[str, HFFamily] = {}
 
 
 def register_hf_family(family: HFFamily) -> HFFamily:
-    """Add `family` under its `model_type` (a later registration replaces an earlier one)."""
+    """Add `family` under its `model_type`; a `model_type` already registered is refused naming
+    both families (their `read` functions)."""
+    if family.model_type in HF_FAMILIES:
+        refuse_duplicate("Hugging Face family", family.model_type,
+                         HF_FAMILIES[family.model_type].read, family.read)
     HF_FAMILIES[family.model_type] = family
     return family
 

@@ -3,7 +3,7 @@ routing, shifted log-probs, a spy), registered under a name (`rollout.backend=NA
 
 from megatron_gspo.rollout.backends import BACKENDS
 from megatron_gspo.rollout.decoders import DecoderSampler
-from megatron_gspo.rollout.sampler import register_sampler
+from megatron_gspo.rollout.sampler import SAMPLERS, register_sampler
 
 
 class Edited:
@@ -20,7 +20,9 @@ class Edited:
 
 def backend(name: str, edit) -> str:
     """Register the lean decoder with `edit` applied to each batch as `name` (with the lean
-    backend's capabilities); returns the override that selects it."""
+    backend's capabilities), replacing the one an earlier test registered under `name`;
+    returns the override that selects it."""
+    SAMPLERS.pop(name, None)  # a registry refuses a name it holds
     @register_sampler(name, BACKENDS["lean"])
     def factory(policy, tokenizer, cfg):
         inner = DecoderSampler(policy, tokenizer, "lean", cfg.rollout.decoders.kv_cache,

@@ -15,7 +15,7 @@ from megatron_gspo.errors import (CheckpointError, ConfigError, DataError, RunDi
                                   UnknownName, UserError)
 from megatron_gspo.jobs.band import AccuracyBandError
 from megatron_gspo.run.preempt import Preempted
-from moe.platform.checks import MissingDependency
+from moe.platform.checks import DuplicateName, MissingDependency
 
 
 @pytest.fixture
@@ -86,7 +86,7 @@ def test_every_project_error_is_one_user_error():
     for cls in (ConfigError, DataError, RunDirError, CheckpointError, UnknownName,
                 AccuracyBandError):
         assert issubclass(cls, UserError), cls
-    assert cli.USER_ERRORS == (UserError, FileNotFoundError, MissingDependency,
+    assert cli.USER_ERRORS == (UserError, FileNotFoundError, MissingDependency, DuplicateName,
                                FloatingPointError)
     assert issubclass(UnknownName, KeyError) and issubclass(ConfigError, ValueError)
     assert str(UnknownName("plain 'text'")) == "plain 'text'"  # not KeyError's repr()
@@ -190,18 +190,21 @@ def test_export_passes_its_options_and_refuses_a_bad_checkpoint(monkeypatch, cap
 
     seen = {}
 
-    def fake_export(run_dir, out, hf_path=None, max_shard_bytes=None):
-        seen.update(run_dir=run_dir, out=out, hf_path=hf_path, max_shard_bytes=max_shard_bytes)
+    def fake_export(run_dir, out, hf_path=None, max_shard_bytes=None, plugins=()):
+        seen.update(run_dir=run_dir, out=out, hf_path=hf_path, max_shard_bytes=max_shard_bytes,
+                    plugins=plugins)
         if run_dir == "bad":
             raise ValueError("bad: step_000003 has no dist/ checkpoint")
         return {"files": 1}
 
     monkeypatch.setattr(export, "export_run", fake_export)
     assert cli.main(["export", "--run-dir", "r", "--to-hf", "o"]) == 0
-    assert seen == {"run_dir": "r", "out": "o", "hf_path": None, "max_shard_bytes": 5 << 30}
+    assert seen == {"run_dir": "r", "out": "o", "hf_path": None, "max_shard_bytes": 5 << 30,
+                    "plugins": []}
     assert json.loads(capsys.readouterr().out) == {"files": 1}
-    assert cli.main(["export", "--run-dir", "r", "--to-hf", "o", "--max-shard-bytes", "7"]) == 0
-    assert seen["max_shard_bytes"] == 7
+    assert cli.main(["export", "--run-dir", "r", "--to-hf", "o", "--max-shard-bytes", "7",
+                     "--plugin", "p.py"]) == 0
+    assert (seen["max_shard_bytes"], seen["plugins"]) == (7, ["p.py"])
     assert cli.main(["export", "--run-dir", "bad", "--to-hf", "o"]) == 2
     assert "has no dist/ checkpoint" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:

@@ -176,7 +176,7 @@ def test_a_failed_build_releases_the_run_dir(tmp_path, monkeypatch):
     import fcntl
 
     from megatron_gspo.jobs import rl as trainer_mod
-    from megatron_gspo.run.rundir import LOCK_FILE
+    from megatron_gspo.run.lock import LOCK_FILE
 
     def broken(*args, **kwargs):
         raise RuntimeError("out of memory")

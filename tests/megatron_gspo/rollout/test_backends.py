@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 from megatron_gspo import cli
-from megatron_gspo.config.schema import load_config
+from megatron_gspo.config.schema import load_config, load_config_origins
 from megatron_gspo.errors import ConfigError
 from megatron_gspo.jobs import plan
-from megatron_gspo.rollout.backends import BACKENDS, backend_of, check_backend, check_config
+from megatron_gspo.rollout.backends import (BACKENDS, backend_of, check_backend, check_config,
+                                            unused_settings)
 from megatron_gspo.rollout.sampler import SAMPLERS, Backend, register_sampler
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -141,6 +142,7 @@ def test_an_engine_declared_elsewhere_is_an_engine_to_the_trainer_and_the_plan()
 
     cfg = load_config(None, ["rollout.backend=fake_engine", "model.preset=tiny"])
     assert not Trainer.records_sampler_routing(SimpleNamespace(cfg=cfg))  # it cannot
+    SAMPLERS.pop("fake_engine")  # registered again, recording its routing
     register_sampler("fake_engine", dataclasses.replace(FAKE, records_routing=lambda c: True))(
         lambda policy, tokenizer, cfg: None)
     assert Trainer.records_sampler_routing(SimpleNamespace(cfg=cfg))
@@ -180,3 +182,47 @@ def test_each_backends_settings_are_a_section_of_their_own():
     assert type(sections["lean"]) is type(sections["megatron"])
     assert {BACKENDS[n].settings for n in BUILT_IN} == {
         "rollout.decoders", "rollout.megatron_engine", "rollout.vllm"}
+
+
+def test_a_setting_of_a_backend_the_run_does_not_use_is_refused_on_the_command_line():
+    """`rollout.backend=vllm rollout.decoders.sampler_dtype=bf16` sampled in float32, exit 0:
+    a setting in another backend's section (`Backend.settings`) is named in one line, with
+    every backend that reads it (here also those other tests registered over the decoders). The
+    run's own backend's section, and sections no backend declares, pass."""
+    cfg, origins = load_config_origins(None, ["rollout.backend=vllm",
+                                              "rollout.decoders.sampler_dtype=bf16"])
+    with pytest.raises(ConfigError, match=r"^rollout.decoders.sampler_dtype='bf16' is a setting "
+                                          r"of rollout.backend=lean or megatron( or \w+)*; "
+                                          r"this run samples with 'vllm', which never reads "
+                                          r"it: drop it, or set rollout.backend$"):
+        unused_settings(cfg, origins)
+    for ok in (["rollout.backend=vllm", "rollout.vllm.dtype=bf16", "rollout.temperature=0.5"],
+               ["rollout.decoder=megatron", "rollout.decoders.kv_cache=false"],
+               ["rollout.backend=fake_engine"]):
+        assert unused_settings(*load_config_origins(None, ok)) == []
+
+
+def test_a_file_setting_another_backends_defaults_is_warned_about_naming_it(tmp_path,
+                                                                            monkeypatch, capsys):
+    """A `base:` file may set defaults for several backends: the run goes on, with a warning
+    naming the file and each setting away from its default that its backend ignores; on the
+    command line the same setting stops the CLI (train and plan) before anything runs."""
+    base, exp = tmp_path / "base.yaml", tmp_path / "exp.yaml"
+    base.write_text("rollout:\n  vllm: {dtype: bf16, kv_cache_gb: 2, mode: in_process}\n"
+                    "  decoders: {sampler_dtype: bf16}\n")  # mode: its default, nothing ignored
+    exp.write_text("base: base.yaml\nrollout: {backend: megatron}\n")
+    seen = []
+    monkeypatch.setattr(cli, "run", lambda command, cfg: seen.append(cfg) or {})
+    assert cli.main(["train", "--config", str(exp), f"run_dir={tmp_path / 'run'}"]) == 0
+    warned = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("WARNING")]
+    assert warned == [f"WARNING: {base}: rollout.vllm.{k} is a setting of rollout.backend=vllm; "
+                      f"this run samples with 'megatron', which never reads it (ignored)"
+                      for k in ("dtype='bf16'", "kv_cache_gb=2.0")]
+    assert seen[0].rollout.decoders.sampler_dtype == "bf16"
+    for argv in (["train", f"run_dir={tmp_path / 'run'}"],
+                 ["plan", "--gpus", "1", "--gpu-mem-gib", "80"]):
+        assert cli.main([*argv, "--config", str(exp), "rollout.vllm.dtype=fp32"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "rollout.vllm.dtype='fp32' is a setting of " \
+            "rollout.backend=vllm; this run samples with 'megatron'" in err, err
+    assert len(seen) == 1

@@ -15,7 +15,7 @@ import torch
 
 from megatron_gspo.config.schema import load_config
 from megatron_gspo.errors import UserError
-from megatron_gspo.rollout import vllm_remote, vllm_wire
+from megatron_gspo.rollout import vllm_launch, vllm_remote, vllm_wire
 from moe.platform.parallel import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
@@ -133,11 +133,11 @@ def test_a_worker_whose_load_fails_still_takes_the_whole_push():
 # ---------------------------------------------------------------- starting and reaching
 def test_an_engine_that_never_answers_is_one_line_within_the_timeout_and_is_killed(
         monkeypatch):
-    monkeypatch.setattr(vllm_remote.EngineProcess, "command", lambda self, v: [
+    monkeypatch.setattr(vllm_launch.EngineProcess, "command", lambda self, v: [
         sys.executable, "-c", "import time; time.sleep(600)"])
     started = []
-    real = vllm_remote.EngineProcess.__init__
-    monkeypatch.setattr(vllm_remote.EngineProcess, "__init__", lambda self, *a: (
+    real = vllm_launch.EngineProcess.__init__
+    monkeypatch.setattr(vllm_launch.EngineProcess, "__init__", lambda self, *a: (
         real(self, *a), started.append(self))[0])
     with pytest.raises(UserError, match=r"^rollout.vllm engine server 0: the engine server at "
                                         r"127.0.0.1:\d+ did not answer within "
@@ -223,7 +223,7 @@ def test_a_killed_trainer_leaves_no_engine_server(tmp_path):
     that process ends: SIGKILL runs none of its own clean-up."""
     script = ("import sys, time\n"
               "from megatron_gspo.config.schema import load_config\n"
-              "from megatron_gspo.rollout.vllm_remote import EngineProcess, open_channel\n"
+              "from megatron_gspo.rollout.vllm_launch import EngineProcess, open_channel\n"
               "v = load_config(None, ['rollout.vllm.mode=server']).rollout.vllm\n"
               "p = EngineProcess(0, v, sys.argv[1])\n"
               "open_channel(p.host, p.port, 120, p, 'test')\n"  # the server is up
@@ -255,8 +255,8 @@ def test_a_worker_in_the_servers_own_process_is_not_killed_by_its_tie():
 
 def test_cpu_bind_splits_the_cores_over_the_workers_of_every_replica(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
-    assert vllm_remote.cpu_bind(0, 1, 2) == "0,1,2,3|4,5,6,7"
-    assert vllm_remote.cpu_bind(1, 2, 2) == "4,5|6,7"
+    assert vllm_launch.cpu_bind(0, 1, 2) == "0,1,2,3|4,5,6,7"
+    assert vllm_launch.cpu_bind(1, 2, 2) == "4,5|6,7"
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    assert vllm_remote.cpu_bind(0, 1, 2) == "0|1"
-    assert vllm_remote.cpu_bind(0, 1, 4) == "0|1|0|1"  # fewer cores than workers: shared
+    assert vllm_launch.cpu_bind(0, 1, 2) == "0|1"
+    assert vllm_launch.cpu_bind(0, 1, 4) == "0|1|0|1"  # fewer cores than workers: shared

@@ -61,8 +61,10 @@ def run_cli(tmp_path, *overrides, nproc: int = 1, kill_after_row: bool = False):
     cli = ["-m", "megatron_gspo.cli", "train", *OVERRIDES, f"run_dir={run_dir}", *overrides]
     cmd = [sys.executable, *(["-m", "torch.distributed.run", "--standalone",
                               "--nproc-per-node", str(nproc)] if nproc > 1 else []), *cli]
+    (tmp_path / "tmp").mkdir(exist_ok=True)  # its temporary files: what the run leaves there
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+                            env={**os.environ, "OMP_NUM_THREADS": "1",
+                                 "TMPDIR": str(tmp_path / "tmp")}, start_new_session=True)
     seen, done = set(), threading.Event()
 
     def watch():
@@ -103,7 +105,8 @@ def check_parity(rows) -> None:
 
 def test_two_iterations_of_r3_from_a_tp2_engine_server_leave_no_engine_process(tmp_path):
     """The acceptance run: `megatron-gspo train` with the engine as a server of two workers;
-    every layer's routing mismatch is logged, and no engine process outlives the trainer."""
+    every layer's routing mismatch is logged, and no engine process outlives the trainer, nor
+    any temporary folder (the server's config.json, the logs) the run made."""
     proc, err, rows, seen = run_cli(tmp_path, "train.steps=2", "train.num_minibatches=1")
     assert proc.returncode == 0, err[-3000:]
     assert [r["train/iteration"] for r in rows] == [0, 1]
@@ -111,6 +114,7 @@ def test_two_iterations_of_r3_from_a_tp2_engine_server_leave_no_engine_process(t
     assert rows[-1]["rollout/engine_restarts"] == 0
     assert len(seen) >= 3  # the server and its two workers ran
     assert not alive(seen)
+    assert [p for p in os.listdir(tmp_path / "tmp") if p.startswith("megatron_gspo")] == []
 
 
 def test_a_tp2_engine_server_matches_an_ep2_trainer_over_three_updates(tmp_path):

@@ -97,8 +97,9 @@ def test_another_job_is_refused(tmp_path):
 def test_second_process_is_refused_while_the_first_writes(tmp_path):
     with lock_holder(f"""
             import sys, time
-            from megatron_gspo.run.rundir import _lock
-            _lock({str(tmp_path)!r}, "train"); print("locked", flush=True); time.sleep(60)""",
+            from megatron_gspo.run.lock import lock_run_dir
+            lock_run_dir({str(tmp_path)!r}, "train"); print("locked", flush=True)
+            time.sleep(60)""",
                      cwd=os.getcwd()) as holder:
         with pytest.raises(RunDirError, match=rf"another process \(pid {holder.pid} job train"):
             claim(tmp_path)
@@ -144,8 +145,8 @@ def test_a_run_dir_from_before_run_json(tmp_path):
 def _lock_elsewhere(run_dir) -> str:
     """Try the run dir's lock from another process: 'locked', or its error."""
     p = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
-        from megatron_gspo.run.rundir import _lock
-        _lock({str(run_dir)!r}, "train"); print("locked")""")],
+        from megatron_gspo.run.lock import lock_run_dir
+        lock_run_dir({str(run_dir)!r}, "train"); print("locked")""")],
         capture_output=True, text=True, cwd=os.getcwd())
     return p.stdout.strip() or p.stderr.strip().splitlines()[-1]
 
@@ -221,6 +222,7 @@ def test_truncated_shard_is_a_one_line_error(tmp_path):
 
 
 def test_stale_tmp_files_are_removed_and_files_follow_the_umask(tmp_path):
+    claim(tmp_path).release()  # the run's record
     root = tmp_path / "checkpoints"
     step = root / "step_000001"
     step.mkdir(parents=True)

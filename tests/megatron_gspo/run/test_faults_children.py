@@ -11,7 +11,7 @@ import time
 import pytest
 
 from megatron_gspo.errors import RunDirError
-from megatron_gspo.run import rundir
+from megatron_gspo.run import lock
 from tests.megatron_gspo.run.test_faults import TINY, trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
@@ -90,9 +90,9 @@ def test_a_trainer_killed_during_a_save_leaves_no_process_and_the_run_resumes(tm
 
 _HOLDS_THE_LOCK_IN_A_CHILD = """
 import subprocess, sys
-from megatron_gspo.run import rundir
-rundir._lock(sys.argv[1], "train")
-fd = rundir._HELD[next(iter(rundir._HELD))][0]
+from megatron_gspo.run import lock
+lock.lock_run_dir(sys.argv[1], "train")
+fd = lock._HELD[next(iter(lock._HELD))][0]
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], pass_fds=[fd],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 print(child.pid, flush=True)
@@ -110,7 +110,7 @@ def test_the_lock_names_its_live_holder_when_the_process_it_names_is_gone(tmp_pa
     child = int(out.split()[0])
     try:
         with pytest.raises(RunDirError) as refused:
-            rundir._lock(str(tmp_path), "train")
+            lock.lock_run_dir(str(tmp_path), "train")
     finally:
         os.kill(child, signal.SIGKILL)
     message = str(refused.value)

@@ -33,19 +33,24 @@ def code_blocks(text: str, language: str) -> list[str]:
 
 
 @pytest.fixture
-def registries():
+def registries(tmp_path_factory):
     """The registries as they were before the test: a plugin's entries leave with it, and its
-    module is imported afresh by the next test."""
+    modules (those imported from a test's folder) are imported afresh by the next test. Yields
+    the function that puts the registries back (a test's "new process")."""
     kept = [(d, dict(d)) for d in (losses.POLICY_LOSSES, losses._PAPER_EPS, rewards.REWARDS,
-                                   rewards.FORMAT_CHECKS, toy.TASKS, sampler.SAMPLERS,
-                                   HF_FAMILIES)]
-    modules = set(sys.modules)
-    yield
-    for registry, before in kept:
-        registry.clear()
-        registry.update(before)
+                                   rewards.FORMAT_CHECKS, rewards.GROUND_TRUTHS, toy.TASKS,
+                                   sampler.SAMPLERS, sampler.BACKENDS, HF_FAMILIES)]
+    modules, tests = set(sys.modules), str(tmp_path_factory.getbasetemp())
+
+    def restore():
+        for registry, before in kept:
+            registry.clear()
+            registry.update(before)
+
+    yield restore
+    restore()
     for name in set(sys.modules) - modules:
-        if name == "my_plugin" or name.startswith("plugin_pkg"):
+        if (getattr(sys.modules[name], "__file__", None) or "").startswith(tests):
             del sys.modules[name]
 
 
@@ -129,18 +134,12 @@ def test_a_plugin_missing_its_own_dependency_names_it(registries, tmp_path, monk
     assert "needs_more" not in sys.modules
 
 
-def test_the_hf_family_of_docs_extending_md_reads_and_exports_mixtral(single_process,
-                                                                     registries, tmp_path,
-                                                                     monkeypatch):
-    """The page's plugin registers a Mixtral family: a tiny random Mixtral saved by transformers
-    loads into the policy with its logits (float32, to 1e-4), and exports back to exactly its
-    tensors and a config.json that reads as the same preset. Without the family the folder is
-    refused naming its model_type."""
+def tiny_mixtral(tmp_path) -> str:
+    """A tiny random Mixtral saved by transformers (wide weights: decisive routing); its
+    folder."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from moe.hf.config import hf_config_dict, preset_from_hf, read_hf_config
-    from tests.moe import hf_worker as hw
-    from tests.moe.hf.test_hf import REAL_VOCAB, batch, hf_logits
+    from tests.moe.hf.test_hf import REAL_VOCAB
 
     config = MixtralConfig(vocab_size=REAL_VOCAB, hidden_size=48, intermediate_size=40,
                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -149,10 +148,24 @@ def test_the_hf_family_of_docs_extending_md_reads_and_exports_mixtral(single_pro
     torch.manual_seed(0)
     model = MixtralForCausalLM(config).eval()
     with torch.no_grad():
-        for name, p in model.named_parameters():  # wide weights: decisive routing
+        for name, p in model.named_parameters():
             p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0.0, 0.2)
     model.save_pretrained(str(tmp_path / "mixtral"))
-    folder = str(tmp_path / "mixtral")
+    return str(tmp_path / "mixtral")
+
+
+def test_the_hf_family_of_docs_extending_md_reads_and_exports_mixtral(single_process,
+                                                                     registries, tmp_path,
+                                                                     monkeypatch):
+    """The page's plugin registers a Mixtral family: a tiny random Mixtral saved by transformers
+    loads into the policy with its logits (float32, to 1e-4), and exports back to exactly its
+    tensors and a config.json that reads as the same preset. Without the family the folder is
+    refused naming its model_type."""
+    from moe.hf.config import hf_config_dict, preset_from_hf, read_hf_config
+    from tests.moe import hf_worker as hw
+    from tests.moe.hf.test_hf import REAL_VOCAB, batch, hf_logits
+
+    folder = tiny_mixtral(tmp_path)
     with pytest.raises(ValueError, match="model_type='mixtral' is not supported"):
         preset_from_hf(folder)
 

@@ -12,7 +12,8 @@ import textwrap
 import pytest
 
 from megatron_gspo.config.schema import config_to_dict, load_config, resume_may_change
-from megatron_gspo.run.rundir import LOCK_FILE, claim_run_dir, record_run, semantic_config
+from megatron_gspo.run.lock import LOCK_FILE
+from megatron_gspo.run.rundir import claim_run_dir, record_run, semantic_config
 from megatron_gspo.errors import RunDirError
 from megatron_gspo.jobs import rl, sft
 
@@ -265,6 +266,7 @@ def test_a_dist_checkpoint_a_killed_save_left_half_written_is_removed(tmp_path):
     """A second Ctrl-C (or SIGKILL) during a save leaves moe.model.dist_ckpt's `dist.tmp` in a step
     dir `latest` never pointed to: a whole checkpoint's worth of disk, never reused when the
     run's later saves land on other steps. The next start removes it, not a user's `x.tmp`."""
+    claim(tmp_path).release()  # the run's record
     step = tmp_path / "checkpoints" / "step_000062"
     (step / "dist.tmp").mkdir(parents=True)
     (step / "dist.tmp" / "__0_0.distcp").write_bytes(b"half")

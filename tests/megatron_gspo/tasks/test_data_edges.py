@@ -1,6 +1,7 @@
 """Dataset task edge cases: message checks, template joining, splits' boundaries, build_task
 wiring (mutation-pass guards; helpers from test_data)."""
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -115,6 +116,40 @@ def test_build_task_takes_reward_settings_and_a_prompt_limit_equal_to_the_room(t
     task, train, _, evals = build_task(cfg, ByteTok(), 30)
     assert (task.reward_timeout_s, task.format_weight) == (2.5, 0.2)
     assert len(train) + len(evals) == 5
+
+
+def _ground_truth_task(tmp_path, reward: str, truths: list):
+    """build_task over one verl row per ground truth, scored by `reward`."""
+    path = write_jsonl(tmp_path / "t.jsonl", [verl_row(i, truth=t) for i, t in enumerate(truths)])
+    cfg = load_config(None, ["task.name=dataset", f"data.train_files={path}",
+                             f"reward.name={reward}", "model.max_seq_len=40"])
+    return build_task(cfg, ByteTok(), 40)
+
+
+@pytest.mark.parametrize("reward, truth, says", [
+    ("exact", 82.0, "is the number 82.0: reward 'exact' compares the answer's text with '82.0'"),
+    ("exact", ["82"], "is a list: reward 'exact' compares"),
+    ("math", [8, 2], "is a list: reward 'math' compares one answer"),
+    ("math", {"value": 82}, "is a JSON object: reward 'math' compares one answer"),
+    ("countdown", "82", "is the str '82': reward 'countdown' reads [numbers, target] or"),
+])
+def test_a_ground_truth_the_reward_can_never_score_is_refused_naming_the_row(tmp_path, reward,
+                                                                             truth, says):
+    """A float under `exact` (the text "82.0" is not the answer "82"), a list under `exact` or
+    `math`, a lone value under `countdown`: the data check names the file, line and field,
+    where the run would score every answer to that row 0."""
+    good = {"exact": "8", "math": "8", "countdown": [[1, 7], 8]}[reward]
+    with pytest.raises(DataError, match=rf"t.jsonl:5: field 'reward_model.ground_truth' \(the "
+                                        rf"ground truth\) {re.escape(says)}"):
+        _ground_truth_task(tmp_path, reward, [good] * 4 + [truth])
+
+
+@pytest.mark.parametrize("reward, truth", [
+    ("exact", "82"), ("exact", 82), ("math", 82.5), ("math", "\\frac{1}{2}"),
+    ("countdown", [[1, 2], 3]), ("countdown", {"numbers": [1, 2], "target": 3})])
+def test_a_ground_truth_the_reward_reads_loads(tmp_path, reward, truth):
+    _, train, _, test = _ground_truth_task(tmp_path, reward, [truth] * 4)
+    assert len(train) + len(test) == 4
 
 
 @pytest.mark.parametrize("reward_model", ["the ground_truth is 4", 4, ["ground_truth"]])
