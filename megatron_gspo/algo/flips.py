@@ -208,8 +208,11 @@ class StepFlips:
             return
         yield
         chunks = [rows for rows, _ in self._parts]
+        B = mb.valid_BT.shape[0]
+        if sum(len(torch.arange(B)[rows]) for rows in chunks) < B:
+            return  # a microbatch ended the step (NaN): it is skipped, nothing is measured
         self.before = RoutingReplayCache.cat([cache for _, cache in self._parts])
-        back = restore_order(chunks, mb.valid_BT.shape[0])
+        back = restore_order(chunks, B)
         if back is not None:  # packed microbatches: their rows back in the minibatch's order
             self.before = self.before.select(back)
         self.used = self.before
