@@ -39,11 +39,13 @@ def _step(trainer, mb):
 @pytest.mark.parametrize("replay", ["off", "r2", "r3"])
 def test_packed_step_equals_the_padded_step(tmp_path, loss, replay):
     """The same rollout batch through the padded and the packed trainer: pi_old's log-probs
-    and routing (R3: pi_old replaying the sampler's routing), then a minibatch's step in
+    and routing (R3: pi_old replaying the sampler's routing; grpo: with the KL reference's),
+    in forwards of 40 tokens (packed: bins in another row order), then a minibatch's step in
     microbatches of a 24-token budget (packed: bins of real tokens in another row order than
     the padded row chunks), log-probs, loss and every gradient within 1e-6."""
     t = make_trainer(tmp_path, *RAGGED, "train.pack=false", f"loss.name={loss}",
                      f"train.routing_replay={replay}", "train.micro_max_tokens=24",
+                     "train.logprob_max_tokens=40",
                      "loss.kl_coef=0.01" if loss == "grpo" else "loss.kl_coef=0")
     batch = t.rollout(0)
     padded, _ = t.prepare(batch)
