@@ -40,7 +40,7 @@ from megatron_gspo.tasks.tokenizer import Tokenizer, load_tokenizer
 from moe.hf.config import preset_from_hf
 from moe.hf.weights import load_hf_weights
 from moe.platform.parallel import ParallelInfo, init_parallel
-from moe.model.policy import MoEPolicy
+from moe.model.policy import MoEPolicy, packable
 from moe.model.presets import MoEPreset, get_preset
 from moe.model.settings import OptimSettings, ParallelLayout, Recompute
 
@@ -223,6 +223,13 @@ def packs(cfg: RunConfig, spec: JobSpec) -> bool:
         raise ConfigError(f"{spec.pack_key}=true packs sequences, which megatron's "
                           "DotProductAttention cannot (model.attention=megatron): set "
                           f"model.attention=sdpa or {spec.pack_key}=false")
+    try:
+        packable(layout_of(cfg))
+    except ValueError as e:
+        raise ConfigError(f"{spec.pack_key}=true with model.ep={cfg.model.ep} needs "
+                          "model.dispatcher=alltoall (or auto), not allgather, which gathers "
+                          "equal token counts from every expert-parallel rank: set it or "
+                          f"{spec.pack_key}=false") from e
     return True
 
 

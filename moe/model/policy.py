@@ -78,6 +78,8 @@ class MoEPolicy:
         if pack and not sdpa_attention and not have_transformer_engine():
             raise ValueError("packed forwards need SDPAAttention (sdpa_attention=True): "
                              "megatron's DotProductAttention has no packed path")
+        if pack:
+            packable(layout)
         if real_vocab > preset.vocab_size:
             raise ValueError(f"tokenizer vocab {real_vocab} exceeds preset {preset.name!r} "
                              f"vocab_size={preset.vocab_size}")
@@ -145,6 +147,7 @@ class MoEPolicy:
         """Logits [P, V_preset] of the packed positions `rows_P` of one packed forward of the
         batch (`moe.model.packed`: megatron's `thd` format, the output layer on those rows
         only)."""
+        packable(self.layout)
         cu = pack.cu_seqlens()
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu.to(self.device),
                                  cu_seqlens_kv=cu.to(self.device),
@@ -305,3 +308,13 @@ class MoEPolicy:
         """The learning rate of the latest update (of the next one before any update)."""
         return self.optimizer.last_lr
 
+
+def packable(layout: ParallelLayout) -> None:
+    """ValueError for a layout packed forwards cannot run under: megatron's all-gather token
+    dispatcher across expert-parallel ranks gathers equal token counts from every rank, and the
+    packs of different data-parallel rows differ in length (the all-to-all dispatcher takes any
+    counts)."""
+    if layout.ep > 1 and layout.dispatcher == "allgather":
+        raise ValueError(f"packed forwards with ep={layout.ep} need the all-to-all token "
+                         "dispatcher (dispatcher='alltoall' or 'auto'), not 'allgather', which "
+                         "gathers equal token counts from every expert-parallel rank")

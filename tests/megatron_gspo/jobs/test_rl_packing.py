@@ -97,3 +97,23 @@ def test_flips_per_layer_are_the_padded_runs(tmp_path, replay):
         assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
         assert math.isclose(a["policy/loss"], b["policy/loss"], rel_tol=1e-5, abs_tol=1e-6)
         assert b["train/pad_frac"] == 0 < a["train/pad_frac"]
+
+
+def test_packing_is_refused_where_it_cannot_run():
+    """One line naming the key and the way out, before anything is claimed: megatron's
+    attention has no packed path, and the all-gather dispatcher across EP ranks needs equal
+    token counts; sft.pack for SFT, train.pack for RL; off packs nothing."""
+    from megatron_gspo.config.schema import load_config
+    from megatron_gspo.errors import ConfigError
+    from megatron_gspo.jobs import rl, sft
+    from megatron_gspo.run.setup import packs
+
+    with pytest.raises(ConfigError, match="train.pack=true packs sequences.*model.attention="
+                                          "sdpa or train.pack=false"):
+        packs(load_config(None, ["model.attention=megatron"]), rl.SPEC)
+    with pytest.raises(ConfigError, match="sft.pack=true with model.ep=2 needs "
+                                          "model.dispatcher=alltoall"):
+        packs(load_config(None, ["model.ep=2", "model.dispatcher=allgather"]), sft.SPEC)
+    assert not packs(load_config(None, ["model.attention=megatron", "train.pack=false"]),
+                     rl.SPEC)
+    assert packs(load_config(None, ["model.ep=2"]), rl.SPEC)  # auto: the all-to-all
