@@ -189,8 +189,7 @@ class Trainer:
         try:
             ref_policy = None
             if kl_reference(cfg):  # frozen reference = the initial weights
-                ref_policy = build_policy(cfg, rt.tokenizer.vocab_size, optim=None,
-                                          pack=packs(cfg, SPEC))
+                ref_policy = build_policy(cfg, rt.tokenizer.vocab_size, None, pack=packs(cfg, SPEC))
                 if cfg.init_checkpoint:  # the step the run started from, not today's newest
                     load_init_weights(ref_policy, cfg.init_checkpoint, step_dir=rt.init_dir)
             return cls(rt, cfg, ref_policy=ref_policy, **parts)
@@ -279,9 +278,8 @@ class Trainer:
     @torch.no_grad()
     def batch_logprobs(self, policy, batch: RolloutBatch, chunks: list,
                        routing=None) -> torch.Tensor:
-        """`policy`'s log-probs of a whole rollout batch, one forward per row selector of
-        `chunks`; with `routing`, replaying it (R3's pi_old pass under the sampler's
-        routing)."""
+        """`policy`'s log-probs of a rollout batch, a forward per row selector of `chunks`;
+        with `routing`, replaying it (R3's pi_old pass under the sampler's routing)."""
         cfg, start, out = self.cfg, batch.response_start, []
         for rows in chunks:
             with replay_routing(policy, None if routing is None else routing.select(rows)):

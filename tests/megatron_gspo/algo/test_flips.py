@@ -16,9 +16,7 @@ class OneRank:
     """The part of MoEPolicy that `token_rows` reads (no sequence parallelism)."""
 
     router_rows = RouterRows()
-
-    def routed_valid(self, mask_BT):
-        return mask_BT.cpu()
+    routed_valid = staticmethod(lambda mask_BT: mask_BT.cpu())
 
 
 def constructed():
