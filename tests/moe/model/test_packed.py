@@ -137,10 +137,14 @@ def _reference(q_NHD, k_NGD, v_NGD, cu):
 
 
 @pytest.mark.parametrize("path", ["per_sequence", "flex_document"])
-def test_packed_attention_paths_equal_the_block_diagonal_mask(path):
-    """The CPU path and the CUDA flex path (run eagerly here) against one SDPA call with a
-    block-diagonal causal mask, GQA included, in float64."""
-    (q, k, v), cu = _attention_inputs()
+@pytest.mark.parametrize("lengths", [(5, 1, 8, 9), (4, 4, 3, 4, 3, 5), (6, 6, 6)],
+                         ids=["distinct", "repeated", "equal"])
+def test_packed_attention_paths_equal_the_block_diagonal_mask(path, lengths):
+    """The CPU path (segments of one length batched into one call) and the CUDA flex path (run
+    eagerly here) against one SDPA call with a block-diagonal causal mask, GQA included, in
+    float64."""
+    cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0).to(torch.int32)
+    (q, k, v), _ = _attention_inputs(N=int(cu[-1]))
     fn = per_sequence if path == "per_sequence" else \
         (lambda *a: flex_document(*a, compiled=False))
     got = fn(q, k, v, cu, None)
