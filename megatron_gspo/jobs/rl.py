@@ -324,7 +324,7 @@ class Trainer:
     # ------------------------------------------------------------------ one optimizer step
     def train_step(self, mb: Minibatch, next_mb: Minibatch | None = None,
                    first: bool = False) -> dict:
-        """One optimizer step on a minibatch (its forwards and backwards in row chunks of
+        """One optimizer step on a minibatch (its forwards and backwards in microbatches of
         `train.micro_max_tokens`, `rl_step.accumulate`); `mb.replay` (R2/R3 rows) forces its
         routing. `first`: no step since pi_old's pass; `next_mb`: the iteration's next
         minibatch (both let the flip measurement reuse routing it already has,

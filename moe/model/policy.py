@@ -7,7 +7,9 @@ projects), V vocab.
 Sequences are left-padded prompts followed by responses and right padding; `valid_BT` marks the
 real tokens. The attention mask is causal and hides padding keys; position ids count real tokens
 only, so a left-padded prompt sees the same positions as an unpadded one. Under sequence
-parallel T is padded up to a multiple of tp. Logits beyond the tokenizer's vocabulary (the preset
+parallel T is padded up to a multiple of tp. Packed (`MoEPolicy.pack`, `moe.model.packed`): the
+rows' real tokens run as one sequence instead, positions restarting and attention confined to
+each row, padded to a multiple of tp once; the outputs are scattered back into [B, T]. Logits beyond the tokenizer's vocabulary (the preset
 vocab is padded) are masked to -inf, so they are never sampled and carry no probability.
 The samplers' KV-cache decoders (`moe.inference.decode`) and megatron's dynamic engine (`moe.inference.engine`)
 run the same model.
