@@ -57,7 +57,7 @@ def test_padded_packed_and_trl_alternate_on_the_same_batch(capsys, monkeypatch):
     assert [pack for pack, _ in ours] == [False, True] * 2
     assert children == [(False, "equal"), (True, "equal"), (False, "long tail"),
                         (True, "long tail")]
-    assert re.search(r"\| tiny \| equal \| 12\.0 \| 64 \(64\) \| \d+ \| \d+ \| \d\.\d\d \| 1 \| 1 "
+    assert re.search(r"\| tiny \| equal \| 12\.0 \| 64 \(64\) \| \d+ \| \d+ \| \d+\.\d\d \| 1 \| 1 "
                      r"\| - \| - \|", out)
     trl = re.search(r"\| tiny \| long tail \|.* \| (\d+) \| (\d+\.\d\d) \|$", out, re.M)
     assert trl and int(trl.group(1)) > 0, out
