@@ -219,7 +219,7 @@ def packs(cfg: RunConfig, spec: JobSpec) -> bool:
     would under megatron's attention, which has no packed path (the local layer spec)."""
     if not spec.pack_key or not value_at(cfg, spec.pack_key):
         return False
-    if cfg.model.attention == "megatron":
+    if cfg.model.attention != "sdpa":  # megatron's own attention
         raise ConfigError(f"{spec.pack_key}=true packs sequences, which megatron's "
                           "DotProductAttention cannot (model.attention=megatron): set "
                           f"model.attention=sdpa or {spec.pack_key}=false")
