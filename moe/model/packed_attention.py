@@ -12,9 +12,9 @@ Without TE, `SDPAAttention` calls `packed_attention`, which picks by device:
 - CPU (`per_sequence`): `F.scaled_dot_product_attention(is_causal=True)` per segment, the
   segments of one length batched into one call. No mask tensor at all: each segment's scores
   are its own L_s x L_s inside the fused CPU kernel, sum_s L_s^2 work instead of the N^2 of one
-  call with a block-diagonal mask. Measured on one CPU thread (N = 4096, head dims 16 / 64):
-  7-12x faster forward + backward than the block-diagonal mask, which also holds an N x N float
-  mask (64 MiB at N = 4096); torch's flex attention without `torch.compile` materialises the
+  call with a block-diagonal mask. Measured on one CPU thread (N = 1024 to 4096, head dims 16 /
+  64): 4-12x faster forward + backward than the block-diagonal mask, which also holds an N x N
+  float mask (64 MiB at N = 4096); torch's flex attention without `torch.compile` materialises the
   N x N scores and was slower still. Batching equal lengths: 256 sequences of 16 tokens in one
   call instead of 256, 27x faster (4 heads of 16).
 - CUDA with flash-attn installed (`flash_varlen`): `flash_attn_varlen_func` (causal, GQA, the
