@@ -163,7 +163,7 @@ def _sized(q, cfg: RunConfig, rows: int, sizes: RowSizes, caches: int, engine: l
            whole_step: bool) -> tuple[list, float, dict]:
     """(rows after the training state, their persistent bytes, phase -> bytes) at `sizes`."""
     m, a = cfg.model, mem.ITEMSIZE[cfg.model.dtype]
-    routed = sizes.routed(rows, m.tp if m.sequence_parallel else 1)
+    routed = sizes.routed(rows, m.tp if m.sequence_parallel else 1, cfg.train.pack)
     out = [("routing caches: pi_old's" + (" and the sampler's (R3)" if caches > 1 else ""),
             caches * mem.replay_cache_bytes(int(routed), q.num_layers, q.topk, q.num_experts))]
     persistent = out[0][1]

@@ -53,10 +53,11 @@ class RowSizes:
         tokens = rows * real if not budget else min(rows * real, max(budget, T))
         return tokens / real, real, real - (T - new)
 
-    def routed(self, rows: int, tp_sp: int) -> float:
-        """Tokens of `rows` rows a rank's routing caches hold: its sequence shard of full rows;
-        packed, whole sequences on every TP rank (`moe.routing.tokens`)."""
-        return rows * self.T / tp_sp if self.real is None else rows * self.real
+    def routed(self, rows: int, tp_sp: int, packs: bool) -> float:
+        """Tokens of `rows` rows a rank's routing caches hold: a padded run's, its sequence
+        shard (`tp_sp` shards); a packing run's (`packs`), whole sequences on every TP rank
+        (`moe.routing.tokens`), at full or real length."""
+        return rows * (self.real or self.T) / (1 if packs else tp_sp)
 
 
 def packed_sizes(T: int, new: int, mean_response: float) -> RowSizes:
