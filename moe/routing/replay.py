@@ -291,8 +291,8 @@ def current_routing(policy, tokens_BT: torch.Tensor, valid_BT: torch.Tensor,
                     chunks: list | None = None):
     """No-grad forwards that record routing: (token log-probs [B, T] from column `start` on,
     routing cache of every token), both in batch row order. The forwards: `chunks` (row
-    selectors, e.g. `megatron_gspo.algo.packing.microbatches`), else `n_chunks` consecutive
-    row slices (`row_chunks`)."""
+    selectors: slices or index tensors, each row once, e.g. a token budget's bins), else
+    `n_chunks` consecutive row slices (`row_chunks`)."""
     B = tokens_BT.shape[0]
     chunks = row_chunks(B, n_chunks) if chunks is None else chunks
     logps, caches = [], []
