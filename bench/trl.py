@@ -112,15 +112,18 @@ def step_timer_callback(threads: int, steps_per_gen: int, between_batches):
     return StepTimer()
 
 
-def build_trl(args, preset, train_set, task, total_iters: int, out_dir: str, callback):
-    """TRL GRPOTrainer (GSPO settings) on the same prompts, model shape and batch split."""
+def build_trl(args, preset, train_set, task, total_iters: int, out_dir: str, callback,
+              rollout_func=None, reward=None):
+    """TRL GRPOTrainer (GSPO settings) on the same prompts, model shape and batch split.
+    `rollout_func`: TRL's hook returning the generation batch's prompt and completion ids in
+    place of `model.generate` (`bench.packing`: fixed lengths), with its `reward`."""
     # optional dependencies (the [bench] extra): only TRL's side needs them
     from datasets import Dataset
     from trl import GRPOConfig
 
     B = args.prompts * args.group_size
 
-    def reward(completions, idx, **_):
+    def task_reward(completions, idx, **_):
         return [task.reward(train_set[i], c) for i, c in zip(idx, completions)]
 
     data = Dataset.from_list([{"prompt": ex.prompt, "idx": i} for i, ex in enumerate(train_set)])
@@ -142,8 +145,9 @@ def build_trl(args, preset, train_set, task, total_iters: int, out_dir: str, cal
         eval_strategy="no", save_strategy="no", disable_tqdm=True, seed=args.seed,
         dataloader_num_workers=0, log_completions=False)
     trainer = timed_trainer_class()(
-        model=hf_model(preset, args.hf_experts), reward_funcs=reward, args=config,
-        train_dataset=data, processing_class=tok, callbacks=[callback])
+        model=hf_model(preset, args.hf_experts), reward_funcs=reward or task_reward, args=config,
+        train_dataset=data, processing_class=tok, callbacks=[callback],
+        **({"rollout_func": rollout_func} if rollout_func else {}))
     from transformers.trainer_callback import PrinterCallback  # optional dependency (the [bench] extra)
 
     trainer.remove_callback(PrinterCallback)  # logs are still computed every step, not printed

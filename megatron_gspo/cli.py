@@ -35,6 +35,7 @@ import warnings
 from megatron_gspo.config.schema import describe_config, load_config_origins
 from megatron_gspo.errors import ConfigError, UserError
 from megatron_gspo.jobs import plan
+from megatron_gspo.jobs.plan_packed import mean_response_of
 from megatron_gspo.rollout.backends import unused_settings
 from megatron_gspo.run.plugins import load_plugins
 from megatron_gspo.run.preempt import Interrupted, Preempted, StartupSignals
@@ -59,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "Hugging Face family (adds to the config's `plugins`; export: "
                              "instead of the run's own; repeatable; docs/extending.md)")
     # export: a run's latest checkpoint as a Hugging Face model folder (megatron_gspo.run.export)
-    parser.add_argument("--run-dir", default=None, help="export: the run (or step) dir")
+    parser.add_argument("--run-dir", default=None,
+                        help="export: the run (or step) dir; plan: a run whose mean response "
+                             "length sizes the packed column")
     parser.add_argument("--to-hf", default=None, help="export: output folder")
     parser.add_argument("--hf-path", default=None,
                         help="export: source model folder (default: the run's model.hf_path)")
@@ -69,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpus", type=int, default=None, help="plan: number of GPUs")
     parser.add_argument("--gpu-mem-gib", type=float, default=None,
                         help="plan: memory of one GPU in GiB")
+    parser.add_argument("--mean-response-tokens", type=float, default=None,
+                        help="plan: the mean response length, for the packed column beside "
+                             "the full-length bound (or --run-dir: its runs' "
+                             "response/length/mean)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     return parser
 
@@ -185,13 +192,18 @@ def _plan(args) -> int:
             or not args.gpu_mem_gib > 0:
         return _fail(f"plan needs --gpus N >= 1 and --gpu-mem-gib M > 0 (got --gpus "
                      f"{args.gpus}, --gpu-mem-gib {args.gpu_mem_gib})")
+    mean = args.mean_response_tokens
+    if mean is not None and not mean > 0:
+        return _fail(f"--mean-response-tokens={mean:g} must be > 0")
     try:
         cfg, origins = load_config_origins(args.config, args.overrides)
         cfg = _with_plugins(cfg, args)
         load_plugins(cfg.plugins)  # a backend, task or family of the config's plugins
         _warn(unused_settings(cfg, origins))
+        if mean is None and args.run_dir:
+            mean = mean_response_of(args.run_dir)
         text, fits = plan.report(args.config or "the default config", cfg, args.gpus,
-                                 args.gpu_mem_gib)
+                                 args.gpu_mem_gib, mean)
     except USER_ERRORS as e:
         return _fail(str(e))
     print(text)

@@ -8,7 +8,8 @@ Usage:
 The cache (`moe.model.memory.replay_cache_bytes`, shared with `megatron-gspo plan`) keeps, for every
 valid token of a rollout batch, the K expert ids chosen at each of the
 L MoE layers: bytes = tokens x L x K x itemsize, with itemsize 1 (uint8) for <= 256 experts and
-2 (int16) above. megatron's recorded indices are int64, so the compact cache is 8x smaller than
+2 (int16) above. Valid tokens only: the table gives every row at full length (the bound) and at
+real lengths (`--real`: rows of that fraction of the full length on average). megatron's recorded indices are int64, so the compact cache is 8x smaller than
 keeping them as recorded (4x above 256 experts). The cache is rank-local: a DP rank stores only
 its own rows and, under sequence parallel, only its sequence shard.
 
@@ -40,21 +41,29 @@ from tools.result_table import output_into  # noqa: E402
 cache_bytes = replay_cache_bytes  # tokens x layers x K x itemsize (None: the compact dtype)
 
 
-def table(preset_name: str, prompts: list[int], group: int, seq_tokens: list[int], dp: int) -> str:
+def table(preset_name: str, prompts: list[int], group: int, seq_tokens: list[int], dp: int,
+          real: float = 0.25) -> str:
+    """Cache sizes at full length (every row tokens/seq: the bound) and, in the last two
+    columns, at real lengths: rows of `real` x tokens/seq on average (the cache holds real
+    tokens only)."""
     p = get_preset(preset_name)
     compact = "uint8" if p.num_experts <= 256 else "int16"
     rows = [f"Routing Replay cache for {p.name}: L={p.num_layers} layers, K={p.topk} of "
-            f"E={p.num_experts} experts, stored as {compact}",
+            f"E={p.num_experts} experts, stored as {compact}; real: rows of {real:g} x tokens/seq "
+            "on average",
             f"{'prompts':>8} {'G':>4} {'tokens/seq':>10} {'tokens':>14} {compact + ' GiB':>11} "
-            f"{'int32 GiB':>10} {'int64 GiB':>10} {f'per DP rank (dp={dp}) GiB':>26}"]
+            f"{'int32 GiB':>10} {'int64 GiB':>10} {f'per DP rank (dp={dp}) GiB':>26} "
+            f"{'real GiB':>9} {'real per DP rank':>17}"]
     for n in prompts:
         for t in seq_tokens:
             tokens = n * group * t
             c = cache_bytes(tokens, p.num_layers, p.topk, p.num_experts)
             i32 = cache_bytes(tokens, p.num_layers, p.topk, p.num_experts, 4)
             i64 = cache_bytes(tokens, p.num_layers, p.topk, p.num_experts, 8)
+            r = cache_bytes(round(tokens * real), p.num_layers, p.topk, p.num_experts)
             rows.append(f"{n:>8} {group:>4} {t:>10} {tokens:>14,} {c / GIB:>11.2f} "
-                        f"{i32 / GIB:>10.2f} {i64 / GIB:>10.2f} {c / dp / GIB:>26.3f}")
+                        f"{i32 / GIB:>10.2f} {i64 / GIB:>10.2f} {c / dp / GIB:>26.3f} "
+                        f"{r / GIB:>9.2f} {r / dp / GIB:>17.3f}")
     return "\n".join(rows)
 
 
@@ -117,6 +126,9 @@ def main(argv=None) -> int:
     ap.add_argument("--group", type=int, default=16)
     ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192, 32768])
     ap.add_argument("--dp", type=int, default=64, help="data-parallel ranks sharing the batch")
+    ap.add_argument("--real", type=float, default=0.25,
+                    help="the real-length columns: a mean row this fraction of tokens/seq (a "
+                         "quarter: the long tail of reasoning RL)")
     ap.add_argument("--measure-only", action="store_true")
     ap.add_argument("--no-measure", action="store_true")
     ap.add_argument("--readme", default=None, metavar="PATH",
@@ -133,7 +145,7 @@ def report(args) -> bool:
     """Print the table and the tiny-scale measurement; False if the cache disagrees with the
     formula."""
     if not args.measure_only:
-        print(table(args.preset, args.prompts, args.group, args.tokens, args.dp))
+        print(table(args.preset, args.prompts, args.group, args.tokens, args.dp, args.real))
     if args.no_measure:
         return True
     m = measure()

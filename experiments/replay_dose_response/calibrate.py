@@ -48,7 +48,7 @@ def noisy_draws(policy, batch, std: float, temperature: float, draws: int):
         with torch.no_grad(), router_noise(policy, std, gen), record_routing(policy) as rec:
             noisy_BT = policy.token_logprobs(tokens_BT, valid_BT, temperature)
         noisy = RoutingReplayCache.from_recorded(rec, policy.routed_valid(valid_BT),
-                                                 policy.preset.num_experts)
+                                                 policy.preset.num_experts, policy.router_rows)
         per_layer = flip_counts(clean, noisy, rows_N)["flip_rate"]
         out.append((sum(per_layer) / len(per_layer), noisy_BT))
     return clean_BT, out

@@ -46,7 +46,8 @@ import torch
 
 from megatron_gspo.algo.margins import margin_metrics
 from megatron_gspo.dist import sum_over_ranks
-from moe.routing.replay import RoutingReplayCache, current_routing, record_routing
+from moe.routing.replay import (RoutingReplayCache, current_routing, record_routing,
+                                restore_order)
 from moe.routing.scores import RouterScores, record_router_scores
 from moe.routing.stats import topk_mask
 
@@ -167,7 +168,7 @@ class StepFlips:
 
         flips = StepFlips(policy, mb, active=True)
         with flips.watch():
-            for rows in chunks:   # one, or the row chunks of train.micro_max_tokens
+            for rows in chunks:   # one, or the microbatches of train.micro_max_tokens
                 with flips.forward(rows), replay_routing(policy, ...):  # forward first: below
                     loss = ...policy forward of those rows...
                 ...backward...
@@ -195,7 +196,7 @@ class StepFlips:
         step starts from. Under replay a forward's routing is the cache's, not the router's, so
         then the live routing comes from one extra no-grad forward run here."""
         policy, mb = self.policy, self.mb
-        self._parts: list[RoutingReplayCache] = []
+        self._parts: list[tuple] = []  # (rows, their recorded routing) per forward
         if not self.active:
             yield
             return
@@ -206,22 +207,30 @@ class StepFlips:
             yield
             return
         yield
-        self.before = RoutingReplayCache.cat(self._parts)
+        chunks = [rows for rows, _ in self._parts]
+        B = mb.valid_BT.shape[0]
+        if sum(len(torch.arange(B)[rows]) for rows in chunks) < B:
+            return  # a microbatch ended the step (NaN): it is skipped, nothing is measured
+        self.before = RoutingReplayCache.cat([cache for _, cache in self._parts])
+        back = restore_order(chunks, B)
+        if back is not None:  # packed microbatches: their rows back in the minibatch's order
+            self.before = self.before.select(back)
         self.used = self.before
 
     @contextmanager
-    def forward(self, rows: slice = slice(None)):
-        """Around each training forward inside `watch`, over the minibatch's rows `rows` (in
-        order; all of them in one forward, or consecutive chunks): records its live routing.
-        Enter it before `replay_routing`."""
+    def forward(self, rows: slice | torch.Tensor = slice(None)):
+        """Around each training forward inside `watch`, over the minibatch's rows `rows` (all
+        of them in one forward, or the microbatches of `megatron_gspo.algo.packing`, each row
+        once): records its live routing. Enter it before `replay_routing`."""
         policy = self.policy
         if not self.active or self.mb.replay is not None:
             yield
             return
         with record_routing(policy) as recorded:
             yield
-        self._parts.append(RoutingReplayCache.from_recorded(
-            recorded, policy.routed_valid(self.mb.valid_BT[rows]), policy.preset.num_experts))
+        self._parts.append((rows, RoutingReplayCache.from_recorded(
+            recorded, policy.routed_valid(self.mb.valid_BT[rows]), policy.preset.num_experts,
+            policy.router_rows)))
 
     def after_step(self) -> dict:
         """Flip rates of this step and drift from pi_old (call once the optimizer stepped)."""
@@ -254,7 +263,8 @@ class StepFlips:
         else:
             with record_router_scores(self.policy) as recorded:
                 both = routing_of(self.policy, tokens_BT, valid_BT)
-            scores = RouterScores.from_recorded(recorded, both.valid_BT, both.num_experts)
+            scores = RouterScores.from_recorded(recorded, both.valid_BT, both.num_experts,
+                                                self.policy.router_rows)
         if nxt is None:
             return both, scores
         n = len(mb)

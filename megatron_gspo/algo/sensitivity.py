@@ -53,7 +53,7 @@ def route_sensitivity(policy, tokens_BT: torch.Tensor, valid_BT: torch.Tensor,
     with record_router_scores(policy) as recorded:
         base_BT = policy.token_logprobs(tokens_BT, valid_BT, temperature, start=start)
     scores = RouterScores.from_recorded(recorded, policy.routed_valid(valid_BT),
-                                        policy.preset.num_experts)
+                                        policy.preset.num_experts, policy.router_rows)
     rows_N = margin_rows(policy, scores, response_BT)
     swap_N = rows_N & (torch.rand(rows_N.shape, generator=generator) < fraction)
     resp_BT = response_BT.bool().to(base_BT.device)

@@ -242,23 +242,34 @@ class TrainConfig:
     route_sensitivity_fraction: float = may_change(0.1)
     """The fraction of loss positions whose K-th expert is swapped for their (K+1)-th, one layer
     at a time, in `moe/route_sensitivity` (in (0, 1])."""
+    pack: bool = may_change(True)
+    """Sequence packing: every forward over a rollout batch (pi_old, R3's replayed pi_old, the
+    KL reference, the loss's forwards and backwards, the flip, margin and sensitivity forwards,
+    eval's full-recompute sampling) runs its rows' real tokens as one sequence, positions
+    restarting and attention confined to each sequence (`moe.model.packed`), instead of every
+    row at the batch's padded width; routing caches replay in packed order. The same numbers to
+    float rounding (tests/megatron_gspo/jobs/test_rl_packing.py); false: the padded step.
+    Needs model.attention=sdpa (or TransformerEngine). A speed knob: may change on resume."""
     logprob_max_tokens: int = may_change(4096)
-    """Token budget (sequences x padded length, at least one sequence) per forward of the
-    no-grad passes over a whole rollout batch: pi_old, R3's replayed pi_old, the reference
-    policy; 0 = all at once. Bounds their activation and logits memory (verl's
+    """Token budget per forward of the no-grad passes over a whole rollout batch: pi_old, R3's
+    replayed pi_old, the reference policy; 0 = all at once. Packed (train.pack): real tokens,
+    rows binned first-fit decreasing, a row over the budget alone; padded: sequences x padded
+    length, consecutive rows, at least one. Bounds their activation and logits memory (verl's
     log_prob_max_token_len_per_gpu; raise it on a GPU); short batches stay one forward, as
     per-forward overhead dominates there on CPU (`bench/step.py --pi-old`). The same
     numbers as one pass to fp32 rounding (GEMMs over fewer rows); ranks agree on the number of
-    forwards. A memory knob: may change on resume."""
+    forwards (`megatron_gspo.algo.packing`). A memory knob: may change on resume."""
     micro_max_tokens: int = may_change(0)
-    """Token budget (sequences x padded length, at least one sequence) per forward and backward
-    of an optimizer step: each minibatch runs in as few row chunks as keep within it, their
-    gradients accumulated into the one optimizer step; 0 = the whole minibatch in one forward.
-    Bounds a train step's activation memory (verl's ppo_max_token_len_per_gpu; `megatron-gspo
-    plan` sizes it). The same update to float rounding: each chunk's loss, a mean over its
-    sequences, weighs its share of the minibatch's rows, and the metrics cover the whole
-    minibatch (`megatron_gspo.jobs.rl_step`); the router noise draws continue over the chunks.
-    Ranks agree on the number of chunks. A memory knob: may change on resume."""
+    """Token budget per forward and backward of an optimizer step: each minibatch runs in as
+    few microbatches as keep within it, their gradients accumulated into the one optimizer
+    step; 0 = the whole minibatch in one forward. Packed (train.pack): real tokens, rows binned
+    first-fit decreasing, a row over the budget alone; padded: sequences x padded length,
+    consecutive rows, at least one. Bounds a train step's activation memory (verl's
+    ppo_max_token_len_per_gpu; `megatron-gspo plan` sizes it). The same update to float
+    rounding: each microbatch's loss, a mean over its sequences, weighs its share of the
+    minibatch's rows, and the metrics cover the whole minibatch (`megatron_gspo.jobs.rl_step`);
+    the router noise draws continue over the microbatches. Ranks agree on the number of
+    microbatches (`megatron_gspo.algo.packing`). A memory knob: may change on resume."""
     router_noise_std: float = 0.0
     """Routing-volatility knob (0 = off): Gaussian noise of this std on the router logits picks
     the top-k experts in the loss's forward only (gate weights stay those of the clean logits;
@@ -320,6 +331,10 @@ class SFTConfig:
     decay spans, not where SFT stops)."""
     min_lr: float = 0.0
     """Floor of the linear / cosine decay."""
+    pack: bool = may_change(True)
+    """Run each step's batch as one packed forward (its rows' real tokens as one sequence,
+    `moe.model.packed`) instead of padded to the longest row; the same loss to float rounding.
+    Needs model.attention=sdpa (or TransformerEngine). A speed knob: may change on resume."""
     target_accuracy: Band = may_change(None)
     """[low, high]: stop at the first eval (every sft.eval_every steps) whose held-out accuracy
     is in [low, high] and save there; sft.steps is then a budget: exhausting it is an error

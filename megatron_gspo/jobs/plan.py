@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 from megatron_gspo.config.schema import RunConfig, local_prompts
 from megatron_gspo.errors import ConfigError
+from megatron_gspo.jobs.plan_packed import (Column, RowSizes, packed_assumption, packed_lines,
+                                           packed_sizes)
 from megatron_gspo.jobs.plan_time import rows_per_call, step_time
 from megatron_gspo.rollout.backends import backend_of, check_config
 from moe.model import memory as mem
@@ -54,6 +56,8 @@ class Plan:
     phases: dict
     """phase -> its rows' bytes."""
     facts: dict
+    packed: "Column | None" = None
+    """The same rows at packed lengths (`train.pack` and a mean response length), or None."""
 
     @property
     def peak_phase(self) -> str:
@@ -119,51 +123,69 @@ def check_layout(p, cfg: RunConfig, gpus: int) -> None:
     local_prompts(cfg, gpus // tp)
 
 
-def plan_layout(p, cfg: RunConfig, gpus: int) -> Plan:
-    """The per-GPU memory of `cfg`'s layout on `gpus` GPUs (`check_layout` first)."""
+def plan_layout(p, cfg: RunConfig, gpus: int, mean_response: float | None = None) -> Plan:
+    """The per-GPU memory of `cfg`'s layout on `gpus` GPUs (`check_layout` first); with
+    `mean_response` (tokens) and `train.pack`, also at packed lengths (`Plan.packed`)."""
     check_layout(p, cfg, gpus)
     m, r = cfg.model, cfg.rollout
     tp, ep, sp = m.tp, m.ep, m.sequence_parallel
     q = padded(p, cfg, tp)
-    dp, edp, a = gpus // tp, gpus // ep, mem.ITEMSIZE[m.dtype]
+    dp, edp = gpus // tp, gpus // ep
     setting = mem.DTYPE_SETTING[m.dtype]
     params = mem.params_per_rank(q, tp, ep)
     state = mem.state_bytes(params, setting, dp, edp, cfg.optim.distributed)
     other = mem.state_bytes(params, setting, dp, edp, not cfg.optim.distributed)
     T, new = row_length(q, cfg)
     rows = local_prompts(cfg, dp) * r.group_size
-    routed = rows * T / (tp if sp else 1)
     caches = 1 + (cfg.train.routing_replay == "r3")
-    cache = caches * mem.replay_cache_bytes(int(routed), q.num_layers, q.topk, q.num_experts)
-    out = [(f"weights ({m.dtype})", state["weights"]), ("grads (fp32 main grads)", state["grads"]),
-           (f"fp32 masters ({_dist(cfg)}; else {other['masters'] / GIB:.2f})", state["masters"]),
-           (f"Adam moments ({_dist(cfg)}; else {other['optimizer'] / GIB:.2f})",
-            state["optimizer"]),
-           ("routing caches: pi_old's" + (" and the sampler's (R3)" if caches > 1 else ""),
-            cache)]
-    persistent = sum(state.values()) + cache
+    head = [(f"weights ({m.dtype})", state["weights"]),
+            ("grads (fp32 main grads)", state["grads"]),
+            (f"fp32 masters ({_dist(cfg)}; else {other['masters'] / GIB:.2f})",
+             state["masters"]),
+            (f"Adam moments ({_dist(cfg)}; else {other['optimizer'] / GIB:.2f})",
+             state["optimizer"])]
     engine, whole_step = backend_of(cfg).plan_memory(q, cfg, rows_per_call(cfg, rows), T)
-    phases = {}
+    full = _sized(q, cfg, rows, RowSizes(T, new), caches, engine, whole_step)
+    out = head + [(label, b) for label, b in full[0]]
+    packed = None
+    if mean_response is not None and cfg.train.pack:
+        rows_packed, persistent, phases = _sized(q, cfg, rows, packed_sizes(T, new,
+                                                 mean_response), caches, engine, whole_step)
+        packed = Column(tuple(b for _, b in head + rows_packed),
+                        sum(state.values()) + persistent, phases)
+    facts = {"dp": dp, "edp": edp, "rows": rows, "T": T, "new": new, "preset": q,
+             "micro": _micro_rows(cfg, rows, T), "per_call": rows_per_call(cfg, rows)}
+    return Plan(cfg, gpus, tuple(out), state, other, sum(state.values()) + full[1], full[2],
+                facts, packed)
+
+
+def _sized(q, cfg: RunConfig, rows: int, sizes: RowSizes, caches: int, engine: list,
+           whole_step: bool) -> tuple[list, float, dict]:
+    """(rows after the training state, their persistent bytes, phase -> bytes) at `sizes`."""
+    m, a = cfg.model, mem.ITEMSIZE[cfg.model.dtype]
+    routed = sizes.routed(rows, m.tp if m.sequence_parallel else 1, cfg.train.pack)
+    out = [("routing caches: pi_old's" + (" and the sampler's (R3)" if caches > 1 else ""),
+            caches * mem.replay_cache_bytes(int(routed), q.num_layers, q.topk, q.num_experts))]
+    persistent = out[0][1]
     if whole_step:
         out += engine
         persistent += sum(b for _, b in engine)
         engine = []
-    phase_rows = {"rollout": engine, "pi_old": _old_pass_rows(q, cfg, rows, T, new, a),
-                  "train": _train_rows(q, cfg, rows, T, new, a)}
+    phases = {}
+    phase_rows = {"rollout": engine, "pi_old": _old_pass_rows(q, cfg, rows, sizes, a),
+                  "train": _train_rows(q, cfg, rows, sizes, a)}
     for phase, items in phase_rows.items():
         out += [(f"{phase}: {label}", b) for label, b in items]
         phases[phase] = sum(b for _, b in items)
-    facts = {"dp": dp, "edp": edp, "rows": rows, "T": T, "new": new, "preset": q,
-             "micro": _micro_rows(cfg, rows, T), "per_call": rows_per_call(cfg, rows)}
-    return Plan(cfg, gpus, tuple(out), state, other, persistent, phases, facts)
+    return out, persistent, phases
 
 
 def _dist(cfg: RunConfig) -> str:
     return "distributed" if cfg.optim.distributed else "replicated"
 
 
-def _rows(n: int) -> str:
-    return f"{n} row" + ("" if n == 1 else "s")
+def _rows(n: float) -> str:
+    return f"{n:g} row" + ("" if n == 1 else "s")
 
 
 def _micro_rows(cfg: RunConfig, rows: int, T: int) -> int:
@@ -172,15 +194,16 @@ def _micro_rows(cfg: RunConfig, rows: int, T: int) -> int:
     return minibatch if not budget else min(minibatch, max(1, budget // T))
 
 
-def _old_pass_rows(q, cfg: RunConfig, rows: int, T: int, new: int, a: int) -> list:
-    m, budget = cfg.model, cfg.train.logprob_max_tokens
-    n = rows if not budget else min(rows, max(1, budget // T))
+def _old_pass_rows(q, cfg: RunConfig, rows: int, sizes: RowSizes, a: int) -> list:
+    m = cfg.model
+    n, T, new = sizes.forward(rows, cfg.train.logprob_max_tokens)
     return [(f"no-grad forward ({_rows(n)} x {T})",
              mem.forward_memory(q, n, T, new, a, m.tp, m.ep, m.sequence_parallel))]
 
 
-def _train_rows(q, cfg: RunConfig, rows: int, T: int, new: int, a: int) -> list:
-    m, n = cfg.model, _micro_rows(cfg, rows, T)
+def _train_rows(q, cfg: RunConfig, rows: int, sizes: RowSizes, a: int) -> list:
+    m = cfg.model
+    n, T, new = sizes.forward(rows // cfg.train.num_minibatches, cfg.train.micro_max_tokens)
     modules = tuple(s.strip() for s in m.recompute_modules.split(","))
     s = mem.train_step_memory(q, n, T, new, a, m.tp, m.ep, m.sequence_parallel,
                               m.recompute_granularity, modules)
@@ -197,17 +220,20 @@ def _train_rows(q, cfg: RunConfig, rows: int, T: int, new: int, a: int) -> list:
     return out
 
 
-def layouts(p, cfg: RunConfig, gpus: int, limit: float) -> list[tuple[int, int, float, bool]]:
-    """(tp, ep, peak bytes, fits) of every layout of `gpus` GPUs the config's rules allow, the
-    config's other settings kept; TP first, then EP, ascending."""
+def layouts(p, cfg: RunConfig, gpus: int, limit: float, mean_response: float | None = None
+            ) -> list[tuple]:
+    """(tp, ep, peak bytes, fits, packed peak bytes or None) of every layout of `gpus` GPUs
+    the config's rules allow, the config's other settings kept; TP first, then EP,
+    ascending."""
     out = []
     for tp in _divisors(gpus):
         for ep in _divisors(gpus):
             try:
-                plan = plan_layout(p, with_layout(cfg, tp, ep), gpus)
+                plan = plan_layout(p, with_layout(cfg, tp, ep), gpus, mean_response)
             except ConfigError:
                 continue
-            out.append((tp, ep, plan.peak, plan.peak <= limit))
+            out.append((tp, ep, plan.peak, plan.peak <= limit,
+                        plan.packed and plan.packed.peak))
     return out
 
 
@@ -218,13 +244,15 @@ def _divisors(n: int) -> list[int]:
 def pick(candidates: list) -> tuple[int, int] | None:
     """The fitting layout with the fewest tensor-parallel ranks (the KV-cache sampler and R3
     need TP = 1), then the fewest expert-parallel ones (all-to-alls over fewer GPUs)."""
-    return next(((tp, ep) for tp, ep, _, fits in candidates if fits), None)
+    return next(((tp, ep) for tp, ep, _, fits, *_ in candidates if fits), None)
 
 
-def report(source: str, cfg: RunConfig, gpus: int, gpu_gib: float) -> tuple[str, bool]:
-    """The plan's text and whether the config's layout fits."""
+def report(source: str, cfg: RunConfig, gpus: int, gpu_gib: float,
+           mean_response: float | None = None) -> tuple[str, bool]:
+    """The plan's text and whether the config's layout fits (at full length, the bound); with
+    `mean_response` (tokens) and `train.pack`, a packed column beside the full-length one."""
     p, note = model_preset(cfg)
-    plan = plan_layout(p, cfg, gpus)
+    plan = plan_layout(p, cfg, gpus, mean_response)
     limit = HEADROOM * gpu_gib * GIB
     f, q, m = plan.facts, plan.facts["preset"], cfg.model
     n = q.num_params()
@@ -236,24 +264,44 @@ def report(source: str, cfg: RunConfig, gpus: int, gpu_gib: float) -> tuple[str,
              + (" with fp32 masters" if m.dtype != "fp32" else "") + f", {_dist(cfg)} optimizer",
              f"rows: {f['rows']} per DP rank of {f['T']} positions ({f['T'] - f['new']} prompt "
              f"+ {f['new']} response), minibatch {f['rows'] // cfg.train.num_minibatches}, "
-             f"microbatch {f['micro']}, sampled {f['per_call']} per call", "",
-             f"{'per GPU':<68}{'GiB':>8}"]
-    lines += [f"  {label:<66}{b / GIB:>8.2f}" for label, b in plan.rows]
+             f"microbatch {f['micro']}, sampled {f['per_call']} per call"]
+    lines += packed_lines(plan, cfg, mean_response) + [""]
+    lines += _memory_lines(plan, cfg, gpu_gib, limit)
+    lines += _layout_lines(p, cfg, gpus, limit, mean_response)
+    t = step_time(q, cfg, gpus, f["dp"], f["T"])
+    real = plan.packed and packed_sizes(f["T"], f["new"], mean_response).real
+    tp_ = step_time(q, cfg, gpus, f["dp"], f["T"], real=real) if real else None
+    lines += ["", "step time per rollout batch (estimate)" + (", full length | packed"
+                                                                if tp_ else "")]
+    lines += [f"  {name:<10}{s:>12,.0f} s" + (f" | {sp:>10,.0f} s" if tp_ else "")
+              for name, s, sp in (("rollout", t.rollout, tp_ and tp_.rollout),
+                                  ("pi_old", t.pi_old, tp_ and tp_.pi_old),
+                                  ("train", t.train, tp_ and tp_.train))]
+    lines += [f"  {'total':<10}{t.total:>12,.0f} s ({t.total / 3600:.1f} h)"
+              + (f" | {tp_.total:>10,.0f} s ({tp_.total / 3600:.1f} h)" if tp_ else ""), "",
+              "assumptions"]
+    lines += [f"  - {a}" for a in _memory_assumptions(cfg, note) + list(t.assumptions)
+              + ([packed_assumption(real)] if tp_ else [])]
+    return "\n".join(_wrapped(lines)), plan.peak <= limit
+
+
+def _memory_lines(plan: Plan, cfg: RunConfig, gpu_gib: float, limit: float) -> list[str]:
+    """The per-GPU table (full length, and packed beside it), its peak and whether it fits."""
+    packed = plan.packed
+    lines = [f"{'per GPU':<68}{'GiB':>8}" + (f"{'packed':>10}" if packed else "")]
+    lines += [f"  {label:<66}{b / GIB:>8.2f}" + (f"{pb / GIB:>10.2f}" if packed else "")
+              for (label, b), pb in zip(plan.rows, packed.values if packed else plan.rows)]
     fits = plan.peak <= limit
     lines += [f"  {'peak: state + caches + the ' + plan.peak_phase + ' phase':<66}"
-              f"{plan.peak / GIB:>8.2f}",
+              f"{plan.peak / GIB:>8.2f}" + (f"{packed.peak / GIB:>10.2f}" if packed else ""),
               f"  {'fits' if fits else 'does not fit'}: at most {HEADROOM:.0%} of {gpu_gib:g} "
               f"GiB ({limit / GIB:.1f}) may be used; with the "
               f"{'replicated' if cfg.optim.distributed else 'distributed'} optimizer instead: "
-              f"{plan.peak_with(plan.state_other) / GIB:.2f} GiB", ""]
-    lines += _layout_lines(p, cfg, gpus, limit)
-    t = step_time(q, cfg, gpus, f["dp"], f["T"])
-    lines += ["", "step time per rollout batch (estimate)"]
-    lines += [f"  {name:<10}{s:>12,.0f} s" for name, s in
-              (("rollout", t.rollout), ("pi_old", t.pi_old), ("train", t.train))]
-    lines += [f"  {'total':<10}{t.total:>12,.0f} s ({t.total / 3600:.1f} h)", "", "assumptions"]
-    lines += [f"  - {a}" for a in _memory_assumptions(cfg, note) + list(t.assumptions)]
-    return "\n".join(_wrapped(lines)), fits
+              f"{plan.peak_with(plan.state_other) / GIB:.2f} GiB"]
+    if packed:
+        lines.append(f"  packed: {'fits' if packed.peak <= limit else 'does not fit'} at the "
+                     "mean response (the full-length column is the bound)")
+    return lines + [""]
 
 
 def _wrapped(lines: list[str], width: int = WIDTH) -> list[str]:
@@ -269,13 +317,18 @@ def _wrapped(lines: list[str], width: int = WIDTH) -> list[str]:
     return out
 
 
-def _layout_lines(p, cfg: RunConfig, gpus: int, limit: float) -> list[str]:
-    candidates = layouts(p, cfg, gpus, limit)
+def _layout_lines(p, cfg: RunConfig, gpus: int, limit: float,
+                  mean_response: float | None = None) -> list[str]:
+    candidates = layouts(p, cfg, gpus, limit, mean_response)
     chosen = pick(candidates)
+    packed = any(c[4] is not None for c in candidates)
     out = [f"layouts of {gpus} GPUs (the config's other settings); * = the pick: the fitting "
-           "layout with the fewest TP, then EP ranks", "  TP  EP  peak GiB  fits"]
+           "layout with the fewest TP, then EP ranks", "  TP  EP  peak GiB  fits"
+           + ("  packed GiB" if packed else "")]
     out += [f"{'*' if (tp, ep) == chosen else ' '} {tp:>3} {ep:>3} {peak / GIB:>9.2f}  "
-            f"{'yes' if ok else 'no'}" for tp, ep, peak, ok in candidates]
+            + (f"{'yes' if ok else 'no':<4}{pk / GIB:>12.2f}" if packed else
+               ('yes' if ok else 'no'))
+            for tp, ep, peak, ok, pk in candidates]
     if chosen is None:
         out.append("  none fits: lower the batch knobs (train.micro_max_tokens, "
                    "rollout.max_batch_rows), recompute more, or add GPUs")

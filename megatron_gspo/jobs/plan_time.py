@@ -84,15 +84,19 @@ def recompute_factor(p, cfg, seq_len: int) -> tuple[float, str]:
     return factor, f"selective recompute ({modules}): its forward again (x{factor:.2f})"
 
 
-def step_time(p, cfg, gpus: int, dp: int, seq_len: int) -> StepTime:
+def step_time(p, cfg, gpus: int, dp: int, seq_len: int, real: float | None = None
+              ) -> StepTime:
     """Estimated seconds of one rollout batch on each of `gpus` GPUs (`dp` data-parallel
-    replicas), rows of `seq_len` positions."""
+    replicas), rows of `seq_len` positions; packed (`real`), the forwards' FLOPs those of
+    rows of `real` real tokens (the assumptions still say full length: the packed column's
+    caller says otherwise), the rollout unchanged (decoding runs to the longest response)."""
     P, G, new = cfg.rollout.prompts_per_batch, cfg.rollout.group_size, \
         cfg.rollout.max_new_tokens
     rate = TRAIN["mfu_attn"] * PEAK_TFLOPS * 1e12
-    tokens = P * G * seq_len
-    forward = p.flops_per_token(seq_len) * tokens / gpus / rate  # one forward, per GPU
-    recompute, recompute_note = recompute_factor(p, cfg, seq_len)
+    length = real or seq_len
+    tokens = P * G * length
+    forward = p.flops_per_token(length) * tokens / gpus / rate  # one forward, per GPU
+    recompute, recompute_note = recompute_factor(p, cfg, length)
     passes = 1 + (cfg.train.routing_replay == "r3") + (cfg.loss.kl_coef > 0)
     flips = 1 / cfg.train.flip_every if cfg.train.flip_every else 0.0
     backend, tok_s, note = sampler_figure(cfg)

@@ -42,9 +42,10 @@ from megatron_gspo.algo.advantages import group_advantages
 from megatron_gspo.algo.flips import (FlipSchedule, loss_positions, sampler_mismatch,
                                       token_rows)
 from megatron_gspo.algo.corrections import correction_inputs
+from megatron_gspo.algo.packing import microbatches
 from megatron_gspo.algo.losses import PolicyLossFn, get_policy_loss
 from megatron_gspo.config.schema import RunConfig, local_prompts
-from megatron_gspo.dist import max_over_ranks, reduce_metrics
+from megatron_gspo.dist import reduce_metrics
 from megatron_gspo.errors import ConfigError
 from megatron_gspo.jobs.band import StartBand
 from megatron_gspo.jobs.rl_metrics import (replay_diff, response_metrics, rollout_metrics,
@@ -61,9 +62,9 @@ from megatron_gspo.run.loop import RunLoop, Schedule
 from megatron_gspo.run.metrics import Timer
 from megatron_gspo.run.oom import OLD_PASS, ROLLOUT, TRAIN_STEP, out_of_memory
 from megatron_gspo.run.setup import (JobSpec, Runtime, build_policy, evaluate_runtime,
-                                     evaluate_test, setup_runtime)
-from moe.routing.replay import (RoutingReplayCache, chunk_count, current_routing, replay_routing,
-                                row_chunks)
+                                     evaluate_test, packs, setup_runtime)
+from moe.routing.replay import (RoutingReplayCache, current_routing, replay_routing,
+                                restore_order)
 from moe.model.settings import OptimSettings
 
 PROGRESS_KEYS = ("reward/mean", "eval/accuracy", "policy/clip_frac/token",
@@ -93,7 +94,8 @@ def kl_reference(cfg: RunConfig) -> bool:
 
 
 SPEC = JobSpec("train", optim=optim_settings, unused_sections=UNUSED_SECTIONS,
-               kl_reference=kl_reference, band_key="train.start_accuracy")
+               kl_reference=kl_reference, band_key="train.start_accuracy",
+               pack_key="train.pack")
 """What RL needs of the run set-up: its optimizer, its KL reference, its band's key."""
 
 
@@ -187,7 +189,7 @@ class Trainer:
         try:
             ref_policy = None
             if kl_reference(cfg):  # frozen reference = the initial weights
-                ref_policy = build_policy(cfg, rt.tokenizer.vocab_size, optim=None)
+                ref_policy = build_policy(cfg, rt.tokenizer.vocab_size, None, pack=packs(cfg, SPEC))
                 if cfg.init_checkpoint:  # the step the run started from, not today's newest
                     load_init_weights(ref_policy, cfg.init_checkpoint, step_dir=rt.init_dir)
             return cls(rt, cfg, ref_policy=ref_policy, **parts)
@@ -246,17 +248,17 @@ class Trainer:
         """pi_old's no-grad pass (log-probs, routing), advantages and the replay source: the
         whole rollout batch as one `Minibatch`, plus the metrics all its steps share."""
         cfg = self.cfg
-        # forwards of <= logprob_max_tokens; prompt widths differ by rank: agree on the count
-        n = max_over_ranks(chunk_count(*batch.tokens_BT.shape, cfg.train.logprob_max_tokens))
+        # forwards of <= logprob_max_tokens, as many on every rank (algo/packing.py)
+        chunks = microbatches(batch.valid_BT, cfg.train.logprob_max_tokens, self.policy.pack)
         live_logp_BT, live_routing = current_routing(
             self.policy, batch.tokens_BT, batch.valid_BT, cfg.rollout.temperature,
-            start=batch.response_start, n_chunks=n)
+            start=batch.response_start, chunks=chunks)
         old_logp_BT, old_routing = live_logp_BT, live_routing
         if cfg.train.routing_replay == "r3":  # pi_old routes as the sampler did (on-policy)
-            old_logp_BT, old_routing = self.batch_logprobs(self.policy, batch, n,
+            old_logp_BT, old_routing = self.batch_logprobs(self.policy, batch, chunks,
                                                            batch.routing), batch.routing
         ref_logp_BT = None if self.ref_policy is None else \
-            self.batch_logprobs(self.ref_policy, batch, n)
+            self.batch_logprobs(self.ref_policy, batch, chunks)
         adv_B, adv_metrics = group_advantages(batch.rewards_B, cfg.rollout.group_size,
                                               eps=cfg.loss.adv_eps)
         adv_B, overlong_metrics = overlong_filter(adv_B, batch, cfg.filter.overlong)
@@ -274,16 +276,17 @@ class Trainer:
         return Minibatch(batch, pi_old_BT, adv_B, old_routing, replay, ref_logp_BT), shared
 
     @torch.no_grad()
-    def batch_logprobs(self, policy, batch: RolloutBatch, n_chunks: int,
+    def batch_logprobs(self, policy, batch: RolloutBatch, chunks: list,
                        routing=None) -> torch.Tensor:
-        """`policy`'s log-probs of a whole rollout batch in `n_chunks` forwards; with
-        `routing`, replaying it (R3's pi_old pass under the sampler's routing)."""
+        """`policy`'s log-probs of a rollout batch, a forward per row selector of `chunks`;
+        with `routing`, replaying it (R3's pi_old pass under the sampler's routing)."""
         cfg, start, out = self.cfg, batch.response_start, []
-        for rows in row_chunks(len(batch), n_chunks):
+        for rows in chunks:
             with replay_routing(policy, None if routing is None else routing.select(rows)):
                 out.append(policy.token_logprobs(batch.tokens_BT[rows], batch.valid_BT[rows],
                                                  cfg.rollout.temperature, start=start))
-        return torch.cat(out)
+        logp_BT, back = torch.cat(out), restore_order(chunks, len(batch))
+        return logp_BT if back is None else logp_BT[back.to(logp_BT.device)]
 
     def records_sampler_routing(self) -> bool:
         """Record the sampler's routing: for R3, and to measure the sampler-trainer routing
@@ -321,7 +324,7 @@ class Trainer:
     # ------------------------------------------------------------------ one optimizer step
     def train_step(self, mb: Minibatch, next_mb: Minibatch | None = None,
                    first: bool = False) -> dict:
-        """One optimizer step on a minibatch (its forwards and backwards in row chunks of
+        """One optimizer step on a minibatch (its forwards and backwards in microbatches of
         `train.micro_max_tokens`, `rl_step.accumulate`); `mb.replay` (R2/R3 rows) forces its
         routing. `first`: no step since pi_old's pass; `next_mb`: the iteration's next
         minibatch (both let the flip measurement reuse routing it already has,

@@ -3,7 +3,8 @@
 Shape legend: B sequences, T tokens.
 
 Cross-entropy on the reference answer (and <eos>) given `<bos> prompt`, token-mean over the
-batch. The GSPO paper starts RL from a cold-start fine-tuned model; here SFT is run only until
+batch, in one forward per step: packed by default (`sft.pack`: the rows' real tokens as one
+sequence, `moe.model.packed`), else every row padded to the longest. The GSPO paper starts RL from a cold-start fine-tuned model; here SFT is run only until
 the policy is partially right (`eval/accuracy` well inside (0, 1)), so that groups of G samples
 have non-zero reward variance and RL has something to learn.
 
@@ -152,7 +153,7 @@ def check_targets(cfg: RunConfig, tokenizer, train_set: list, is_main: bool) -> 
 
 
 SPEC = JobSpec("sft", optim=optim_settings, unused_sections=UNUSED_SECTIONS,
-               band_key="sft.target_accuracy", check_data=check_targets)
+               band_key="sft.target_accuracy", check_data=check_targets, pack_key="sft.pack")
 """What SFT needs of the run set-up: its optimizer, its band's key, its data check."""
 
 
@@ -176,7 +177,8 @@ def draw_batch(rt, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, to
 
 
 def sft_step(rt, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> dict:
-    """One cross-entropy step on `batch` (tokens, valid and target masks, [B, T])."""
+    """One cross-entropy step on `batch` (tokens, valid and target masks, [B, T]): one forward,
+    packed under `sft.pack` (the policy's `pack`)."""
     policy = rt.policy
     tokens_BT, valid_BT, target_BT = batch
     policy.zero_grad()

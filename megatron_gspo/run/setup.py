@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from megatron_gspo.config.schema import RunConfig, config_to_dict, save_config
+from megatron_gspo.config.schema import RunConfig, config_to_dict, save_config, value_at
 from megatron_gspo.errors import ConfigError
 from megatron_gspo.rollout.backends import backend_of, build_sampler
 from megatron_gspo.rollout.generate import evaluate, sampled_reward
@@ -41,7 +41,7 @@ from megatron_gspo.tasks.tokenizer import Tokenizer, load_tokenizer
 from moe.hf.config import preset_from_hf
 from moe.hf.weights import load_hf_weights
 from moe.platform.parallel import ParallelInfo, init_parallel
-from moe.model.policy import MoEPolicy
+from moe.model.policy import MoEPolicy, packable
 from moe.model.presets import MoEPreset, get_preset
 from moe.model.settings import OptimSettings, ParallelLayout, Recompute
 
@@ -73,6 +73,9 @@ class JobSpec:
     band_key: str = ""
     """The dotted config key of the job's accuracy band: when set, it chooses on the
     validation split, so set-up warns when the run has none (then it reads the test split)."""
+    pack_key: str = ""
+    """The dotted config key saying whether the job's policy packs its forwards
+    (`MoEPolicy.pack`: train.pack, sft.pack); "" for padded forwards."""
     check_data: Callable[[RunConfig, Tokenizer, list, bool], None] | None = None
     """The job's own look at (config, tokenizer, train set, is main rank) once the data is
     loaded and before the run is recorded (SFT: targets longer than the model or the
@@ -163,16 +166,16 @@ def recompute_of(cfg: RunConfig) -> Recompute:
 
 
 def build_policy(cfg: RunConfig, vocab_size: int, optim: OptimSettings | None,
-                 seed: int | None = None) -> MoEPolicy:
-    """The policy for tokenizer vocab `vocab_size` (`optim=None`: no optimizer); model.hf_path's
-    weights when set."""
+                 seed: int | None = None, pack: bool = False) -> MoEPolicy:
+    """The policy for tokenizer vocab `vocab_size` (`optim=None`: no optimizer; `pack`: packed
+    forwards); model.hf_path's weights when set."""
     preset = resolve_preset(cfg, vocab_size)
     policy = MoEPolicy.build(preset, layout_of(cfg), real_vocab=vocab_size,
                              seed=cfg.seed if seed is None else seed,
                              dtype=_DTYPES[cfg.model.dtype],
                              aux_loss_coeff=cfg.model.aux_loss_coeff,
                              optim=optim, recompute=recompute_of(cfg),
-                             sdpa_attention=cfg.model.attention == "sdpa",
+                             sdpa_attention=cfg.model.attention == "sdpa", pack=pack,
                              inference_graphs=backend_of(cfg).cuda_graphs(cfg))
     if cfg.model.hf_path:
         try:
@@ -194,7 +197,7 @@ def setup_runtime(cfg: RunConfig, spec: JobSpec) -> Runtime:
                          spec.unused_sections) if spec.writes else None
     try:
         tokenizer, task, splits, inputs = _data(cfg, spec, info.is_main)
-        policy = build_policy(cfg, tokenizer.vocab_size, optim)
+        policy = build_policy(cfg, tokenizer.vocab_size, optim, pack=packs(cfg, spec))
         init_dir = _init_weights(cfg, spec, policy, resuming, info.is_main)
         sampler = build_sampler(cfg, policy, tokenizer)
         logger = MetricsLogger(cfg.run_dir, config_to_dict(cfg), wandb_mode=cfg.wandb.mode,
@@ -213,12 +216,32 @@ def setup_runtime(cfg: RunConfig, spec: JobSpec) -> Runtime:
                    first_start=bool(first), init_dir=init_dir, sampler=sampler, job=spec.name)
 
 
+def packs(cfg: RunConfig, spec: JobSpec) -> bool:
+    """Whether the job's policy packs its forwards (`JobSpec.pack_key`); ConfigError when it
+    would under megatron's attention, which has no packed path (the local layer spec)."""
+    if not spec.pack_key or not value_at(cfg, spec.pack_key):
+        return False
+    if cfg.model.attention != "sdpa":  # megatron's own attention
+        raise ConfigError(f"{spec.pack_key}=true packs sequences, which megatron's "
+                          "DotProductAttention cannot (model.attention=megatron): set "
+                          f"model.attention=sdpa or {spec.pack_key}=false")
+    try:
+        packable(layout_of(cfg))
+    except ValueError as e:
+        raise ConfigError(f"{spec.pack_key}=true with model.ep={cfg.model.ep} needs "
+                          "model.dispatcher=alltoall (or auto), not allgather, which gathers "
+                          "equal token counts from every expert-parallel rank: set it or "
+                          f"{spec.pack_key}=false") from e
+    return True
+
+
 def _preflight(cfg: RunConfig, spec: JobSpec) -> tuple[ParallelInfo, bool]:
     """What needs no run dir: the host allocator (`megatron_gspo.run.host`), the sampler
     backend, the process groups, `init_checkpoint` and `model.hf_path`; returns (parallel info,
     whether this start resumes run_dir)."""
     tune_malloc()
     check_names(cfg)  # unknown task / loss / reward / sampler (or one not runnable here): first
+    packs(cfg, spec)
     try:
         info = init_parallel(cfg.model.tp, cfg.model.ep, seed=cfg.seed,
                              timeout_min=cfg.model.dist_timeout_min,

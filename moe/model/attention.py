@@ -25,10 +25,14 @@ softmax; SDPA is closer to a float64 reference (tests/moe/model/test_attention.p
 does not materialise the scores (flash / memory-efficient kernels), which is what makes long
 sequences fit without TE. Departure: not bitwise megatron's 16-bit numbers.
 
+Packed sequences (megatron's `PackedSeqParams` in the `thd` format: [N, H, D] inputs, causal
+within each segment, no mask; `moe.model.packed`) go to `moe.model.packed_attention`, which
+`DotProductAttention` has no counterpart of.
+
 Falls back to `DotProductAttention.forward` outside what it reproduces: other dtypes, dropout
-while training, softmax offsets, attention bias, packed sequences, query-key layer scaling, and
-no mask with a causal mask type (SDPA's `is_causal` aligns top-left, megatron's mask bottom-right
-under a KV cache).
+while training, softmax offsets, attention bias, packed formats other than `thd`, query-key
+layer scaling, and no mask with a causal mask type (SDPA's `is_causal` aligns top-left,
+megatron's mask bottom-right under a KV cache).
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+from moe.model.packed_attention import packed_attention
 
 
 SDPA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -67,8 +73,10 @@ class SDPAAttention(DotProductAttention):
 
     def _sdpa_ok(self, query, attention_mask, attention_bias, packed_seq_params) -> bool:
         cfg = self.config
-        return (query.dtype in SDPA_DTYPES and attention_mask is not None
-                and attention_bias is None and packed_seq_params is None
+        thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        return (query.dtype in SDPA_DTYPES
+                and (attention_mask is not None if packed_seq_params is None else thd)
+                and attention_bias is None
                 and self.softmax_offset is None and not cfg.apply_query_key_layer_scaling
                 and (self.attention_dropout.p == 0.0 or not self.training))
 
@@ -78,6 +86,10 @@ class SDPAAttention(DotProductAttention):
             return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                    attention_bias=attention_bias,
                                    packed_seq_params=packed_seq_params)
+        if packed_seq_params is not None:  # thd: [N, H, D], causal within each segment
+            out_NHD = packed_attention(query, key, value, packed_seq_params.cu_seqlens_q,
+                                       packed_seq_params.max_seqlen_q, self.softmax_scale)
+            return out_NHD.reshape(out_NHD.shape[0], self.hidden_size_per_partition)
         S, B = query.shape[:2]
         q_BHSD = query.permute(1, 2, 0, 3)
         k_BGKD, v_BGKD = key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)

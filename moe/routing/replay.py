@@ -14,10 +14,13 @@ likelihoods use the same sub-network. Here:
   probabilities from the live router logits at the cached ids (then softmax over the K of them),
   so gradients still reach the router for every replayed expert (docs/pitfalls.md#replay-gradients).
 
-Layout (docs/pitfalls.md#replay-layout): megatron's router sees tokens sequence-first, [S, B] flattened as s*B + b.
-The cache stores sequences batch-first (so a minibatch is a row slice) and converts back to
-sequence-first when it hands ids to megatron. Padding rows, which megatron still routes, get a
-balanced, duplicate-free filler (row n -> experts (n*K + j) mod E) rather than expert 0.
+Layout (docs/pitfalls.md#replay-layout): the cache stores sequences batch-first, valid tokens
+only (so a minibatch is a row selection) and converts to the order of the forward that replays it
+when it hands ids to megatron (`moe.routing.tokens.RouterRows`): sequence-first, [S, B] flattened
+as s*B + b, for a padded forward; the rows' real tokens one after another for a packed one
+(`moe.model.packed`). Positions it holds no token for (padding, a pack's alignment tail), which
+megatron still routes, get a balanced, duplicate-free filler (row n -> experts (n*K + j) mod E)
+rather than expert 0.
 
 Activation recompute (`moe.model.settings.Recompute` with the routers inside: 'full', or 'selective'
 with 'moe') runs each router again in the backward, after `replay_routing` has exited. The
@@ -25,8 +28,11 @@ replayed ids are then queued on the policy and `MoEPolicy.backward` replays them
 REPLAY_BACKWARD action (`replay_backward`), so the recomputed forward routes as the forward did
 (docs/pitfalls.md#replay-gradients still holds: probs are re-gathered from live logits).
 
-Everything is rank-local: each rank caches exactly the tokens its routers saw (its DP rows, its
-SP sequence shard), so nothing is ever broadcast (docs/pitfalls.md#replay-payload). Replay state is set only inside
+Everything is per data-parallel rank: each rank caches the tokens of its own rows, and nothing
+is broadcast (docs/pitfalls.md#replay-payload). Padded, each rank caches exactly the tokens its
+routers saw (under sequence parallelism its shard); packed, the TP ranks of a replica each hold
+the replica's whole sequences (gathered over the TP group, so any packing of the rows replays).
+Replay state is set only inside
 the context managers and cleared on exit, also on error, so eval / reference / rollout forwards
 never replay by accident (`assert_routing_idle`).
 """
@@ -40,6 +46,7 @@ import torch
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
 from moe.routing.stats import topk_mask
+from moe.routing.tokens import RouterRows
 
 
 def ids_dtype(num_experts: int) -> torch.dtype:
@@ -81,19 +88,22 @@ class RoutingReplayCache:
 
     @classmethod
     def from_recorded(cls, recorded_L: list[torch.Tensor], valid_BT: torch.Tensor,
-                      num_experts: int) -> "RoutingReplayCache":
-        """Pack megatron's recorded ids (per layer [T*B, K], sequence-first) for valid tokens."""
-        B, T = valid_BT.shape
+                      num_experts: int, rows: RouterRows = RouterRows()) -> "RoutingReplayCache":
+        """Pack megatron's recorded ids (per layer [R, K] in the order `rows` of the forward
+        that recorded them: sequence-first [T*B] padded, the pack packed) for the valid tokens
+        of `valid_BT` (this rank's routed part, `RouterRows.routed_valid`)."""
         if any(r is None for r in recorded_L):
             raise RuntimeError("a router recorded nothing: was the forward run inside "
                                "record_routing()?")
+        valid_BT = valid_BT.cpu().bool()
+        per_layer = []
         for layer, ids in enumerate(recorded_L):
-            if ids.shape[0] != T * B:
-                raise ValueError(f"layer {layer}: recorded {ids.shape[0]} tokens, expected "
-                                 f"T*B = {T}*{B} (is valid_BT this rank's routed shard?)")
-        ids_LBTK = torch.stack([ids.reshape(T, B, -1).transpose(0, 1) for ids in recorded_L])
-        ids_NLK = ids_LBTK.permute(1, 2, 0, 3)[valid_BT.to(ids_LBTK.device)]
-        return cls(ids_NLK.to(ids_dtype(num_experts)).cpu(), valid_BT.cpu().bool(), num_experts)
+            try:
+                per_layer.append(rows.to_tokens(ids, valid_BT))
+            except ValueError as e:
+                raise ValueError(f"layer {layer}: {e}") from None
+        ids_NLK = torch.stack(per_layer, dim=1)
+        return cls(ids_NLK.to(ids_dtype(num_experts)).cpu(), valid_BT, num_experts)
 
     @classmethod
     def cat(cls, caches: list["RoutingReplayCache"]) -> "RoutingReplayCache":
@@ -112,18 +122,13 @@ class RoutingReplayCache:
         ids_NLK = torch.cat(pieces) if pieces else self.ids_NLK[:0]
         return RoutingReplayCache(ids_NLK, self.valid_BT[rows], self.num_experts)
 
-    def dense_layers(self, device: torch.device | str = "cpu") -> list[torch.Tensor]:
-        """Per layer int64 [T*B, K] ids, sequence-first as megatron's router wants them."""
-        B, T = self.valid_BT.shape
-        K, E = self.topk, self.num_experts
-        n_TB = torch.arange(T * B).reshape(T, B).T  # flat sequence-first index of (b, t)
-        filler_BTK = (n_TB[..., None] * K + torch.arange(K)) % E
-        out = []
-        for layer in range(self.num_layers):
-            ids_BTK = filler_BTK.clone()
-            ids_BTK[self.valid_BT] = self.ids_NLK[:, layer].long()
-            out.append(ids_BTK.transpose(0, 1).reshape(T * B, K).to(device))
-        return out
+    def dense_layers(self, device: torch.device | str = "cpu",
+                     rows: RouterRows = RouterRows()) -> list[torch.Tensor]:
+        """Per layer int64 [R, K] ids in the order `rows` of the forward that replays them:
+        sequence-first [T*B] padded (docs/pitfalls.md#replay-layout), this rank's slice of the
+        pack packed; filler where the cache holds no token (`moe.routing.tokens`)."""
+        return [rows.to_router(self.ids_NLK[:, layer], self.valid_BT, self.num_experts).to(device)
+                for layer in range(self.num_layers)]
 
     def layer_ids(self, layer: int) -> torch.Tensor:
         """[N, K] ids of the valid tokens at one layer (for routing statistics)."""
@@ -179,7 +184,7 @@ def replay_routing(policy, cache: RoutingReplayCache | None, check: dict | None 
     if cache.num_layers != len(routers):
         raise ValueError(f"cache has {cache.num_layers} layers, policy has {len(routers)} routers")
     cache.validate()
-    ids_L = cache.dense_layers(policy.device)
+    ids_L = cache.dense_layers(policy.device, policy.router_rows)
     for r, ids in zip(routers, ids_L):
         r.clear_indices()
         r.set_target_indices(ids)
@@ -267,16 +272,39 @@ def row_chunks(B: int, n_chunks: int) -> list[slice]:
     return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
+def restore_order(chunks: list, B: int) -> torch.Tensor | None:
+    """The permutation that puts the rows of `chunks` (row selectors of a B-row batch:
+    slices or index tensors, covering every row once), concatenated chunk by chunk, back in
+    batch order; None when they already are (consecutive slices)."""
+    order = torch.cat([torch.arange(B)[rows] for rows in chunks]) if chunks else \
+        torch.arange(0)
+    if torch.equal(order, torch.arange(B)):
+        return None
+    if not torch.equal(order.sort().values, torch.arange(B)):
+        raise ValueError(f"chunks must select each of the {B} rows once")
+    return torch.argsort(order)
+
+
 @torch.no_grad()
 def current_routing(policy, tokens_BT: torch.Tensor, valid_BT: torch.Tensor,
-                    temperature: float = 1.0, start: int = 1, n_chunks: int = 1):
-    """No-grad forwards (`n_chunks` of them over consecutive rows, `row_chunks`) that record
-    routing: (token log-probs [B, T] from column `start` on, routing cache of every token)."""
+                    temperature: float = 1.0, start: int = 1, n_chunks: int = 1,
+                    chunks: list | None = None):
+    """No-grad forwards that record routing: (token log-probs [B, T] from column `start` on,
+    routing cache of every token), both in batch row order. The forwards: `chunks` (row
+    selectors: slices or index tensors, each row once, e.g. a token budget's bins), else
+    `n_chunks` consecutive row slices (`row_chunks`)."""
+    B = tokens_BT.shape[0]
+    chunks = row_chunks(B, n_chunks) if chunks is None else chunks
     logps, caches = [], []
-    for rows in row_chunks(tokens_BT.shape[0], n_chunks):
+    for rows in chunks:
         with record_routing(policy) as recorded:
             logps.append(policy.token_logprobs(tokens_BT[rows], valid_BT[rows],
                                                temperature=temperature, start=start))
         caches.append(RoutingReplayCache.from_recorded(
-            recorded, policy.routed_valid(valid_BT[rows]), policy.preset.num_experts))
-    return torch.cat(logps), RoutingReplayCache.cat(caches)
+            recorded, policy.routed_valid(valid_BT[rows]), policy.preset.num_experts,
+            policy.router_rows))
+    logp_BT, cache = torch.cat(logps), RoutingReplayCache.cat(caches)
+    back = restore_order(chunks, B)
+    if back is None:
+        return logp_BT, cache
+    return logp_BT[back.to(logp_BT.device)], cache.select(back)

@@ -1,6 +1,7 @@
 """Router scores past the top-k: how close each token came to another expert, and which one.
 
-Shape legend: R router rows of one forward (megatron's sequence-first T*B), N valid tokens
+Shape legend: R router rows of one forward (megatron's sequence-first T*B, or a pack's
+positions: `moe.routing.tokens`), N valid tokens
 packed sequence by sequence (as `moe.routing.replay.RoutingReplayCache`), L MoE layers, K top-k,
 J = K + 1, E experts, B sequences, T tokens.
 
@@ -34,6 +35,7 @@ from functools import partial
 import torch
 
 from moe.routing.replay import RoutingReplayCache, _routers, ids_dtype
+from moe.routing.tokens import RouterRows
 
 
 def _scored_topk(router, inner, scores_are_probs: bool, out: list, scores, topk,
@@ -92,20 +94,21 @@ class RouterScores:
         return self.ids_NLJ.shape[2] - 1
 
     @classmethod
-    def from_recorded(cls, recorded_L: list, valid_BT: torch.Tensor,
-                      num_experts: int) -> "RouterScores":
-        """Pack `record_router_scores`' per-layer [T*B, J] rows (sequence-first) for the valid
-        tokens of `valid_BT`, this rank's routed shard (`MoEPolicy.routed_valid`)."""
-        B, T = valid_BT.shape
-        for layer, (p_RJ, _) in enumerate(recorded_L):
-            if p_RJ.shape[0] != T * B:
-                raise ValueError(f"layer {layer}: scored {p_RJ.shape[0]} tokens, expected "
-                                 f"T*B = {T}*{B} (is valid_BT this rank's routed shard?)")
+    def from_recorded(cls, recorded_L: list, valid_BT: torch.Tensor, num_experts: int,
+                      rows: RouterRows = RouterRows()) -> "RouterScores":
+        """Pack `record_router_scores`' per-layer [R, J] rows (in the order `rows` of the
+        forward that scored them: sequence-first [T*B] padded, the pack packed) for the valid
+        tokens of `valid_BT`, this rank's routed part (`MoEPolicy.routed_valid`)."""
         valid = valid_BT.bool().cpu()
 
         def pack(tensors_L):
-            x_LBTJ = torch.stack([x.reshape(T, B, -1).transpose(0, 1).cpu() for x in tensors_L])
-            return x_LBTJ.permute(1, 2, 0, 3)[valid]
+            out = []
+            for layer, x_RJ in enumerate(tensors_L):
+                try:
+                    out.append(rows.to_tokens(x_RJ, valid).cpu())
+                except ValueError as e:
+                    raise ValueError(f"layer {layer}: scored: {e}") from None
+            return torch.stack(out, dim=1)
         return cls(pack([p for p, _ in recorded_L]),
                    pack([i for _, i in recorded_L]).to(ids_dtype(num_experts)), valid,
                    num_experts)

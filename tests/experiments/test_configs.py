@@ -122,22 +122,23 @@ def test_profile_overlay_reads_yaml_like_the_config_loader(tmp_path, monkeypatch
 
 @pytest.mark.parametrize("path", PUBLISHED, ids=lambda p: os.path.relpath(p, ROOT))
 def test_published_experiments_pin_the_kernels_they_ran_with(path):
-    """Every experiment config names the attention, Adam path and pi_old chunking its README's
-    tables were generated with, in its YAML (not through defaults, which change: their
+    """Every experiment config names the attention, Adam path, pi_old chunking and packing its
+    README's tables were generated with, in its YAML (not through defaults, which change: their
     rounding can flip a sampled token). The experiments before the fast kernels became the
     defaults ran with megatron's DotProductAttention, Adam's foreach path and one pi_old
     forward per rollout batch; those after them, which say so in their README, with the fast
-    ones."""
+    ones; all of them with padded forwards (train.pack, sft.pack)."""
     from megatron_gspo.config.yamlfile import load_layered
 
     raw = load_layered(path)
     pinned = (raw.get("model", {}).get("attention"), raw.get("optim", {}).get("adam_kernel"),
-              raw.get("train", {}).get("logprob_max_tokens"))
+              raw.get("train", {}).get("logprob_max_tokens"), raw.get("train", {}).get("pack"),
+              raw.get("sft", {}).get("pack"))
     assert None not in pinned, pinned
     if os.path.basename(os.path.dirname(path)) in FAST_KERNELS:
-        assert pinned == ("sdpa", "fused", 4096)
+        assert pinned == ("sdpa", "fused", 4096, False, False)
     else:
-        assert pinned == ("megatron", "foreach", 0)
+        assert pinned == ("megatron", "foreach", 0, False, False)
 
 
 FAST_KERNELS = ("positive_control",)

@@ -2,6 +2,10 @@
 whose per-step metrics are pinned in tests/golden/golden_run.json. A refactor that changes what
 the trainer computes changes these numbers; `test_golden.py` compares within `TOLERANCE`.
 
+Twice: with sequence packing (the default, `sft.pack`, `train.pack`) and its padded twin
+(`PADDED`, every arm's name + "_padded"), the step as it ran before packing: its numbers were
+pinned before packing existed and have not moved.
+
 Each run's rows are pinned by step, keys in KEYS only: a row of none of them (step 0's evals of
 the initial policy, in SFT and, with a test split, in RL) pins its step.
 
@@ -34,6 +38,8 @@ ARMS = {"gspo": ["loss.name=gspo"],
         "grpo_r2": ["loss.name=grpo", "train.routing_replay=r2"]}
 RL = ["train.steps=2", "train.num_minibatches=2", "train.eval_every=0", "train.save_every=0",
       "optim.lr=1e-3", "train.flip_every=1"]
+PADDED = ["sft.pack=false", "train.pack=false"]
+"""The padded twin's overrides: no packing in SFT or RL."""
 # Other kernels for the same math: torch's unvectorised CPU kernels, MKL and oneDNN on AVX2
 # (ignored where they do not apply, e.g. on ARM).
 PERTURBED_ENV = {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
@@ -44,21 +50,42 @@ KEYS = ("policy/loss", "train/grad_norm", "policy/clip_frac/token", "policy/clip
 
 
 def run(root: str) -> dict[str, list[dict]]:
-    """{arm: [{step, key: value} per logged row]} for the SFT run and each RL arm."""
+    """{arm: [{step, key: value} per logged row]} for the SFT run and each RL arm, packed and
+    padded (arm + "_padded")."""
+    out = {}
+    for twin, extra in (("", []), ("_padded", PADDED)):
+        sft_dir = sft(os.path.join(root, "sft" + twin), *extra)
+        out["sft" + twin] = rows_of(sft_dir)
+        for arm, overrides in ARMS.items():
+            d = os.path.join(root, arm + twin)
+            rl(d, sft_dir, *overrides, *extra)
+            out[arm + twin] = rows_of(d)
+    return out
+
+
+def sft(run_dir: str, *overrides: str) -> str:
+    """The golden SFT into `run_dir` (returned)."""
     from megatron_gspo.config.schema import load_config
-    from megatron_gspo.run.metrics import read_jsonl
     from megatron_gspo.jobs.sft import run_sft
+
+    run_sft(load_config(None, [*COMMON, *SFT, *overrides, f"run_dir={run_dir}"]))
+    return run_dir
+
+
+def rl(run_dir: str, sft_dir: str, *overrides: str) -> None:
+    """A golden RL run into `run_dir` from `sft_dir`'s checkpoint (`overrides`: its arm's)."""
+    from megatron_gspo.config.schema import load_config
     from megatron_gspo.jobs.rl import Trainer
 
-    sft_dir = os.path.join(root, "sft")
-    run_sft(load_config(None, [*COMMON, *SFT, f"run_dir={sft_dir}"]))
-    out = {"sft": _rows(read_jsonl(os.path.join(sft_dir, "metrics.jsonl")))}
-    for arm, overrides in ARMS.items():
-        d = os.path.join(root, arm)
-        Trainer.from_config(load_config(None, [*COMMON, *RL, *overrides, f"run_dir={d}",
-                                   f"init_checkpoint={sft_dir}"])).train()
-        out[arm] = _rows(read_jsonl(os.path.join(d, "metrics.jsonl")))
-    return out
+    Trainer.from_config(load_config(None, [*COMMON, *RL, *overrides, f"run_dir={run_dir}",
+                                           f"init_checkpoint={sft_dir}"])).train()
+
+
+def rows_of(run_dir: str) -> list[dict]:
+    """A run's pinned rows: {step, key: value} of KEYS, per logged row."""
+    from megatron_gspo.run.metrics import read_jsonl
+
+    return _rows(read_jsonl(os.path.join(run_dir, "metrics.jsonl")))
 
 
 def cpu_model() -> str:

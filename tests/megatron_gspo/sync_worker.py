@@ -12,6 +12,7 @@ instead of hanging.
 
 import os
 import warnings
+from functools import partial
 
 import torch
 
@@ -50,7 +51,10 @@ def force_early_eos(policy, tokenizer, prompts: list[str], strength: float) -> N
         policy.logits(tokens_BP, valid_BP)
     finally:
         hook.remove()
-    m = hidden[0].transpose(0, 1)[valid_BP].mean(0)  # megatron's hidden is [T, B, H]
+    if policy.pack:  # the prompts' real tokens, one after another: [N, 1, H]
+        m = hidden[0][:, 0].mean(0)
+    else:
+        m = hidden[0].transpose(0, 1)[valid_BP].mean(0)  # megatron's hidden is [T, B, H]
     gpt.output_layer.weight[tokenizer.eos_id] += strength * m / m.norm() ** 2
 
 
@@ -109,6 +113,20 @@ def collective_timeouts_s() -> list[float]:
     return [g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in groups]
 
 
+def wanting(n: int, valid_BT, budget: int, packed: bool) -> list:
+    """`megatron_gspo.algo.packing.microbatches`, its bins `n` (round robin over the rows) before
+    the ranks agree on a count: what a rank would want on its own."""
+    from megatron_gspo.algo import packing
+
+    real = packing.pack_rows
+    packing.pack_rows = lambda lengths, budget: [list(range(len(lengths)))[r::n]
+                                                 for r in range(n)]
+    try:
+        return packing.microbatches(valid_BT, budget, packed)
+    finally:
+        packing.pack_rows = real
+
+
 def worker(rank: int, world: int, port: int, ref_path: str, out_dir: str, eps: list) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
@@ -120,9 +138,10 @@ def worker(rank: int, world: int, port: int, ref_path: str, out_dir: str, eps: l
     from megatron_gspo.jobs import rl as trainer_module
     from megatron_gspo.dist import all_ranks, max_over_ranks, reduce_metrics
 
-    # pi_old's pass in 1 forward on rank 0 and 2 on rank 1 (as when prompt widths differ): the
-    # trainer must agree on 2, or rank 0 leaves its peer waiting in the MoE all-to-all
-    trainer_module.chunk_count = lambda B, T, max_tokens: 1 + rank
+    # pi_old's pass in 1 forward on rank 0 and 2 on rank 1 (as when the ranks' rows hold
+    # different token counts): the trainer must agree on 2, or rank 0 leaves its peer waiting in
+    # the MoE all-to-all
+    trainer_module.microbatches = partial(wanting, 1 + rank)
 
     ref = torch.load(ref_path, weights_only=False)
     half = len(ref["prompts"]) // world

@@ -92,9 +92,10 @@ def test_every_metric_the_code_emits_is_on_the_metrics_page():
     """docs/metrics.md (the README's Metrics section before it) names every key of the loss,
     advantage, rollout, filter and eval metrics (adv/{mean,std}, reward/group_std/mean,
     policy/log_ratio/abs_max and eval/{reward_mean,format_ok} were missing once), and the
-    trainer's train/{iteration,minibatch}."""
+    trainer's train/{iteration,minibatch} and the step's train/{pad_frac,microbatches}."""
     patterns = _documented_metric_patterns()
-    keys = _emitted_keys() | {"train/iteration", "train/minibatch"}
+    keys = _emitted_keys() | {"train/iteration", "train/minibatch", "train/pad_frac",
+                              "train/microbatches"}
     missing = sorted(k for k in keys if not any(p.fullmatch(k) for p in patterns))
     assert not missing, f"emitted but not in docs/metrics.md: {missing}"
 

@@ -2,7 +2,7 @@
 
 Each layout is checked against a reference computed by the 1-process model with the same
 weights: logits, gradients (gathered back to full tensors) and the global grad norm, both
-`moe.grads`'s and the one megatron's optimizer clips with.
+`moe.grads`'s and the one megatron's optimizer clips with; padded and packed (`check_packed`).
 """
 
 import os
@@ -192,6 +192,7 @@ def worker(rank: int, world: int, port: int, ref_path: str, layouts: list) -> No
     from moe.model.policy import MoEPolicy
     from moe.model.settings import OptimSettings, ParallelLayout
     from moe.model.sharding import gather_full_params, load_full_params
+    from tests.moe.packed_checks import check_packed  # imports this module's helpers
 
     ref = torch.load(ref_path, weights_only=False)
     preset = ref["preset"]  # a MoEPreset (variants of the named ones included)
@@ -228,6 +229,8 @@ def worker(rank: int, world: int, port: int, ref_path: str, layouts: list) -> No
             check_sensitivity(policy, ref, rows, tokens_BT[rows], valid_BT[rows], what)
             check_sliced_output(policy, ref, rows, tokens_BT[rows], valid_BT[rows],
                                 readout_BTV[rows], what)
+            check_packed(policy, ref, rows, tokens_BT[rows], valid_BT[rows], readout_BTV[rows],
+                         what)  # tests/moe/packed_checks.py
     finally:
         destroy_parallel()
 

@@ -6,6 +6,7 @@ import torch
 
 from megatron_gspo.algo.flips import flip_counts, layer_flips, loss_positions, token_rows
 from moe.routing.replay import RoutingReplayCache
+from moe.routing.tokens import RouterRows
 from tests.moe.grads import dense_cache
 
 E = 4
@@ -14,8 +15,8 @@ E = 4
 class OneRank:
     """The part of MoEPolicy that `token_rows` reads (no sequence parallelism)."""
 
-    def routed_valid(self, mask_BT):
-        return mask_BT.cpu()
+    router_rows = RouterRows()
+    routed_valid = staticmethod(lambda mask_BT: mask_BT.cpu())
 
 
 def constructed():
@@ -274,6 +275,7 @@ class SecondHalfShard:
     """A rank whose routers see columns 2, 3 of every row (its sequence-parallel shard)."""
 
     preset = type("Preset", (), {"num_experts": E})
+    router_rows = RouterRows()  # padded: its recordings are [T*B] of its shard
 
     def routed_valid(self, mask_BT):
         return mask_BT[:, 2:].cpu()

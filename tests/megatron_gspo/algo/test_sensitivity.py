@@ -98,3 +98,29 @@ def test_route_sensitivity_equals_a_float64_reference_swap(single_process):
     assert metrics["moe/route_sensitivity/mean"] == pytest.approx(sum(got) / len(got))
     with pytest.raises(ValueError, match="fraction=1.5"):
         route_sensitivity(policy, tokens_BT, valid_BT, response_BT, 1.5, torch.Generator())
+
+
+def test_packed_sensitivity_and_margins_are_the_padded_ones(single_process):
+    """Route sensitivity (L + 1 forwards, the swaps replayed in packed order) and the router
+    margins of a packed forward equal the padded forward's, right padding included."""
+    from megatron_gspo.algo.sensitivity import margin_rows
+    from moe.routing.scores import record_router_scores
+
+    policy = build()
+    tokens_BT, valid_BT, response_BT = rollout(B=5, T=14)
+    valid_BT[1, -3:] = valid_BT[3, -1:] = False  # shorter responses
+    response_BT &= valid_BT
+    out = {}
+    for pack in (False, True):
+        policy.pack = pack
+        sens = route_sensitivity(policy, tokens_BT, valid_BT, response_BT, 0.5,
+                                 torch.Generator().manual_seed(0))
+        with torch.no_grad(), record_router_scores(policy) as recorded:
+            policy.token_logprobs(tokens_BT, valid_BT)
+        scores = RouterScores.from_recorded(recorded, policy.routed_valid(valid_BT),
+                                            PRESET.num_experts, policy.router_rows)
+        out[pack] = sens, margin_metrics(scores, margin_rows(policy, scores, response_BT), 0.05)
+    assert min(out[False][0]) > 1e-4
+    np.testing.assert_allclose(out[True][0], out[False][0], rtol=1e-4, atol=1e-7)
+    for key, value in out[False][1].items():
+        assert out[True][1][key] == pytest.approx(value, abs=1e-6), key

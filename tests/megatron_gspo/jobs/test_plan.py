@@ -159,3 +159,53 @@ def test_the_vllm_server_docs_example_is_the_plans_output(capsys):
         "\n```\n<!-- plan-vllm-server:end -->")[0]
     assert "rollout: push: one bucket" in block and "fits: at most 90% of 80 GiB" in block
     assert out.startswith(block + "\n")
+
+
+def _column(out: str, label: str) -> tuple[float, float]:
+    row = next(ln for ln in out.splitlines() if ln.strip().startswith(label))
+    full, packed = row.split()[-2:]
+    return float(full), float(packed)
+
+
+def test_the_packed_column_sizes_real_tokens_beside_the_full_length_bound(capsys, tmp_path):
+    """--mean-response-tokens (or a run dir's response/length/mean): a packed column beside
+    every row; the no-grad forward and the log-prob backward shrink with a short mean, the
+    saved layers of a budget-full microbatch do not, the step's compute shrinks, and the exit
+    status still reads the full-length bound. A mean of the whole response is the full
+    length."""
+    from tests.jsonl import write_metrics
+
+    assert cli.main([*ACCEPTANCE, "--mean-response-tokens", "2048"]) == 0
+    out = capsys.readouterr().out
+    assert "packed (train.pack): rows of 4,096 real tokens on average" in out
+    pi_old, backward = _column(out, "pi_old:"), _column(out, "train: log-prob backward")
+    assert pi_old[1] < pi_old[0] / 2 and backward[1] < backward[0] / 2
+    layers = _column(out, "train: saved layers")
+    assert layers[0] == layers[1]  # the budget (10240 tokens) holds one full row or 2.5 mean
+    peak = _column(out, "peak:")
+    assert peak[1] < peak[0]
+    train = next(ln for ln in out.splitlines() if ln.split()[:1] == ["train"])
+    full_s, packed_s = (float(x.replace(",", "")) for x in train.split()[1:5:3])
+    assert 3.5 < full_s / packed_s < 4.5  # a quarter of the tokens, and shorter attention
+    write_metrics(tmp_path, [{"step": 1, "response/length/mean": 1000.0},
+                             {"step": 2, "response/length/mean": 3096.0}, {"step": 0}])
+    assert cli.main([*ACCEPTANCE, "--run-dir", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == out
+    assert cli.main([*ACCEPTANCE, "--mean-response-tokens", "8192"]) == 0
+    out = capsys.readouterr().out
+    for label in ("pi_old:", "train: saved layers", "train: log-prob backward", "peak:"):
+        full, packed = _column(out, label)
+        assert full == packed, label
+
+
+def test_the_packed_column_needs_packing_and_a_positive_mean(capsys, tmp_path):
+    assert cli.main([*ACCEPTANCE, "--mean-response-tokens", "100", "train.pack=false"]) == 0
+    out = capsys.readouterr().out
+    assert "packed: none (train.pack=false" in out and "packed GiB" not in out
+    assert cli.main([*ACCEPTANCE, "--mean-response-tokens", "-1"]) == 2
+    assert "--mean-response-tokens=-1 must be > 0" in capsys.readouterr().err
+    assert cli.main([*ACCEPTANCE, "--run-dir", str(tmp_path)]) == 2
+    assert "metrics.jsonl" in capsys.readouterr().err
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n')
+    assert cli.main([*ACCEPTANCE, "--run-dir", str(tmp_path)]) == 2
+    assert "has no response/length/mean" in capsys.readouterr().err

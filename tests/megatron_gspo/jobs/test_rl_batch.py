@@ -82,8 +82,10 @@ def test_pi_old_and_reference_passes_use_the_temperature_and_their_own_weights(t
 
 def test_batch_passes_in_token_budgeted_forwards_equal_one_pass(tmp_path):
     """train.logprob_max_tokens: pi_old's pass, R3's replayed pi_old pass and the reference
-    policy's run in forwards of at most that many tokens, with the numbers of one pass."""
-    over = ["train.routing_replay=r3", "loss.kl_coef=0.1"]
+    policy's run in forwards of at most that many tokens (padded: rows x the batch's width;
+    packed, real tokens: tests/megatron_gspo/jobs/test_rl_packing.py), with the numbers of one
+    pass."""
+    over = ["train.routing_replay=r3", "loss.kl_coef=0.1", "train.pack=false"]
     one = make_trainer(tmp_path, *over, "train.logprob_max_tokens=0", name="one")
     batch = one.rollout(0)
     T = batch.tokens_BT.shape[1]

@@ -87,6 +87,32 @@ def test_step_loss_is_the_token_mean_over_answer_tokens_of_this_ranks_share():
     assert (out["train/grad_norm"], out["train/skipped"]) == (0.5, 0.0)
 
 
+def test_a_packed_sft_step_is_the_padded_one(single_process):
+    """sft.pack: the batch's rows as one packed forward give the padded step's loss and
+    gradients (float32, within 1e-6); examples of different lengths, so rows are padded."""
+    from moe.model.policy import MoEPolicy
+    from moe.model.presets import get_preset
+    from moe.model.settings import OptimSettings, ParallelLayout
+
+    tok = CharTokenizer()
+    preset = get_preset("qwen3-moe-tiny")
+    policy = MoEPolicy.build(preset, ParallelLayout(), real_vocab=tok.vocab_size, seed=3,
+                             optim=OptimSettings(lr=0.0))
+    examples = [Example("1+2=", "3"), Example("12+345=", "357"), Example("7+80=", "87")] * 3
+    batch = sft.sft_batch(tok, examples)
+    assert not batch[1].all()
+    out = {}
+    for pack in (False, True):
+        policy.pack = pack
+        loss = sft.sft_step(SimpleNamespace(policy=policy), batch)["sft/loss"]
+        out[pack] = loss, {n: p.main_grad.clone()
+                           for n, p in policy.model.module.named_parameters()}
+    assert abs(out[True][0] - out[False][0]) <= 1e-6
+    for name, g in out[False][1].items():
+        torch.testing.assert_close(out[True][1][name], g, atol=1e-6, rtol=0, msg=name)
+    assert max(float(g.abs().max()) for g in out[False][1].values()) > 1e-3
+
+
 def test_batch_size_must_split_over_data_parallel_ranks():
     """Refused before anything runs: each rank trains on an equal share. A ConfigError (one
     line, exit 2 from the CLI), not the bare ValueError (a traceback) it was."""

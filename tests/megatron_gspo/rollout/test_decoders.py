@@ -140,6 +140,23 @@ def test_kv_cache_samples_what_full_recompute_samples(policy, greedy):
     torch.testing.assert_close(out[0][3], out[1][3], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("greedy", [True, False])
+def test_full_recompute_samples_the_same_packed(policy, greedy):
+    """Sampling by full recompute (the eval and rollout path without a KV cache, and under
+    sequence parallelism) with packed forwards: the padded run's tokens, log-probs close."""
+    tok = CharTokenizer()
+    out = []
+    for pack in (False, True):
+        policy.pack = pack
+        out.append(sample(policy, tok, PROMPTS * 4, max_new_tokens=6, temperature=0.8,
+                          greedy=greedy, generator=torch.Generator().manual_seed(5),
+                          kv_cache=False))
+    policy.pack = False
+    for a, b in zip(out[0][:3], out[1][:3]):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(out[0][3], out[1][3], atol=1e-5, rtol=1e-5)
+
+
 def test_sampler_logprobs_match_the_recompute_and_padding_is_exact(policy):
     tok = CharTokenizer()
     T_temp = 0.7

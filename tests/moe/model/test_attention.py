@@ -7,6 +7,7 @@ The reference is the same model with its core attention's class set back to mega
 
 import pytest
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 import moe.model.attention
@@ -99,7 +100,8 @@ def test_falls_back_where_sdpa_would_differ(single_process):
     assert attn._sdpa_ok(q.bfloat16(), mask, None, None)  # 16-bit: SDPA (see below)
     assert not attn._sdpa_ok(q.double(), mask, None, None)
     assert not attn._sdpa_ok(q, mask, torch.zeros(1), None)
-    assert not attn._sdpa_ok(q, mask, None, object())  # packed sequences
+    assert attn._sdpa_ok(q, None, None, PackedSeqParams(qkv_format="thd"))  # packed: segments
+    assert not attn._sdpa_ok(q, None, None, PackedSeqParams(qkv_format="sbhd"))
     attn.softmax_offset = torch.zeros(policy.preset.num_attention_heads)
     assert not attn._sdpa_ok(q, mask, None, None)
     attn.softmax_offset = None

@@ -244,7 +244,8 @@ def test_logprobs_from_start_project_only_those_positions(single_process):
 
 def test_trainer_logprobs_start_at_the_response(tmp_path):
     """pi_old's pass and every train step run the output layer from the last prompt column
-    on; the flip forwards (routing only) on the last two."""
+    on; the flip forwards (routing only) on the last two. Padded (packed forwards project only
+    their scored positions: tests/moe/model/test_packed.py)."""
     from megatron_gspo.config.schema import load_config
     from megatron_gspo.jobs.rl import Trainer
 
@@ -252,7 +253,7 @@ def test_trainer_logprobs_start_at_the_response(tmp_path):
         "task.name=addition", "task.n_train=40", "task.n_eval=4", "rollout.prompts_per_batch=2",
         "rollout.group_size=2", "rollout.max_new_tokens=3", "train.num_minibatches=2",
         "train.steps=1", "train.eval_every=0", "train.save_every=0", "train.flip_every=1",
-        "wandb.mode=disabled", f"run_dir={tmp_path}"]))
+        "train.pack=false", "wandb.mode=disabled", f"run_dir={tmp_path}"]))
     seen = _output_rows_seen(trainer.policy)
     batch = trainer.rollout(0)
     trainer.rollout = lambda it: batch

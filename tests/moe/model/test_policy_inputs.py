@@ -99,7 +99,7 @@ def test_output_layer_called_with_a_keyword_input_is_sliced_too(single_process):
     policy = build("tiny")
     layer = policy.model.module.output_layer
     x_TBH = torch.randn(7, 2, policy.preset.hidden_size)
-    with torch.no_grad(), policy._output_rows(3):
+    with torch.no_grad(), policy._output_rows(slice(3, None)):
         by_keyword, _ = layer(input_=x_TBH)
         by_position, _ = layer(x_TBH)
     assert by_keyword.shape[0] == 4 and torch.equal(by_keyword, by_position)
