@@ -168,6 +168,11 @@ class LossConfig:
     max_log_ratio: float = 20.0
     """Clamp of |log-ratio| before exp (> 0): a numerical guard, not in the paper; the
     gradient is zero beyond it."""
+    dual_clip: Optional[float] = None
+    """Dual-clip PPO (verl's clip_ratio_c; None = off): where the advantage is negative the
+    objective is at least dual_clip * A, so a token (GSPO: a sequence) whose ratio exceeds
+    dual_clip stops pulling the loss (its gradient is 0) instead of weighing in unbounded.
+    > 1 (verl's default is 3)."""
     tis_cap: Optional[float] = None
     """Truncated importance sampling against the train-inference mismatch (None = off): each
     response token's loss term is weighted by min(pi_old / pi_sampler, tis_cap), pi_old being the
@@ -192,6 +197,8 @@ class LossConfig:
                  gt={"max_log_ratio": 0, "tis_cap": 0, "adv_eps": 0})
         check(self, "eps_low", self.eps_low is None or 0 <= self.eps_low < 1,
               "must be in [0, 1)")
+        check(self, "dual_clip", self.dual_clip is None or self.dual_clip > 1,
+              "must be > 1 or null")
         for name in ("is_mask_token", "is_mask_seq", "icepop"):
             check_ratio_band(self, name)
         check(self, "icepop", self.icepop is None or self.tis_cap is None,
