@@ -168,11 +168,6 @@ class LossConfig:
     max_log_ratio: float = 20.0
     """Clamp of |log-ratio| before exp (> 0): a numerical guard, not in the paper; the
     gradient is zero beyond it."""
-    dual_clip: Optional[float] = None
-    """Dual-clip PPO (verl's clip_ratio_c; None = off): where the advantage is negative the
-    objective is at least dual_clip * A, so a token (GSPO: a sequence) whose ratio exceeds
-    dual_clip stops pulling the loss (its gradient is 0) instead of weighing in unbounded.
-    > 1 (verl's default is 3)."""
     tis_cap: Optional[float] = None
     """Truncated importance sampling against the train-inference mismatch (None = off): each
     response token's loss term is weighted by min(pi_old / pi_sampler, tis_cap), pi_old being the
@@ -191,6 +186,11 @@ class LossConfig:
     [0.5, 5]. Not with tis_cap (both set the weight). 0 < alpha <= 1 <= beta."""
     adv_eps: float = 1e-6
     """Epsilon in the group advantage (r - mean) / (std + eps)."""
+    dual_clip: Optional[float] = None
+    """Dual-clip PPO (verl's clip_ratio_c; None = off): where the advantage is negative the
+    objective is at least dual_clip * A, so a token (GSPO: a sequence) whose ratio exceeds
+    dual_clip stops pulling the loss (its gradient is 0) instead of weighing in unbounded.
+    > 1 (verl's default is 3)."""
 
     def __post_init__(self):
         validate(self, nonempty=("name",), ge={"eps_high": 0, "kl_coef": 0},
