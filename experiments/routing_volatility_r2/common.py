@@ -31,14 +31,16 @@ SFT_EXTRA: dict[str, list[str]] = {  # at 3e-3 top-1 accuracy jumps over the ban
 LEVERS: dict[str, list[str]] = {
     "none": [],
     "router_lr_x10": ["optim.router_lr_mult=10"],
+    "router_lr_x30": ["optim.router_lr_mult=30"],
+    "router_lr_x50": ["optim.router_lr_mult=50"],
     "router_lr_x100": ["optim.router_lr_mult=100"],
     "router_lr_x1000": ["optim.router_lr_mult=1000"],
     "noise_0.3": ["train.router_noise_std=0.3"],
     "noise_1": ["train.router_noise_std=1.0"],
 }
 SCREENED: dict[str, list[str]] = {  # the levers screened on each candidate
-    "top4": ["none", "router_lr_x10", "router_lr_x100", "router_lr_x1000", "noise_0.3",
-             "noise_1"],
+    "top4": ["none", "router_lr_x10", "router_lr_x30", "router_lr_x50", "router_lr_x100",
+             "router_lr_x1000", "noise_0.3", "noise_1"],
     # no loss gradient reaches a hard gate's router: router_lr_mult would change nothing
     "top1_hard": ["none", "noise_0.3"],
     "ops_top1_hard": ["none", "noise_0.3"],

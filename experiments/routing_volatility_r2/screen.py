@@ -50,7 +50,8 @@ SWAP_FRACTION = 0.1
 GO_MEAN, GO_PAST = 0.05, 0.05
 KEPT = ("policy/routing_log_ratio/abs_mean", "policy/routing_log_ratio/past_clip",
         "moe/flip_rate/mean", "moe/drift_vs_old/mean", "policy/clip_frac/token",
-        "policy/log_ratio/abs_mean", "moe/router_margin/mean", "train/grad_norm")
+        "policy/log_ratio/abs_mean", "moe/router_margin/mean", "train/grad_norm",
+        "reward/mean")
 
 
 def sensitivity(trainer) -> dict:
@@ -101,6 +102,13 @@ def mean_of(result: dict, key: str) -> float:
     return sum(vals) / len(vals) if vals else float("nan")
 
 
+def rewards(result: dict) -> list[float]:
+    """The mean train reward of each rollout batch (NaN where not kept)."""
+    its = sorted({s["iteration"] for s in result["steps"]})
+    return [next((s["reward/mean"] for s in result["steps"] if s["iteration"] == it
+                  and "reward/mean" in s), float("nan")) for it in its]
+
+
 def goes(result: dict) -> bool:
     return last_minibatch(result, "policy/routing_log_ratio/abs_mean") >= GO_MEAN and \
         last_minibatch(result, "policy/routing_log_ratio/past_clip") >= GO_PAST
@@ -110,7 +118,7 @@ def screen_table(results: list[dict]) -> str:
     """One row per (candidate, lever): the routing log-ratio by minibatch and the verdict."""
     lines = ["| candidate | lever | cold start (val acc, SFT step) | flips per step | routing "
              "log-ratio, minibatch 2 / 3 / 4 | tokens past 0.2, last minibatch | clip frac | "
-             "GO |", "|" + " --- |" * 8]
+             "train reward, rollout batch 1 / 2 | GO |", "|" + " --- |" * 9]
     for r in results:
         by_mb = [sum(v) / len(v) if (v := [s["policy/routing_log_ratio/abs_mean"]
                                            for s in r["steps"] if s["minibatch"] == m]) else
@@ -121,7 +129,8 @@ def screen_table(results: list[dict]) -> str:
             f"{mean_of(r, 'moe/flip_rate/mean'):.4f} | "
             f"{' / '.join(f'{v:.4f}' for v in by_mb)} | "
             f"{last_minibatch(r, 'policy/routing_log_ratio/past_clip'):.4f} | "
-            f"{mean_of(r, 'policy/clip_frac/token'):.4f} | {'yes' if goes(r) else 'no'} |")
+            f"{mean_of(r, 'policy/clip_frac/token'):.4f} | "
+            f"{' / '.join(f'{v:.3f}' for v in rewards(r))} | {'yes' if goes(r) else 'no'} |")
     return "\n".join(lines)
 
 
