@@ -23,7 +23,8 @@ def pm(values: list[float], fmt: str = ".3f") -> str:
     return f"{m:{fmt}}" if h != h else f"{m:{fmt}} ± {h:{fmt}}"
 
 
-def _sure(values: list[float]) -> str:
+def excludes_zero(values: list[float]) -> str:
+    """"yes" when the 95% t interval of `values` excludes 0, else "no"."""
     m, h = ci(values)
     return "yes" if h == h and abs(m) > h else "no"
 
@@ -40,7 +41,8 @@ def arms_table(runs: dict) -> str:
         lines.append(
             f"| {level:g} | {LABELS.get(arm, arm)} | {len(v)} | "
             f"{sum(x['collapsed'] for x in v)} / {sum(x['below_start'] for x in v)} | "
-            f"{pm([x['start'] for x in v])} / {pm([x.get('start_trainer', float('nan')) for x in v])} | "
+            f"{pm([x['start'] for x in v])} / "
+            f"{pm([x.get('start_trainer', float('nan')) for x in v])} | "
             f"{pm([x['final'] for x in v])} | "
             f"{pm([x.get('final_trainer', float('nan')) for x in v])} | "
             f"{pm([x['clip'] for x in v], '.4f')} | {pm([x['lr0'] for x in v], '.4f')} | "
@@ -64,7 +66,7 @@ def answer_table(runs: dict) -> str:
                                                                        float("nan"))
                   for s in seeds]
             lines.append(f"| {level:g} | {LABELS[a]} vs {LABELS[b]} | {len(seeds)} | "
-                         f"{pm(eng)} | {_sure(eng)} | {pm(tr)} | {_sure(tr)} | "
+                         f"{pm(eng)} | {excludes_zero(eng)} | {pm(tr)} | {excludes_zero(tr)} | "
                          f"{sum(ra[s]['collapsed'] for s in seeds)} / "
                          f"{sum(rb[s]['collapsed'] for s in seeds)} |")
     return "\n".join(lines)

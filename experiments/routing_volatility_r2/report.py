@@ -22,8 +22,7 @@ import re
 
 from experiments.positive_control.common import ROOT, load_json, write_json
 from experiments.positive_control.report import run_stats
-from experiments.positive_control.rescore import pm
-from experiments.replay_dose_response.report import ci
+from experiments.positive_control.rescore import excludes_zero, pm
 from experiments.routing_volatility_r2.common import CANDIDATES, HERE, RUNS
 from megatron_gspo.jobs.band import cold_start_line
 from tools.result_table import machine_line, write_into
@@ -98,10 +97,8 @@ def answer_table(runs: dict) -> str:
             if not seeds:
                 continue
             gaps = [ra[s]["final"] - rb[s]["final"] for s in seeds]
-            m, h = ci(gaps)
             lines.append(f"| {candidate} | {lever} | {LABELS[a]} vs {LABELS[b]} | "
-                         f"{len(seeds)} | {pm(gaps)} | "
-                         f"{'yes' if h == h and abs(m) > h else 'no'} | "
+                         f"{len(seeds)} | {pm(gaps)} | {excludes_zero(gaps)} | "
                          f"{sum(ra[s]['collapsed'] for s in seeds)} / "
                          f"{sum(rb[s]['collapsed'] for s in seeds)} |")
     return "\n".join(lines)

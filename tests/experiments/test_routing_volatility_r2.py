@@ -3,6 +3,7 @@ intended kind, the screen's verdict reads the last minibatch, the report pairs a
 
 import pytest
 
+from experiments.replay_dose_response.report import ci
 from experiments.routing_volatility_r2 import common, report, run, screen
 from megatron_gspo.config.schema import load_config
 from tests.experiments.test_positive_control import _run, _write
@@ -58,7 +59,7 @@ def test_the_report_pairs_the_arms_of_one_setting_by_seed(tmp_path):
     runs = report.collect(str(tmp_path / "results"))
     assert set(runs) == {("top4", "noise_1")}
     line = next(ln for ln in report.answer_table(runs).splitlines() if "GRPO + R2 vs" in ln)
-    m, h = report.ci([0.2, 0.3, 0.25])
+    m, h = ci([0.2, 0.3, 0.25])
     assert f"| 3 | {m:.3f} ± {h:.3f} | yes | 1 / 0 |" in line
     row = next(ln for ln in report.arms_table(runs[("top4", "noise_1")]).splitlines()
                if ln.startswith("| GRPO + R2 |"))
