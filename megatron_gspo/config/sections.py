@@ -235,8 +235,9 @@ class TrainConfig:
     record it through the KV cache (needs rollout.decoders.kv_cache, no sequence parallelism), an
     inference engine reports its own."""
     flip_every: int = may_change(1)
-    """Measure per-layer expert flips every k optimizer steps (0 = never), and the router margin
-    (`moe/router_margin/...`, from the same forward's router scores)."""
+    """Measure per-layer expert flips every k optimizer steps (0 = never), the router margin
+    (`moe/router_margin/...`, from the same forward's router scores) and, from a rollout
+    batch's second step, `policy/routing_log_ratio` (one more no-grad forward)."""
     router_margin_small: float = may_change(0.01)
     """The threshold of `moe/router_margin_small/layer_XX`: the fraction of loss positions whose
     router-probability gap between their K-th and (K+1)-th expert is below it (> 0; a
