@@ -124,8 +124,9 @@ class TaskConfig:
     _renamed: ClassVar[dict] = {"n_eval": "n_test"}
 
     name: str = "addition"
-    """Task name (see `megatron_gspo.tasks.toy`, `megatron_gspo.tasks.running_ops`), or dataset (prompts from files: the data
-    section). Checked against the registry at set-up (`megatron_gspo.run.names`)."""
+    """Task name (see `megatron_gspo.tasks.toy`, `megatron_gspo.tasks.running_ops`), or dataset
+    (prompts from files: the data section). Checked against the registry at set-up
+    (`megatron_gspo.run.names`)."""
     kwargs: dict = field(default_factory=dict)
     """Keyword arguments for the task constructor, e.g. {num_digits: 2}."""
     n_train: int = 2000

@@ -295,7 +295,8 @@ def evaluate_test(rt: Runtime, step: int, progress: bool = False) -> dict[str, f
     sampled at the rollout temperature and top-p, the mean reward) of `rt.policy` on the test
     split, at optimizer step `step` (its own seeded stream: nothing a run trains changes);
     `test/accuracy_trainer` beside them where the run's sampler is not the trainer's own clean
-    decoder (`trainer_sampler`); {} without a test split. `progress`: a progress line per batch of prompts."""
+    decoder (`trainer_sampler`); {} without a test split. `progress`: a progress line per batch
+    of prompts."""
     if not rt.test_set:
         return {}
     rollout = rt.cfg.rollout
