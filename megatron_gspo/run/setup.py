@@ -24,7 +24,7 @@ import torch
 from megatron_gspo.config.schema import RunConfig, config_to_dict, save_config
 from megatron_gspo.errors import ConfigError
 from megatron_gspo.rollout.backends import backend_of, build_sampler
-from megatron_gspo.rollout.decoders import DecoderSampler
+from megatron_gspo.rollout.decoders import clean_decoder
 from megatron_gspo.rollout.generate import evaluate, sampled_reward
 from megatron_gspo.rollout.sampler import Sampler, SamplingParams
 from megatron_gspo.run import checkpoint as ckpt
@@ -327,8 +327,7 @@ def trainer_sampler(rt: Runtime) -> Sampler | None:
     caps = backend_of(rt.cfg)
     if not (caps.engine or caps.mismatched(rt.cfg)):
         return None
-    return DecoderSampler(rt.policy, rt.tokenizer, "lean",
-                          kv_cache=not rt.cfg.model.sequence_parallel)
+    return clean_decoder(rt.policy, rt.tokenizer, rt.cfg)
 
 
 def run_tokenizer(cfg: RunConfig) -> Tokenizer:
