@@ -40,15 +40,26 @@ def py(*args: str, log: str) -> None:
                        stderr=subprocess.STDOUT)
 
 
-def cold_start(name: str) -> tuple[str, dict]:
-    """The candidate's SFT run dir (SFT'd into the band if it has not been) and where it
-    stopped: {"accuracy", "step"} from its band record."""
-    sft_dir = f"{RUNS}/sft_{name}"
+def series_root(series: str = "", runs: str = RUNS) -> str:
+    """Where a series of runs lives: the runs made from one cold start, each series its own
+    (`runs` for the first one, `runs/<series>` for a later one from another cold start)."""
+    return f"{runs}/{series}" if series else runs
+
+
+def cold_start(name: str, series: str = "", overrides: list[str] | None = None,
+               runs: str = RUNS) -> tuple[str, dict]:
+    """The candidate's SFT run dir in `series` (SFT'd into the band if it has not been) and
+    where it stopped: {"accuracy", "step"} from its band record. `overrides`: the SFT's own
+    (default: the candidate's, `CANDIDATES` and `SFT_EXTRA`); `runs`: another experiment's
+    runs folder."""
+    root = series_root(series, runs)
+    sft_dir = f"{root}/sft_{name}"
     rows = _band_rows(sft_dir)
     if not rows:
-        py("megatron_gspo.cli", "sft", "--config", os.path.join(HERE, "sft.yaml"),
-           *CANDIDATES[name], *SFT_EXTRA.get(name, []), f"run_dir={sft_dir}",
-           log=os.path.join(ROOT, RUNS, "logs", f"sft_{name}.log"))
+        if overrides is None:
+            overrides = [*CANDIDATES[name], *SFT_EXTRA.get(name, [])]
+        py("megatron_gspo.cli", "sft", "--config", os.path.join(HERE, "sft.yaml"), *overrides,
+           f"run_dir={sft_dir}", log=os.path.join(ROOT, root, "logs", f"sft_{name}.log"))
         rows = _band_rows(sft_dir)
     return sft_dir, {"accuracy": rows[-1]["sft/start_accuracy"],
                      "step": int(rows[-1]["sft/band_step"])}

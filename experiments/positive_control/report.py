@@ -5,16 +5,22 @@ Usage:
     python -m experiments.positive_control.report            # tables from results/ into README
     python -m experiments.positive_control.report --print    # print only
 
-The tables read `results/<lever>/<run>.json` (committed): `run_stats` of each finished run,
-distilled from its metrics.jsonl by `--collect` (the runner does it after its runs).
+The tables read `results/[<series>/]<lever>/<run>.json` (committed): `run_stats` of each
+finished run, distilled from its metrics.jsonl under runs/positive_control/[<series>/] by
+`--collect` (the runner does it after its runs), which regenerates every table from runs/. A
+series (`run.py --series`) is a set of runs from a cold start of its own: the first has no name;
+`rescore` reran some arms from another cold start with both test accuracies (`RESCORE`).
 
 Per run: accuracy at the start and the end (`test/accuracy`, greedy on the test split, which
 chooses nothing; runs made before the split existed fall back to `eval/accuracy`), whether it
 collapsed (its last quarter's mean train reward under COLLAPSED: it no longer solves any sampled
-problem, from which GRPO's group advantages cannot recover), and the means over its steps of the
-sampler-vs-trainer routing mismatch (fraction of routers whose top-k differs, the R3 paper's
-count), the log-prob mismatch, the clip fraction and the first minibatch's |log-ratio|. Arms
-are compared with GRPO at the same level, paired by seed (95% t interval of the difference).
+problem, from which GRPO's group advantages cannot recover), whether its final test accuracy is
+below its start, and the means over its steps of the sampler-vs-trainer routing mismatch
+(fraction of routers whose top-k differs, the R3 paper's count), the log-prob mismatch, the clip
+fraction, the first minibatch's |log-ratio|, the largest |log-ratio| and the dual-clipped share.
+Runs that logged `test/accuracy_trainer` (the test split through the trainer's clean decoder,
+beside the noisy engine's) carry it too. Arms are compared with GRPO at the same level, paired
+by seed (95% t interval of the difference).
 """
 
 from __future__ import annotations
@@ -25,7 +31,9 @@ import os
 import re
 
 from tools.result_table import machine_line, write_into
-from experiments.positive_control.common import HERE, ROOT, RUNS, load_json, write_json
+from experiments.positive_control import rescore
+from experiments.positive_control.common import (HERE, ROOT, RUNS, load_json, series_root,
+                                                 write_json)
 from experiments.replay_dose_response.report import ci
 from megatron_gspo.jobs.band import cold_start_line
 
@@ -58,13 +66,23 @@ def run_stats(path: str) -> dict | None:
         return None
     last = steps[-max(1, len(steps) // 4):]
     first_mb = [r for r in steps if r.get("train/minibatch") == 0]
-    return {"split": key.split("/")[0], "start": accs[0], "final": accs[-1],
-            "collapsed": _mean(last, "reward/mean") < COLLAPSED,
-            "reward_last": _mean(last, "reward/mean"),
-            "route_mm": _mean(steps, "rollout/routing_mismatch/mean"),
-            "lp_mm": _mean(steps, "rollout/logprob_mismatch/mean"),
-            "clip": _mean(steps, "policy/clip_frac/token"),
-            "lr0": _mean(first_mb, "policy/log_ratio/abs_mean")}
+    out = {"split": key.split("/")[0], "start": accs[0], "final": accs[-1],
+           "collapsed": _mean(last, "reward/mean") < COLLAPSED,
+           "below_start": accs[-1] < accs[0],
+           "reward_last": _mean(last, "reward/mean"),
+           "route_mm": _mean(steps, "rollout/routing_mismatch/mean"),
+           "lp_mm": _mean(steps, "rollout/logprob_mismatch/mean"),
+           "clip": _mean(steps, "policy/clip_frac/token"),
+           "lr0": _mean(first_mb, "policy/log_ratio/abs_mean"),
+           "abs_max": _mean(steps, "policy/log_ratio/abs_max"),
+           "dual": _mean(steps, "policy/clip_frac/token_dual"),
+           "routing_lr": _mean(steps, "policy/routing_log_ratio/abs_mean"),
+           "routing_past": _mean(steps, "policy/routing_log_ratio/past_clip"),
+           "flips": _mean(steps, "moe/flip_rate/mean")}
+    trainer = [r["test/accuracy_trainer"] for r in rows if "test/accuracy_trainer" in r]
+    if len(trainer) >= 2:
+        out.update(start_trainer=trainer[0], final_trainer=trainer[-1])
+    return out
 
 
 def distill(runs_root: str, results_root: str) -> int:
@@ -165,34 +183,62 @@ def answer_table(runs: dict) -> str:
     return "\n".join(lines)
 
 
+SERIES = ("", "rescore")
+"""The series of runs the README reports, each from its own cold start (`run.py --series`)."""
+
+
+def collect_series(series: str, root: str) -> None:
+    """Distill the series' finished runs into `root`/[series/] and record, when it has any,
+    the machine and its cold start there (`measured.json`)."""
+    out = os.path.join(root, series) if series else root
+    runs_dir = os.path.join(ROOT, series_root(series))
+    n = distill(runs_dir, out)
+    print(f"distilled {n} runs of {runs_dir} into {out}")
+    if n:
+        write_json(os.path.join(out, "measured.json"), {
+            "line": machine_line(),
+            "cold_start": cold_start_line(os.path.join(runs_dir, "sft_top4")).replace(
+                ROOT + os.sep, "") + "."})
+
+
+def series_tables(series: str, root: str) -> dict:
+    """{README marker: table} of one series, from its distilled runs."""
+    out = os.path.join(root, series) if series else root
+    record = load_json(os.path.join(out, "measured.json")) or {}
+    measured = " ".join([record.get("line") or machine_line(), record.get("cold_start", "")])
+    accuracy = ("Accuracy: greedy on the test split (256 prompts), at the first and last step; "
+                "± = 95% t interval over seeds.")
+    if series == "rescore":
+        runs = collect(os.path.join(out, "engine"))
+        return {} if not runs else {
+            "rescore": "\n".join([measured, "Lever: " + LEVER_WORDS["engine"] + ". " + accuracy
+                                   + " Engine: through the noisy sampler; trainer: through "
+                                   "the trainer's clean decoder.", "", rescore.arms_table(runs)]),
+            "rescore_answer": rescore.answer_table(runs)}
+    tables, clean = {}, collect(os.path.join(out, "engine"))
+    for lever, words in LEVER_WORDS.items():
+        runs = collect(os.path.join(out, lever))
+        if runs:
+            tables[f"arms_{lever}"] = "\n".join([measured, f"Lever: {words}. {accuracy}", "",
+                                                 arms_table(runs, clean)])
+            if lever == "engine":
+                tables["answer"] = answer_table(runs)
+    return tables
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--print", action="store_true", help="print the tables only")
     ap.add_argument("--collect", action="store_true",
-                    help=f"first distill {RUNS}/<lever>/*/metrics.jsonl into results/")
+                    help=f"first distill {RUNS}/[<series>/]<lever>/*/metrics.jsonl into "
+                    "results/")
     args = ap.parse_args(argv)
     root = os.path.join(HERE, "results")
-    if args.collect:
-        print(f"distilled {distill(os.path.join(ROOT, RUNS), root)} runs into {root}")
-        write_json(os.path.join(root, "measured.json"), {
-            "line": machine_line(),
-            "cold_start": cold_start_line(os.path.join(ROOT, RUNS, "sft_top4")).replace(
-                ROOT + os.sep, "") + "."})
-    record = load_json(os.path.join(root, "measured.json")) or {}
-    measured = " ".join([record.get("line") or machine_line(), record.get("cold_start", "")])
-    clean = collect(os.path.join(root, "engine"))
-    for lever, words in LEVER_WORDS.items():
-        runs = collect(os.path.join(root, lever))
-        if not runs:
-            continue
-        text = "\n".join([measured, f"Lever: {words}. Accuracy: greedy on the test "
-                          "split (256 prompts), at the first and last step; ± = 95% t interval "
-                          "over seeds.", "", arms_table(runs, clean)])
-        tables = {f"arms_{lever}": text}
-        if lever == "engine":
-            tables["answer"] = answer_table(runs)
-        readme = os.path.join(HERE, "README.md")
-        for marker, table in tables.items():
+    readme = os.path.join(HERE, "README.md")
+    for series in SERIES:
+        if args.collect:
+            collect_series(series, root)
+        for marker, table in series_tables(series, root).items():
             print(table, "\n", flush=True)
             if not args.print and os.path.exists(readme):
                 try:

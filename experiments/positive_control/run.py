@@ -4,6 +4,7 @@ disagreement between the sampler and the trainer (or a volatile trainer routing)
 Usage:
     python -m experiments.positive_control.run --lever engine --levels 0.3 --seeds 0 1 2
     python -m experiments.positive_control.run --lever engine --levels 0.3 --arms grpo grpo_r3
+    python -m experiments.positive_control.run --series rescore --levels 0.3 --arms grpo_sl
     python -m experiments.positive_control.run --report-only
 
 Levers (`--lever`):
@@ -17,7 +18,9 @@ Levers (`--lever`):
 
 Each run: rl.yaml from the candidate's cold start (`--candidate`, the screen's), one
 `megatron-gspo train` subprocess with 1 torch thread, `--workers` at a time; runs already
-finished are kept. The report (`report.py`) reads runs/positive_control/<lever>/.
+finished are kept. `--series NAME`: a series of its own, from its own cold start, under
+runs/positive_control/NAME/ (the first series has none). The report (`report.py`) reads
+runs/positive_control/[NAME/]<lever>/.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from experiments.positive_control import report
-from experiments.positive_control.common import CANDIDATES, HERE, ROOT, RUNS, cold_start, py
+from experiments.positive_control.common import (CANDIDATES, HERE, ROOT, cold_start, py,
+                                                 series_root)
 from experiments.replay_dose_response.run import finished
 
 GRPO = ["loss.name=grpo", "loss.eps_low=0.2", "loss.eps_high=0.27"]
@@ -44,7 +48,9 @@ ARMS["gspo_r3"] = [*ARMS["gspo"], "train.routing_replay=r3"]
 SL = ["rollout.use_sampler_logprobs=true"]
 ARMS.update({"gspo_sl": [*ARMS["gspo"], *SL], "gspo_sl_r3": [*ARMS["gspo"], *SL,
                                                              "train.routing_replay=r3"],
-             "grpo_sl": [*GRPO, *SL], "grpo_sl_r3": [*GRPO, *SL, "train.routing_replay=r3"]})
+             "grpo_sl": [*GRPO, *SL], "grpo_sl_r3": [*GRPO, *SL, "train.routing_replay=r3"],
+             # dual-clip PPO at verl's default c: negative-advantage ratios above 3 held at 3 A
+             "grpo_sl_dual": [*GRPO, *SL, "loss.dual_clip=3.0"]})
 LEVERS = {"engine": ("rollout.decoders.router_noise_std",
                      ["rollout.decoders.router_noise=fixed"]),
           "engine_fresh": ("rollout.decoders.router_noise_std",
@@ -52,15 +58,16 @@ LEVERS = {"engine": ("rollout.decoders.router_noise_std",
           "trainer": ("train.router_noise_std", [])}
 
 
-def run_dir(lever: str, candidate: str, arm: str, level: float, seed: int) -> str:
+def run_dir(lever: str, candidate: str, arm: str, level: float, seed: int,
+            series: str = "") -> str:
     tag = "" if candidate == "top4" else f"{candidate}/"
     lv = "0" if arm == "grpo_clean" else f"{level:g}"
-    return f"{RUNS}/{lever}/{tag}{arm}_n{lv}_s{seed}"
+    return f"{series_root(series)}/{lever}/{tag}{arm}_n{lv}_s{seed}"
 
 
 def run_one(lever: str, candidate: str, sft_dir: str, arm: str, level: float, seed: int,
-            extra: list[str]) -> str:
-    rd = run_dir(lever, candidate, arm, level, seed)
+            extra: list[str], series: str = "") -> str:
+    rd = run_dir(lever, candidate, arm, level, seed, series)
     path = os.path.join(ROOT, rd)
     if finished(path):
         return rd
@@ -72,7 +79,7 @@ def run_one(lever: str, candidate: str, sft_dir: str, arm: str, level: float, se
        *CANDIDATES[candidate], *ARMS[arm], *how,
        f"{key}={0.0 if arm == 'grpo_clean' else level}", f"seed={seed}",
        f"init_checkpoint={sft_dir}", f"run_dir={rd}", *extra,
-       log=os.path.join(ROOT, RUNS, "logs", rd.replace("/", "_") + ".log"))
+       log=os.path.join(ROOT, series_root(series), "logs", rd.replace("/", "_") + ".log"))
     print(f"done {rd} in {time.time() - t0:.0f}s", flush=True)
     return rd
 
@@ -86,17 +93,18 @@ def main(argv=None) -> int:
                     default=["grpo_clean", "grpo", "grpo_r2", "grpo_r3", "gspo"])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--series", default="", help="a series of its own (its own cold start)")
     ap.add_argument("--report-only", action="store_true")
     ap.add_argument("overrides", nargs="*", help="extra KEY=VALUE for every run")
     args = ap.parse_args(argv)
     if not args.report_only:
-        sft_dir, _ = cold_start(args.candidate)
+        sft_dir, _ = cold_start(args.candidate, args.series)
         jobs = sorted({(arm, 0.0 if arm == "grpo_clean" else lv, seed)
                        for seed in args.seeds for lv in args.levels for arm in args.arms},
                       key=lambda j: (j[2], j[0], j[1]))
         with ThreadPoolExecutor(args.workers) as pool:
             for f in [pool.submit(run_one, args.lever, args.candidate, sft_dir, arm, lv, seed,
-                                  args.overrides) for arm, lv, seed in jobs]:
+                                  args.overrides, args.series) for arm, lv, seed in jobs]:
                 f.result()
     return report.main(["--collect"])
 

@@ -121,9 +121,13 @@ KEYS = ("abs_log_ratio", "tokens_past_grpo_clip", "seq_abs_log_ratio", "seqs_pas
 def table(results: list[dict]) -> str:
     head = ("| candidate | overrides | cold start (val acc, SFT step) | flips at std 1 | "
             "abs log-ratio | tokens past GRPO's clip | abs seq log-ratio | seqs past GSPO's "
-            "clip | route sensitivity per layer (10% swapped) |")
-    lines = [head, "| " + " | ".join(["---"] * 9) + " |"]
+            "clip | route sensitivity per layer (10% swapped) | its mean, x top4's |")
+    lines = [head, "| " + " | ".join(["---"] * 10) + " |"]
+    base = next((r for r in results if r["candidate"] == "top4"), None)
+    base_mean = sum(base["route_sensitivity"]) / len(base["route_sensitivity"]) if base \
+        else float("nan")
     for r in results:
+        sens = r["route_sensitivity"]
         g = {k: at_flip_rate(r["grid"], k) for k in KEYS}
         top = max(r["grid"], key=lambda x: x["std"])
         cs = r["cold_start"]  # the band's accuracy (validation) and the step it entered
@@ -132,7 +136,7 @@ def table(results: list[dict]) -> str:
             f"{cs['accuracy']:.3f}, {cs['step']} | {top['flip_rate']:.3f} | "
             f"{g['abs_log_ratio']:.4f} | {g['tokens_past_grpo_clip']:.4f} | "
             f"{g['seq_abs_log_ratio']:.4f} | {g['seqs_past_gspo_clip']:.3f} | "
-            f"{' '.join(f'{v:.4f}' for v in r['route_sensitivity'])} |")
+            f"{' '.join(f'{v:.4f}' for v in sens)} | {sum(sens) / len(sens) / base_mean:.1f} |")
     return "\n".join(lines)
 
 

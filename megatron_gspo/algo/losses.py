@@ -36,6 +36,9 @@ Departures from the paper:
     exp(ref - logp) - (ref - logp) - 1, token-mean per sequence, mean over sequences.
   * Train-inference corrections (`corrections.py`) arrive as `is_weight_BT` (a weight per
     token) and `keep_BT` (the tokens that stay in the mask).
+  * Optional dual clip (`loss.dual_clip`, off by default; verl's clip_ratio_c): where A < 0
+    the objective is at least dual_clip * A, so a ratio above dual_clip adds a constant
+    (`clipped_surrogate`; counted in `policy/clip_frac/token_dual`).
 
 Clipped = the clipped branch is the active one in the min, as verl counts it: A > 0 and
 ratio > 1 + eps_high (`high`), or A < 0 and ratio < 1 - eps_low (`low`). Clip fractions are
@@ -101,20 +104,35 @@ def clip_range(cfg: PolicyLossConfig) -> tuple[float, float]:
 # ----------------------------------------------------------------------------- shared pieces
 
 
-def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float
+def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float,
+                      dual_clip: float | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """PPO clipped surrogate min(r A, clip(r, 1-eps_low, 1+eps_high) A), elementwise.
 
     `ratio` and `adv` broadcast together (e.g. [B] and [B], or [B, T] and [B, 1]). Returns
     (term, clipped_low, clipped_high): the bool masks mark where the clipped branch is the
     active one (A < 0 and r < 1 - eps_low; A > 0 and r > 1 + eps_high). There the term is the
-    constant clip(r) A, so its gradient is zero; elsewhere it is r A.
+    constant clip(r) A, so its gradient is zero; elsewhere it is r A. With `dual_clip` c
+    (dual-clip PPO, Ye et al. 2020; verl's clip_ratio_c) the term is max(term, c A) where
+    A < 0: a ratio above c adds the constant c A (gradient zero) instead of r A, unbounded
+    below; `dual_clipped` gives that mask.
     """
     clipped_low = (adv < 0) & (ratio < 1.0 - eps_low)
     clipped_high = (adv > 0) & (ratio > 1.0 + eps_high)
     clipped_ratio = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
     term = torch.minimum(ratio * adv, clipped_ratio * adv)
+    if dual_clip is not None:
+        term = torch.where(adv < 0, torch.maximum(term, dual_clip * adv), term)
     return term, clipped_low, clipped_high
+
+
+def dual_clipped(ratio: torch.Tensor, adv: torch.Tensor, cfg: PolicyLossConfig) -> torch.Tensor:
+    """bool, broadcast like `clipped_surrogate`'s masks: where `loss.dual_clip` holds the term
+    at c A (A < 0 and ratio > c); all False when it is off."""
+    if cfg.dual_clip is None:
+        return torch.zeros(torch.broadcast_shapes(ratio.shape, adv.shape), dtype=torch.bool,
+                           device=ratio.device)
+    return (adv < 0) & (ratio > cfg.dual_clip)
 
 
 class _Batch(NamedTuple):
@@ -202,11 +220,12 @@ def _kl_k3(b: _Batch, cfg: PolicyLossConfig) -> torch.Tensor:
 
 
 def _finish(obj_B, ratio, low_BT, high_BT, abs_log_ratio, b: _Batch, cfg: PolicyLossConfig,
-            ) -> tuple[torch.Tensor, dict[str, float]]:
+            dual_BT: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
     """loss = -mean_B(obj_B) + kl_coef * kl, and the metrics (one host sync).
 
     ratio: the clipped ratios to summarise (unmasked token ratios, or sequence ratios);
-    low_BT / high_BT: per-token clipped masks (already restricted to unmasked tokens).
+    low_BT / high_BT / dual_BT: per-token clipped and dual-clipped masks (already restricted
+    to unmasked tokens).
     """
     loss = -obj_B.mean()
     if b.ref_BT is not None and cfg.kl_coef > 0:
@@ -224,13 +243,13 @@ def _finish(obj_B, ratio, low_BT, high_BT, abs_log_ratio, b: _Batch, cfg: Policy
     for m_BT in (low_BT | high_BT, low_BT, high_BT):
         m_BT = m_BT.to(b.n_B.dtype)
         stats += [m_BT.sum() / n_tokens, (m_BT.sum(-1) / b.n_B).mean()]
-    stats += [abs_log_ratio.max(), kl.detach()]
+    stats += [dual_BT.to(b.n_B.dtype).sum() / n_tokens, abs_log_ratio.max(), kl.detach()]
     values = torch.stack([s.detach().to(torch.float64) for s in stats]).tolist()
     keys = ["policy/loss", "policy/ratio/mean", "policy/ratio/min", "policy/ratio/max",
             "policy/clip_frac/token", "policy/clip_frac/seq",
             "policy/clip_frac/token_low", "policy/clip_frac/seq_low",
             "policy/clip_frac/token_high", "policy/clip_frac/seq_high",
-            "policy/log_ratio/abs_max", "policy/kl"]
+            "policy/clip_frac/token_dual", "policy/log_ratio/abs_max", "policy/kl"]
     return loss, dict(zip(keys, values))
 
 
@@ -253,10 +272,12 @@ def grpo_loss(logp_BT, old_logp_BT, adv_B, mask_BT, cfg: PolicyLossConfig, ref_l
     b = _prepare(logp_BT, old_logp_BT, adv_B, mask_BT, ref_logp_BT, token_adv=False,
                  is_weight_BT=is_weight_BT, keep_BT=keep_BT)
     ratio_BT = torch.exp(b.log_ratio_BT.clamp(-cfg.max_log_ratio, cfg.max_log_ratio))
-    term_BT, low_BT, high_BT = clipped_surrogate(ratio_BT, b.adv[:, None], *clip_range(cfg))
+    term_BT, low_BT, high_BT = clipped_surrogate(ratio_BT, b.adv[:, None], *clip_range(cfg),
+                                                 cfg.dual_clip)
     obj_B = _token_mean(term_BT * b.w_BT, b)
     return _finish(obj_B, ratio_BT.detach()[b.mask_BT], low_BT & b.mask_BT,
-                   high_BT & b.mask_BT, b.log_ratio_BT.detach().abs(), b, cfg)
+                   high_BT & b.mask_BT, b.log_ratio_BT.detach().abs(), b, cfg,
+                   dual_clipped(ratio_BT.detach(), b.adv[:, None], cfg) & b.mask_BT)
 
 
 def _seq_log_ratio(b: _Batch) -> torch.Tensor:
@@ -275,10 +296,11 @@ def gspo_loss(logp_BT, old_logp_BT, adv_B, mask_BT, cfg: PolicyLossConfig, ref_l
                  is_weight_BT=is_weight_BT, keep_BT=keep_BT)
     seq_lr_B = _seq_log_ratio(b)
     s_B = torch.exp(seq_lr_B.clamp(-cfg.max_log_ratio, cfg.max_log_ratio))
-    term_B, low_B, high_B = clipped_surrogate(s_B, b.adv, *clip_range(cfg))
+    term_B, low_B, high_B = clipped_surrogate(s_B, b.adv, *clip_range(cfg), cfg.dual_clip)
     return _finish(term_B * _token_mean(b.w_BT, b), s_B.detach()[b.mask_BT.any(-1)],
                    low_B[:, None] & b.mask_BT, high_B[:, None] & b.mask_BT,
-                   seq_lr_B.detach().abs(), b, cfg)
+                   seq_lr_B.detach().abs(), b, cfg,
+                   dual_clipped(s_B.detach(), b.adv, cfg)[:, None] & b.mask_BT)
 
 
 @register_policy_loss("gspo_token", eps=(3e-4, 4e-4))
@@ -300,10 +322,11 @@ def gspo_token_loss(logp_BT, old_logp_BT, adv_B, mask_BT, cfg: PolicyLossConfig,
     s_BT = torch.exp((seq_lr_B[:, None] + token_BT).clamp(-cfg.max_log_ratio,
                                                            cfg.max_log_ratio))
     adv_BT = b.adv[:, None] if b.adv.ndim == 1 else b.adv
-    term_BT, low_BT, high_BT = clipped_surrogate(s_BT, adv_BT, *clip_range(cfg))
+    term_BT, low_BT, high_BT = clipped_surrogate(s_BT, adv_BT, *clip_range(cfg), cfg.dual_clip)
     obj_B = _token_mean(term_BT * b.w_BT, b)
     return _finish(obj_B, torch.exp(clamped_B)[b.mask_BT.any(-1)], low_BT & b.mask_BT,
-                   high_BT & b.mask_BT, seq_lr_B.abs(), b, cfg)
+                   high_BT & b.mask_BT, seq_lr_B.abs(), b, cfg,
+                   dual_clipped(s_BT.detach(), adv_BT, cfg) & b.mask_BT)
 
 
 def policy_loss(logp_BT, old_logp_BT, adv_B, mask_BT, cfg: PolicyLossConfig, ref_logp_BT=None,

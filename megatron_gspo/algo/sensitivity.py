@@ -15,6 +15,12 @@ the value is the mean over response tokens of |log pi(swapped) - log pi(as route
 sampled tokens, in nats, a ratio of sums over ranks. L + 1 no-grad forwards of the batch (one
 as routed, one per layer). It grows about linearly with `fraction` while swaps are sparse:
 compare values measured at the same fraction.
+
+With `lowest_margin=True` the swapped positions are instead, at each layer, the `fraction` of
+loss positions with the smallest router margin there (`moe.routing.scores.RouterScores.
+margins_NL`, p_(K) - p_(K+1); each rank its own under data parallelism): the near-ties a small
+change of the router logits flips first. Beside the random draw it tests the claim that flips
+cost little because they happen where the two experts nearly agree.
 """
 
 from __future__ import annotations
@@ -41,11 +47,12 @@ def _start(response_BT: torch.Tensor) -> int:
 @torch.no_grad()
 def route_sensitivity(policy, tokens_BT: torch.Tensor, valid_BT: torch.Tensor,
                       response_BT: torch.Tensor, fraction: float, generator: torch.Generator,
-                      temperature: float = 1.0) -> list[float]:
+                      temperature: float = 1.0, lowest_margin: bool = False) -> list[float]:
     """Per MoE layer, the mean |change| (nats) of the sampled tokens' log-probs (`response_BT`)
     when a random `fraction` of the loss positions take their (K+1)-th expert in place of their
     K-th at that layer only (module docstring). `generator` (CPU) draws which positions, once,
     for every layer: seed it alike on ranks that route the same tokens (tensor parallel).
+    `lowest_margin`: the fraction with the smallest margins at each layer instead (no draw).
     L + 1 no-grad forwards of the batch; collective under several ranks."""
     if not 0 <= fraction <= 1:
         raise ValueError(f"fraction={fraction!r} must be in [0, 1]")
@@ -59,11 +66,23 @@ def route_sensitivity(policy, tokens_BT: torch.Tensor, valid_BT: torch.Tensor,
     resp_BT = response_BT.bool().to(base_BT.device)
     sums = []
     for layer in range(scores.ids_NLJ.shape[1]):
+        if lowest_margin:
+            swap_N = lowest(scores.margins_NL()[:, layer], rows_N, fraction)
         with replay_routing(policy, scores.swapped(layer, swap_N)):
             logp_BT = policy.token_logprobs(tokens_BT, valid_BT, temperature, start=start)
         sums.append((logp_BT - base_BT).abs()[resp_BT].double().sum())
     totals = sum_over_ranks(torch.stack([*sums, resp_BT.sum().double()]).cpu())
     return (totals[:-1] / totals[-1]).tolist() if totals[-1] else [float("nan")] * len(sums)
+
+
+def lowest(values_N: torch.Tensor, rows_N: torch.Tensor, fraction: float) -> torch.Tensor:
+    """bool [N]: the round(fraction x rows) rows of `rows_N` with the smallest `values_N`
+    (ties to the earlier row)."""
+    idx_n = rows_N.nonzero().flatten()
+    keep = idx_n[values_N[idx_n].argsort(stable=True)[:round(fraction * len(idx_n))]]
+    out_N = torch.zeros_like(rows_N)
+    out_N[keep] = True
+    return out_N
 
 
 def sensitivity_metrics(per_layer: list[float]) -> dict:

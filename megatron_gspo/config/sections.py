@@ -124,8 +124,9 @@ class TaskConfig:
     _renamed: ClassVar[dict] = {"n_eval": "n_test"}
 
     name: str = "addition"
-    """Task name (see `megatron_gspo.tasks.toy`), or dataset (prompts from files: the data
-    section). Checked against the registry at set-up (`megatron_gspo.run.names`)."""
+    """Task name (see `megatron_gspo.tasks.toy`, `megatron_gspo.tasks.running_ops`), or dataset
+    (prompts from files: the data section). Checked against the registry at set-up
+    (`megatron_gspo.run.names`)."""
     kwargs: dict = field(default_factory=dict)
     """Keyword arguments for the task constructor, e.g. {num_digits: 2}."""
     n_train: int = 2000
@@ -186,12 +187,19 @@ class LossConfig:
     [0.5, 5]. Not with tis_cap (both set the weight). 0 < alpha <= 1 <= beta."""
     adv_eps: float = 1e-6
     """Epsilon in the group advantage (r - mean) / (std + eps)."""
+    dual_clip: Optional[float] = None
+    """Dual-clip PPO (verl's clip_ratio_c; None = off): where the advantage is negative the
+    objective is at least dual_clip * A, so a token (GSPO: a sequence) whose ratio exceeds
+    dual_clip stops pulling the loss (its gradient is 0) instead of weighing in unbounded.
+    > 1 (verl's default is 3)."""
 
     def __post_init__(self):
         validate(self, nonempty=("name",), ge={"eps_high": 0, "kl_coef": 0},
                  gt={"max_log_ratio": 0, "tis_cap": 0, "adv_eps": 0})
         check(self, "eps_low", self.eps_low is None or 0 <= self.eps_low < 1,
               "must be in [0, 1)")
+        check(self, "dual_clip", self.dual_clip is None or self.dual_clip > 1,
+              "must be > 1 or null")
         for name in ("is_mask_token", "is_mask_seq", "icepop"):
             check_ratio_band(self, name)
         check(self, "icepop", self.icepop is None or self.tis_cap is None,
@@ -228,8 +236,9 @@ class TrainConfig:
     record it through the KV cache (needs rollout.decoders.kv_cache, no sequence parallelism), an
     inference engine reports its own."""
     flip_every: int = may_change(1)
-    """Measure per-layer expert flips every k optimizer steps (0 = never), and the router margin
-    (`moe/router_margin/...`, from the same forward's router scores)."""
+    """Measure per-layer expert flips every k optimizer steps (0 = never), the router margin
+    (`moe/router_margin/...`, from the same forward's router scores) and, from a rollout
+    batch's second step, `policy/routing_log_ratio` (one more no-grad forward)."""
     router_margin_small: float = may_change(0.01)
     """The threshold of `moe/router_margin_small/layer_XX`: the fraction of loss positions whose
     router-probability gap between their K-th and (K+1)-th expert is below it (> 0; a

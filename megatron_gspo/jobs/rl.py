@@ -49,7 +49,7 @@ from megatron_gspo.dist import reduce_metrics
 from megatron_gspo.errors import ConfigError
 from megatron_gspo.jobs.band import StartBand
 from megatron_gspo.jobs.rl_metrics import (replay_diff, response_metrics, rollout_metrics,
-                                            route_sensitivity_row, throughput)
+                                            route_sensitivity_row, routing_log_ratio, throughput)
 from megatron_gspo.jobs.rl_step import accumulate, noise_inputs
 from megatron_gspo.rollout.backends import backend_of
 from megatron_gspo.rollout.batch import RolloutBatch
@@ -340,6 +340,8 @@ class Trainer:
         metrics.update(tis_metrics, **response_metrics(mb, done.logp_BT, done.entropy_BT))
         if mb.replay is not None:
             metrics["replay/route_diff"] = replay_diff(done.replayed)
+        if flips.active and not first and done.finite:  # minibatches >= 2, weights not stepped
+            metrics.update(routing_log_ratio(policy, mb, done.logp_BT, cfg))
         stepped, grad_norm = policy.step() if done.finite else (False, float("nan"))
         metrics.update(self.guard(stepped), **{"train/grad_norm": grad_norm,
                                                "train/lr": policy.lr})

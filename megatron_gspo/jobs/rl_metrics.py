@@ -1,7 +1,8 @@
 """RL's metrics of one rollout batch and of one optimizer step (GSPO paper, sec. 5: the reward,
 response length, clipping and entropy curves; here also the sampler-vs-trainer log-prob gap
 Routing Replay is about, sec. 5.3), computed from tensors the trainer already has: no forward,
-except the route sensitivity's where `train.route_sensitivity_every` asks for it.
+except the route sensitivity's where `train.route_sensitivity_every` asks for it and the
+routing log-ratio's (`routing_log_ratio`, one no-grad forward per measured step).
 
 Shape legend: B sequences, T tokens.
 """
@@ -11,10 +12,15 @@ from __future__ import annotations
 import torch
 
 from megatron_gspo.algo.sensitivity import route_sensitivity, sensitivity_metrics
-from megatron_gspo.dist import sum_over_ranks
+from megatron_gspo.dist import max_over_ranks, sum_over_ranks
 from megatron_gspo.rollout.batch import RolloutBatch
 from megatron_gspo.run import seeds
 from megatron_gspo.run.metrics import Timer
+from moe.routing.replay import chunk_count, replay_routing, row_chunks
+
+GRPO_CLIP = 0.2
+"""The |token log-ratio| `policy/routing_log_ratio/past_clip` counts beyond: GRPO's clip
+(eps_low of the paper's sec. 5.1), whatever the run's loss, so that arms compare."""
 
 
 def rollout_metrics(batch: RolloutBatch, recompute_logp_BT: torch.Tensor,
@@ -45,6 +51,31 @@ def response_metrics(mb, logp_BT: torch.Tensor, entropy_BT: torch.Tensor) -> dic
     abs_lr_BT = (logp_BT.detach() - mb.old_logp_BT.to(logp_BT.device)).abs() * resp_BT
     return {"policy/entropy": float((entropy_BT.detach() * resp_BT).sum() / resp_BT.sum()),
             "policy/log_ratio/abs_mean": float(abs_lr_BT.sum() / resp_BT.sum())}
+
+
+@torch.no_grad()
+def routing_log_ratio(policy, mb, logp_BT: torch.Tensor, cfg) -> dict:
+    """The routing share of the loss's token log-ratio on minibatch `mb`, at the weights its
+    loss just used (before the optimizer step): |log pi_theta(y) as the loss computed it
+    (`logp_BT`: its routing, live, noisy under `train.router_noise_std`, replayed under R2 / R3)
+    - log pi_theta(y) with pi_old's routing replayed| over the response tokens, one no-grad
+    forward (chunks of `train.logprob_max_tokens`). `policy/routing_log_ratio/abs_mean` is its
+    token mean, `.../past_clip` the share of tokens beyond `GRPO_CLIP`. The token log-ratio
+    log pi_theta - log pi_old splits into this term and the one the weights make under one
+    routing: this is what Routing Replay (R2) removes (GSPO paper, sec. 5.3), and under R2 / R3
+    it is 0, the loss having replayed pi_old's routing (under R3 pi_old's is the sampler's)."""
+    start, temperature = mb.rollout.response_start, cfg.rollout.temperature
+    n = max_over_ranks(chunk_count(*mb.tokens_BT.shape, cfg.train.logprob_max_tokens))
+    parts = []
+    for rows in row_chunks(len(mb), n):
+        with replay_routing(policy, mb.old_routing.select(rows)):
+            parts.append(policy.token_logprobs(mb.tokens_BT[rows], mb.valid_BT[rows],
+                                               temperature, start=start))
+    replayed_BT = torch.cat(parts)
+    resp_BT = mb.response_BT.to(replayed_BT.device).bool()
+    diff_N = (logp_BT.detach().to(replayed_BT.device) - replayed_BT)[resp_BT].abs().double()
+    return {"policy/routing_log_ratio/abs_mean": float(diff_N.mean()),
+            "policy/routing_log_ratio/past_clip": float((diff_N > GRPO_CLIP).double().mean())}
 
 
 def throughput(batch: RolloutBatch, timer: Timer) -> dict:

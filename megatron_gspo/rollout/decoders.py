@@ -174,6 +174,14 @@ def _decoder_factory(kind: str):
     return factory
 
 
+def clean_decoder(policy, tokenizer, cfg) -> DecoderSampler:
+    """The trainer's own decoder over `policy`, whatever the run's sampler: "lean", the
+    policy's precision, clean routers (the KV cache unless sequence parallelism forbids it).
+    What `megatron_gspo.run.setup.trainer_sampler` scores the test split with beside an engine
+    or a mismatched decoder."""
+    return DecoderSampler(policy, tokenizer, "lean", kv_cache=not cfg.model.sequence_parallel)
+
+
 lean_sampler = _decoder_factory("lean")
 """Backend "lean"'s factory (registered in `megatron_gspo.rollout.backends`)."""
 megatron_sampler = _decoder_factory("megatron")

@@ -24,6 +24,7 @@ import torch
 from megatron_gspo.config.schema import RunConfig, config_to_dict, save_config, value_at
 from megatron_gspo.errors import ConfigError
 from megatron_gspo.rollout.backends import backend_of, build_sampler
+from megatron_gspo.rollout.decoders import clean_decoder
 from megatron_gspo.rollout.generate import evaluate, sampled_reward
 from megatron_gspo.rollout.sampler import Sampler, SamplingParams
 from megatron_gspo.run import checkpoint as ckpt
@@ -318,7 +319,9 @@ def evaluate_test(rt: Runtime, step: int, progress: bool = False) -> dict[str, f
     """`test/accuracy`, `test/format_ok` (greedy) and `test/reward` (one response per prompt
     sampled at the rollout temperature and top-p, the mean reward) of `rt.policy` on the test
     split, at optimizer step `step` (its own seeded stream: nothing a run trains changes);
-    {} without a test split. `progress`: a progress line per batch of prompts."""
+    `test/accuracy_trainer` beside them where the run's sampler is not the trainer's own clean
+    decoder (`trainer_sampler`); {} without a test split. `progress`: a progress line per batch
+    of prompts."""
     if not rt.test_set:
         return {}
     rollout = rt.cfg.rollout
@@ -330,8 +333,26 @@ def evaluate_test(rt: Runtime, step: int, progress: bool = False) -> dict[str, f
                                            temperature=rollout.temperature, top_p=rollout.top_p),
                             seeds.sampled_test(rt.cfg.seed, step),
                             progress=_progress(rt, "test/reward" if progress else ""))
-    return {"test/accuracy": greedy["eval/accuracy"], "test/format_ok": greedy["eval/format_ok"],
-            "test/reward": reward}
+    out = {"test/accuracy": greedy["eval/accuracy"], "test/format_ok": greedy["eval/format_ok"],
+           "test/reward": reward}
+    trainer = trainer_sampler(rt)
+    if trainer is not None:
+        out["test/accuracy_trainer"] = evaluate(
+            trainer, rt.tokenizer, rt.task, rt.test_set, max_new_tokens=rollout.max_new_tokens,
+            progress=_progress(rt, "test/trainer" if progress else ""))["eval/accuracy"]
+    return out
+
+
+def trainer_sampler(rt: Runtime) -> Sampler | None:
+    """The trainer's own decoder over `rt.policy` (lean, the run's precision, clean routers)
+    where the run's sampler may compute or route otherwise: an inference engine, or a decoder in
+    another precision or with noisy routers (`sampler.Backend.mismatched`); None where the
+    sampler is that decoder already. Its greedy test accuracy tells a network that broke from a
+    network whose engine disagrees with it."""
+    caps = backend_of(rt.cfg)
+    if not (caps.engine or caps.mismatched(rt.cfg)):
+        return None
+    return clean_decoder(rt.policy, rt.tokenizer, rt.cfg)
 
 
 def run_tokenizer(cfg: RunConfig) -> Tokenizer:

@@ -68,7 +68,8 @@ def transformer_config(preset: MoEPreset, layout: ParallelLayout = ParallelLayou
     inference engine replays for decode steps only (`moe.inference.engine`); training forwards stay eager
     (block-scope graphs run only in inference mode with an inference context)."""
     preset.check_parallel(layout.tp, layout.ep)
-    return TransformerConfig(
+    hard_gate = preset.topk == 1 and preset.norm_topk_prob
+    config = TransformerConfig(
         num_layers=preset.num_layers,
         hidden_size=preset.hidden_size,
         num_attention_heads=preset.num_attention_heads,
@@ -89,7 +90,7 @@ def transformer_config(preset: MoEPreset, layout: ParallelLayout = ParallelLayou
         moe_ffn_hidden_size=preset.moe_ffn_hidden_size,
         # norm_topk_prob: softmax over the top-k logits = renormalised top-k probs; otherwise
         # softmax over all experts, then top-k (Qwen2-MoE).
-        moe_router_pre_softmax=not preset.norm_topk_prob,
+        moe_router_pre_softmax=not preset.norm_topk_prob or hard_gate,
         moe_shared_expert_intermediate_size=preset.shared_expert_ffn_hidden_size or None,
         moe_shared_expert_gate=preset.shared_expert_gate,
         moe_router_score_function="softmax",
@@ -118,6 +119,11 @@ def transformer_config(preset: MoEPreset, layout: ParallelLayout = ParallelLayou
         **(dict(cuda_graph_impl="local", inference_cuda_graph_scope="block")
            if inference_graphs else {}),
     )
+    if hard_gate:  # Qwen3's norm_topk_prob at K = 1: a hard gate, weight 1, so the router gets
+        # no gradient from the loss (its routes move only with the hidden states). megatron's
+        # check refuses the setting for that reason; it reads the flag at each forward.
+        config.moe_router_pre_softmax = False
+    return config
 
 
 def _with_modules(spec, experts, sdpa_attention: bool):

@@ -33,7 +33,8 @@ from __future__ import annotations
 import math
 
 import torch
-from megatron.core.optimizer import OptimizerConfig, clip_grads, get_megatron_optimizer
+from megatron.core.optimizer import (OptimizerConfig, ParamKey, clip_grads,
+                                     get_megatron_optimizer, get_standard_config_overrides)
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from moe.platform.compat import apply_cpu_training_patches, use_foreach_optimizer_kernels
@@ -50,6 +51,23 @@ def megatron_optimizer_config(settings: OptimSettings, params_dtype: torch.dtype
         params_dtype=params_dtype, loss_scale=settings.loss_scale,
         initial_loss_scale=settings.initial_loss_scale,
         use_distributed_optimizer=settings.distributed)
+
+
+ROUTER_WEIGHTS = "*.mlp.router.weight"
+"""The routers' parameters by name (megatron's `TopKRouter.weight`; no bias here)."""
+
+
+def param_overrides(config: OptimizerConfig, settings: OptimSettings) -> dict | None:
+    """megatron's per-parameter overrides: None (its standard ones: no weight decay on biases
+    and 1-D parameters) unless `router_lr_mult` != 1, then those plus the routers' max_lr and
+    min_lr times the multiplier, which puts them in a param group of their own."""
+    mult = settings.router_lr_mult
+    if mult == 1:
+        return None
+    out = get_standard_config_overrides(config)
+    out[ParamKey(name=ROUTER_WEIGHTS)] = {"max_lr": settings.lr * mult,
+                                          "min_lr": settings.min_lr * mult}
+    return out
 
 
 class PolicyOptimizer:
@@ -72,7 +90,9 @@ class PolicyOptimizer:
                              f"{settings.lr_decay_style!r}")
         self.settings = settings
         self.config = megatron_optimizer_config(settings, dtype)
-        self.optimizer = get_megatron_optimizer(self.config, [ddp_model])
+        self.optimizer = get_megatron_optimizer(self.config, [ddp_model],
+                                                config_overrides=param_overrides(self.config,
+                                                                                 settings))
         use_adam_kernel(self.optimizer, settings.adam_kernel)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0, max_lr=settings.lr, min_lr=settings.min_lr,

@@ -60,7 +60,8 @@ class MoEPreset:
     """Bias on the query/key/value projections (Qwen2-MoE); the output projection has none."""
     norm_topk_prob: bool = True
     """Renormalise the top-k router probabilities to sum to 1 (Qwen3-MoE's norm_topk_prob). False
-    keeps the softmax over all experts (megatron's `moe_router_pre_softmax=True`)."""
+    keeps the softmax over all experts (megatron's `moe_router_pre_softmax=True`). At topk 1 it
+    is a hard gate: weight 1, no gradient from the loss to the router (`moe.model.gpt`)."""
     shared_expert_ffn_hidden_size: int = 0
     """Hidden size of the always-on shared expert (Qwen2-MoE); 0 = none."""
     shared_expert_gate: bool = False

@@ -128,6 +128,10 @@ class OptimSettings:
     """Adam epsilon."""
     grad_clip: float = 1.0
     """Global gradient-norm clip (0 = off)."""
+    router_lr_mult: float = 1.0
+    """The routers' learning rate (and min_lr) as a multiple of lr, in a param group of their
+    own (megatron's per-parameter overrides); 1 = the same lr, one group as without it. > 0.
+    A knob for routing volatility: routes move with the router weights themselves."""
     warmup_steps: int = 0
     """Linear lr warmup: update k <= warmup_steps runs at lr * k / warmup_steps."""
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
@@ -161,6 +165,8 @@ class OptimSettings:
                if not getattr(self, n) >= 0]
         out += [(n, "must be in [0, 1)") for n in ("beta1", "beta2")
                 if not 0 <= getattr(self, n) < 1]
+        if not self.router_lr_mult > 0:
+            out.append(("router_lr_mult", "must be > 0"))
         if self.min_lr > self.lr:
             out.append(("min_lr", f"must be <= lr={self.lr}"))
         if self.lr_decay_style not in ("constant", "linear", "cosine"):

@@ -87,3 +87,27 @@ def test_every_arm_and_lever_is_a_valid_config(arm, lever):
     assert cfg.task.n_val > 0 and cfg.task.n_test > 0  # the band reads validation
     assert (cfg.rollout.use_sampler_logprobs, cfg.train.routing_replay) == (
         "_sl" in arm, "r3" if arm.endswith("r3") else "r2" if arm.endswith("r2") else "off")
+
+
+def test_the_rescore_series_pairs_both_test_accuracies(tmp_path):
+    """Runs that logged `test/accuracy_trainer` keep it at the first and last step; the rescore
+    answer pairs R3 with its arm by seed through the engine and through the trainer's
+    decoder, and a final below the start counts as the second kind of collapse."""
+    from experiments.positive_control import rescore
+
+    lever = tmp_path / "engine"
+    for seed, (sl, r3) in enumerate([(0.1, 0.5), (0.2, 0.5), (0.1, 0.6)]):
+        for arm, final in (("gspo_sl", sl), ("gspo_sl_r3", r3)):
+            rows = _run(0.1, final=final)
+            rows[0]["test/accuracy_trainer"] = 0.4
+            rows[-1]["test/accuracy_trainer"] = final + 0.2
+            _write(lever / f"{arm}_n0.3_s{seed}" / "metrics.jsonl", rows)
+    assert report.distill(str(tmp_path), str(tmp_path / "results")) == 6
+    runs = report.collect(str(tmp_path / "results" / "engine"))
+    assert runs[("gspo_sl", 0.3)][0]["final_trainer"] == pytest.approx(0.3)
+    assert runs[("gspo_sl", 0.3)][0]["below_start"] is True  # 0.1 < 0.3
+    line = next(ln for ln in rescore.answer_table(runs).splitlines() if "GSPO + R3" in ln)
+    m, h = report.ci([0.4, 0.3, 0.5])
+    assert line.count(f"{m:.3f} ± {h:.3f} | yes") == 2  # the same gaps both ways
+    row = next(ln for ln in rescore.arms_table(runs).splitlines() if "| GSPO, pi_old" in ln)
+    assert "| 3 | 0 / 3 | 0.300 ± 0.000 / 0.400 ± 0.000 |" in row

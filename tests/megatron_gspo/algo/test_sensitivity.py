@@ -61,13 +61,16 @@ def _take_next_best(router, swap_R, scores, topk, num_groups=None, group_topk=No
     return scores.gather(1, ids_RK), ids_RK
 
 
-def reference(policy, tokens_BT, valid_BT, response_BT, layer):
+def reference(policy, tokens_BT, valid_BT, response_BT, layer, swap_BT=None):
     """float64 mean over response tokens of |log p(swapped) - log p| with every loss position
-    of `layer` on its (K+1)-th expert, the swap made inside the router (no replay)."""
+    of `layer` (or the positions `swap_BT`) on its (K+1)-th expert, the swap made inside the
+    router (no replay)."""
+    if swap_BT is None:
+        swap_BT = loss_positions(response_BT) & valid_BT
     with torch.no_grad():
         base = policy.token_logprobs(tokens_BT, valid_BT, start=1).double()
         router = policy.router_replays[layer]
-        swap_R = (loss_positions(response_BT) & valid_BT).T.reshape(-1)  # sequence-first rows
+        swap_R = swap_BT.T.reshape(-1)  # sequence-first rows
         router.get_replay_topk = partial(_take_next_best, router, swap_R)
         try:
             swapped = policy.token_logprobs(tokens_BT, valid_BT, start=1).double()
@@ -124,3 +127,31 @@ def test_packed_sensitivity_and_margins_are_the_padded_ones(single_process):
     np.testing.assert_allclose(out[True][0], out[False][0], rtol=1e-4, atol=1e-7)
     for key, value in out[False][1].items():
         assert out[True][1][key] == pytest.approx(value, abs=1e-6), key
+
+
+def test_lowest_margin_swaps_the_near_ties_of_each_layer(single_process):
+    """`lowest_margin=True`: at each layer the quarter of loss positions with the smallest
+    margin p_(K) - p_(K+1) there take their (K+1)-th expert; equal to a float64 reference swap of
+    those positions inside the router, whatever the generator."""
+    from moe.routing.scores import record_router_scores
+
+    policy = build()
+    tokens_BT, valid_BT, response_BT = rollout()
+    got = route_sensitivity(policy, tokens_BT, valid_BT, response_BT, 0.25,
+                            torch.Generator().manual_seed(0), lowest_margin=True)
+    assert got == route_sensitivity(policy, tokens_BT, valid_BT, response_BT, 0.25,
+                                    torch.Generator().manual_seed(9), lowest_margin=True)
+    with torch.no_grad(), record_router_scores(policy) as recorded:
+        policy.token_logprobs(tokens_BT, valid_BT)
+    scores = RouterScores.from_recorded(recorded, valid_BT, PRESET.num_experts)
+    loss_BT = loss_positions(response_BT) & valid_BT
+    rows_N = loss_BT[valid_BT]
+    for layer in range(PRESET.num_layers):
+        margins_N = scores.margins_NL()[:, layer]
+        n = round(0.25 * int(rows_N.sum()))
+        cut = margins_N[rows_N].sort().values[n - 1]
+        mask_BT = torch.zeros_like(valid_BT)
+        mask_BT[valid_BT] = rows_N & (margins_N <= cut)
+        assert int(mask_BT.sum()) == n  # no tie at the cut in this batch
+        want = reference(policy, tokens_BT, valid_BT, response_BT, layer, swap_BT=mask_BT)
+        assert got[layer] == pytest.approx(want, rel=1e-4, abs=1e-7)

@@ -64,6 +64,8 @@ EDGES = [
     ("sft.min_lr", "0.003", "0.0031", "must be <= sft.lr=0.003"),  # min_lr may equal lr
     ("seed", "0", "-1", "must be >= 0"),
     ("optim.beta1", "0", "1", "must be in [0, 1)"),  # OptimSettings.problems, wired in
+    ("optim.router_lr_mult", "1e-9", "0", "must be > 0"),
+    ("loss.dual_clip", "1.0001", "1", "must be > 1 or null"),
 ]
 
 
@@ -126,7 +128,7 @@ def test_loss_section_is_the_policy_loss_config():
     assert PolicyLossConfig is LossConfig
     assert [f.name for f in fields(LossConfig)] == \
         ["name", "eps_low", "eps_high", "kl_coef", "max_log_ratio", "tis_cap", "is_mask_token",
-         "is_mask_seq", "icepop", "adv_eps"]
+         "is_mask_seq", "icepop", "adv_eps", "dual_clip"]
     cfg = load_config(None, ["loss.name=grpo", "loss.eps_high=0.3"])
     assert (cfg.loss.eps_low, cfg.loss.eps_high) == (None, 0.3)  # as given
     assert clip_range(cfg.loss) == (0.2, 0.3)  # paper default + override

@@ -87,3 +87,26 @@ def test_entropy_and_small_reward_collapse_alerts():
     edge = stub(collapse_reward_drop=0.3)  # ema 0.7 after 1, 0 is exactly 0.7 of the best
     Trainer.collapse_alerts(edge, {"reward/mean": 1.0})
     assert Trainer.collapse_alerts(edge, {"reward/mean": 0.0})["alert/reward_collapse"] == 0.0
+
+
+@pytest.mark.parametrize("mode", ["off", "r2", "r3"])
+def test_routing_log_ratio_is_what_replay_removes(tmp_path, mode):
+    """`policy/routing_log_ratio`: from a rollout batch's second minibatch on (measured steps
+    only), the loss's log-probs against the same weights under pi_old's routing. Noise on the
+    loss's routers moves them apart; R2 and R3 replay pi_old's routing in the loss, so it is 0
+    there. Not logged on the first minibatch, nor where flips are not measured."""
+    from tests.jsonl import step_rows
+    from tests.megatron_gspo.jobs.trainers import make_trainer
+
+    trainer = make_trainer(tmp_path, "train.steps=1", "train.num_minibatches=4",
+                           "train.router_noise_std=1.0", f"train.routing_replay={mode}",
+                           "train.flip_every=2")
+    trainer.train()
+    rows = {r["train/minibatch"]: r for r in step_rows(trainer.cfg.run_dir)}
+    keys = ("policy/routing_log_ratio/abs_mean", "policy/routing_log_ratio/past_clip")
+    assert not any(k in rows[m] for k in keys for m in (0, 1, 3))  # first, or not measured
+    got = [rows[2][k] for k in keys]
+    if mode == "off":
+        assert got[0] > 5e-4 and 0 <= got[1] <= 1  # (an untrained model: small)
+    else:
+        assert got == [0.0, 0.0]

@@ -48,14 +48,16 @@ def test_routing_replay_is_confined_to_the_policy_forward(tmp_path, monkeypatch)
 
 
 def _spy_replayed_routes(policy):
-    """Wrap each router's top-k: in replay forwards, keep (replayed ids, ids it would pick)."""
+    """Wrap each router's top-k: in the loss's replay forwards (with grad: not the routing
+    log-ratio's no-grad one), keep (replayed ids, ids it would pick)."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     replayed, live = [], []
     for router in policy.router_replays:
         def topk(scores, k, *args, _inner=router.get_replay_topk, _router=router, **kwargs):
             probs, ids = _inner(scores, k, *args, **kwargs)
-            if _router.router_replay_action == RouterReplayAction.REPLAY_FORWARD:
+            if _router.router_replay_action == RouterReplayAction.REPLAY_FORWARD \
+                    and torch.is_grad_enabled():
                 named = dict(zip(("num_groups", "group_topk", "default_compute_topk"), args),
                              **kwargs)
                 compute = named.pop("default_compute_topk")

@@ -313,3 +313,41 @@ def test_a_data_tokenizer_that_renumbers_the_models_tokens_is_refused(hf_dir, tm
     tok.save_pretrained(str(more))
     cfg = load_config(None, [f"model.hf_path={hf_dir}", f"data.tokenizer_path={more}"])
     assert run_tokenizer(cfg).vocab_size == 301
+
+
+
+def test_the_test_split_is_also_scored_by_the_trainers_clean_decoder(tmp_path, monkeypatch):
+    """With the sampler's routers noisy (an engine that disagrees), `test/accuracy_trainer`
+    scores the same policy through the trainer's own clean decoder: its greedy tokens are the
+    sampler's with the noise off; without a mismatch there is no second score."""
+    from types import SimpleNamespace
+
+    from megatron_gspo.rollout.sampler import SamplingParams
+    from megatron_gspo.run import setup
+
+    base = ["model.preset=tiny", "task.kwargs.num_digits=1", "task.n_train=20", "task.n_val=4",
+            "task.n_test=6", "rollout.max_new_tokens=3", "wandb.mode=disabled"]
+    rt = setup_runtime(load_config(None, [*base, "rollout.decoders.router_noise_std=30.0",
+                                          f"run_dir={tmp_path / 'n'}"]), evaluate.SPEC)
+    try:
+        prompts, greedy = [[3, 4, 5], [6, 7, 8]], SamplingParams(max_new_tokens=3, greedy=True)
+        ours, engine = (s.sample(prompts, greedy) for s in (setup.trainer_sampler(rt),
+                                                             rt.sampler))
+        rt.sampler.noise_std = 0.0
+        theirs = rt.sampler.sample(prompts, greedy)
+        rt.sampler.noise_std = 30.0
+        assert torch.equal(ours.tokens_BT, theirs.tokens_BT)
+        assert torch.equal(ours.logp_BT, theirs.logp_BT)
+        assert not torch.equal(engine.logp_BT, theirs.logp_BT)  # the noise reached the engine
+        monkeypatch.setattr(setup, "evaluate", lambda sampler, *a, **k: {
+            "eval/accuracy": 0.25 if sampler.noise_std else 0.75, "eval/format_ok": 1.0})
+        monkeypatch.setattr(setup, "sampled_reward", lambda *a, **k: 0.5)
+        assert setup.evaluate_test(rt, step=0) == {
+            "test/accuracy": 0.25, "test/format_ok": 1.0, "test/reward": 0.5,
+            "test/accuracy_trainer": 0.75}
+        clean = SimpleNamespace(cfg=load_config(None, base), test_set=rt.test_set,
+                                sampler=rt.sampler, tokenizer=rt.tokenizer, task=rt.task)
+        assert setup.trainer_sampler(clean) is None
+        assert "test/accuracy_trainer" not in setup.evaluate_test(clean, step=0)
+    finally:
+        rt.close()

@@ -237,7 +237,7 @@ def test_countdown_samples_reach_every_counted_prompt():
 
 
 def test_registry_errors():
-    assert set(TASKS) == {"addition", "sort", "countdown", "running_sum"}
+    assert set(TASKS) == {"addition", "sort", "countdown", "running_sum", "running_ops"}
     with pytest.raises(KeyError, match="addition.*countdown.*sort"):
         make_task("multiply")
     with pytest.raises(TypeError, match=r"kwarg\(s\) \['digits'\]; valid: \['num_digits'\]"):

@@ -243,9 +243,9 @@ def test_logprobs_from_start_project_only_those_positions(single_process):
 
 
 def test_trainer_logprobs_start_at_the_response(tmp_path):
-    """pi_old's pass and every train step run the output layer from the last prompt column
-    on; the flip forwards (routing only) on the last two. Padded (packed forwards project only
-    their scored positions: tests/moe/model/test_packed.py)."""
+    """pi_old's pass, every train step and the routing log-ratio's forward run the output layer
+    from the last prompt column on; the flip forwards (routing only) on the last two. Padded
+    (packed forwards project only their scored positions: tests/moe/model/test_packed.py)."""
     from megatron_gspo.config.schema import load_config
     from megatron_gspo.jobs.rl import Trainer
 
@@ -263,8 +263,10 @@ def test_trainer_logprobs_start_at_the_response(tmp_path):
     T, start = batch.tokens_BT.shape[1], batch.response_start
     assert 1 < start < T and not batch.response_BT[:, :start].any()
     assert batch.response_BT[:, start].all()
-    # pi_old, then per minibatch: train forward, flip forward (its first "before" is pi_old's)
-    assert seen == [T - start + 1, T - start + 1, 2, T - start + 1, 2], seen
+    # pi_old, then per minibatch: train forward, flip forward (its first "before" is pi_old's);
+    # from the second on, the routing log-ratio's forward under pi_old's routing before the flips'
+    full = T - start + 1
+    assert seen == [full, full, 2, full, full, 2], seen
 
 
 def test_flops_per_token_match_torchs_flop_counter(single_process):
@@ -343,3 +345,27 @@ def test_seed_alone_fixes_the_initial_weights(single_process):
     assert all(torch.equal(p, again[n]) for n, p in first.items())
     name = "embedding.word_embeddings.weight"
     assert not torch.equal(first[name], other[name])
+
+
+def test_top1_with_renormalised_gate_is_a_hard_gate(single_process):
+    """topk 1 with norm_topk_prob (Qwen3's renormalisation over one expert): every gate weight
+    is 1 and the loss sends the router no gradient, which megatron's own config check refuses;
+    without the renormalisation the gate is the all-expert softmax and the router learns."""
+    tokens_BT = torch.randint(0, 40, (4, 10), generator=torch.Generator().manual_seed(0))
+    valid_BT = torch.ones(4, 10, dtype=torch.bool)
+    for norm in (True, False):
+        preset = dataclasses.replace(get_preset("tiny"), topk=1, norm_topk_prob=norm)
+        assert transformer_config(preset).moe_router_pre_softmax is not norm
+        policy = MoEPolicy.build(preset, ParallelLayout(), real_vocab=40, seed=0,
+                                 optim=OptimSettings(lr=1e-3))
+        router = policy.model.module.decoder.layers[0].mlp.router
+        gates = []
+        router.register_forward_hook(lambda m, i, out: gates.append(out[0].detach()))
+        policy.zero_grad()
+        policy.token_logprobs(tokens_BT, valid_BT).sum().backward()
+        weights = torch.cat([g[g != 0] for g in gates])
+        grad = router.weight.main_grad.abs().max()
+        if norm:
+            assert torch.equal(weights, torch.ones_like(weights)) and grad == 0
+        else:
+            assert weights.max() < 1 and grad > 0

@@ -312,3 +312,22 @@ def test_the_optimizer_and_ddp_agree_on_distributed(single_process):
     with pytest.raises(ValueError, match="distributed=True but the DDP wrapper was built with "
                                          "use_distributed_optimizer=False"):
         PolicyOptimizer(policy.model, OptimSettings(lr=LR, distributed=True))
+
+
+@pytest.mark.parametrize("mult", [1.0, 10.0])
+def test_router_lr_mult_scales_the_routers_update_only(single_process, mult):
+    """`router_lr_mult`: Adam's first update moves each weight by about its lr (|m / sqrt(v)|
+    = 1), so the routers move `mult` times as far as the rest, which keep lr; at 1 there is no
+    group of their own."""
+    policy = build(torch.float32, OptimSettings(lr=LR, router_lr_mult=mult))
+    before = {n: p.detach().clone() for n, p in policy.model.module.named_parameters()}
+    train(policy, 1)
+    moved = {n: float((p.detach() - before[n]).abs().max())
+             for n, p in policy.model.module.named_parameters()}
+    routers = [n for n in moved if n.endswith(".mlp.router.weight")]
+    assert len(routers) == policy.preset.num_layers
+    for n, step in moved.items():
+        want = LR * mult if n in routers else LR
+        assert want * 0.9 < step < want * 1.1, (n, step)
+    lrs = sorted(g["max_lr"] for g in policy.optimizer.optimizer.param_groups if g["params"])
+    assert lrs[-1] == LR * mult and (mult == 1 or lrs.count(LR * mult) == 1)
