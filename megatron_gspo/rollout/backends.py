@@ -23,6 +23,10 @@ from moe.model import memory as mem
 ENGINE_BUFFER_GIB = 4.0  # megatron_engine's KV buffer (moe.inference.engine's buffer_size_gb default)
 
 
+def _always(cfg) -> bool:
+    return True
+
+
 # ----------------------------------------------------------------------------- our decoders
 
 
@@ -70,6 +74,7 @@ def _decoders_memory(q, cfg, rows: int, T: int, lean: bool) -> tuple[list, bool]
 
 def _decoders(name: str) -> Backend:
     return Backend(records_routing=_decoders_record, mismatched=_decoders_mismatched,
+                   beside=_always,  # a copy of the weights, sampled in a thread
                    settings="rollout.decoders", own_keys=("rollout.decoders.router_noise_std",),
                    check=_decoders_check,
                    plan_memory=functools.partial(_decoders_memory, lean=name == "lean"),
@@ -82,10 +87,6 @@ register_sampler("megatron", _decoders("megatron"),
 
 
 # ----------------------------------------------------------------------------- the engines
-
-
-def _always(cfg) -> bool:
-    return True
 
 
 def _graphs(cfg) -> bool:
@@ -119,8 +120,20 @@ def _vllm_memory(q, cfg, rows: int, T: int) -> tuple[list, bool]:
              r.vllm.kv_cache_gb * mem.GIB)], True
 
 
+def _vllm_server(cfg) -> bool:
+    return cfg.rollout.vllm.mode == "server"
+
+
+def _vllm_check(cfg) -> None:
+    if cfg.rollout.max_staleness and not _vllm_server(cfg):
+        raise ConfigError(f"rollout.max_staleness={cfg.rollout.max_staleness} with "
+                          "rollout.backend=vllm needs rollout.vllm.mode=server (an engine in the "
+                          f"trainer's process cannot sample beside it; got {cfg.rollout.vllm.mode})")
+
+
 register_sampler("vllm", Backend(engine=True, records_routing=_always, settings="rollout.vllm",
-                                 plan_memory=_vllm_memory),
+                                 plan_memory=_vllm_memory, beside=_vllm_server,
+                                 check=_vllm_check),
                  factory="megatron_gspo.rollout.vllm:factory")
 
 
@@ -150,6 +163,11 @@ def check_config(cfg) -> Backend:
             raise ConfigError(f"{key}={value}: needs rollout.backend={' or '.join(owners)}, "
                               f"not {name!r}")
     caps.check(cfg)
+    if cfg.rollout.max_staleness and not caps.beside(cfg):
+        can = sorted(n for n, b in BACKENDS.items() if b.beside(cfg))
+        raise ConfigError(f"rollout.max_staleness={cfg.rollout.max_staleness} samples beside the "
+                          f"trainer: rollout.backend={name} cannot (its capability `beside`; "
+                          f"{', '.join(can) or 'none'} can)")
     if cfg.train.routing_replay == "r3" and not caps.records_routing(cfg):
         raise ConfigError(f"train.routing_replay=r3 replays the sampler's routing: "
                           f"rollout.backend={name} does not record it")

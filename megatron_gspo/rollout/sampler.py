@@ -112,6 +112,10 @@ class Backend:
     cuda_graphs: Callable[[Any], bool] = _no
     """`cuda_graphs(cfg)`: whether the policy is built with megatron's inference CUDA graphs for
     it (and the parallel state with their RNG tracker)."""
+    beside: Callable[[Any], bool] = _no
+    """`beside(cfg)`: whether it can sample beside the trainer (`rollout.max_staleness` > 0): its
+    sampler's `beside(make_policy)` gives a sampler of weights of its own, which the trainer
+    publishes between updates (`megatron_gspo.rollout.overlap.Beside`)."""
     needs_cuda: bool = False
     """Runs on a CUDA GPU only: refused in one line where none is visible."""
     settings: Optional[str] = None
