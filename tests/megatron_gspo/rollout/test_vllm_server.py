@@ -64,6 +64,28 @@ def test_a_channel_carries_messages_only_for_a_peer_with_the_key():
     listener.close()
 
 
+def test_closing_a_channel_wakes_the_thread_receiving_on_it():
+    """The producer thread of `rollout.max_staleness` waits on a server's answer while the
+    trainer's thread closes the engine: it hears ChannelClosed at once, not after its
+    receive timeout (a close alone left it waiting the whole timeout)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    chan = vllm_wire.Channel(socket.create_connection(listener.getsockname()))
+    peer, heard = listener.accept()[0], []
+
+    def receive():
+        try:
+            chan.recv(600)
+        except Exception as e:
+            heard.append(type(e))
+    thread = threading.Thread(target=receive)
+    thread.start()
+    chan.close()
+    thread.join(60)
+    assert heard == [vllm_wire.ChannelClosed]
+    peer.close()
+    listener.close()
+
+
 def _group_pair(timeout_s=30.0):
     port, groups = free_port(), {}
 
