@@ -245,9 +245,11 @@ class ServerBeside:
 
     def __init__(self, sampler: VLLMSampler):
         self.sampler = sampler
+        self.restarts = 0  # the engine's restarts when it last published
 
     def publish(self) -> dict:
         recovering(self.sampler, self.sampler.sync)
+        self.restarts = self.sampler.engine.restarts
         return dict(self.sampler.metrics)
 
     def sample(self, prompts: list[list[int]], params: SamplingParams,
@@ -256,6 +258,8 @@ class ServerBeside:
 
     def recover(self, error: Exception) -> None:
         lost = error if isinstance(error, EngineLost) else None
+        if lost is not None and self.sampler.engine.restarts > self.restarts:
+            return  # restarted since (by an eval's request): the next publish pushes
         if not restart_lost(self.sampler, lost, None if lost else error):
             raise error
 
