@@ -94,6 +94,7 @@ class StaleRollouts:
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.broken = False  # a batch failed: the thread skips the rest until recovered
         self.thread: threading.Thread | None = None
+        self.published: dict = {}  # the last publish's metrics
 
     # ------------------------------------------------------------------ trainer's thread
     def take(self, it: int) -> tuple[RolloutBatch, dict, float]:
@@ -104,7 +105,8 @@ class StaleRollouts:
             self.next = it
         if it not in self.pending and it < self.next:
             raise RuntimeError(f"rollout batch {it} was taken already (or never sampled)")
-        published = {}
+        # a take that publishes nothing: the last publish's counters, 0 seconds of it
+        published = {k: 0.0 if k.startswith("time/") else v for k, v in self.published.items()}
         while True:
             failed = self._settle() if self._due(it) else None
             if failed is None:
@@ -150,7 +152,7 @@ class StaleRollouts:
         at the start), if any are due; returns the publish's metrics."""
         if not self._due(it):
             return {}
-        metrics = self.beside.publish()
+        metrics = self.published = self.beside.publish()
         for j in range(self.next, min(it + self.k, self.total - 1) + 1):
             future = Future()
             self.pending[j] = (it, future)

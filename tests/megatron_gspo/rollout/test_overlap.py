@@ -26,7 +26,7 @@ class Fake:
     def publish(self) -> dict:
         self.held = self.trainer["version"]
         self.publishes.append(self.held)
-        return {"time/weight_sync": 0.0}
+        return {"time/weight_sync": 1.0, "rollout/pushed": float(self.held)}
 
     def sample(self, j: int, stale: StaleRollouts) -> tuple[RolloutBatch, dict]:
         held = self.held
@@ -65,13 +65,17 @@ def stale_rollouts(fake: Fake, k: int, total: int, lines: list | None = None) ->
 
 def train(stale: StaleRollouts, trainer: dict, first: int, last: int) -> list[tuple]:
     """Take batches first..last, each trained (the weights' version + 1) after it is taken;
-    returns (batch, version that sampled it, staleness) of each."""
+    returns (batch, version that sampled it, staleness) of each. Every take reports the last
+    publish's metrics, its time as 0 when it published nothing."""
     out = []
     for it in range(first, last + 1):
         assert trainer["version"] == it
+        n = len(stale.beside.publishes)
         batch, metrics, seconds = stale.take(it)
         assert batch.examples[0] == it and bool((batch.rewards_B == 1).all())  # scored here
         assert metrics["filter/rounds"] == 1.0 and seconds >= 0
+        assert metrics["time/weight_sync"] == float(len(stale.beside.publishes) > n)
+        assert metrics["rollout/pushed"] == stale.beside.publishes[-1]
         out.append((it, int(batch.version_B[0]),
                     staleness_metrics(batch, it)["rollout/staleness/max"]))
         trainer["version"] += 1
