@@ -24,10 +24,10 @@ import json
 import os
 import re
 
-from tools.result_table import machine_line, write_into
-from experiments.positive_control.common import HERE, ROOT, RUNS, load_json, write_json
+from tools.result_table import write_into
+from experiments.positive_control.common import (HERE, ROOT, RUNS, load_json, measured,
+                                                 write_json, write_measured)
 from experiments.replay_dose_response.report import ci
-from megatron_gspo.jobs.band import cold_start_line
 
 RUN_RE = re.compile(r"^(?P<arm>[a-z0-9_]+?)_n(?P<level>[0-9.]+)_s(?P<seed>\d+)$")
 COLLAPSED = 0.01
@@ -174,18 +174,14 @@ def main(argv=None) -> int:
     root = os.path.join(HERE, "results")
     if args.collect:
         print(f"distilled {distill(os.path.join(ROOT, RUNS), root)} runs into {root}")
-        write_json(os.path.join(root, "measured.json"), {
-            "line": machine_line(),
-            "cold_start": cold_start_line(os.path.join(ROOT, RUNS, "sft_top4")).replace(
-                ROOT + os.sep, "") + "."})
-    record = load_json(os.path.join(root, "measured.json")) or {}
-    measured = " ".join([record.get("line") or machine_line(), record.get("cold_start", "")])
+        write_measured(root, f"{RUNS}/sft_top4")
+    line = measured(root)
     clean = collect(os.path.join(root, "engine"))
     for lever, words in LEVER_WORDS.items():
         runs = collect(os.path.join(root, lever))
         if not runs:
             continue
-        text = "\n".join([measured, f"Lever: {words}. Accuracy: greedy on the test "
+        text = "\n".join([line, f"Lever: {words}. Accuracy: greedy on the test "
                           "split (256 prompts), at the first and last step; ± = 95% t interval "
                           "over seeds.", "", arms_table(runs, clean)])
         tables = {f"arms_{lever}": text}

@@ -22,12 +22,11 @@ import argparse
 import os
 import re
 
-from experiments.positive_control.common import load_json, write_json
+from experiments.positive_control.common import load_json, measured, write_json, write_measured
 from experiments.positive_control.report import COLLAPSED, _mean, _pm
 from experiments.replay_dose_response.report import ci
-from megatron_gspo.jobs.band import cold_start_line
 from megatron_gspo.run.metrics import read_jsonl
-from tools.result_table import machine_line, write_into
+from tools.result_table import write_into
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -176,17 +175,12 @@ def main(argv=None) -> int:
     results = os.path.join(HERE, "results")
     if args.collect:
         print(f"distilled {distill(os.path.join(ROOT, RUNS), results)} runs into {results}")
-        write_json(os.path.join(results, "measured.json"), {
-            "line": machine_line(),
-            "cold_start": cold_start_line(os.path.join(ROOT, COLD_START)).replace(
-                ROOT + os.sep, "") + "."})
+        write_measured(results, COLD_START)
     runs = collect(results)
-    record = load_json(os.path.join(results, "measured.json")) or {}
-    measured = " ".join([record.get("line") or machine_line(), record.get("cold_start", "")])
     note = ("Accuracy: greedy on the test split (256 prompts), at the first and last step; "
             "± = 95% t interval over seeds, paired by seed where a difference is taken.")
     tables = {"answer": answer_table(runs),
-              "arms": "\n".join([measured, note, "", arms_table(runs)]),
+              "arms": "\n".join([measured(results), note, "", arms_table(runs)]),
               "layers": layers_table(runs)}
     readme = os.path.join(HERE, "README.md")
     for marker, table in tables.items():
