@@ -18,7 +18,9 @@ capabilities and builds it, and the trainer, the run's set-up and `megatron-gspo
 capabilities, never a backend's name. The built-in backends are declared in
 `megatron_gspo.rollout.backends`. A sampler keeps its own copy of the weights in sync itself
 (the decoders read the policy's; an engine with a separate copy pushes before sampling when the
-policy has stepped). No torch at import: the plan reads this registry in a process without it.
+policy has stepped). A backend that can sample beside the trainer (`rollout.max_staleness`,
+`Backend.beside`) gives a sampler of weights the trainer publishes (`rollout.overlap.Beside`).
+No torch at import: the plan reads this registry in a process without it.
 """
 
 from __future__ import annotations

@@ -22,6 +22,9 @@ test places the default between the two). The engine records each MoE layer's to
 (`capture_routing`): R3 replays the engine's routing, and the trainer logs the
 engine-vs-trainer mismatch per layer.
 
+Beside the trainer (`rollout.max_staleness`, engine servers only): `ServerBeside` pushes from
+the trainer's thread when it publishes, and samples by that version in the producer's thread.
+
 `metrics` after a sample: `time/weight_sync` (seconds of the last push, 0 without one) and
 `rollout/push_probe_diff` (the guard's number, `probe_statistic`).
 
