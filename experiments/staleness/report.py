@@ -11,7 +11,8 @@ whether it collapsed (its last quarter's mean train reward under 0.01), and mean
 rollout batches sampled k versions old (all of them at k = 0; from batch k on otherwise) of the
 routing mismatch per layer (the sampler's routes vs the trainer's recompute of the same tokens:
 the fraction of routers whose top-k set differs), the log-prob mismatch (|behaviour - proximal|,
-live routing; under R3 also with the sampler's routes replayed), the first minibatch's
+live routing; under R3 also with the sampler's routes replayed, and the share of the former
+that replaying removes), the first minibatch's
 |log-ratio|, the clip fractions and the TIS weights. Arms are compared paired by seed (the same
 seed draws the same prompts), with 95% t intervals.
 """
@@ -66,6 +67,8 @@ def run_stats_of(rows: list[dict], k: int) -> dict | None:
            "batches": len({r.get("train/iteration") for r in steady})}
     out.update({name: _mean(steady, key) for name, key in STEADY.items()})
     out.update({name: _mean(steps, key) for name, key in STEPS.items()})
+    out["r3_share"] = 1 - out["lp_mm_r3"] / out["lp_mm"] if out["lp_mm"] > 1e-4 \
+        else float("nan")  # not float rounding
     return out
 
 
@@ -133,9 +136,9 @@ def answer_table(runs: dict) -> str:
 def arms_table(runs: dict) -> str:
     head = ("| k | arm | seeds | collapsed | start acc | final acc | final - same arm at k = 0 "
             "| routing mismatch | log-prob mismatch | R3: log-prob mismatch, routes replayed "
-            "| first-minibatch abs log-ratio | clip frac (token) | clip frac (seq) | TIS weight "
-            "| TIS capped |")
-    lines = [head, "|" + " --- |" * 15]
+            "| R3: share of the mismatch removed | first-minibatch abs log-ratio "
+            "| clip frac (token) | clip frac (seq) | TIS weight | TIS capped |")
+    lines = [head, "|" + " --- |" * 16]
     for (arm, k), seeds in sorted(runs.items(), key=lambda kv: (kv[0][1], list(LABELS).index(
             kv[0][0]))):
         vals = list(seeds.values())
@@ -147,7 +150,8 @@ def arms_table(runs: dict) -> str:
             f"| {k} | {LABELS[arm]} | {len(vals)} | {sum(v['collapsed'] for v in vals)}"
             f"/{len(vals)} | {cell('start')} | {cell('final')} | "
             f"{'-' if k == 0 else _pm((m, h))} | {cell('route_mm', '.4f')} | "
-            f"{cell('lp_mm', '.4f')} | {cell('lp_mm_r3', '.4f')} | {cell('lr0', '.5f')} | "
+            f"{cell('lp_mm', '.4f')} | {cell('lp_mm_r3', '.4f')} | {cell('r3_share', '.2f')} | "
+            f"{cell('lr0', '.5f')} | "
             f"{cell('clip', '.4f')} | {cell('clip_seq', '.4f')} | {cell('tis', '.4f')} | "
             f"{cell('tis_clip', '.5f')} |")
     return "\n".join(lines)
