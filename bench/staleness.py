@@ -17,12 +17,14 @@ producer included, pinned there once the servers are up): the engine on its own 
 Sides alternate in blocks of `--block` iterations, `--rounds` times; the first iteration of a
 block is not measured (a k > 0 side starts a block with a batch it sampled during the block
 before), and before each block the other sides finish what they sample (`idle`), so no side's
-engine works during another's block. Per iteration: its wall time; the trainer's idle time,
-`time/rollout_wait` (waiting for its batch: the whole rollout at k = 0, weight push included);
+engine works during another's block. Per iteration: its wall time; the weight push
+(`time/weight_sync`: the trainer's own work, at k = 0 inside its rollout, at k > 0 when it
+publishes); the trainer's idle time, `time/rollout_wait` less the push (waiting for samples:
+the whole sampling at k = 0; the stale-weight guard's probe after a push counts here);
 `time/rollout` (the batch's sampling, wherever it ran). Reported: iterations/s (1 / the median
-wall), the idle share (total wait / total wall), the medians, and k's ratios to k = 0. No
-timing is asserted anywhere; on a machine shared with other jobs the ratios, measured side by
-side, are the result.
+wall), the idle share and the push share (their totals / the total wall), the medians, and k's
+ratios to k = 0. No timing is asserted anywhere; on a machine shared with other jobs the
+ratios, measured side by side, are the result.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ def build_sides(args, tmp: str) -> dict:
 
 
 def measure(args) -> dict:
-    """{k: [(wall, wait, rollout) per measured iteration]}, the blocks alternating."""
+    """{k: [(wall, idle, rollout, push) per measured iteration]}, the blocks alternating."""
     out: dict = {k: [] for k in args.staleness}
     with tempfile.TemporaryDirectory(prefix="bench_staleness_") as tmp:
         sides = build_sides(args, tmp)
@@ -92,9 +94,11 @@ def measure(args) -> dict:
                     for i in range(args.block):
                         t0 = time.perf_counter()
                         m = trainer.iteration()
+                        push = m.get("time/weight_sync", 0.0)
                         if i:
-                            out[k].append((time.perf_counter() - t0, m["time/rollout_wait"],
-                                           m["time/rollout"]))
+                            out[k].append((time.perf_counter() - t0,
+                                           m["time/rollout_wait"] - push, m["time/rollout"],
+                                           push))
         finally:
             for trainer in sides.values():
                 trainer.rollouts.close()
@@ -103,26 +107,29 @@ def measure(args) -> dict:
 
 
 def report(args, res: dict) -> None:
-    base = res[min(res)]
-    rate0 = 1 / statistics.median(w for w, _, _ in base)
-    idle0 = sum(x for _, x, _ in base) / sum(w for w, _, _ in base)
-    print("| rollout.max_staleness | iterations/s (median) | trainer idle share | "
+    def stats(rows):
+        wall = sum(r[0] for r in rows)
+        return (1 / statistics.median(r[0] for r in rows), sum(r[1] for r in rows) / wall,
+                sum(r[3] for r in rows) / wall)
+    rate0, idle0, _ = stats(res[min(res)])
+    print("| rollout.max_staleness | iterations/s (median) | trainer idle share | push share | "
           "s per iteration (median) | sampling s per batch (median) | iterations/s vs "
           f"k = {min(res)} | idle share vs k = {min(res)} |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for k, rows in res.items():
-        rate = 1 / statistics.median(w for w, _, _ in rows)
-        idle = sum(x for _, x, _ in rows) / sum(w for w, _, _ in rows)
-        print(f"| {k} | {rate:.3f} | {idle:.3f} | {statistics.median(w for w, _, _ in rows):.3f} "
-              f"| {statistics.median(r for _, _, r in rows):.3f} | {rate / rate0:.2f}x | "
-              f"{idle / idle0:.2f}x |")
+        rate, idle, push = stats(rows)
+        print(f"| {k} | {rate:.3f} | {idle:.3f} | {push:.3f} | "
+              f"{statistics.median(r[0] for r in rows):.3f} | "
+              f"{statistics.median(r[2] for r in rows):.3f} | {rate / rate0:.2f}x | "
+              f"{idle / idle0 if idle0 else float('nan'):.2f}x |")
     where = ("one engine server of 1 worker per side, bound to the last core; the trainers "
              "on the others" if BACKENDS[args.backend] else
              "the lean decoder over a weight copy, in a thread of the trainer's process")
     print(f"\nbackend: {args.backend} ({where}); {VLLM_PRESET}, {args.prompts} prompts x "
           f"G={args.group_size}, {args.minibatches} minibatches, max_new_tokens="
           f"{args.max_new_tokens}; {args.rounds} rounds of {args.block}-iteration blocks per "
-          f"side, alternating, the first of each block unmeasured ({len(base)} measured each)")
+          f"side, alternating, the first of each block unmeasured ({len(res[min(res)])} measured "
+          "each)")
     print(f"machine: {cpu_name('unknown CPU')}, {os.cpu_count()} cores (shared with other "
           "jobs unless stated otherwise)")
 

@@ -28,7 +28,8 @@ def test_both_sides_run_in_alternating_blocks_and_the_ratios_are_reported(capsys
                                  "--max-new-tokens", "2"]) == 0
     assert order == [0] * 3 + [1] * 3 + [0] * 3 + [1] * 3
     out = capsys.readouterr().out
-    assert re.search(r"^\| 0 \| \d+\.\d{3} \| \d\.\d{3} \| .* \| 1\.00x \| 1\.00x \|$", out, re.M)
-    assert re.search(r"^\| 1 \| \d+\.\d{3} \| \d\.\d{3} \| .* \| \d+\.\d\dx \| \d+\.\d\dx \|$",
-                     out, re.M)
+    assert re.search(r"^\| 0 \| \d+\.\d{3} \| \d\.\d{3} \| \d\.\d{3} \| .* \| 1\.00x \| "
+                     r"1\.00x \|$", out, re.M)
+    assert re.search(r"^\| 1 \| \d+\.\d{3} \| \d\.\d{3} \| \d\.\d{3} \| .* \| \d+\.\d\dx \| "
+                     r"\d+\.\d\dx \|$", out, re.M)
     assert "(4 measured each)" in out
