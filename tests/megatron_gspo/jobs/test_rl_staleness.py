@@ -5,7 +5,10 @@ recompute, the sampler's log-probs corrected by the loss's settings), reproducib
 the timing, a SIGTERM and its resume, and the configurations refused. The producer alone is in
 tests/megatron_gspo/rollout/test_overlap.py; engine servers in test_vllm_server_staleness.py."""
 
+import os
 import signal
+import subprocess
+import sys
 import time
 from types import SimpleNamespace
 
@@ -25,6 +28,7 @@ from moe.routing.replay import current_routing
 from tests.jsonl import step_rows
 from tests.megatron_gspo.jobs.trainers import BASE, make_trainer, params
 from tests.megatron_gspo.run.test_lifetime import learnable, sigterm_during  # noqa: F401
+from tests.processes import communicate_or_kill
 
 TIMED = ("time/", "perf/")
 
@@ -194,6 +198,25 @@ def test_staleness_is_refused_where_the_sampler_cannot_sample_beside_the_trainer
                                           r"process \(this run has 2\)$"):
         check_layout(cfg(), SimpleNamespace(world_size=2))
     check_layout(cfg(), SimpleNamespace(world_size=1))
+
+
+@pytest.mark.slow
+def test_two_trainer_processes_with_staleness_are_refused_before_the_run_dir_is_written(
+        tmp_path):
+    """torchrun, 2 processes: the one line on stderr (exit 2 on each rank) once the process
+    groups are up, before the run dir is claimed: nothing is written there."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "megatron_gspo.cli", "train", *BASE, "rollout.max_staleness=1",
+           f"run_dir={run_dir}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    _, err = communicate_or_kill(proc, 600)
+    assert proc.returncode != 0 and "(exitcode: 2)" in err
+    assert ("megatron-gspo: error: rollout.max_staleness=1 samples beside the trainer in a "
+            "thread of its process: it needs one trainer process (this run has 2)\n") in err, \
+        err[-3000:]
+    assert not run_dir.exists() or not any(run_dir.iterdir())
 
 
 def test_a_stale_sampler_records_its_routing_for_the_mismatch_metrics():
