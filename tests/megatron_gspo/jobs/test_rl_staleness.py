@@ -58,14 +58,15 @@ def load(policy, weights) -> None:
             p.copy_(weights[n])
 
 
-def test_k1_trains_each_batch_on_samples_of_the_weights_one_version_old(tmp_path):
-    """The acceptance run: k = 1, R3, 4 rollout batches. Batch j is sampled by version
-    max(0, j - 1) (read from the batch, and logged as its staleness); its log-probs and its
-    routes (the ones R3 replays) are those of that version's weights recomputed, not of the
-    weights that train on it; the loss replayed them."""
+@pytest.mark.parametrize("decoder", ["lean", "megatron"])
+def test_k1_trains_each_batch_on_samples_of_the_weights_one_version_old(tmp_path, decoder):
+    """The acceptance run: k = 1, R3, 4 rollout batches, each of our decoders over its weight
+    copy. Batch j is sampled by version max(0, j - 1) (read from the batch, and logged as its
+    staleness); its log-probs and its routes (the ones R3 replays) are those of that version's
+    weights recomputed, not of the weights that train on it; the loss replayed them."""
     trainer = make_trainer(tmp_path, "train.steps=4", "rollout.max_staleness=1",
                            "train.routing_replay=r3", "train.num_minibatches=2",
-                           "train.save_every=0")
+                           "train.save_every=0", f"rollout.decoder={decoder}")
     weights, batches, replayed = spied(trainer)
     trainer.train()
     assert [batches[j].version_B.unique().tolist() for j in range(4)] == [[0], [0], [1], [2]]
