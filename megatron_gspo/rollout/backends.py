@@ -55,7 +55,9 @@ def _rows(n: int) -> str:
 
 def _decoders_memory(q, cfg, rows: int, T: int, lean: bool) -> tuple[list, bool]:
     """The KV cache (or a recomputed forward) of one call's rows, and the expert weights the
-    decoder stacks: the lean decoder's own MoE path keeps every layer's stacked at TP = EP = 1."""
+    decoder stacks: the lean decoder's own MoE path keeps every layer's stacked at TP = EP = 1.
+    Sampling beside the trainer (`rollout.max_staleness`), a weight copy too, and all of it for
+    the whole step (the sampler runs while the trainer trains)."""
     m, a = cfg.model, mem.ITEMSIZE[cfg.model.dtype]
     if _decoders_record(cfg):
         out = [(f"KV cache ({cfg.rollout.sampler}: {_rows(rows)} x {T})",
@@ -69,7 +71,10 @@ def _decoders_memory(q, cfg, rows: int, T: int, lean: bool) -> tuple[list, bool]
                     q.num_layers * stack))
     else:  # megatron's MoE layer stacks one layer's experts per forward
         out.append(("one layer's expert weights stacked per forward", stack))
-    return out, False
+    if cfg.rollout.max_staleness:
+        out.append(("the sampler's weight copy (rollout.max_staleness)",
+                    mem.params_per_rank(q, m.tp, m.ep).total * a))
+    return out, bool(cfg.rollout.max_staleness)
 
 
 def _decoders(name: str) -> Backend:
