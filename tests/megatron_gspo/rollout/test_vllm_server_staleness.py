@@ -4,6 +4,7 @@ of an engine that samples ahead: killed with a batch in flight (restarted, the b
 again), stopped (one line after `rollout.vllm.request_timeout_s`); no engine process is left.
 Skipped without vLLM (Python >= 3.11, docs/vllm.md)."""
 
+import dataclasses
 import importlib.util
 import threading
 
@@ -38,9 +39,11 @@ def test_k1_from_an_engine_server_trains_on_batches_one_version_old(tmp_path):
     assert len(seen) >= 3 and not alive(seen)
 
 
-def stale_trainer(tmp_path, fault: str, at_request: int, *overrides):
+def stale_trainer(tmp_path, fault: str, at_request: int, *overrides, timeout_s: float = 0):
     """A k = 1 Trainer whose engine server gets `fault` ("kill": SIGKILL, "stop": SIGSTOP)
-    right after the producer thread's request number `at_request` (1: batch 0's) was sent."""
+    right after the producer thread's request number `at_request` (1: batch 0's) was sent;
+    `timeout_s`: the engine's `request_timeout_s` from then on (before it, the config's, long
+    enough for a first sample on a loaded machine)."""
     from megatron_gspo.jobs.rl import Trainer
 
     cfg = load_config(None, [*OVERRIDES, f"run_dir={tmp_path / 'run'}", *STALE, *overrides])
@@ -59,6 +62,8 @@ def stale_trainer(tmp_path, fault: str, at_request: int, *overrides):
             def send_then_fault(msg, send=chan.send):
                 chan.send = send
                 server.suspend()  # it cannot answer before the fault, however busy the CPU
+                if timeout_s:
+                    engine.vcfg = dataclasses.replace(engine.vcfg, request_timeout_s=timeout_s)
                 send(msg)
                 if fault == "kill":
                     server.kill()
@@ -93,8 +98,7 @@ def test_k1_a_stopped_server_ends_the_run_in_one_line_after_its_timeout(tmp_path
     `request_timeout_s` it counts as lost; with no restarts left, one line, batch 0's metrics
     and checkpoint kept, the stopped server killed."""
     trainer, state = stale_trainer(tmp_path, "stop", 2, "train.steps=3", "train.save_every=1",
-                                   "rollout.vllm.max_restarts=0",
-                                   "rollout.vllm.request_timeout_s=20")
+                                   "rollout.vllm.max_restarts=0", timeout_s=20)
     with pytest.raises(UserError, match=r"^rollout.vllm: engine server 0 was lost: no message "
                                         r"within 20 s; rollout.vllm.max_restarts=0 restarts "
                                         r"used: stopping \(checkpoints and metrics kept"):
