@@ -7,7 +7,9 @@ import os
 import subprocess
 import sys
 
+from megatron_gspo.jobs.band import cold_start_line
 from megatron_gspo.run.metrics import read_jsonl
+from tools.result_table import machine_line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -85,3 +87,18 @@ def write_json(path: str, obj) -> None:
     with open(path + ".tmp", "w") as f:
         json.dump(obj, f, indent=1)
     os.replace(path + ".tmp", path)
+
+
+def write_measured(results: str, sft_dir: str) -> None:
+    """`results/measured.json`: the machine line of this collection and the line naming the
+    cold start `sft_dir` (relative to the repository) the runs began from."""
+    write_json(os.path.join(results, "measured.json"), {
+        "line": machine_line(),
+        "cold_start": cold_start_line(os.path.join(ROOT, sft_dir)).replace(ROOT + os.sep, "")
+        + "."})
+
+
+def measured(results: str) -> str:
+    """The tables' first line, from `results/measured.json` (this machine's line without it)."""
+    record = load_json(os.path.join(results, "measured.json")) or {}
+    return " ".join([record.get("line") or machine_line(), record.get("cold_start", "")])

@@ -89,6 +89,14 @@ class RolloutConfig:
     use_sampler_logprobs: bool = False
     """Use the sampler's log-probs as pi_old instead of a recompute forward (the GSPO paper's
     claim that inference-engine likelihoods can be used directly, sec. 4.3)."""
+    max_staleness: int = 0
+    """k: rollout batches are sampled beside the trainer, by weights at most k versions (rollout
+    batches trained) old: batch j by the weights the trainer had at the start of batch j - k
+    (`megatron_gspo.rollout.overlap`). 0: the synchronous loop (sample, then train). k > 0
+    needs a backend that can sample beside the trainer (`lean`, `megatron`, `vllm` with
+    `rollout.vllm.mode=server`) and one trainer process; pi_old stays the trainer's recompute at
+    the start of each batch's training, and the loss's TIS / masked IS / IcePop settings correct
+    for the sampler being older (docs/staleness.md)."""
     backend: str = "lean"
     """The sampler (`megatron_gspo.rollout.sampler`): "lean" (our KV-cache decoder in the
     trainer process: walks megatron's layers itself, caches rotated keys, attends per K/V group;
@@ -110,7 +118,7 @@ class RolloutConfig:
     def __post_init__(self):
         validate(self, nonempty=("backend",),
                  ge={"prompts_per_batch": 1, "group_size": 2, "max_new_tokens": 1,
-                     "max_batch_rows": 0},
+                     "max_batch_rows": 0, "max_staleness": 0},
                  gt={"temperature": 0})
         check(self, "top_p", 0 < self.top_p <= 1, "must be in (0, 1]")
 

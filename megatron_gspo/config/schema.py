@@ -98,6 +98,11 @@ class RunConfig:
             raise ConfigError(f"loss.tis_cap={self.loss.tis_cap} weights by pi_old / pi_sampler: "
                               "with rollout.use_sampler_logprobs=true pi_old is the sampler's, "
                               "so every weight would be 1")
+        if self.rollout.max_staleness and self.filter.dynamic_sampling:
+            raise ConfigError(f"filter.dynamic_sampling=true chooses groups by their rewards while "
+                              f"it samples: not with rollout.max_staleness="
+                              f"{self.rollout.max_staleness}, whose rewards are scored when the "
+                              "trainer takes a batch sampled beside it")
         for key in ("is_mask_token", "is_mask_seq", "icepop"):
             if getattr(self.loss, key) is not None and self.rollout.use_sampler_logprobs:
                 raise ConfigError(

@@ -29,6 +29,8 @@ left after R3: the precision). Departure: by default both sides run the same wei
 framework and precision, so the mismatch is float rounding only
 (`rollout.decoders.sampler_dtype=bf16` makes it real, `megatron_gspo.rollout.precision`); with a separate inference engine (vLLM/SGLang
 kernels, bf16) it is what R3 exists to remove.
+With `rollout.max_staleness` > 0 (docs/staleness.md) pi_old is still this recompute (AReaL's
+proximal policy), the older sampler's log-probs the behaviour's; `tis` corrects between them.
 """
 
 from __future__ import annotations
@@ -50,12 +52,12 @@ from megatron_gspo.errors import ConfigError
 from megatron_gspo.jobs.band import StartBand
 from megatron_gspo.jobs.rl_metrics import (replay_diff, response_metrics, rollout_metrics,
                                             route_sensitivity_row, routing_log_ratio, throughput)
+from megatron_gspo.jobs.rl_rollouts import check_layout, rollouts_of
 from megatron_gspo.jobs.rl_step import accumulate, noise_inputs
 from megatron_gspo.rollout.backends import backend_of
 from megatron_gspo.rollout.batch import RolloutBatch
-from megatron_gspo.rollout.filters import overlong_filter, rollout_health, sample_rollouts
-from megatron_gspo.rollout.generate import generate_rollouts
-from megatron_gspo.rollout.sampler import SamplingParams
+from megatron_gspo.rollout.filters import overlong_filter, rollout_health
+from megatron_gspo.rollout.overlap import staleness_metrics
 from megatron_gspo.run import seeds
 from megatron_gspo.run.init import load_init_weights
 from megatron_gspo.run.loop import RunLoop, Schedule
@@ -95,7 +97,7 @@ def kl_reference(cfg: RunConfig) -> bool:
 
 SPEC = JobSpec("train", optim=optim_settings, unused_sections=UNUSED_SECTIONS,
                kl_reference=kl_reference, band_key="train.start_accuracy",
-               pack_key="train.pack")
+               pack_key="train.pack", check_layout=check_layout)
 """What RL needs of the run set-up: its optimizer, its KL reference, its band's key."""
 
 
@@ -180,6 +182,7 @@ class Trainer:
         self.flips = FlipSchedule(cfg.train.flip_every, cfg.train.routing_replay != "r3",
                                   margin_small=cfg.train.router_margin_small)
         self.loop = RunLoop(rt, self)  # resumes: self.state is the checkpoint's from here on
+        self.rollouts = rollouts_of(self)  # sampled now, or beside training (max_staleness)
 
     @classmethod
     def from_config(cls, cfg: RunConfig, **parts) -> "Trainer":
@@ -200,15 +203,20 @@ class Trainer:
     def train(self) -> dict:
         """Run to `train.steps` rollout batches (`megatron_gspo.run.loop.RunLoop.run`); a signal
         saves and raises `Preempted`. Returns the last rollout batch's row."""
-        return self.loop.run()
+        try:
+            return self.loop.run()
+        finally:
+            self.rollouts.close()  # batches sampled ahead are dropped, in one line
 
     def restore(self, extra: dict) -> None:
         self.state = TrainerState.from_checkpoint(extra)
 
     def evaluate(self) -> dict:
+        self.rollouts.idle()  # its sampler may be the engine that samples beside training
         return evaluate_runtime(self.rt)
 
     def test(self) -> dict:
+        self.rollouts.idle()
         return evaluate_test(self.rt, self.state.opt_step)
 
     # ------------------------------------------------------------------ one rollout batch
@@ -218,7 +226,7 @@ class Trainer:
         alerts) it returns for the run loop to log."""
         cfg, it = self.cfg, self.state.iteration
         self.timer.reset()
-        with self.timer("rollout"), out_of_memory("the rollout", cfg, ROLLOUT):
+        with self.timer("rollout_wait"), out_of_memory("the rollout", cfg, ROLLOUT):
             batch = self.rollout(it)
         self.step_tokens = int(batch.valid_BT.sum())  # the progress line's tokens/s
         with self.timer("old_forward"), out_of_memory("the no-grad pass over the rollout batch",
@@ -227,7 +235,7 @@ class Trainer:
         # at pi_old's weights, before any step of this batch
         sensitivity = route_sensitivity_row(cfg, self.policy, batch, it, self.rt.info.dp_rank,
                                             self.timer)
-        shared["train/iteration"] = it
+        shared.update(staleness_metrics(batch, it), **{"train/iteration": it})
         order = torch.randperm(len(batch), generator=seeds.minibatch_order(cfg.seed, it))
         metrics = {}
         mbs = [full.select(rows) for rows in order.chunk(cfg.train.num_minibatches)]
@@ -291,34 +299,23 @@ class Trainer:
     def records_sampler_routing(self) -> bool:
         """Record the sampler's routing: for R3, and to measure the sampler-trainer routing
         mismatch where it can differ and the backend can record it (`rollout.sampler.Backend`):
-        an inference engine's, or our decoder's in another precision or with noisy routers
-        (KV cache, no sequence parallelism); one rollout round only."""
+        an inference engine's, or our decoder's in another precision, with noisy routers or
+        older weights (`rollout.max_staleness`; KV cache, no sequence parallelism); one rollout
+        round only."""
         cfg = self.cfg
         if cfg.train.routing_replay == "r3":
             return True
         if cfg.filter.dynamic_sampling:
             return False
         caps = backend_of(cfg)
-        return (caps.engine or caps.mismatched(cfg)) and caps.records_routing(cfg)
+        return (caps.engine or caps.mismatched(cfg) or cfg.rollout.max_staleness > 0) \
+            and caps.records_routing(cfg)
 
     def rollout(self, it: int) -> RolloutBatch:
-        cfg, info = self.cfg, self.rt.info
-        # Same draw on every TP rank of a DP replica; deterministic per iteration (resumable).
-        gen = seeds.rollout_prompts(cfg.seed, it, info.dp_rank)
-        params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
-                                temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                record_routing=self.records_sampler_routing())
-
-        def draw() -> RolloutBatch:
-            idx = torch.randint(len(self.rt.train_set), (self.local_prompts,), generator=gen)
-            return generate_rollouts(self.rt.sampler, self.rt.tokenizer, self.rt.task,
-                                     [self.rt.train_set[i] for i in idx.tolist()],
-                                     group_size=cfg.rollout.group_size, params=params,
-                                     generator=gen, max_rows=cfg.rollout.max_batch_rows)
-        batch, self.filter_metrics = sample_rollouts(draw, cfg.filter, self.local_prompts,
-                                                     cfg.rollout.group_size,
-                                                     self.rt.tokenizer.pad_id)
-        self.filter_metrics.update(getattr(self.rt.sampler, "metrics", {}))  # e.g. weight sync
+        """Rollout batch `it`: sampled now by the run's sampler, or (`rollout.max_staleness`)
+        taken from those sampled beside the trainer (`jobs.rl_rollouts`)."""
+        batch, self.filter_metrics, seconds = self.rollouts.take(it)
+        self.timer.add("rollout", seconds)  # its sampling's, wherever it ran
         return batch
 
     # ------------------------------------------------------------------ one optimizer step

@@ -79,12 +79,17 @@ def routing_log_ratio(policy, mb, logp_BT: torch.Tensor, cfg) -> dict:
 
 
 def throughput(batch: RolloutBatch, timer: Timer) -> dict:
-    """Response tokens per second of sampling and valid tokens per second of training."""
+    """Response tokens per second of sampling and valid tokens per second of training; the
+    share of the batch's sampling the trainer did not wait for (0 when it sampled the batch
+    itself: it waits for all of it)."""
     t = timer.as_metrics()
     gen_tokens = float(batch.response_BT.sum())
     train_tokens = float(batch.valid_BT.sum())
-    return {"perf/rollout_tokens_per_s": gen_tokens / max(t.get("time/rollout", 0.0), 1e-9),
-            "perf/train_tokens_per_s": train_tokens / max(t.get("time/train", 0.0), 1e-9)}
+    rollout_s = max(t.get("time/rollout", 0.0), 1e-9)
+    return {"perf/rollout_tokens_per_s": gen_tokens / rollout_s,
+            "perf/train_tokens_per_s": train_tokens / max(t.get("time/train", 0.0), 1e-9),
+            "perf/overlap_frac": min(1.0, max(0.0, 1 - t.get("time/rollout_wait", 0.0)
+                                                / rollout_s))}
 
 
 def route_sensitivity_row(cfg, policy, batch: RolloutBatch, iteration: int, dp_rank: int,

@@ -23,6 +23,10 @@ from moe.model import memory as mem
 ENGINE_BUFFER_GIB = 4.0  # megatron_engine's KV buffer (moe.inference.engine's buffer_size_gb default)
 
 
+def _always(cfg) -> bool:
+    return True
+
+
 # ----------------------------------------------------------------------------- our decoders
 
 
@@ -51,7 +55,9 @@ def _rows(n: int) -> str:
 
 def _decoders_memory(q, cfg, rows: int, T: int, lean: bool) -> tuple[list, bool]:
     """The KV cache (or a recomputed forward) of one call's rows, and the expert weights the
-    decoder stacks: the lean decoder's own MoE path keeps every layer's stacked at TP = EP = 1."""
+    decoder stacks: the lean decoder's own MoE path keeps every layer's stacked at TP = EP = 1.
+    Sampling beside the trainer (`rollout.max_staleness`), a weight copy too, and all of it for
+    the whole step (the sampler runs while the trainer trains)."""
     m, a = cfg.model, mem.ITEMSIZE[cfg.model.dtype]
     if _decoders_record(cfg):
         out = [(f"KV cache ({cfg.rollout.sampler}: {_rows(rows)} x {T})",
@@ -65,11 +71,15 @@ def _decoders_memory(q, cfg, rows: int, T: int, lean: bool) -> tuple[list, bool]
                     q.num_layers * stack))
     else:  # megatron's MoE layer stacks one layer's experts per forward
         out.append(("one layer's expert weights stacked per forward", stack))
-    return out, False
+    if cfg.rollout.max_staleness:
+        out.append(("the sampler's weight copy (rollout.max_staleness)",
+                    mem.params_per_rank(q, m.tp, m.ep).total * a))
+    return out, bool(cfg.rollout.max_staleness)
 
 
 def _decoders(name: str) -> Backend:
     return Backend(records_routing=_decoders_record, mismatched=_decoders_mismatched,
+                   beside=_always,  # a copy of the weights, sampled in a thread
                    settings="rollout.decoders", own_keys=("rollout.decoders.router_noise_std",),
                    check=_decoders_check,
                    plan_memory=functools.partial(_decoders_memory, lean=name == "lean"),
@@ -82,10 +92,6 @@ register_sampler("megatron", _decoders("megatron"),
 
 
 # ----------------------------------------------------------------------------- the engines
-
-
-def _always(cfg) -> bool:
-    return True
 
 
 def _graphs(cfg) -> bool:
@@ -119,8 +125,20 @@ def _vllm_memory(q, cfg, rows: int, T: int) -> tuple[list, bool]:
              r.vllm.kv_cache_gb * mem.GIB)], True
 
 
+def _vllm_server(cfg) -> bool:
+    return cfg.rollout.vllm.mode == "server"
+
+
+def _vllm_check(cfg) -> None:
+    if cfg.rollout.max_staleness and not _vllm_server(cfg):
+        raise ConfigError(f"rollout.max_staleness={cfg.rollout.max_staleness} with "
+                          "rollout.backend=vllm needs rollout.vllm.mode=server (an engine in the "
+                          f"trainer's process cannot sample beside it; got {cfg.rollout.vllm.mode})")
+
+
 register_sampler("vllm", Backend(engine=True, records_routing=_always, settings="rollout.vllm",
-                                 plan_memory=_vllm_memory),
+                                 plan_memory=_vllm_memory, beside=_vllm_server,
+                                 check=_vllm_check),
                  factory="megatron_gspo.rollout.vllm:factory")
 
 
@@ -150,6 +168,11 @@ def check_config(cfg) -> Backend:
             raise ConfigError(f"{key}={value}: needs rollout.backend={' or '.join(owners)}, "
                               f"not {name!r}")
     caps.check(cfg)
+    if cfg.rollout.max_staleness and not caps.beside(cfg):
+        can = sorted(n for n, b in BACKENDS.items() if b.beside(cfg))
+        raise ConfigError(f"rollout.max_staleness={cfg.rollout.max_staleness} samples beside the "
+                          f"trainer: rollout.backend={name} cannot (its capability `beside`; "
+                          f"{', '.join(can) or 'none'} can)")
     if cfg.train.routing_replay == "r3" and not caps.records_routing(cfg):
         raise ConfigError(f"train.routing_replay=r3 replays the sampler's routing: "
                           f"rollout.backend={name} does not record it")

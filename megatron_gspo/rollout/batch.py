@@ -33,6 +33,10 @@ class RolloutBatch:
     """True where the response hit max_new_tokens without a stop token."""
     reward_status_B: torch.Tensor | None = None
     """`rewards.compute_rewards` status per row: 0 ok, 1 the reward raised, 2 it timed out."""
+    version_B: torch.Tensor | None = None
+    """The version of the weights that sampled each row (the rollout batches they had trained
+    on) where rows are sampled beside the trainer (`rollout.max_staleness`, `rollout.overlap`);
+    None: the trainer's weights of the batch's own iteration."""
 
     def __len__(self) -> int:
         return self.tokens_BT.shape[0]

@@ -30,6 +30,9 @@ EP all-to-all of the decode steps (docs/pitfalls.md#collectives).
 
 from __future__ import annotations
 
+import copy
+import time
+
 import torch
 
 from megatron_gspo.dist import all_ranks
@@ -70,6 +73,11 @@ class DecoderSampler:
         finally:
             if was_training:
                 self.policy.train(True)
+
+    def beside(self, make_policy) -> "BesideDecoder":
+        """This decoder over a weight copy of its own, for sampling beside the trainer
+        (`rollout.max_staleness`): `make_policy()` builds the copy (no optimizer)."""
+        return BesideDecoder(self, make_policy())
 
     def _noise_generator(self, generator: torch.Generator | None) -> torch.Generator | None:
         """The router noise's generator on the policy's device (None without noise): seeded
@@ -117,6 +125,45 @@ class DecoderSampler:
             decoder.next_logits(tokens_BT, valid_BT)  # route the last sampled column too
             routing = decoder.routing(valid_BT)
         return Samples(tokens_BT, valid_BT, response_BT, logp_BT, routing)
+
+
+class BesideDecoder:
+    """`rollout.overlap.Beside` for our decoders: the run's decoder settings over a policy of
+    its own, sampled in the producer's thread while the trainer trains; `publish` copies the
+    trainer's weights into it (one copy of the model, no optimizer state)."""
+
+    def __init__(self, decoder: DecoderSampler, own_policy):
+        self.source = decoder.policy
+        self.sampler = copy.copy(decoder)
+        self.sampler.policy = own_policy
+
+    def publish(self) -> dict:
+        t0 = time.perf_counter()
+        copy_weights(self.source, self.sampler.policy)
+        return {"time/weight_sync": time.perf_counter() - t0}
+
+    def sample(self, prompts: list[list[int]], params: SamplingParams,
+               generator: torch.Generator | None = None) -> Samples:
+        return self.sampler.sample(prompts, params, generator)
+
+    def recover(self, error: Exception) -> None:
+        raise error  # nothing to restart: the decoder's own error
+
+    def close(self) -> None:
+        pass
+
+
+@torch.no_grad()
+def copy_weights(source, target) -> None:
+    """`source`'s parameters and buffers into `target`, a policy of the same architecture and
+    layout (by name: a name or shape that differs is an error)."""
+    src, dst = source.model.module, target.model.module
+    for get in ("named_parameters", "named_buffers"):
+        theirs = dict(getattr(dst, get)())
+        for name, tensor in getattr(src, get)():
+            theirs.pop(name).copy_(tensor)
+        if theirs:
+            raise ValueError(f"copy_weights: {sorted(theirs)[:3]} only in the target")
 
 
 def sample_prompts(policy, tokenizer, prompts: list[str], params: SamplingParams, *,

@@ -29,31 +29,43 @@ def decode_responses(tokenizer, tokens_BT: torch.Tensor, response_BT: torch.Tens
 
 def generate_rollouts(sampler: Sampler, tokenizer, task, examples: list, *, group_size: int,
                       params: SamplingParams, generator: torch.Generator | None = None,
-                      max_rows: int = 0) -> RolloutBatch:
+                      max_rows: int = 0, score: bool = True) -> RolloutBatch:
     """G samples for each example (group-major), decoded and rewarded by the task. `max_rows`
     (`rollout.max_batch_rows`, > 0): the sampler is called on consecutive blocks of whole
     groups of at most that many rows (one group at least), drawing from `generator` in turn,
     and the blocks are merged into one batch (`filters.concat_batches`): it bounds the
-    sampler's KV cache. Every rank holds as many examples, so ranks make as many calls."""
+    sampler's KV cache. Every rank holds as many examples, so ranks make as many calls.
+    `score=False`: rewards left at 0 for `score_rollouts` to fill (on the main thread, where
+    a reward's time limit works)."""
     per = max(1, max_rows // group_size) if max_rows else max(1, len(examples))
     parts = [_generate(sampler, tokenizer, task, examples[i:i + per], group_size, params,
-                       generator) for i in range(0, len(examples), per)]
+                       generator, score) for i in range(0, len(examples), per)]
     return parts[0] if len(parts) == 1 else concat_batches(parts, tokenizer.pad_id)
 
 
 def _generate(sampler: Sampler, tokenizer, task, examples: list, group_size: int,
-              params: SamplingParams, generator: torch.Generator | None) -> RolloutBatch:
+              params: SamplingParams, generator: torch.Generator | None,
+              score: bool) -> RolloutBatch:
     """One sampler call: G samples for each example."""
     repeated = [ex for ex in examples for _ in range(group_size)]
     s = sampler.sample(prompt_ids(tokenizer, [ex.prompt for ex in repeated]), params, generator)
     completions = decode_responses(tokenizer, s.tokens_BT, s.response_BT)
-    rewards, status = compute_rewards(task, repeated, completions)
-    rewards_B = torch.tensor(rewards, dtype=torch.float32)
     group_B = torch.arange(len(examples)).repeat_interleave(group_size)
-    return RolloutBatch(s.tokens_BT, s.valid_BT, s.response_BT, s.logp_BT, rewards_B, group_B,
-                        completions, repeated, s.routing,
-                        truncated_rows(s.tokens_BT, s.response_BT, tokenizer.stop_ids),
-                        torch.tensor(status, dtype=torch.int8))
+    batch = RolloutBatch(s.tokens_BT, s.valid_BT, s.response_BT, s.logp_BT,
+                         torch.zeros(len(repeated)), group_B, completions, repeated, s.routing,
+                         truncated_rows(s.tokens_BT, s.response_BT, tokenizer.stop_ids),
+                         torch.zeros(len(repeated), dtype=torch.int8))
+    if score:
+        score_rollouts(batch, task)
+    return batch
+
+
+def score_rollouts(batch: RolloutBatch, task) -> None:
+    """The task's reward of each row's completion (`tasks.rewards.compute_rewards`), into
+    `rewards_B` and `reward_status_B`."""
+    rewards, status = compute_rewards(task, batch.examples, batch.completions)
+    batch.rewards_B = torch.tensor(rewards, dtype=torch.float32)
+    batch.reward_status_B = torch.tensor(status, dtype=torch.int8)
 
 
 def truncated_rows(tokens_BT: torch.Tensor, response_BT: torch.Tensor, stop_ids) -> torch.Tensor:

@@ -18,7 +18,9 @@ capabilities and builds it, and the trainer, the run's set-up and `megatron-gspo
 capabilities, never a backend's name. The built-in backends are declared in
 `megatron_gspo.rollout.backends`. A sampler keeps its own copy of the weights in sync itself
 (the decoders read the policy's; an engine with a separate copy pushes before sampling when the
-policy has stepped). No torch at import: the plan reads this registry in a process without it.
+policy has stepped). A backend that can sample beside the trainer (`rollout.max_staleness`,
+`Backend.beside`) gives a sampler of weights the trainer publishes (`rollout.overlap.Beside`).
+No torch at import: the plan reads this registry in a process without it.
 """
 
 from __future__ import annotations
@@ -114,6 +116,10 @@ class Backend:
     cuda_graphs: Callable[[Any], bool] = _no
     """`cuda_graphs(cfg)`: whether the policy is built with megatron's inference CUDA graphs for
     it (and the parallel state with their RNG tracker)."""
+    beside: Callable[[Any], bool] = _no
+    """`beside(cfg)`: whether it can sample beside the trainer (`rollout.max_staleness` > 0): its
+    sampler's `beside(make_policy)` gives a sampler of weights of its own, which the trainer
+    publishes between updates (`megatron_gspo.rollout.overlap.Beside`)."""
     needs_cuda: bool = False
     """Runs on a CUDA GPU only: refused in one line where none is visible."""
     settings: Optional[str] = None

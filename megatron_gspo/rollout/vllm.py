@@ -22,6 +22,9 @@ test places the default between the two). The engine records each MoE layer's to
 (`capture_routing`): R3 replays the engine's routing, and the trainer logs the
 engine-vs-trainer mismatch per layer.
 
+Beside the trainer (`rollout.max_staleness`, engine servers only): `ServerBeside` pushes from
+the trainer's thread when it publishes, and samples by that version in the producer's thread.
+
 `metrics` after a sample: `time/weight_sync` (seconds of the last push, 0 without one) and
 `rollout/push_probe_diff` (the guard's number, `probe_statistic`).
 
@@ -117,7 +120,10 @@ class VLLMSampler:
         self.folder.cleanup()
 
     def sample(self, prompts: list[list[int]], params: SamplingParams,
-               generator: torch.Generator | None = None) -> Samples:
+               generator: torch.Generator | None = None, *, pushed: bool = False) -> Samples:
+        """Samples of `prompts`, after pushing the policy's weights if they changed; with
+        `pushed` (servers only: `ServerBeside`, in the producer's thread) by the weights
+        pushed last, neither pushing nor restarting a lost server."""
         seed = None if generator is None else \
             int(torch.randint(2 ** 31 - 1 - len(prompts), (1,), generator=generator))
         kwargs = dict(temperature=params.temperature, top_p=params.top_p,
@@ -126,8 +132,9 @@ class VLLMSampler:
         if self.server:
             requests = sample_requests(prompts, n=1, max_model_len=self.max_model_len,
                                        **kwargs)
-            results = recovering(self, lambda: self._remote_generate(requests,
-                                                                     params.record_routing))
+            results = self._remote_generate(requests, params.record_routing, sync=False) \
+                if pushed else recovering(self, lambda: self._remote_generate(
+                    requests, params.record_routing))
         else:
             self.sync()
             results = self.engine.generate(prompts, **kwargs)
@@ -136,10 +143,20 @@ class VLLMSampler:
         return Samples(tokens_BT, valid_BT, response_BT, logp_BT,
                        routing if params.record_routing else None)
 
-    def _remote_generate(self, requests, routes: bool):
-        """Push if needed, then this rank's samples (the first rank of a tensor-parallel group
-        asks its engine server and hands them to the others)."""
-        self.sync()
+    def beside(self, make_policy) -> "ServerBeside":
+        """Sampling beside the trainer (`rollout.max_staleness`): engine servers only (the
+        backend's `beside` capability); `make_policy` is not needed (the engine holds its own
+        weights)."""
+        if not self.server:
+            raise ConfigError("rollout.max_staleness > 0 with rollout.backend=vllm needs "
+                              "rollout.vllm.mode=server")
+        return ServerBeside(self)
+
+    def _remote_generate(self, requests, routes: bool, sync: bool = True):
+        """Push if needed (`sync`), then this rank's samples (the first rank of a
+        tensor-parallel group asks its engine server and hands them to the others)."""
+        if sync:
+            self.sync()
         results, lost = None, None
         if self.engine.sender:
             try:
@@ -231,10 +248,39 @@ class VLLMSampler:
         return probe_statistic(ours[0, P:].cpu(), torch.tensor(theirs[P - 1:]), self.dtype)
 
 
+class ServerBeside:
+    """`rollout.overlap.Beside` over engine servers: the trainer's thread pushes (`publish`:
+    `VLLMSampler.sync`, restarting lost servers as a rollout does), the producer's thread
+    samples by the version pushed, and a server lost while it sampled is restarted from the
+    trainer's thread (`recover`), within `rollout.vllm.max_restarts`."""
+
+    def __init__(self, sampler: VLLMSampler):
+        self.sampler = sampler
+        self.restarts = 0  # the engine's restarts when it last published
+
+    def publish(self) -> dict:
+        recovering(self.sampler, self.sampler.sync)
+        self.restarts = self.sampler.engine.restarts
+        return dict(self.sampler.metrics)
+
+    def sample(self, prompts: list[list[int]], params: SamplingParams,
+               generator: torch.Generator | None = None) -> Samples:
+        return self.sampler.sample(prompts, params, generator, pushed=True)
+
+    def recover(self, error: Exception) -> None:
+        lost = error if isinstance(error, EngineLost) else None
+        if lost is not None and self.sampler.engine.restarts > self.restarts:
+            return  # restarted since (by an eval's request): the next publish pushes
+        if not restart_lost(self.sampler, lost, None if lost else error):
+            raise error
+
+    def close(self) -> None:
+        pass  # the run's sampler closes the engine servers
+
+
 def recovering(sampler: VLLMSampler, fn):
     """`fn()`, after restarting the engine servers lost while it ran and re-pushing, as often
-    as `rollout.vllm.max_restarts` allows (`RemoteEngine.restart`). Collective: every rank
-    learns which engines any rank lost, and stops when any rank failed otherwise."""
+    as `rollout.vllm.max_restarts` allows (`restart_lost`)."""
     while True:
         lost = error = out = None
         try:
@@ -243,18 +289,29 @@ def recovering(sampler: VLLMSampler, fn):
             lost = e
         except Exception as e:  # raised below on every rank, not on this one alone
             error = e
-        replicas, failed = sampler.engine.lost_replicas(lost, error is not None)
-        if failed:
-            if error is not None:
-                raise error
-            raise UserError("rollout.vllm: a request of another trainer rank to its engine "
-                            "server failed (its message is in that rank's output)")
-        if not replicas:
+        if not restart_lost(sampler, lost, error):
             return out
-        sampler.engine.restart(replicas, str(lost) if lost else
-                               f"engine server(s) {replicas} exited")
-        sampler.pushed = None
-        sampler.metrics["rollout/engine_restarts"] = sampler.engine.restarts
+
+
+def restart_lost(sampler: VLLMSampler, lost: EngineLost | None, error: Exception | None) -> bool:
+    """After an attempt that lost an engine (`lost`) or failed otherwise (`error`) on this
+    rank: restart the engine servers any rank lost (`RemoteEngine.restart`, which stops in one
+    line past `rollout.vllm.max_restarts`) and forget the push; True when it restarted some,
+    False when none was lost. Collective: every rank learns which engines any rank lost, and
+    raises when any rank failed otherwise."""
+    replicas, failed = sampler.engine.lost_replicas(lost, error is not None)
+    if failed:
+        if error is not None:
+            raise error
+        raise UserError("rollout.vllm: a request of another trainer rank to its engine "
+                        "server failed (its message is in that rank's output)")
+    if not replicas:
+        return False
+    sampler.engine.restart(replicas, str(lost) if lost else
+                           f"engine server(s) {replicas} exited")
+    sampler.pushed = None
+    sampler.metrics["rollout/engine_restarts"] = sampler.engine.restarts
+    return True
 
 
 STATISTIC = {"float32": "mean", "bfloat16": "median"}

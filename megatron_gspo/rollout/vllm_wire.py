@@ -77,9 +77,9 @@ class Channel:
         return pickle.loads(self._read(size, timeout))
 
     def _read(self, n: int, timeout: float | None) -> bytes:
-        self.sock.settimeout(timeout)
         buf = bytearray()
         try:
+            self.sock.settimeout(timeout)
             while len(buf) < n:
                 part = self.sock.recv(min(n - len(buf), 1 << 22))
                 if not part:
@@ -87,15 +87,18 @@ class Channel:
                 buf += part
         except socket.timeout:
             raise TimeoutError(f"no message within {timeout:g} s") from None
-        except (ConnectionResetError, BrokenPipeError) as e:
+        except OSError as e:  # reset, broken pipe, or closed here by another thread
             raise ChannelClosed(str(e)) from None
         return bytes(buf)
 
     def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+        """Shut the connection down, then close it: a thread blocked receiving on it wakes
+        (a close alone leaves it waiting out its timeout)."""
+        for end in (lambda: self.sock.shutdown(socket.SHUT_RDWR), self.sock.close):
+            try:
+                end()
+            except OSError:
+                pass
 
 
 def _digest(key: bytes, challenge: bytes) -> bytes:

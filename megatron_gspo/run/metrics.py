@@ -321,6 +321,10 @@ class Timer:
             self._sync()
             self._totals[name] = self._totals.get(name, 0.0) + (self._clock() - t0)
 
+    def add(self, name: str, seconds: float) -> None:
+        """Count `seconds` timed elsewhere (another thread's) in section `name`."""
+        self._totals[name] = self._totals.get(name, 0.0) + seconds
+
     def as_metrics(self) -> dict[str, float]:
         return {f"time/{name}": seconds for name, seconds in self._totals.items()}
 

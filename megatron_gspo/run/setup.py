@@ -77,6 +77,9 @@ class JobSpec:
     pack_key: str = ""
     """The dotted config key saying whether the job's policy packs its forwards
     (`MoEPolicy.pack`: train.pack, sft.pack); "" for padded forwards."""
+    check_layout: Callable[[RunConfig, ParallelInfo], None] | None = None
+    """The job's own check of the config against the process layout, once the process groups
+    are up and before the run dir is claimed (a one-line ConfigError)."""
     check_data: Callable[[RunConfig, Tokenizer, list, bool], None] | None = None
     """The job's own look at (config, tokenizer, train set, is main rank) once the data is
     loaded and before the run is recorded (SFT: targets longer than the model or the
@@ -251,6 +254,8 @@ def _preflight(cfg: RunConfig, spec: JobSpec) -> tuple[ParallelInfo, bool]:
         raise ConfigError(f"model.tp={cfg.model.tp} model.ep={cfg.model.ep}: {e} (start N "
                           "processes: torchrun --nproc-per-node N -m megatron_gspo.cli ...)"
                           ) from None
+    if spec.check_layout is not None:
+        spec.check_layout(cfg, info)
     resuming = _resumes(cfg, spec)  # the weights are then the run's own checkpoint's
     if cfg.init_checkpoint and (not resuming or spec.kl_reference(cfg)):
         check_init_checkpoint(cfg.init_checkpoint)  # fail before the run dir is claimed

@@ -141,7 +141,7 @@ def test_published_experiments_pin_the_kernels_they_ran_with(path):
         assert pinned == ("megatron", "foreach", 0, False, False)
 
 
-FAST_KERNELS = ("positive_control",)
+FAST_KERNELS = ("positive_control", "staleness")
 """The experiments that ran with SDPA attention, fused Adam and 4096-token pi_old chunks."""
 
 

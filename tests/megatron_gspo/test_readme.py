@@ -57,6 +57,9 @@ def _emitted_keys() -> set[str]:
     from megatron_gspo.algo.losses import POLICY_LOSSES, PolicyLossConfig, tis_weights
     from megatron_gspo.tasks.toy import Example, score
     from megatron_gspo.jobs.rl import response_metrics, rollout_metrics
+    from megatron_gspo.jobs.rl_metrics import throughput
+    from megatron_gspo.rollout.overlap import staleness_metrics
+    from megatron_gspo.run.metrics import Timer
     from megatron_gspo.algo.margins import margin_metrics
     from megatron_gspo.algo.sensitivity import sensitivity_metrics
     from moe.routing.scores import RouterScores
@@ -74,7 +77,8 @@ def _emitted_keys() -> set[str]:
     keys |= set(group_advantages(rewards, 2)[1])
     batch = SimpleNamespace(rewards_B=rewards, response_BT=mask, sampler_logp_BT=logp,
                             response_lengths_B=mask.sum(1), truncated_B=rewards.bool(),
-                            reward_status_B=torch.zeros(4, dtype=torch.long))
+                            reward_status_B=torch.zeros(4, dtype=torch.long),
+                            version_B=torch.zeros(4, dtype=torch.long))
     keys |= set(rollout_metrics(batch, old)) | set(rollout_metrics(batch, old, "rollout/x_r3/"))
     keys |= set(rollout_health(batch)) | set(overlong_filter(torch.ones(4), batch, True)[1])
     mb = SimpleNamespace(response_BT=mask, old_logp_BT=old)
@@ -85,6 +89,9 @@ def _emitted_keys() -> set[str]:
                           torch.ones(1, 3, dtype=torch.bool), 4)
     keys |= set(margin_metrics(scores, torch.ones(3, dtype=torch.bool), 0.01))
     keys |= set(sensitivity_metrics([0.1, 0.2]))
+    keys |= set(staleness_metrics(batch, 0))
+    batch.valid_BT = mask
+    keys |= set(throughput(batch, Timer()))
     return keys - {"rollout/x_r3/mean", "rollout/x_r3/max"}
 
 

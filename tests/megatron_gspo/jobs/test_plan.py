@@ -112,6 +112,21 @@ def test_a_vllm_engine_server_leaves_only_the_weight_push_on_the_trainers_gpus()
     assert server.phases["rollout"] == 2 * fc1 + 256 * 2**20
 
 
+def test_a_decoder_sampling_beside_the_trainer_holds_a_weight_copy_for_the_whole_step():
+    """rollout.max_staleness=1 with the lean decoder: its weight copy (the size of the rank's
+    weights) and its KV cache stay through the train phase (it samples while the trainer
+    trains), so they are counted with the state, not as a phase."""
+    p = get_preset("qwen3-30b-a3b")
+    lean = plan.plan_layout(p, load_config(os.path.join(ROOT, PROFILE)), 16)
+    stale = plan.plan_layout(p, load_config(os.path.join(ROOT, PROFILE),
+                                            ["rollout.max_staleness=1"]), 16)
+    rows = dict(stale.rows)
+    assert rows["the sampler's weight copy (rollout.max_staleness)"] == rows["weights (bf16)"]
+    assert stale.phases["rollout"] == 0.0
+    assert stale.persistent == lean.persistent + lean.phases["rollout"] + rows[
+        "the sampler's weight copy (rollout.max_staleness)"]
+
+
 def test_an_hf_path_folder_sizes_the_model_from_its_config_json(tmp_path):
     """With model.hf_path an existing folder, its config.json is the architecture (here a
     Qwen3-MoE config cut to 2 layers), not model.preset; no note about the placeholder."""

@@ -47,18 +47,23 @@ def test_rollout_metrics_by_hand():
 
 def test_throughput_divides_tokens_by_their_phase_time():
     """Rollout tokens/s = response tokens / rollout time; train tokens/s = all valid tokens /
-    train time."""
+    train time; the overlap = the share of the rollout the trainer did not wait for (a
+    rollout sampled beside it: 0.5 s waited of 2 s), 0 when it waited for all of it."""
     from megatron_gspo.run.metrics import Timer
     from megatron_gspo.jobs.rl_metrics import throughput
 
-    clock = iter([0.0, 2.0, 10.0, 14.0])
+    clock = iter([0.0, 0.5, 10.0, 14.0])
     timer = Timer(clock=lambda: next(clock), cuda_sync=False)
-    with timer("rollout"):  # 2 s
+    with timer("rollout_wait"):  # 0.5 s
         pass
+    timer.add("rollout", 2.0)  # sampled in the producer's thread
     with timer("train"):  # 4 s
         pass
     assert throughput(_batch(), timer) == pytest.approx(
-        {"perf/rollout_tokens_per_s": 7 / 2, "perf/train_tokens_per_s": 16 / 4})
+        {"perf/rollout_tokens_per_s": 7 / 2, "perf/train_tokens_per_s": 16 / 4,
+         "perf/overlap_frac": 0.75})
+    timer.add("rollout_wait", 2.0)  # the synchronous loop: waited for the whole rollout
+    assert throughput(_batch(), timer)["perf/overlap_frac"] == 0.0
 
 
 def test_reward_collapse_alert_follows_the_ema():

@@ -64,6 +64,28 @@ def test_a_channel_carries_messages_only_for_a_peer_with_the_key():
     listener.close()
 
 
+def test_closing_a_channel_wakes_the_thread_receiving_on_it():
+    """The producer thread of `rollout.max_staleness` waits on a server's answer while the
+    trainer's thread closes the engine: it hears ChannelClosed at once, not after its
+    receive timeout (a close alone left it waiting the whole timeout)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    chan = vllm_wire.Channel(socket.create_connection(listener.getsockname()))
+    peer, heard = listener.accept()[0], []
+
+    def receive():
+        try:
+            chan.recv(600)
+        except Exception as e:
+            heard.append(type(e))
+    thread = threading.Thread(target=receive)
+    thread.start()
+    chan.close()
+    thread.join(60)
+    assert heard == [vllm_wire.ChannelClosed]
+    peer.close()
+    listener.close()
+
+
 def _group_pair(timeout_s=30.0):
     port, groups = free_port(), {}
 
@@ -260,3 +282,38 @@ def test_cpu_bind_splits_the_cores_over_the_workers_of_every_replica(monkeypatch
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     assert vllm_launch.cpu_bind(0, 1, 2) == "0|1"
     assert vllm_launch.cpu_bind(0, 1, 4) == "0|1|0|1"  # fewer cores than workers: shared
+
+
+class _Engine:
+    """What `ServerBeside` and `restart_lost` read of a `RemoteEngine`: one replica, lost."""
+
+    def __init__(self):
+        self.restarts, self.started = 0, []
+
+    def lost_replicas(self, lost, failed=False):
+        return ([0] if lost is not None else []), failed
+
+    def restart(self, replicas, why):
+        self.restarts += 1
+        self.started.append(why)
+
+
+def test_a_server_lost_while_sampling_ahead_is_restarted_once_even_after_an_eval():
+    """`rollout.max_staleness`: a server lost while the producer sampled is restarted by the
+    trainer's next take (`ServerBeside.recover`) and the push forgotten; if an eval in between
+    restarted it already (its own request found it lost), it is not restarted twice."""
+    from types import SimpleNamespace
+
+    from megatron_gspo.rollout.vllm import EngineLost, ServerBeside
+
+    sampler = SimpleNamespace(engine=_Engine(), pushed=3, metrics={}, sync=lambda: None)
+    beside = ServerBeside(sampler)
+    beside.publish()
+    beside.recover(EngineLost(0, "gone"))
+    assert sampler.engine.started == ["engine server 0 was lost: gone"] and sampler.pushed is None
+    beside.publish()
+    sampler.engine.restart([0], "an eval's request found it lost")
+    beside.recover(EngineLost(0, "gone"))
+    assert sampler.engine.restarts == 2  # the eval's restart only
+    with pytest.raises(RuntimeError, match="^not a lost engine$"):
+        beside.recover(RuntimeError("not a lost engine"))

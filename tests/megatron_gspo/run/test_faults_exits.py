@@ -61,7 +61,7 @@ def _allocate_too_much(*args, **kwargs):
 
 
 @pytest.mark.parametrize("job, where, target, names", [
-    ("train", "the rollout", "megatron_gspo.jobs.rl.sample_rollouts",
+    ("train", "the rollout", "megatron_gspo.jobs.rl_rollouts.sample_rollouts",
      "lower rollout.prompts_per_batch=4, rollout.group_size=4, rollout.max_new_tokens=3"),
     ("sft", "an SFT step", "megatron_gspo.jobs.sft.sft_step",
      "lower sft.batch_size=8, or raise model.recompute_granularity=off")])

@@ -34,9 +34,10 @@ def test_two_rl_iterations_on_the_fixture(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     pytest.importorskip("math_verify")
     import megatron_gspo.jobs.rl as trainer_mod
+    import megatron_gspo.jobs.rl_rollouts as rollouts_mod  # where the trainer samples
 
     drawn, kept = [], []
-    real_generate, real_sample = trainer_mod.generate_rollouts, trainer_mod.sample_rollouts
+    real_generate, real_sample = rollouts_mod.generate_rollouts, rollouts_mod.sample_rollouts
 
     def spy_generate(*args, **kwargs):
         drawn.append(real_generate(*args, **kwargs))
@@ -47,8 +48,8 @@ def test_two_rl_iterations_on_the_fixture(tmp_path, monkeypatch):
         kept.append(batch)
         return batch, metrics
 
-    monkeypatch.setattr(trainer_mod, "sample_rollouts", spy_sample)
-    monkeypatch.setattr(trainer_mod, "generate_rollouts", spy_generate)
+    monkeypatch.setattr(rollouts_mod, "sample_rollouts", spy_sample)
+    monkeypatch.setattr(rollouts_mod, "generate_rollouts", spy_generate)
     trainer = trainer_mod.Trainer.from_config(
         config(tmp_path, "train.steps=2", "filter.overlong=true", "filter.dynamic_sampling=true",
                "filter.max_rounds=2"))
