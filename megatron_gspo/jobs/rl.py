@@ -53,7 +53,7 @@ from megatron_gspo.jobs.band import StartBand
 from megatron_gspo.jobs.rl_metrics import (replay_diff, response_metrics, rollout_metrics,
                                             route_sensitivity_row, routing_log_ratio, throughput)
 from megatron_gspo.jobs.rl_rollouts import check_layout, rollouts_of
-from megatron_gspo.jobs.rl_step import accumulate, noise_inputs
+from megatron_gspo.jobs.rl_step import accumulate, forward_logprobs, noise_inputs
 from megatron_gspo.rollout.backends import backend_of
 from megatron_gspo.rollout.batch import RolloutBatch
 from megatron_gspo.rollout.filters import overlong_filter, rollout_health
@@ -65,8 +65,7 @@ from megatron_gspo.run.metrics import Timer
 from megatron_gspo.run.oom import OLD_PASS, ROLLOUT, TRAIN_STEP, out_of_memory
 from megatron_gspo.run.setup import (JobSpec, Runtime, build_policy, evaluate_runtime,
                                      evaluate_test, packs, setup_runtime)
-from moe.routing.replay import (RoutingReplayCache, current_routing, replay_routing,
-                                restore_order)
+from moe.routing.replay import RoutingReplayCache, current_routing
 from moe.model.settings import OptimSettings
 
 PROGRESS_KEYS = ("reward/mean", "eval/accuracy", "policy/clip_frac/token",
@@ -288,13 +287,8 @@ class Trainer:
                        routing=None) -> torch.Tensor:
         """`policy`'s log-probs of a rollout batch, a forward per row selector of `chunks`;
         with `routing`, replaying it (R3's pi_old pass under the sampler's routing)."""
-        cfg, start, out = self.cfg, batch.response_start, []
-        for rows in chunks:
-            with replay_routing(policy, None if routing is None else routing.select(rows)):
-                out.append(policy.token_logprobs(batch.tokens_BT[rows], batch.valid_BT[rows],
-                                                 cfg.rollout.temperature, start=start))
-        logp_BT, back = torch.cat(out), restore_order(chunks, len(batch))
-        return logp_BT if back is None else logp_BT[back.to(logp_BT.device)]
+        return forward_logprobs(policy, batch.tokens_BT, batch.valid_BT, chunks,
+                                self.cfg.rollout.temperature, batch.response_start, routing)
 
     def records_sampler_routing(self) -> bool:
         """Record the sampler's routing: for R3, and to measure the sampler-trainer routing
