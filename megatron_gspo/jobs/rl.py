@@ -52,7 +52,7 @@ from megatron_gspo.errors import ConfigError
 from megatron_gspo.jobs.band import StartBand
 from megatron_gspo.jobs.rl_metrics import (replay_diff, response_metrics, rollout_metrics,
                                             route_sensitivity_row, routing_log_ratio, throughput)
-from megatron_gspo.jobs.rl_rollouts import check_layout, rollouts_of
+from megatron_gspo.jobs.rl_rollouts import balance_over_dp, check_layout, rollouts_of
 from megatron_gspo.jobs.rl_step import accumulate, forward_logprobs, noise_inputs
 from megatron_gspo.rollout.backends import backend_of
 from megatron_gspo.rollout.batch import RolloutBatch
@@ -227,6 +227,9 @@ class Trainer:
         self.timer.reset()
         with self.timer("rollout_wait"), out_of_memory("the rollout", cfg, ROLLOUT):
             batch = self.rollout(it)
+        balance = {}
+        if cfg.train.balance_dp and self.policy.pack:  # groups between DP ranks, by tokens
+            batch, balance = balance_over_dp(batch, cfg.rollout.group_size, self.rt.info.dp_rank)
         self.step_tokens = int(batch.valid_BT.sum())  # the progress line's tokens/s
         with self.timer("old_forward"), out_of_memory("the no-grad pass over the rollout batch",
                                                       cfg, OLD_PASS):
@@ -234,7 +237,7 @@ class Trainer:
         # at pi_old's weights, before any step of this batch
         sensitivity = route_sensitivity_row(cfg, self.policy, batch, it, self.rt.info.dp_rank,
                                             self.timer)
-        shared.update(staleness_metrics(batch, it), **{"train/iteration": it})
+        shared.update(staleness_metrics(batch, it), **balance, **{"train/iteration": it})
         order = torch.randperm(len(batch), generator=seeds.minibatch_order(cfg.seed, it))
         metrics = {}
         mbs = [full.select(rows) for rows in order.chunk(cfg.train.num_minibatches)]
