@@ -38,6 +38,7 @@ def train_lines(r: dict) -> list[str]:
     lines += [f"| {x.get('micro', 1)} x {x['B']} x {x['T']} | " + (f"{x['error']} |" if "error" in x else
               f"{x['step_s']:.3f} | {x['tokens_per_s']:,.0f} | {x['mfu'] * PEAK_TFLOPS:.0f} | "
               f"{x['mfu']:.1%} | {x['mfu_attn']:.1%} | {x['peak_gib']:.1f} |") for x in r["rows"]]
+    lines += long_tail_lines(r.get("long_tail"))
     if "profile" in r:
         pr = r["profile"]
         lines += ["", f"torch.profiler, one step at {pr['B']} x {pr['T']}: "
@@ -50,6 +51,26 @@ def train_lines(r: dict) -> list[str]:
                       "| --- | --- | --- |"]
             lines += [f"| `{x['shapes']}` | {x['calls']} | {x['gpu_ms']:.1f} |"
                       for x in pr["copies"]]
+    return lines
+
+
+def long_tail_lines(lt: dict | None) -> list[str]:
+    """The padded-vs-packed table of a long tail of lengths (`bench.gpu_stages --long-tail`)."""
+    if not lt:
+        return []
+    lines = ["", f"A long tail: {lt['B']} rows of lognormal lengths (mean a quarter of "
+             f"{lt['T']}), {lt['real_tokens']:,} real tokens of {lt['B'] * lt['T']:,} padded "
+             f"positions; every forward within {lt['budget']:,} tokens (padded: rows x width; "
+             "packed: real tokens)\n", "| step | step s | real tokens/s per GPU | forwards | "
+             "peak GiB |", "| --- | --- | --- | --- | --- |"]
+    for side in ("padded", "packed"):
+        x = lt.get(side, {"error": "not run"})
+        lines.append(f"| {side} | did not run: `{x['error']}` | | | |" if "error" in x else
+                     f"| {side} | {x['step_s']:.3f} | {x['real_tokens_per_s']:,.0f} | "
+                     f"{x['forwards']} | {x['peak_gib']:.1f} |")
+    if all("step_s" in lt.get(side, {}) for side in ("padded", "packed")):
+        lines.append(f"\npacked / padded, real tokens/s: "
+                     f"{lt['packed']['real_tokens_per_s'] / lt['padded']['real_tokens_per_s']:.2f}x")
     return lines
 
 

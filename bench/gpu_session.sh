@@ -1,12 +1,12 @@
 #!/bin/bash
-# The GPU measurement plan as one command of at most about 9 minutes, on any CUDA machine with
+# The GPU measurement plan as one command of at most about 10 minutes, on any CUDA machine with
 # the project installed (`pip install -e .`): each stage under its own time limit, most valuable
 # first, each writing its figures as JSON under $RESULTS (default runs/gpu_session), then
 # rendered into $RESULTS/README.md (`python -m bench.gpu_stages report`). experiments/gpu/README.md
 # is regenerated from the same JSON (copy $RESULTS/*.json to experiments/gpu/results/ and run
 # `python -m experiments.gpu.report`).
 #
-#   bash bench/gpu_session.sh                      # env rollout train tests report (~8 min)
+#   bash bench/gpu_session.sh                      # env rollout train tests packing report (~9 min)
 #   bash bench/gpu_session.sh env tests report     # any subset, in the order given
 #   RESULTS=runs/h100 PYTHON=.venv/bin/python bash bench/gpu_session.sh
 #
@@ -18,6 +18,8 @@
 #   train   (150)  train steps at the same shapes, 1k/2k/4k-token sequences: tokens/s, MFU,
 #                  peak memory, and a torch.profiler table of one step
 #   tests   (150)  the GPU tests (`pytest -m gpu`)
+#   packing (100)  16 rows of a long tail of lengths (lognormal, mean 1k of at most 4k tokens),
+#                  padded vs packed train steps: real tokens/s (train_long_tail.json)
 #   report    (-)  $RESULTS/README.md from the JSON files
 #
 # Run from the repository's root. Exits 1 if a stage failed (the later ones still run), 2 on an
@@ -25,11 +27,11 @@
 set -u -o pipefail
 RESULTS=${RESULTS:-runs/gpu_session}
 PYTHON=${PYTHON:-python3}
-STAGES=${*:-env rollout train tests report}
+STAGES=${*:-env rollout train tests packing report}
 for stage in $STAGES; do
   case $stage in
-    env|rollout|train|tests|report) ;;
-    *) echo "unknown stage '$stage': expected env, rollout, train, tests or report" >&2
+    env|rollout|train|tests|packing|report) ;;
+    *) echo "unknown stage '$stage': expected env, rollout, train, tests, packing or report" >&2
        exit 2 ;;
   esac
 done
@@ -63,6 +65,9 @@ PY
         tests/moe/inference/test_engine.py tests/megatron_gspo/rollout/test_engine_backend.py \
         > "$RESULTS/tests.log" 2>&1
       rc=$?; tail -15 "$RESULTS/tests.log"; [ $rc -eq 0 ] ;;
+    packing)
+      timeout 100 "${BENCH[@]}" train --out "$RESULTS" --name train_long_tail --lengths 4096 \
+        --micro 1 --top 0 --long-tail 16 2>&1 | tee "$RESULTS/packing.log" | tail -8 ;;
     report)
       "${BENCH[@]}" report --out "$RESULTS" && cat "$RESULTS/README.md" ;;
   esac || { echo "stage $stage failed (exit $?)" >&2; status=1; }

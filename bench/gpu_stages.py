@@ -132,11 +132,54 @@ def stage_train(args) -> dict:
     out = {"layers": args.layers, "matmul_params": matmul_params(p), "rows": rows,
            "optimizer_loops": {"megatron.core.utils": "megatron", "moe.platform.compat": "foreach"}.get(
                clip_grads.l2_norm_impl.__module__, "fused")}
+    if args.long_tail:
+        out["long_tail"] = long_tail(args, policy, max(lengths))
     if args.top:
         T = lengths[len(lengths) // 2]
         tokens_BT = torch.randint(0, p.vocab_size, (max(1, args.tokens // T), T), device=DEVICE)
         out["profile"] = profile_step(policy, tokens_BT, torch.ones_like(tokens_BT, dtype=torch.bool),
                                       args.top)
+    return out
+
+
+def long_tail(args, policy, T: int) -> dict:
+    """Padded vs packed (`train.pack`) optimizer steps over `args.long_tail` rows whose lengths
+    are lognormal (sigma 1) with a mean of T / 4, clipped to [T / 64, T]: the response lengths of
+    reasoning RL. Each side runs its forwards within `--tokens` (padded: rows x the batch's
+    width; packed: real tokens, `megatron_gspo.algo.packing.microbatches`), the loss a mean over
+    the real tokens; real tokens/s per side."""
+    from megatron_gspo.algo.packing import microbatches  # bench may read the trainer's rooms
+
+    g = torch.Generator().manual_seed(args.seed)
+    B = args.long_tail
+    lengths_B = (torch.randn(B, generator=g) - 0.5).exp().mul(T / 4).round().clamp(
+        max(2, T // 64), T).long()
+    valid_BT = torch.arange(T)[None, :] < lengths_B[:, None]
+    tokens_BT = torch.randint(0, policy.real_vocab, (B, T), generator=g).to(DEVICE)
+    real = int(valid_BT.sum())
+    out = {"B": B, "T": T, "real_tokens": real, "budget": args.tokens}
+    for side, pack in (("padded", False), ("packed", True)):
+        chunks = microbatches(valid_BT, args.tokens, pack)
+        valid_dev, policy.pack = valid_BT.to(DEVICE), pack
+
+        def step():
+            policy.zero_grad()
+            for rows in chunks:
+                logp_BT = policy.token_logprobs(tokens_BT[rows], valid_dev[rows])
+                policy.backward(-(logp_BT * valid_dev[rows]).sum() / real)
+            policy.step()
+
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            s = timed(step, args.iterations, args.warmup)
+            out[side] = {"step_s": s, "real_tokens_per_s": real / s, "forwards": len(chunks),
+                         "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30
+                         if torch.cuda.is_available() else float("nan")}
+        except Exception as e:  # flex attention's compile, or memory: recorded, not fatal
+            out[side] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:200]}
+        print(json.dumps({side: out[side]}), flush=True)
+    policy.pack = False
     return out
 
 
@@ -276,6 +319,9 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lengths", default="1024,2048,4096", help="train: sequence lengths")
     ap.add_argument("--tokens", type=int, default=8192, help="train: tokens per step")
+    ap.add_argument("--long-tail", type=int, default=0, metavar="B",
+                    help="train: B rows of lognormal lengths (mean a quarter of the longest "
+                    "length), padded vs packed, real tokens/s (0: not run)")
     ap.add_argument("--micro", default="1,4", help="train: microbatches per optimizer step "
                     "(counts above one at the first length only)")
     ap.add_argument("--megatron-loops", action="store_true", help="train: megatron-core's "

@@ -22,18 +22,24 @@ def test_rollout_and_train_stages_write_what_the_report_renders(tmp_path, single
     assert lean["tokens_per_s"] > 0 and len(lean["vs_trainer"]["set"]) == 2
     assert "CUDA" in r["backends"]["megatron_engine"]["error"]
     assert gpu_stages.main(["train", "--out", out, *TINY, "--lengths", "8,16", "--tokens", "16",
-                           "--iterations", "1", "--warmup", "0", "--top", "4", "--micro", "1,3"]) == 0
+                           "--iterations", "1", "--warmup", "0", "--top", "4", "--micro", "1,3",
+                           "--long-tail", "6"]) == 0
     t = json.loads((tmp_path / "train.json").read_text())
     assert [(x["micro"], x["B"], x["T"]) for x in t["rows"]] == [(1, 2, 8), (1, 1, 16),
                                                                    (3, 2, 8)]
     assert t["rows"][2]["tokens_per_s"] == pytest.approx(48 / t["rows"][2]["step_s"])
     assert len(t["profile"]["rows"]) == 4 and len(t["profile"]["copies"]) == 2
+    lt = t["long_tail"]
+    assert lt["real_tokens"] < 6 * 16 and lt["packed"]["forwards"] <= lt["padded"]["forwards"]
+    assert lt["packed"]["real_tokens_per_s"] == pytest.approx(lt["real_tokens"]
+                                                              / lt["packed"]["step_s"])
     assert t["optimizer_loops"] == "foreach"  # what the optimizer ran, read back from megatron
     with pytest.raises(SystemExit) as e:  # megatron's own loops allocate on CUDA
         gpu_stages.parse_args(["train", "--out", out, "--megatron-loops"])
     assert e.value.code == 2
     assert gpu_stages.main(["report", "--out", out]) == 0
     text = (tmp_path / "README.md").read_text()
+    assert "| packed |" in text and "packed / padded, real tokens/s" in text
     assert "| 1 x 2 x 8 |" in text and "| 3 x 2 x 8 |" in text and "| lean |" in text and "megatron_engine | did not run" in text
 
 
