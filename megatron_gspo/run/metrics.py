@@ -13,7 +13,8 @@ Tensors and numpy scalars become Python numbers; non-finite floats are written a
 append mode, so a resumed run keeps earlier lines. Only rank 0 logs: construct with
 enabled=False elsewhere and every method is a no-op.
 
-`read_jsonl` reads the rows back, `read_metrics` as one {step: value} series per key; `Timer`
+`MetricsLogger(..., file=EXPERT_LOAD_FILE)` writes another file of such rows, whose values may
+also be lists of numbers. `read_jsonl` reads the rows back, `read_metrics` as one {step: value} series per key; `Timer`
 collects wall-clock section durations as `time/<section>` metrics.
 """
 
@@ -35,13 +36,20 @@ from megatron_gspo.run.checkpoint import atomic_write
 from moe.platform.checks import MissingDependency
 
 METRICS_FILE = "metrics.jsonl"
+EXPERT_LOAD_FILE = "expert_load.jsonl"
+"""Beside metrics.jsonl, in its format: the `expert_load` instrument's row per rollout batch,
+{"step", "time", "tokens", "load": activations per expert, a list per MoE layer}
+(`megatron_gspo.jobs.rl_instruments.ExpertLoad`)."""
 UNREADABLE_FILE = "metrics.unreadable.txt"
 """Beside metrics.jsonl: rows a resume found unreadable, kept as they were with their line."""
 WANDB_MODES = ("offline", "online", "disabled")
 
 
 def _to_json_value(key: str, v):
-    """A JSON-safe scalar: numbers stay numbers, non-finite floats become strings."""
+    """A JSON-safe scalar: numbers stay numbers, non-finite floats become strings; a list
+    (of lists) of them, element by element (`EXPERT_LOAD_FILE`'s rows)."""
+    if isinstance(v, (list, tuple)):
+        return [_to_json_value(key, x) for x in v]
     if hasattr(v, "item") and callable(v.item):  # torch tensor / numpy scalar or 1-elem array
         numel = getattr(v, "numel", None)
         size = numel() if callable(numel) else getattr(v, "size", 1)
@@ -76,11 +84,11 @@ class MetricsLogger:
 
     def __init__(self, run_dir: str, config_dict: dict | None = None,
                  wandb_mode: str = "disabled", project: str = "megatron-gspo",
-                 name: str | None = None, enabled: bool = True):
+                 name: str | None = None, enabled: bool = True, file: str = METRICS_FILE):
         if wandb_mode not in WANDB_MODES:
             raise ValueError(f"wandb_mode={wandb_mode!r}: expected one of {WANDB_MODES}")
         self.enabled = enabled
-        self.path = os.path.join(run_dir, METRICS_FILE)
+        self.path = os.path.join(run_dir, file)
         self._file = None
         self._wandb_run = None
         if not enabled:
