@@ -33,7 +33,8 @@ def expert_load(cache, copies: int = 1) -> torch.Tensor:
 
 def load_metrics(load_LE: torch.Tensor, prefix: str = "moe/expert_load/") -> dict:
     """`{prefix}layer_XX/max_over_mean` and `{prefix}layer_XX/cv` of each layer's load (NaN
-    for a layer without a token), and their means over layers, `{prefix}mean/...`."""
+    for a layer without a token), and their means over the layers with tokens,
+    `{prefix}mean/...`."""
     mean_L = load_LE.mean(1)
     mean_L = torch.where(mean_L > 0, mean_L, torch.full_like(mean_L, float("nan")))
     max_over_mean_L = load_LE.max(1).values / mean_L
@@ -42,6 +43,6 @@ def load_metrics(load_LE: torch.Tensor, prefix: str = "moe/expert_load/") -> dic
     for layer, (peak, cv) in enumerate(zip(max_over_mean_L.tolist(), cv_L.tolist())):
         out[f"{prefix}layer_{layer:02d}/max_over_mean"] = peak
         out[f"{prefix}layer_{layer:02d}/cv"] = cv
-    out[f"{prefix}mean/max_over_mean"] = float(max_over_mean_L.mean())
-    out[f"{prefix}mean/cv"] = float(cv_L.mean())
+    out[f"{prefix}mean/max_over_mean"] = float(max_over_mean_L.nanmean())
+    out[f"{prefix}mean/cv"] = float(cv_L.nanmean())
     return out
