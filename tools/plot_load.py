@@ -22,6 +22,7 @@ from megatron_gspo.run.metrics import EXPERT_LOAD_FILE, read_jsonl
 
 SHARE_RANGE = (1 / 8, 8.0)
 """The colour scale's ends, as a share of the layer's mean load."""
+SHARE_TICKS = [1 / 8, 1 / 4, 1 / 2, 1, 2, 4, 8]
 
 
 def read_load(run_dir: str):
@@ -69,6 +70,7 @@ def plot_load_and_flips(panels, path, plt) -> bool:
         print(f"note: skipping {os.path.basename(path)}: no run has {EXPERT_LOAD_FILE}")
         return False
     from matplotlib.colors import LogNorm  # noqa: PLC0415 (optional dependency, as plt)
+    from matplotlib.ticker import MaxNLocator  # noqa: PLC0415 (likewise)
 
     fig, axes = plt.subplots(len(panels), 2, figsize=(9, 3.2 * len(panels)), dpi=90,
                              squeeze=False, layout="constrained",
@@ -85,7 +87,10 @@ def plot_load_and_flips(panels, path, plt) -> bool:
                         [f"L{layer}" for layer in range(L)], fontsize=7)
         left.set_title(f"{label}: expert load / layer mean", fontsize=9)
         left.set_xlabel("step")
-        fig.colorbar(mesh, ax=left, label="share of mean load")
+        left.xaxis.set_major_locator(MaxNLocator(integer=True))
+        bar = fig.colorbar(mesh, ax=left, label="share of mean load")
+        bar.set_ticks(SHARE_TICKS, labels=["1/8", "1/4", "1/2", "1", "2", "4", "8"])
+        bar.minorticks_off()
         if flips is None:
             right.set_axis_off()
             right.text(0.5, 0.5, "no moe/flip_rate/layer_XX", ha="center", va="center")
@@ -96,6 +101,8 @@ def plot_load_and_flips(panels, path, plt) -> bool:
         right.set_title(f"{label}: flip rate", fontsize=9)
         right.set_xlabel("step")
         right.set_ylabel("layer")
+        for axis in (right.xaxis, right.yaxis):
+            axis.set_major_locator(MaxNLocator(integer=True))
         fig.colorbar(flip_mesh, ax=right, label="moe/flip_rate")
     fig.savefig(path, dpi=90)
     plt.close(fig)
