@@ -19,16 +19,16 @@ import torch
 from megatron_gspo.dist import sum_over_ranks
 
 
-def expert_load(cache, copies: int = 1) -> torch.Tensor:
+def expert_load(cache) -> torch.Tensor:
     """float64 [L, E]: activations per expert and layer of `cache`'s tokens
-    (`moe.routing.replay.RoutingReplayCache`) summed over every rank (collective), divided by
-    `copies`, the number of ranks holding the same tokens (tensor-parallel ranks without
-    sequence parallelism route the same tokens)."""
+    (`moe.routing.replay.RoutingReplayCache`) summed over every rank (collective). Each rank
+    routes distinct tokens (its data-parallel rows, its sequence-parallel shard: megatron-core
+    requires sequence parallelism for MoE under tensor parallelism), so each counts once."""
     ids_NLK = cache.ids_NLK.long()
     L, E = ids_NLK.shape[1], cache.num_experts
     load_LE = torch.stack([torch.bincount(ids_NLK[:, layer].reshape(-1), minlength=E)
                            for layer in range(L)]).double()
-    return sum_over_ranks(load_LE) / copies
+    return sum_over_ranks(load_LE)
 
 
 def load_metrics(load_LE: torch.Tensor, prefix: str = "moe/expert_load/") -> dict:

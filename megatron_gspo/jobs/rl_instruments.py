@@ -90,14 +90,13 @@ class ExpertLoad(Instrument):
     def __init__(self, trainer):
         super().__init__(trainer)
         cfg, rt = trainer.cfg, trainer.rt
-        self.copies = 1 if cfg.model.sequence_parallel else cfg.model.tp
         self.file = MetricsLogger(cfg.run_dir, enabled=rt.info.is_main, file=EXPERT_LOAD_FILE)
         step = trainer.state.opt_step
         self.file.drop_after(step) if step else self.file.set_aside()
         self.load_LE = None
 
     def on_rollout(self, batch, iteration: int) -> dict:
-        self.load_LE = expert_load(batch.old_routing, self.copies)
+        self.load_LE = expert_load(batch.old_routing)
         return load_metrics(self.load_LE)
 
     def on_iteration(self, batch, row: dict) -> dict:
