@@ -19,16 +19,23 @@ import torch
 from megatron_gspo.dist import sum_over_ranks
 
 
-def expert_load(cache) -> torch.Tensor:
+def expert_load(cache, copies: int = 1) -> torch.Tensor:
     """float64 [L, E]: activations per expert and layer of `cache`'s tokens
-    (`moe.routing.replay.RoutingReplayCache`) summed over every rank (collective). Each rank
-    routes distinct tokens (its data-parallel rows, its sequence-parallel shard: megatron-core
-    requires sequence parallelism for MoE under tensor parallelism), so each counts once."""
+    (`moe.routing.replay.RoutingReplayCache`) summed over every rank (collective), divided by
+    `copies`, the ranks holding each token (`cache_copies`)."""
     ids_NLK = cache.ids_NLK.long()
     L, E = ids_NLK.shape[1], cache.num_experts
     load_LE = torch.stack([torch.bincount(ids_NLK[:, layer].reshape(-1), minlength=E)
                            for layer in range(L)]).double()
-    return sum_over_ranks(load_LE)
+    return sum_over_ranks(load_LE) / copies
+
+
+def cache_copies(cache, rows_valid_BT: torch.Tensor, tp: int) -> int:
+    """How many ranks hold each token of `cache`, a routing of the rows `rows_valid_BT` [B, T]:
+    a cache of whole rows (packed forwards gather their sequence-parallel shards; a sampler's
+    routing) is on each of the `tp` tensor-parallel ranks of the rows' replica; a padded
+    sequence-parallel forward's holds this rank's column shard (fewer columns): one."""
+    return tp if tuple(cache.valid_BT.shape) == tuple(rows_valid_BT.shape) else 1
 
 
 def load_metrics(load_LE: torch.Tensor, prefix: str = "moe/expert_load/") -> dict:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from megatron_gspo.algo.expert_load import expert_load, load_metrics
+from megatron_gspo.algo.expert_load import cache_copies, expert_load, load_metrics
 from megatron_gspo.algo.flips import FlipSchedule
 from megatron_gspo.jobs.instruments import Instrument, Step, register_instrument
 from megatron_gspo.jobs.rl_metrics import route_sensitivity_row, routing_log_ratio, throughput
@@ -96,7 +96,9 @@ class ExpertLoad(Instrument):
         self.load_LE = None
 
     def on_rollout(self, batch, iteration: int) -> dict:
-        self.load_LE = expert_load(batch.old_routing)
+        cache = batch.old_routing
+        copies = cache_copies(cache, batch.valid_BT, self.trainer.cfg.model.tp)
+        self.load_LE = expert_load(cache, copies)
         return load_metrics(self.load_LE)
 
     def on_iteration(self, batch, row: dict) -> dict:

@@ -1,6 +1,6 @@
 """Per-expert load (megatron_gspo.algo.expert_load): counts of a constructed routing's real
-tokens (padding left out), summed over ranks, and the two statistics per layer against
-hand-computed values."""
+tokens (padding left out), summed over ranks and divided by the ranks holding the same tokens,
+and the two statistics per layer against hand-computed values."""
 
 import math
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_gspo import dist as dist_utils
-from megatron_gspo.algo.expert_load import expert_load, load_metrics
+from megatron_gspo.algo.expert_load import cache_copies, expert_load, load_metrics
 from tests.megatron_gspo.test_dist_utils import peer  # noqa: F401 (a fixture)
 from tests.moe.grads import dense_cache
 
@@ -34,11 +34,22 @@ def test_load_counts_every_real_token_once_per_expert_it_activates():
     assert load_LE.dtype == torch.float64
 
 
-def test_load_is_summed_over_ranks(peer):  # noqa: F811
-    """Rank 0 of 2 holds the constructed tokens, the other rank [1, 0, 0, 3] per layer."""
+def test_load_is_summed_over_ranks_and_divided_by_the_copies(peer):  # noqa: F811
+    """Rank 0 of 2 holds the constructed tokens, the other rank [1, 0, 0, 3] per layer: the
+    sum; with copies=2 (two tensor-parallel ranks holding the same rows) half of it."""
     peer.append([[1, 0, 0, 3], [1, 0, 0, 3]])
     assert expert_load(constructed()).tolist() == [[6, 5, 0, 3], [4, 4, 3, 3]]
+    peer.append([[5, 5, 0, 0], [3, 4, 3, 0]])  # the same tokens on the other rank
+    assert expert_load(constructed(), copies=2).tolist() == [[5, 5, 0, 0], [3, 4, 3, 0]]
     assert dist_utils.world_size() == 2
+
+
+def test_a_cache_of_whole_rows_is_on_every_tensor_parallel_rank():
+    """Whole rows (packed, or tp=1): `tp` copies; a padded sequence-parallel shard: one."""
+    cache = constructed()
+    assert cache_copies(cache, torch.ones(2, 3, dtype=torch.bool), tp=2) == 2
+    assert cache_copies(cache, torch.ones(2, 3, dtype=torch.bool), tp=1) == 1
+    assert cache_copies(cache, torch.ones(2, 6, dtype=torch.bool), tp=2) == 1
 
 
 def test_max_over_mean_and_cv_per_layer_and_their_mean():

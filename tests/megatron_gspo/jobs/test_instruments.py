@@ -4,6 +4,9 @@ is checked before anything is written, and the `expert_load` instrument logs its
 files the counts of every real token."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -13,6 +16,7 @@ from megatron_gspo.jobs.instruments import INSTRUMENTS, Instrument, register_ins
 from megatron_gspo.run.metrics import read_jsonl
 from moe.platform.checks import DuplicateName
 from tests.megatron_gspo.jobs.trainers import BASE, make_trainer
+from tests.processes import communicate_or_kill
 
 RUN = ["train.steps=2", "train.num_minibatches=2", "train.save_every=1", "train.eval_every=1"]
 TRAINED = ("policy/loss", "train/grad_norm", "reward/mean", "policy/entropy", "eval/accuracy")
@@ -133,3 +137,37 @@ def test_a_second_instrument_of_a_name_is_refused_naming_both(monkeypatch):
         register_instrument("spy")(type("Other", (Instrument,), {}))
     with pytest.raises(DuplicateName, match="instrument 'flips' is already registered"):
         register_instrument("flips")(Spy)
+
+
+SPY_PLUGIN = '''
+from megatron_gspo.jobs.instruments import Instrument, register_instrument
+
+
+@register_instrument("row_tokens")
+class RowTokens(Instrument):
+    def on_rollout(self, batch, iteration):
+        return {"spy/row_tokens": float(batch.valid_BT.sum())}
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pack", ["true", "false"])
+def test_tensor_parallel_ranks_count_each_token_once(tmp_path, pack):
+    """`torchrun` tp=2 with sequence parallelism, packed (each rank's routing gathered whole)
+    and padded (each rank's column shard): expert_load.jsonl counts the rollout batch's real
+    tokens once, as a plugin instrument counts its rows (the same rows on both ranks)."""
+    (tmp_path / "spy.py").write_text(SPY_PLUGIN)
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", "-m", "megatron_gspo.cli", "train", *BASE, "model.preset=qwen3-moe-tiny",
+           "model.tp=2", "model.sequence_parallel=true", f"train.pack={pack}", "train.steps=2",
+           "train.num_minibatches=2", "train.save_every=0", f"plugins=[{tmp_path / 'spy.py'}]",
+           "instruments=[expert_load,row_tokens]", f"run_dir={run_dir}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    _, err = communicate_or_kill(proc, 600)
+    assert proc.returncode == 0, err[-3000:]
+    last = [r for r in read_jsonl(str(run_dir / "metrics.jsonl")) if "spy/row_tokens" in r]
+    filed = read_jsonl(str(run_dir / "expert_load.jsonl"))
+    assert [f["step"] for f in filed] == [r["step"] for r in last] == [2, 4]
+    assert [f["tokens"] for f in filed] == [r["spy/row_tokens"] for r in last]
