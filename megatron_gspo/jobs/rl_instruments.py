@@ -90,7 +90,8 @@ class ExpertLoad(Instrument):
     def __init__(self, trainer):
         super().__init__(trainer)
         cfg, rt = trainer.cfg, trainer.rt
-        self.file = MetricsLogger(cfg.run_dir, enabled=rt.info.is_main, file=EXPERT_LOAD_FILE)
+        self.file = MetricsLogger(cfg.run_dir, enabled=rt.info.is_main, file=EXPERT_LOAD_FILE,
+                                  lists=True)
         step = trainer.state.opt_step
         self.file.drop_after(step) if step else self.file.set_aside()
         self.load_LE = None
