@@ -92,8 +92,10 @@ class ExpertLoad(Instrument):
         cfg, rt = trainer.cfg, trainer.rt
         self.file = MetricsLogger(cfg.run_dir, enabled=rt.info.is_main, file=EXPERT_LOAD_FILE,
                                   lists=True)
-        step = trainer.state.opt_step
-        self.file.drop_after(step) if step else self.file.set_aside()
+        if trainer.state.opt_step:  # resumed
+            self.file.drop_after(trainer.state.opt_step)
+        else:
+            self.file.set_aside()
         self.load_LE = None
 
     def on_rollout(self, batch, iteration: int) -> dict:

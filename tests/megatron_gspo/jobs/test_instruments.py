@@ -91,9 +91,14 @@ def test_expert_load_counts_every_real_token_and_the_hooks_run_in_order(
 
 def test_a_resumed_run_files_each_rollout_batch_once(single_process, tmp_path):
     """A row filed after the checkpoint a run resumes from (a crash before the next save) is
-    dropped, so the resumed run's own row is the only one of its step."""
-    make_trainer(tmp_path, *RUN[1:], "train.steps=1").train()
+    dropped, so the resumed run's own row is the only one of its step; a run starting afresh
+    moves an earlier attempt's rows aside."""
     path = tmp_path / "run" / "expert_load.jsonl"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"step": 2, "time": 0, "tokens": 1, "load": [[1]]}) + "\n")
+    make_trainer(tmp_path, *RUN[1:], "train.steps=1").train()
+    assert read_jsonl(str(tmp_path / "run" / "expert_load.prev1.jsonl"))[0]["tokens"] == 1
+    assert [f["tokens"] > 1 for f in read_jsonl(str(path))] == [True]
     with open(path, "a") as f:
         f.write(json.dumps({"step": 4, "time": 0, "tokens": 1, "load": [[1]]}) + "\n")
     make_trainer(tmp_path, *RUN).train()
