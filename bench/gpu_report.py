@@ -14,16 +14,30 @@ OPTIMIZER_LOOPS = {"megatron": "megatron-core's per-tensor loops",
 written before the option were megatron-core's loops."""
 
 
+PEAK_TFLOPS = 989.0
+"""Dense bf16 peak of an H100 SXM (an H200's is the same), the MFU's denominator."""
+
+FLOP_FORMULA = (
+    "MFU (6N) = 6 x N x tokens/s / 989 TFLOP/s (dense bf16 peak of an H100 SXM or H200), N the "
+    "matmul parameters one token multiplies (attention and output projections, router, its top-k "
+    "experts, the output layer; the input embedding, a lookup, is left out); with attention adds "
+    "3 x 4 x heads x head dim x T per layer for QK^T and AV over T keys (`MoEPreset."
+    "flops_per_token`). TFLOP/s per GPU is the 6N figure, the one published figures for "
+    "Qwen3-30B-A3B quote (vendors' formulas differ). One GPU runs every expert locally: no "
+    "expert-parallel all-to-all, which a multi-GPU run of the whole model pays.")
+"""The formula line under each train table (bench.gpu_stages's module docstring)."""
+
+
 def train_lines(r: dict) -> list[str]:
     loops = r.get("optimizer_loops", "megatron")
     lines = [f"{r['layers']} layers, {r['matmul_params'] / 1e6:.0f} M matmul parameters per "
              "token; M microbatches of B x T tokens per optimizer step; the optimizer's "
-             f"per-tensor work as {OPTIMIZER_LOOPS[loops]}\n",
-             "| M x B x T | step s | tokens/s | MFU (6N) | MFU with attention | "
-             "peak GiB |", "| --- | --- | --- | --- | --- | --- |"]
+             f"per-tensor work as {OPTIMIZER_LOOPS[loops]}\n", FLOP_FORMULA + "\n",
+             "| M x B x T | step s | tokens/s per GPU | TFLOP/s per GPU (6N) | MFU (6N) | "
+             "MFU with attention | peak GiB |", "| --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {x.get('micro', 1)} x {x['B']} x {x['T']} | " + (f"{x['error']} |" if "error" in x else
-              f"{x['step_s']:.3f} | {x['tokens_per_s']:,.0f} | {x['mfu']:.1%} | "
-              f"{x['mfu_attn']:.1%} | {x['peak_gib']:.1f} |") for x in r["rows"]]
+              f"{x['step_s']:.3f} | {x['tokens_per_s']:,.0f} | {x['mfu'] * PEAK_TFLOPS:.0f} | "
+              f"{x['mfu']:.1%} | {x['mfu_attn']:.1%} | {x['peak_gib']:.1f} |") for x in r["rows"]]
     if "profile" in r:
         pr = r["profile"]
         lines += ["", f"torch.profiler, one step at {pr['B']} x {pr['T']}: "

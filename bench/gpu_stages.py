@@ -28,7 +28,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from bench.gpu_report import report
+from bench.gpu_report import PEAK_TFLOPS, report
 from megatron_gspo.rollout.decoders import DecoderSampler
 from megatron_gspo.rollout.sampler import SamplingParams
 from moe.inference.engine import EngineSampler, routing_mismatch, to_batch
@@ -42,7 +42,6 @@ from moe.routing.replay import current_routing
 from megatron.core import utils as mcore_utils  # noqa: E402
 from megatron.core.optimizer import clip_grads, optimizer  # noqa: E402
 
-PEAK_TFLOPS = 989.0
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

@@ -19,8 +19,10 @@ number of forwards (docs/pitfalls.md#collectives), so `microbatches` agrees on t
 over the world and every rank with fewer splits its bins (`split_to`: the bin of most tokens that
 holds two rows or more, in two) until it has that many. Every rank holds the same number of rows
 (`megatron_gspo.config.schema.local_prompts`), so no rank ever needs more bins than rows.
-Departure from verl / NeMo-RL's dynamic batching: no balancing of tokens across data-parallel
-ranks (each rank packs its own rows); the ranks agree on the count, not on the tokens.
+Across data-parallel ranks (`balance_groups`), whole groups (a prompt's G responses, which
+share its advantage's mean and std) are swapped between ranks until their real tokens are near
+equal, each rank keeping its count of groups and so of rows: verl's and NeMo-RL's dynamic
+batching balance single rows instead; a group moves whole here so its advantages stay local.
 """
 
 from __future__ import annotations
@@ -93,3 +95,32 @@ def is_whole(rows, B: int) -> bool:
     if isinstance(rows, slice):
         return rows.indices(B) == (0, B, 1)
     return len(rows) == B and bool((rows == torch.arange(B)).all())
+
+
+def balance_groups(tokens_RG: list[list[int]]) -> list[list[tuple[int, int]]]:
+    """Which groups each data-parallel rank trains on so that the ranks' real tokens are near
+    equal, each rank keeping its count of groups: `tokens_RG[r][g]` the real tokens of group g
+    sampled on rank r. Returns, per rank, the (rank, group) pairs it holds: its own kept groups
+    first in their order, then those it receives, in (rank, group) order. Greedy swaps: while
+    some group of the most loaded rank and a smaller one of the least loaded would narrow their
+    gap, swap the pair that brings the two closest (the sum of squared loads falls at each
+    swap, so it ends); groups move only where a swap needs them."""
+    hold = [[(r, g) for g in range(len(t))] for r, t in enumerate(tokens_RG)]
+    load = [sum(t) for t in tokens_RG]
+
+    def size(rg):
+        return tokens_RG[rg[0]][rg[1]]
+
+    for _ in range(sum(len(h) for h in hold)):
+        hi, lo = load.index(max(load)), load.index(min(load))
+        gap = load[hi] - load[lo]
+        pairs = [(abs(gap - 2 * (size(a) - size(b))), i, j)
+                 for i, a in enumerate(hold[hi]) for j, b in enumerate(hold[lo])
+                 if 0 < size(a) - size(b) < gap]
+        if not pairs:
+            break
+        _, i, j = min(pairs)
+        d = size(hold[hi][i]) - size(hold[lo][j])
+        hold[hi][i], hold[lo][j] = hold[lo][j], hold[hi][i]
+        load[hi], load[lo] = load[hi] - d, load[lo] + d
+    return [sorted(h, key=lambda rg: (rg[0] != r, rg)) for r, h in enumerate(hold)]

@@ -259,6 +259,13 @@ class TrainConfig:
     row at the batch's padded width; routing caches replay in packed order. The same numbers to
     float rounding (tests/megatron_gspo/jobs/test_rl_packing.py); false: the padded step.
     Needs model.attention=sdpa (or TransformerEngine). A speed knob: may change on resume."""
+    balance_dp: bool = may_change(True)
+    """Packed runs with data parallelism: after sampling, whole groups (a prompt's G responses)
+    are swapped between data-parallel ranks until their real tokens are near equal, each rank
+    keeping its number of rows (`algo.packing.balance_groups`), so no rank's longer answers
+    keep the others waiting at the gradient all-reduce. `train/dp_tokens/max_over_mean` (and
+    `..._before`) measure it; a resume may change it (it moves rows, not what a step
+    computes). false: each rank trains on the rows it sampled."""
     logprob_max_tokens: int = may_change(4096)
     """Token budget per forward of the no-grad passes over a whole rollout batch: pi_old, R3's
     replayed pi_old, the reference policy; 0 = all at once. Packed (train.pack): real tokens,

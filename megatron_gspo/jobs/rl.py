@@ -56,8 +56,8 @@ from megatron_gspo.jobs.band import StartBand
 from megatron_gspo.jobs import rl_instruments  # noqa: F401 (the built-in instruments registered)
 from megatron_gspo.jobs.instruments import Instruments, Step, check_instruments
 from megatron_gspo.jobs.rl_metrics import replay_diff, response_metrics, rollout_metrics
-from megatron_gspo.jobs.rl_rollouts import check_layout, rollouts_of
-from megatron_gspo.jobs.rl_step import accumulate, noise_inputs
+from megatron_gspo.jobs.rl_rollouts import balance_over_dp, check_layout, rollouts_of
+from megatron_gspo.jobs.rl_step import accumulate, forward_logprobs, noise_inputs
 from megatron_gspo.rollout.backends import backend_of
 from megatron_gspo.rollout.batch import RolloutBatch
 from megatron_gspo.rollout.filters import overlong_filter, rollout_health
@@ -69,8 +69,7 @@ from megatron_gspo.run.metrics import Timer
 from megatron_gspo.run.oom import OLD_PASS, ROLLOUT, TRAIN_STEP, out_of_memory
 from megatron_gspo.run.setup import (JobSpec, Runtime, build_policy, evaluate_runtime,
                                      evaluate_test, packs, setup_runtime)
-from moe.routing.replay import (RoutingReplayCache, current_routing, replay_routing,
-                                restore_order)
+from moe.routing.replay import RoutingReplayCache, current_routing
 from moe.model.settings import OptimSettings
 
 PROGRESS_KEYS = ("reward/mean", "eval/accuracy", "policy/clip_frac/token",
@@ -238,12 +237,15 @@ class Trainer:
         self.timer.reset()
         with self.timer("rollout_wait"), out_of_memory("the rollout", cfg, ROLLOUT):
             batch = self.rollout(it)
+        balance = {}
+        if cfg.train.balance_dp and self.policy.pack:  # groups between DP ranks, by tokens
+            batch, balance = balance_over_dp(batch, cfg.rollout.group_size, self.rt.info.dp_rank)
         self.step_tokens = int(batch.valid_BT.sum())  # the progress line's tokens/s
         with self.timer("old_forward"), out_of_memory("the no-grad pass over the rollout batch",
                                                       cfg, OLD_PASS):
             full, shared = self.prepare(batch)
         measured = self.instruments.on_rollout(full, it)  # at pi_old's weights
-        shared.update(staleness_metrics(batch, it), **{"train/iteration": it})
+        shared.update(staleness_metrics(batch, it), **balance, **{"train/iteration": it})
         order = torch.randperm(len(batch), generator=seeds.minibatch_order(cfg.seed, it))
         metrics = {}
         mbs = [full.select(rows) for rows in order.chunk(cfg.train.num_minibatches)]
@@ -295,13 +297,8 @@ class Trainer:
                        routing=None) -> torch.Tensor:
         """`policy`'s log-probs of a rollout batch, a forward per row selector of `chunks`;
         with `routing`, replaying it (R3's pi_old pass under the sampler's routing)."""
-        cfg, start, out = self.cfg, batch.response_start, []
-        for rows in chunks:
-            with replay_routing(policy, None if routing is None else routing.select(rows)):
-                out.append(policy.token_logprobs(batch.tokens_BT[rows], batch.valid_BT[rows],
-                                                 cfg.rollout.temperature, start=start))
-        logp_BT, back = torch.cat(out), restore_order(chunks, len(batch))
-        return logp_BT if back is None else logp_BT[back.to(logp_BT.device)]
+        return forward_logprobs(policy, batch.tokens_BT, batch.valid_BT, chunks,
+                                self.cfg.rollout.temperature, batch.response_start, routing)
 
     def records_sampler_routing(self) -> bool:
         """Record the sampler's routing: for R3, and to measure the sampler-trainer routing

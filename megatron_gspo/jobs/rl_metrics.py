@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import torch
 
+from megatron_gspo.algo.packing import microbatches
 from megatron_gspo.algo.sensitivity import route_sensitivity, sensitivity_metrics
-from megatron_gspo.dist import max_over_ranks, sum_over_ranks
+from megatron_gspo.dist import sum_over_ranks
+from megatron_gspo.jobs.rl_step import forward_logprobs
 from megatron_gspo.rollout.batch import RolloutBatch
 from megatron_gspo.run import seeds
 from megatron_gspo.run.metrics import Timer
-from moe.routing.replay import chunk_count, replay_routing, row_chunks
 
 GRPO_CLIP = 0.2
 """The |token log-ratio| `policy/routing_log_ratio/past_clip` counts beyond: GRPO's clip
@@ -59,19 +60,15 @@ def routing_log_ratio(policy, mb, logp_BT: torch.Tensor, cfg) -> dict:
     loss just used (before the optimizer step): |log pi_theta(y) as the loss computed it
     (`logp_BT`: its routing, live, noisy under `train.router_noise_std`, replayed under R2 / R3)
     - log pi_theta(y) with pi_old's routing replayed| over the response tokens, one no-grad
-    forward (chunks of `train.logprob_max_tokens`). `policy/routing_log_ratio/abs_mean` is its
+    forward (packed or padded forwards of `train.logprob_max_tokens`). `policy/routing_log_ratio/abs_mean` is its
     token mean, `.../past_clip` the share of tokens beyond `GRPO_CLIP`. The token log-ratio
     log pi_theta - log pi_old splits into this term and the one the weights make under one
     routing: this is what Routing Replay (R2) removes (GSPO paper, sec. 5.3), and under R2 / R3
     it is 0, the loss having replayed pi_old's routing (under R3 pi_old's is the sampler's)."""
-    start, temperature = mb.rollout.response_start, cfg.rollout.temperature
-    n = max_over_ranks(chunk_count(*mb.tokens_BT.shape, cfg.train.logprob_max_tokens))
-    parts = []
-    for rows in row_chunks(len(mb), n):
-        with replay_routing(policy, mb.old_routing.select(rows)):
-            parts.append(policy.token_logprobs(mb.tokens_BT[rows], mb.valid_BT[rows],
-                                               temperature, start=start))
-    replayed_BT = torch.cat(parts)
+    chunks = microbatches(mb.valid_BT, cfg.train.logprob_max_tokens, policy.pack)
+    replayed_BT = forward_logprobs(policy, mb.tokens_BT, mb.valid_BT, chunks,
+                                   cfg.rollout.temperature, mb.rollout.response_start,
+                                   mb.old_routing)
     resp_BT = mb.response_BT.to(replayed_BT.device).bool()
     diff_N = (logp_BT.detach().to(replayed_BT.device) - replayed_BT)[resp_BT].abs().double()
     return {"policy/routing_log_ratio/abs_mean": float(diff_N.mean()),

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from megatron_gspo.algo.packing import balance_groups
 from megatron_gspo.config.schema import RunConfig
 from megatron_gspo.errors import ConfigError
 from megatron_gspo.rollout.batch import RolloutBatch
@@ -27,7 +28,7 @@ from megatron_gspo.rollout.overlap import StaleRollouts
 from megatron_gspo.rollout.sampler import SamplingParams
 from megatron_gspo.run import seeds
 from megatron_gspo.run.setup import build_policy
-from moe.platform.parallel import ParallelInfo
+from moe.platform.parallel import ParallelInfo, all_gather_over_dp, exchange_over_dp
 
 
 def sample_batch(trainer, it: int, sampler, score: bool = True) -> tuple[RolloutBatch, dict]:
@@ -93,3 +94,33 @@ def check_layout(cfg: RunConfig, info: ParallelInfo) -> None:
         raise ConfigError(f"rollout.max_staleness={cfg.rollout.max_staleness} samples beside "
                           "the trainer in a thread of its process: it needs one trainer "
                           f"process (this run has {info.world_size})")
+
+
+def balance_over_dp(batch: RolloutBatch, group_size: int, dp_rank: int
+                    ) -> tuple[RolloutBatch, dict]:
+    """`train.balance_dp`: this rank's rollout batch after whole groups were swapped between
+    the data-parallel ranks to even out their real tokens (`algo.packing.balance_groups`; its
+    own groups first, then those received, by rank), and the metrics of the balance (the same
+    on every rank). Collective over the data-parallel group; the batch itself without one."""
+    G = group_size
+    tokens_RG = all_gather_over_dp(batch.valid_BT.sum(1).view(-1, G).sum(1).tolist())
+    if len(tokens_RG) == 1:
+        return batch, {}
+    plan = balance_groups(tokens_RG)
+
+    def rows(groups: list[int]) -> torch.Tensor:
+        return torch.tensor([g * G + i for g in groups for i in range(G)], dtype=torch.long)
+
+    outgoing = {dst: batch.select(rows([g for r, g in held if r == dp_rank]))
+                for dst, held in enumerate(plan)
+                if dst != dp_rank and any(r == dp_rank for r, _ in held)}
+    incoming = exchange_over_dp(outgoing)
+    kept = batch.select(rows([g for r, g in plan[dp_rank] if r == dp_rank]))
+    parts = [p for p in [kept, *(incoming[r] for r in sorted(incoming))] if len(p)]
+    before = [sum(t) for t in tokens_RG]
+    after = [sum(tokens_RG[r][g] for r, g in held) for held in plan]
+    return RolloutBatch.cat(parts), {
+        "train/dp_tokens/max_over_mean": max(after) * len(after) / max(sum(after), 1),
+        "train/dp_tokens/max_over_mean_before": max(before) * len(before) / max(sum(before), 1),
+        "train/dp_groups_moved": float(sum(r != d for d, held in enumerate(plan)
+                                           for r, _ in held))}

@@ -33,7 +33,7 @@ import torch
 from megatron_gspo.algo.packing import microbatches
 from megatron_gspo.dist import all_ranks
 from megatron_gspo.run import seeds
-from moe.routing.replay import replay_routing
+from moe.routing.replay import replay_routing, restore_order
 from moe.routing.noise import router_noise
 
 
@@ -117,3 +117,17 @@ def noise_inputs(cfg, mb, opt_step: int, device) -> tuple:
     if not std or mb.replay is not None:
         return 0.0, None
     return std, seeds.router_noise(cfg.seed, opt_step, device)
+
+
+def forward_logprobs(policy, tokens_BT: torch.Tensor, valid_BT: torch.Tensor, chunks: list,
+                     temperature: float, start: int, routing=None) -> torch.Tensor:
+    """`policy`'s log-probs of a batch ([B, T]), one forward per row selector of `chunks`
+    (`algo.packing.microbatches`: packed bins or padded slices), replaying `routing` (a
+    `RoutingReplayCache` of the whole batch) where given, back in batch order."""
+    out = []
+    for rows in chunks:
+        with replay_routing(policy, None if routing is None else routing.select(rows)):
+            out.append(policy.token_logprobs(tokens_BT[rows], valid_BT[rows], temperature,
+                                             start=start))
+    logp_BT, back = torch.cat(out), restore_order(chunks, len(tokens_BT))
+    return logp_BT if back is None else logp_BT[back.to(logp_BT.device)]

@@ -120,6 +120,49 @@ def broadcast_over_tp(obj):
     return box[0]
 
 
+def _dp_group():
+    """This rank's data-parallel group (megatron's: the ranks of one tensor-parallel rank that
+    hold different data, expert-parallel ranks included) and its size; (None, 1) without one."""
+    if not ps.model_parallel_is_initialized() or ps.get_data_parallel_world_size() == 1:
+        return None, 1
+    return ps.get_data_parallel_group(), ps.get_data_parallel_world_size()
+
+
+def all_gather_over_dp(obj) -> list:
+    """`obj` (picklable) of every rank of this rank's data-parallel group, in DP rank order;
+    `[obj]` without data parallelism. Every rank of the group calls it."""
+    group, size = _dp_group()
+    if group is None:
+        return [obj]
+    out = [None] * size
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def exchange_over_dp(outgoing: dict[int, object]) -> dict[int, object]:
+    """Objects sent point to point between the ranks of this rank's data-parallel group:
+    `outgoing[d]` goes to DP rank d; returns {s: what DP rank s sent here}. Every rank of the
+    group calls it. Who sends to whom is all-gathered first, then the pairs run one after
+    another in the same order on every rank, so blocking sends cannot wait on each other in a
+    cycle; only the ranks of a pair move its bytes (no rank receives the whole batch)."""
+    group, _ = _dp_group()
+    if group is None:
+        return {}
+    me, ranks = ps.get_data_parallel_rank(), dist.get_process_group_ranks(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda_available() else None
+    incoming = {}
+    for src, targets in enumerate(all_gather_over_dp(sorted(outgoing))):
+        for dst in targets:
+            if me == src:
+                dist.send_object_list([outgoing[dst]], dst=ranks[dst], group=group,
+                                      device=device)
+            elif me == dst:
+                box = [None]
+                dist.recv_object_list(box, src=ranks[src], group=group, device=device)
+                incoming[src] = box[0]
+    return incoming
+
+
 def destroy_parallel() -> None:
     """Tear down megatron's groups and the process group (for tests and clean exits)."""
     if ps.model_parallel_is_initialized():

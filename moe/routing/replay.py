@@ -113,6 +113,17 @@ class RoutingReplayCache:
         return cls(torch.cat([c.ids_NLK for c in caches]),
                    torch.cat([c.valid_BT for c in caches]), caches[0].num_experts)
 
+    def shifted(self, left: int, width: int) -> "RoutingReplayCache":
+        """The same routes with `left` more padding columns before each row, the rows padded on
+        the right to `width` columns (a batch re-aligned to another's prompt column): the ids,
+        real tokens in (sequence, position) order, do not change."""
+        if left < 0 or width < left + self.valid_BT.shape[1]:
+            raise ValueError(f"cannot shift {self.valid_BT.shape[1]} columns by {left} into "
+                             f"{width}")
+        valid_BT = torch.zeros(self.valid_BT.shape[0], width, dtype=torch.bool)
+        valid_BT[:, left:left + self.valid_BT.shape[1]] = self.valid_BT
+        return RoutingReplayCache(self.ids_NLK, valid_BT, self.num_experts)
+
     def select(self, rows: torch.Tensor | slice) -> "RoutingReplayCache":
         """The cache restricted to some sequences (a minibatch), in the given row order."""
         rows = torch.arange(self.valid_BT.shape[0])[rows]

@@ -4,7 +4,7 @@ split to the count every rank agrees on."""
 import pytest
 import torch
 
-from megatron_gspo.algo.packing import (is_whole, microbatches, pack_rows, row_slices,
+from megatron_gspo.algo.packing import (balance_groups, is_whole, microbatches, pack_rows, row_slices,
                                         split_to)
 
 
@@ -65,3 +65,29 @@ def test_microbatches_one_process(single_process):
     assert len(whole) == 1 and is_whole(whole[0], 4)
     assert is_whole(slice(None), 4) and not is_whole(slice(0, 2), 4)
     assert not is_whole(torch.tensor([1, 0, 2, 3]), 4)
+
+
+def test_balance_groups_evens_the_ranks_tokens_keeping_their_group_counts():
+    """Every group once, each rank its count of groups, its own kept groups first; the ranks'
+    tokens within one group's size of the best equal-count split (brute force)."""
+    from itertools import combinations
+
+    tokens = [[50, 40, 45, 60, 30], [5, 8, 3, 6, 4], [20, 22, 18, 25, 21]]
+    plan = balance_groups(tokens)
+    flat = [(r, g) for r in range(3) for g in range(5)]
+    assert [len(h) for h in plan] == [5, 5, 5] and sorted(x for h in plan for x in h) == flat
+    for r, held in enumerate(plan):
+        own = [x for x in held if x[0] == r]
+        assert held[:len(own)] == own == sorted(own) and held[len(own):] == sorted(held[len(own):])
+    loads = [sum(tokens[r][g] for r, g in h) for h in plan]
+    size = {x: tokens[x[0]][x[1]] for x in flat}
+    best = min(max(sum(size[x] for x in a), sum(size[x] for x in b),
+                   sum(size[x] for x in flat if x not in a + b))
+               for a in combinations(flat, 5)
+               for b in combinations([x for x in flat if x not in a], 5))
+    assert max(loads) <= best + max(size.values()) and max(loads) < 0.6 * sum(tokens[0])
+
+
+def test_balanced_ranks_move_no_group():
+    assert balance_groups([[5, 7], [7, 5]]) == [[(0, 0), (0, 1)], [(1, 0), (1, 1)]]
+    assert balance_groups([[3]]) == [[(0, 0)]]

@@ -2,6 +2,7 @@
 (the `collapse_alerts` instrument, megatron_gspo.jobs.rl_instruments) on a stub."""
 
 import pytest
+import torch
 
 from megatron_gspo.jobs.rl_instruments import CollapseAlerts
 from tests.megatron_gspo.jobs.trainers import stub
@@ -122,3 +123,42 @@ def test_routing_log_ratio_is_what_replay_removes(tmp_path, mode):
         assert got[0] > 5e-4 and 0 <= got[1] <= 1  # (an untrained model: small)
     else:
         assert got == [0.0, 0.0]
+
+
+def test_routing_log_ratio_forwards_the_packing_bins_in_batch_order(single_process):
+    """The routing log-ratio's no-grad forward of a packed policy runs the token budget's bins
+    of real tokens (`algo.packing.microbatches`), as the pi_old pass does, not row slices
+    counted at the padded width, and scores each row against its own log-probs."""
+    from types import SimpleNamespace
+
+    from megatron_gspo.algo.packing import microbatches
+    from megatron_gspo.jobs.rl_metrics import routing_log_ratio
+    from moe.model.policy import MoEPolicy
+    from moe.model.presets import get_preset
+    from moe.model.settings import ParallelLayout
+    from moe.routing.replay import current_routing
+
+    preset = get_preset("tiny")
+    policy = MoEPolicy.build(preset, ParallelLayout(), real_vocab=preset.vocab_size, optim=None,
+                             pack=True)
+    B, T, start, budget = 8, 24, 4, 48
+    g = torch.Generator().manual_seed(0)
+    tokens_BT = torch.randint(0, preset.vocab_size, (B, T), generator=g)
+    lengths = [24, 6, 7, 5, 8, 6, 9, 5]  # one long row, the rest short: a long tail
+    valid_BT = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]
+    response_BT = valid_BT.clone()
+    response_BT[:, :start] = False
+    logp_BT, routing = current_routing(policy, tokens_BT, valid_BT, start=start)
+    mb = type("Minibatch", (SimpleNamespace,), {"__len__": lambda self: B})(
+        tokens_BT=tokens_BT, valid_BT=valid_BT, response_BT=response_BT, old_routing=routing,
+        rollout=SimpleNamespace(response_start=start))
+    cfg = SimpleNamespace(train=SimpleNamespace(logprob_max_tokens=budget),
+                          rollout=SimpleNamespace(temperature=1.0))
+    forwards, inner = [], policy.token_logprobs
+    policy.token_logprobs = lambda t, v, *a, **k: forwards.append(int(v.sum())) or inner(t, v, *a,
+                                                                                         **k)
+    got = routing_log_ratio(policy, mb, torch.zeros(B, T), cfg)
+    bins = microbatches(valid_BT, budget, True)
+    assert len(forwards) == len(bins) < B * T // budget and max(forwards) <= max(budget, 24)
+    want = logp_BT[response_BT].abs().double().mean()  # |0 - log pi| row by row
+    assert got["policy/routing_log_ratio/abs_mean"] == pytest.approx(float(want), rel=1e-6)
