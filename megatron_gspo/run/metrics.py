@@ -14,8 +14,9 @@ append mode, so a resumed run keeps earlier lines. Only rank 0 logs: construct w
 enabled=False elsewhere and every method is a no-op.
 
 `MetricsLogger(..., file=EXPERT_LOAD_FILE, lists=True)` writes another file of such rows, whose
-values may also be lists of numbers. `read_jsonl` reads the rows back, `read_metrics` as one {step: value} series per key; `Timer`
-collects wall-clock section durations as `time/<section>` metrics.
+values may also be lists of numbers. `read_jsonl` reads the rows back, `read_metrics` as one
+{step: value} series per key; `Timer` collects wall-clock section durations as `time/<section>`
+metrics.
 """
 
 from __future__ import annotations
