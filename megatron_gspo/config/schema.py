@@ -34,8 +34,9 @@ from megatron_gspo.config.yamlfile import atomic_write, load_layered
 from megatron_gspo.errors import ConfigError
 
 __all__ = ["COMMAND_LINE", "DEFAULT_INSTRUMENTS", "RunConfig", "config_from_dict",
-           "config_to_dict", "describe_config", "field_docs", "load_config", "load_config_origins", "local_prompts", "renamed_keys",
-           "resume_may_change", "save_config"]
+           "config_to_dict", "describe_config", "field_docs", "load_config",
+           "load_config_origins", "local_prompts", "renamed_keys", "resume_may_change",
+           "save_config"]
 
 
 DEFAULT_INSTRUMENTS = ("flips", "routing_log_ratio", "route_sensitivity", "expert_load",
