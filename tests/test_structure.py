@@ -38,7 +38,8 @@ MAX_FUNCTION_IMPORTS = 60
 MAX_LINES = 400
 MAX_TOP_LEVEL_MODULES = 6
 TOOLS = {"__init__", "demo", "hf_parity", "make_fixtures", "plot_run", "replay_memory",
-         "result_table", "train_memory"}
+         "result_table", "train_memory", "plot_load"}
+"""The user CLIs, and the helpers of one (result_table, plot_load: plot_run's)."""
 SKIP_DIRS = {"__pycache__", "build", "dist", "node_modules"}
 PRELOADED = ("torch", "numpy", "yaml", "megatron")
 """Third-party packages `check_imports_alone` imports before forking (required ones only)."""

@@ -26,6 +26,8 @@ Figures (each skipped, with a note, when no run has the keys it needs):
     flip_rate_layers.png  heatmap of moe/flip_rate/layer_XX (layer x step), one panel per run/arm
     flip_rate_mean.png    moe/flip_rate/mean vs step
     flip_vs_depth.png     mean over steps of moe/flip_rate/layer_XX vs layer index
+    expert_load.png       per run with an expert_load.jsonl: the load of each expert and layer
+                          over steps beside its per-layer flip heatmap (`tools.plot_load`)
 moe/flip_rate counts the loss positions (`megatron_gspo.algo.flips`); runs logged before that change
 counted every token, which is now moe/flip_rate_all.
 
@@ -50,6 +52,7 @@ import sys
 import numpy as np
 
 from tools import result_table
+from tools.plot_load import plot_expert_load
 from megatron_gspo.run.metrics import METRICS_FILE, read_metrics
 
 LAYER_RE = re.compile(r"^moe/flip_rate/layer_(\d+)$")
@@ -260,21 +263,26 @@ def plot_lines(runs, key, path, ylabel, smooth_n=1, logy=False) -> bool:
     return True
 
 
+def flip_grid(run, keys):
+    """(steps, layer x step flip rates) of `run` for `layer_keys`' `keys`; None if it has
+    none."""
+    rows = [(i, series(run, k)) for i, k in keys]
+    rows = [(i, s) for i, s in rows if s is not None]
+    if not rows:
+        return None
+    steps = sorted({int(t) for _, s in rows for t in s[0]})
+    col = {t: j for j, t in enumerate(steps)}
+    grid_LS = np.full((len(keys), len(steps)), np.nan)
+    pos = {i: n for n, (i, _) in enumerate(keys)}
+    for i, (x, m, _, _) in rows:
+        grid_LS[pos[i], [col[int(t)] for t in x]] = m
+    return np.array(steps), grid_LS
+
+
 def plot_flip_heatmap(runs, path) -> bool:
     """Layers (y) x steps (x) heatmap of the per-layer flip rate, one panel per run/arm."""
     keys = layer_keys(runs)
-    panels = []
-    for r in runs:
-        rows = [(i, series(r, k)) for i, k in keys]
-        rows = [(i, s) for i, s in rows if s is not None]
-        if rows:
-            steps = sorted({int(t) for _, s in rows for t in s[0]})
-            col = {t: j for j, t in enumerate(steps)}
-            grid_LS = np.full((len(keys), len(steps)), np.nan)
-            pos = {i: n for n, (i, _) in enumerate(keys)}
-            for i, (x, m, _, _) in rows:
-                grid_LS[pos[i], [col[int(t)] for t in x]] = m
-            panels.append((r["label"], np.array(steps), grid_LS))
+    panels = [(r["label"], *grid) for r in runs if (grid := flip_grid(r, keys)) is not None]
     if not panels:
         print(f"note: skipping {os.path.basename(path)}: no run has moe/flip_rate/layer_XX")
         return False
@@ -338,6 +346,8 @@ def make_figures(runs, out_dir, smooth_n=1) -> list[str]:
         (p("flip_rate_mean.png"), lambda f: plot_lines(
             runs, "moe/flip_rate/mean", f, "flip rate", smooth_n)),
         (p("flip_vs_depth.png"), lambda f: plot_flip_vs_depth(runs, f)),
+        (p("expert_load.png"), lambda f: plot_expert_load(runs, f, pyplot, flip_grid,
+                                                          layer_keys(runs))),
     ]
     return [f for f, job in jobs if job(f)]
 

@@ -33,9 +33,15 @@ from megatron_gspo.config.sections import (LossConfig, ModelConfig, OptimConfig,
 from megatron_gspo.config.yamlfile import atomic_write, load_layered
 from megatron_gspo.errors import ConfigError
 
-__all__ = ["COMMAND_LINE", "RunConfig", "config_from_dict", "config_to_dict", "describe_config",
-           "field_docs", "load_config", "load_config_origins", "local_prompts", "renamed_keys",
-           "resume_may_change", "save_config"]
+__all__ = ["COMMAND_LINE", "DEFAULT_INSTRUMENTS", "RunConfig", "config_from_dict",
+           "config_to_dict", "describe_config", "field_docs", "load_config",
+           "load_config_origins", "local_prompts", "renamed_keys", "resume_may_change",
+           "save_config"]
+
+
+DEFAULT_INSTRUMENTS = ("flips", "routing_log_ratio", "route_sensitivity", "expert_load",
+                       "throughput", "collapse_alerts")
+"""The built-in instruments (`megatron_gspo.jobs.rl_instruments`), all on by default."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,13 @@ class RunConfig:
     task or sampler they register is valid (docs/extending.md): a module name importable here
     or a path to a .py file or package folder (relative to the working directory). The CLI's
     `--plugin` adds one. A resume may change it."""
+    instruments: list = may_change(factory=lambda: list(DEFAULT_INSTRUMENTS))
+    """What RL measures besides what it trains, registry names called in this order
+    (`megatron_gspo.jobs.instruments`): flips (with drift vs pi_old and router margins),
+    routing_log_ratio, route_sensitivity, expert_load, throughput, collapse_alerts (the
+    default: all of them), and any a plugin registers (docs/extending.md). Leaving one out
+    drops its metrics and its cost; what is trained does not change, so a resume may change
+    it. Their settings are train: keys (train.flip_every, ...)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Policy architecture and parallel layout."""
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -85,6 +98,8 @@ class RunConfig:
         validate(self, nonempty=("run_dir", "init_checkpoint"), ge={"seed": 0})
         check(self, "plugins", all(isinstance(p, str) and p.strip() for p in self.plugins),
               "must be a list of module names or paths")
+        check(self, "instruments", all(isinstance(n, str) and n for n in self.instruments),
+              "must be a list of instrument names")
         # derived seeds (seed * 1_000_033 + step, ...) must fit torch's 64-bit generator seed
         check(self, "seed", self.seed < 2**32, "must be < 2**32")
         check_data_sections(self)

@@ -9,8 +9,12 @@ in one no-grad forward, compute group advantages, then split the rollout batch i
 that has moved m-1 times since pi_old, which is what makes the importance ratio (and clipping)
 matter; with one minibatch GSPO reduces to on-policy policy gradient (docs/pitfalls.md#minibatches).
 
-Per optimizer step it also measures expert flips (`megatron_gspo.algo.flips.FlipSchedule`): the
-top-k sets of the same tokens just before and just after the step, and after the step vs pi_old.
+What it measures besides what it trains is its instruments' (`megatron_gspo.jobs.instruments`,
+the config's `instruments:`), called at fixed points: after pi_old's pass, around each optimizer
+step's forwards, before and after its update, at the end of the rollout batch and after an eval.
+The built-in ones (`jobs.rl_instruments`) measure expert flips (`megatron_gspo.algo.flips`: the
+top-k sets of the same tokens just before and just after a step, and after it vs pi_old), the
+routing log-ratio, route sensitivity, the per-expert load, throughput and collapse alerts.
 
 Parts: `Trainer(rt, cfg, ref_policy=..., loss_fn=...)` is the RL job over parts built elsewhere
 (`Trainer.from_config` is the CLI's factory); the run loop (`megatron_gspo.run.loop`) drives it
@@ -41,8 +45,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from megatron_gspo.algo.advantages import group_advantages
-from megatron_gspo.algo.flips import (FlipSchedule, loss_positions, sampler_mismatch,
-                                      token_rows)
+from megatron_gspo.algo.flips import loss_positions, sampler_mismatch, token_rows
 from megatron_gspo.algo.corrections import correction_inputs
 from megatron_gspo.algo.packing import microbatches
 from megatron_gspo.algo.losses import PolicyLossFn, get_policy_loss
@@ -50,8 +53,9 @@ from megatron_gspo.config.schema import RunConfig, local_prompts
 from megatron_gspo.dist import reduce_metrics
 from megatron_gspo.errors import ConfigError
 from megatron_gspo.jobs.band import StartBand
-from megatron_gspo.jobs.rl_metrics import (replay_diff, response_metrics, rollout_metrics,
-                                            route_sensitivity_row, routing_log_ratio, throughput)
+from megatron_gspo.jobs import rl_instruments  # noqa: F401 (the built-in instruments registered)
+from megatron_gspo.jobs.instruments import Instruments, Step, check_instruments
+from megatron_gspo.jobs.rl_metrics import replay_diff, response_metrics, rollout_metrics
 from megatron_gspo.jobs.rl_rollouts import balance_over_dp, check_layout, rollouts_of
 from megatron_gspo.jobs.rl_step import accumulate, forward_logprobs, noise_inputs
 from megatron_gspo.rollout.backends import backend_of
@@ -94,9 +98,15 @@ def kl_reference(cfg: RunConfig) -> bool:
     return cfg.loss.kl_coef > 0
 
 
+def check_run(cfg: RunConfig, info) -> None:
+    """RL's own checks before the run dir is claimed: the layout, the instruments' names."""
+    check_layout(cfg, info)
+    check_instruments(cfg.instruments)
+
+
 SPEC = JobSpec("train", optim=optim_settings, unused_sections=UNUSED_SECTIONS,
                kl_reference=kl_reference, band_key="train.start_accuracy",
-               pack_key="train.pack", check_layout=check_layout)
+               pack_key="train.pack", check_layout=check_run)
 """What RL needs of the run set-up: its optimizer, its KL reference, its band's key."""
 
 
@@ -177,10 +187,8 @@ class Trainer:
         self.timer = Timer()
         self.step_tokens = 0  # valid tokens of the latest rollout batch on this rank
         self.filter_metrics: dict = {}  # dynamic sampling's, of the last rollout
-        # pi_old's routing is the live one at its weights, except under R3 (the sampler's)
-        self.flips = FlipSchedule(cfg.train.flip_every, cfg.train.routing_replay != "r3",
-                                  margin_small=cfg.train.router_margin_small)
         self.loop = RunLoop(rt, self)  # resumes: self.state is the checkpoint's from here on
+        self.instruments = Instruments(cfg.instruments, self)  # jobs.rl_instruments
         self.rollouts = rollouts_of(self)  # sampled now, or beside training (max_staleness)
 
     @classmethod
@@ -206,13 +214,15 @@ class Trainer:
             return self.loop.run()
         finally:
             self.rollouts.close()  # batches sampled ahead are dropped, in one line
+            self.instruments.close()
 
     def restore(self, extra: dict) -> None:
         self.state = TrainerState.from_checkpoint(extra)
 
     def evaluate(self) -> dict:
         self.rollouts.idle()  # its sampler may be the engine that samples beside training
-        return evaluate_runtime(self.rt)
+        metrics = evaluate_runtime(self.rt)
+        return {**metrics, **self.instruments.on_eval(metrics)}
 
     def test(self) -> dict:
         self.rollouts.idle()
@@ -221,8 +231,8 @@ class Trainer:
     # ------------------------------------------------------------------ one rollout batch
     def iteration(self) -> dict:
         """One rollout batch: sample, pi_old pass, `train.num_minibatches` optimizer steps. Logs
-        each minibatch's row but the last, whose metrics (with timings, throughput, collapse
-        alerts) it returns for the run loop to log."""
+        each minibatch's row but the last, whose metrics (with timings and the instruments'
+        of the whole batch) it returns for the run loop to log."""
         cfg, it = self.cfg, self.state.iteration
         self.timer.reset()
         with self.timer("rollout_wait"), out_of_memory("the rollout", cfg, ROLLOUT):
@@ -234,9 +244,7 @@ class Trainer:
         with self.timer("old_forward"), out_of_memory("the no-grad pass over the rollout batch",
                                                       cfg, OLD_PASS):
             full, shared = self.prepare(batch)
-        # at pi_old's weights, before any step of this batch
-        sensitivity = route_sensitivity_row(cfg, self.policy, batch, it, self.rt.info.dp_rank,
-                                            self.timer)
+        measured = self.instruments.on_rollout(full, it)  # at pi_old's weights
         shared.update(staleness_metrics(batch, it), **balance, **{"train/iteration": it})
         order = torch.randperm(len(batch), generator=seeds.minibatch_order(cfg.seed, it))
         metrics = {}
@@ -249,9 +257,8 @@ class Trainer:
             if m < cfg.train.num_minibatches - 1:
                 self.rt.logger.log(self.state.opt_step, metrics)
         self.state.iteration = it + 1
-        metrics.update(sensitivity, **self.timer.as_metrics())
-        metrics.update(throughput(batch, self.timer))
-        metrics.update(self.collapse_alerts(metrics))
+        metrics.update(measured, **self.timer.as_metrics())
+        metrics.update(self.instruments.on_iteration(full, metrics))
         return metrics
 
     def prepare(self, batch: RolloutBatch) -> tuple[Minibatch, dict]:
@@ -322,24 +329,25 @@ class Trainer:
         `train.micro_max_tokens`, `rl_step.accumulate`); `mb.replay` (R2/R3 rows) forces its
         routing. `first`: no step since pi_old's pass; `next_mb`: the iteration's next
         minibatch (both let the flip measurement reuse routing it already has,
-        `flips.FlipSchedule`)."""
+        `flips.FlipSchedule`). The instruments' hooks: around the forwards, before and after
+        the update (`jobs.instruments`)."""
         cfg, policy = self.cfg, self.policy
-        flips = self.flips.start(policy, mb, self.state.opt_step, next_mb, first)
+        step = Step(self.state.opt_step, mb, next_mb, first)
         tis, tis_metrics = self.tis(mb)
         policy.zero_grad()
         noise = noise_inputs(cfg, mb, self.state.opt_step, policy.device)
-        with flips.watch():
-            done = accumulate(policy, mb, cfg, self.loss_fn, tis, flips.forward, noise)
+        with self.instruments.forwards(step) as record:
+            step.done = done = accumulate(policy, mb, cfg, self.loss_fn, tis, record, noise)
         metrics = dict(done.metrics)
         metrics.update(tis_metrics, **response_metrics(mb, done.logp_BT, done.entropy_BT))
         if mb.replay is not None:
             metrics["replay/route_diff"] = replay_diff(done.replayed)
-        if flips.active and not first and done.finite:  # minibatches >= 2, weights not stepped
-            metrics.update(routing_log_ratio(policy, mb, done.logp_BT, cfg))
+        metrics.update(self.instruments.before_update(step))  # the weights the loss used
         stepped, grad_norm = policy.step() if done.finite else (False, float("nan"))
         metrics.update(self.guard(stepped), **{"train/grad_norm": grad_norm,
                                                "train/lr": policy.lr})
-        metrics.update(self.flips.finish(flips, stepped))
+        step.stepped = stepped
+        metrics.update(self.instruments.on_step(step))
         self.state.opt_step += 1
         return metrics
 
@@ -361,21 +369,6 @@ class Trainer:
                 f"loss or grad norm (train.max_skipped_steps={self.cfg.train.max_skipped_steps}); "
                 f"checkpoints in {self.cfg.run_dir} are untouched")
         return {"train/skipped": float(not stepped)}
-
-    def collapse_alerts(self, metrics: dict) -> dict:
-        """Flag a reward crash (EMA below best by `collapse_reward_drop`) or entropy collapse."""
-        r = metrics["reward/mean"]
-        state = self.state
-        ema = r if state.reward_ema is None else 0.7 * state.reward_ema + 0.3 * r
-        best = max(ema, state.best_reward_ema or ema)
-        state.reward_ema, state.best_reward_ema = ema, best
-        reward_crash = best > 0.05 and ema < best * (1 - self.cfg.train.collapse_reward_drop)
-        entropy_crash = metrics.get("policy/entropy", 1.0) < self.cfg.train.collapse_entropy_floor
-        if (reward_crash or entropy_crash) and self.rt.info.is_main:
-            print(f"ALERT collapse: reward_ema={ema:.3f} (best {best:.3f}) "
-                  f"entropy={metrics.get('policy/entropy', float('nan')):.3f}", flush=True)
-        return {"alert/reward_collapse": float(reward_crash),
-                "alert/entropy_collapse": float(entropy_crash)}
 
 
 def schedule(cfg: RunConfig) -> Schedule:

@@ -13,8 +13,10 @@ Tensors and numpy scalars become Python numbers; non-finite floats are written a
 append mode, so a resumed run keeps earlier lines. Only rank 0 logs: construct with
 enabled=False elsewhere and every method is a no-op.
 
-`read_jsonl` reads the rows back, `read_metrics` as one {step: value} series per key; `Timer`
-collects wall-clock section durations as `time/<section>` metrics.
+`MetricsLogger(..., file=EXPERT_LOAD_FILE, lists=True)` writes another file of such rows, whose
+values may also be lists of numbers. `read_jsonl` reads the rows back, `read_metrics` as one
+{step: value} series per key; `Timer` collects wall-clock section durations as `time/<section>`
+metrics.
 """
 
 from __future__ import annotations
@@ -35,13 +37,20 @@ from megatron_gspo.run.checkpoint import atomic_write
 from moe.platform.checks import MissingDependency
 
 METRICS_FILE = "metrics.jsonl"
+EXPERT_LOAD_FILE = "expert_load.jsonl"
+"""Beside metrics.jsonl, in its format: the `expert_load` instrument's row per rollout batch,
+{"step", "time", "tokens", "load": activations per expert, a list per MoE layer}
+(`megatron_gspo.jobs.rl_instruments.ExpertLoad`)."""
 UNREADABLE_FILE = "metrics.unreadable.txt"
 """Beside metrics.jsonl: rows a resume found unreadable, kept as they were with their line."""
 WANDB_MODES = ("offline", "online", "disabled")
 
 
-def _to_json_value(key: str, v):
-    """A JSON-safe scalar: numbers stay numbers, non-finite floats become strings."""
+def _to_json_value(key: str, v, lists: bool = False):
+    """A JSON-safe scalar: numbers stay numbers, non-finite floats become strings; with
+    `lists`, a list (of lists) of them, element by element (`EXPERT_LOAD_FILE`'s rows)."""
+    if lists and isinstance(v, (list, tuple)):
+        return [_to_json_value(key, x, lists) for x in v]
     if hasattr(v, "item") and callable(v.item):  # torch tensor / numpy scalar or 1-elem array
         numel = getattr(v, "numel", None)
         size = numel() if callable(numel) else getattr(v, "size", 1)
@@ -76,11 +85,13 @@ class MetricsLogger:
 
     def __init__(self, run_dir: str, config_dict: dict | None = None,
                  wandb_mode: str = "disabled", project: str = "megatron-gspo",
-                 name: str | None = None, enabled: bool = True):
+                 name: str | None = None, enabled: bool = True, file: str = METRICS_FILE,
+                 lists: bool = False):
         if wandb_mode not in WANDB_MODES:
             raise ValueError(f"wandb_mode={wandb_mode!r}: expected one of {WANDB_MODES}")
         self.enabled = enabled
-        self.path = os.path.join(run_dir, METRICS_FILE)
+        self.path = os.path.join(run_dir, file)
+        self.lists = lists  # values may be lists of numbers (not metrics.jsonl's: wandb's)
         self._file = None
         self._wandb_run = None
         if not enabled:
@@ -161,7 +172,7 @@ class MetricsLogger:
         for key, value in metrics.items():
             if not isinstance(key, str) or key in record:
                 raise ValueError(f"metric key {key!r}: must be a str other than 'step'/'time'")
-            record[key] = _to_json_value(key, value)
+            record[key] = _to_json_value(key, value, self.lists)
         self._append((json.dumps(record, allow_nan=False) + "\n").encode("utf-8"),
                      f"the row of step {int(step)}")
         if self._wandb_run is not None:

@@ -60,6 +60,7 @@ def _emitted_keys() -> set[str]:
     from megatron_gspo.jobs.rl_metrics import throughput
     from megatron_gspo.rollout.overlap import staleness_metrics
     from megatron_gspo.run.metrics import Timer
+    from megatron_gspo.algo.expert_load import load_metrics
     from megatron_gspo.algo.margins import margin_metrics
     from megatron_gspo.algo.sensitivity import sensitivity_metrics
     from moe.routing.scores import RouterScores
@@ -89,6 +90,7 @@ def _emitted_keys() -> set[str]:
                           torch.ones(1, 3, dtype=torch.bool), 4)
     keys |= set(margin_metrics(scores, torch.ones(3, dtype=torch.bool), 0.01))
     keys |= set(sensitivity_metrics([0.1, 0.2]))
+    keys |= set(load_metrics(torch.tensor([[3.0, 1.0], [2.0, 2.0]])))
     keys |= set(staleness_metrics(batch, 0))
     batch.valid_BT = mask
     keys |= set(throughput(batch, Timer()))

@@ -108,7 +108,7 @@ def test_saved_config_keeps_the_schema_order(tmp_path):
     save_config(RunConfig(), path)
     with open(path) as f:
         lines = f.read().splitlines()
-    top = [ln.split(":")[0] for ln in lines if ln and not ln.startswith(("#", " "))]
+    top = [ln.split(":")[0] for ln in lines if ln and not ln.startswith(("#", " ", "- "))]
     assert top == [f.name for f in dataclasses.fields(RunConfig)]
     model = [ln.split(":")[0].strip() for ln in lines[lines.index("model:") + 1:][:3]]
     assert model == ["preset", "tp", "ep"]

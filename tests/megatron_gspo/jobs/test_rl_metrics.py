@@ -1,11 +1,18 @@
 """RL's metrics (megatron_gspo.jobs.rl_metrics) on hand-made batches, and the collapse alerts
-(megatron_gspo.jobs.rl.Trainer.collapse_alerts) on a stub."""
+(the `collapse_alerts` instrument, megatron_gspo.jobs.rl_instruments) on a stub."""
 
 import pytest
 import torch
 
-from megatron_gspo.jobs.rl import Trainer
+from megatron_gspo.jobs.rl_instruments import CollapseAlerts
 from tests.megatron_gspo.jobs.trainers import stub
+
+
+def _alerts(t, row: dict) -> dict:
+    """The collapse alerts of the stub trainer `t`'s instrument on a rollout batch's `row`."""
+    if not hasattr(t, "alerts"):
+        t.alerts = CollapseAlerts(t)
+    return t.alerts.on_iteration(None, row)
 
 
 def _batch():
@@ -69,30 +76,30 @@ def test_throughput_divides_tokens_by_their_phase_time():
 
 def test_reward_collapse_alert_follows_the_ema():
     t = stub(collapse_reward_drop=0.5)
-    assert Trainer.collapse_alerts(t, {"reward/mean": 1.0})["alert/reward_collapse"] == 0.0
-    out = Trainer.collapse_alerts(t, {"reward/mean": 0.0})  # ema 0.7 of best 1.0: no alert
+    assert _alerts(t, {"reward/mean": 1.0})["alert/reward_collapse"] == 0.0
+    out = _alerts(t, {"reward/mean": 0.0})  # ema 0.7 of best 1.0: no alert
     assert t.state.reward_ema == pytest.approx(0.7) and out["alert/reward_collapse"] == 0.0
-    Trainer.collapse_alerts(t, {"reward/mean": 0.0})  # 0.49 < 0.5: alert
+    _alerts(t, {"reward/mean": 0.0})  # 0.49 < 0.5: alert
     assert t.state.reward_ema == pytest.approx(0.49) and t.state.best_reward_ema == 1.0
-    assert Trainer.collapse_alerts(t, {"reward/mean": 0.0})["alert/reward_collapse"] == 1.0
+    assert _alerts(t, {"reward/mean": 0.0})["alert/reward_collapse"] == 1.0
 
 
 def test_entropy_and_small_reward_collapse_alerts():
     """Entropy below the floor (strictly) alerts, a metrics dict without entropy does not, a
     reward that never rose above 0.05 cannot "crash", and one exactly at the drop does not."""
     t = stub(collapse_entropy_floor=0.05, collapse_reward_drop=0.5)
-    at_floor = Trainer.collapse_alerts(t, {"reward/mean": 1.0, "policy/entropy": 0.05})
+    at_floor = _alerts(t, {"reward/mean": 1.0, "policy/entropy": 0.05})
     assert at_floor == {"alert/reward_collapse": 0.0, "alert/entropy_collapse": 0.0}
-    below = Trainer.collapse_alerts(t, {"reward/mean": 1.0, "policy/entropy": 0.04})
+    below = _alerts(t, {"reward/mean": 1.0, "policy/entropy": 0.04})
     assert below == {"alert/reward_collapse": 0.0, "alert/entropy_collapse": 1.0}
-    assert Trainer.collapse_alerts(t, {"reward/mean": 1.0})["alert/entropy_collapse"] == 0.0
+    assert _alerts(t, {"reward/mean": 1.0})["alert/entropy_collapse"] == 0.0
     low = stub(collapse_reward_drop=0.5)
     for r in (0.04, 0.0, 0.0, 0.0):  # ema 0.04, 0.028, 0.0196, 0.01372: below half the best
-        out = Trainer.collapse_alerts(low, {"reward/mean": r})
+        out = _alerts(low, {"reward/mean": r})
     assert low.state.reward_ema < 0.02 and out["alert/reward_collapse"] == 0.0
     edge = stub(collapse_reward_drop=0.3)  # ema 0.7 after 1, 0 is exactly 0.7 of the best
-    Trainer.collapse_alerts(edge, {"reward/mean": 1.0})
-    assert Trainer.collapse_alerts(edge, {"reward/mean": 0.0})["alert/reward_collapse"] == 0.0
+    _alerts(edge, {"reward/mean": 1.0})
+    assert _alerts(edge, {"reward/mean": 0.0})["alert/reward_collapse"] == 0.0
 
 
 @pytest.mark.parametrize("mode", ["off", "r2", "r3"])

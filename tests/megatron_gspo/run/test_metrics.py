@@ -48,6 +48,16 @@ def test_bad_metric_values_raise(tmp_path):
             logger.log(0, {"step": 1})
 
 
+def test_a_file_of_lists_takes_nested_lists_of_numbers(tmp_path):
+    """`lists=True` (expert_load.jsonl): nested lists of numbers, element by element, into
+    another file; metrics.jsonl (above) refuses them."""
+    with MetricsLogger(str(tmp_path), file="load.jsonl", lists=True) as logger:
+        logger.log(2, {"load": [[1, torch.tensor(2.0)], [float("nan"), 0]]})
+    row, = read_jsonl(os.path.join(tmp_path, "load.jsonl"))
+    assert row["load"] == [[1, 2.0], ["nan", 0]] and row["step"] == 2
+    assert not os.path.exists(os.path.join(tmp_path, "metrics.jsonl"))
+
+
 def test_resume_appends_and_keeps_earlier_lines(tmp_path):
     with MetricsLogger(str(tmp_path)) as logger:
         logger.log(1, {"r": 1.0})

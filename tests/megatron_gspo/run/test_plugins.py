@@ -1,5 +1,5 @@
-"""megatron_gspo.run.plugins: user code registers a loss, reward, task and sampler without an
-edit of the project, and docs/extending.md's code is that plugin, run as written."""
+"""megatron_gspo.run.plugins: user code registers a loss, reward, task, sampler and instrument
+without an edit of the project, and docs/extending.md's code is that plugin, run as written."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 from megatron_gspo import cli
 from megatron_gspo.algo import losses
 from megatron_gspo.errors import ConfigError
+from megatron_gspo.jobs import instruments
 from megatron_gspo.rollout import backends, sampler  # noqa: F401 (the built-ins registered)
 from megatron_gspo.run.metrics import read_jsonl
 from megatron_gspo.run.plugins import load_plugins
@@ -39,7 +40,8 @@ def registries(tmp_path_factory):
     the function that puts the registries back (a test's "new process")."""
     kept = [(d, dict(d)) for d in (losses.POLICY_LOSSES, losses._PAPER_EPS, rewards.REWARDS,
                                    rewards.FORMAT_CHECKS, rewards.GROUND_TRUTHS, toy.TASKS,
-                                   sampler.SAMPLERS, sampler.BACKENDS, HF_FAMILIES)]
+                                   sampler.SAMPLERS, sampler.BACKENDS, HF_FAMILIES,
+                                   instruments.INSTRUMENTS)]
     modules, tests = set(sys.modules), str(tmp_path_factory.getbasetemp())
 
     def restore():
@@ -56,10 +58,11 @@ def registries(tmp_path_factory):
 
 def test_the_plugin_of_docs_extending_md_trains_an_rl_iteration(single_process, registries,
                                                                 tmp_path, monkeypatch, capsys):
-    """The page's Python blocks, as one file, register a loss, a reward, a task and a sampler;
-    its YAML block names them and the file as the plugin; `megatron-gspo train` on it runs one
-    RL iteration with all four (the IS mask on, so the loss is called with keep_BT). A plugin
-    the page describes wrongly (a signature without keep_BT, a stale import) fails here."""
+    """The page's Python blocks, as one file, register a loss, a reward, a task, a sampler and
+    an instrument; its YAML block names them and the file as the plugin; `megatron-gspo train`
+    on it runs one RL iteration with all five (the IS mask on, so the loss is called with
+    keep_BT), and with only the instruments it lists. A plugin the page describes wrongly (a
+    signature without keep_BT, a stale import) fails here."""
     text = DOC.read_text()
     (tmp_path / "my_plugin.py").write_text("\n\n".join(code_blocks(text, "python")))
     yaml_block, = code_blocks(text, "yaml")
@@ -82,6 +85,13 @@ def test_the_plugin_of_docs_extending_md_trains_an_rl_iteration(single_process, 
         ("double", "gspo_soft_negatives", "counting_lean")
     rows = read_jsonl(str(tmp_path / "run" / "metrics.jsonl"))
     assert [r.get("train/minibatch") for r in rows] == [None, 0, 1]
+    assert 0 <= rows[2]["signal/zero_adv_frac"] <= 1 and "signal/zero_adv_frac" not in rows[1]
+    assert [r["eval/best_accuracy"] for r in rows if "eval/accuracy" in r] == \
+        [max(r["eval/accuracy"] for r in rows[:i + 1] if "eval/accuracy" in r)
+         for i, r in enumerate(rows) if "eval/accuracy" in r]
+    assert "moe/flip_rate/mean" in rows[1] and "moe/expert_load/layer_00/cv" in rows[2]
+    assert not any(k.startswith(("perf/", "alert/", "policy/routing_log_ratio"))
+                   for r in rows for k in r)
     assert isinstance(built[0], plugin.CountingSampler) and built[0].response_tokens > 0
     assert calls and all("keep_BT" in kw for kw in calls)
     assert "eval/accuracy" in json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -84,7 +84,8 @@ CHANGED = {"run_dir": None, "resume": "resume=force", "plugins": "plugins=[my_pl
                            ("cpu_bind", "0|1")]},
            "rollout.vllm.mode": "rollout.vllm.mode=server",
            "train.pack": "train.pack=false", "sft.pack": "sft.pack=false",
-           "train.balance_dp": "train.balance_dp=false"}
+           "train.balance_dp": "train.balance_dp=false",
+           "instruments": "instruments=[flips]"}
 
 
 def test_every_non_semantic_key_is_listed_here():
@@ -106,9 +107,10 @@ LISTED = ("run_dir", "resume", "plugins", "wandb", "train.steps", "train.eval_ev
           "train.micro_max_tokens", "rollout.max_batch_rows", *VLLM_DEPLOYMENT)
 """rundir.py's hand list of the keys a resume may change, as it was before the fields said so
 themselves (`fields.may_change`), under the names of the time."""
-SINCE = ("train.pack", "sft.pack", "train.balance_dp")
+SINCE = ("train.pack", "sft.pack", "train.balance_dp", "instruments")
 """Fields marked `may_change` since the hand list went (packing: the same numbers to float
-rounding; the data-parallel balance: which rows each rank trains on)."""
+rounding; the data-parallel balance: which rows each rank trains on; the instruments: they
+measure, they train nothing)."""
 
 
 def test_the_fields_marked_may_change_are_the_keys_the_hand_list_held():
