@@ -139,7 +139,7 @@ def _vllm_check(cfg) -> None:
 register_sampler("vllm", Backend(engine=True, records_routing=_always, settings="rollout.vllm",
                                  plan_memory=_vllm_memory, beside=_vllm_server,
                                  check=_vllm_check),
-                 factory="megatron_gspo.rollout.vllm:factory")
+                 factory="megatron_gspo.rollout.vllm.sampler:factory")
 
 
 # ----------------------------------------------------------------------------- lookup, checks

@@ -2,7 +2,7 @@
 
 Shape legend: P prompt tokens, R sampled tokens, L MoE layers, K experts per token (top-k).
 
-    python -m megatron_gspo.rollout.vllm_server --host 0.0.0.0 --port 8123 \\
+    python -m megatron_gspo.rollout.vllm.server --host 0.0.0.0 --port 8123 \\
         --tensor-parallel-size 8      # then rollout.vllm.addresses=["engine-host:8123"]
 
 The trainer starts one per replica itself unless `rollout.vllm.addresses` names running ones.
@@ -15,11 +15,11 @@ trainer's build or push would mix its weights into the first one's rollouts).
 
 - `build`: the model (the trainer's config.json, dtype, seed, lengths, KV cache): a `vllm.LLM`
   over random weights (`load_format="dummy"`) with `tensor_parallel_size` workers (vLLM's
-  multiprocessing executor; the engine core runs in this process), `vllm_worker`'s extension
+  multiprocessing executor; the engine core runs in this process), `worker`'s extension
   and weight-transfer backend; the config.json's temporary folder is removed once built. A
   server keeps the model it built; another model is refused naming what differs. Every build
   forgets the weights' version: nothing is sampled until the trainer pushed.
-- `init_weights` / `push`: vLLM's weight-transfer calls (`vllm_worker.GroupWeightTransfer`);
+- `init_weights` / `push`: vLLM's weight-transfer calls (`worker.GroupWeightTransfer`);
   a push waits until no request is in flight, then stamps the weights with its version
   (`LLM.finish_weight_update(weight_version=...)`).
 - `generate`: requests (prompt ids and `SamplingParams` arguments, `vllm_wire.sample_requests`)
@@ -53,9 +53,9 @@ import tempfile
 import time
 import traceback
 
-from megatron_gspo.rollout.vllm_capture import ROW_KEY
-from megatron_gspo.rollout.vllm_engine import unavailable
-from megatron_gspo.rollout.vllm_wire import (BACKEND, ERROR_PREFIX, WORKER_EXTENSION, Channel,
+from megatron_gspo.rollout.vllm.capture import ROW_KEY
+from megatron_gspo.rollout.vllm.engine import unavailable
+from megatron_gspo.rollout.vllm.wire import (BACKEND, ERROR_PREFIX, WORKER_EXTENSION, Channel,
                                              ChannelClosed, auth_key, challenge)
 from moe.platform.children import die_with_parent
 
@@ -314,7 +314,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m megatron_gspo.rollout.vllm_server",
+    p = argparse.ArgumentParser(prog="python -m megatron_gspo.rollout.vllm.server",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
