@@ -32,7 +32,10 @@ def _unknown(prefix: str, name, cls) -> ConfigError:
 def renamed(cls) -> dict[str, str]:
     """{older name: key now} of the keys section `cls` still reads under a name it had before
     (its `_renamed` class attribute; the key now may be dotted, a key of a section nested in
-    `cls` that it moved into): old configs and run records keep loading."""
+    `cls` that it moved into): old configs and run records keep loading. A key whose older
+    value needs reading, not only renaming, is one of the section's `_older_keys`: an override
+    sets it as given, and the section's `_read_older(mapping) -> mapping` reads it before the
+    renames (`RolloutConfig`'s `decoder`)."""
     return getattr(cls, "_renamed", {})
 
 
@@ -40,6 +43,7 @@ def _current_names(cls, data: dict, prefix: str) -> dict:
     """`data` with `cls`'s older key names (`renamed`) as the keys they became (a dotted one
     placed in its nested section, the input's mappings copied, not changed); ConfigError when
     a mapping gives one key under both names."""
+    data = getattr(cls, "_read_older", lambda d: d)(data)
     old = renamed(cls)
     out = {name: value for name, value in data.items() if name not in old}
     for name, value in data.items():
@@ -139,6 +143,9 @@ def apply_override(root, raw: dict, item: str) -> str:
         types = field_types(cls)
         parts[i:i + 1] = renamed(cls).get(parts[i], parts[i]).split(".")
         name = parts[i]
+        if name not in types and name in getattr(cls, "_older_keys", ()) and i == len(parts) - 1:
+            node[name] = _override_value(key, text, str)  # read at build (`renamed`)
+            return key
         if name not in types:
             raise _unknown(prefix, name, cls)
         _drop_older(cls, node, parts[i:])

@@ -6,7 +6,7 @@ is in `megatron_gspo.config.rollout`, the dataset sections in `.data`, the top l
 Every field has a docstring (a string literal right under it) that `megatron-gspo config`
 prints. `__post_init__` only checks (`fields.validate` / `fields.check`: one-line ConfigErrors
 naming the dotted key); it never changes a value, so the saved config is the one given. Values
-derived from others are properties (`ModelConfig.resolved_dispatcher`, `RolloutConfig.sampler`).
+derived from others are properties (`ModelConfig.resolved_dispatcher`).
 Names that a registry of a higher room holds (task, loss, reward, sampler) are checked at set-up,
 `megatron_gspo.run.names`.
 """

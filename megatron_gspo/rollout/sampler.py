@@ -12,7 +12,8 @@ reports them); and, where the backend can record it and `record_routing` asks, e
 token's top-k experts per MoE layer (`moe.routing.replay.RoutingReplayCache`): the routing R3 replays
 (arXiv 2510.11370).
 
-Backends register by name with their capabilities (`register_sampler(name, caps=Backend(...))`);
+Backends register by name with their capabilities (`register_backend(name, caps=Backend(...))`,
+formerly `register_sampler`);
 `rollout.backend` picks one, `megatron_gspo.rollout.backends` checks a config against its
 capabilities and builds it, and the trainer, the run's set-up and `megatron-gspo plan` read the
 capabilities, never a backend's name. The built-in backends are declared in
@@ -145,7 +146,7 @@ BACKENDS: dict[str, Backend] = {}
 """name -> its capabilities."""
 
 
-def register_sampler(name: str, caps: Backend | None = None, factory: str | None = None):
+def register_backend(name: str, caps: Backend | None = None, factory: str | None = None):
     """Register backend `name` (a `rollout.backend` value) with its capabilities `caps`
     (default `Backend()`): as a decorator of its factory, or with `factory="module:attribute"`,
     imported only when a run builds the sampler (so reading `caps` imports no torch). A name
@@ -156,6 +157,10 @@ def register_sampler(name: str, caps: Backend | None = None, factory: str | None
         SAMPLERS[name], BACKENDS[name] = f, caps or Backend()
         return f
     return deco if factory is None else deco(factory)
+
+
+register_sampler = register_backend
+"""The older name of `register_backend` (still importable)."""
 
 
 def prompt_ids(tokenizer, prompts: list[str]) -> list[list[int]]:

@@ -44,8 +44,8 @@ from types import SimpleNamespace
 import torch.distributed as dist
 
 from megatron_gspo.algo.losses import clip_range
-from megatron_gspo.config.schema import (RunConfig, config_to_dict, renamed_keys,
-                                         resume_may_change)
+from megatron_gspo.config.loader import current_names
+from megatron_gspo.config.schema import RunConfig, config_to_dict, resume_may_change
 from megatron_gspo.errors import RunDirError, UserError
 from megatron_gspo.run.checkpoint import atomic_write
 from megatron_gspo.run.inputs import changed_inputs
@@ -102,6 +102,20 @@ def _resolved(flat: dict) -> dict:
     return flat
 
 
+def _current(flat: dict) -> dict:
+    """A record's dotted keys as the config reads them now: older names as their keys now, an
+    older key's value read into the key now (`megatron_gspo.config.loader.current_names`: a
+    record from before `rollout.decoder` was read into `rollout.backend`, or before a rename)."""
+    nested: dict = {}
+    for key, value in flat.items():
+        *path, last = key.split(".")
+        node = nested
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return _flatten(current_names(RunConfig, nested))
+
+
 def fingerprint(semantic: dict) -> str:
     return hashlib.sha256(json.dumps(semantic, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -156,9 +170,7 @@ def _verdict(run_dir: str, job: str, config: dict, resume, unused: tuple) -> str
                 "checkpoints: choose another run_dir")
     new = semantic_config(config, unused)
     if fingerprint(new) != record["fingerprint"] and resume != "force":
-        renames = renamed_keys()  # a record from before a key was renamed: its key now
-        recorded = {renames.get(k, k): v for k, v in record["config"].items()}
-        old = _kept(recorded, _skipped(config, unused))  # records may hold LAYOUT keys
+        old = _kept(_current(record["config"]), _skipped(config, unused))  # records may hold LAYOUT keys
         diff = differing_keys(old, new, default_semantic_config(unused))
         if diff:
             return (f"run_dir={run_dir} was started with another config ({'; '.join(diff)}); "

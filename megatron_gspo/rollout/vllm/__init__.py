@@ -12,3 +12,17 @@ May import: the rest of `megatron_gspo.rollout` and what it may import. Nothing 
 folder imports it: `megatron_gspo.rollout.backends` registers the backend by the path of its
 factory, imported when a run builds the sampler.
 """
+
+import importlib
+
+
+def __getattr__(name: str):
+    """`from megatron_gspo.rollout.vllm import factory, VLLMSampler, ...`: the names of the
+    module this package was before it became a room (its `sampler`), imported on first use so
+    that importing the package imports no vLLM."""
+    if name.startswith("__"):  # the import system's own questions (__path__, __all__, ...)
+        raise AttributeError(name)
+    try:
+        return getattr(importlib.import_module(f"{__name__}.sampler"), name)
+    except AttributeError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None

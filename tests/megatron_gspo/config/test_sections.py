@@ -141,7 +141,7 @@ def test_derived_values_follow_a_replaced_field():
     cfg = load_config(None, [])
     assert dataclasses.replace(cfg.model, ep=2).resolved_dispatcher == "alltoall"
     assert clip_range(dataclasses.replace(cfg.loss, name="grpo")) == (0.2, 0.27)
-    assert load_config(None, ["rollout.decoder=megatron"]).rollout.sampler == "megatron"
+    assert load_config(None, ["rollout.decoder=megatron"]).rollout.backend == "megatron"
 
 
 def test_loss_ranges_at_their_edges():

@@ -20,7 +20,7 @@ DATASET = ["task.name=dataset", "data.train_files=a.jsonl"]
     (["task.kwargs.bogus=1"], "task.kwargs.bogus: unknown argument of task 'addition'; "
                               "valid: ['num_digits']"),
     ([*DATASET, "reward.name=mth"], "reward.name=mth: valid names: ['countdown', 'exact'"),
-    (["rollout.backend=vlm"], "rollout.backend='vlm': no such sampler; registered: ["),
+    (["rollout.backend=vlm"], "rollout.backend='vlm': no such backend; registered: ["),
 ])
 def test_an_unregistered_name_is_one_config_error_naming_the_key(overrides, message):
     cfg = load_config(None, overrides)  # the config room cannot know the registries
