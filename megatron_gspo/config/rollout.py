@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Optional
 
 from megatron_gspo.config.fields import check, may_change, validate
+from megatron_gspo.config.parts import check_host, part_field
 from megatron_gspo.config.vllm import VLLMConfig
 
 
@@ -69,6 +70,7 @@ class RolloutConfig:
         "cuda_graphs": "megatron_engine.cuda_graphs", "engine_dtype": "vllm.dtype",
         "engine_kv_cache_gb": "vllm.kv_cache_gb", "push_check_tol": "vllm.push_check_tol"}
     _older_keys: ClassVar[tuple] = ("decoder",)
+    _parts: ClassVar[tuple] = ("backend", "backend", True)
 
     prompts_per_batch: int = 8
     """Prompts per rollout batch (over all data-parallel ranks)."""
@@ -113,6 +115,10 @@ class RolloutConfig:
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """backend=vllm: the engine's precision and cache, and where it runs (in this process or as
     engine servers)."""
+    settings: dict = part_field(nested=True)
+    """{backend: its settings} of the sections `rollout.<backend>:` of backends that declare
+    their own settings (a plugin's, `megatron_gspo.config.parts`), as given (missing: the
+    defaults; `parts.settings_of`)."""
 
     def __post_init__(self):
         validate(self, nonempty=("backend",),
@@ -120,6 +126,7 @@ class RolloutConfig:
                      "max_batch_rows": 0, "max_staleness": 0},
                  gt={"temperature": 0})
         check(self, "top_p", 0 < self.top_p <= 1, "must be in (0, 1]")
+        check_host(self)
 
     @staticmethod
     def _read_older(data: dict) -> dict:

@@ -26,9 +26,11 @@ No torch at import: the plan reads this registry in a process without it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
+from megatron_gspo.config.parts import register_settings
 from moe.platform.checks import refuse_duplicate
 
 if TYPE_CHECKING:  # annotations only: the plan imports this registry without torch
@@ -123,8 +125,11 @@ class Backend:
     publishes between updates (`megatron_gspo.rollout.overlap.Beside`)."""
     needs_cuda: bool = False
     """Runs on a CUDA GPU only: refused in one line where none is visible."""
-    settings: Optional[str] = None
-    """Its config section (dotted, e.g. "rollout.vllm"), or None."""
+    settings: Optional[str | type] = None
+    """Its config section (dotted, e.g. "rollout.vllm": a built-in section), or its own settings:
+    a frozen dataclass (every field with a docstring; `megatron_gspo.config.parts`), which
+    `register_backend` registers as the section `rollout.<name>` (read with
+    `megatron_gspo.config.parts.settings_of(cfg.rollout)`), or None."""
     own_keys: tuple = ()
     """Dotted keys only the backends declaring them read: set away from their default while
     another backend runs, they are refused in one line (a knob that would do nothing)."""
@@ -148,13 +153,18 @@ BACKENDS: dict[str, Backend] = {}
 
 def register_backend(name: str, caps: Backend | None = None, factory: str | None = None):
     """Register backend `name` (a `rollout.backend` value) with its capabilities `caps`
-    (default `Backend()`): as a decorator of its factory, or with `factory="module:attribute"`,
+    (default `Backend()`; its `settings` a class: registered as the backend's own, section
+    `rollout.<name>`): as a decorator of its factory, or with `factory="module:attribute"`,
     imported only when a run builds the sampler (so reading `caps` imports no torch). A name
     already registered (a built-in one too) is refused naming both definitions."""
     def deco(f):
         if name in SAMPLERS:
             refuse_duplicate("sampler backend", name, SAMPLERS[name], f)
-        SAMPLERS[name], BACKENDS[name] = f, caps or Backend()
+        own = caps or Backend()
+        if isinstance(own.settings, type):  # its own settings: the section rollout.<name>
+            register_settings("backend", name, own.settings)
+            own = dataclasses.replace(own, settings=f"rollout.{name}")
+        SAMPLERS[name], BACKENDS[name] = f, own
         return f
     return deco if factory is None else deco(factory)
 

@@ -39,14 +39,13 @@ import hashlib
 import json
 import os
 import shutil
-from types import SimpleNamespace
 
 import torch.distributed as dist
 
-from megatron_gspo.algo.losses import clip_range
 from megatron_gspo.config.loader import current_names
-from megatron_gspo.config.schema import RunConfig, config_to_dict, resume_may_change
-from megatron_gspo.errors import RunDirError, UserError
+from megatron_gspo.config.schema import (RunConfig, config_to_dict, resume_may_change,
+                                         settings_may_change)
+from megatron_gspo.errors import RunDirError
 from megatron_gspo.run.checkpoint import atomic_write
 from megatron_gspo.run.inputs import changed_inputs
 from megatron_gspo.run.lock import lock_run_dir
@@ -71,7 +70,8 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 def _skipped(config: dict, unused: tuple) -> tuple:
     distributed = (config.get("optim") or {}).get("distributed")
-    return resume_may_change() + tuple(unused) + (LAYOUT[2:] if distributed else LAYOUT)
+    return resume_may_change() + settings_may_change(config) + tuple(unused) + \
+        (LAYOUT[2:] if distributed else LAYOUT)
 
 
 def _kept(flat: dict, skip: tuple) -> dict:
@@ -80,26 +80,12 @@ def _kept(flat: dict, skip: tuple) -> dict:
 
 
 def semantic_config(config: dict, unused: tuple = ()) -> dict:
-    """The dotted keys of `config` that define the run (all but `resume_may_change()` and
-    LAYOUT; `unused`: the sections the run's job does not read,
-    `megatron_gspo.run.setup.JobSpec`), a None clip range as the number it means (`_resolved`)."""
-    kept = _resolved(_kept(_flatten(config), _skipped(config, unused)))
+    """The dotted keys of `config` that define the run (all but `resume_may_change()`, the
+    parts' settings marked may_change, and LAYOUT; `unused`: the sections the run's job does not
+    read, `megatron_gspo.run.setup.JobSpec`). A part's settings are spelled out in `config`
+    (`config_to_dict`), so a record holds the numbers a default means."""
+    kept = _kept(_flatten(config), _skipped(config, unused))
     return json.loads(json.dumps(kept, default=str))  # as run.json holds it (tuples -> lists)
-
-
-def _resolved(flat: dict) -> dict:
-    """`loss.eps_low` / `loss.eps_high` None as the loss's paper default (`clip_range`): the
-    same run whether the config spells the default or leaves it None, and the number run.json
-    files recorded before the config kept None."""
-    if "loss.name" not in flat or not ({"loss.eps_low", "loss.eps_high"} <= set(flat)):
-        return flat
-    loss = SimpleNamespace(name=flat["loss.name"], eps_low=flat["loss.eps_low"],
-                           eps_high=flat["loss.eps_high"])
-    try:
-        flat["loss.eps_low"], flat["loss.eps_high"] = clip_range(loss)
-    except UserError:  # an unknown loss: set-up says so in its own words
-        pass
-    return flat
 
 
 def _current(flat: dict) -> dict:

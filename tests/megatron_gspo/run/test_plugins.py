@@ -13,6 +13,7 @@ import torch
 
 from megatron_gspo import cli
 from megatron_gspo.algo import losses
+from megatron_gspo.config import parts
 from megatron_gspo.errors import ConfigError
 from megatron_gspo.rollout import backends, sampler  # noqa: F401 (the built-ins registered)
 from megatron_gspo.run.metrics import read_jsonl
@@ -37,9 +38,10 @@ def registries(tmp_path_factory):
     """The registries as they were before the test: a plugin's entries leave with it, and its
     modules (those imported from a test's folder) are imported afresh by the next test. Yields
     the function that puts the registries back (a test's "new process")."""
-    kept = [(d, dict(d)) for d in (losses.POLICY_LOSSES, losses._PAPER_EPS, rewards.REWARDS,
-                                   rewards.FORMAT_CHECKS, rewards.GROUND_TRUTHS, toy.TASKS,
-                                   sampler.SAMPLERS, sampler.BACKENDS, HF_FAMILIES)]
+    kept = [(d, dict(d)) for d in (losses.POLICY_LOSSES, *parts.SETTINGS.values(),
+                                   parts.SETTINGS, rewards.REWARDS, rewards.FORMAT_CHECKS,
+                                   rewards.GROUND_TRUTHS, toy.TASKS, sampler.SAMPLERS,
+                                   sampler.BACKENDS, HF_FAMILIES)]
     modules, tests = set(sys.modules), str(tmp_path_factory.getbasetemp())
 
     def restore():
