@@ -166,9 +166,10 @@ def _set_part_key(cls, node: dict, parts: list[str], i: int, text: str, key: str
     build checks it against the part's settings."""
     nested = cls._parts[2]
     path = parts[i:]
+    if nested and len(path) == 1:
+        raise ConfigError(f"{key} is a section; set one of its keys, e.g. {key}.<key>=...")
     if len(path) != (2 if nested else 1):
-        what = "a section of one part's settings" if nested else "one part's setting"
-        raise ConfigError(f"{key}: expected {'.'.join(parts[:i])}.<{what}>=value")
+        raise ConfigError(f"{key}: not a key of {'.'.join(parts[:i])} or its part's settings")
     for part in path[:-1]:
         sub = node.get(part)
         if sub is not None and not isinstance(sub, dict):
