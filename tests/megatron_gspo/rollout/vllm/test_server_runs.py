@@ -43,7 +43,7 @@ def engine_processes(root: psutil.Process) -> set[int]:
             line = " ".join(p.cmdline())
         except psutil.Error:
             continue
-        if "vllm_server" in line or "VLLM::" in line or "Worker" in p.name():
+        if "rollout.vllm.server" in line or "VLLM::" in line or "Worker" in p.name():
             out.add(p.pid)
     return out
 
