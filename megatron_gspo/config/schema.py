@@ -27,7 +27,7 @@ from megatron_gspo.config.data import (DataConfig, FilterConfig, RewardConfig,  
 from megatron_gspo.config.docs import describe_fields, field_docs
 from megatron_gspo.config.fields import (MAY_CHANGE, OptionalPath, Path, Paths, check,
                                          field_types, may_change, validate)
-from megatron_gspo.config.loader import apply_override, build, current_names, renamed
+from megatron_gspo.config.loader import apply_override, build, current_names
 from megatron_gspo.config.parts import (PART, describe_all, host_fields, may_change_keys,
                                         settings_dict, settings_of)
 from megatron_gspo.config.rollout import RolloutConfig  # noqa: F401
@@ -38,7 +38,7 @@ from megatron_gspo.config.yamlfile import atomic_write, load_layered
 from megatron_gspo.errors import ConfigError
 
 __all__ = ["COMMAND_LINE", "RunConfig", "config_from_dict", "config_to_dict", "describe_config",
-           "field_docs", "load_config", "load_config_origins", "local_prompts", "renamed_keys",
+           "field_docs", "load_config", "load_config_origins", "local_prompts",
            "resume_may_change", "save_config"]
 
 
@@ -128,17 +128,6 @@ def local_prompts(cfg: RunConfig, dp: int) -> int:
                           f"{prompts // dp * group} rollout rows (rollout.prompts_per_batch / "
                           f"dp * rollout.group_size = {prompts} / {dp} * {group})")
     return prompts // dp
-
-
-def renamed_keys(cls=RunConfig, prefix: str = "") -> dict[str, str]:
-    """{older dotted key: its key now} over every section, nested ones too (`loader.renamed`):
-    what a run record written before a rename holds (task.n_eval: task.n_test,
-    rollout.engine_dtype: rollout.vllm.dtype)."""
-    out = {f"{prefix}{old}": f"{prefix}{new}" for old, new in renamed(cls).items()}
-    for name, tp in field_types(cls).items():
-        if dataclasses.is_dataclass(tp):
-            out.update(renamed_keys(tp, f"{prefix}{name}."))
-    return out
 
 
 @functools.lru_cache(maxsize=None)

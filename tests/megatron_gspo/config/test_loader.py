@@ -179,15 +179,15 @@ def test_keys_moved_into_a_backend_section_load_under_their_older_names(tmp_path
     """rollout.kv_cache, .engine_dtype, ... (a config or a saved `*_config.yaml` from before
     the backend sections) load as rollout.decoders.kv_cache, rollout.vllm.dtype, ...: in YAML
     beside keys of the section they moved into, as overrides (which replace the file's value
-    under the other name, either way round), and in the run records' key map; one mapping giving
-    a key under both names is refused naming both."""
-    from megatron_gspo.config.schema import renamed_keys
+    under the other name, either way round) and in the run records (`run/test_rundir.py`); one
+    mapping giving a key under both names is refused naming both."""
+    from megatron_gspo.config.rollout import RolloutConfig
 
     old = _write(tmp_path, "rollout:\n" + "".join(
         f"  {k.split('.')[1]}: {str(v).lower()}\n" for k, v in OLD.items())
         + "  vllm: {mode: server}\n  decoders: null\n")
     cfg = load_config(old)
-    moved = {k: renamed_keys()[k] for k in OLD}
+    moved = {k: "rollout." + RolloutConfig._renamed[k.split(".")[1]] for k in OLD}
     assert {new: _nested(cfg, new) for new in moved.values()} == \
         {moved[k]: v for k, v in OLD.items()}
     assert moved["rollout.engine_dtype"] == "rollout.vllm.dtype"
