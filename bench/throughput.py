@@ -39,7 +39,7 @@ Ours and TRL alternate iteration by iteration (ours runs at each TRL generation 
 TRL's timed sections), so slow drifts of a noisy machine hit both. No timing is asserted anywhere.
 
 `--with-vllm`: a third side in the same alternation, our trainer with `rollout.backend=vllm`
-(vLLM in this process, `megatron_gspo/rollout/vllm.py`; its precision the model's, float32,
+(vLLM in this process, `megatron_gspo/rollout/vllm/sampler.py`; its precision the model's, float32,
 unless `--set rollout.vllm.dtype=bf16`): rollout = weight push + the engine's sampling +
 reward, the rest as ours. vLLM's CPU attention needs head_dim in {32, 64, ...}, so every side
 then runs `qwen3-moe-tiny-hd32` (qwen3-moe-tiny's layer with 2 query heads / 1 KV head of dim
@@ -48,7 +48,7 @@ benchmark sets threads through the function it held before (vLLM's kernels then 
 same thread count). Without vLLM installed the side is skipped with the reason.
 `--vllm-server-tp N` (implies --with-vllm): one more side in the same alternation, vLLM as an
 engine server of N tensor-parallel workers (`rollout.vllm.mode=server`,
-`megatron_gspo/rollout/vllm_server.py`): rollout = weight push over the weight-sync group +
+`megatron_gspo/rollout/vllm/server.py`): rollout = weight push over the weight-sync group +
 sampling in the server's processes (on CPU its workers bound to this machine's cores split
 over them, `rollout.vllm.cpu_bind`; the other sides run --threads threads) + the samples,
 log-probs and routes back over a socket + reward.
@@ -84,7 +84,7 @@ import torch  # noqa: E402
 
 from megatron_gspo.config.schema import load_config  # noqa: E402
 from megatron_gspo.jobs.rl import Trainer  # noqa: E402
-from megatron_gspo.rollout import vllm_engine  # noqa: E402
+from megatron_gspo.rollout.vllm import engine as vllm_engine  # noqa: E402
 from megatron_gspo.run.host import malloc_state  # noqa: E402
 from bench.sweep import main as sweep  # noqa: E402
 from bench.trl import build_trl, step_timer_callback, trl_rows, trl_unavailable  # noqa: E402

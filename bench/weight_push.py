@@ -37,7 +37,7 @@ import time
 
 from megatron_gspo.config.schema import load_config
 from megatron_gspo.jobs.rl import Trainer
-from megatron_gspo.rollout.vllm import hf_stream
+from megatron_gspo.rollout.vllm.sampler import hf_stream
 from tools.result_table import add_readme_args, cpu_name, output_into
 
 IN_PROCESS = "in-process"

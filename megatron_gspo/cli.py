@@ -99,6 +99,10 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_intermixed_args(argv)
     if args.command == "config":
+        try:
+            load_plugins(args.plugin)  # their parts' settings listed too
+        except USER_ERRORS as e:
+            return _fail(str(e))
         print(describe_config())
         return 0
     if args.command == "plan":
@@ -140,9 +144,9 @@ def _run_job(args) -> dict:
     # in a fraction of a second without it
     from megatron_gspo.run.names import check_names
 
-    cfg, origins = load_config_origins(args.config, args.overrides)
-    cfg = _resumed_plugins(_with_plugins(cfg, args), args.command)
-    check_names(cfg)  # imports the plugins; before anything is written
+    cfg, origins = load_config_origins(args.config, args.overrides,
+                                       plugins=lambda head: _plugins(head, args, args.command))
+    check_names(cfg)  # before anything is written
     _warn(unused_settings(cfg, origins))
     return run(args.command, cfg)
 
@@ -151,6 +155,16 @@ def _warn(lines: list[str]) -> None:
     """Each line as a warning on stdout (rank 0 only under torchrun)."""
     for line in lines if os.environ.get("RANK", "0") == "0" else ():
         print(f"WARNING: {line}", flush=True)
+
+
+def _plugins(head, args, job: str | None = None) -> list[str]:
+    """The plugins of the run `head` (the config's keys run_dir, resume, plugins) with the
+    `--plugin` entries (with `job`: or, none given, those its run dir recorded), imported here,
+    before the rest of the config is read (their parts' settings are keys of it)."""
+    head = _with_plugins(head, args)
+    head = _resumed_plugins(head, job) if job else head
+    load_plugins(head.plugins)
+    return head.plugins
 
 
 def _with_plugins(cfg, args):
@@ -196,9 +210,8 @@ def _plan(args) -> int:
     if mean is not None and not mean > 0:
         return _fail(f"--mean-response-tokens={mean:g} must be > 0")
     try:
-        cfg, origins = load_config_origins(args.config, args.overrides)
-        cfg = _with_plugins(cfg, args)
-        load_plugins(cfg.plugins)  # a backend, task or family of the config's plugins
+        cfg, origins = load_config_origins(  # a backend, task or family of its plugins
+            args.config, args.overrides, plugins=lambda head: _plugins(head, args))
         _warn(unused_settings(cfg, origins))
         if mean is None and args.run_dir:
             mean = mean_response_of(args.run_dir)

@@ -4,7 +4,8 @@
   import order hides);
 - the import graph of the project's modules (module-level and function-level imports) has no
   cycle, moe never imports megatron_gspo, and no room of megatron_gspo imports a higher one
-  (config < algo < tasks < rollout < run < jobs < cli; see each room's `__init__.py`);
+  (config < algo < tasks < rollout < run < jobs < cli; see each room's `__init__.py`; a
+  sub-room such as rollout/vllm/ sits above the rest of its room);
 - the script folders are layered too (tools < bench < experiments): each imports the project
   packages and lower folders only, so the result-table writer they share lives in tools/;
 - few function-level imports in the packages and the script folders, each commented with why it
@@ -32,6 +33,9 @@ ROOMS = ("config", "algo", "tasks", "rollout", "run", "jobs", "cli")
 MOE_ROOMS = ("platform", "routing", "model", "inference", "hf")
 """moe/'s rooms, lowest first (moe/__init__.py says what each holds)."""
 """megatron_gspo's rooms, lowest first; the top-level helpers (errors, dist) sit below config."""
+SUBROOMS = {"rollout": ("vllm",)}
+"""Rooms inside a room of megatron_gspo: each sits above the rest of its room, which never
+imports it (`rollout.backends` registers the vLLM backend by the path of its factory)."""
 SCRIPTS = ("tools", "bench", "experiments")
 """The script folders, lowest first: user CLIs, benchmarks, experiments."""
 MAX_FUNCTION_IMPORTS = 60
@@ -126,17 +130,18 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def room(module: str) -> int:
+def room(module: str) -> float:
     """Rank of a module's room: moe's rooms in MOE_ROOMS order (all below megatron_gspo; the
     package `moe` itself with platform, whose import hook it runs), megatron_gspo's helpers 0,
-    then ROOMS in order."""
+    then ROOMS in order, a SUBROOMS room half a rank above the rest of its room."""
     parts = module.split(".")
     if parts[0] == "moe":
         name = parts[1] if len(parts) > 1 and parts[1] in MOE_ROOMS else MOE_ROOMS[0]
         return MOE_ROOMS.index(name) - len(MOE_ROOMS)
     if len(parts) == 1 or parts[1] not in ROOMS:
         return 0  # megatron_gspo, megatron_gspo.errors, megatron_gspo.dist
-    return ROOMS.index(parts[1]) + 1
+    inner = len(parts) > 2 and parts[2] in SUBROOMS.get(parts[1], ())
+    return ROOMS.index(parts[1]) + 1 + (0.5 if inner else 0)
 
 
 def room_violations(graph: dict[str, set[str]]) -> list[str]:
@@ -257,6 +262,20 @@ def test_the_import_graph_has_no_cycle_and_rooms_import_only_lower_rooms():
     assert sum(map(len, graph.values())) > 100  # the graph sees the project's imports
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
     assert room_violations(graph) == []
+
+
+def test_rollout_vllm_is_a_room_above_the_rest_of_rollout():
+    """The vLLM backend lives in rollout/vllm/, which the rest of rollout/ never imports; beside
+    it, rollout/ keeps only the older `python -m megatron_gspo.rollout.vllm_server` path."""
+    up = {"megatron_gspo.rollout.backends": {"megatron_gspo.rollout.vllm.sampler"}}
+    down = {"megatron_gspo.rollout.vllm.sampler": {"megatron_gspo.rollout.sampler"}}
+    assert room_violations(up) == ["megatron_gspo.rollout.backends -> "
+                                   "megatron_gspo.rollout.vllm.sampler"]
+    assert room_violations(down) == []
+    rollout = ROOT / "megatron_gspo" / "rollout"
+    assert sorted(p.name for p in rollout.glob("vllm*.py")) == ["vllm_server.py"]
+    assert len((rollout / "vllm_server.py").read_text().splitlines()) < 10  # a path, no code
+    assert len(list((rollout / "vllm").glob("*.py"))) > 5
 
 
 def test_script_folders_import_only_lower_ones():

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from experiments.engine_mismatch.grid import ARMS, DTYPES, INITS, SHAPES
 from experiments.replay_dose_response.report import ci as t_ci
-from megatron_gspo.rollout.vllm import CHECK_TOL
+from megatron_gspo.rollout.vllm.sampler import CHECK_TOL
 from moe.model.presets import get_preset
 from tools import result_table
 from tools.plot_run import pyplot

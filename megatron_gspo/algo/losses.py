@@ -5,7 +5,7 @@ the sampled tokens, `logp_BT` (with grad), `old_logp_BT` (pi_old, a constant) an
 `ref_logp_BT` (reference model, a constant), one advantage per sequence `adv_B`, and
 `mask_BT` (1 on the response tokens that count, 0 on prompt / padding).
 
-    cfg = PolicyLossConfig(name="gspo")            # eps_low / eps_high -> the paper's defaults
+    cfg = PolicyLossConfig(name="gspo")            # its settings: the paper's clip range
     loss, metrics = policy_loss(logp_BT, old_logp_BT, adv_B, mask_BT, cfg)
     loss.backward()
 
@@ -55,24 +55,32 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from megatron_gspo.config.sections import LossConfig as PolicyLossConfig
+from megatron_gspo.config.parts import register_settings, registered, settings_of
+from megatron_gspo.config.loss import ClipRange
+from megatron_gspo.config.loss import LossConfig as PolicyLossConfig
 from megatron_gspo.errors import ConfigError, UnknownName
 from megatron_gspo.algo.corrections import tis_weights  # noqa: F401 (its former home)
 from moe.platform.checks import refuse_duplicate
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}
-_PAPER_EPS: dict[str, tuple[float, float]] = {}  # name -> (eps_low, eps_high) defaults
 
 
-def register_policy_loss(name: str, *, eps: tuple[float, float] | None = None):
-    """Decorator adding a loss to POLICY_LOSSES; `eps` = its default (eps_low, eps_high)."""
+def register_policy_loss(name: str, *, eps: tuple[float, float] | None = None,
+                         settings: type = ClipRange):
+    """Decorator adding a loss to POLICY_LOSSES with its own settings (`loss.<key>` beside
+    `loss.name`, `megatron_gspo.config.parts`): `settings`, a frozen dataclass (a loss that
+    clips subclasses `ClipRange`), `eps` the default (eps_low, eps_high) of its clip range
+    (without one the config must give loss.eps_low / eps_high). The built-in losses' settings
+    are declared in the config room (`config.sections.ClipRange`)."""
     def deco(fn: PolicyLossFn) -> PolicyLossFn:
         if name in POLICY_LOSSES:
             refuse_duplicate("policy loss", name, POLICY_LOSSES[name], fn)
+        if registered("loss", name) is None:  # the built-ins' are declared already
+            defaults = {} if eps is None else {"eps_low": float(eps[0]),
+                                               "eps_high": float(eps[1])}
+            register_settings("loss", name, settings, defaults=defaults)
         POLICY_LOSSES[name] = fn
-        if eps is not None:
-            _PAPER_EPS[name] = (float(eps[0]), float(eps[1]))
         return fn
     return deco
 
@@ -86,19 +94,15 @@ def get_policy_loss(name: str) -> PolicyLossFn:
 
 
 def clip_range(cfg: PolicyLossConfig) -> tuple[float, float]:
-    """(eps_low, eps_high) of `cfg`: its own, or where None its loss's paper default (the
-    `eps` it was registered with). Computed here, where the registry is; the config keeps None.
-    UnknownName for an unregistered loss, ConfigError for a None without a default."""
+    """(eps_low, eps_high) of `cfg`: the selected loss's settings (`ClipRange`), as given or
+    its defaults (the paper's for the built-in losses, sec. 5.1). UnknownName for an
+    unregistered loss, ConfigError for a loss without a clip range or a default."""
     get_policy_loss(cfg.name)
-    defaults = _PAPER_EPS.get(cfg.name, (None, None))
-    out = []
-    for field, given, default in zip(("eps_low", "eps_high"), (cfg.eps_low, cfg.eps_high),
-                                     defaults):
-        if given is None and default is None:
-            raise ConfigError(f"loss.{field}=None: loss {cfg.name!r} has no paper default, "
-                              "set it")
-        out.append(default if given is None else given)
-    return out[0], out[1]
+    own = settings_of(cfg)
+    if not isinstance(own, ClipRange):
+        raise ConfigError(f"loss.name={cfg.name}: its settings have no clip range (subclass "
+                          "ClipRange to clip)")
+    return own.eps_low, own.eps_high
 
 
 # ----------------------------------------------------------------------------- shared pieces
@@ -262,7 +266,7 @@ def _check_kl(cfg: PolicyLossConfig, ref_logp_BT) -> None:
 # ----------------------------------------------------------------------------- the losses
 
 
-@register_policy_loss("grpo", eps=(0.2, 0.27))
+@register_policy_loss("grpo")
 def grpo_loss(logp_BT, old_logp_BT, adv_B, mask_BT, cfg: PolicyLossConfig, ref_logp_BT=None,
               is_weight_BT=None, keep_BT=None):
     """GRPO (paper sec. 2): token ratio exp(logp - old) clipped per token, token-mean per
@@ -285,7 +289,7 @@ def _seq_log_ratio(b: _Batch) -> torch.Tensor:
     return b.log_ratio_BT.sum(-1) / b.n_B
 
 
-@register_policy_loss("gspo", eps=(3e-4, 4e-4))
+@register_policy_loss("gspo")
 def gspo_loss(logp_BT, old_logp_BT, adv_B, mask_BT, cfg: PolicyLossConfig, ref_logp_BT=None,
               is_weight_BT=None, keep_BT=None):
     """GSPO (paper sec. 4.1): s_i = exp(mean_t log-ratio), clipped once per sequence;
@@ -303,7 +307,7 @@ def gspo_loss(logp_BT, old_logp_BT, adv_B, mask_BT, cfg: PolicyLossConfig, ref_l
                    dual_clipped(s_B.detach(), b.adv, cfg)[:, None] & b.mask_BT)
 
 
-@register_policy_loss("gspo_token", eps=(3e-4, 4e-4))
+@register_policy_loss("gspo_token")
 def gspo_token_loss(logp_BT, old_logp_BT, adv_B, mask_BT, cfg: PolicyLossConfig,
                     ref_logp_BT=None, is_weight_BT=None, keep_BT=None):
     """GSPO-token (paper sec. 4.3): s_it = sg[s_i] * exp(logp_it - sg[logp_it]), clipped on

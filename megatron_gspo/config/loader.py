@@ -19,20 +19,24 @@ import yaml
 
 from megatron_gspo.config.fields import (accepts_str, coerce, field_readers, field_types,
                                          get_origin, type_name)
+from megatron_gspo.config.parts import build_part, host_fields, registered
 from megatron_gspo.config.yamlfile import YamlLoader
 from megatron_gspo.errors import ConfigError
 
 
-def _unknown(prefix: str, name, cls) -> ConfigError:
+def _unknown(prefix: str, name, cls, hint: str = "") -> ConfigError:
     section = prefix.rstrip(".") or "top level"
-    return ConfigError(f"unknown config key '{prefix}{name}'; valid keys of {section}: "
-                       f"{', '.join(field_types(cls))}")
+    return ConfigError(f"unknown config key '{prefix}{name}'{hint}; valid keys of {section}: "
+                       f"{', '.join(host_fields(cls))}")
 
 
 def renamed(cls) -> dict[str, str]:
     """{older name: key now} of the keys section `cls` still reads under a name it had before
     (its `_renamed` class attribute; the key now may be dotted, a key of a section nested in
-    `cls` that it moved into): old configs and run records keep loading."""
+    `cls` that it moved into): old configs and run records keep loading. A key whose older
+    value needs reading, not only renaming, is one of the section's `_older_keys`: an override
+    sets it as given, and the section's `_read_older(mapping) -> mapping` reads it before the
+    renames (`RolloutConfig`'s `decoder`)."""
     return getattr(cls, "_renamed", {})
 
 
@@ -40,6 +44,7 @@ def _current_names(cls, data: dict, prefix: str) -> dict:
     """`data` with `cls`'s older key names (`renamed`) as the keys they became (a dotted one
     placed in its nested section, the input's mappings copied, not changed); ConfigError when
     a mapping gives one key under both names."""
+    data = getattr(cls, "_read_older", lambda d: d)(data)
     old = renamed(cls)
     out = {name: value for name, value in data.items() if name not in old}
     for name, value in data.items():
@@ -83,10 +88,13 @@ def build(cls, data, prefix: str = ""):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of keys, "
                           f"got {type(data).__name__} {data!r}")
     data = _current_names(cls, data, prefix)
-    types, readers = field_types(cls), field_readers(cls)
-    kwargs = {}
+    types, readers, keys = field_types(cls), field_readers(cls), host_fields(cls)
+    kwargs, extra = {}, {}
     for name, value in data.items():
-        if name not in types:
+        if name not in keys and hasattr(cls, "_parts"):
+            extra[name] = value  # the selected part's settings (`megatron_gspo.config.parts`)
+            continue
+        if name not in keys:
             raise _unknown(prefix, name, cls)
         tp = types[name]
         if dataclasses.is_dataclass(tp):
@@ -94,7 +102,32 @@ def build(cls, data, prefix: str = ""):
             continue
         value = coerce(value, tp, f"{prefix}{name}")
         kwargs[name] = readers[name](value) if name in readers else value
+    if hasattr(cls, "_parts"):
+        kwargs["settings"] = _part_settings(cls, kwargs, extra, prefix)
     return cls(**kwargs)
+
+
+def _part_settings(cls, kwargs: dict, extra: dict, prefix: str):
+    """A host section's `settings` (`megatron_gspo.config.parts`) from its keys that are not its
+    own fields: the selected part's settings (flat), or {part: settings} of each `part:`
+    section given (nested)."""
+    kind, selector, nested = cls._parts
+    chosen = kwargs.get(selector, {f.name: f for f in dataclasses.fields(cls)}[selector].default)
+    keys = host_fields(cls)
+    if not nested:
+        return build_part(keys, kind, chosen, extra, prefix, build) if extra else None
+    out = {}
+    for part, mapping in extra.items():
+        if registered(kind, part) is None:
+            raise _unknown(prefix, part, cls, f" (not a {kind} that declares settings: is its "
+                                              "plugin imported?)")
+        if mapping is not None and not isinstance(mapping, dict):
+            raise ConfigError(f"{prefix}{part}: expected a mapping of keys, got "
+                              f"{type(mapping).__name__} {mapping!r}")
+        value = build_part(keys, kind, part, mapping or {}, f"{prefix}{part}.", build)
+        if value is not None:
+            out[part] = value
+    return out
 
 
 def _parse_override(item: str) -> tuple[list[str], str]:
@@ -127,6 +160,25 @@ def _drop_older(cls, node: dict, rest: list[str]) -> None:
             node.pop(old, None)
 
 
+def _set_part_key(cls, node: dict, parts: list[str], i: int, text: str, key: str) -> str:
+    """Set a key of a part's settings (`megatron_gspo.config.parts`) into the raw mapping of
+    host section `cls`: `loss.eps_low=0.1` (flat), `rollout.my_backend.every=2` (nested); the
+    build checks it against the part's settings."""
+    nested = cls._parts[2]
+    path = parts[i:]
+    if nested and len(path) == 1:
+        raise ConfigError(f"{key} is a section; set one of its keys, e.g. {key}.<key>=...")
+    if len(path) != (2 if nested else 1):
+        raise ConfigError(f"{key}: not a key of {'.'.join(parts[:i])} or its part's settings")
+    for part in path[:-1]:
+        sub = node.get(part)
+        if sub is not None and not isinstance(sub, dict):
+            raise ConfigError(f"{'.'.join(parts[:i + 1])}: expected a mapping, got {sub!r}")
+        node[part] = node = dict(sub or {})
+    node[path[-1]] = _override_value(key, text, Any)
+    return ".".join(parts)
+
+
 def apply_override(root, raw: dict, item: str) -> str:
     """Set one `a.b=c` into the nested raw dict, checking the path against `root`'s schema
     (an older key name, `renamed`, read as the key it became); returns the dotted key set (its
@@ -139,6 +191,11 @@ def apply_override(root, raw: dict, item: str) -> str:
         types = field_types(cls)
         parts[i:i + 1] = renamed(cls).get(parts[i], parts[i]).split(".")
         name = parts[i]
+        if name not in types and name in getattr(cls, "_older_keys", ()) and i == len(parts) - 1:
+            node[name] = _override_value(key, text, str)  # read at build (`renamed`)
+            return key
+        if name not in host_fields(cls) and hasattr(cls, "_parts"):
+            return _set_part_key(cls, node, parts, i, text, key)
         if name not in types:
             raise _unknown(prefix, name, cls)
         _drop_older(cls, node, parts[i:])

@@ -3,8 +3,8 @@ sampler backends, each in its own section nested in it (`rollout.decoders`,
 `rollout.megatron_engine`, `rollout.vllm`: `megatron_gspo.config.vllm`; a backend declares its
 section, `megatron_gspo.rollout.sampler.Backend.settings`). Conventions as in
 `megatron_gspo.config.sections`: every field has a docstring, `__post_init__` only checks,
-derived values are properties (`RolloutConfig.sampler`). Keys that moved into a backend's section
-still load under their older names (`RolloutConfig._renamed`).
+`_read_older` reads the older `decoder` key into `backend`. Keys that moved into
+a backend's section still load under their older names (`RolloutConfig._renamed`).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Optional
 
 from megatron_gspo.config.fields import check, may_change, validate
+from megatron_gspo.config.parts import check_host, part_field
 from megatron_gspo.config.vllm import VLLMConfig
 
 
@@ -68,6 +69,8 @@ class RolloutConfig:
         "router_noise_std": "decoders.router_noise_std", "router_noise": "decoders.router_noise",
         "cuda_graphs": "megatron_engine.cuda_graphs", "engine_dtype": "vllm.dtype",
         "engine_kv_cache_gb": "vllm.kv_cache_gb", "push_check_tol": "vllm.push_check_tol"}
+    _older_keys: ClassVar[tuple] = ("decoder",)
+    _parts: ClassVar[tuple] = ("backend", "backend", True)
 
     prompts_per_batch: int = 8
     """Prompts per rollout batch (over all data-parallel ranks)."""
@@ -98,15 +101,13 @@ class RolloutConfig:
     the start of each batch's training, and the loss's TIS / masked IS / IcePop settings correct
     for the sampler being older (docs/staleness.md)."""
     backend: str = "lean"
-    """The sampler (`megatron_gspo.rollout.sampler`): "lean" (our KV-cache decoder in the
+    """The rollout backend (`megatron_gspo.rollout.sampler`): "lean" (our KV-cache decoder in the
     trainer process: walks megatron's layers itself, caches rotated keys, attends per K/V group;
     `moe.inference.decode`), "megatron" (`GPTModel.forward` with megatron-core's static inference context:
     the same routing and logits to fp32 rounding, slower), "megatron_engine" (megatron-core's
     dynamic inference engine over the same weights: paged KV cache, CUDA graphs; GPU and
-    megatron-core >= 0.19 only), or any name registered with `register_sampler`."""
-    decoder: Literal["lean", "megatron"] = "lean"
-    """The older spelling of backend=lean|megatron: with backend left at "lean",
-    decoder=megatron selects the megatron sampler."""
+    megatron-core >= 0.19 only), or any name registered with `register_backend`. Formerly
+    also `rollout.decoder` (lean | megatron, read while backend is lean; still read)."""
     decoders: DecodersConfig = field(default_factory=DecodersConfig)
     """backend=lean|megatron: the KV-cache decoders' settings."""
     megatron_engine: MegatronEngineConfig = field(default_factory=MegatronEngineConfig)
@@ -114,6 +115,10 @@ class RolloutConfig:
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """backend=vllm: the engine's precision and cache, and where it runs (in this process or as
     engine servers)."""
+    settings: dict = part_field(nested=True)
+    """{backend: its settings} of the sections `rollout.<backend>:` of backends that declare
+    their own settings (a plugin's, `megatron_gspo.config.parts`), as given (missing: the
+    defaults; `parts.settings_of`)."""
 
     def __post_init__(self):
         validate(self, nonempty=("backend",),
@@ -121,8 +126,17 @@ class RolloutConfig:
                      "max_batch_rows": 0, "max_staleness": 0},
                  gt={"temperature": 0})
         check(self, "top_p", 0 < self.top_p <= 1, "must be in (0, 1]")
+        check_host(self)
 
-    @property
-    def sampler(self) -> str:
-        """The sampler's registered name: `backend`, or `decoder` while backend is "lean"."""
-        return self.decoder if self.backend == "lean" else self.backend
+    @staticmethod
+    def _read_older(data: dict) -> dict:
+        """`data` (this section's mapping) with the older `decoder` key folded into `backend`:
+        it chose lean or megatron while backend was lean, and every config saved before the
+        fold holds it (`decoder: lean` beside `backend: vllm` too)."""
+        if "decoder" not in data:
+            return data
+        data = dict(data)
+        decoder = data.pop("decoder")
+        if data.get("backend", "lean") == "lean":
+            data["backend"] = decoder
+        return data

@@ -3,7 +3,7 @@
     cfg = load_config("experiments/demo/gspo.yaml", ["loss.eps_low=3e-4", "train.steps=5"])
 
 `RunConfig` is the top level of an experiment file; its sections are one dataclass per component
-(`megatron_gspo.config.sections`, `.rollout`, `.data`). Loading is strict and generic (`.loader` walks the
+(`megatron_gspo.config.sections`, `.loss`, `.rollout`, `.data`). Loading is strict and generic (`.loader` walks the
 dataclass fields, no per-section code): an unknown key at any level is an error naming the
 dotted key and listing the section's valid keys; values (YAML, or override text read as YAML:
 `1e-5`, `true`, `[1,2]`, `null`) are read into the field's type before a dataclass is built,
@@ -13,6 +13,7 @@ for `megatron-gspo config`. docs/config.md is the reference.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import os
@@ -26,16 +27,19 @@ from megatron_gspo.config.data import (DataConfig, FilterConfig, RewardConfig,  
 from megatron_gspo.config.docs import describe_fields, field_docs
 from megatron_gspo.config.fields import (MAY_CHANGE, OptionalPath, Path, Paths, check,
                                          field_types, may_change, validate)
-from megatron_gspo.config.loader import apply_override, build, current_names, renamed
+from megatron_gspo.config.loader import apply_override, build, current_names
+from megatron_gspo.config.parts import (PART, describe_all, host_fields, may_change_keys,
+                                        settings_dict, settings_of)
 from megatron_gspo.config.rollout import RolloutConfig  # noqa: F401
-from megatron_gspo.config.sections import (LossConfig, ModelConfig, OptimConfig,  # noqa: F401
-                                           SFTConfig, TaskConfig, TrainConfig, WandbConfig)
+from megatron_gspo.config.loss import LossConfig  # noqa: F401
+from megatron_gspo.config.sections import (ModelConfig, OptimConfig, SFTConfig,  # noqa: F401
+                                           TaskConfig, TrainConfig, WandbConfig)
 from megatron_gspo.config.yamlfile import atomic_write, load_layered
 from megatron_gspo.errors import ConfigError
 
 __all__ = ["COMMAND_LINE", "DEFAULT_INSTRUMENTS", "RunConfig", "config_from_dict",
            "config_to_dict", "describe_config", "field_docs", "load_config",
-           "load_config_origins", "local_prompts", "renamed_keys", "resume_may_change",
+           "load_config_origins", "local_prompts", "resume_may_change",
            "save_config"]
 
 
@@ -141,17 +145,6 @@ def local_prompts(cfg: RunConfig, dp: int) -> int:
     return prompts // dp
 
 
-def renamed_keys(cls=RunConfig, prefix: str = "") -> dict[str, str]:
-    """{older dotted key: its key now} over every section, nested ones too (`loader.renamed`):
-    what a run record written before a rename holds (task.n_eval: task.n_test,
-    rollout.engine_dtype: rollout.vllm.dtype)."""
-    out = {f"{prefix}{old}": f"{prefix}{new}" for old, new in renamed(cls).items()}
-    for name, tp in field_types(cls).items():
-        if dataclasses.is_dataclass(tp):
-            out.update(renamed_keys(tp, f"{prefix}{name}."))
-    return out
-
-
 @functools.lru_cache(maxsize=None)
 def resume_may_change(cls=RunConfig, prefix: str = "") -> tuple[str, ...]:
     """The dotted keys of the fields (or whole sections) marked `fields.may_change`, nested
@@ -168,8 +161,14 @@ def resume_may_change(cls=RunConfig, prefix: str = "") -> tuple[str, ...]:
 
 
 def value_at(cfg, key: str):
-    """The value of dotted `key` ("rollout.decoders.kv_cache") in a config (or a section)."""
+    """The value of dotted `key` ("rollout.decoders.kv_cache") in a config (or a section), a
+    part's settings too ("rollout.my_backend.every": `parts.settings_of`)."""
     for part in key.split("."):
+        if hasattr(cfg, "_parts") and part not in host_fields(type(cfg)):
+            if cfg._parts[2]:  # nested: the part's own section
+                cfg = settings_of(cfg, part)
+                continue
+            cfg = settings_of(cfg)  # flat: a key of the selected part's settings
         cfg = getattr(cfg, part)
     return cfg
 
@@ -181,8 +180,21 @@ def config_from_dict(d: dict) -> RunConfig:
 
 
 def config_to_dict(cfg) -> dict:
-    """Plain nested dict; `config_from_dict(config_to_dict(cfg)) == cfg`."""
-    return dataclasses.asdict(cfg)
+    """Plain nested dict, a part's settings (`megatron_gspo.config.parts`) spelled out where
+    its keys are; `config_from_dict(config_to_dict(cfg)) == cfg`."""
+    out = {f.name: config_to_dict(v) if dataclasses.is_dataclass(v := getattr(cfg, f.name))
+           else copy.deepcopy(v) for f in dataclasses.fields(cfg) if not f.metadata.get(PART)}
+    return {**out, **settings_dict(cfg)} if hasattr(cfg, "_parts") else out
+
+
+def settings_may_change(config: dict, cls=RunConfig, prefix: str = "") -> tuple[str, ...]:
+    """The dotted keys of parts' settings in a saved `config` marked `fields.may_change`
+    (`resume_may_change` lists the sections' own)."""
+    out = may_change_keys(cls, config, prefix) if hasattr(cls, "_parts") else []
+    for name, tp in field_types(cls).items():
+        if dataclasses.is_dataclass(tp) and isinstance(config.get(name), dict):
+            out += settings_may_change(config[name], tp, f"{prefix}{name}.")
+    return tuple(out)
 
 
 COMMAND_LINE = "the command line"
@@ -195,17 +207,26 @@ def load_config(path: str | None, overrides: Sequence[str] = ()) -> RunConfig:
     return load_config_origins(path, overrides)[0]
 
 
-def load_config_origins(path: str | None, overrides: Sequence[str] = ()
+def load_config_origins(path: str | None, overrides: Sequence[str] = (), plugins=None
                         ) -> tuple[RunConfig, dict[str, str]]:
     """`load_config`, and {dotted key (its name now): where its value was given, the file of
     the base chain that set it last or COMMAND_LINE} of every key the file and the overrides
-    set (what `megatron_gspo.rollout.backends.unused_settings` reads)."""
+    set (what `megatron_gspo.rollout.backends.unused_settings` reads). `plugins(head) ->
+    [entries]`, if given, is called before the rest is built with the config of the keys
+    `HEAD` alone: it imports the run's plugins and returns the `plugins` the config keeps, so
+    that the settings of the parts they register are read as strictly as a section's."""
     origins: dict[str, str] = {}
     raw = {} if path is None else load_layered(
         path, normalize=lambda layer: current_names(RunConfig, layer), origins=origins)
     for item in overrides:
         origins[apply_override(RunConfig, raw, item)] = COMMAND_LINE
+    if plugins is not None:
+        raw = {**raw, "plugins": plugins(build(RunConfig, {k: raw[k] for k in HEAD if k in raw}))}
     return config_from_dict(raw), origins
+
+
+HEAD = ("run_dir", "resume", "plugins")
+"""The keys that say which plugins a run imports (its own, or those its run dir recorded)."""
 
 
 def save_config(cfg: RunConfig, path: str) -> None:
@@ -220,5 +241,5 @@ def save_config(cfg: RunConfig, path: str) -> None:
 def describe_config() -> str:
     """Every key with its type, default and docstring (`megatron-gspo config`)."""
     lines = ["megatron-gspo config keys (YAML sections, or dotted key=value overrides):", ""]
-    describe_fields(RunConfig, "", lines)
+    describe_fields(RunConfig, "", lines, parts=describe_all)
     return "\n".join(lines)

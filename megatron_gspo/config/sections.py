@@ -1,12 +1,12 @@
 """The run config's sections, one frozen dataclass per component: the model and its layout, the
-task, the policy loss, the optimizer, the RL loop, the SFT cold start, wandb. (Rollout sampling
-is in `megatron_gspo.config.rollout`, the dataset sections in `.data`, the top level in
-`.schema`.)
+task, the optimizer, the RL loop, the SFT cold start, wandb. (The policy loss is in
+`megatron_gspo.config.loss`, rollout sampling in `.rollout`, the dataset sections in `.data`,
+the top level in `.schema`.)
 
 Every field has a docstring (a string literal right under it) that `megatron-gspo config`
 prints. `__post_init__` only checks (`fields.validate` / `fields.check`: one-line ConfigErrors
 naming the dotted key); it never changes a value, so the saved config is the one given. Values
-derived from others are properties (`ModelConfig.resolved_dispatcher`, `RolloutConfig.sampler`).
+derived from others are properties (`ModelConfig.resolved_dispatcher`).
 Names that a registry of a higher room holds (task, loss, reward, sampler) are checked at set-up,
 `megatron_gspo.run.names`.
 """
@@ -16,8 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Optional
 
-from megatron_gspo.config.fields import (Band, OptionalPath, check, check_band, check_ratio_band,
-                                         may_change, validate)
+from megatron_gspo.config.fields import Band, OptionalPath, check, check_band, may_change, validate
 from moe.model.presets import PRESETS
 from moe.model.settings import RECOMPUTE_MODULES, OptimSettings, layout_problems, resolve_dispatcher
 
@@ -146,64 +145,6 @@ class TaskConfig:
     def __post_init__(self):
         validate(self, nonempty=("name",), ge={"n_train": 1, "n_test": 0, "n_val": 0})
         check(self, "kwargs", all(isinstance(k, str) for k in self.kwargs), "keys must be str")
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    """Policy loss (GSPO / GRPO), its clipping and the advantage's epsilon: the one definition
-    of the loss hyper-parameters, which the loss functions (`megatron_gspo.algo.losses`) take
-    as they are. A new loss hyper-parameter is one field here."""
-    _section: ClassVar[str] = "loss"
-
-    name: str = "gspo"
-    """Registered loss: "gspo" (sequence ratio), "gspo_token" (sequence ratio, token
-    advantages) or "grpo" (token ratio); checked against the registry at set-up."""
-    eps_low: Optional[float] = None
-    """Lower clip range, ratio >= 1 - eps_low, in [0, 1). None = the loss's paper default
-    (sec. 5.1): 3e-4 for gspo / gspo_token, 0.2 for grpo (`losses.clip_range`)."""
-    eps_high: Optional[float] = None
-    """Upper clip range, ratio <= 1 + eps_high, >= 0. None = the loss's paper default: 4e-4
-    for gspo / gspo_token, 0.27 for grpo."""
-    kl_coef: float = 0.0
-    """Weight of the k3 KL to the reference policy (>= 0; 0 = off, as in the paper)."""
-    max_log_ratio: float = 20.0
-    """Clamp of |log-ratio| before exp (> 0): a numerical guard, not in the paper; the
-    gradient is zero beyond it."""
-    tis_cap: Optional[float] = None
-    """Truncated importance sampling against the train-inference mismatch (None = off): each
-    response token's loss term is weighted by min(pi_old / pi_sampler, tis_cap), pi_old being the
-    trainer's recompute (verl's rollout IS `truncate`, slime's `tis_clip`). > 0."""
-    is_mask_token: Band = None
-    """[low, high]: masked IS per token (None = off): a response token whose pi_old / pi_sampler
-    is outside the band leaves the loss (its sequence's token-mean runs over the kept tokens;
-    docs/corrections.md). 0 < low <= 1 <= high."""
-    is_mask_seq: Band = None
-    """[low, high]: masked IS per sequence (None = off): a sequence whose geometric-mean
-    pi_old / pi_sampler, exp(mean_t log ratio), is outside the band leaves the loss (it adds 0,
-    the mean over sequences keeps it). 0 < low <= 1 <= high."""
-    icepop: Band = None
-    """[alpha, beta]: IcePop (None = off): each response token's weight is pi_old / pi_sampler
-    inside [alpha, beta] and 0 outside (it stays in the token-mean's denominator); the paper used
-    [0.5, 5]. Not with tis_cap (both set the weight). 0 < alpha <= 1 <= beta."""
-    adv_eps: float = 1e-6
-    """Epsilon in the group advantage (r - mean) / (std + eps)."""
-    dual_clip: Optional[float] = None
-    """Dual-clip PPO (verl's clip_ratio_c; None = off): where the advantage is negative the
-    objective is at least dual_clip * A, so a token (GSPO: a sequence) whose ratio exceeds
-    dual_clip stops pulling the loss (its gradient is 0) instead of weighing in unbounded.
-    > 1 (verl's default is 3)."""
-
-    def __post_init__(self):
-        validate(self, nonempty=("name",), ge={"eps_high": 0, "kl_coef": 0},
-                 gt={"max_log_ratio": 0, "tis_cap": 0, "adv_eps": 0})
-        check(self, "eps_low", self.eps_low is None or 0 <= self.eps_low < 1,
-              "must be in [0, 1)")
-        check(self, "dual_clip", self.dual_clip is None or self.dual_clip > 1,
-              "must be > 1 or null")
-        for name in ("is_mask_token", "is_mask_seq", "icepop"):
-            check_ratio_band(self, name)
-        check(self, "icepop", self.icepop is None or self.tis_cap is None,
-              f"and loss.tis_cap={self.tis_cap} both set the token weight: choose one")
 
 
 @dataclass(frozen=True)

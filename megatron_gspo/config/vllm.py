@@ -46,7 +46,7 @@ class VLLMConfig:
     a float32 engine, 0.8 for bfloat16. May change on resume."""
     mode: Literal["in_process", "server"] = may_change("in_process")
     """"in_process": one engine inside each trainer rank (tensor_parallel_size 1). "server":
-    engine server processes (`megatron_gspo.rollout.vllm_server`) with their own tensor
+    engine server processes (`megatron_gspo.rollout.vllm.server`) with their own tensor
     parallelism; rollouts, log-probs and routes come back over a socket, weights over a
     torch.distributed group between the trainer's rank 0 and the engine workers."""
     tensor_parallel_size: int = may_change(1)
@@ -58,7 +58,7 @@ class VLLMConfig:
     data-parallel groups are spread over them. With addresses: 1 or len(addresses)."""
     addresses: Optional[list] = may_change(None)
     """mode=server: ["host:port", ...] of engine servers already running (one per replica,
-    started with `python -m megatron_gspo.rollout.vllm_server`); the trainer connects to them
+    started with `python -m megatron_gspo.rollout.vllm.server`); the trainer connects to them
     and never stops them. None: the trainer starts them on its rank 0's machine."""
     host: str = may_change("127.0.0.1")
     """mode=server: the address engine servers started by the trainer listen on."""

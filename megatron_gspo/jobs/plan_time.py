@@ -62,7 +62,7 @@ def sampler_figure(cfg) -> tuple[str, float, str]:
         return key, DECODE["tokens_per_s"][key], ""
     key = DECODE["stand_in"]
     return key, DECODE["tokens_per_s"][key], \
-        f"rollout.backend={cfg.rollout.sampler} has no GPU figure here: {key}' stands in"
+        f"rollout.backend={cfg.rollout.backend} has no GPU figure here: {key}' stands in"
 
 
 def recompute_factor(p, cfg, seq_len: int) -> tuple[float, str]:

@@ -7,7 +7,7 @@ decoders in the trainer process, `rollout.decoders`), "megatron_engine" (megatro
 dynamic inference engine on a GPU, `rollout.engine`) and "vllm" (`rollout.vllm`). So the
 trainer, the run's set-up and `megatron-gspo plan` ask a backend what it can do without
 importing it (the plan runs without torch). A backend defined elsewhere registers itself with
-`megatron_gspo.rollout.sampler.register_sampler` and is found by the same name.
+`megatron_gspo.rollout.sampler.register_backend` and is found by the same name.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import importlib
 
 from megatron_gspo.config.schema import COMMAND_LINE, RunConfig, value_at
 from megatron_gspo.errors import ConfigError
-from megatron_gspo.rollout.sampler import BACKENDS, SAMPLERS, Backend, Sampler, register_sampler
+from megatron_gspo.rollout.sampler import BACKENDS, SAMPLERS, Backend, Sampler, register_backend
 from moe.model import memory as mem
 
 ENGINE_BUFFER_GIB = 4.0  # megatron_engine's KV buffer (moe.inference.engine's buffer_size_gb default)
@@ -60,7 +60,7 @@ def _decoders_memory(q, cfg, rows: int, T: int, lean: bool) -> tuple[list, bool]
     the whole step (the sampler runs while the trainer trains)."""
     m, a = cfg.model, mem.ITEMSIZE[cfg.model.dtype]
     if _decoders_record(cfg):
-        out = [(f"KV cache ({cfg.rollout.sampler}: {_rows(rows)} x {T})",
+        out = [(f"KV cache ({cfg.rollout.backend}: {_rows(rows)} x {T})",
                 mem.kv_cache_bytes(q, rows, T, a, m.tp))]
     else:  # full recompute each step: one no-grad forward of the call's rows
         out = [(f"recomputed forward ({_rows(rows)} x {T}, no KV cache)",
@@ -86,8 +86,8 @@ def _decoders(name: str) -> Backend:
                    measured=lambda cfg: name)
 
 
-register_sampler("lean", _decoders("lean"), factory="megatron_gspo.rollout.decoders:lean_sampler")
-register_sampler("megatron", _decoders("megatron"),
+register_backend("lean", _decoders("lean"), factory="megatron_gspo.rollout.decoders:lean_sampler")
+register_backend("megatron", _decoders("megatron"),
                  factory="megatron_gspo.rollout.decoders:megatron_sampler")
 
 
@@ -102,7 +102,7 @@ def _megatron_engine_memory(q, cfg, rows: int, T: int) -> tuple[list, bool]:
     return [("megatron_engine KV buffer", ENGINE_BUFFER_GIB * mem.GIB)], False
 
 
-register_sampler("megatron_engine", Backend(
+register_backend("megatron_engine", Backend(
     engine=True, records_routing=_always, needs_cuda=True,
     settings="rollout.megatron_engine", cuda_graphs=_graphs, plan_memory=_megatron_engine_memory,
     measured=lambda cfg: "megatron_engine_graphs" if _graphs(cfg) else "megatron_engine"),
@@ -136,22 +136,22 @@ def _vllm_check(cfg) -> None:
                           f"trainer's process cannot sample beside it; got {cfg.rollout.vllm.mode})")
 
 
-register_sampler("vllm", Backend(engine=True, records_routing=_always, settings="rollout.vllm",
+register_backend("vllm", Backend(engine=True, records_routing=_always, settings="rollout.vllm",
                                  plan_memory=_vllm_memory, beside=_vllm_server,
                                  check=_vllm_check),
-                 factory="megatron_gspo.rollout.vllm:factory")
+                 factory="megatron_gspo.rollout.vllm.sampler:factory")
 
 
 # ----------------------------------------------------------------------------- lookup, checks
 
 
 def backend_of(cfg) -> Backend:
-    """The capabilities of the run's sampler (`cfg.rollout.sampler`); ConfigError naming
+    """The capabilities of the run's sampler (`cfg.rollout.backend`); ConfigError naming
     `rollout.backend` unless one of that name is registered."""
-    name = cfg.rollout.sampler
+    name = cfg.rollout.backend
     if name not in BACKENDS:
-        key = "rollout.backend" if cfg.rollout.backend == name else "rollout.decoder"
-        raise ConfigError(f"{key}={name!r}: no such sampler; registered: {sorted(BACKENDS)}")
+        raise ConfigError(f"rollout.backend={name!r}: no such backend; registered: "
+                          f"{sorted(BACKENDS)}")
     return BACKENDS[name]
 
 
@@ -159,7 +159,7 @@ def check_config(cfg) -> Backend:
     """The backend's capabilities, once the config passes what they require (ConfigError in one
     line otherwise): its own checks, no other backend's own key set, and R3 only with a backend
     that records its routing. Imports no backend."""
-    caps, name = backend_of(cfg), cfg.rollout.sampler
+    caps, name = backend_of(cfg), cfg.rollout.backend
     default = RunConfig()
     for key in dict.fromkeys(k for b in BACKENDS.values() for k in b.own_keys):
         value = value_at(cfg, key)
@@ -198,7 +198,7 @@ def unused_settings(cfg, origins: dict[str, str]) -> list[str]:
             continue
         line = (f"{key}={value_at(cfg, key)!r} is a setting of rollout.backend="
                 f"{' or '.join(owners[section])}; this run samples with "
-                f"{cfg.rollout.sampler!r}, which never reads it")
+                f"{cfg.rollout.backend!r}, which never reads it")
         if where == COMMAND_LINE:
             raise ConfigError(f"{line}: drop it, or set rollout.backend")
         warnings.append(f"{where}: {line} (ignored)")
@@ -219,19 +219,19 @@ def check_backend(cfg) -> None:
     `unavailable()` (a reason in one line), then a CUDA GPU where it needs one. Imports the
     backend's module."""
     caps = check_config(cfg)
-    why = getattr(sampler_factory(cfg.rollout.sampler), "unavailable", lambda: None)()
+    why = getattr(sampler_factory(cfg.rollout.backend), "unavailable", lambda: None)()
     if why:
         raise ConfigError(why)
     if caps.needs_cuda:
         import torch  # only when a run starts: the plan reads this module without torch
 
         if not torch.cuda.is_available():
-            raise ConfigError(f"rollout.backend={cfg.rollout.sampler} needs a CUDA GPU; none "
+            raise ConfigError(f"rollout.backend={cfg.rollout.backend} needs a CUDA GPU; none "
                               "is visible here")
 
 
 def build_sampler(cfg, policy, tokenizer) -> Sampler:
-    """The run's sampler (`cfg.rollout.sampler`) over `policy`."""
+    """The run's sampler (`cfg.rollout.backend`) over `policy`."""
     check_backend(cfg)
-    return sampler_factory(cfg.rollout.sampler)(policy, tokenizer, cfg)
+    return sampler_factory(cfg.rollout.backend)(policy, tokenizer, cfg)
 

@@ -12,7 +12,8 @@ reports them); and, where the backend can record it and `record_routing` asks, e
 token's top-k experts per MoE layer (`moe.routing.replay.RoutingReplayCache`): the routing R3 replays
 (arXiv 2510.11370).
 
-Backends register by name with their capabilities (`register_sampler(name, caps=Backend(...))`);
+Backends register by name with their capabilities (`register_backend(name, caps=Backend(...))`,
+formerly `register_sampler`);
 `rollout.backend` picks one, `megatron_gspo.rollout.backends` checks a config against its
 capabilities and builds it, and the trainer, the run's set-up and `megatron-gspo plan` read the
 capabilities, never a backend's name. The built-in backends are declared in
@@ -25,9 +26,11 @@ No torch at import: the plan reads this registry in a process without it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
+from megatron_gspo.config.parts import register_settings
 from moe.platform.checks import refuse_duplicate
 
 if TYPE_CHECKING:  # annotations only: the plan imports this registry without torch
@@ -122,8 +125,11 @@ class Backend:
     publishes between updates (`megatron_gspo.rollout.overlap.Beside`)."""
     needs_cuda: bool = False
     """Runs on a CUDA GPU only: refused in one line where none is visible."""
-    settings: Optional[str] = None
-    """Its config section (dotted, e.g. "rollout.vllm"), or None."""
+    settings: Optional[str | type] = None
+    """Its config section (dotted, e.g. "rollout.vllm": a built-in section), or its own settings:
+    a frozen dataclass (every field with a docstring; `megatron_gspo.config.parts`), which
+    `register_backend` registers as the section `rollout.<name>` (read with
+    `megatron_gspo.config.parts.settings_of(cfg.rollout)`), or None."""
     own_keys: tuple = ()
     """Dotted keys only the backends declaring them read: set away from their default while
     another backend runs, they are refused in one line (a knob that would do nothing)."""
@@ -145,17 +151,26 @@ BACKENDS: dict[str, Backend] = {}
 """name -> its capabilities."""
 
 
-def register_sampler(name: str, caps: Backend | None = None, factory: str | None = None):
+def register_backend(name: str, caps: Backend | None = None, factory: str | None = None):
     """Register backend `name` (a `rollout.backend` value) with its capabilities `caps`
-    (default `Backend()`): as a decorator of its factory, or with `factory="module:attribute"`,
+    (default `Backend()`; its `settings` a class: registered as the backend's own, section
+    `rollout.<name>`): as a decorator of its factory, or with `factory="module:attribute"`,
     imported only when a run builds the sampler (so reading `caps` imports no torch). A name
     already registered (a built-in one too) is refused naming both definitions."""
     def deco(f):
         if name in SAMPLERS:
             refuse_duplicate("sampler backend", name, SAMPLERS[name], f)
-        SAMPLERS[name], BACKENDS[name] = f, caps or Backend()
+        own = caps or Backend()
+        if isinstance(own.settings, type):  # its own settings: the section rollout.<name>
+            register_settings("backend", name, own.settings)
+            own = dataclasses.replace(own, settings=f"rollout.{name}")
+        SAMPLERS[name], BACKENDS[name] = f, own
         return f
     return deco if factory is None else deco(factory)
+
+
+register_sampler = register_backend
+"""The older name of `register_backend` (still importable)."""
 
 
 def prompt_ids(tokenizer, prompts: list[str]) -> list[list[int]]:

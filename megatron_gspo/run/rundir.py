@@ -39,14 +39,13 @@ import hashlib
 import json
 import os
 import shutil
-from types import SimpleNamespace
 
 import torch.distributed as dist
 
-from megatron_gspo.algo.losses import clip_range
-from megatron_gspo.config.schema import (RunConfig, config_to_dict, renamed_keys,
-                                         resume_may_change)
-from megatron_gspo.errors import RunDirError, UserError
+from megatron_gspo.config.loader import current_names
+from megatron_gspo.config.schema import (RunConfig, config_to_dict, resume_may_change,
+                                         settings_may_change)
+from megatron_gspo.errors import RunDirError
 from megatron_gspo.run.checkpoint import atomic_write
 from megatron_gspo.run.inputs import changed_inputs
 from megatron_gspo.run.lock import lock_run_dir
@@ -71,7 +70,8 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 def _skipped(config: dict, unused: tuple) -> tuple:
     distributed = (config.get("optim") or {}).get("distributed")
-    return resume_may_change() + tuple(unused) + (LAYOUT[2:] if distributed else LAYOUT)
+    return resume_may_change() + settings_may_change(config) + tuple(unused) + \
+        (LAYOUT[2:] if distributed else LAYOUT)
 
 
 def _kept(flat: dict, skip: tuple) -> dict:
@@ -80,26 +80,26 @@ def _kept(flat: dict, skip: tuple) -> dict:
 
 
 def semantic_config(config: dict, unused: tuple = ()) -> dict:
-    """The dotted keys of `config` that define the run (all but `resume_may_change()` and
-    LAYOUT; `unused`: the sections the run's job does not read,
-    `megatron_gspo.run.setup.JobSpec`), a None clip range as the number it means (`_resolved`)."""
-    kept = _resolved(_kept(_flatten(config), _skipped(config, unused)))
+    """The dotted keys of `config` that define the run (all but `resume_may_change()`, the
+    parts' settings marked may_change, and LAYOUT; `unused`: the sections the run's job does not
+    read, `megatron_gspo.run.setup.JobSpec`). A part's settings are spelled out in `config`
+    (`config_to_dict`), so a record holds the numbers a default means."""
+    kept = _kept(_flatten(config), _skipped(config, unused))
     return json.loads(json.dumps(kept, default=str))  # as run.json holds it (tuples -> lists)
 
 
-def _resolved(flat: dict) -> dict:
-    """`loss.eps_low` / `loss.eps_high` None as the loss's paper default (`clip_range`): the
-    same run whether the config spells the default or leaves it None, and the number run.json
-    files recorded before the config kept None."""
-    if "loss.name" not in flat or not ({"loss.eps_low", "loss.eps_high"} <= set(flat)):
-        return flat
-    loss = SimpleNamespace(name=flat["loss.name"], eps_low=flat["loss.eps_low"],
-                           eps_high=flat["loss.eps_high"])
-    try:
-        flat["loss.eps_low"], flat["loss.eps_high"] = clip_range(loss)
-    except UserError:  # an unknown loss: set-up says so in its own words
-        pass
-    return flat
+def _current(flat: dict) -> dict:
+    """A record's dotted keys as the config reads them now: older names as their keys now, an
+    older key's value read into the key now (`megatron_gspo.config.loader.current_names`: a
+    record from before `rollout.decoder` was read into `rollout.backend`, or before a rename)."""
+    nested: dict = {}
+    for key, value in flat.items():
+        *path, last = key.split(".")
+        node = nested
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return _flatten(current_names(RunConfig, nested))
 
 
 def fingerprint(semantic: dict) -> str:
@@ -156,9 +156,7 @@ def _verdict(run_dir: str, job: str, config: dict, resume, unused: tuple) -> str
                 "checkpoints: choose another run_dir")
     new = semantic_config(config, unused)
     if fingerprint(new) != record["fingerprint"] and resume != "force":
-        renames = renamed_keys()  # a record from before a key was renamed: its key now
-        recorded = {renames.get(k, k): v for k, v in record["config"].items()}
-        old = _kept(recorded, _skipped(config, unused))  # records may hold LAYOUT keys
+        old = _kept(_current(record["config"]), _skipped(config, unused))  # records may hold LAYOUT keys
         diff = differing_keys(old, new, default_semantic_config(unused))
         if diff:
             return (f"run_dir={run_dir} was started with another config ({'; '.join(diff)}); "

@@ -17,7 +17,7 @@ def side(rollout_tps, train_tps, rollout_s, sync_s=0.0):
 
 
 def test_with_vllm_switches_every_side_to_the_head_dim_32_preset():
-    from megatron_gspo.rollout.vllm_engine import CPU_HEAD_DIMS
+    from megatron_gspo.rollout.vllm.engine import CPU_HEAD_DIMS
     from moe.model.presets import get_preset
 
     plain, three = bench.parse_args([]), bench.parse_args(["--with-vllm"])

@@ -210,7 +210,7 @@ def test_an_ablation_arm_a_signal_stopped_resumes(tmp_path, monkeypatch):
 
 
 def test_arms_differ_only_in_the_loss_and_replay():
-    from megatron_gspo.rollout.vllm_engine import CPU_HEAD_DIMS
+    from megatron_gspo.rollout.vllm.engine import CPU_HEAD_DIMS
     from moe.model.presets import get_preset
     from tests.experiments.test_configs import config_diff as _diff
 

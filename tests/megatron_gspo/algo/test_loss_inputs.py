@@ -9,6 +9,8 @@ import torch
 from megatron_gspo.algo import losses
 from megatron_gspo.algo.losses import (POLICY_LOSSES, PolicyLossConfig, clip_range,
                                        get_policy_loss, policy_loss, register_policy_loss)
+from megatron_gspo.config import parts
+from megatron_gspo.config.loss import ClipRange
 from megatron_gspo.config.schema import load_config
 from megatron_gspo.errors import ConfigError, UnknownName
 from megatron_gspo.run.names import check_names
@@ -35,13 +37,16 @@ def test_config_defaults_validation_and_registry():
     for name, lo, hi in (("gspo", 3e-4, 4e-4), ("gspo_token", 3e-4, 4e-4), ("grpo", 0.2, 0.27)):
         cfg = PolicyLossConfig(name)
         assert (*clip_range(cfg), cfg.kl_coef, cfg.max_log_ratio) == (lo, hi, 0.0, 20.0)
-        assert (cfg.eps_low, cfg.eps_high) == (None, None)  # the default is derived, not stored
+        assert cfg.settings is None  # the loss's own defaults, derived at use
+        assert (cfg.eps_low, cfg.eps_high) == (lo, hi)  # read as their keys are
     assert PolicyLossConfig().name == "gspo"
-    cfg = PolicyLossConfig("grpo", eps_low=0.1, eps_high=0.0)
+    cfg = PolicyLossConfig("grpo", settings=ClipRange(eps_low=0.1, eps_high=0.0))
     assert (cfg.eps_low, cfg.eps_high) == (0.1, 0.0) == clip_range(cfg)
     for field, value in (("eps_low", -0.1), ("eps_low", 1.0), ("eps_high", -1e-3),
-                         ("kl_coef", -1.0), ("max_log_ratio", 0.0), ("max_log_ratio", math.nan),
                          ("eps_high", math.inf)):
+        with pytest.raises(ValueError, match=f"^loss.{field}="):
+            ClipRange(**{"eps_low": 0.1, "eps_high": 0.1, field: value})
+    for field, value in (("kl_coef", -1.0), ("max_log_ratio", 0.0), ("max_log_ratio", math.nan)):
         with pytest.raises(ValueError, match=f"^loss.{field}="):
             PolicyLossConfig("gspo", **{field: value})
     for call in (lambda: get_policy_loss("ppo"), lambda: clip_range(PolicyLossConfig("ppo"))):
@@ -66,10 +71,12 @@ def test_config_accepts_zero_eps_low_and_rejects_non_numbers():
     """Guards the loss section's checks: eps_low = 0 is in [0, 1); a bool, a string or a tiny
     negative kl_coef is a ConfigError (a ValueError) naming the key (not a TypeError or
     silently accepted)."""
-    cfg = PolicyLossConfig("grpo", eps_low=0.0, eps_high=0.1)
+    cfg = PolicyLossConfig("grpo", settings=ClipRange(eps_low=0.0, eps_high=0.1))
     assert (cfg.eps_low, cfg.eps_high) == (0.0, 0.1)
-    for field, value in (("eps_high", True), ("eps_low", "0.1"), ("kl_coef", -1e-3),
-                         ("max_log_ratio", None), ("tis_cap", False)):
+    for field, value in (("eps_high", True), ("eps_low", "0.1")):
+        with pytest.raises(ConfigError, match=f"^loss.{field}="):
+            ClipRange(**{"eps_low": 0.1, "eps_high": 0.1, field: value})
+    for field, value in (("kl_coef", -1e-3), ("max_log_ratio", None), ("tis_cap", False)):
         with pytest.raises(ConfigError, match=f"^loss.{field}="):
             PolicyLossConfig("gspo", **{field: value})
 
@@ -94,19 +101,19 @@ def test_unknown_loss_error_is_a_value_error_with_a_plain_message():
 
 def test_register_refuses_a_duplicate_name_and_a_loss_without_eps_needs_them(monkeypatch):
     """Guards register_policy_loss's duplicate check (a second "grpo" would silently replace
-    the real one) and the "no paper default" error for a loss registered without eps."""
+    the real one) and the "no default" error for a loss registered without eps."""
     monkeypatch.setattr(losses, "POLICY_LOSSES", dict(losses.POLICY_LOSSES))
-    monkeypatch.setattr(losses, "_PAPER_EPS", dict(losses._PAPER_EPS))
+    monkeypatch.setitem(parts.SETTINGS, "loss", dict(parts.SETTINGS["loss"]))
     grpo = losses.POLICY_LOSSES["grpo"]
     with pytest.raises(ValueError, match="'grpo' is already registered"):
         register_policy_loss("grpo")(lambda *a, **k: None)
     assert losses.POLICY_LOSSES["grpo"] is grpo
     register_policy_loss("no_eps")(grpo)
-    with pytest.raises(ValueError, match=r"eps_low=None: loss 'no_eps' has no paper default"):
+    with pytest.raises(ValueError, match=r"^loss.eps_low: loss 'no_eps' has no default for it"):
         clip_range(PolicyLossConfig("no_eps"))
-    with pytest.raises(ConfigError, match=r"^loss.eps_low=None: loss 'no_eps' has no paper"):
+    with pytest.raises(ConfigError, match=r"^loss.eps_low: loss 'no_eps' has no default"):
         check_names(load_config(None, ["loss.name=no_eps"]))
-    cfg = PolicyLossConfig("no_eps", eps_low=0.1, eps_high=0.2)
+    cfg = PolicyLossConfig("no_eps", settings=ClipRange(eps_low=0.1, eps_high=0.2))
     assert (cfg.eps_low, cfg.eps_high) == (0.1, 0.2) == clip_range(cfg)
 
 

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from megatron_gspo.config.loss import ClipRange
 from megatron_gspo.algo.losses import (PolicyLossConfig, clip_range, clipped_surrogate,
                                        get_policy_loss, policy_loss)
 
@@ -77,9 +78,10 @@ def random_batch(seed, B=5, T=8, scale=0.3):
     return logp, old, adv, mask
 
 
-def run(name, logp, old, adv, mask, ref=None, **cfg_kwargs):
+def run(name, logp, old, adv, mask, ref=None, eps_low=None, eps_high=None, **cfg_kwargs):
     logp = logp.detach().clone().requires_grad_(True)
-    cfg = PolicyLossConfig(name, **cfg_kwargs)
+    clip = None if eps_low is None else ClipRange(eps_low=eps_low, eps_high=eps_high)
+    cfg = PolicyLossConfig(name, settings=clip, **cfg_kwargs)
     loss, metrics = get_policy_loss(name)(logp, old, adv, mask, cfg, ref_logp_BT=ref)
     loss.backward()
     return loss.detach(), logp.grad, metrics

@@ -3,6 +3,7 @@ key with its type, default and docstring."""
 
 import dataclasses
 
+from megatron_gspo.config import parts
 from megatron_gspo.config.docs import RESUMABLE
 from megatron_gspo.config.schema import RunConfig, describe_config, field_docs
 
@@ -15,9 +16,10 @@ def _sections(cls=RunConfig) -> list[type]:
 
 
 def _leaf_keys() -> int:
-    """Keys a user can set: every field of every section, the sections themselves excepted."""
-    return sum(not dataclasses.is_dataclass(getattr(cls(), f.name))
-               for cls in _sections() for f in dataclasses.fields(cls))
+    """Keys a user can set: every field of every section, the sections themselves and a
+    section's parts' settings (keys of the parts, `parts.SETTINGS`) excepted."""
+    return sum(not dataclasses.is_dataclass(getattr(cls(), f.name)) and not f.metadata.get(
+        parts.PART) for cls in _sections() for f in dataclasses.fields(cls))
 
 
 def test_every_field_has_a_docstring():
@@ -34,14 +36,19 @@ def test_every_field_has_a_docstring():
 def test_describe_config_lists_every_key_with_default_and_doc():
     text = describe_config()
     for key, default in [("run_dir", "'runs/default'"), ("model.preset", "'qwen3-moe-tiny'"),
-                         ("train.routing_replay", "'off'"), ("loss.eps_low", "None"),
-                         ("sft.lr", "0.003"), ("wandb.name", "None")]:
+                         ("train.routing_replay", "'off'"), ("sft.lr", "0.003"),
+                         ("wandb.name", "None")]:
         line = next(ln for ln in text.splitlines() if ln.startswith(key + ":"))
         assert line.removesuffix(RESUMABLE).endswith("= " + default), line
     assert "train.num_minibatches: int = 4" in text
     assert "must divide prompts_per_batch * group_size" in text
     n_keys = sum(1 for ln in text.splitlines() if ln and not ln.startswith((" ", "[", "megat")))
-    assert n_keys == _leaf_keys()  # every key, once
+    own = sum(len(dataclasses.fields(e.cls)) for kind in parts.SETTINGS.values()
+              for e in kind.values())
+    assert n_keys == _leaf_keys() + own  # every key, once; a part's own, once per part
+    # each loss lists its own settings: its clip range, at its defaults
+    grpo = text[text.index("[loss, loss.name=grpo] the loss's own settings"):]
+    assert grpo.splitlines()[1] == "loss.eps_low: float = 0.2"
     assert "rollout.vllm.tensor_parallel_size: int = 1" in text  # a nested section's keys
 
 

@@ -125,7 +125,7 @@ def test_a_section_built_in_python_holds_what_it_was_given_or_refuses_it():
     (the saved config is the one given); a value of the wrong type is a ConfigError naming the
     key, as the loader's reading of it would be."""
     assert ModelConfig(ep=2).dispatcher == "auto"
-    assert LossConfig(name="grpo").eps_low is None
+    assert LossConfig(name="grpo").settings is None  # the loss's defaults, derived at use
     assert RunConfig(run_dir="~/r").run_dir == "~/r"  # the loader expands `~`, not the section
     for make, message in [
             (lambda: TrainConfig(steps="5"), "train.steps=5: expected int"),

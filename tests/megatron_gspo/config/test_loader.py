@@ -61,8 +61,8 @@ def test_overrides_coerce_types():
     assert cfg.loss.eps_low == pytest.approx(3e-4) and type(cfg.loss.eps_low) is float
     assert cfg.optim.lr == 1e-5 and cfg.train.steps == 7 and type(cfg.train.steps) is int
     assert cfg.rollout.temperature == 2.0 and type(cfg.rollout.temperature) is float
-    assert cfg.loss.eps_high is None and cfg.seed == 3  # null = GSPO's paper default:
-    assert clip_range(cfg.loss) == (3e-4, 4e-4)  # derived where the losses are
+    assert cfg.loss.eps_high == 4e-4 and cfg.seed == 3  # null: the loss's default (as older
+    assert clip_range(cfg.loss) == (3e-4, 4e-4)  # configs said it), GSPO's paper one
     assert cfg.wandb.name == "2024"  # a str field keeps the literal text
     assert cfg.task.kwargs == {"num_numbers": 3, "max_number": [1, 2]}  # YAML-typed values
     assert cfg.train.routing_replay == "r3"
@@ -72,7 +72,7 @@ def test_overrides_coerce_types():
     ("train.num_minibatches=abc", "train.num_minibatches=abc: expected int"),
     ("train.steps=2.5", "train.steps=2.5: expected int"),
     ("resume=maybe", "resume=maybe: expected bool | 'force'"),
-    ("loss.eps_low=abc", "loss.eps_low=abc: expected float | null"),
+    ("loss.eps_low=abc", "loss.eps_low=abc: expected float"),
     ("train.routing_replay=r9", "expected one of 'off', 'r2', 'r3'"),
     ("model.dtype=fp8", "expected one of 'fp32', 'bf16', 'fp16'"),
     ("model.tp=", "model.tp=: expected int"),
@@ -179,15 +179,15 @@ def test_keys_moved_into_a_backend_section_load_under_their_older_names(tmp_path
     """rollout.kv_cache, .engine_dtype, ... (a config or a saved `*_config.yaml` from before
     the backend sections) load as rollout.decoders.kv_cache, rollout.vllm.dtype, ...: in YAML
     beside keys of the section they moved into, as overrides (which replace the file's value
-    under the other name, either way round), and in the run records' key map; one mapping giving
-    a key under both names is refused naming both."""
-    from megatron_gspo.config.schema import renamed_keys
+    under the other name, either way round) and in the run records (`run/test_rundir.py`); one
+    mapping giving a key under both names is refused naming both."""
+    from megatron_gspo.config.rollout import RolloutConfig
 
     old = _write(tmp_path, "rollout:\n" + "".join(
         f"  {k.split('.')[1]}: {str(v).lower()}\n" for k, v in OLD.items())
         + "  vllm: {mode: server}\n  decoders: null\n")
     cfg = load_config(old)
-    moved = {k: renamed_keys()[k] for k in OLD}
+    moved = {k: "rollout." + RolloutConfig._renamed[k.split(".")[1]] for k in OLD}
     assert {new: _nested(cfg, new) for new in moved.values()} == \
         {moved[k]: v for k, v in OLD.items()}
     assert moved["rollout.engine_dtype"] == "rollout.vllm.dtype"

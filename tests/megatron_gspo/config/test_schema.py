@@ -116,13 +116,14 @@ def test_saved_config_keeps_the_schema_order(tmp_path):
 
 def test_the_saved_config_is_the_one_given(tmp_path):
     """What a run saves is what it was given: 'auto' and null stay (their meaning is derived
-    at use), a `~` path is saved expanded (the path the run used), and loading the file gives
-    the same config."""
+    at use), the loss's own settings are spelled out (its defaults: grpo's clip range), a `~`
+    path is saved expanded (the path the run used), and loading the file gives the same
+    config."""
     cfg = load_config(None, ["model.dispatcher=auto", "loss.name=grpo", "run_dir=~/r"])
     path = tmp_path / "train_config.yaml"
     save_config(cfg, str(path))
     text = path.read_text()
-    assert "  dispatcher: auto\n" in text and "  eps_low: null\n" in text
+    assert "  dispatcher: auto\n" in text and "  eps_low: 0.2\n" in text
     assert f"run_dir: {os.path.expanduser('~/r')}\n" in text
     assert load_config(str(path)) == cfg and config_to_dict(load_config(str(path))) == \
         config_to_dict(cfg)

@@ -8,6 +8,7 @@ import pytest
 from megatron_gspo.algo.losses import clip_range
 from megatron_gspo.config.schema import (LossConfig, ModelConfig, RunConfig, TaskConfig,
                                          config_from_dict, load_config)
+from megatron_gspo.config.loss import ClipRange
 from megatron_gspo.errors import ConfigError
 
 
@@ -21,9 +22,8 @@ def test_defaults_construct():
     assert load_config(None, ["model.ep=2", "model.dispatcher=allgather"]).model \
         .resolved_dispatcher == "allgather"
     assert cfg.rollout.group_size == 8 and cfg.train.num_minibatches == 4
-    # eps None (saved as given) is the loss's paper default (sec. 5.1), derived where the
-    # losses are registered
-    assert (cfg.loss.eps_low, cfg.loss.eps_high) == (None, None)
+    # the loss's own settings at their defaults: the paper's clip range (sec. 5.1)
+    assert cfg.loss.settings is None and (cfg.loss.eps_low, cfg.loss.eps_high) == (3e-4, 4e-4)
     assert clip_range(cfg.loss) == (3e-4, 4e-4)
     assert cfg.optim.beta2 == 0.999 and cfg.sft.lr == 3e-3
     assert cfg.train.routing_replay == "off" and cfg.wandb.mode == "offline"
@@ -120,41 +120,47 @@ def test_sequence_parallel_ok_with_tp2():
 
 def test_loss_section_is_the_policy_loss_config():
     """One definition: the loss functions take the run config's loss section as it is
-    (`losses.PolicyLossConfig` is it), and a None clip range is the loss's paper default."""
+    (`losses.PolicyLossConfig` is it), the selected loss's own settings (the clip range of the
+    built-in ones) beside its keys: given keys over the loss's defaults."""
     from dataclasses import fields
 
     from megatron_gspo.algo.losses import PolicyLossConfig
 
     assert PolicyLossConfig is LossConfig
     assert [f.name for f in fields(LossConfig)] == \
-        ["name", "eps_low", "eps_high", "kl_coef", "max_log_ratio", "tis_cap", "is_mask_token",
-         "is_mask_seq", "icepop", "adv_eps", "dual_clip"]
+        ["name", "kl_coef", "max_log_ratio", "tis_cap", "is_mask_token", "is_mask_seq",
+         "icepop", "adv_eps", "dual_clip", "settings"]
     cfg = load_config(None, ["loss.name=grpo", "loss.eps_high=0.3"])
-    assert (cfg.loss.eps_low, cfg.loss.eps_high) == (None, 0.3)  # as given
-    assert clip_range(cfg.loss) == (0.2, 0.3)  # paper default + override
+    assert cfg.loss.settings == ClipRange(eps_low=0.2, eps_high=0.3)
+    assert clip_range(cfg.loss) == (0.2, 0.3) == (cfg.loss.eps_low, cfg.loss.eps_high)
+    assert load_config(None, ["loss.name=grpo", "loss.eps_high=0.27"]).loss.settings is None
 
 
 def test_derived_values_follow_a_replaced_field():
     """Derived values are computed from the fields, so a section copied with another field
     (`dataclasses.replace`) derives them anew; a value written back at load kept the old one
-    (an EP=1 'allgather' under ep=2, gspo's 3e-4 clip under grpo)."""
+    (an EP=1 'allgather' under ep=2, gspo's 3e-4 clip under grpo: a loss's settings left at
+    their defaults are None, the defaults of the loss named)."""
     cfg = load_config(None, [])
     assert dataclasses.replace(cfg.model, ep=2).resolved_dispatcher == "alltoall"
     assert clip_range(dataclasses.replace(cfg.loss, name="grpo")) == (0.2, 0.27)
-    assert load_config(None, ["rollout.decoder=megatron"]).rollout.sampler == "megatron"
+    assert load_config(None, ["rollout.decoder=megatron"]).rollout.backend == "megatron"
 
 
 def test_loss_ranges_at_their_edges():
     """Guards the loss section's checks (one style with the others): eps_low in [0, 1),
     eps_high and kl_coef >= 0, max_log_ratio, tis_cap and adv_eps > 0, each naming its key."""
-    assert LossConfig(eps_low=0.0, eps_high=0.0, kl_coef=0.0).eps_low == 0.0
+    assert LossConfig(settings=ClipRange(eps_low=0.0, eps_high=0.0), kl_coef=0.0).eps_low == 0.0
     for key, value, rule in [("eps_low", -0.1, "must be in [0, 1)"),
                              ("eps_low", 1.0, "must be in [0, 1)"),
                              ("eps_high", -1e-3, "must be >= 0"),
-                             ("kl_coef", -1e-3, "must be >= 0"),
+                             ("eps_high", float("inf"), "must be finite")]:
+        with pytest.raises(ConfigError) as e:
+            ClipRange(**{"eps_low": 0.0, "eps_high": 0.0, key: value})
+        assert str(e.value) == f"loss.{key}={value}: {rule}"
+    for key, value, rule in [("kl_coef", -1e-3, "must be >= 0"),
                              ("max_log_ratio", 0.0, "must be > 0"),
                              ("tis_cap", 0.0, "must be > 0"),
-                             ("eps_high", float("inf"), "must be finite"),
                              ("name", "", "must be non-empty")]:
         with pytest.raises(ConfigError) as e:
             LossConfig(**{key: value})

@@ -3,7 +3,7 @@ exactly k versions old (read back from the batches and recomputed from each vers
 R3 replaying the sampling version's routes, the decoupled objective (pi_old = the trainer's
 recompute, the sampler's log-probs corrected by the loss's settings), reproducibility whatever
 the timing, a SIGTERM and its resume, and the configurations refused. The producer alone is in
-tests/megatron_gspo/rollout/test_overlap.py; engine servers in test_vllm_server_staleness.py."""
+tests/megatron_gspo/rollout/test_overlap.py; engine servers in vllm/test_server_staleness.py."""
 
 import os
 import signal

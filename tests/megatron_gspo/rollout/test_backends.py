@@ -127,7 +127,7 @@ def test_a_backends_own_check_and_own_keys_run_from_its_declaration():
     with pytest.raises(ConfigError, match=r"^rollout.top_p=0.9: needs "
                                           r"rollout.backend=fake_engine, not 'lean'$"):
         check_config(load_config(None, ["rollout.top_p=0.9"]))
-    with pytest.raises(ConfigError, match=r"^rollout.backend='nope': no such sampler"):
+    with pytest.raises(ConfigError, match=r"^rollout.backend='nope': no such backend"):
         backend_of(load_config(None, ["rollout.backend=nope"]))
 
 

@@ -49,18 +49,18 @@ def test_the_built_in_backends_are_registered():
 def test_an_unknown_backend_is_one_config_error_naming_the_registered_ones(tmp_path):
     from megatron_gspo.rollout.backends import check_backend
 
-    with pytest.raises(ConfigError, match=r"rollout.backend='vlm': no such sampler; "
+    with pytest.raises(ConfigError, match=r"rollout.backend='vlm': no such backend; "
                                           r"registered: \[.*'lean'.*\]"):
         check_backend(load_config(None, ["rollout.backend=vlm"]))
     check_backend(load_config(None, ["rollout.decoder=megatron"]))  # the older spelling
 
 
 def test_decoder_is_the_older_spelling_of_the_decoder_backends():
-    assert load_config(None, []).rollout.sampler == "lean"
-    assert load_config(None, ["rollout.decoder=megatron"]).rollout.sampler == "megatron"
-    assert load_config(None, ["rollout.backend=megatron"]).rollout.sampler == "megatron"
+    assert load_config(None, []).rollout.backend == "lean"
+    assert load_config(None, ["rollout.decoder=megatron"]).rollout.backend == "megatron"
+    assert load_config(None, ["rollout.backend=megatron"]).rollout.backend == "megatron"
     cfg = load_config(None, ["rollout.backend=megatron_engine", "rollout.decoder=megatron"])
-    assert cfg.rollout.sampler == "megatron_engine"
+    assert cfg.rollout.backend == "megatron_engine"
 
 
 class FixedTokens:

@@ -173,7 +173,7 @@ BACKEND = ("from megatron_gspo.rollout.backends import sampler_factory\n"
 
 def test_plan_imports_the_plugins_of_its_config_and_command_line(registries, tmp_path,
                                                                  monkeypatch, capsys):
-    """A config naming a plugin backend could not be planned (`no such sampler`)."""
+    """A config naming a plugin backend could not be planned (`no such backend`)."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "p_backend.py").write_text(BACKEND)
     (tmp_path / "exp.yaml").write_text("plugins: [p_backend.py]\nrollout: {backend: counting}\n")

@@ -5,6 +5,7 @@ key; a config loads with any name, and a name registered before the check is val
 import pytest
 
 from megatron_gspo.algo import losses
+from megatron_gspo.config import parts
 from megatron_gspo.config.schema import load_config
 from megatron_gspo.errors import ConfigError
 from megatron_gspo.run.names import check_names
@@ -20,7 +21,7 @@ DATASET = ["task.name=dataset", "data.train_files=a.jsonl"]
     (["task.kwargs.bogus=1"], "task.kwargs.bogus: unknown argument of task 'addition'; "
                               "valid: ['num_digits']"),
     ([*DATASET, "reward.name=mth"], "reward.name=mth: valid names: ['countdown', 'exact'"),
-    (["rollout.backend=vlm"], "rollout.backend='vlm': no such sampler; registered: ["),
+    (["rollout.backend=vlm"], "rollout.backend='vlm': no such backend; registered: ["),
 ])
 def test_an_unregistered_name_is_one_config_error_naming_the_key(overrides, message):
     cfg = load_config(None, overrides)  # the config room cannot know the registries
@@ -40,7 +41,7 @@ def test_a_name_registered_before_the_check_is_valid(monkeypatch):
     """Registries are read when the check runs: a loss and a reward registered by user code
     (here a test) after the config room was imported are valid names."""
     monkeypatch.setattr(losses, "POLICY_LOSSES", dict(losses.POLICY_LOSSES))
-    monkeypatch.setattr(losses, "_PAPER_EPS", dict(losses._PAPER_EPS))
+    monkeypatch.setitem(parts.SETTINGS, "loss", dict(parts.SETTINGS["loss"]))
     monkeypatch.setattr(rewards, "REWARDS", dict(rewards.REWARDS))
     monkeypatch.setattr(rewards, "FORMAT_CHECKS", dict(rewards.FORMAT_CHECKS))
     cfg = load_config(None, [*DATASET, "loss.name=mine", "reward.name=mine"])
@@ -56,11 +57,11 @@ def test_a_name_registered_before_the_check_is_valid(monkeypatch):
 
 def test_a_loss_without_paper_defaults_needs_its_clip_range(monkeypatch):
     monkeypatch.setattr(losses, "POLICY_LOSSES", dict(losses.POLICY_LOSSES))
-    monkeypatch.setattr(losses, "_PAPER_EPS", dict(losses._PAPER_EPS))
+    monkeypatch.setitem(parts.SETTINGS, "loss", dict(parts.SETTINGS["loss"]))
     losses.register_policy_loss("bare")(losses.POLICY_LOSSES["gspo"])
     with pytest.raises(ConfigError) as e:
         check_names(load_config(None, ["loss.name=bare", "loss.eps_low=0.1"]))
-    assert str(e.value) == "loss.eps_high=None: loss 'bare' has no paper default, set it"
+    assert str(e.value) == "loss.eps_high: loss 'bare' has no default for it: set it"
     check_names(load_config(None, ["loss.name=bare", "loss.eps_low=0.1", "loss.eps_high=0.2"]))
 
 

@@ -13,6 +13,7 @@ import torch
 
 from megatron_gspo import cli
 from megatron_gspo.algo import losses
+from megatron_gspo.config import parts
 from megatron_gspo.errors import ConfigError
 from megatron_gspo.jobs import instruments
 from megatron_gspo.rollout import backends, sampler  # noqa: F401 (the built-ins registered)
@@ -38,10 +39,10 @@ def registries(tmp_path_factory):
     """The registries as they were before the test: a plugin's entries leave with it, and its
     modules (those imported from a test's folder) are imported afresh by the next test. Yields
     the function that puts the registries back (a test's "new process")."""
-    kept = [(d, dict(d)) for d in (losses.POLICY_LOSSES, losses._PAPER_EPS, rewards.REWARDS,
-                                   rewards.FORMAT_CHECKS, rewards.GROUND_TRUTHS, toy.TASKS,
-                                   sampler.SAMPLERS, sampler.BACKENDS, HF_FAMILIES,
-                                   instruments.INSTRUMENTS)]
+    kept = [(d, dict(d)) for d in (losses.POLICY_LOSSES, *parts.SETTINGS.values(),
+                                   parts.SETTINGS, rewards.REWARDS, rewards.FORMAT_CHECKS,
+                                   rewards.GROUND_TRUTHS, toy.TASKS, sampler.SAMPLERS,
+                                   sampler.BACKENDS, HF_FAMILIES, instruments.INSTRUMENTS)]
     modules, tests = set(sys.modules), str(tmp_path_factory.getbasetemp())
 
     def restore():
@@ -61,8 +62,9 @@ def test_the_plugin_of_docs_extending_md_trains_an_rl_iteration(single_process, 
     """The page's Python blocks, as one file, register a loss, a reward, a task, a sampler and
     an instrument; its YAML block names them and the file as the plugin; `megatron-gspo train`
     on it runs one RL iteration with all five (the IS mask on, so the loss is called with
-    keep_BT), and with only the instruments it lists. A plugin the page describes wrongly (a
-    signature without keep_BT, a stale import) fails here."""
+    keep_BT), the loss and the backend with their own settings as the YAML gives them, and
+    only the instruments it lists. A plugin the page describes wrongly (a signature without
+    keep_BT, a stale import) fails here."""
     text = DOC.read_text()
     (tmp_path / "my_plugin.py").write_text("\n\n".join(code_blocks(text, "python")))
     yaml_block, = code_blocks(text, "yaml")
@@ -76,7 +78,7 @@ def test_the_plugin_of_docs_extending_md_trains_an_rl_iteration(single_process, 
     calls = []
     loss = losses.POLICY_LOSSES["gspo_soft_negatives"]
     monkeypatch.setitem(losses.POLICY_LOSSES, "gspo_soft_negatives",
-                        lambda *a, **kw: calls.append(sorted(kw)) or loss(*a, **kw))
+                        lambda *a, **kw: calls.append((sorted(kw), a[4])) or loss(*a, **kw))
 
     assert cli.main(["train", "--config", "exp.yaml", *TINY, "loss.is_mask_token=[0.5,2.0]",
                      "run_dir=run"]) == 0
@@ -92,10 +94,63 @@ def test_the_plugin_of_docs_extending_md_trains_an_rl_iteration(single_process, 
     assert "moe/flip_rate/mean" in rows[1] and "moe/expert_load/layer_00/cv" in rows[2]
     assert not any(k.startswith(("perf/", "alert/", "policy/routing_log_ratio"))
                    for r in rows for k in r)
-    assert isinstance(built[0], plugin.CountingSampler) and built[0].response_tokens > 0
-    assert calls and all("keep_BT" in kw for kw in calls)
+    assert isinstance(built[0], plugin.CountingSampler) and built[0].tokens > 0
+    assert built[0].count_prompts is True  # rollout.counting_lean.count_prompts, as given
+    assert calls and all("keep_BT" in kw for kw, _ in calls)
+    assert {cfg.negative_scale for _, cfg in calls} == {0.25}  # loss.negative_scale
+    saved = json.loads((tmp_path / "run" / "run.json").read_text())["config"]
+    assert (saved["loss.negative_scale"], saved["loss.eps_low"]) == (0.25, 3e-4)
     assert "eval/accuracy" in json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert plugin.near("25", "24") == 0.5 and rewards.get_reward("near") is plugin.near
+
+
+def _docs_plugin(tmp_path, monkeypatch):
+    """The page's plugin and experiment written into `tmp_path`, the working directory."""
+    text = DOC.read_text()
+    (tmp_path / "my_plugin.py").write_text("\n\n".join(code_blocks(text, "python")))
+    (tmp_path / "exp.yaml").write_text(code_blocks(text, "yaml")[0])
+    monkeypatch.chdir(tmp_path)
+
+
+def test_config_lists_the_settings_of_a_plugins_loss_and_backend(registries, tmp_path,
+                                                               monkeypatch, capsys):
+    """`megatron-gspo config --plugin my_plugin.py` lists the page's loss's own setting and its
+    backend's section, with defaults, docstrings and what a resume may change."""
+    _docs_plugin(tmp_path, monkeypatch)
+    assert cli.main(["config", "--plugin", "my_plugin.py"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    loss = lines.index("loss.negative_scale: float = 0.5")
+    assert lines[loss + 1].strip().startswith("Factor of the negative advantages")
+    assert "loss.eps_low: float = 0.0003" in lines[loss - 8:loss]  # its clip range, first
+    assert "rollout.counting_lean.count_prompts: bool = False  (a resume may change it)" in lines
+    assert any(ln.startswith("[loss, loss.name=gspo_soft_negatives] the loss's own settings: "
+                             "gspo_soft_negatives' own settings") for ln in lines)
+
+
+def test_a_plugins_settings_are_read_strictly_and_compared_on_resume(single_process, registries,
+                                                                     tmp_path, monkeypatch,
+                                                                     capsys):
+    """The page's plugin trains; a resume may change the backend's setting marked may_change
+    (count_prompts) and not the loss's own (negative_scale: refused naming it, one line, exit
+    2); a key neither part declares is one line and exit 2 before anything is written."""
+    _docs_plugin(tmp_path, monkeypatch)
+    run = ["train", "--config", "exp.yaml", *TINY, "run_dir=run"]
+    assert cli.main(run) == 0
+    assert cli.main([*run, "train.steps=2", "rollout.counting_lean.count_prompts=false"]) == 0
+    assert [r.get("train/minibatch") for r in read_jsonl("run/metrics.jsonl")] == \
+        [None, 0, 1, 0, 1]  # the second iteration, resumed
+    capsys.readouterr()
+    assert cli.main([*run, "train.steps=3", "loss.negative_scale=0.75"]) == 2
+    err = capsys.readouterr().err
+    assert "(loss.negative_scale: 0.25 -> 0.75)" in err and err.count("\n") == 1
+    for key, says in (("loss.negative_scal=0.3", "unknown config key 'loss.negative_scal'; "),
+                      ("rollout.counting_lean.count=1", "unknown config key "
+                                                        "'rollout.counting_lean.count'; "),
+                      ("loss.negative_scale=2", "loss.negative_scale=2.0: must be in [0, 1]")):
+        assert cli.main([*run, "run_dir=other", key]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"megatron-gspo: error: {says}") and err.count("\n") == 1
+    assert not (tmp_path / "other").exists()
 
 
 def test_the_cli_option_adds_a_plugin_that_the_saved_config_keeps(registries, tmp_path,

@@ -379,3 +379,4 @@ def test_a_record_from_before_the_backend_sections_resumes_under_the_new_names(t
         claim(tmp_path, "train", *NEW_SETTINGS, "rollout.vllm.dtype=fp32")
     with pytest.raises(RunDirError, match=r"\(rollout.decoders.kv_cache: False -> True\)"):
         claim(tmp_path, "train", *OLD_SETTINGS, "rollout.kv_cache=true")
+

@@ -95,7 +95,7 @@ def test_head_dim_32_presets_are_the_tiny_layers_with_vllm_cpu_heads(name, base)
     2 query heads / 1 KV head of dim 32 instead of 4 / 2 of dim 16: a head_dim vLLM's CPU
     attention accepts, the same projection shapes, and parameter counts that differ only by
     the QK-norm's 2 * head_dim weights per layer."""
-    from megatron_gspo.rollout.vllm_engine import CPU_HEAD_DIMS
+    from megatron_gspo.rollout.vllm.engine import CPU_HEAD_DIMS
 
     p, b = get_preset(name), get_preset(base)
     assert p.kv_channels in CPU_HEAD_DIMS and b.kv_channels not in CPU_HEAD_DIMS

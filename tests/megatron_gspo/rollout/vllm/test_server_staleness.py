@@ -1,5 +1,5 @@
 """`rollout.max_staleness=1` with a vLLM engine server sampling beside the trainer (TP = 2 over
-two CPU cores, float32, as test_vllm_server_runs.py): batches one version old, and the faults
+two CPU cores, float32, as vllm/test_server_runs.py): batches one version old, and the faults
 of an engine that samples ahead: killed with a batch in flight (restarted, the batch sampled
 again), stopped (one line after `rollout.vllm.request_timeout_s`); no engine process is left.
 Skipped without vLLM (Python >= 3.11, docs/vllm.md)."""
@@ -14,7 +14,7 @@ import pytest
 from megatron_gspo.config.schema import load_config
 from megatron_gspo.errors import UserError
 from tests.jsonl import step_rows
-from tests.megatron_gspo.rollout.test_vllm_server_runs import OVERRIDES, alive, run_cli
+from tests.megatron_gspo.rollout.vllm.test_server_runs import OVERRIDES, alive, run_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")]

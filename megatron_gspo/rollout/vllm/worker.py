@@ -1,4 +1,4 @@
-"""Inside the workers of a vLLM engine server (`megatron_gspo.rollout.vllm_server`).
+"""Inside the workers of a vLLM engine server (`megatron_gspo.rollout.vllm.server`).
 
 Shape legend: N tokens in one engine step, L MoE layers, K experts per token (top-k).
 
@@ -31,10 +31,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from megatron_gspo.rollout import vllm_engine
-from megatron_gspo.rollout.vllm_capture import (RoutingCapture, install_logprobs_before_top_p,
+from megatron_gspo.rollout.vllm import engine as vllm_engine
+from megatron_gspo.rollout.vllm.capture import (RoutingCapture, install_logprobs_before_top_p,
                                                 runner_of)
-from megatron_gspo.rollout.vllm_wire import BACKEND, open_group, receive_buckets
+from megatron_gspo.rollout.vllm.wire import BACKEND, open_group, receive_buckets
 from moe.platform.children import die_with_parent
 
 try:  # only vLLM's workers import this module; elsewhere (no vLLM) it defines nothing usable

@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 
 BACKEND = "megatron_gspo_group"
-"""The name `vllm_worker.GroupWeightTransfer` registers under in vLLM's weight-transfer registry."""
-WORKER_EXTENSION = "megatron_gspo.rollout.vllm_worker.WorkerExtension"
+"""The name `worker.GroupWeightTransfer` registers under in vLLM's weight-transfer registry."""
+WORKER_EXTENSION = "megatron_gspo.rollout.vllm.worker.WorkerExtension"
 """vLLM's `worker_extension_cls` of the engine servers (importing it registers BACKEND)."""
 KEY_ENV = "MEGATRON_GSPO_VLLM_KEY"
 DEFAULT_KEY = b"megatron-gspo-vllm"

@@ -5,14 +5,14 @@ Shape legend: P prompt tokens, R sampled tokens, L MoE layers, K experts per tok
 `RemoteEngine` is what `VLLMSampler` samples through in server mode, on every trainer rank:
 
 - start: rank 0 starts `rollout.vllm.replicas` servers (`vllm_launch.EngineProcess`: `python
-  -m megatron_gspo.rollout.vllm_server`, a new session, killed by the kernel when rank 0 dies,
+  -m megatron_gspo.rollout.vllm.server`, a new session, killed by the kernel when rank 0 dies,
   its log in a temporary folder) or takes `rollout.vllm.addresses`; it has each build the
-  model (`vllm_server`'s `build`) and opens the weight-sync group with their workers
+  model (`server`'s `build`) and opens the weight-sync group with their workers
   (`vllm_wire.open_group`). Every rank that samples (the first of each tensor-parallel group)
   connects to its replica, (rank // TP) mod replicas. A server that exits, does not answer
   within `start_timeout_s`, an address where nothing listens, a port in use: one line.
 - `generate`: this rank's requests to its replica; the samples come back in chunks as they
-  finish (`vllm_server`), each checked to carry the version pushed.
+  finish (`server`), each checked to carry the version pushed.
 - `push`: collective: every rank iterates the stream (the gathers over TP / EP); rank 0 sends
   it to all workers of all replicas in buckets (`vllm_wire.send_buckets`), version-stamped.
 - a lost engine (its process died, its connection closed, `request_timeout_s` without an
@@ -37,9 +37,9 @@ import torch
 
 from megatron_gspo.dist import broadcast_object, sum_over_ranks
 from megatron_gspo.errors import UserError
-from megatron_gspo.rollout.vllm_engine import EngineResult
-from megatron_gspo.rollout.vllm_launch import EngineProcess, open_channel
-from megatron_gspo.rollout.vllm_wire import ChannelClosed, open_group, rendezvous, send_buckets
+from megatron_gspo.rollout.vllm.engine import EngineResult
+from megatron_gspo.rollout.vllm.launch import EngineProcess, open_channel
+from megatron_gspo.rollout.vllm.wire import ChannelClosed, open_group, rendezvous, send_buckets
 from moe.platform.parallel import free_port
 
 

@@ -1,11 +1,11 @@
 """Engine server processes a trainer starts, and reaching a server (`rollout.vllm.mode=server`).
 
 `EngineProcess` is one server the trainer's rank 0 started: `python -m
-megatron_gspo.rollout.vllm_server` in a new session, killed by the kernel when rank 0 dies,
+megatron_gspo.rollout.vllm.server` in a new session, killed by the kernel when rank 0 dies,
 its log in the trainer's temporary folder, its CPU cores bound (`cpu_bind`). `open_channel`
 connects to a server, retried while one we started comes up; an exited server, one that does
 not answer within `start_timeout_s`, an address where nothing listens: one line
-(`megatron_gspo.rollout.vllm_remote.RemoteEngine` drives them).
+(`megatron_gspo.rollout.vllm.remote.RemoteEngine` drives them).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 import torch
 
 from megatron_gspo.errors import UserError
-from megatron_gspo.rollout.vllm_wire import ERROR_PREFIX, auth_key, connect, wait_for
+from megatron_gspo.rollout.vllm.wire import ERROR_PREFIX, auth_key, connect, wait_for
 from moe.platform.parallel import free_port
 
 
@@ -54,7 +54,7 @@ class EngineProcess:
                                          env=env, start_new_session=True)
 
     def command(self, vcfg) -> list[str]:
-        return [sys.executable, "-m", "megatron_gspo.rollout.vllm_server", "--host", self.host,
+        return [sys.executable, "-m", "megatron_gspo.rollout.vllm.server", "--host", self.host,
                 "--port", str(self.port), "--tensor-parallel-size",
                 str(vcfg.tensor_parallel_size), "--parent-pid", str(os.getpid())]
 

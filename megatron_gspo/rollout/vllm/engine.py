@@ -26,7 +26,7 @@ Where this departs from vLLM's defaults, and why:
   routing would be missing) and eager mode (`enforce_eager=True`): vLLM compiles the model
   without guards, so hooks installed after start-up are silently skipped in a compiled model.
 
-Routing capture: `megatron_gspo.rollout.vllm_capture`.
+Routing capture: `megatron_gspo.rollout.vllm.capture`.
 
 Weight push on CPU (vLLM 0.32.0): `reload_weights` leaves two gaps, each silently wrong
 log-probs: (1) `UnquantizedFusedMoEMethod._setup_kernel` runs the CPU experts' prepack only on
@@ -57,9 +57,9 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
-from megatron_gspo.rollout.vllm_capture import (ROW_KEY, RoutingCapture,
+from megatron_gspo.rollout.vllm.capture import (ROW_KEY, RoutingCapture,
                                                 install_logprobs_before_top_p, runner_of)
-from megatron_gspo.rollout.vllm_wire import sample_requests
+from megatron_gspo.rollout.vllm.wire import sample_requests
 
 CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 # vLLM versions whose CPU weight reload gaps (module docstring) were read and tested here
@@ -265,7 +265,7 @@ class VLLMEngine:
             raise RuntimeError(
                 f"vLLM {self.version} on CPU: what a weight reload leaves unpacked was checked "
                 f"for vLLM {', '.join(REPREPACK_VERSIONS)} only (run "
-                "tests/megatron_gspo/rollout/test_vllm_engine.py and extend REPREPACK_VERSIONS)")
+                "tests/megatron_gspo/rollout/vllm/test_engine.py and extend REPREPACK_VERSIONS)")
         return True
 
 

@@ -1,4 +1,4 @@
-"""Routing capture inside an in-process vLLM engine (`megatron_gspo.rollout.vllm_engine`).
+"""Routing capture inside an in-process vLLM engine (`megatron_gspo.rollout.vllm.engine`).
 
 Shown on CPU, V1 model runner (on a GPU vLLM's `enable_return_routed_experts` is the path): each
 MoE layer's router calls a capture function with the top-k ids it hands to the expert kernel

@@ -1,4 +1,4 @@
-"""megatron_gspo.rollout.vllm_engine: vLLM in-process vs transformers and vs our megatron policy.
+"""megatron_gspo.rollout.vllm.engine: vLLM in-process vs transformers and vs our megatron policy.
 
 Tiny MoE models with head_dim 32 (which vLLM's CPU attention supports) are built locally and
 compared in float32 with transformers (log-probs within 1e-5, router top-k equal) and with
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_gspo.rollout import vllm_engine
+from megatron_gspo.rollout.vllm import engine as vllm_engine
 from tests.hf_fixtures import load_hf, make_model
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,

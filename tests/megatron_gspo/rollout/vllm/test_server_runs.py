@@ -17,13 +17,13 @@ import pytest
 
 from megatron_gspo.config.schema import load_config
 from megatron_gspo.errors import UserError
-from megatron_gspo.rollout.vllm_wire import wait_for
+from megatron_gspo.rollout.vllm.wire import wait_for
 from tests.jsonl import step_rows
 from tests.processes import communicate_or_kill
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")]
-FIXTURE = os.path.join(os.path.dirname(__file__), "..", "..", "fixtures", "gsm_tiny")
+FIXTURE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "fixtures", "gsm_tiny")
 LAYERS = 4  # qwen3-moe-tiny-hd32's
 OVERRIDES = [
     "model.preset=qwen3-moe-tiny-hd32", "model.max_seq_len=256", "task.name=dataset",
@@ -43,7 +43,7 @@ def engine_processes(root: psutil.Process) -> set[int]:
             line = " ".join(p.cmdline())
         except psutil.Error:
             continue
-        if "vllm_server" in line or "VLLM::" in line or "Worker" in p.name():
+        if "rollout.vllm.server" in line or "VLLM::" in line or "Worker" in p.name():
             out.add(p.pid)
     return out
 

@@ -18,7 +18,7 @@ from tests.processes import communicate_or_kill
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM is not installed (pip install -e '.[vllm]')")
-FIXTURE = os.path.join(os.path.dirname(__file__), "..", "..", "fixtures", "gsm_tiny")
+FIXTURE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "fixtures", "gsm_tiny")
 MODEL = dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
              num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
              max_position_embeddings=256)
@@ -26,7 +26,7 @@ MODEL = dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    """The model folder; its output layer halved (float32 noise floor: test_vllm_engine)."""
+    """The model folder; its output layer halved (float32 noise floor: vllm/test_engine)."""
     from safetensors.torch import load_file, save_file
 
     folder = str(tmp_path_factory.mktemp("qwen3_hd32"))
@@ -107,7 +107,7 @@ def test_the_guard_ignores_one_token_whose_bf16_routing_flipped_but_not_a_moved_
     """In bfloat16 the probe's number is robust to one outlier token (a routing flip: a correct
     push that a mean over 16 tokens once reported as stale) and still sees every token move,
     also half of them (the median between the middle two); in float32 one wrong token shows."""
-    from megatron_gspo.rollout.vllm import CHECK_TOL, probe_statistic
+    from megatron_gspo.rollout.vllm.sampler import CHECK_TOL, probe_statistic
 
     ours = -torch.rand(16, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     flipped = ours + 0.01
@@ -127,7 +127,7 @@ def test_the_guard_ignores_one_token_whose_bf16_routing_flipped_but_not_a_moved_
 def test_the_config_reference_states_the_guards_defaults():
     from megatron_gspo.config.docs import field_docs
     from megatron_gspo.config.vllm import VLLMConfig
-    from megatron_gspo.rollout.vllm import CHECK_TOL
+    from megatron_gspo.rollout.vllm.sampler import CHECK_TOL
 
     doc = " ".join(field_docs(VLLMConfig)["push_check_tol"].split())
     assert "mean for a float32 engine, median for bfloat16" in doc
@@ -140,7 +140,7 @@ def test_the_bf16_guard_passes_a_correct_push_and_stops_a_mis_packed_one(tmp_pat
     """The bfloat16 default bound sits between a correct push and one whose MoE weights were
     not re-prepacked (the CPU engine's silent failure): measured here, not assumed."""
     from megatron_gspo.jobs.rl import Trainer
-    from megatron_gspo.rollout.vllm import CHECK_TOL, hf_stream
+    from megatron_gspo.rollout.vllm.sampler import CHECK_TOL, hf_stream
 
     trainer = Trainer.from_config(config(tmp_path, hf_dir, "rollout.vllm.dtype=bf16"))
     sampler = trainer.rt.sampler
@@ -231,7 +231,7 @@ def _sampler(monkeypatch, **fail):
     """A VLLMSampler over `_Fake` for a stub policy of the qwen3-moe-tiny preset (no vLLM)."""
     from types import SimpleNamespace
 
-    from megatron_gspo.rollout import vllm as backend
+    from megatron_gspo.rollout.vllm import sampler as backend
     from moe.model.presets import get_preset
 
     monkeypatch.setattr(backend, "VLLMEngine", type("Fake", (_Fake,), fail))

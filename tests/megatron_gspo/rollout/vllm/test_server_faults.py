@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_gspo.errors import UserError
-from megatron_gspo.rollout import vllm_server, vllm_wire
+from megatron_gspo.rollout.vllm import server as vllm_server, wire as vllm_wire
 from moe.platform.parallel import free_port
-from tests.megatron_gspo.rollout.test_vllm_server import _fake_server, engine
+from tests.megatron_gspo.rollout.vllm.test_server import _fake_server, engine
 
 RUN_A = "run_dir=/runs/a (trainer pid 11 on host-a)"
 SPEC = {"config": {"hidden_size": 64, "num_hidden_layers": 2}, "dtype": "float32", "seed": 0,

@@ -2,7 +2,7 @@
 
 Shape legend: B sequences, T columns, L MoE layers, K top-k.
 
-`VLLMSampler` runs `rollout.vllm_engine.VLLMEngine` (an in-process `vllm.LLM`) over a
+`VLLMSampler` runs `rollout.vllm.engine.VLLMEngine` (an in-process `vllm.LLM`) over a
 config.json written from the policy's preset (any `model.preset`, or `model.hf_path`'s own
 config.json with the vocabulary cut to the tokenizer's), with random weights at start
 (`load_format="dummy"`): before sampling, whenever the policy's weights changed since the last
@@ -48,9 +48,9 @@ import torch.distributed as dist
 from megatron_gspo.dist import broadcast_object
 from megatron_gspo.errors import ConfigError, UserError
 from megatron_gspo.rollout.sampler import Samples, SamplingParams
-from megatron_gspo.rollout.vllm_engine import CPU_HEAD_DIMS, VLLMEngine, unavailable
-from megatron_gspo.rollout.vllm_remote import EngineLost, RemoteEngine
-from megatron_gspo.rollout.vllm_wire import sample_requests
+from megatron_gspo.rollout.vllm.engine import CPU_HEAD_DIMS, VLLMEngine, unavailable
+from megatron_gspo.rollout.vllm.remote import EngineLost, RemoteEngine
+from megatron_gspo.rollout.vllm.wire import sample_requests
 from moe.inference.engine import to_batch
 from moe.hf.config import hf_config_dict, read_hf_config
 from moe.hf.mapping import HFMapping, local_to_te
@@ -63,7 +63,7 @@ CHECK_TOL = {"float32": 1e-4, "bfloat16": 0.8}
 or stale push moves log-probs by nats (docs/vllm.md), float32 parity is ~1e-6 a token,
 bfloat16's median usually hundredths of a nat, at most tenths in the runs measured: its bound
 sits about as far above the largest correct value of experiments/engine_mismatch as below a
-push without the MoE re-prepack (tests/megatron_gspo/rollout/test_vllm_backend.py)."""
+push without the MoE re-prepack (tests/megatron_gspo/rollout/vllm/test_backend.py)."""
 PROBE_PROMPT, PROBE_NEW = 8, 16
 
 

@@ -1,7 +1,7 @@
 """rollout.vllm.mode=server without a model: the wire (keyed channels, weight buckets over a
 gloo group), and the faults of starting and reaching engine servers, each one line
-(`megatron_gspo.rollout.vllm_remote`). The runs with vLLM engines are in
-test_vllm_server_runs.py."""
+(`megatron_gspo.rollout.vllm.remote`). The runs with vLLM engines are in
+vllm/test_server_runs.py."""
 
 import os
 import signal
@@ -15,10 +15,13 @@ import torch
 
 from megatron_gspo.config.schema import load_config
 from megatron_gspo.errors import UserError
-from megatron_gspo.rollout import vllm_launch, vllm_remote, vllm_wire
+from megatron_gspo.rollout.vllm import launch as vllm_launch
+from megatron_gspo.rollout.vllm import remote as vllm_remote
+from megatron_gspo.rollout.vllm import wire as vllm_wire
 from moe.platform.parallel import free_port
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))))
 
 
 def vcfg(*overrides):
@@ -122,7 +125,7 @@ def test_a_worker_whose_load_fails_still_takes_the_whole_push():
     """Without draining, the trainer's broadcast of the next bucket waits for a receiver
     that stopped (here the group's 20 s timeout, 30 min by default), and only then fails."""
     pytest.importorskip("vllm")
-    from megatron_gspo.rollout.vllm_worker import GroupUpdateInfo, GroupWeightTransfer
+    from megatron_gspo.rollout.vllm.worker import GroupUpdateInfo, GroupWeightTransfer
 
     sender, receiver = _group_pair(timeout_s=20.0)
     loaded = []
@@ -245,7 +248,7 @@ def test_a_killed_trainer_leaves_no_engine_server(tmp_path):
     that process ends: SIGKILL runs none of its own clean-up."""
     script = ("import sys, time\n"
               "from megatron_gspo.config.schema import load_config\n"
-              "from megatron_gspo.rollout.vllm_launch import EngineProcess, open_channel\n"
+              "from megatron_gspo.rollout.vllm.launch import EngineProcess, open_channel\n"
               "v = load_config(None, ['rollout.vllm.mode=server']).rollout.vllm\n"
               "p = EngineProcess(0, v, sys.argv[1])\n"
               "open_channel(p.host, p.port, 120, p, 'test')\n"  # the server is up
@@ -267,7 +270,7 @@ def test_a_worker_in_the_servers_own_process_is_not_killed_by_its_tie():
     executor): tying it to the server (its own pid) must leave it alive, where a parent-death
     tie to the server's pid would find another parent and kill it at once."""
     script = ("import os\n"
-              "from megatron_gspo.rollout.vllm_worker import tie_to_server\n"
+              "from megatron_gspo.rollout.vllm.worker import tie_to_server\n"
               "tie_to_server(os.getpid())\n"
               "print('alive', flush=True)\n")
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
@@ -304,7 +307,7 @@ def test_a_server_lost_while_sampling_ahead_is_restarted_once_even_after_an_eval
     restarted it already (its own request found it lost), it is not restarted twice."""
     from types import SimpleNamespace
 
-    from megatron_gspo.rollout.vllm import EngineLost, ServerBeside
+    from megatron_gspo.rollout.vllm.sampler import EngineLost, ServerBeside
 
     sampler = SimpleNamespace(engine=_Engine(), pushed=3, metrics={}, sync=lambda: None)
     beside = ServerBeside(sampler)
