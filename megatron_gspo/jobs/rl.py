@@ -239,7 +239,8 @@ class Trainer:
             batch = self.rollout(it)
         balance = {}
         if cfg.train.balance_dp and self.policy.pack:  # groups between DP ranks, by tokens
-            batch, balance = balance_over_dp(batch, cfg.rollout.group_size, self.rt.info.dp_rank)
+            batch, balance = balance_over_dp(batch, cfg.rollout.group_size, self.rt.info.dp_rank,
+                                             self.rt.tokenizer.pad_id)
         self.step_tokens = int(batch.valid_BT.sum())  # the progress line's tokens/s
         with self.timer("old_forward"), out_of_memory("the no-grad pass over the rollout batch",
                                                       cfg, OLD_PASS):

@@ -22,7 +22,7 @@ from megatron_gspo.algo.packing import balance_groups
 from megatron_gspo.config.schema import RunConfig
 from megatron_gspo.errors import ConfigError
 from megatron_gspo.rollout.batch import RolloutBatch
-from megatron_gspo.rollout.filters import sample_rollouts
+from megatron_gspo.rollout.filters import concat_batches, sample_rollouts
 from megatron_gspo.rollout.generate import generate_rollouts, score_rollouts
 from megatron_gspo.rollout.overlap import StaleRollouts
 from megatron_gspo.rollout.sampler import SamplingParams
@@ -96,7 +96,7 @@ def check_layout(cfg: RunConfig, info: ParallelInfo) -> None:
                           f"process (this run has {info.world_size})")
 
 
-def balance_over_dp(batch: RolloutBatch, group_size: int, dp_rank: int
+def balance_over_dp(batch: RolloutBatch, group_size: int, dp_rank: int, pad_id: int
                     ) -> tuple[RolloutBatch, dict]:
     """`train.balance_dp`: this rank's rollout batch after whole groups were swapped between
     the data-parallel ranks to even out their real tokens (`algo.packing.balance_groups`; its
@@ -119,7 +119,7 @@ def balance_over_dp(batch: RolloutBatch, group_size: int, dp_rank: int
     parts = [p for p in [kept, *(incoming[r] for r in sorted(incoming))] if len(p)]
     before = [sum(t) for t in tokens_RG]
     after = [sum(tokens_RG[r][g] for r, g in held) for held in plan]
-    return RolloutBatch.cat(parts), {
+    return concat_batches(parts, pad_id, align=True), {
         "train/dp_tokens/max_over_mean": max(after) * len(after) / max(sum(after), 1),
         "train/dp_tokens/max_over_mean_before": max(before) * len(before) / max(sum(before), 1),
         "train/dp_groups_moved": float(sum(r != d for d, held in enumerate(plan)

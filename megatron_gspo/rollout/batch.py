@@ -53,38 +53,6 @@ class RolloutBatch:
                 out[f.name] = None if value is None else value.select(rows)
         return RolloutBatch(**out)
 
-    @classmethod
-    def cat(cls, parts: list["RolloutBatch"]) -> "RolloutBatch":
-        """Batches sampled apart (other prompts, widths and prompt columns; e.g. on other
-        data-parallel ranks) as one: each part's rows shifted right so that every part's first
-        response column is the same, all padded on the right to the widest, `group_B`
-        renumbered in part order. Routing caches move with their rows (their ids are of real
-        tokens only). Padding added is token 0, not valid, no response, log-prob 0."""
-        start = max(p.response_start for p in parts)
-        width = max(p.tokens_BT.shape[1] + start - p.response_start for p in parts)
-        out = {}
-        for f in fields(cls):
-            values = [getattr(p, f.name) for p in parts]
-            if all(v is None for v in values):
-                out[f.name] = None
-            elif isinstance(values[0], list):
-                out[f.name] = [x for v in values for x in v]
-            elif f.name == "routing":
-                out[f.name] = type(values[0]).cat([
-                    v.shifted(start - p.response_start,
-                              v.valid_BT.shape[1] + width - p.tokens_BT.shape[1])
-                    for v, p in zip(values, parts)])
-            elif f.name == "group_B":
-                offsets = torch.tensor([0] + [int(v.max()) + 1 if len(v) else 0
-                                              for v in values[:-1]]).cumsum(0)
-                out[f.name] = torch.cat([v + o for v, o in zip(values, offsets.tolist())])
-            elif values[0].dim() == 2:
-                out[f.name] = torch.cat([_shift_BT(v, start - p.response_start, width)
-                                         for v, p in zip(values, parts)])
-            else:
-                out[f.name] = torch.cat(values)
-        return cls(**out)
-
     @property
     def response_lengths_B(self) -> torch.Tensor:
         return self.response_BT.sum(1)
@@ -97,13 +65,6 @@ class RolloutBatch:
         (unused) log-probs of a few prompt columns too."""
         cols = self.response_BT.any(0).nonzero()
         return max(1, int(cols[0])) if len(cols) else 1
-
-
-def _shift_BT(t_BT: torch.Tensor, left: int, width: int) -> torch.Tensor:
-    """[B, width]: `t_BT`'s columns from column `left` on, zeros (False) around them."""
-    out = torch.zeros(t_BT.shape[0], width, dtype=t_BT.dtype, device=t_BT.device)
-    out[:, left:left + t_BT.shape[1]] = t_BT
-    return out
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -70,16 +70,20 @@ def group_has_signal(rewards_B: torch.Tensor, group_size: int) -> torch.Tensor:
     return r_PG.std(dim=1, unbiased=False) >= ZERO_STD_TOL
 
 
-def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
+def concat_batches(batches: list[RolloutBatch], pad_id: int, align: bool = False) -> RolloutBatch:
     """Rows of all batches; [B, T] tensors right-padded to the longest T (tokens with pad_id,
     masks False, log-probs 0). Each row stays contiguous, and positions / attention follow
     valid_BT, so the policy sees every row as before. Group ids are renumbered. Rollout-time
     routing (R3) merges when every batch has it (a cache holds valid tokens only: its rows
-    keep their ids, its mask is padded like valid_BT)."""
+    keep their ids, its mask is padded like valid_BT). `align`: each batch's rows are first
+    shifted right so that every batch's first response column is the same (batches sampled
+    apart, e.g. on other data-parallel ranks, with other prompt columns)."""
     routing = [b.routing for b in batches]
     if any(r is not None for r in routing) and any(r is None for r in routing):
         raise ValueError("concat_batches: rollout-time routing (R3) in some batches only")
-    T = max(b.tokens_BT.shape[1] for b in batches)
+    start = max(b.response_start for b in batches)
+    shifts = [start - b.response_start if align else 0 for b in batches]
+    T = max(b.tokens_BT.shape[1] + d for b, d in zip(batches, shifts))
     out, offset, groups = {}, 0, []
     for b in batches:
         groups.append(b.group_B + offset)
@@ -89,17 +93,17 @@ def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
         if f.name == "group_B":
             out[f.name] = torch.cat(groups)
         elif f.name == "routing" and routing[0] is not None:
-            out[f.name] = RoutingReplayCache.cat([RoutingReplayCache(
-                r.ids_NLK, torch.nn.functional.pad(r.valid_BT, (0, T - r.valid_BT.shape[1])),
-                r.num_experts) for r in routing])
+            out[f.name] = RoutingReplayCache.cat([r.shifted(d, T)
+                                                  for r, d in zip(routing, shifts)])
         elif all(v is None for v in values):
             out[f.name] = None
         elif isinstance(values[0], list):
             out[f.name] = [x for v in values for x in v]
         elif values[0].ndim == 2:
             fill = pad_id if f.name == "tokens_BT" else 0
-            out[f.name] = torch.cat([torch.nn.functional.pad(v, (0, T - v.shape[1]), value=fill)
-                                     for v in values])
+            out[f.name] = torch.cat([torch.nn.functional.pad(v, (d, T - d - v.shape[1]),
+                                                             value=fill)
+                                     for v, d in zip(values, shifts)])
         else:
             out[f.name] = torch.cat(values)
     return RolloutBatch(**out)

@@ -1,9 +1,10 @@
-"""Rollout batches (megatron_gspo.rollout.batch): batches sampled apart, with other prompt
+"""Rollout batches (megatron_gspo.rollout.filters.concat_batches, align=True): batches sampled apart, with other prompt
 columns and widths, join as one whose every row keeps its tokens, responses and routes."""
 
 import torch
 
 from megatron_gspo.rollout.batch import RolloutBatch
+from megatron_gspo.rollout.filters import concat_batches
 from moe.routing.replay import RoutingReplayCache
 
 
@@ -22,7 +23,7 @@ def part(start: int, lengths: list[int], seed: int) -> RolloutBatch:
 
 def test_cat_aligns_the_prompt_columns_and_keeps_every_rows_tokens_and_routes():
     a, b = part(5, [3, 1, 2, 2], seed=1), part(2, [9, 4], seed=2)
-    out = RolloutBatch.cat([a, b])
+    out = concat_batches([a, b], pad_id=0, align=True)
     assert out.response_start == 5 and out.tokens_BT.shape == (6, 14)
     assert out.response_BT[:, :5].sum() == 0 and out.response_BT[:, 5].all()
     assert out.group_B.tolist() == [0, 0, 1, 1, 2, 2]
