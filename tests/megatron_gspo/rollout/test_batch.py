@@ -1,5 +1,6 @@
 """Rollout batches joined (megatron_gspo.rollout.filters.concat_batches, align=True): batches
-sampled apart, with other prompt columns and widths, join as one whose every row keeps its tokens, responses and routes."""
+sampled apart, with other prompt columns and widths, join as one whose every row keeps its
+tokens, responses and routes."""
 
 import torch
 
